@@ -1,0 +1,71 @@
+"""Per-step state passed explicitly through the model (no module globals).
+
+Dimension legend used in shape comments across k3run:
+  T tokens in the flat batch, B sequences, S cache slots, D hidden, H heads (local to the TP rank),
+  K key head dim, V value head dim, P = H*K, E experts, A active experts per token (top-k), L kv_lora_rank,
+  R qk_rope_head_dim (the shared, un-rotated k_pe width), W conv kernel width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KDALayerCache:
+    conv: torch.Tensor  # [S, 3P, W-1] the last W-1 pre-conv q|k|v projection outputs, activation dtype
+    recurrent: torch.Tensor  # [S, H, K, V] fp32 delta-rule state (fla layout: key rows, value columns)
+
+
+@dataclass
+class MLALayerCache:
+    latent: torch.Tensor  # [S, max_len, L + R] normalised latent c followed by k_pe, activation dtype
+
+
+@dataclass
+class ModelCache:
+    """Per-layer cache tensors indexed by slot; built by the engine's cache manager (or by tests)."""
+
+    layers: list[KDALayerCache | MLALayerCache | None]
+
+
+@dataclass
+class ForwardContext:
+    """One forward step over a flat batch of B sequences.
+
+    cu_seqlens: [B+1] int64 token offsets of each sequence in the flat [T, ...] inputs.
+    context_lens: [B] int64 tokens each sequence already has in the cache before this step (0 for a fresh
+      prefill); the new tokens of sequence b sit at positions context_lens[b] .. context_lens[b] + n_b - 1.
+    slots: [B] int64 cache slot of each sequence, or None when running without a cache.
+    cache: the cache, or None (then every sequence must start at 0 and nothing is stored).
+    """
+
+    cu_seqlens: torch.Tensor
+    context_lens: torch.Tensor
+    slots: torch.Tensor | None = None
+    cache: ModelCache | None = None
+    # host copies so layers can loop over sequences without device syncs
+    seqlens_list: list[int] = field(default_factory=list)
+    context_lens_list: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.seqlens_list:
+            self.seqlens_list = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        if not self.context_lens_list:
+            self.context_lens_list = self.context_lens.tolist()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqlens_list)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.seqlens_list)
+
+    @classmethod
+    def single(cls, num_tokens: int, device: torch.device | str = "cpu") -> ForwardContext:
+        """One sequence, no cache: the `model.logits(input_ids)` case."""
+        cu = torch.tensor([0, num_tokens], dtype=torch.int64, device=device)
+        return cls(cu_seqlens=cu, context_lens=torch.zeros(1, dtype=torch.int64, device=device))

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from k3run.testing import assert_close, nan_poisoned_empty
+
+__all__ = ["assert_close"]
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def poison_empty():
+    """Kernel tests: outputs allocated with torch.empty start as NaN (floats) or 0xFF (uint8)."""
+    with nan_poisoned_empty():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
