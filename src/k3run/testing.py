@@ -46,7 +46,9 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, rtol: float, a
         return
     err = rel_rms_error(r, o)
     if not err < rtol:
-        raise AssertionError(f"{name}: relative RMS error {err:.3e} >= {rtol:.1e} (max abs diff {max_abs:.3e})")
+        raise AssertionError(
+            f"{name}: relative RMS error {err:.3e} >= {rtol:.1e} (max abs diff {max_abs:.3e})"
+        )
 
 
 @contextlib.contextmanager

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class QuantAlgo(str, Enum):
+class QuantAlgo(StrEnum):
     NONE = "NONE"  # unquantized: bf16 / fp16 / fp32 weights
     FP8 = "FP8"  # per-tensor fp8 weights and static per-tensor activation scale
     FP8_PB_WO = "FP8_PB_WO"  # 128x128 block fp8 weights, dynamic 1x128 activation groups
@@ -19,4 +19,6 @@ class QuantAlgo(str, Enum):
             return cls(key)
         except ValueError:
             supported = ", ".join(a.value for a in cls if a is not cls.NONE)
-            raise ValueError(f"{field}: unsupported quantization algorithm {name!r}; supported: {supported}") from None
+            raise ValueError(
+                f"{field}: unsupported quantization algorithm {name!r}; supported: {supported}"
+            ) from None
