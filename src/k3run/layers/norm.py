@@ -1,0 +1,79 @@
+"""RMSNorm and the sigmoid-gated RMSNorm of the KDA output (fla FusedRMSNormGated semantics).
+
+Both normalise in fp32 and also apply the weight (and gate) in fp32, rounding once to the activation dtype at
+the end: the HF reference rounds x_hat before the weight multiply, so bf16 results may differ from it by one
+rounding step; in fp32 they agree exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def norm_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """Copy a replicated norm weight, checking the shape (norm weights are never sharded over TP)."""
+    if shard_id is not None:
+        raise ValueError(f"norm weight: shard_id must be None for a replicated weight, got {shard_id!r}")
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"norm weight: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded.to(param.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x.dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = rms_norm(x) * weight * sigmoid(gate) over the last dim, in fp32, returned in x.dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned scale; the weight is replicated on every TP rank."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"RMSNorm: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * sigmoid(gate), the KDA `o_norm`: one weight [K] shared by every head."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size or gate.shape != x.shape:
+            raise ValueError(
+                f"GatedRMSNorm: expected x and gate of the same shape [..., {self.hidden_size}], "
+                f"got x {tuple(x.shape)} and gate {tuple(gate.shape)}"
+            )
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, activation=sigmoid"
