@@ -1,0 +1,166 @@
+"""NVFP4 W4A16 linear: Triton kernels (interpreter on CPU, compiled on GPU) against the fp32 reference.
+
+The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
+`test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3run.formats import dequantize_nvfp4, quantize_nvfp4
+from k3run.kernels.nvfp4_gemm import (
+    GemmConfig,
+    choose_config,
+    nvfp4_linear,
+    nvfp4_linear_ref,
+    prepare_nvfp4_weight,
+)
+from k3run.testing import assert_close
+
+IN_INTERP_CHILD = os.environ.get("K3RUN_INTERP_CHILD") == "1"
+interp_only = pytest.mark.skipif(not IN_INTERP_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+
+# fp16 output: 11 significant bits, one final rounding <= 2^-11 relative per element; the decoded weights are
+# exact and the fp32 accumulation adds ~1e-7, so the relative RMS error stays below 2^-11 ~ 4.9e-4.
+FP16_RTOL = 2.0**-11
+# bf16 output: 8 significant bits, one final rounding <= 2^-9 relative; the dequantize + cuBLAS path adds
+# one more bf16 rounding of every weight (global scale folded in), averaging out across K: bound 2^-8.
+BF16_RTOL = 2.0**-8
+# fp32 with IEEE dot: only fp32 summation-order differences (~K * 2^-24)
+FP32_RTOL = 1e-5
+
+
+def _random_nvfp4(n: int, k: int, device: str = "cpu", per_row_global: bool = False):
+    """A realistic NVFP4 weight: a random normal matrix (with outlier rows) through the ModelOpt quantizer."""
+    w = torch.randn(n, k, device=device) * (1.0 + 4.0 * (torch.rand(n, 1, device=device) > 0.8))
+    q = quantize_nvfp4(w)
+    gs = q.weight_scale_2.reshape(1).float()
+    if per_row_global:
+        gs = gs * (0.5 + torch.rand(n, device=device))
+    return q.weight, q.weight_scale, gs
+
+
+def test_triton_kernels_in_interpreter():
+    """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1 (about 10 s, mostly imports)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", K3RUN_INTERP_CHILD="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.count(" PASSED") == 3 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+
+
+@interp_only
+def test_interp_gemm_fp16_odd_shape(poison_empty):
+    from k3run.kernels.nvfp4_gemm.triton import nvfp4_gemm
+
+    m, n, k = 5, 40, 96  # K not a multiple of block_k, N not a multiple of block_n, M < block_m
+    w, s, gs = _random_nvfp4(n, k)
+    x = torch.randn(m, k).half()
+    pw = prepare_nvfp4_weight(w, s, gs)
+    y = nvfp4_gemm(x, pw.weight, pw.scale_bits, pw.global_scale, block_m=16, block_n=16, block_k=64)
+    assert y.dtype == torch.float16
+    assert_close("nvfp4_gemm fp16", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
+
+
+@interp_only
+def test_interp_gemm_fp32_per_row_scale_bias(poison_empty):
+    from k3run.kernels.nvfp4_gemm.triton import nvfp4_gemm
+
+    m, n, k = 17, 23, 48  # two M tiles, a partial N tile, K = 1.5 blocks
+    w, s, gs = _random_nvfp4(n, k, per_row_global=True)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    pw = prepare_nvfp4_weight(w, s, gs)
+    y = nvfp4_gemm(
+        x, pw.weight, pw.scale_bits, pw.global_scale, bias, block_m=16, block_n=16, block_k=32, group_m=2
+    )
+    assert_close("nvfp4_gemm fp32 per-row", nvfp4_linear_ref(x, w, s, gs, bias), y, rtol=FP32_RTOL)
+
+
+@interp_only
+def test_interp_dequantize_every_code_exact(poison_empty):
+    """All 256 byte values against a spread of E4M3 scales (subnormal ones too): bit-exact with formats."""
+    from k3run.kernels.nvfp4_gemm.triton import nvfp4_dequantize
+
+    n, k = 19, 512
+    w = torch.randperm(256).repeat(n, 1)[:, : k // 2].to(torch.uint8)
+    w = w[torch.randperm(n)].contiguous()
+    exps = torch.randint(-9, 9, (n, k // 16)).float()
+    s = (2.0**exps * (1 + torch.rand(n, k // 16))).to(torch.float8_e4m3fn)
+    gs = torch.tensor([0.0123])
+    pw = prepare_nvfp4_weight(w, s, gs)
+    out = nvfp4_dequantize(pw.weight, pw.scale_bits, pw.global_scale, torch.float32, block_n=16, block_k=128)
+    ref = dequantize_nvfp4(w, s, gs.reshape(()))
+    assert torch.equal(out, ref)
+    out16 = nvfp4_dequantize(
+        pw.weight, pw.scale_bits, pw.global_scale, torch.float16, block_n=16, block_k=128
+    )
+    assert torch.equal(out16, ref.half())
+
+
+def test_cpu_linear_matches_reference_with_leading_dims():
+    n, k = 24, 80
+    w, s, gs = _random_nvfp4(n, k)
+    pw = prepare_nvfp4_weight(w, s, gs.reshape(()))
+    x = torch.randn(2, 3, k)
+    y = nvfp4_linear(x, pw)
+    assert y.shape == (2, 3, n)
+    ref = x.reshape(6, k) @ dequantize_nvfp4(w, s, gs.reshape(())).t()
+    assert_close("cpu nvfp4_linear", ref.reshape(2, 3, n), y, rtol=1e-6)
+
+
+def test_prepare_rejects_bad_tensors():
+    w, s, gs = _random_nvfp4(16, 64)
+    with pytest.raises(ValueError, match="weight_scale: expected float8_e4m3fn"):
+        prepare_nvfp4_weight(w, s.float(), gs)
+    with pytest.raises(ValueError, match=r"weight_scale: expected .*\(16, 4\)"):
+        prepare_nvfp4_weight(w, s[:, :2], gs)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        prepare_nvfp4_weight(w[:, :4], s[:, :1], gs)
+    with pytest.raises(ValueError, match="weight_scale_2"):
+        prepare_nvfp4_weight(w, s, torch.ones(3))
+    with pytest.raises(ValueError, match="input has K=32"):
+        nvfp4_linear(torch.randn(2, 32), prepare_nvfp4_weight(w, s, gs))
+
+
+def test_choose_config_covers_decode_and_prefill():
+    assert choose_config(1, 7168, 7168).block_m == 16
+    assert choose_config(4096, 7168, 7168).dequant_mm or choose_config(4096, 7168, 7168).block_m >= 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 16, 37, 300, 1500])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool):
+    n, k = 1000, 1392  # odd multiples of 8 and 16
+    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=per_row)
+    pw = prepare_nvfp4_weight(w, s, gs)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    y = nvfp4_linear(x, pw, bias)
+    assert y.dtype == torch.bfloat16
+    assert_close(
+        f"nvfp4_linear m={m}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y, rtol=BF16_RTOL
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [GemmConfig(), GemmConfig(block_m=64, block_n=64, block_k=128), GemmConfig(dequant_mm=True)],
+)
+def test_gpu_every_path_fp16(poison_empty, cfg: GemmConfig):
+    n, k = 520, 3584
+    w, s, gs = _random_nvfp4(n, k, device="cuda")
+    pw = prepare_nvfp4_weight(w, s, gs)
+    x = torch.randn(33, k, device="cuda").half()
+    y = nvfp4_linear(x, pw, config=cfg)
+    rtol = 2.0**-10 if cfg.dequant_mm else FP16_RTOL  # dequant path: one more fp16 rounding per weight
+    assert_close(f"nvfp4 {cfg}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=rtol)
