@@ -1,0 +1,110 @@
+"""Tensor-parallel process groups and the few collectives the model needs (torch.distributed).
+
+Backends: gloo for CPU tensors, NCCL for CUDA tensors. Every collective is an explicit call made by the layer
+that needs it (e.g. `RowParallelLinear.forward`), so the communication pattern can be read from the code.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """Where this process sits in the tensor-parallel group.
+
+    `group` is the torch.distributed process group of the TP ranks (None = the default world group). With
+    size == 1 no collective is ever issued and torch.distributed need not be initialised.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"TPInfo.size must be >= 1, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TPInfo.rank must be in [0, {self.size}), got {self.rank}")
+
+    def shard(self, total: int, what: str = "dimension") -> int:
+        """Size of this rank's equal share of `total`; raises when `total` does not split evenly."""
+        if total % self.size != 0:
+            raise ValueError(f"{what} = {total} is not divisible by the tensor-parallel size {self.size}")
+        return total // self.size
+
+
+NO_TP = TPInfo()  # immutable default: a single process, no collectives
+
+
+def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Sum `x` over the TP group in place and return it (no-op for size 1)."""
+    if tp.size == 1:
+        return x
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, tp: TPInfo, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` in rank order (no-op for size 1)."""
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x, group=tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+def init_distributed(backend: str | None = None) -> TPInfo:
+    """Join the process group described by the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, ...).
+
+    Without WORLD_SIZE (or with WORLD_SIZE=1) nothing is initialised and TPInfo() is returned. The backend
+    defaults to NCCL when CUDA is available and gloo otherwise; on CUDA the process binds to LOCAL_RANK's GPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return TPInfo()
+    rank = int(os.environ["RANK"])
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    return TPInfo(rank=rank, size=world, group=None)
+
+
+def _gloo_worker(
+    rank: int, world: int, store_path: str, out_dir: str, fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        result = fn(TPInfo(rank=rank, size=world), *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run `fn(tp, *args)` in `world_size` fresh CPU processes joined by a gloo group; return the results.
+
+    Rendezvous goes through a FileStore in a private temporary directory, so no TCP port is chosen by us
+    (gloo's own data connections use ports the OS hands out). `fn` must be a module-level function and its
+    result picklable by torch.save. A failure in any rank re-raises here with that rank's traceback.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="k3run-gloo-") as tmp:
+        store_path = str(Path(tmp) / "store")
+        mp.spawn(_gloo_worker, args=(world_size, store_path, tmp, fn, args), nprocs=world_size, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

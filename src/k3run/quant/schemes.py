@@ -1,0 +1,528 @@
+"""The three linear quantization schemes: create parameters, process them after loading, apply.
+
+A scheme owns the *numerics* of one linear layer; the layer (layers/linear.py) owns tensor parallelism and
+the weight loaders. Parameters are plain `torch.nn.Parameter`s named as the checkpoint names them
+(`weight`, `weight_scale`, `weight_scale_2`, `input_scale`); next to each, the scheme records a `ParamSpec`
+saying how the parameter's dims map onto the logical weight [N, K], which is all a loader needs to slice a
+checkpoint tensor for any TP rank and fused shard.
+
+Rows of fused output shards ("partitions") are laid out by `OutputLayout`. FP8_PB_WO starts every partition
+on a 128-row boundary so a 128x128 scale block never covers rows of two checkpoint tensors; the padding rows
+are zero and `apply` crops them, so callers always see the concatenation of the logical partitions.
+
+Numerics of the CPU paths (the references the GPU kernels are checked against):
+- Unquantized: `F.linear` in the parameter dtype (the activation dtype).
+- FP8_PB_WO: activations fp8-quantized per token and 128-column group, both operands dequantized to fp32,
+  fp32 matmul, one cast to the activation dtype.
+- NVFP4: weights dequantized exactly to fp32 (optionally the activation quant-dequantized to NVFP4 for W4A4
+  emulation), fp32 matmul, one cast to the activation dtype.
+Each scheme has exactly one GEMM entry point (`self.gemm`), the place where device kernels plug in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from k3run.quant.algo import QuantAlgo
+
+if TYPE_CHECKING:
+    from k3run.quant.modelopt import ModelOptConfig
+
+FP8_BLOCK = 128
+NVFP4_GROUP = 16
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter's dims map onto the logical weight [N rows, K columns] of its layer.
+
+    out_dim / in_dim: the parameter dim that indexes output rows / input columns (None: not indexed by it).
+    out_block / in_block: logical rows / columns per element along that dim: 1 for a weight, 2 for packed
+      E2M1 bytes, 16 for NVFP4 group scales, 128 for FP8 block scales. Counts round up (edge blocks exist).
+    per_partition: a [#partitions] vector holding one checkpoint scalar per fused shard.
+    exact_dtype: the checkpoint tensor must have exactly the parameter dtype (quantized data and scales);
+      otherwise any float dtype is accepted and cast (unquantized weights, biases).
+    """
+
+    out_dim: int | None
+    in_dim: int | None
+    out_block: int = 1
+    in_block: int = 1
+    per_partition: bool = False
+    exact_dtype: bool = True
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Rank-local rows of the fused output partitions inside the physical weight.
+
+    sizes: logical rows of each partition on this rank; offsets: physical first row of each partition;
+    rows: physical rows of the registered weight (the last partition is not padded at registration).
+    """
+
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    rows: int
+
+    @staticmethod
+    def build(sizes: Sequence[int], align: int = 1) -> OutputLayout:
+        offsets, pos = [], 0
+        for i, s in enumerate(sizes):
+            if s <= 0:
+                raise ValueError(f"output partition {i} has size {s}; partitions must be positive")
+            offsets.append(pos)
+            pos += s if i == len(sizes) - 1 else _round_up(s, align)
+        return OutputLayout(tuple(int(s) for s in sizes), tuple(offsets), pos)
+
+    @property
+    def logical_rows(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the partitions follow each other without padding rows in between."""
+        return self.rows == self.logical_rows
+
+    def logical_index(self, device: torch.device | None = None) -> torch.Tensor:
+        """Physical row of every logical output row, in order. # [N_logical]"""
+        return torch.cat(
+            [torch.arange(o, o + s, device=device) for o, s in zip(self.offsets, self.sizes, strict=True)]
+        )
+
+
+@dataclass
+class LinearWeights:
+    """What `create_weights` registered: the row layout and the spec of every parameter by name."""
+
+    input_size: int
+    layout: OutputLayout
+    params: dict[str, ParamSpec] = field(default_factory=dict)
+
+
+class LinearLayer(Protocol):
+    """The attributes a scheme relies on (layers/linear.py `LinearBase` provides them)."""
+
+    weights: LinearWeights
+    prefix: str
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None: ...
+
+    def __getattr__(self, name: str) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LinearScheme(Protocol):
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+    ) -> LinearWeights: ...
+
+    def process_after_loading(self, layer: torch.nn.Module) -> None: ...
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _add_param(
+    layer: torch.nn.Module,
+    weights: LinearWeights,
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    spec: ParamSpec,
+) -> None:
+    # torch.empty: the loader tracks what was filled, so no sentinel value is needed
+    param = torch.nn.Parameter(torch.empty(tuple(shape), dtype=dtype), requires_grad=False)
+    layer.register_parameter(name, param)
+    weights.params[name] = spec
+
+
+def _replace_param(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _check_float_dtype(what: str, dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: expected bfloat16, float16 or float32, got {dtype}")
+
+
+def _check_input(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    k = layer.weights.input_size
+    if x.shape[-1] != k:
+        raise ValueError(f"{layer.prefix}: input has {x.shape[-1]} features, the layer expects {k}")
+
+
+def _crop(layer: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """Physical output columns -> the concatenated logical partitions (drops every padding column)."""
+    layout: OutputLayout = layer.weights.layout
+    if layout.contiguous:
+        return y[..., : layout.logical_rows].contiguous()
+    parts = [y[..., o : o + s] for o, s in zip(layout.offsets, layout.sizes, strict=True)]
+    return torch.cat(parts, dim=-1)
+
+
+class UnquantizedScheme:
+    """bf16 / fp16 / fp32 weights; `F.linear` in the parameter dtype."""
+
+    algo = QuantAlgo.NONE
+
+    def __init__(self, gemm: Callable[..., torch.Tensor] | None = None) -> None:
+        self.gemm = gemm if gemm is not None else F.linear
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+    ) -> LinearWeights:
+        _check_float_dtype(f"{getattr(layer, 'prefix', '')}: params_dtype", params_dtype)
+        layout = OutputLayout.build(output_partition_sizes)
+        w = LinearWeights(input_size_per_partition, layout)
+        _add_param(
+            layer,
+            w,
+            "weight",
+            (layout.rows, input_size_per_partition),
+            params_dtype,
+            ParamSpec(out_dim=0, in_dim=1, exact_dtype=False),
+        )
+        return w
+
+    def process_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check_input(layer, x)
+        return self.gemm(x, layer.weight, bias)
+
+    def describe(self) -> str:
+        return "unquantized (F.linear in the parameter dtype)"
+
+
+def fp8_block_gemm_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = dq(q_x) @ dq(W)^T (+ bias) with dynamic per-token 1x128 fp8 activations; fp32 math, x.dtype out.
+
+    x: [M, K]; weight: fp8 [N, K]; weight_scale: fp32 [ceil(N/128), K/128]. Returns [M, N].
+    """
+    from k3run.formats import dequantize_fp8_act_1x128, dequantize_fp8_block, quantize_fp8_act_1x128
+
+    xq, xs = quantize_fp8_act_1x128(x)
+    xd = dequantize_fp8_act_1x128(xq, xs).float()
+    wd = dequantize_fp8_block(weight, weight_scale).float()
+    y = xd @ wd.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class Fp8PbWoScheme:
+    """ModelOpt FP8_PB_WO: fp8 e4m3 weights with fp32 128x128 block scales; activations quantized
+    dynamically per token and 128-column group.
+
+    Registered at the logical size (weight fp8 [rows, K], weight_scale fp32 [ceil(rows/128), 1, K/128, 1]);
+    after loading the weight is padded with exact zero rows to a multiple of 128 and the scale squeezed to
+    [rows/128, K/128]. The GEMM runs on the padded weight without bias; the output is cropped to the logical
+    partitions and made contiguous before the bias is added.
+    """
+
+    algo = QuantAlgo.FP8_PB_WO
+
+    def __init__(self, gemm: Callable[..., torch.Tensor] | None = None) -> None:
+        self.gemm = gemm if gemm is not None else fp8_block_gemm_reference
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+    ) -> LinearWeights:
+        prefix = getattr(layer, "prefix", "")
+        _check_float_dtype(f"{prefix}: params_dtype", params_dtype)
+        k = input_size_per_partition
+        if k % FP8_BLOCK != 0:
+            raise ValueError(
+                f"{prefix}: FP8_PB_WO needs the input size per partition to be divisible by {FP8_BLOCK}, "
+                f"got {k} (only the output dimension is padded)"
+            )
+        layout = OutputLayout.build(output_partition_sizes, align=FP8_BLOCK)
+        w = LinearWeights(k, layout)
+        _add_param(layer, w, "weight", (layout.rows, k), FP8_DTYPE, ParamSpec(out_dim=0, in_dim=1))
+        _add_param(
+            layer,
+            w,
+            "weight_scale",
+            (math.ceil(layout.rows / FP8_BLOCK), 1, k // FP8_BLOCK, 1),
+            torch.float32,
+            ParamSpec(out_dim=0, in_dim=2, out_block=FP8_BLOCK, in_block=FP8_BLOCK),
+        )
+        return w
+
+    def process_after_loading(self, layer: torch.nn.Module) -> None:
+        layout: OutputLayout = layer.weights.layout
+        weight: torch.Tensor = layer.weight
+        padded_rows = _round_up(layout.rows, FP8_BLOCK)
+        if padded_rows != layout.rows or not layout.contiguous:
+            # fresh zeros: every row outside a logical partition is exactly 0, whatever the registration held
+            phys = torch.zeros(padded_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            for o, s in zip(layout.offsets, layout.sizes, strict=True):
+                phys[o : o + s] = weight[o : o + s]
+            _replace_param(layer, "weight", phys)
+        scale: torch.Tensor = layer.weight_scale
+        _replace_param(layer, "weight_scale", scale.reshape(scale.shape[0], scale.shape[2]).contiguous())
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check_input(layer, x)
+        layout: OutputLayout = layer.weights.layout
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        direct = layout.contiguous and layout.rows == layer.weight.shape[0]
+        if direct:
+            y = self.gemm(x2, layer.weight, layer.weight_scale, bias)
+        else:
+            y = _crop(layer, self.gemm(x2, layer.weight, layer.weight_scale, None))
+            if bias is not None:
+                y.add_(bias)
+        return y.reshape(*lead, y.shape[-1])
+
+    def describe(self) -> str:
+        return "FP8_PB_WO (fp8 e4m3 weights, 128x128 fp32 block scales, dynamic 1x128 fp8 activations)"
+
+
+def nvfp4_gemm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ dq(W)^T (+ bias): exact fp32 dequantized weight, fp32 matmul, x.dtype out.
+
+    x: [M, K] (already quant-dequantized for W4A4); weight: uint8 [N, K/2]; weight_scale: fp8 [N, K/16];
+    weight_scale_2: fp32 0-dim decode scale. Returns [M, N].
+    """
+    from k3run.formats import dequantize_nvfp4
+
+    wd = dequantize_nvfp4(weight, weight_scale, weight_scale_2, dtype=torch.float32)
+    y = x.float() @ wd.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class NvFp4Scheme:
+    """ModelOpt NVFP4: packed E2M1 weights [N, K/2], fp8 e4m3 group-16 scales [N, K/16], one fp32 global
+    decode scale per fused partition (`weight_scale_2`, [#partitions]) and, for NVFP4 checkpoints, one
+    activation scale per partition (`input_scale`).
+
+    Default: weight-only (W4A16) as on Hopper. `w4a4=True` emulates the Blackwell W4A4 path by NVFP4
+    quant-dequantizing the activation with the partition's `input_scale` before the GEMM.
+
+    Fused partitions with different `weight_scale_2` stay exact: after loading, a partition's block scales
+    are rescaled to a common global scale only when re-dequantizing proves it bit-identical; otherwise each
+    partition keeps its own global scale and is applied to its own output columns.
+    """
+
+    def __init__(
+        self,
+        algo: QuantAlgo = QuantAlgo.NVFP4,
+        w4a4: bool = False,
+        gemm: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        if algo not in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
+            raise ValueError(f"NvFp4Scheme: algo must be NVFP4 or W4A16_NVFP4, got {algo}")
+        if w4a4 and algo is not QuantAlgo.NVFP4:
+            raise ValueError(
+                "NvFp4Scheme: W4A4 emulation needs input_scale, which only NVFP4 checkpoints have"
+            )
+        self.algo = algo
+        self.w4a4 = w4a4
+        self.has_input_scale = algo is QuantAlgo.NVFP4
+        self.gemm = gemm if gemm is not None else nvfp4_gemm_reference
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+    ) -> LinearWeights:
+        prefix = getattr(layer, "prefix", "")
+        _check_float_dtype(f"{prefix}: params_dtype", params_dtype)
+        k = input_size_per_partition
+        if k % NVFP4_GROUP != 0:
+            raise ValueError(
+                f"{prefix}: NVFP4 needs the per-partition input size divisible by {NVFP4_GROUP}, got {k}"
+            )
+        layout = OutputLayout.build(output_partition_sizes)
+        n_parts = len(layout.sizes)
+        w = LinearWeights(k, layout)
+        _add_param(layer, w, "weight", (layout.rows, k // 2), torch.uint8, ParamSpec(0, 1, in_block=2))
+        _add_param(
+            layer,
+            w,
+            "weight_scale",
+            (layout.rows, k // NVFP4_GROUP),
+            FP8_DTYPE,
+            ParamSpec(0, 1, in_block=NVFP4_GROUP),
+        )
+        _add_param(
+            layer, w, "weight_scale_2", (n_parts,), torch.float32, ParamSpec(None, None, per_partition=True)
+        )
+        if self.has_input_scale:
+            _add_param(
+                layer, w, "input_scale", (n_parts,), torch.float32, ParamSpec(None, None, per_partition=True)
+            )
+        return w
+
+    def process_after_loading(self, layer: torch.nn.Module) -> None:
+        layout: OutputLayout = layer.weights.layout
+        ws2: torch.Tensor = layer.weight_scale_2
+        _check_positive_scales(layer.prefix, "weight_scale_2", ws2)
+        if self.has_input_scale:
+            _check_positive_scales(layer.prefix, "input_scale", layer.input_scale)
+        if len(layout.sizes) > 1 and not bool((ws2 == ws2[0]).all()):
+            unified = _unify_global_scales(layer.weight, layer.weight_scale, ws2, layout)
+            if unified is not None:
+                new_scale, common = unified
+                _replace_param(layer, "weight_scale", new_scale)
+                _replace_param(layer, "weight_scale_2", torch.full_like(ws2, common))
+        layer.nvfp4_groups = self._partition_groups(layer)
+
+    def _partition_groups(self, layer: torch.nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Partitions that can share one GEMM: same global weight scale and (W4A4) same input scale.
+
+        Each group is (index of a partition holding the group's scales, partitions); read once on the host
+        after loading so `apply` never synchronises with the device.
+        """
+        n = len(layer.weights.layout.sizes)
+        ws2 = layer.weight_scale_2.tolist()
+        acts = layer.input_scale.tolist() if self.w4a4 else [None] * n
+        keys: dict[tuple[float, float | None], list[int]] = {}
+        for p in range(n):
+            keys.setdefault((ws2[p], acts[p]), []).append(p)
+        return tuple((ps[0], tuple(ps)) for ps in keys.values())
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check_input(layer, x)
+        layout: OutputLayout = layer.weights.layout
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        groups: tuple[tuple[int, tuple[int, ...]], ...] = layer.nvfp4_groups
+        if len(groups) == 1:
+            xa = self._activation(layer, x2, 0)
+            y = self.gemm(xa, layer.weight, layer.weight_scale, layer.weight_scale_2[0], bias).to(x.dtype)
+        else:
+            y = torch.empty(x2.shape[0], layout.rows, dtype=x.dtype, device=x.device)
+            for first, parts in groups:
+                xa = self._activation(layer, x2, first)
+                for p in parts:
+                    rows = slice(layout.offsets[p], layout.offsets[p] + layout.sizes[p])
+                    y[:, rows] = self.gemm(
+                        xa,
+                        layer.weight[rows],
+                        layer.weight_scale[rows],
+                        layer.weight_scale_2[p],
+                        None if bias is None else bias[rows],
+                    )
+        return y.reshape(*lead, y.shape[-1])
+
+    def _activation(self, layer: torch.nn.Module, x: torch.Tensor, partition: int) -> torch.Tensor:
+        if not self.w4a4:
+            return x
+        from k3run.formats import nvfp4_qdq
+
+        # kept in fp32: the quant-dequantized values need not be representable in the activation dtype
+        return nvfp4_qdq(x.float(), layer.input_scale[partition])
+
+    def describe(self) -> str:
+        mode = "W4A4 emulation (activations NVFP4 quant-dequantized)" if self.w4a4 else "weight-only W4A16"
+        return f"{self.algo.value} (E2M1 weights, e4m3 group-16 scales, fp32 global scale; {mode})"
+
+
+def _check_positive_scales(prefix: str, name: str, t: torch.Tensor) -> None:
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{prefix}.{name}: scales must be finite and positive, got {t[idx].item()} at partition {idx}"
+        )
+
+
+def _unify_global_scales(
+    weight: torch.Tensor, weight_scale: torch.Tensor, ws2: torch.Tensor, layout: OutputLayout
+) -> tuple[torch.Tensor, float] | None:
+    """Try to express every partition with one global scale without changing a single dequantized bit.
+
+    For each candidate common scale g (the partitions' own values, largest first), partition p's block
+    scales become fp8(bs_p * ws2_p / g); the candidate is accepted only if dequantizing every partition with
+    (new scales, g) reproduces (old scales, ws2_p) bit for bit. Returns (new weight_scale, g) or None.
+    """
+    from k3run.formats import dequantize_nvfp4
+
+    for g in sorted(set(ws2.tolist()), reverse=True):
+        common = torch.tensor(g, dtype=torch.float32, device=ws2.device)
+        new_scale = weight_scale.clone()
+        ok = True
+        for p, (o, s) in enumerate(zip(layout.offsets, layout.sizes, strict=True)):
+            if ws2[p].item() == g:
+                continue
+            old = weight_scale[o : o + s]
+            cand = (old.float() * (ws2[p] / common)).to(FP8_DTYPE)
+            ref = dequantize_nvfp4(weight[o : o + s], old, ws2[p])
+            if not torch.equal(dequantize_nvfp4(weight[o : o + s], cand, common), ref):
+                ok = False
+                break
+            new_scale[o : o + s] = cand
+        if ok:
+            return new_scale, g
+    return None
+
+
+def linear_scheme_for(
+    qcfg: ModelOptConfig | None,
+    prefix: str,
+    shards: Sequence[str] = (),
+    *,
+    params_dtype: torch.dtype,
+    nvfp4_w4a4: bool = False,
+) -> LinearScheme:
+    """The scheme of the linear layer `prefix` (fused from the checkpoint layers `shards`, if any)."""
+    _check_float_dtype(f"{prefix}: params_dtype", params_dtype)
+    algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(prefix, shards)
+    if algo is QuantAlgo.NONE:
+        return UnquantizedScheme()
+    if algo is QuantAlgo.FP8_PB_WO:
+        return Fp8PbWoScheme()
+    if algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
+        return NvFp4Scheme(algo, w4a4=nvfp4_w4a4 and algo is QuantAlgo.NVFP4)
+    raise ValueError(
+        f"{prefix}: quant_algo {algo.value} is not supported for linear layers "
+        "(supported: FP8_PB_WO, NVFP4, W4A16_NVFP4, or unquantized)"
+    )
