@@ -1,0 +1,238 @@
+"""The engine loop (add requests, step, stream) and the `LLM` convenience API on top of it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from k3run.config import ModelConfig
+from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_for
+from k3run.engine.runner import CausalLM, ModelRunner
+from k3run.engine.sampler import Sampler
+from k3run.engine.scheduler import Scheduler, SchedulerConfig
+from k3run.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceIds
+from k3run.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineModel(CausalLM, Protocol):
+    config: ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits. The cache holds min(max_num_seqs, what cache_bytes fits) sequences of max_model_len."""
+
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    cache_bytes: int | None = None
+    seed: int = 0  # generator for requests without their own seed
+    tp_size: int = 1
+
+
+class Detokenizer:
+    """Incremental detokenisation: decode a short window so multi-byte characters and word-start spaces come
+    out right, and hold back text while the window ends in an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def step(self, seq: Sequence, flush: bool = False) -> str:
+        ids = seq.all_token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+        full = self.tokenizer.decode(ids[seq.prefix_offset :])
+        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+            return full[len(prefix) :]
+        return ""
+
+
+def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    # the activation dtype is the embedding's (quantized weights are uint8 / fp8, scales fp32)
+    device, dtype = None, None
+    for p in model.parameters():
+        device = device or p.device
+        if p.is_floating_point() and p.dim() == 2 and p.element_size() >= 2:
+            dtype = p.dtype
+            break
+    if device is None or dtype is None:
+        raise ValueError("cannot tell the model's device and activation dtype: it has no 2-D float parameter")
+    return device, dtype
+
+
+class LLMEngine:
+    """Requests in, tokens and text out, one `step()` at a time."""
+
+    def __init__(self, model: EngineModel, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        device, act_dtype = _model_device_dtype(model)  # type: ignore[arg-type]
+        layout = cache_layout_for(model.config, act_dtype, self.config.tp_size)
+        self.cache: CacheManager = build_cache_manager(
+            layout,
+            device=device,
+            max_len=self.config.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            cache_bytes=self.config.cache_bytes,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=min(self.config.max_num_seqs, self.cache.num_slots),
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.config.max_model_len,
+            ),
+            self.cache,
+        )
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(self.config.seed))
+        self.detokenizer = Detokenizer(tokenizer)
+        self._ids = SequenceIds()
+        self._seqs: dict[int, Sequence] = {}
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                f"{model.config.vocab_size}"
+            )
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = self.tokenizer.decode(prompt), [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model.config.vocab_size})"
+            )
+        seq = Sequence(seq_id=self._ids.next(), prompt=text, prompt_token_ids=ids, params=params)
+        self.scheduler.add(seq)
+        self._seqs[seq.seq_id] = seq
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._seqs.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One model step. Returns an output (with the newly streamable text in `delta`) for every sequence
+        that produced a token; finished sequences are returned once more and then forgotten."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        rows, logits = self.runner.run(batch)
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if rows:
+            assert logits is not None
+            seqs = [batch.seqs[b] for b in rows]
+            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for b, t in zip(rows, tokens):
+                sampled[b] = t
+        self.scheduler.update(batch, sampled, self.tokenizer.eos_token_ids)
+        outputs = []
+        for b in rows:
+            seq = batch.seqs[b]
+            outputs.append(RequestOutput.from_sequence(seq, delta=self._postprocess(seq)))
+            if seq.is_finished:
+                self._seqs.pop(seq.seq_id, None)
+        return outputs
+
+    def _postprocess(self, seq: Sequence) -> str:
+        """Render the new token, apply stop strings, and return the text that is now safe to stream."""
+        stopped_by_token = seq.finish_reason is FinishReason.STOP
+        if not stopped_by_token:
+            seq.output_text += self.detokenizer.step(seq, flush=seq.is_finished)
+            stop = seq.params.stop
+            if stop:
+                longest = max(len(s) for s in stop)
+                # only the tail that the new token can have completed needs searching
+                start = max(0, len(seq.output_text) - longest - 16)
+                hits = [i for i in (seq.output_text.find(s, start) for s in stop) if i >= 0]
+                if hits:
+                    seq.output_text = seq.output_text[: min(hits)]
+                    if seq.is_finished:
+                        seq.finish_reason = FinishReason.STOP
+                    else:
+                        self.scheduler.finish(seq, FinishReason.STOP)
+        end = len(seq.output_text)
+        if not seq.is_finished and seq.params.stop:
+            # hold back what could still turn out to be the start of a stop string
+            end = max(seq.num_streamed_chars, end - max(len(s) for s in seq.params.stop) + 1)
+        delta = seq.output_text[seq.num_streamed_chars : end]
+        seq.num_streamed_chars = end
+        return delta
+
+
+class LLM:
+    """`LLM(model_dir).generate(prompts, SamplingParams(...))` and `LLM(model_dir).stream(prompt, ...)`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        config: EngineConfig | None = None,
+    ) -> None:
+        from k3run.api import load_model
+
+        model = load_model(model_dir, dtype=dtype, device=device)
+        self.engine = LLMEngine(model, load_tokenizer(model_dir), config)
+
+    @classmethod
+    def from_model(cls, model: EngineModel, tokenizer: Tokenizer, config: EngineConfig | None = None) -> LLM:
+        self = cls.__new__(cls)
+        self.engine = LLMEngine(model, tokenizer, config)
+        return self
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[int, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield an output per generated token; `delta` is the text to print now. Closing the iterator
+        early aborts the request and frees its cache slot."""
+        rid = self.engine.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)

@@ -1,0 +1,88 @@
+"""The engine loop on the toy model: batching, chunked prefill, stop strings, streaming, abort."""
+
+from __future__ import annotations
+
+import torch
+
+from k3run.engine import FinishReason, SamplingParams
+
+PROMPTS = ["a", "def f(x):", "hello world, ", "0123456789" * 3, "x = 1\ny = ", "import", "The end.", "??"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _reference_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy continuation by recomputing the whole sequence without a cache at every step."""
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        t = int(model.logits(torch.tensor(ids)).argmax(-1)[-1])
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+def test_batched_greedy_equals_single_runs_and_the_uncached_reference(toy_llm) -> None:
+    llm = toy_llm()
+    batched = llm.generate(PROMPTS, GREEDY)
+    assert len({tuple(o.token_ids) for o in batched}) > 4  # the toy model is not degenerate
+    for prompt, out in zip(PROMPTS, batched):
+        single = toy_llm(max_num_seqs=1).generate([prompt], GREEDY)[0]
+        assert single.token_ids == out.token_ids, prompt
+        ref = _reference_greedy(llm.engine.model, out.prompt_token_ids, GREEDY.max_tokens)
+        assert out.token_ids == ref, prompt
+        assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 12
+
+
+def test_chunked_prefill_and_fewer_slots_give_the_same_tokens(toy_llm) -> None:
+    full = toy_llm().generate(PROMPTS, GREEDY)
+    chunked = toy_llm(max_num_batched_tokens=8, max_num_seqs=3).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in full]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(toy_llm) -> None:
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = toy_llm().generate(["def f(x):"], p)[0]
+    mixed = toy_llm().generate(["a", "def f(x):", "zz"], [SamplingParams(seed=1), p, SamplingParams()])[1]
+    assert alone.token_ids == mixed.token_ids
+    other = toy_llm().generate(["def f(x):"], SamplingParams(max_tokens=10, seed=8, ignore_eos=True))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_stop_strings_stop_token_ids_and_max_tokens(toy_llm) -> None:
+    llm = toy_llm()
+    base = llm.generate(["hello world, "], GREEDY)[0]
+    text = base.text
+    stop = text[4:6]
+    cut = text.find(stop)
+    out = llm.generate(["hello world, "], SamplingParams(max_tokens=12, temperature=0, stop=(stop, "@@@")))[0]
+    assert out.finish_reason is FinishReason.STOP and out.text == text[:cut]
+    stop_id = base.token_ids[3]
+    out = llm.generate(
+        ["hello world, "], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,))
+    )[0]
+    first = base.token_ids.index(stop_id)
+    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
+    # the stop token ends the sequence but is not rendered
+    assert out.text == llm.tokenizer.decode(base.token_ids[:first])
+    out = llm.generate(["hello world, "], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == base.token_ids[:3] and out.finish_reason is FinishReason.LENGTH
+
+
+def test_streamed_deltas_add_up_to_the_text_and_never_show_a_stop_string(toy_llm) -> None:
+    llm = toy_llm()
+    base = llm.generate(["x = 1\ny = "], GREEDY)[0]
+    stop = base.text[5:8]
+    params = SamplingParams(max_tokens=12, temperature=0, stop=(stop,))
+    deltas = [o.delta for o in llm.stream("x = 1\ny = ", params)]
+    final = llm.generate(["x = 1\ny = "], params)[0]
+    assert "".join(deltas) == final.text == base.text[: base.text.find(stop)]
+    assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+
+
+def test_closing_a_stream_early_aborts_and_frees_the_slot(toy_llm) -> None:
+    llm = toy_llm(max_num_seqs=2)
+    it = llm.stream("abc", GREEDY)
+    next(it)
+    assert llm.engine.cache.num_free == 1
+    it.close()
+    assert llm.engine.cache.num_free == 2 and not llm.engine.has_unfinished()
