@@ -1,0 +1,108 @@
+"""FP8_PB_WO linear: dynamic 1x128 FP8 activations x 128x128-block FP8 weights, fp32 accumulation.
+
+Backends: "scaled_mm" (block-wise torch._scaled_mm, cuBLAS, sm90 only), "triton" (fp8_gemm.triton, any GPU
+Triton supports fp8 dots on), "ref" (fp32 torch, CPU). Resolve the backend once at load time with
+`default_backend(device)` and pass it to every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3run.kernels.fp8_act_quant import quantize_act_1x128
+
+from .ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
+
+BACKENDS = ("scaled_mm", "triton", "ref")
+
+
+def blockwise_scaled_mm_supported(device: torch.device) -> bool:
+    """Block-wise (1x128 x 128x128) torch._scaled_mm exists on sm90 with a CUDA >= 12.9 build of torch."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False
+    major, minor = (int(v) for v in torch.version.cuda.split(".")[:2])
+    return torch.cuda.get_device_capability(device) == (9, 0) and (major, minor) >= (12, 9)
+
+
+def default_backend(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "ref"
+    return "scaled_mm" if blockwise_scaled_mm_supported(device) else "triton"
+
+
+def _check(
+    x: torch.Tensor, weight_padded: torch.Tensor, scale_2d: torch.Tensor, n_logical: int, bias
+) -> None:
+    k = x.shape[-1]
+    if k % 128:
+        raise ValueError(f"fp8_pb_wo linear input: K={k} must be divisible by 128")
+    if weight_padded.dtype != torch.float8_e4m3fn or weight_padded.dim() != 2 or weight_padded.shape[1] != k:
+        raise ValueError(
+            f"fp8_pb_wo weight: expected float8_e4m3fn [N_pad, {k}], "
+            f"got {weight_padded.dtype} {tuple(weight_padded.shape)}"
+        )
+    n_pad = weight_padded.shape[0]
+    if n_pad % 128 or not 0 < n_logical <= n_pad or n_pad - n_logical >= 128:
+        raise ValueError(
+            f"fp8_pb_wo weight: {n_pad} padded rows, expected n_logical={n_logical} rounded up to 128"
+        )
+    if scale_2d.dtype != torch.float32 or tuple(scale_2d.shape) != (n_pad // 128, k // 128):
+        raise ValueError(
+            f"fp8_pb_wo weight_scale: expected fp32 {(n_pad // 128, k // 128)}, "
+            f"got {scale_2d.dtype} {tuple(scale_2d.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (n_logical,):
+        raise ValueError(f"fp8_pb_wo bias: expected [{n_logical}], got {tuple(bias.shape)}")
+
+
+def fp8_pb_wo_linear(
+    x: torch.Tensor,
+    weight_padded: torch.Tensor,
+    scale_2d: torch.Tensor,
+    n_logical: int,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y [..., n_logical] = quant_1x128(x) [..., K] @ weight_padded[:n_logical]^T (+ bias), in x's dtype.
+
+    weight_padded: fp8 [N_pad, K], N_pad = n_logical rounded up to 128 with zero pad rows;
+    scale_2d: fp32 [N_pad/128, K/128] weight tile scales. backend None means default_backend(x.device).
+    """
+    _check(x, weight_padded, scale_2d, n_logical, bias)
+    backend = backend or default_backend(x.device)
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8_pb_wo backend: expected one of {BACKENDS}, got {backend!r}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if backend == "ref":
+        return fp8_pb_wo_linear_ref(x2, weight_padded, scale_2d, n_logical, bias).reshape(*lead, n_logical)
+    if backend == "triton":
+        from .triton import fp8_block_gemm
+
+        q, sx = quantize_act_1x128(x2)
+        y = fp8_block_gemm(q, sx, weight_padded, scale_2d, n_logical, x.dtype, bias)
+        return y.reshape(*lead, n_logical)
+    # cuBLAS block-wise on sm90 wants M % 4 == 0 and outer-dim-major activation scales; the quant kernel
+    # writes both directly (zero pad rows), so the only post-processing is the crop (+ bias) below.
+    q, sx = quantize_act_1x128(x2, m_multiple=4, scale_outer_major=True)
+    out = torch._scaled_mm(q, weight_padded.t(), scale_a=sx, scale_b=scale_2d.t(), out_dtype=x.dtype)
+    y = out[:m, :n_logical]
+    if bias is not None:
+        y = torch.add(y, bias)
+    elif n_logical != weight_padded.shape[0]:
+        y = y.contiguous()
+    return y.reshape(*lead, n_logical)
+
+
+__all__ = [
+    "BACKENDS",
+    "blockwise_scaled_mm_supported",
+    "default_backend",
+    "fp8_block_gemm_ref",
+    "fp8_pb_wo_linear",
+    "fp8_pb_wo_linear_ref",
+]

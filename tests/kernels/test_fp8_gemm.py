@@ -1,0 +1,145 @@
+"""FP8_PB_WO linear: block-wise _scaled_mm and the Triton block-FP8 GEMM against the fp32 reference.
+
+The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
+`test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3run.formats import dequantize_fp8_block, quantize_fp8_act_1x128, quantize_fp8_block
+from k3run.kernels.fp8_gemm import fp8_block_gemm_ref, fp8_pb_wo_linear, fp8_pb_wo_linear_ref
+from k3run.testing import assert_close
+
+IN_INTERP_CHILD = os.environ.get("K3RUN_INTERP_CHILD") == "1"
+interp_only = pytest.mark.skipif(not IN_INTERP_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+
+# fp32 output: E4M3 x E4M3 products are exact in fp32 (8 significant bits), so only the fp32 summation order
+# differs (~K * 2^-24 relative at worst for K <= 512).
+FP32_RTOL = 1e-5
+# bf16 output: one final rounding <= 2^-9 relative; Hopper's FP8 MMA accumulates each 128-wide group in
+# reduced precision (~2^-14 relative) before the fp32 scaling, far below that. Bound 2^-8.
+BF16_RTOL = 2.0**-8
+
+
+def _padded_block_weight(n: int, k: int, device: str = "cpu"):
+    """Checkpoint-like FP8_PB_WO weight of n rows, zero-padded to 128 rows as the scheme does; the tile
+    magnitudes spread over 2^-4..2^4 so a transposed or misindexed scale shows up."""
+    w = torch.randn(n, k, device=device)
+    w *= 2.0 ** torch.randint(-4, 5, (-(-n // 128), 1, k // 128, 1), device=device).float().repeat_interleave(
+        128, 0
+    ).reshape(-1, k // 128)[:n].repeat_interleave(128, 1)
+    q, scale = quantize_fp8_block(w)
+    n_pad = scale.shape[0] * 128
+    q_pad = torch.zeros(n_pad, k, dtype=torch.float8_e4m3fn, device=device)
+    q_pad[:n] = q
+    return q_pad, scale.reshape(scale.shape[0], scale.shape[2]).contiguous()
+
+
+def test_triton_kernels_in_interpreter():
+    """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", K3RUN_INTERP_CHILD="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.count(" PASSED") == 2 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+
+
+@interp_only
+def test_interp_block_gemm_fp32_crop_bias(poison_empty):
+    from k3run.kernels.fp8_gemm.triton import fp8_block_gemm
+
+    m, n, k = 5, 200, 256  # n padded to 256 rows; the last 128-row weight block is partial
+    w_pad, s_w = _padded_block_weight(n, k)
+    q_x, s_x = quantize_fp8_act_1x128(torch.randn(m, k) * 3)
+    bias = torch.randn(n)
+    y = fp8_block_gemm(q_x, s_x, w_pad, s_w, n, torch.float32, bias, block_m=16, block_n=64, group_m=2)
+    ref = fp8_block_gemm_ref(q_x, s_x, w_pad, s_w)[:, :n] + bias
+    assert_close("fp8_block_gemm", ref, y, rtol=FP32_RTOL)
+
+
+@interp_only
+def test_interp_linear_triton_backend(poison_empty):
+    m, n, k = 3, 130, 384
+    w_pad, s_w = _padded_block_weight(n, k)
+    x = torch.randn(m, k)
+    y = fp8_pb_wo_linear(x, w_pad, s_w, n, backend="triton")
+    assert_close("fp8_pb_wo triton", fp8_pb_wo_linear_ref(x, w_pad, s_w, n), y, rtol=FP32_RTOL)
+
+
+def test_ref_identity_input_returns_dequantized_weight():
+    """x = I is exact through 1x128 quantization (scale 1/448, q = 448), so y = W^T exactly: the property
+    MLA weight absorption relies on."""
+    n, k = 200, 256
+    w_pad, s_w = _padded_block_weight(n, k)
+    y = fp8_pb_wo_linear(torch.eye(k), w_pad, s_w, n)
+    assert y.shape == (k, n)
+    assert torch.equal(y, dequantize_fp8_block(w_pad, s_w)[:n].t())
+
+
+def test_ref_crop_bias_and_leading_dims():
+    n, k = 130, 256
+    w_pad, s_w = _padded_block_weight(n, k)
+    x = torch.randn(2, 3, k)
+    bias = torch.randn(n)
+    y = fp8_pb_wo_linear(x, w_pad, s_w, n, bias)
+    assert y.shape == (2, 3, n) and y.is_contiguous()
+    q_x, s_x = quantize_fp8_act_1x128(x.reshape(6, k))
+    ref = fp8_block_gemm_ref(q_x, s_x, w_pad, s_w)[:, :n] + bias
+    assert_close("fp8_pb_wo ref", ref.reshape(2, 3, n), y, rtol=1e-6)
+
+
+def test_contract_errors():
+    w_pad, s_w = _padded_block_weight(130, 384)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        fp8_pb_wo_linear(torch.randn(2, 200), w_pad[:, :200], s_w, 130)
+    with pytest.raises(ValueError, match="rounded up to 128"):
+        fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w, 100)
+    with pytest.raises(ValueError, match="weight_scale"):
+        fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w.t(), 130)
+    with pytest.raises(ValueError, match="bias"):
+        fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w, 130, torch.randn(256))
+    with pytest.raises(ValueError, match="backend"):
+        fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w, 130, backend="cutlass")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["scaled_mm", "triton"])
+@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("n", [300, 384])
+def test_gpu_backends(poison_empty, backend: str, m: int, n: int):
+    from k3run.kernels.fp8_gemm import blockwise_scaled_mm_supported
+
+    if backend == "scaled_mm" and not blockwise_scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("block-wise torch._scaled_mm needs sm90 and CUDA >= 12.9")
+    k = 640
+    w_pad, s_w = _padded_block_weight(n, k, device="cuda")
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    for b in (None, bias):
+        y = fp8_pb_wo_linear(x, w_pad, s_w, n, b, backend=backend)
+        assert y.shape == (m, n) and y.is_contiguous() and y.dtype == torch.bfloat16
+        ref = fp8_pb_wo_linear_ref(x.float().cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else b.cpu())
+        assert_close(f"fp8_pb_wo {backend} m={m} n={n}", ref, y, rtol=BF16_RTOL)
+
+
+@pytest.mark.gpu
+def test_gpu_scaled_mm_identity_exact():
+    """x = I through block-wise _scaled_mm gives W^T up to the bf16 output rounding (a scale layout check):
+    448 * fl(1/448) may leave a 1-ulp fp32 difference that flips a bf16 rounding now and then."""
+    from k3run.kernels.fp8_gemm import blockwise_scaled_mm_supported
+
+    if not blockwise_scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("block-wise torch._scaled_mm needs sm90 and CUDA >= 12.9")
+    n, k = 256, 384
+    w_pad, s_w = _padded_block_weight(n, k, device="cuda")
+    y = fp8_pb_wo_linear(torch.eye(k, device="cuda").bfloat16(), w_pad, s_w, n, backend="scaled_mm")
+    ref = dequantize_fp8_block(w_pad, s_w)[:n].t()
+    assert_close("identity through _scaled_mm", ref, y, rtol=2.0**-12)
