@@ -13,6 +13,7 @@ All mixing math is fp32 and the result is cast back to the activation dtype once
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,8 +78,8 @@ def attn_res_layer(
     state: AttnResState,
     layer_idx: int,
     block_size: int,
-    mixer: nn.Module | object,
-    mlp: nn.Module | object,
+    mixer: Callable[[torch.Tensor], torch.Tensor],
+    mlp: Callable[[torch.Tensor], torch.Tensor],
     attn_site: AttnResWeights,
     mlp_site: AttnResWeights,
 ) -> None:
@@ -87,6 +88,6 @@ def attn_res_layer(
     if layer_idx % block_size == 0:
         state.blocks.append(state.prefix)  # type: ignore[arg-type]
         state.prefix = None
-    state.add(mixer(a_in))  # type: ignore[operator]
+    state.add(mixer(a_in))  # type: ignore[arg-type]
     m_in = mlp_site(state.candidates())
-    state.add(mlp(m_in))  # type: ignore[operator]
+    state.add(mlp(m_in))

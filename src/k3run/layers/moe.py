@@ -1,0 +1,459 @@
+"""Kimi MoE: fp32 sigmoid router, routed experts (bf16, FP8_PB_WO or NVFP4), shared experts, K3 latent MoE.
+
+Expert weights are stored per rank as stacked tensors, named as vLLM names them after loading:
+`w13_*` holds w1 (gate) in rows [0, I) and w3 (up) in rows [I, 2I) (gate first), `w2_*` the down projection.
+Expert parallelism: rank r of ep holds the experts [r*E/ep, (r+1)*E/ep); its output is the partial sum over
+its experts and the caller all-reduces it.
+
+NVFP4 scale semantics (shared/spec/modelopt-contracts.md §4-5), computed once by `nvfp4_moe_scales`:
+    a13 = max over ALL experts of w13_input_scale,   a2 = max over ALL experts of w2_input_scale
+    a1_gscale = 1/a13, a2_gscale = 1/a2                       (activation encode scales)
+    g1_alphas[e] = w13_weight_scale_2[e, (gate, up)] * a13   (GEMM1 accumulator -> real value, per half)
+    g2_alphas[e] = w2_weight_scale_2[e] * a2
+    g1_scale_c[e] = g1_alphas[e, up] * a2_gscale  for SwiGLU (silu(g)*u is linear in u: fold up's dequant)
+                  = a2_gscale                     for SiTU and non-gated activations (the up half is
+                                                  dequantized before the nonlinearity, never folded)
+The per-expert loop evaluates exactly the kernel's form: GEMM accumulators over block-scaled codes, times
+these alphas. W4A16 mode (Hopper/Marlin) keeps activations 16-bit: a13 = a2 = 1 and no quantize-dequantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from k3run.distributed import TPInfo, all_reduce
+from k3run.formats import dequantize_fp8_block, dequantize_nvfp4, nvfp4_qdq
+from k3run.layers.activation import GatedActivation
+from k3run.quant.algo import QuantAlgo
+
+NvFp4ActMode = Literal["w4a4", "w4a16"]
+_SHARDS = ("w1", "w2", "w3")
+
+
+def route(
+    logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    *,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid top-k routing: logits fp32 [T, E] -> (weights fp32 [T, A], expert ids int64 [T, A]).
+
+    The correction bias only decides WHICH experts are picked; the weights are the unbiased scores, then
+    renormalised over the picked experts and multiplied by routed_scaling_factor.
+    """
+    if logits.dtype != torch.float32:
+        raise ValueError(f"route: logits must be fp32, got {logits.dtype}")
+    t, e = logits.shape
+    scores = torch.sigmoid(logits)
+    choice = scores + e_score_correction_bias.float()
+    if num_expert_group > 1 and topk_group < num_expert_group:
+        # DeepSeek group limiting: a group's score is the sum of its two best (biased) experts.
+        grouped = choice.view(t, num_expert_group, e // num_expert_group)
+        group_scores = grouped.topk(min(2, e // num_expert_group), dim=-1).values.sum(-1)  # [T, G]
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(
+            ~group_mask.repeat_interleave(e // num_expert_group, dim=1), float("-inf")
+        )
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize and top_k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class MoERouter(nn.Module):
+    """`gate.weight` [E, D] and `gate.e_score_correction_bias` [E], both kept in fp32 (replicated)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, cfg_kwargs: dict[str, object]) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.cfg_kwargs = cfg_kwargs
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        for p in (self.weight, self.e_score_correction_bias):
+            p.weight_loader = _replicated_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x.float() @ self.weight.t()  # [T, E] fp32
+        return route(logits, self.e_score_correction_bias, self.top_k, **self.cfg_kwargs)  # type: ignore[arg-type]
+
+
+def _replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    if shard_id is not None:
+        raise ValueError(f"replicated parameter: shard_id must be None, got {shard_id!r}")
+    if loaded.numel() != param.numel() or (loaded.dim() > 1 and tuple(loaded.shape) != tuple(param.shape)):
+        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded.reshape(param.shape).to(param.dtype))
+
+
+@dataclass(frozen=True)
+class NvFp4MoeScales:
+    """The folded scales of an NVFP4 MoE layer (local experts), see the module docstring."""
+
+    a13: torch.Tensor  # fp32 0-dim, decode scale of the GEMM1 input (1 in W4A16 mode)
+    a2: torch.Tensor  # fp32 0-dim, decode scale of the GEMM2 input (1 in W4A16 mode)
+    a1_gscale: torch.Tensor  # 1 / a13
+    a2_gscale: torch.Tensor  # 1 / a2
+    g1_alphas: torch.Tensor  # fp32 [E_local, 2]: column 0 gate, column 1 up
+    g2_alphas: torch.Tensor  # fp32 [E_local]
+    g1_scale_c: torch.Tensor  # fp32 [E_local]
+
+
+def compute_g1_scale_c(activation: str, g1_alphas: torch.Tensor, a2_gscale: torch.Tensor) -> torch.Tensor:
+    """The post-activation scalar of GEMM1 per expert [E].
+
+    activation: "silu" (SwiGLU: the up half's dequant scale is folded here), "situ" or "non_gated" (the
+    up half, if any, is dequantized before the nonlinearity, so only the GEMM2 input encode scale remains).
+    """
+    if activation == "silu":
+        return (g1_alphas[:, 1] * a2_gscale).float()
+    if activation in ("situ", "non_gated"):
+        return a2_gscale.float().expand(g1_alphas.shape[0]).clone()
+    raise ValueError(f"compute_g1_scale_c: unknown activation {activation!r}")
+
+
+def nvfp4_moe_scales(
+    w13_weight_scale_2: torch.Tensor,
+    w2_weight_scale_2: torch.Tensor,
+    w13_input_scale: torch.Tensor | None,
+    w2_input_scale: torch.Tensor | None,
+    activation: str,
+    act_mode: NvFp4ActMode,
+) -> NvFp4MoeScales:
+    """Fold the checkpoint scales. weight_scale_2 are the LOCAL experts' ([E_l, 2] and [E_l]); the input
+    scales are the GLOBAL per-expert tensors ([E, 2] and [E]) because a13/a2 are maxima over all experts,
+    which every EP rank must agree on."""
+    if act_mode == "w4a4":
+        if w13_input_scale is None or w2_input_scale is None:
+            raise ValueError("NVFP4 MoE in w4a4 mode needs w13_input_scale and w2_input_scale")
+        a13 = w13_input_scale.float().max()
+        a2 = w2_input_scale.float().max()
+    elif act_mode == "w4a16":
+        a13 = a2 = torch.ones((), dtype=torch.float32, device=w13_weight_scale_2.device)
+    else:
+        raise ValueError(f"NVFP4 MoE act_mode: expected 'w4a4' or 'w4a16', got {act_mode!r}")
+    g1_alphas = w13_weight_scale_2.float() * a13
+    g2_alphas = w2_weight_scale_2.float() * a2
+    a2_gscale = 1.0 / a2
+    return NvFp4MoeScales(
+        a13=a13,
+        a2=a2,
+        a1_gscale=1.0 / a13,
+        a2_gscale=a2_gscale,
+        g1_alphas=g1_alphas,
+        g2_alphas=g2_alphas,
+        g1_scale_c=compute_g1_scale_c(activation, g1_alphas, a2_gscale),
+    )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class FusedExperts(nn.Module):
+    """E/ep routed experts of width hidden -> intermediate -> hidden with a gated activation.
+
+    `forward(x [T, D], ids [T, A], weights fp32 [T, A]) -> fp32 [T, D]`: sum over the top-k picks that land on
+    this rank's experts of weight * expert(x) (fp32 accumulation, each expert output rounded to x's dtype
+    first, as the reference combine does). Checkpoint tensors arrive through `weight_loader(param, tensor,
+    (global_expert_id, "w1" | "w2" | "w3"))`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: GatedActivation,
+        algo: QuantAlgo,
+        *,
+        ep: TPInfo,
+        params_dtype: torch.dtype,
+        nvfp4_act_mode: NvFp4ActMode = "w4a16",
+        prefix: str = "experts",
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.num_local = ep.shard(num_experts, f"{prefix}: num_experts")
+        self.first = ep.rank * self.num_local
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.prefix = prefix
+        self.params_dtype = params_dtype
+        if algo == QuantAlgo.W4A16_NVFP4:
+            algo, nvfp4_act_mode = QuantAlgo.NVFP4, "w4a16"
+        self.algo = algo
+        self.nvfp4_act_mode: NvFp4ActMode = nvfp4_act_mode
+        self.scales: NvFp4MoeScales | None = None
+        el, d, i = self.num_local, hidden_size, intermediate_size
+        if algo == QuantAlgo.NONE:
+            self._add("w13_weight", (el, 2 * i, d), params_dtype)
+            self._add("w2_weight", (el, d, i), params_dtype)
+        elif algo == QuantAlgo.FP8_PB_WO:
+            self._add("w13_weight", (el, 2 * i, d), torch.float8_e4m3fn)
+            # gate and up keep their own 128x128 grids: [E_l, 2, ceil(I/128), ceil(D/128)]
+            self._add("w13_weight_scale", (el, 2, _ceil_div(i, 128), _ceil_div(d, 128)), torch.float32)
+            self._add("w2_weight", (el, d, i), torch.float8_e4m3fn)
+            self._add("w2_weight_scale", (el, _ceil_div(d, 128), _ceil_div(i, 128)), torch.float32)
+        elif algo == QuantAlgo.NVFP4:
+            for name, k in (("D (expert hidden)", d), ("I (expert intermediate)", i)):
+                if k % 16:
+                    raise ValueError(f"{prefix}: NVFP4 experts need {name} % 16 == 0, got {k}")
+            self._add("w13_weight", (el, 2 * i, d // 2), torch.uint8)
+            self._add("w13_weight_scale", (el, 2 * i, d // 16), torch.float8_e4m3fn)
+            self._add("w13_weight_scale_2", (el, 2), torch.float32)
+            self._add("w2_weight", (el, d, i // 2), torch.uint8)
+            self._add("w2_weight_scale", (el, d, i // 16), torch.float8_e4m3fn)
+            self._add("w2_weight_scale_2", (el,), torch.float32)
+            # global over all experts (not just this rank's): a13/a2 are maxima over every expert
+            self._add("w13_input_scale", (num_experts, 2), torch.float32, local=False)
+            self._add("w2_input_scale", (num_experts,), torch.float32, local=False)
+        else:
+            raise ValueError(f"{prefix}: unsupported expert quant_algo {algo.value}")
+
+    def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, local: bool = True) -> None:
+        if dtype.is_floating_point and dtype.itemsize > 1:
+            data = torch.full(shape, float("nan"), dtype=dtype)
+        else:
+            data = torch.zeros(shape, dtype=dtype)
+        p = nn.Parameter(data, requires_grad=False)
+        kind = name.split("_", 1)[1]  # weight, weight_scale, weight_scale_2, input_scale
+        p.weight_loader = lambda param, loaded, shard_id: self._load(
+            name, kind, local, param, loaded, shard_id
+        )  # type: ignore[attr-defined]
+        self.register_parameter(name, p)
+
+    def is_local(self, expert_id: int) -> bool:
+        return self.first <= expert_id < self.first + self.num_local
+
+    def _load(
+        self, name: str, kind: str, local: bool, param: nn.Parameter, loaded: torch.Tensor, shard_id: object
+    ) -> None:
+        if (
+            not isinstance(shard_id, tuple)
+            or len(shard_id) != 2
+            or not isinstance(shard_id[0], int)
+            or shard_id[1] not in _SHARDS
+        ):
+            raise ValueError(
+                f"{self.prefix}.{name}: shard_id must be (expert_id, 'w1'|'w2'|'w3'), got {shard_id}"
+            )
+        eid, which = shard_id
+        what = f"{self.prefix}.{eid}.{which} -> {name}"
+        if not 0 <= eid < self.num_experts:
+            raise ValueError(f"{what}: expert id {eid} out of range [0, {self.num_experts})")
+        if (which == "w2") != name.startswith("w2_"):
+            raise ValueError(f"{what}: shard {which} does not belong to {name}")
+        if local and not self.is_local(eid):
+            return  # another EP rank holds this expert
+        row = eid - self.first if local else eid
+        dst = param.data[row]
+        i = self.intermediate_size
+        if kind == "input_scale":
+            val = _scalar(what, loaded)
+            if which == "w2":
+                dst.fill_(val)
+            else:
+                dst[0 if which == "w1" else 1] = val
+            return
+        if kind == "weight_scale_2":
+            val = _scalar(what, loaded)
+            if which == "w2":
+                dst.fill_(val)
+            else:
+                dst[0 if which == "w1" else 1] = val
+            return
+        if self.algo == QuantAlgo.FP8_PB_WO and kind == "weight_scale":
+            if which != "w2":
+                dst = dst[0 if which == "w1" else 1]
+            if loaded.numel() != dst.numel():
+                raise ValueError(
+                    f"{what}: expected a [{dst.shape[0]}, 1, {dst.shape[1]}, 1] block scale, "
+                    f"got shape {tuple(loaded.shape)}"
+                )
+            _check_dtype(what, loaded, torch.float32, allow_float_cast=True)
+            dst.copy_(loaded.reshape(dst.shape).float())
+            return
+        if which != "w2":
+            dst = dst[:i] if which == "w1" else dst[i:]
+        if tuple(loaded.shape) != tuple(dst.shape):
+            raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(loaded.shape)}")
+        _check_dtype(what, loaded, param.dtype, allow_float_cast=self.algo == QuantAlgo.NONE)
+        dst.copy_(loaded.to(param.dtype))
+
+    def process_after_loading(self) -> None:
+        if self.algo != QuantAlgo.NVFP4:
+            return
+        self.scales = nvfp4_moe_scales(
+            self.w13_weight_scale_2,
+            self.w2_weight_scale_2,
+            self.w13_input_scale,
+            self.w2_input_scale,
+            self.activation.kind,
+            self.nvfp4_act_mode,
+        )
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
+        if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{self.prefix}: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T, A]"
+            )
+        return fused_experts(self, x, ids, weights)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One local expert e on x [n, D] -> [n, D] in x's dtype."""
+        i = self.intermediate_size
+        if self.algo == QuantAlgo.NONE:
+            h = self.activation(x @ self.w13_weight[e].to(x.dtype).t())
+            return h @ self.w2_weight[e].to(x.dtype).t()
+        if self.algo == QuantAlgo.FP8_PB_WO:
+            w13 = torch.cat(
+                [
+                    dequantize_fp8_block(self.w13_weight[e, :i], self.w13_weight_scale[e, 0], x.dtype),
+                    dequantize_fp8_block(self.w13_weight[e, i:], self.w13_weight_scale[e, 1], x.dtype),
+                ]
+            )
+            h = self.activation(x @ w13.t())
+            return h @ dequantize_fp8_block(self.w2_weight[e], self.w2_weight_scale[e], x.dtype).t()
+        return self._nvfp4_expert(e, x)
+
+    def _nvfp4_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        s = self.scales
+        if s is None:
+            raise RuntimeError(f"{self.prefix}: process_after_loading() was not called")
+        i = self.intermediate_size
+        w4a4 = self.nvfp4_act_mode == "w4a4"
+        xin = x.float() * s.a1_gscale
+        if w4a4:
+            xin = nvfp4_qdq(xin, 1.0)
+        # Codes times block scales only; the global scales live in the alphas, as in the kernel.
+        w13 = dequantize_nvfp4(self.w13_weight[e], self.w13_weight_scale[e], 1.0)  # [2I, D]
+        acc = xin @ w13.t()  # [n, 2I] fp32 GEMM1 accumulator
+        gate = acc[:, :i] * s.g1_alphas[e, 0]
+        if self.activation.kind == "silu":
+            h = torch.nn.functional.silu(gate) * acc[:, i:] * s.g1_scale_c[e]
+        else:
+            up = acc[:, i:] * s.g1_alphas[e, 1]
+            h = self.activation.on_halves(gate, up).float() * s.g1_scale_c[e]
+        # h is already in GEMM2's encoded input domain (times a2_gscale)
+        h = nvfp4_qdq(h, 1.0) if w4a4 else h.to(x.dtype).float()
+        w2 = dequantize_nvfp4(self.w2_weight[e], self.w2_weight_scale[e], 1.0)  # [D, I]
+        return ((h @ w2.t()) * s.g2_alphas[e]).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        mode = f", nvfp4 {self.nvfp4_act_mode}" if self.algo == QuantAlgo.NVFP4 else ""
+        return (
+            f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts}, "
+            f"{self.hidden_size}->{self.intermediate_size}, {self.activation}, {self.algo.value}{mode}"
+        )
+
+
+def fused_experts(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The one dispatch point for the routed-expert computation (a per-expert loop on CPU for now)."""
+    out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
+    local = ids - experts.first
+    hit = (local >= 0) & (local < experts.num_local)
+    for e in torch.unique(local[hit]).tolist():
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        y = experts.expert(e, x[tok])
+        out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
+    return out
+
+
+def _scalar(what: str, t: torch.Tensor) -> float:
+    if t.numel() != 1:
+        raise ValueError(f"{what}: expected a scalar, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{what}: expected a float scalar, got {t.dtype}")
+    v = float(t.float().item())
+    if not (v > 0 and v < float("inf")):
+        raise ValueError(f"{what}: expected a positive finite scale, got {v}")
+    return v
+
+
+def _check_dtype(what: str, t: torch.Tensor, want: torch.dtype, allow_float_cast: bool) -> None:
+    if t.dtype == want:
+        return
+    if allow_float_cast and t.is_floating_point() and t.dtype.itemsize > 1 and want.itemsize > 1:
+        return
+    raise ValueError(f"{what}: expected dtype {want}, got {t.dtype}")
+
+
+class KimiMoE(nn.Module):
+    """Router + routed experts (+ K3 latent projections) + shared experts; output [T, D] in x's dtype.
+
+    Routed experts are split over the TP group as expert parallelism (each rank holds E/tp experts); their
+    fp32 partial sums are all-reduced BEFORE the latent norm, which needs the full sum.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_shared_experts: int,
+        activation: GatedActivation,
+        router_kwargs: dict[str, object],
+        experts_algo: QuantAlgo,
+        tp: TPInfo,
+        params_dtype: torch.dtype,
+        latent_size: int | None = None,
+        latent_norm: nn.Module | None = None,
+        latent_down: nn.Module | None = None,
+        latent_up: nn.Module | None = None,
+        shared_experts: nn.Module | None = None,
+        nvfp4_act_mode: NvFp4ActMode = "w4a16",
+        prefix: str = "mlp",
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate = MoERouter(num_experts, hidden_size, top_k, router_kwargs)
+        if (latent_size is None) != (latent_down is None) or (latent_down is None) != (latent_up is None):
+            raise ValueError(f"{prefix}: latent MoE needs latent_size, latent_down and latent_up together")
+        self.routed_expert_down_proj = latent_down
+        self.routed_expert_up_proj = latent_up
+        self.routed_expert_norm = latent_norm
+        self.experts = FusedExperts(
+            num_experts,
+            latent_size or hidden_size,
+            moe_intermediate_size,
+            activation,
+            experts_algo,
+            ep=tp,
+            params_dtype=params_dtype,
+            nvfp4_act_mode=nvfp4_act_mode,
+            prefix=f"{prefix}.experts",
+        )
+        self.shared_experts = shared_experts
+        if num_shared_experts and shared_experts is None:
+            raise ValueError(
+                f"{prefix}: num_shared_experts={num_shared_experts} but no shared expert MLP given"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # router on the full-width input
+        z = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
+        y = all_reduce(self.experts(z, ids, weights), self.tp).to(x.dtype)  # [T, D or latent]
+        if self.routed_expert_down_proj is not None:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)  # shared experts see the ORIGINAL full-width x
+        return y

@@ -1,0 +1,254 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3run.distributed import TPInfo
+from k3run.formats import (
+    dequantize_fp8_block,
+    dequantize_nvfp4,
+    nvfp4_qdq,
+    quantize_fp8_block,
+    quantize_nvfp4,
+)
+from k3run.layers.activation import GatedActivation
+from k3run.layers.moe import FusedExperts, compute_g1_scale_c, nvfp4_moe_scales, route
+from k3run.quant.algo import QuantAlgo
+from k3run.testing import assert_close, rel_rms_error
+
+E, D, INTER, T, TOPK = 4, 32, 32, 7, 2
+ACTS = {"silu": GatedActivation("silu"), "situ": GatedActivation("situ", 4.0, 25.0)}
+
+
+def _route_ref(logits, bias, top_k, n_group, topk_group, renorm, scale):
+    """Per-token python reference of sigmoid top-k routing with group limiting."""
+    t, e = logits.shape
+    ws, ids = torch.zeros(t, top_k), torch.zeros(t, top_k, dtype=torch.long)
+    per = e // n_group
+    for i in range(t):
+        s = torch.sigmoid(logits[i].double())
+        c = s + bias.double()
+        gscore = [sorted(c[g * per : (g + 1) * per].tolist(), reverse=True)[:2] for g in range(n_group)]
+        keep = sorted(range(n_group), key=lambda g: -sum(gscore[g]))[:topk_group]
+        allowed = [j for j in range(e) if j // per in keep]
+        pick = sorted(allowed, key=lambda j: -c[j].item())[:top_k]
+        w = s[pick]
+        if renorm:
+            w = w / w.sum()
+        ws[i], ids[i] = (w * scale).float(), torch.tensor(pick)
+    return ws, ids
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_route_matches_reference(n_group, topk_group):
+    logits = torch.randn(9, 16)
+    bias = 0.5 * torch.randn(16)  # large enough to change which experts win
+    w, ids = route(
+        logits, bias, 3, num_expert_group=n_group, topk_group=topk_group, routed_scaling_factor=2.446
+    )
+    w_ref, ids_ref = _route_ref(logits, bias, 3, n_group, topk_group, True, 2.446)
+    order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    # fp32 sigmoid/sum/divide vs fp64: a few fp32 roundings
+    assert_close("route weights", w_ref.gather(1, order_ref.indices), w.gather(1, order.indices), rtol=1e-6)
+    assert w.dtype == torch.float32
+    # the weights are the UNBIASED scores: renormalised they sum to routed_scaling_factor
+    assert_close("weight sum", torch.full((9,), 2.446), w.sum(-1), rtol=1e-6)
+    plain_w, plain_ids = route(logits, torch.zeros(16), 3, num_expert_group=n_group, topk_group=topk_group)
+    assert not torch.equal(plain_ids.sort(-1).values, ids.sort(-1).values)
+
+
+def test_g1_scale_c_semantics():
+    g1_alphas = torch.tensor([[0.5, 0.25], [2.0, 4.0], [1.5, 3.0]])
+    a2_gscale = torch.tensor(0.125)
+    # SiTU: the up half is dequantized before its tanh, so only the GEMM2 input encode scale remains
+    assert torch.equal(compute_g1_scale_c("situ", g1_alphas, a2_gscale), torch.full((3,), 0.125))
+    assert torch.equal(compute_g1_scale_c("non_gated", g1_alphas, a2_gscale), torch.full((3,), 0.125))
+    # SwiGLU: silu(g) * u is linear in u, so up's alpha (column 1) is folded into the scalar
+    assert torch.equal(
+        compute_g1_scale_c("silu", g1_alphas, a2_gscale), torch.tensor([0.25, 4.0, 3.0]) * 0.125
+    )
+
+
+def test_nvfp4_moe_scale_folding():
+    s13 = torch.tensor([[0.01, 0.02], [0.03, 0.03]])
+    s2 = torch.tensor([0.5, 0.25])
+    in13 = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0], [0.5, 0.5]])  # global: 4 experts, 2 local
+    in2 = torch.tensor([0.25, 8.0, 1.0, 2.0])
+    sc = nvfp4_moe_scales(s13, s2, in13, in2, "situ", "w4a4")
+    assert sc.a13.item() == 4.0 and sc.a2.item() == 8.0  # maxima over ALL experts, not the local ones
+    assert torch.equal(sc.g1_alphas, s13 * 4.0)
+    assert torch.equal(sc.g2_alphas, s2 * 8.0)
+    assert sc.a1_gscale.item() == 0.25 and sc.a2_gscale.item() == 0.125
+    assert torch.equal(sc.g1_scale_c, sc.a2_gscale.expand(2))  # upstream's SiTU contract
+    sw = nvfp4_moe_scales(s13, s2, in13, in2, "silu", "w4a4")
+    assert torch.equal(sw.g1_scale_c, s13[:, 1] * 4.0 / 8.0)
+    w416 = nvfp4_moe_scales(s13, s2, None, None, "silu", "w4a16")
+    assert w416.a13.item() == 1.0 and torch.equal(w416.g1_alphas, s13)
+
+
+def _random_experts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, INTER, D, generator=g) * 0.2
+    w3 = torch.randn(E, INTER, D, generator=g) * 3.0  # a different range: different weight_scale_2
+    w2 = torch.randn(E, D, INTER, generator=g) * 0.2
+    return w1, w3, w2
+
+
+def _nvfp4_checkpoint(w1, w3, w2):
+    """Per-expert NVFP4 tensors as ModelOpt names them; gate and up get their OWN weight_scale_2, and input
+    scales differ per expert (so the max over experts is what must be used) and are not powers of two (a
+    power-of-two global scale would leave the block-scaled quantization unchanged and hide a wrong one)."""
+    ckpt = {}
+    for e in range(E):
+        for which, w in (("w1", w1[e]), ("w3", w3[e]), ("w2", w2[e])):
+            q = quantize_nvfp4(w)
+            ckpt[(e, which)] = {
+                "weight": q.weight,
+                "weight_scale": q.weight_scale,
+                "weight_scale_2": q.weight_scale_2,
+                "input_scale": torch.tensor(0.7 * 1.3**e if which != "w2" else 1.9 * 0.6**e),
+            }
+    return ckpt
+
+
+def _load_nvfp4(experts: FusedExperts, ckpt) -> None:
+    for (e, which), tensors in ckpt.items():
+        for kind, t in tensors.items():
+            name = ("w2_" if which == "w2" else "w13_") + kind
+            p = getattr(experts, name)
+            p.weight_loader(p, t, (e, which))
+    experts.process_after_loading()
+
+
+def _reference(x, ids, weights, gate_w, up_w, down_w, act, a13, a2):
+    """Dequantized fp32 weights, plain per-token loop; activations QDQ'd with the decode scales a13 / a2
+    (None: W4A16, no activation quantization)."""
+    out = torch.zeros(x.shape[0], D, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xt = x[t : t + 1].float()
+        if a13 is not None:
+            xt = nvfp4_qdq(xt, a13)
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = act.on_halves(xt @ gate_w[e].t(), xt @ up_w[e].t()).float()
+            if a2 is not None:
+                h = nvfp4_qdq(h, a2)
+            out[t] += weights[t, k].double() * (h @ down_w[e].t()).double()[0]
+    return out
+
+
+def _dequant(ckpt, which):
+    return torch.stack(
+        [
+            dequantize_nvfp4(c["weight"], c["weight_scale"], c["weight_scale_2"])
+            for (e, w), c in sorted(ckpt.items())
+            if w == which
+        ]
+    )
+
+
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_nvfp4_experts_match_dequantized_reference(act_name, mode):
+    act = ACTS[act_name]
+    w1, w3, w2 = _random_experts(0)
+    ckpt = _nvfp4_checkpoint(w1, w3, w2)
+    assert not torch.equal(ckpt[(0, "w1")]["weight_scale_2"], ckpt[(0, "w3")]["weight_scale_2"])
+    experts = FusedExperts(
+        E, D, INTER, act, QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.float32, nvfp4_act_mode=mode
+    )
+    _load_nvfp4(experts, ckpt)
+    x = torch.randn(T, D) * 2
+    weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
+    out = experts(x, ids, weights)
+    a13 = torch.tensor(0.7 * 1.3 ** (E - 1)) if mode == "w4a4" else None  # max input scale over experts
+    a2 = torch.tensor(1.9) if mode == "w4a4" else None
+    ref = _reference(
+        x, ids, weights, _dequant(ckpt, "w1"), _dequant(ckpt, "w3"), _dequant(ckpt, "w2"), act, a13, a2
+    )
+    # Same quantized values, only the order of fp32 roundings differs (scales folded into the accumulators):
+    # fp32-level agreement.
+    assert_close(f"nvfp4 moe {act_name} {mode}", ref, out, rtol=1e-5)
+
+    if act_name == "situ" and mode == "w4a4":
+        # The SwiGLU formula for SiTU (up dequant folded into the post-activation scalar) is wrong.
+        s = experts.scales
+        experts.scales = dataclasses.replace(s, g1_scale_c=s.g1_alphas[:, 1] * s.a2_gscale)
+        assert rel_rms_error(ref, experts(x, ids, weights)) > 0.5
+
+
+def test_nvfp4_expert_parallel_matches_single_rank():
+    act = ACTS["situ"]
+    ckpt = _nvfp4_checkpoint(*_random_experts(1))
+    x = torch.randn(T, D)
+    weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
+    full = FusedExperts(
+        E, D, INTER, act, QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.float32, nvfp4_act_mode="w4a4"
+    )
+    _load_nvfp4(full, ckpt)
+    parts = []
+    for rank in range(2):
+        ex = FusedExperts(
+            E,
+            D,
+            INTER,
+            act,
+            QuantAlgo.NVFP4,
+            ep=TPInfo(rank, 2),
+            params_dtype=torch.float32,
+            nvfp4_act_mode="w4a4",
+        )
+        _load_nvfp4(ex, ckpt)  # every rank sees every checkpoint tensor and keeps its own experts
+        assert ex.w13_weight.shape[0] == 2 and ex.w13_input_scale.shape[0] == E
+        # the folded scales of the local experts are the global ones sliced to this rank
+        assert torch.equal(ex.scales.g1_alphas, full.scales.g1_alphas[2 * rank : 2 * rank + 2])
+        assert torch.equal(ex.scales.a13, full.scales.a13)
+        parts.append(ex(x, ids, weights))
+    # different fp32 summation grouping only
+    assert_close("ep=2 sum vs ep=1", full(x, ids, weights), parts[0] + parts[1], rtol=1e-6)
+
+
+def test_bf16_and_fp8_experts():
+    w1, w3, w2 = _random_experts(2)
+    x = torch.randn(T, D)
+    weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
+    act = ACTS["situ"]
+    dense = FusedExperts(E, D, INTER, act, QuantAlgo.NONE, ep=TPInfo(), params_dtype=torch.float32)
+    fp8 = FusedExperts(E, D, INTER, act, QuantAlgo.FP8_PB_WO, ep=TPInfo(), params_dtype=torch.float32)
+    deq = {}
+    for e in range(E):
+        for which, w in (("w1", w1[e]), ("w3", w3[e]), ("w2", w2[e])):
+            pfx = "w2_" if which == "w2" else "w13_"
+            dense_p = getattr(dense, pfx + "weight")
+            dense_p.weight_loader(dense_p, w, (e, which))
+            q, s = quantize_fp8_block(w)
+            for kind, t in (("weight", q), ("weight_scale", s)):
+                p = getattr(fp8, pfx + kind)
+                p.weight_loader(p, t, (e, which))
+            deq[(e, which)] = dequantize_fp8_block(q, s)
+    stack = lambda which, src: torch.stack([src[(e, which)] for e in range(E)])  # noqa: E731
+    ref_dense = _reference(x, ids, weights, w1, w3, w2, act, None, None)
+    ref_fp8 = _reference(
+        x, ids, weights, stack("w1", deq), stack("w3", deq), stack("w2", deq), act, None, None
+    )
+    assert_close("bf16-path experts (fp32 params)", ref_dense, dense(x, ids, weights), rtol=1e-5)
+    assert_close("fp8_pb_wo experts", ref_fp8, fp8(x, ids, weights), rtol=1e-5)
+    assert rel_rms_error(ref_dense, ref_fp8) > 1e-3  # the fp8 reference really is the quantized one
+
+
+def test_expert_loader_errors():
+    ex = FusedExperts(E, D, INTER, ACTS["silu"], QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.bfloat16)
+    q = quantize_nvfp4(torch.randn(INTER, D))
+    with pytest.raises(ValueError, match=r"experts\.1\.w1 -> w13_weight: expected shape"):
+        ex.w13_weight.weight_loader(ex.w13_weight, q.weight[:, :4], (1, "w1"))
+    with pytest.raises(ValueError, match="expected dtype torch.uint8"):
+        ex.w13_weight.weight_loader(ex.w13_weight, q.weight.float(), (1, "w1"))
+    with pytest.raises(ValueError, match="does not belong"):
+        ex.w13_weight.weight_loader(ex.w13_weight, q.weight, (1, "w2"))
+    with pytest.raises(ValueError, match="out of range"):
+        ex.w13_weight.weight_loader(ex.w13_weight, q.weight, (9, "w1"))
+    with pytest.raises(ValueError, match="NVFP4 experts need"):
+        FusedExperts(E, 24, INTER, ACTS["silu"], QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.bfloat16)
