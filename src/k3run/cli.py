@@ -1,22 +1,430 @@
-"""The `k3run` command line."""
+"""The `k3run` command line: generate, inspect, quantize, eval, bench, run-default."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    import torch
+
+    from k3run.engine import LLM
+
+# The bundled default model (written by scripts/train_default_model.py, quantized with the k3-mixed recipe),
+# looked up relative to the repository root so `k3run generate` works from any working directory.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_DIR = REPO_ROOT / "assets" / "default-model-k3-mixed"
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+RECIPES = ("nvfp4", "fp8_pb_wo", "k3-mixed")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3run", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("run-default", help="run the main job on the bundled default model")
+class UserError(Exception):
+    """A mistake in what the user asked for: reported as one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block before its message; one line says the same thing
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _model_dir(path: str | None) -> Path:
+    if path is None:
+        if not DEFAULT_MODEL_DIR.is_dir():
+            raise UserError(
+                f"no MODEL given and the bundled default model is not at {DEFAULT_MODEL_DIR}; "
+                f"pass a checkpoint directory"
+            )
+        return DEFAULT_MODEL_DIR
+    return _checkpoint_dir(path, "MODEL")
+
+
+def _checkpoint_dir(path: str, what: str) -> Path:
+    d = Path(path)
+    if not d.exists():
+        raise UserError(f"{what} {path}: no such directory")
+    if not d.is_dir():
+        raise UserError(f"{what} {path}: not a directory")
+    if not (d / "config.json").is_file():
+        raise UserError(f"{what} {path}: no config.json, so not a Hugging Face checkpoint directory")
+    return d
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    return name
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    import torch
+
+    return (
+        None if name is None else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(t) for t in text.split(",") if t]
+
+
+def _check_kimi(model_dir: Path) -> None:
+    """Fail early, with the config's own message, on a checkpoint that is not a Kimi model."""
+    from k3run.config import ModelConfig
+
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{model_dir / 'config.json'}: not valid JSON ({e})") from e
+    try:
+        ModelConfig.from_hf(cfg)
+    except ValueError as e:
+        raise UserError(f"{model_dir}: {e}") from e
+
+
+def _load_llm(
+    args: argparse.Namespace,
+    model_dir: Path,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+) -> LLM:
+    from k3run.engine import LLM, EngineConfig
+
+    _check_kimi(model_dir)
+    cfg = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        cache_bytes=args.cache_mib << 20 if args.cache_mib else None,
+    )
+    return LLM(model_dir, dtype=_dtype(args.dtype), device=_device(args.device), config=cfg)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from k3run.engine import SamplingParams
+
+    model_dir = _model_dir(args.model)
+    llm = _load_llm(args, model_dir, 1, args.max_model_len, args.max_model_len)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    out = sys.stdout
+    if not args.chat:
+        out.write(args.prompt)
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    last = None
+    for last in llm.stream(prompt, params):
+        if t_first is None:
+            t_first = time.perf_counter()
+        n = len(last.token_ids)
+        out.write(last.delta)
+        out.flush()
+    t1 = time.perf_counter()
+    out.write("\n")
+    assert last is not None and t_first is not None
+    decode_s = t1 - t_first
+    decode_rate = f"{(n - 1) / decode_s:.1f} tokens/s" if n > 1 and decode_s > 0 else "n/a"
+    print(
+        f"[k3run] {n} tokens in {t1 - t0:.2f} s ({n / (t1 - t0):.1f} tokens/s; prompt "
+        f"{len(last.prompt_token_ids)} tokens, first token after {t_first - t0:.2f} s, decode {decode_rate}; "
+        f"finish: {last.finish_reason.value if last.finish_reason else '?'})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from k3run.quant.plan import build_quant_plan
+
+    d = _checkpoint_dir(args.dir, "DIR")
+    plan = build_quant_plan(d)
+    print(plan.format_table())
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from k3run.quant.export import quantize_checkpoint
+
+    src = _checkpoint_dir(args.src, "SRC")
+    dst = Path(args.dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise UserError(f"DST {dst}: exists and is not empty; choose a new directory")
+    t0 = time.perf_counter()
+    quantize_checkpoint(src, dst, args.recipe)
+    size = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+    secs = time.perf_counter() - t0
+    print(f"[k3run] wrote {dst} ({args.recipe}, {size / 2**20:.2f} MiB of tensors) in {secs:.1f} s")
+    return 0
+
+
+def _heldout_text(args: argparse.Namespace, model_dir: Path) -> str:
+    if args.text is not None:
+        path = Path(args.text)
+        if not path.is_file():
+            raise UserError(f"--text {args.text}: no such file")
+    else:
+        # the bundled default model ships held-out text next to it; any other checkpoint needs --text
+        candidates = [model_dir / "heldout.txt", model_dir.parent / "heldout.txt"]
+        found = [p for p in candidates if p.is_file()]
+        if not found:
+            raise UserError(f"no --text given and no heldout.txt in {model_dir} or its parent")
+        path = found[0]
+    return path.read_text(encoding="utf-8")
+
+
+def _windows(ids: list[int], window: int, max_tokens: int) -> list[list[int]]:
+    ids = ids[:max_tokens]
+    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from k3run.tokenizer import load_tokenizer
+
+    model_dir = _checkpoint_dir(args.dir, "DIR")
+    _check_kimi(model_dir)
+    ref_dir = _checkpoint_dir(args.reference, "--reference") if args.reference else None
+    tok = load_tokenizer(model_dir)
+    text = _heldout_text(args, model_dir)
+    windows = _windows(tok.encode(text, add_special_tokens=False), args.window, args.max_tokens)
+    if not windows:
+        raise UserError("the held-out text encodes to fewer than 2 tokens")
+    from k3run.api import load_model
+
+    device, dtype = _device(args.device), _dtype(args.dtype)
+    model = load_model(model_dir, dtype=dtype, device=device)
+    ref = load_model(ref_dir, dtype=dtype, device=device) if ref_dir else None
+    if ref is not None and ref.config.vocab_size != model.config.vocab_size:
+        raise UserError(
+            f"--reference vocab_size {ref.config.vocab_size} != {model.config.vocab_size}: not the same model"
+        )
+    nll = {"model": 0.0, "ref": 0.0}
+    kl_sum, agree, count = 0.0, 0, 0
+    with torch.inference_mode():
+        for w in tqdm(windows, desc="eval", unit="window", file=sys.stderr, disable=args.no_progress):
+            ids = torch.tensor(w, dtype=torch.int64, device=device)
+            target = ids[1:]
+            logp = model.logits(ids)[:-1].float().log_softmax(-1)  # [T-1, vocab]
+            nll["model"] -= logp.gather(-1, target[:, None]).sum().item()
+            count += target.numel()
+            if ref is not None:
+                ref_logp = ref.logits(ids)[:-1].float().log_softmax(-1)
+                nll["ref"] -= ref_logp.gather(-1, target[:, None]).sum().item()
+                kl_sum += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+    ppl = math.exp(nll["model"] / count)
+    print(f"held-out: {count} predicted tokens in {len(windows)} windows of <= {args.window}")
+    rows = [("checkpoint", "perplexity", "vs reference", "KL(ref||model)", "top-1 agreement")]
+    if ref is not None:
+        ref_ppl = math.exp(nll["ref"] / count)
+        rows.append((f"{ref_dir} (reference)", f"{ref_ppl:.4f}", "", "", ""))
+        rows.append(
+            (
+                str(model_dir),
+                f"{ppl:.4f}",
+                f"{100 * (ppl / ref_ppl - 1):+.2f}%",
+                f"{kl_sum / count:.5f}",
+                f"{100 * agree / count:.2f}%",
+            )
+        )
+    else:
+        rows.append((str(model_dir), f"{ppl:.4f}", "", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from k3run.engine import SamplingParams
+
+    model_dir = _checkpoint_dir(args.dir, "DIR")
+    max_bs = max(args.batch_sizes)
+    llm = _load_llm(
+        args, model_dir, max_bs, args.prompt_len + args.decode_tokens + 1, max_bs * args.prompt_len
+    )
+    engine = llm.engine
+    vocab = engine.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+    sync = torch.cuda.synchronize if engine.cache.device.type == "cuda" else (lambda: None)
+    total_steps = sum(1 + args.decode_tokens - 1 for _ in args.batch_sizes) + 2
+    results = []
+    with tqdm(total=total_steps, desc="bench", unit="step", file=sys.stderr, disable=args.no_progress) as bar:
+        # one warm-up request so first-call costs (allocator, kernel compilation) stay out of the numbers
+        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        engine.add_request(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), warm)
+        while engine.has_unfinished():
+            engine.step()
+            bar.update(1)
+        for bs in args.batch_sizes:
+            for _ in range(bs):
+                engine.add_request(
+                    torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params
+                )
+            sync()
+            t0 = time.perf_counter()
+            engine.step()  # the whole batch's prefill fits the token budget: one step
+            sync()
+            t1 = time.perf_counter()
+            bar.update(1)
+            steps = 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+                bar.update(1)
+            sync()
+            t2 = time.perf_counter()
+            results.append(
+                (bs, bs * args.prompt_len / (t1 - t0), bs * steps / (t2 - t1) if steps else float("nan"))
+            )
+    print(f"{model_dir}: prompt {args.prompt_len} tokens, {args.decode_tokens} generated tokens per sequence")
+    print(f"{'batch':>6}  {'prefill tok/s':>14}  {'decode tok/s':>13}")
+    for bs, pre, dec in results:
+        print(f"{bs:>6}  {pre:>14.1f}  {dec:>13.1f}")
+    return 0
+
+
+def cmd_run_default(args: argparse.Namespace) -> int:
+    if DEFAULT_MODEL_DIR.is_dir():
+        ns = _generate_parser_defaults()
+        return cmd_generate(ns)
+    raise UserError(f"the bundled default model is missing: {DEFAULT_MODEL_DIR}")
+
+
+def _generate_parser_defaults() -> argparse.Namespace:
+    return build_parser().parse_args(["generate", "--prompt", DEFAULT_PROMPT])
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="activation dtype")
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-mib", type=_positive_int, default=None, help="cache budget in MiB (checked at start)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="k3run", description=__doc__)
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    p.add_argument(
+        "model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled model)"
+    )
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=40, help="0 disables")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-model-len", type=_positive_int, default=1024, help="prompt + generated tokens")
+    _add_device_args(p)
+    _add_cache_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("inspect", help="per-layer quantization plan, bytes by scheme, kernels")
+    p.add_argument("dir", metavar="DIR")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("quantize", help="write a ModelOpt-format checkpoint from a bf16 one")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--recipe", choices=RECIPES, required=True)
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("eval", help="held-out perplexity; KL and top-1 agreement against a reference")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--reference", metavar="REF_DIR", help="checkpoint to compare against (e.g. the bf16 one)")
+    p.add_argument("--text", metavar="FILE", help="held-out text (default: heldout.txt next to DIR)")
+    p.add_argument("--window", type=_positive_int, default=256, help="tokens per evaluated window")
+    p.add_argument("--max-tokens", type=_positive_int, default=8192, help="evaluate at most this many tokens")
+    p.add_argument("--no-progress", action="store_true")
+    _add_device_args(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="prefill and decode tokens/s at several batch sizes")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="comma separated")
+    p.add_argument("--prompt-len", type=_positive_int, default=128)
+    p.add_argument("--decode-tokens", type=_positive_int, default=32)
+    p.add_argument("--no-progress", action="store_true")
+    _add_device_args(p)
+    _add_cache_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("run-default", help="generate with the bundled default model (what `make run` does)")
+    p.set_defaults(func=cmd_run_default)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from k3run.tokenizer import TokenizerError
+
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.cmd == "run-default":
-        import torch
-
-        print(f"k3run: torch {torch.__version__}")
-        return 0
-    return 2
+    try:
+        return int(args.func(args))
+    except (
+        UserError,
+        TokenizerError,
+        ValueError,
+        FileNotFoundError,
+        NotADirectoryError,
+        json.JSONDecodeError,
+    ) as e:
+        # ValueError is what config parsing, the loader and the engine raise for a bad checkpoint or setting
+        if args.traceback:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"k3run: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
