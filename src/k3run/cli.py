@@ -125,10 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3run.engine import SamplingParams
 
     model_dir = _model_dir(args.model)
-    llm = _load_llm(args, model_dir, 1, args.max_model_len, args.max_model_len)
-    prompt = args.prompt
-    if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    # checked before the (slow) model load so a bad flag fails at once
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -138,6 +135,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    llm = _load_llm(args, model_dir, 1, args.max_model_len, args.max_model_len)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = sys.stdout
     if not args.chat:
         out.write(args.prompt)
@@ -166,21 +167,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    d = _checkpoint_dir(args.dir, "DIR")
     from k3run.quant.plan import build_quant_plan
 
-    d = _checkpoint_dir(args.dir, "DIR")
     plan = build_quant_plan(d)
     print(plan.format_table())
     return 0
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from k3run.quant.export import quantize_checkpoint
-
     src = _checkpoint_dir(args.src, "SRC")
     dst = Path(args.dst)
     if dst.exists() and any(dst.iterdir()):
         raise UserError(f"DST {dst}: exists and is not empty; choose a new directory")
+    from k3run.quant.export import quantize_checkpoint
+
     t0 = time.perf_counter()
     quantize_checkpoint(src, dst, args.recipe)
     size = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
@@ -218,8 +219,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model_dir = _checkpoint_dir(args.dir, "DIR")
     _check_kimi(model_dir)
     ref_dir = _checkpoint_dir(args.reference, "--reference") if args.reference else None
-    tok = load_tokenizer(model_dir)
     text = _heldout_text(args, model_dir)
+    tok = load_tokenizer(model_dir)
     windows = _windows(tok.encode(text, add_special_tokens=False), args.window, args.max_tokens)
     if not windows:
         raise UserError("the held-out text encodes to fewer than 2 tokens")
