@@ -1,14 +1,32 @@
-"""Streaming safetensors loading: each tensor goes straight to its parameter's weight loader.
+"""Streaming safetensors loading: every checkpoint tensor goes straight to its parameter's weight loader.
 
-Placeholder: filled in below by the streaming loader.
+`load_checkpoint(model, path, mapping)` reads the headers (k3run.safetensors_io), asks the model's name
+table (`mapping`) where each tensor goes, then streams the tensors one at a time in on-disk order. Data is
+read with plain positioned reads into freshly allocated tensors (no mmap), and a loader that narrows a
+`TensorSource` before `read()` (the parallel linears do) reads only the rows/columns its rank keeps. Peak
+memory is therefore the final parameters plus one tensor in flight; tests/test_loader.py measures it.
+
+After the last tensor, every parameter must be filled (modules that track partial fills, such as the fused
+linears, report their own gaps through `unfilled_parameters()`), and then each module's
+`process_after_loading()` runs (padding, scale unification, kernel layouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from k3run.distributed import NO_TP, TPInfo
+
+# rows are read in pieces of about this many bytes when a loader keeps only some columns of a tensor
+_CHUNK_BYTES = 16 << 20
 
 
 @runtime_checkable
@@ -62,3 +80,269 @@ class SliceLoader:
         self, param: torch.nn.Parameter, loaded: torch.Tensor | TensorSource, shard_id: Any = None
     ) -> None:
         self.fn(param, as_source(loaded), shard_id)
+
+
+class _ReadCounter:
+    """Bytes read from disk, for the progress bar and for tests of per-rank slicing."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+class FileTensor:
+    """A tensor in a safetensors file, read on demand with positioned reads (only the narrowed region)."""
+
+    def __init__(
+        self,
+        fd: int,
+        offset: int,
+        full_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        counter: _ReadCounter,
+        region: tuple[tuple[int, int], ...] | None = None,
+    ) -> None:
+        self.fd = fd
+        self.offset = offset  # absolute byte offset of element 0 in the file
+        self.full_shape = full_shape
+        self._dtype = dtype
+        self.counter = counter
+        self.region = region if region is not None else tuple((0, n) for n in full_shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.region)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> FileTensor:
+        dim = dim % len(self.region)
+        s0, n0 = self.region[dim]
+        if start < 0 or length < 0 or start + length > n0:
+            raise IndexError(f"narrow({dim}, {start}, {length}) out of range for size {n0}")
+        region = list(self.region)
+        region[dim] = (s0 + start, length)
+        return FileTensor(self.fd, self.offset, self.full_shape, self._dtype, self.counter, tuple(region))
+
+    def _pread_into(self, out: torch.Tensor, file_offset: int) -> None:
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], file_offset + done)
+            if n <= 0:
+                raise OSError(f"unexpected end of file at byte {file_offset + done}")
+            done += n
+        self.counter.bytes += len(buf)
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self._dtype)
+        if out.numel() == 0:
+            return out
+        if not self.region:
+            self._pread_into(out, self.offset)
+            return out
+        item = out.element_size()
+        row_elems = math.prod(self.full_shape[1:])
+        (r0, nr), rest = self.region[0], self.region[1:]
+        if all(s == 0 and n == full for (s, n), full in zip(rest, self.full_shape[1:], strict=True)):
+            # whole rows: one contiguous byte range straight into the result
+            self._pread_into(out, self.offset + r0 * row_elems * item)
+            return out
+        # some columns only: read bounded chunks of whole rows and keep the wanted part of each
+        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, row_elems * item))
+        for a in range(0, nr, rows_per_chunk):
+            b = min(nr, a + rows_per_chunk)
+            chunk = torch.empty((b - a, *self.full_shape[1:]), dtype=self._dtype)
+            self._pread_into(chunk, self.offset + (r0 + a) * row_elems * item)
+            for d, (s, n) in enumerate(rest, start=1):
+                chunk = chunk.narrow(d, s, n)
+            out[a:b] = chunk
+        return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter name of the model and the shard id for its loader."""
+
+    param: str
+    shard_id: Any = None
+
+
+# A mapping returns the targets of a checkpoint tensor, IGNORE to skip it on purpose, or None when it does
+# not know the name (an error).
+IGNORE: tuple[Target, ...] = ()
+Mapping = Callable[[str], Sequence[Target | tuple[str, Any]] | None]
+
+
+def identity_mapping(name: str) -> list[Target]:
+    """Checkpoint names are parameter names (no fused layers)."""
+    return [Target(name)]
+
+
+@runtime_checkable
+class TracksLoading(Protocol):
+    """A module whose parameters are filled piecewise (fused shards) and knows which pieces are missing.
+
+    `unfilled_parameters()` names them relative to the module, e.g. "weight_scale (shard 2)".
+    """
+
+    def unfilled_parameters(self) -> list[str]: ...
+
+
+@runtime_checkable
+class PostLoad(Protocol):
+    def process_after_loading(self) -> None: ...
+
+
+class LoadError(ValueError):
+    """A checkpoint that does not fit the model: names the tensor, the parameter and what was expected."""
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    tensors: int  # checkpoint tensors loaded into at least one parameter
+    ignored: int  # tensors the mapping skipped on purpose
+    bytes_read: int  # bytes actually read from disk by this process
+
+
+def _scheme_note(model: torch.nn.Module, param_name: str) -> str:
+    module_name = param_name.rpartition(".")[0]
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return ""
+    scheme = getattr(module, "scheme", None)
+    return f" [layer {module_name}: {scheme.describe()}]" if scheme is not None else ""
+
+
+def _targets(mapping: Mapping, name: str) -> list[Target] | None:
+    raw = mapping(name)
+    if raw is None:
+        return None
+    return [t if isinstance(t, Target) else Target(*t) for t in raw]
+
+
+def _default_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    if shard_id is not None:
+        raise ValueError(f"a shard id ({shard_id!r}) needs a weight_loader; this parameter has none")
+    if tuple(loaded.shape) != tuple(param.shape) or loaded.dtype != param.dtype:
+        raise ValueError(
+            f"expected {param.dtype} {tuple(param.shape)}, got {loaded.dtype} {tuple(loaded.shape)}"
+        )
+    if loaded.is_floating_point() and not bool(torch.isfinite(loaded).all()):
+        raise ValueError("non-finite values (NaN/Inf)")
+    param.data.copy_(loaded)
+
+
+def _data_start(path: Path) -> int:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return 8 + n
+
+
+def load_checkpoint(
+    model: torch.nn.Module,
+    path: str | Path,
+    mapping: Mapping = identity_mapping,
+    *,
+    tp: TPInfo = NO_TP,
+    progress: bool = True,
+    ignore_unfilled: Iterable[str] = (),
+) -> LoadStats:
+    """Stream the checkpoint at `path` (a .safetensors file, or a directory with or without an index) into
+    `model`, check completeness, then run every module's `process_after_loading`.
+
+    mapping(name) -> [Target(param, shard_id), ...] | IGNORE | None. Parameters listed in `ignore_unfilled`
+    (exact names) may stay unfilled (e.g. computed buffers registered as parameters). Only rank 0 shows a
+    progress bar.
+    """
+    from tqdm import tqdm
+
+    from k3run.safetensors_io import read_checkpoint_headers
+
+    infos = read_checkpoint_headers(path)
+    params = dict(model.named_parameters())
+
+    plan: list[tuple[str, list[Target]]] = []
+    unknown, ignored = [], 0
+    for name, info in sorted(infos.items(), key=lambda kv: (str(kv[1].file), kv[1].data_offsets)):
+        targets = _targets(mapping, name)
+        if targets is None:
+            unknown.append(name)
+            continue
+        if not targets:
+            ignored += 1
+            continue
+        for t in targets:
+            if t.param not in params:
+                raise LoadError(
+                    f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) maps to parameter "
+                    f"{t.param!r}, which the model does not have{_scheme_note(model, t.param)}"
+                )
+        plan.append((name, targets))
+    if unknown:
+        raise LoadError(
+            f"{len(unknown)} checkpoint tensors have no destination in the model (not consumed): "
+            f"{unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
+        )
+
+    counter = _ReadCounter()
+    touched: set[str] = set()
+    fds: dict[Path, tuple[int, int]] = {}
+    total = sum(infos[n].nbytes for n, _ in plan)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress or tp.rank != 0)
+    try:
+        for name, targets in plan:
+            info = infos[name]
+            if info.file not in fds:
+                fds[info.file] = (os.open(info.file, os.O_RDONLY), _data_start(info.file))
+            fd, start = fds[info.file]
+            src = FileTensor(fd, start + info.data_offsets[0], info.shape, info.torch_dtype, counter)
+            for t in targets:
+                param = params[t.param]
+                loader = getattr(param, "weight_loader", None)
+                try:
+                    if isinstance(loader, SliceLoader):
+                        loader(param, src, t.shard_id)
+                    else:
+                        (loader or _default_loader)(param, src.read(), t.shard_id)
+                except LoadError:
+                    raise
+                except (ValueError, RuntimeError, IndexError, OSError) as e:
+                    shard = "" if t.shard_id is None else f" shard {t.shard_id!r}"
+                    raise LoadError(
+                        f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) -> parameter "
+                        f"{t.param!r}{shard}: {e}{_scheme_note(model, t.param)}"
+                    ) from e
+                touched.add(t.param)
+            bar.update(info.nbytes)
+    finally:
+        bar.close()
+        for fd, _ in fds.values():
+            os.close(fd)
+
+    _check_filled(model, params, touched, set(ignore_unfilled))
+    for module in model.modules():
+        if isinstance(module, PostLoad):
+            module.process_after_loading()
+    return LoadStats(tensors=len(plan), ignored=ignored, bytes_read=counter.bytes)
+
+
+def _check_filled(
+    model: torch.nn.Module, params: dict[str, torch.nn.Parameter], touched: set[str], allowed: set[str]
+) -> None:
+    missing: list[str] = []
+    tracked: set[str] = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, TracksLoading):
+            prefix = f"{module_name}." if module_name else ""
+            tracked.update(prefix + n for n, _ in module.named_parameters(recurse=False))
+            missing += [prefix + item for item in module.unfilled_parameters()]
+    missing += [n for n in params if n not in tracked and n not in touched]
+    missing = [m for m in missing if m.split(" ")[0] not in allowed]
+    if missing:
+        raise LoadError(
+            f"{len(missing)} parameters were not filled by the checkpoint: {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}"
+        )

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3run.distributed import NO_TP, TPInfo, all_gather, all_reduce
-from k3run.loader import SliceLoader, TensorSource
+from k3run.loader import InMemoryTensor, SliceLoader, TensorSource
 from k3run.quant.schemes import LinearScheme, LinearWeights, ParamSpec, linear_scheme_for
 
 if TYPE_CHECKING:
@@ -172,8 +172,6 @@ class LinearBase(torch.nn.Module):
         src = loaded
         if len(loaded.shape) == 0 and math.prod(expected) == 1 and spec.out_block > 1:
             # ModelOpt squeezes a single-tile block scale to a 0-dim scalar
-            from k3run.loader import InMemoryTensor
-
             src = InMemoryTensor(loaded.read().reshape(expected))
         if tuple(src.shape) != expected:
             raise ValueError(
@@ -226,13 +224,13 @@ class LinearBase(torch.nn.Module):
         return offset // b, blocks[0], len(blocks)
 
     def unfilled_parameters(self) -> list[str]:
-        """Every (parameter, partition) that no loader call has filled yet."""
+        """Every (parameter, partition) that no loader call has filled yet, named relative to this module."""
         missing = []
         for name, _ in self.named_parameters(recurse=False):
             for part in range(self.num_partitions):
                 if (name, part) not in self._filled:
                     shard = "" if self.num_partitions == 1 else f" (shard {part})"
-                    missing.append(f"{self.prefix}.{name}{shard}")
+                    missing.append(f"{name}{shard}")
         return missing
 
     def process_after_loading(self) -> None:

@@ -1,0 +1,219 @@
+"""Weight loaders of the parallel linears (single process): every parameter of every scheme, shapes, dtypes,
+partial fills, clear errors. TP slicing and collectives are in test_linear_tp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3run.distributed import TPInfo
+from k3run.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from k3run.loader import InMemoryTensor
+from k3run.quant.schemes import Fp8PbWoScheme, NvFp4Scheme, UnquantizedScheme
+from k3run.testing import assert_close
+from tests.tp_utils import activation_reference, checkpoint_tensors, dequantized, load_shards, make_scheme
+
+FP32_RTOL = 1e-5  # fp32 matmuls of the same operands, different summation order (see test_schemes.py)
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nvfp4"])
+def test_parameters_per_scheme(kind: str) -> None:
+    layer = MergedColumnParallelLinear(256, [160, 96], scheme=make_scheme(kind), params_dtype=torch.float32)
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in layer.named_parameters()}
+    expected = {
+        "none": {"weight": ((256, 256), torch.float32)},
+        # 160 rows -> the second partition starts at row 256 (its own 128-row block grid)
+        "fp8": {"weight": ((352, 256), torch.float8_e4m3fn), "weight_scale": ((3, 1, 2, 1), torch.float32)},
+        "nvfp4": {
+            "weight": ((256, 128), torch.uint8),
+            "weight_scale": ((256, 16), torch.float8_e4m3fn),
+            "weight_scale_2": ((2,), torch.float32),
+            "input_scale": ((2,), torch.float32),
+        },
+    }[kind]
+    assert shapes == expected
+    assert all(callable(p.weight_loader) for p in layer.parameters())
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nvfp4"])
+def test_merged_output_is_concatenation_of_shards(kind: str) -> None:
+    w = [torch.randn(160, 256), torch.randn(96, 256)]
+    tensors = [checkpoint_tensors(kind, wi) for wi in w]
+    biases = [torch.randn(160), torch.randn(96)]
+    layer = MergedColumnParallelLinear(
+        256, [160, 96], bias=True, scheme=make_scheme(kind), params_dtype=torch.float32
+    )
+    load_shards(layer, [t | {"bias": b} for t, b in zip(tensors, biases, strict=True)], merged=True)
+    assert layer.unfilled_parameters() == []
+    layer.process_after_loading()
+    x = torch.randn(5, 256)
+    xa = activation_reference(kind, x)
+    ref = torch.cat([xa @ dequantized(kind, t).t() + b for t, b in zip(tensors, biases, strict=True)], -1)
+    out = layer(x)
+    assert_close(f"{kind} merged", ref, out, rtol=FP32_RTOL)
+    q, k = layer.split(out)
+    assert q.shape[-1] == 160 and k.shape[-1] == 96
+
+
+def test_unfilled_parameters_lists_missing_shards() -> None:
+    layer = MergedColumnParallelLinear(128, [128, 64], scheme=NvFp4Scheme(), prefix="blk.fused")
+    t = checkpoint_tensors("nvfp4", torch.randn(128, 128))
+    load_shards(layer, [t], merged=True)
+    assert layer.unfilled_parameters() == [
+        "weight (shard 1)",
+        "weight_scale (shard 1)",
+        "weight_scale_2 (shard 1)",
+        "input_scale (shard 1)",
+    ]
+
+
+def test_loading_twice_is_an_error() -> None:
+    layer = ReplicatedLinear(32, 16, scheme=UnquantizedScheme(), prefix="p")
+    w = torch.randn(16, 32)
+    layer.weight.weight_loader(layer.weight, w)
+    with pytest.raises(ValueError, match=r"p\.weight: loaded twice"):
+        layer.weight.weight_loader(layer.weight, w)
+
+
+def test_shape_mismatch_names_tensor_expected_and_actual() -> None:
+    layer = ColumnParallelLinear(256, 384, scheme=Fp8PbWoScheme(), prefix="l.q_proj")
+    q, s = checkpoint_tensors("fp8", torch.randn(384, 256)).values()
+    with pytest.raises(
+        ValueError, match=r"l\.q_proj\.weight: expected checkpoint shape \(384, 256\), got \(384, 128\)"
+    ):
+        layer.weight.weight_loader(layer.weight, q[:, :128])
+    with pytest.raises(
+        ValueError, match=r"l\.q_proj\.weight_scale: expected checkpoint shape \(3, 1, 2, 1\)"
+    ):
+        layer.weight_scale.weight_loader(layer.weight_scale, s[:2])
+
+
+def test_dtype_mismatch_explains_quant_config_disagreement() -> None:
+    fp8_layer = ReplicatedLinear(128, 64, scheme=Fp8PbWoScheme(), prefix="a")
+    with pytest.raises(
+        ValueError,
+        match=r"a\.weight: expected dtype torch\.float8_e4m3fn, got torch\.bfloat16.*"
+        r"FP8_PB_WO.*config quantizes it",
+    ):
+        fp8_layer.weight.weight_loader(fp8_layer.weight, torch.randn(64, 128, dtype=torch.bfloat16))
+    plain = ReplicatedLinear(128, 64, scheme=UnquantizedScheme(), prefix="b")
+    fp8 = torch.randn(64, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(
+        ValueError, match=r"b\.weight: expected dtype .*got torch\.float8_e4m3fn.*unquantized"
+    ):
+        plain.weight.weight_loader(plain.weight, fp8)
+    nv = ReplicatedLinear(128, 64, scheme=NvFp4Scheme(), prefix="c")
+    with pytest.raises(
+        ValueError, match=r"c\.weight_scale: expected dtype torch\.float8_e4m3fn, got torch\.float32"
+    ):
+        nv.weight_scale.weight_loader(nv.weight_scale, torch.ones(64, 8))
+
+
+def test_unquantized_weights_are_cast_from_any_float_dtype() -> None:
+    layer = ReplicatedLinear(32, 16, scheme=UnquantizedScheme(), params_dtype=torch.float32)
+    w = torch.randn(16, 32).bfloat16()
+    layer.weight.weight_loader(layer.weight, w)
+    assert torch.equal(layer.weight, w.float())
+
+
+def test_nan_values_are_rejected() -> None:
+    layer = ReplicatedLinear(128, 64, scheme=Fp8PbWoScheme(), prefix="n")
+    q, s = checkpoint_tensors("fp8", torch.randn(64, 128)).values()
+    s = s.clone()
+    s.view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=r"n\.weight_scale: non-finite value"):
+        layer.weight_scale.weight_loader(layer.weight_scale, s)
+    bad = q.clone()
+    bad.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN
+    with pytest.raises(ValueError, match=r"n\.weight: non-finite value \(NaN/Inf\) at index \(3, 5\)"):
+        layer.weight.weight_loader(layer.weight, bad)
+    nv = ReplicatedLinear(32, 16, scheme=NvFp4Scheme(), prefix="m")
+    with pytest.raises(ValueError, match=r"m\.weight_scale_2: non-finite"):
+        nv.weight_scale_2.weight_loader(nv.weight_scale_2, torch.tensor(float("nan")))
+
+
+def test_per_partition_scalars_need_a_scalar() -> None:
+    nv = MergedColumnParallelLinear(32, [16, 16], scheme=NvFp4Scheme(), prefix="m")
+    with pytest.raises(ValueError, match=r"m\.input_scale \(shard 1\): expected a scalar .*got shape \(2,\)"):
+        nv.input_scale.weight_loader(nv.input_scale, torch.ones(2), 1)
+    nv.input_scale.weight_loader(nv.input_scale, torch.tensor([0.5]), 1)  # shape (1,) is a scalar too
+    assert nv.input_scale[1] == 0.5
+
+
+def test_shard_id_rules() -> None:
+    merged = MergedColumnParallelLinear(32, [16, 16], scheme=UnquantizedScheme(), prefix="m")
+    with pytest.raises(ValueError, match="a shard id is required"):
+        merged.weight.weight_loader(merged.weight, torch.randn(16, 32))
+    with pytest.raises(ValueError, match="shard id 2 out of range 0..1"):
+        merged.weight.weight_loader(merged.weight, torch.randn(16, 32), 2)
+
+
+def test_fp8_scalar_block_scale_for_single_tile() -> None:
+    """ModelOpt squeezes a one-tile scale to shape (); it is accepted only when the shard is one tile."""
+    w = torch.randn(96, 128)
+    q, s = checkpoint_tensors("fp8", w).values()
+    layer = ReplicatedLinear(128, 96, scheme=Fp8PbWoScheme(), params_dtype=torch.float32)
+    load_shards(layer, [{"weight": q, "weight_scale": s.reshape(())}], merged=False)
+    layer.process_after_loading()
+    x = torch.randn(3, 128)
+    ref = activation_reference("fp8", x) @ dequantized("fp8", {"weight": q, "weight_scale": s}).t()
+    assert_close("fp8 scalar scale", ref, layer(x), rtol=FP32_RTOL)
+    big = ReplicatedLinear(256, 96, scheme=Fp8PbWoScheme(), prefix="big")
+    with pytest.raises(
+        ValueError, match=r"big\.weight_scale: expected checkpoint shape \(1, 1, 2, 1\), got \(\)"
+    ):
+        big.weight_scale.weight_loader(big.weight_scale, torch.tensor(1.0))
+
+
+def test_row_parallel_input_not_parallel_and_bias_once() -> None:
+    w, b = torch.randn(24, 64), torch.randn(24)
+    x = torch.randn(3, 64)
+    full = ReplicatedLinear(64, 24, bias=True, scheme=UnquantizedScheme(), params_dtype=torch.float32)
+    load_shards(full, [{"weight": w, "bias": b}], merged=False)
+    parts = []
+    for r in range(2):
+        layer = RowParallelLinear(
+            64,
+            24,
+            bias=True,
+            input_is_parallel=False,
+            reduce_results=False,
+            tp=TPInfo(r, 2),
+            scheme=UnquantizedScheme(),
+            params_dtype=torch.float32,
+        )
+        load_shards(layer, [{"weight": w, "bias": b}], merged=False)
+        parts.append(layer(x))
+    # the bias is added on rank 0 only, so the reduction adds it once
+    assert_close("row partial sums", full(x), parts[0] + parts[1], rtol=FP32_RTOL)
+    assert_close("rank 1 has no bias", x[:, 32:] @ w[:, 32:].t(), parts[1], rtol=FP32_RTOL)
+
+
+def test_loaders_accept_lazy_sources() -> None:
+    """Loaders narrow a TensorSource before reading; an in-memory source records what was read."""
+
+    class Recording(InMemoryTensor):
+        reads: list = []
+
+        def narrow(self, dim, start, length):  # type: ignore[no-untyped-def]
+            return Recording(self.t.narrow(dim, start, length))
+
+        def read(self):  # type: ignore[no-untyped-def]
+            Recording.reads.append(tuple(self.t.shape))
+            return self.t
+
+    layer = ColumnParallelLinear(64, 96, tp=TPInfo(1, 4), scheme=UnquantizedScheme())
+    layer.weight.weight_loader(layer.weight, Recording(torch.randn(96, 64)))
+    assert Recording.reads == [(24, 64)]
+
+
+def test_output_partition_must_split_evenly() -> None:
+    with pytest.raises(
+        ValueError, match=r"q: output partition 0 = 100 is not divisible by the tensor-parallel size 8"
+    ):
+        ColumnParallelLinear(64, 100, tp=TPInfo(0, 8), prefix="q", scheme=UnquantizedScheme())
