@@ -22,8 +22,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (q float8_e4m3fn [N, K], scale fp32 [ceil(N/128), 1, ceil(K/128), 1])."""
+def quantize_fp8_block(
+    w: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q float8_e4m3fn [N, K], scale fp32 [ceil(N/128), 1, ceil(K/128), 1]).
+
+    scale: tile scales to use instead of amax/448 (4-D, 2-D or 0-dim layout). ModelOpt needs this for
+    single-tile layers that an engine fuses (q/k/v and their siblings reading the same input, gate/up):
+    their per-tensor amax is unified to the max over the group before export, exactly like NVFP4's
+    weight_scale_2, while multi-tile layers keep their own tile scales.
+    """
     check_float("quantize_fp8_block w", w)
     if w.dim() != 2:
         raise ValueError(f"quantize_fp8_block w: expected 2 dims [N, K], got shape {tuple(w.shape)}")
@@ -31,11 +39,18 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nb, kb = _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK)
     padded = F.pad(w.float(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
     tiles = padded.reshape(nb, FP8_BLOCK, kb, FP8_BLOCK)
-    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)  # [Nb, 1, Kb, 1]
-    amax = torch.where(amax == 0, torch.full_like(amax, FP8_E4M3_MAX), amax)
-    scale = amax / FP8_E4M3_MAX
-    q = (tiles / scale).to(torch.float8_e4m3fn).reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)
-    return q[:n, :k].contiguous(), scale
+    if scale is None:
+        amax = tiles.abs().amax(dim=(1, 3), keepdim=True)  # [Nb, 1, Kb, 1]
+        amax = torch.where(amax == 0, torch.full_like(amax, FP8_E4M3_MAX), amax)
+        tile_scale = amax / FP8_E4M3_MAX
+    else:
+        tile_scale = _scale_2d("quantize_fp8_block scale", scale, nb, kb).to(w.device).reshape(nb, 1, kb, 1)
+        if not bool((torch.isfinite(tile_scale) & (tile_scale > 0)).all()):
+            bad = tile_scale.flatten()[:8].tolist()
+            raise ValueError(f"quantize_fp8_block scale: expected positive finite values, got {bad}")
+        tile_scale = tile_scale.clone()
+    q = (tiles / tile_scale).to(torch.float8_e4m3fn).reshape(nb * FP8_BLOCK, kb * FP8_BLOCK)
+    return q[:n, :k].contiguous(), tile_scale
 
 
 def _scale_2d(name: str, scale: torch.Tensor, nb: int, kb: int) -> torch.Tensor:
