@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3run.cli import main
+from k3run.engine import LLM, EngineConfig, SamplingParams
+from k3run.tokenizer import load_tokenizer
+
+from .engine.conftest import write_char_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -77,3 +84,120 @@ def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"k3run: error: MODEL {tmp_path / 'nope'}: no such directory"
     assert proc.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def kimi_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The bf16 and NVFP4 tiny Kimi Linear fixtures, each with a character tokenizer (vocab 97 <= 128)."""
+    pytest.importorskip("k3run.api")
+    root = tmp_path_factory.mktemp("cli")
+    out = []
+    for name in ("kimi_linear_bf16", "kimi_linear_nvfp4"):
+        d = root / name
+        shutil.copytree(FIXTURES / name, d)
+        write_char_tokenizer(d)
+        out.append(d)
+    (root / "heldout.txt").write_text("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 3)
+    return out[0], out[1]
+
+
+def test_generate_streams_the_greedy_text_and_reports_speed(
+    kimi_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bf16, _ = kimi_dirs
+    rc = main(
+        [
+            "generate",
+            str(bf16),
+            "--prompt",
+            "def f(",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0
+    expect = LLM(bf16, dtype=torch.float32, config=EngineConfig(max_num_seqs=1, max_model_len=64)).generate(
+        ["def f("], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )[0]
+    assert captured.out == "def f(" + expect.text + "\n"
+    assert "[k3run] 6 tokens in" in captured.err and "tokens/s" in captured.err
+
+
+def test_eval_perplexity_kl_and_agreement(
+    kimi_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    load_model = pytest.importorskip("k3run.api").load_model
+    bf16, nvfp4 = kimi_dirs
+    rc = main(
+        [
+            "eval",
+            str(nvfp4),
+            "--reference",
+            str(bf16),
+            "--window",
+            "32",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    row = next(line for line in out.splitlines() if line.startswith(str(nvfp4)))
+    ppl, rel, kl, agree = row[len(str(nvfp4)) :].split()
+    # recompute the perplexity of the quantized model independently, window by window
+    text = (bf16.parent / "heldout.txt").read_text()
+    ids = load_tokenizer(nvfp4).encode(text, add_special_tokens=False)
+    model = load_model(nvfp4, dtype=torch.float32)
+    nll, n = 0.0, 0
+    for i in range(0, len(ids), 32):
+        w = torch.tensor(ids[i : i + 32])
+        if w.numel() < 2:
+            continue
+        logp = model.logits(w)[:-1].log_softmax(-1)
+        nll -= logp.gather(-1, w[1:, None]).sum().item()
+        n += w.numel() - 1
+    assert math.isclose(float(ppl), math.exp(nll / n), rel_tol=1e-4)
+    # NVFP4 weights move the distribution a little: KL strictly positive, most argmaxes kept
+    assert float(kl) > 0 and float(agree.rstrip("%")) > 50
+    rc = main(
+        ["eval", str(bf16), "--reference", str(bf16), "--window", "32", "--device", "cpu", "--no-progress"]
+    )
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{bf16} "))
+    assert row.split()[2:] == ["+0.00%", "0.00000", "100.00%"]
+
+
+def test_bench_prints_a_row_per_batch_size(
+    kimi_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bf16, _ = kimi_dirs
+    rc = main(
+        [
+            "bench",
+            str(bf16),
+            "--batch-sizes",
+            "1,3",
+            "--prompt-len",
+            "8",
+            "--decode-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--no-progress",
+        ]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    rows = [line.split() for line in lines[-2:]]
+    assert [r[0] for r in rows] == ["1", "3"]
+    assert all(float(x) > 0 for r in rows for x in r[1:])
