@@ -28,6 +28,8 @@ from torch import nn
 from k3run.distributed import TPInfo, all_reduce
 from k3run.formats import dequantize_fp8_block, dequantize_nvfp4, nvfp4_qdq
 from k3run.layers.activation import GatedActivation
+from k3run.layers.norm import norm_weight_loader
+from k3run.loader import SliceLoader, TensorSource
 from k3run.quant.algo import QuantAlgo
 
 NvFp4ActMode = Literal["w4a4", "w4a16"]
@@ -80,19 +82,11 @@ class MoERouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         for p in (self.weight, self.e_score_correction_bias):
-            p.weight_loader = _replicated_loader  # type: ignore[attr-defined]
+            p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = x.float() @ self.weight.t()  # [T, E] fp32
         return route(logits, self.e_score_correction_bias, self.top_k, **self.cfg_kwargs)  # type: ignore[arg-type]
-
-
-def _replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-    if shard_id is not None:
-        raise ValueError(f"replicated parameter: shard_id must be None, got {shard_id!r}")
-    if loaded.numel() != param.numel() or (loaded.dim() > 1 and tuple(loaded.shape) != tuple(param.shape)):
-        raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    param.data.copy_(loaded.reshape(param.shape).to(param.dtype))
 
 
 @dataclass(frozen=True)
@@ -195,6 +189,8 @@ class FusedExperts(nn.Module):
         self.algo = algo
         self.nvfp4_act_mode: NvFp4ActMode = nvfp4_act_mode
         self.scales: NvFp4MoeScales | None = None
+        self._filled: set[tuple[str, int, str]] = set()
+        self._expected: list[tuple[str, int, str]] = []
         el, d, i = self.num_local, hidden_size, intermediate_size
         if algo == QuantAlgo.NONE:
             self._add("w13_weight", (el, 2 * i, d), params_dtype)
@@ -228,16 +224,25 @@ class FusedExperts(nn.Module):
             data = torch.zeros(shape, dtype=dtype)
         p = nn.Parameter(data, requires_grad=False)
         kind = name.split("_", 1)[1]  # weight, weight_scale, weight_scale_2, input_scale
-        p.weight_loader = lambda param, loaded, shard_id: self._load(
-            name, kind, local, param, loaded, shard_id
-        )  # type: ignore[attr-defined]
+
+        def load(param: nn.Parameter, loaded: TensorSource, shard_id: object) -> None:
+            self._load(name, kind, local, param, loaded, shard_id)
+
+        p.weight_loader = SliceLoader(load)  # type: ignore[attr-defined]
         self.register_parameter(name, p)
+        experts = range(self.first, self.first + self.num_local) if local else range(self.num_experts)
+        shards = ("w2",) if name.startswith("w2_") else ("w1", "w3")
+        self._expected += [(name, e, w) for e in experts for w in shards]
 
     def is_local(self, expert_id: int) -> bool:
         return self.first <= expert_id < self.first + self.num_local
 
+    def unfilled_parameters(self) -> list[str]:
+        """(parameter, expert, shard) triples no checkpoint tensor has filled yet."""
+        return [f"{n} (expert {e} {w})" for n, e, w in self._expected if (n, e, w) not in self._filled]
+
     def _load(
-        self, name: str, kind: str, local: bool, param: nn.Parameter, loaded: torch.Tensor, shard_id: object
+        self, name: str, kind: str, local: bool, param: nn.Parameter, source: TensorSource, shard_id: object
     ) -> None:
         if (
             not isinstance(shard_id, tuple)
@@ -255,18 +260,18 @@ class FusedExperts(nn.Module):
         if (which == "w2") != name.startswith("w2_"):
             raise ValueError(f"{what}: shard {which} does not belong to {name}")
         if local and not self.is_local(eid):
-            return  # another EP rank holds this expert
-        row = eid - self.first if local else eid
+            return  # another EP rank holds this expert: never read its bytes
+        if (name, eid, which) in self._filled:
+            raise ValueError(f"{what}: loaded twice")
+        self._store(what, kind, param, source.read(), eid - self.first if local else eid, which)
+        self._filled.add((name, eid, which))
+
+    def _store(
+        self, what: str, kind: str, param: nn.Parameter, loaded: torch.Tensor, row: int, which: str
+    ) -> None:
         dst = param.data[row]
         i = self.intermediate_size
-        if kind == "input_scale":
-            val = _scalar(what, loaded)
-            if which == "w2":
-                dst.fill_(val)
-            else:
-                dst[0 if which == "w1" else 1] = val
-            return
-        if kind == "weight_scale_2":
+        if kind in ("input_scale", "weight_scale_2"):  # per-expert scalars; w13 keeps (gate, up) columns
             val = _scalar(what, loaded)
             if which == "w2":
                 dst.fill_(val)
