@@ -10,14 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3run.loader import TensorSource, as_source
 
-def norm_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+
+def norm_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor | TensorSource, shard_id: object = None
+) -> None:
     """Copy a replicated norm weight, checking the shape (norm weights are never sharded over TP)."""
     if shard_id is not None:
         raise ValueError(f"norm weight: shard_id must be None for a replicated weight, got {shard_id!r}")
-    if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"norm weight: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    param.data.copy_(loaded.to(param.dtype))
+    src = as_source(loaded)
+    if tuple(src.shape) != tuple(param.shape):
+        raise ValueError(f"norm weight: expected shape {tuple(param.shape)}, got {tuple(src.shape)}")
+    param.data.copy_(src.read().to(param.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

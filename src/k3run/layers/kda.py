@@ -1,0 +1,251 @@
+"""Kimi Delta Attention mixer (Kimi Linear and K3), tensor parallel over heads.
+
+Rank-local computation for a flat batch x [T, D] of B sequences (kimi-architecture.md §2, §5):
+    in_proj(x)  K3:          [q | k | v | g | f_a | b]    (f_a replicated: every rank needs the whole latent)
+                Kimi Linear: [q | k | v | b | f_a]        (output gate from g_b_proj(g_a_proj(x)))
+    q, k, v  <- silu(causal depthwise conv, width W) continuing each sequence's conv state
+    q, k     <- L2-normalised per head (eps inside the sqrt); the kernel scales q by K^-1/2
+    g        <- kda_gate(f_b_proj(f_a), A_log, dt_bias, gate_lower_bound)   (fp32 log decay)
+    beta     <- sigmoid(b) in fp32
+    o        <- KDA recurrence from each sequence's state (zero for a fresh sequence), fp32
+    out      <- o_proj(o_norm(o, gate))   (gated RMSNorm per head, row-parallel o_proj with all-reduce)
+
+Checkpoint names -> parameters (model table): {q,k,v}_proj, g_proj, f_a_proj, b_proj -> in_proj shards
+(see `in_proj_shard_ids`); {q,k,v}_conv1d.weight [P, 1, W] -> conv_weight shards 0/1/2, or a fused
+conv1d.weight [3P, 1, W] -> conv_weight with shard None; A_log [H] or [1, 1, H, 1]; dt_bias [H*K].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from k3run.distributed import NO_TP, TPInfo
+from k3run.forward_context import ForwardContext, KDALayerCache
+from k3run.kernels.kda import causal_conv1d, chunk_kda, kda_gate, l2norm, recurrent_kda
+from k3run.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from k3run.layers.norm import GatedRMSNorm
+from k3run.loader import SliceLoader, TensorSource
+
+if TYPE_CHECKING:
+    from k3run.quant.modelopt import ModelOptConfig
+
+CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        conv_kernel_size: int = 4,
+        use_full_rank_gate: bool,
+        gate_lower_bound: float | None,
+        rms_norm_eps: float = 1e-5,
+        qcfg: ModelOptConfig | None = None,
+        prefix: str = "",
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        if gate_lower_bound is not None and not gate_lower_bound < 0:
+            raise ValueError(f"{prefix}: gate_lower_bound must be negative or None, got {gate_lower_bound}")
+        self.prefix = prefix
+        self.tp = tp
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.use_full_rank_gate = use_full_rank_gate
+        self.gate_lower_bound = gate_lower_bound
+        self.params_dtype = params_dtype
+        self.local_heads = tp.shard(num_heads, f"{prefix}: KDA num_heads")  # H
+        K = head_dim
+        P = num_heads * K
+        self.local_proj = self.local_heads * K  # P on this rank
+        self.scale = K**-0.5
+
+        lin = {"qcfg": qcfg, "tp": tp, "params_dtype": params_dtype}
+        if use_full_rank_gate:
+            names = ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"]
+            sizes = [P, P, P, P, K * tp.size, num_heads]
+        else:
+            names = ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj"]
+            sizes = [P, P, P, num_heads, K * tp.size]
+        self.in_proj_shard_ids = {name: i for i, name in enumerate(names)}
+        self.in_proj = MergedColumnParallelLinear(
+            hidden_size,
+            sizes,
+            replicated_shard_id=names.index("f_a_proj"),
+            prefix=f"{prefix}.in_proj",
+            shard_prefixes=[f"{prefix}.{n}" for n in names],
+            **lin,
+        )
+        self.f_b_proj = ColumnParallelLinear(K, P, prefix=f"{prefix}.f_b_proj", **lin)
+        if not use_full_rank_gate:
+            self.g_a_proj = ReplicatedLinear(hidden_size, K, prefix=f"{prefix}.g_a_proj", **lin)
+            self.g_b_proj = ColumnParallelLinear(K, P, prefix=f"{prefix}.g_b_proj", **lin)
+        self.o_norm = GatedRMSNorm(K, eps=rms_norm_eps, params_dtype=params_dtype)
+        self.o_proj = RowParallelLinear(P, hidden_size, prefix=f"{prefix}.o_proj", **lin)
+
+        # fp32 like the upstream kernels: the gate parameters feed exp() and the conv accumulates in fp32
+        H = self.local_heads
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32), requires_grad=False)
+        self.conv_weight = nn.Parameter(
+            torch.zeros(3 * self.local_proj, conv_kernel_size, dtype=torch.float32), requires_grad=False
+        )  # [3P, W], rank-local rows [q | k | v]
+        self.A_log.weight_loader = SliceLoader(self._load_A_log)  # type: ignore[attr-defined]
+        self.dt_bias.weight_loader = SliceLoader(self._load_dt_bias)  # type: ignore[attr-defined]
+        self.conv_weight.weight_loader = SliceLoader(self._load_conv)  # type: ignore[attr-defined]
+        self._filled: set[str] = set()
+
+    # weight loading
+
+    def _mark(self, what: str) -> None:
+        if what in self._filled:
+            raise ValueError(f"{self.prefix}.{what}: loaded twice")
+        self._filled.add(what)
+
+    def _load_A_log(self, param: nn.Parameter, loaded: TensorSource, shard_id: object = None) -> None:
+        H = self.num_heads
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}.A_log: unexpected shard id {shard_id!r}")
+        # legacy checkpoints store A_log as [1, 1, H, 1]
+        if tuple(loaded.shape) not in ((H,), (1, 1, H, 1)):
+            raise ValueError(
+                f"{self.prefix}.A_log: expected shape ({H},) or (1, 1, {H}, 1), got {loaded.shape}"
+            )
+        flat = loaded.read().reshape(H)
+        start = self.tp.rank * self.local_heads
+        param.data.copy_(flat[start : start + self.local_heads].float())
+        self._mark("A_log")
+
+    def _load_dt_bias(self, param: nn.Parameter, loaded: TensorSource, shard_id: object = None) -> None:
+        n = self.num_heads * self.head_dim
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}.dt_bias: unexpected shard id {shard_id!r}")
+        if tuple(loaded.shape) != (n,):
+            raise ValueError(f"{self.prefix}.dt_bias: expected shape ({n},), got {loaded.shape}")
+        param.data.copy_(loaded.narrow(0, self.tp.rank * self.local_proj, self.local_proj).read().float())
+        self._mark("dt_bias")
+
+    def _load_conv(self, param: nn.Parameter, loaded: TensorSource, shard_id: object = None) -> None:
+        """shard_id 0/1/2 (or "q"/"k"/"v"): one of q/k/v_conv1d.weight [P, 1, W]; None: fused [3P, 1, W]."""
+        P, W, Pl = self.num_heads * self.head_dim, self.conv_kernel_size, self.local_proj
+        ids = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1, 2: 2}
+        if shard_id is None:
+            parts, expected = [0, 1, 2], 3 * P
+        elif shard_id in ids:
+            parts, expected = [ids[shard_id]], P  # type: ignore[index]
+        else:
+            raise ValueError(f"{self.prefix}.conv_weight: shard id must be 0, 1, 2 or None, got {shard_id!r}")
+        if tuple(loaded.shape) not in ((expected, 1, W), (expected, W)):
+            raise ValueError(
+                f"{self.prefix}.conv_weight (shard {shard_id}): expected shape ({expected}, 1, {W}), "
+                f"got {loaded.shape}"
+            )
+        for j, part in enumerate(parts):
+            src = loaded.narrow(0, j * P + self.tp.rank * Pl, Pl).read().reshape(Pl, W)
+            param.data[part * Pl : (part + 1) * Pl].copy_(src.float())
+            self._mark(CONV_SHARD_NAMES[part])
+
+    def unfilled_parameters(self) -> list[str]:
+        """This module's own parameters (not its linears') that no loader call has filled yet."""
+        names = ["A_log", "dt_bias", *CONV_SHARD_NAMES]
+        return [f"{self.prefix}.{n}" for n in names if n not in self._filled]
+
+    # cache
+
+    def cache_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv [S, 3P, W-1], recurrent [S, H, K, V]) for this rank."""
+        H, K = self.local_heads, self.head_dim
+        return (num_slots, 3 * self.local_proj, self.conv_kernel_size - 1), (num_slots, H, K, K)
+
+    def init_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> KDALayerCache:
+        """Zeroed cache: conv state in the activation dtype `dtype`, recurrent state in fp32."""
+        conv_shape, rec_shape = self.cache_shapes(num_slots)
+        return KDALayerCache(
+            conv=torch.zeros(conv_shape, dtype=dtype, device=device),
+            recurrent=torch.zeros(rec_shape, dtype=torch.float32, device=device),
+        )
+
+    def _initial_states(
+        self, ctx: ForwardContext, cache: KDALayerCache | None, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each sequence's conv and recurrent state before this step; zeros for a fresh sequence."""
+        if cache is None:
+            if any(c != 0 for c in ctx.context_lens_list):
+                raise ValueError(f"{self.prefix}: context_lens {ctx.context_lens_list} need a KDA cache")
+            return None, None
+        if ctx.slots is None:
+            raise ValueError(f"{self.prefix}: a cache was given but ctx.slots is None")
+        conv_shape, rec_shape = self.cache_shapes(cache.conv.shape[0])
+        if tuple(cache.conv.shape) != conv_shape or tuple(cache.recurrent.shape) != rec_shape:
+            raise ValueError(
+                f"{self.prefix}: cache shapes conv {tuple(cache.conv.shape)} / recurrent "
+                f"{tuple(cache.recurrent.shape)} do not match the layer's {conv_shape} / {rec_shape}"
+            )
+        if cache.recurrent.dtype != torch.float32:
+            raise ValueError(f"{self.prefix}: recurrent state must be fp32, got {cache.recurrent.dtype}")
+        conv0 = cache.conv[ctx.slots].to(dtype)  # [B, 3P, W-1]
+        rec0 = cache.recurrent[ctx.slots]  # [B, H, K, V]
+        fresh = [b for b, c in enumerate(ctx.context_lens_list) if c == 0]
+        if fresh:
+            # a reused slot still holds its previous owner's state
+            idx = torch.tensor(fresh, device=device)
+            conv0[idx] = 0
+            rec0[idx] = 0
+        return conv0, rec0
+
+    # forward
+
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, layer_cache: KDALayerCache | None
+    ) -> torch.Tensor:
+        """x [T, D] (the normed layer input) -> [T, D]; updates layer_cache at ctx.slots when given."""
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
+        T = x.shape[0]
+        H, K, Pl = self.local_heads, self.head_dim, self.local_proj
+        conv0, rec0 = self._initial_states(ctx, layer_cache, x.dtype, x.device)
+
+        parts = self.in_proj.split(self.in_proj(x))
+        if self.use_full_rank_gate:
+            q, k, v, gate, f_a, b = parts
+        else:
+            q, k, v, b, f_a = parts
+            gate = self.g_b_proj(self.g_a_proj(x))  # [T, P]
+        qkv = torch.cat([q, k, v], dim=-1)  # [T, 3P]
+        qkv, conv_final = causal_conv1d(qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0)
+        q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
+        q, k = l2norm(q), l2norm(k)  # [T, H, K] fp32
+
+        f = self.f_b_proj(f_a).reshape(T, H, K)
+        g = kda_gate(f, self.A_log, self.dt_bias, self.gate_lower_bound)  # [T, H, K] fp32
+        beta = torch.sigmoid(b.float())  # [T, H]
+
+        kda = recurrent_kda if ctx.is_decode else chunk_kda
+        o, rec_final = kda(q, k, v, g, beta, scale=self.scale, initial_state=rec0, cu_seqlens=ctx.cu_seqlens)
+        if layer_cache is not None:
+            layer_cache.conv[ctx.slots] = conv_final.to(layer_cache.conv.dtype)
+            layer_cache.recurrent[ctx.slots] = rec_final
+
+        o = self.o_norm(o, gate.reshape(T, H, K)).to(x.dtype)  # fp32 math, [T, H, V]
+        return self.o_proj(o.reshape(T, Pl))
+
+    def extra_repr(self) -> str:
+        gate = "full-rank g_proj" if self.use_full_rank_gate else "low-rank g_a/g_b"
+        decay = (
+            "softplus" if self.gate_lower_bound is None else f"sigmoid lower bound {self.gate_lower_bound}"
+        )
+        return f"heads={self.local_heads}/{self.num_heads}, head_dim={self.head_dim}, {gate}, decay={decay}"
