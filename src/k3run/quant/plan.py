@@ -1,0 +1,356 @@
+"""QuantPlan: what every linear-like layer of a checkpoint is, before any tensor data is read.
+
+Built from config.json (the ModelOpt config, quant/modelopt.py) and the safetensors headers only, so
+`k3run inspect` describes a multi-terabyte checkpoint in seconds. For each module prefix that owns a 2-D
+`.weight` it records the scheme, the logical weight shape [N, K], the shape the scheme holds after padding,
+the bytes of its tensors and the kernel that will run it. Building the plan also checks that the config and
+the tensors agree (dtype, presence and shape of every scale); a checkpoint that fails here would otherwise
+load quantized bytes into the wrong parameters and produce garbage without an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from k3run.quant.algo import QuantAlgo
+from k3run.quant.modelopt import ModelOptConfig, load_quant_config
+from k3run.safetensors_io import TensorInfo, read_checkpoint_headers
+
+FP8_BLOCK = 128
+NVFP4_GROUP = 16
+# Tensors that belong to a linear layer; anything else (norms, convs, A_log, router bias) is "other".
+LAYER_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale")
+_EMBEDDING_NAMES = frozenset({"embed_tokens", "word_embeddings", "wte"})
+_FLOAT_CODES = ("BF16", "F16", "F32")
+
+_CPU_QUANT = "reference: dequantize + matmul (formats)"
+# The kernel each scheme runs, per device type: the one place `k3run inspect` and the start-up log read.
+_IMPLEMENTATIONS: Mapping[tuple[str, QuantAlgo], str] = {
+    ("cpu", QuantAlgo.NONE): "torch F.linear",
+    ("cpu", QuantAlgo.FP8_PB_WO): _CPU_QUANT,
+    ("cpu", QuantAlgo.NVFP4): _CPU_QUANT,
+    ("cpu", QuantAlgo.W4A16_NVFP4): _CPU_QUANT,
+    ("cuda", QuantAlgo.NONE): "torch F.linear (cuBLAS)",
+    ("cuda", QuantAlgo.FP8_PB_WO): "kernels/fp8_gemm: 1x128 fp8 activations x 128x128 blocks "
+    "(block-scaled _scaled_mm on sm90, else Triton)",
+    ("cuda", QuantAlgo.NVFP4): "kernels/nvfp4_gemm: Triton W4A16, E2M1 decoded in registers",
+    ("cuda", QuantAlgo.W4A16_NVFP4): "kernels/nvfp4_gemm: Triton W4A16, E2M1 decoded in registers",
+}
+
+
+def implementation_name(algo: QuantAlgo, device: str | torch.device = "cpu") -> str:
+    """The kernel that runs a linear layer of scheme `algo` on `device` ("cpu", "cuda", "cuda:1", ...)."""
+    kind = torch.device(device).type
+    name = _IMPLEMENTATIONS.get((kind, algo))
+    if name is not None:
+        return name
+    if algo is QuantAlgo.FP8:
+        return "unsupported: k3run has no per-tensor FP8 scheme"
+    return f"unsupported: no {algo.value} kernel for device type {kind!r}"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    prefix: str
+    kind: str  # "linear" or "embedding"
+    algo: QuantAlgo
+    logical_shape: tuple[int, int]  # [N, K]
+    physical_shape: tuple[int, int]  # after the scheme's padding
+    nbytes: int  # all tensors of the layer as stored
+    implementation: str
+    tensors: tuple[str, ...]
+
+    @property
+    def padding(self) -> tuple[int, int]:
+        """(rows, columns) the scheme adds to the logical weight."""
+        return (
+            self.physical_shape[0] - self.logical_shape[0],
+            self.physical_shape[1] - self.logical_shape[1],
+        )
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    model_dir: Path
+    device: str
+    quant_config: ModelOptConfig | None
+    layers: tuple[LayerPlan, ...]
+    other_tensors: int
+    other_bytes: int
+
+    def layer(self, prefix: str) -> LayerPlan:
+        for lp in self.layers:
+            if lp.prefix == prefix:
+                return lp
+        raise KeyError(f"{self.model_dir}: no linear-like layer {prefix!r}")
+
+    def bytes_by_scheme(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for lp in self.layers:
+            out[lp.algo.value if lp.kind == "linear" else lp.kind] += lp.nbytes
+        if self.other_bytes:
+            out["other"] += self.other_bytes
+        return dict(out)
+
+    def format_table(self) -> str:
+        """The text `k3run inspect DIR` prints: one row per layer (routed experts folded into one row per
+        layer and projection when they are identical), then parameter bytes by scheme."""
+        qc = self.quant_config
+        if qc is None:
+            head = "unquantized (no ModelOpt config)"
+        else:
+            prod = dict(qc.producer or {})
+            by = f" by {prod.get('name')} {prod.get('version', '')}".rstrip() if prod else ""
+            head = f"ModelOpt {qc.quant_algo}{by}"
+            if qc.kv_cache_quant_algo:
+                head += f", kv cache {qc.kv_cache_quant_algo}"
+        lines = [f"{self.model_dir}: {head}; device {self.device}", ""]
+        rows = [("layer", "scheme", "logical [N, K]", "physical", "padding", "bytes", "implementation")]
+        for label, lp, count in _folded(self.layers):
+            pad = lp.padding
+            rows.append(
+                (
+                    label,
+                    lp.algo.value if lp.kind == "linear" else f"{lp.algo.value} ({lp.kind})",
+                    _shape(lp.logical_shape),
+                    _shape(lp.physical_shape),
+                    f"N+{pad[0]}" if pad[0] else ("K+" + str(pad[1]) if pad[1] else "-"),
+                    _human(lp.nbytes * count),
+                    lp.implementation,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        lines += ["", "parameter bytes by scheme:"]
+        by_scheme = self.bytes_by_scheme()
+        total = sum(by_scheme.values())
+        counts: dict[str, int] = defaultdict(int)
+        params: dict[str, int] = defaultdict(int)
+        for lp in self.layers:
+            key = lp.algo.value if lp.kind == "linear" else lp.kind
+            counts[key] += 1
+            params[key] += lp.logical_shape[0] * lp.logical_shape[1]
+        for key, nbytes in sorted(by_scheme.items(), key=lambda kv: -kv[1]):
+            what = f"{self.other_tensors} tensors" if key == "other" else f"{counts[key]} layers"
+            extra = "" if key == "other" else f", {params[key] / 1e6:.2f}M weights"
+            share = 100.0 * nbytes / total if total else 0.0
+            lines.append(f"  {key:<12} {_human(nbytes):>11}  {share:5.1f}%  ({what}{extra})")
+        lines.append(f"  {'total':<12} {_human(total):>11}")
+        return "\n".join(lines)
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def _human(n: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+
+
+def _folded(layers: tuple[LayerPlan, ...]) -> list[tuple[str, LayerPlan, int]]:
+    """Table rows: identical routed-expert layers of one MoE block and projection become one row, placed
+    where its first expert would be."""
+    groups: dict[tuple, list[int]] = {}
+    order: list[LayerPlan | tuple] = []
+    for lp in layers:
+        m = _EXPERT.match(lp.prefix)
+        if m is None:
+            order.append(lp)
+            continue
+        key = (
+            m.group(1),
+            m.group(3),
+            lp.algo,
+            lp.logical_shape,
+            lp.physical_shape,
+            lp.nbytes,
+            lp.implementation,
+        )
+        if key not in groups:
+            groups[key] = []
+            order.append((key, lp))
+        groups[key].append(int(m.group(2)))
+    rows: list[tuple[str, LayerPlan, int]] = []
+    for item in order:
+        if isinstance(item, LayerPlan):
+            rows.append((item.prefix, item, 1))
+            continue
+        key, first = item
+        ids = groups[key]
+        if len(ids) == 1:
+            rows.append((first.prefix, first, 1))
+            continue
+        lo, hi = min(ids), max(ids)
+        span = f"{lo}..{hi}" if hi - lo + 1 == len(ids) else f"{len(ids)} of {lo}..{hi}"
+        rows.append((f"{key[0]}[{span}]{key[1]} x{len(ids)}", first, len(ids)))
+    return rows
+
+
+def _model_order(name: str) -> tuple:
+    """Embeddings, then the layers in numeric order, then the rest (lm_head): the order of the forward."""
+    rank = 0 if name.rpartition(".")[2] in _EMBEDDING_NAMES else (1 if ".layers." in f".{name}" else 2)
+    return (rank, *(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)))
+
+
+class _Checker:
+    """Checks one layer's tensors against its scheme; every error names tensor, expected and actual."""
+
+    def __init__(
+        self, prefix: str, algo: QuantAlgo, tensors: dict[str, TensorInfo], why: Callable[[], str]
+    ) -> None:
+        self.prefix, self.algo, self.tensors, self.why = prefix, algo, tensors, why
+
+    def fail(self, suffix: str, expected: str, actual: str) -> ValueError:
+        return ValueError(
+            f"tensor {self.prefix}.{suffix}: expected {expected}, got {actual} "
+            f"(layer scheme {self.algo.value}: {self.why()})"
+        )
+
+    def get(self, suffix: str, required: bool = True) -> TensorInfo | None:
+        info = self.tensors.get(f"{self.prefix}.{suffix}")
+        if info is None and required:
+            raise self.fail(suffix, "the tensor to exist", "nothing")
+        return info
+
+    def expect(self, suffix: str, codes: tuple[str, ...], shape: tuple[int, ...] | None = None) -> TensorInfo:
+        info = self.get(suffix)
+        assert info is not None
+        if info.dtype not in codes:
+            raise self.fail(suffix, "dtype " + " or ".join(codes), f"{info.dtype} {list(info.shape)}")
+        if shape is not None and info.shape != shape:
+            raise self.fail(suffix, f"shape {list(shape)}", f"{list(info.shape)}")
+        return info
+
+    def expect_scalar(self, suffix: str, required: bool = True) -> None:
+        info = self.get(suffix, required)
+        if info is None:
+            return
+        if info.dtype != "F32" or info.numel != 1:
+            raise self.fail(suffix, "an F32 scalar (shape [] or [1])", f"{info.dtype} {list(info.shape)}")
+
+    def absent(self, *suffixes: str) -> None:
+        for s in suffixes:
+            info = self.get(s, required=False)
+            if info is not None:
+                raise self.fail(s, "no such tensor", f"{info.dtype} {list(info.shape)}")
+
+
+def _check_layer(c: _Checker) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Validate a layer's tensors for its scheme; return (logical [N, K], physical shape)."""
+    algo = c.algo
+    w = c.get("weight")
+    assert w is not None
+    if algo is QuantAlgo.NONE:
+        c.expect("weight", _FLOAT_CODES)
+        c.absent("weight_scale", "weight_scale_2", "input_scale")
+        n, k = w.shape
+        return (n, k), (n, k)
+    if algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
+        c.expect("weight", ("U8",))
+        n, half = w.shape
+        k = 2 * half
+        if k % NVFP4_GROUP:
+            raise c.fail("weight", f"a packed width K/2 with K divisible by {NVFP4_GROUP}", f"K={k}")
+        c.expect("weight_scale", ("F8_E4M3",), (n, k // NVFP4_GROUP))
+        c.expect_scalar("weight_scale_2")
+        c.expect_scalar("input_scale", required=algo is QuantAlgo.NVFP4)
+        return (n, k), (n, k)
+    if algo is QuantAlgo.FP8_PB_WO:
+        c.expect("weight", ("F8_E4M3",))
+        n, k = w.shape
+        if k % FP8_BLOCK:
+            raise c.fail(
+                "weight",
+                f"an input size K divisible by {FP8_BLOCK} (FP8_PB_WO quantizes activations in 1x128 groups "
+                "and pads only N)",
+                f"K={k}",
+            )
+        nb = -(-n // FP8_BLOCK)
+        s = c.expect("weight_scale", ("F32",))
+        # ModelOpt squeezes a single-tile scale to a 0-dim tensor
+        if s.shape != (nb, 1, k // FP8_BLOCK, 1) and not (s.numel == 1 and nb * (k // FP8_BLOCK) == 1):
+            raise c.fail("weight_scale", f"shape {[nb, 1, k // FP8_BLOCK, 1]}", f"{list(s.shape)}")
+        c.absent("weight_scale_2")
+        return (n, k), (nb * FP8_BLOCK, k)
+    if algo is QuantAlgo.FP8:
+        c.expect("weight", ("F8_E4M3",))
+        c.expect_scalar("weight_scale")
+        c.expect_scalar("input_scale")
+        n, k = w.shape
+        return (n, k), (n, k)
+    raise c.fail("weight", "a supported scheme", algo.value)
+
+
+def _why(qc: ModelOptConfig | None, algo: QuantAlgo, prefix: str) -> str:
+    if qc is None:
+        return "the checkpoint has no ModelOpt quantization config"
+    if algo is QuantAlgo.NONE:
+        if qc.is_excluded(prefix):
+            return "matched by the exclude list"
+        return "not listed in quantized_layers" if qc.is_mixed else "unquantized by the config"
+    return f"from the {qc.quant_algo} config"
+
+
+def build_quant_plan(model_dir: str | Path, device: str | torch.device = "cpu") -> QuantPlan:
+    """The plan of a checkpoint directory from config.json and the safetensors headers (no tensor data).
+
+    Raises ValueError naming the tensor, expected and actual when the config and the tensors disagree.
+    """
+    model_dir = Path(model_dir)
+    qc = load_quant_config(model_dir)
+    tensors = read_checkpoint_headers(model_dir)
+    device_name = str(torch.device(device))
+    prefixes = sorted(
+        (n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2),
+        key=_model_order,
+    )
+    owned: set[str] = set()
+    layers: list[LayerPlan] = []
+    for prefix in prefixes:
+        names = tuple(f"{prefix}.{s}" for s in LAYER_SUFFIXES if f"{prefix}.{s}" in tensors)
+        owned.update(names)
+        is_embedding = prefix.rpartition(".")[2] in _EMBEDDING_NAMES
+        if is_embedding or qc is None:
+            algo = QuantAlgo.NONE
+        else:
+            algo = qc.resolve(prefix)
+        if is_embedding:
+            why: Callable[[], str] = lambda: "embeddings are never quantized"
+        else:
+            why = functools.partial(_why, qc, algo, prefix)
+        logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
+        layers.append(
+            LayerPlan(
+                prefix=prefix,
+                kind="embedding" if is_embedding else "linear",
+                algo=algo,
+                logical_shape=logical,
+                physical_shape=physical,
+                nbytes=sum(tensors[n].nbytes for n in names),
+                implementation="embedding lookup" if is_embedding else implementation_name(algo, device_name),
+                tensors=names,
+            )
+        )
+    others = [t for n, t in tensors.items() if n not in owned]
+    return QuantPlan(
+        model_dir=model_dir,
+        device=device_name,
+        quant_config=qc,
+        layers=tuple(layers),
+        other_tensors=len(others),
+        other_bytes=sum(t.nbytes for t in others),
+    )
