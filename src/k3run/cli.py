@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
@@ -348,6 +349,7 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="k3run", description=__doc__)
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    parser.add_argument("--quiet", action="store_true", help="no start-up report (cache plan, kernels)")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
@@ -408,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    # start-up choices (the cache plan, which kernels run) are logged once each; show them on stderr
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="[k3run] %(message)s", stream=sys.stderr
+    )
     try:
         return int(args.func(args))
     except (

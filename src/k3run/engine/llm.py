@@ -153,12 +153,12 @@ class LLMEngine:
         """Render the new token, apply stop strings, and return the text that is now safe to stream."""
         stopped_by_token = seq.finish_reason is FinishReason.STOP
         if not stopped_by_token:
+            old_len = len(seq.output_text)
             seq.output_text += self.detokenizer.step(seq, flush=seq.is_finished)
             stop = seq.params.stop
             if stop:
-                longest = max(len(s) for s in stop)
-                # only the tail that the new token can have completed needs searching
-                start = max(0, len(seq.output_text) - longest - 16)
+                # a new match must end inside the new text, so it starts at most len-1 characters before it
+                start = max(0, old_len - max(len(s) for s in stop) + 1)
                 hits = [i for i in (seq.output_text.find(s, start) for s in stop) if i >= 0]
                 if hits:
                     seq.output_text = seq.output_text[: min(hits)]
