@@ -83,3 +83,108 @@ def random_weight(gen: torch.Generator, n: int, k: int, scale: float = 1.0) -> t
 
 def ranks(size: int) -> list[TPInfo]:
     return [TPInfo(rank=r, size=size) for r in range(size)]
+
+
+# A KDA-like fused projection: [q | k | g | f_a (replicated) | b], hidden K = 256. q/k/g local sizes stay
+# 128-aligned or divide 128 up to tp 8; b = 96 rows (12 per rank at tp 8) shares one 128-row scale block.
+KDA_K = 256
+KDA_SHARDS = (("q_proj", 512), ("k_proj", 512), ("g_proj", 512), ("f_a_proj", 128), ("b_proj", 96))
+KDA_REPLICATED = 3
+COL_K, COL_N = 256, 512
+ROW_K, ROW_N = 512, 200  # N = 200: FP8 pads to 256
+
+
+class TPBlock(torch.nn.Module):
+    """One column, row and KDA-like merged layer per scheme kind. With `collectives` the column layer
+    gathers and the row layer all-reduces; without, each returns its rank-local part (simulated ranks)."""
+
+    def __init__(
+        self,
+        tp: TPInfo,
+        kinds: Sequence[str] = KINDS,
+        collectives: bool = True,
+        layers: Sequence[str] = ("col", "row", "kda"),
+    ) -> None:
+        from k3run.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.kinds = tuple(kinds)
+        kw = {"tp": tp, "params_dtype": torch.float32, "bias": True}
+        for kind in self.kinds:
+            if "col" in layers:
+                self.add_module(
+                    f"col_{kind}",
+                    ColumnParallelLinear(
+                        COL_K, COL_N, gather_output=collectives, scheme=make_scheme(kind), **kw
+                    ),
+                )
+            if "row" in layers:
+                self.add_module(
+                    f"row_{kind}",
+                    RowParallelLinear(
+                        ROW_K,
+                        ROW_N,
+                        input_is_parallel=False,
+                        reduce_results=collectives,
+                        scheme=make_scheme(kind),
+                        **kw,
+                    ),
+                )
+            if "kda" in layers:
+                sizes = [s * tp.size if i == KDA_REPLICATED else s for i, (_, s) in enumerate(KDA_SHARDS)]
+                self.add_module(
+                    f"kda_{kind}",
+                    MergedColumnParallelLinear(
+                        KDA_K, sizes, replicated_shard_id=KDA_REPLICATED, scheme=make_scheme(kind), **kw
+                    ),
+                )
+
+
+def tp_block_checkpoint(seed: int = 0, kinds: Sequence[str] = KINDS) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors for TPBlock (checkpoint names: <layer>.<param>, <kda>.<shard>.<param>)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for kind in kinds:
+        for name, (n, k) in (("col", (COL_N, COL_K)), ("row", (ROW_N, ROW_K))):
+            for p, t in checkpoint_tensors(kind, random_weight(gen, n, k)).items():
+                out[f"{name}_{kind}.{p}"] = t
+            out[f"{name}_{kind}.bias"] = torch.randn(n, generator=gen)
+        for shard, n in KDA_SHARDS:
+            # different amax per shard: NVFP4 global scales differ between the fused shards
+            w = random_weight(gen, n, KDA_K, scale=0.5 + len(shard) / 4)
+            for p, t in checkpoint_tensors(kind, w).items():
+                out[f"kda_{kind}.{shard}.{p}"] = t
+            out[f"kda_{kind}.{shard}.bias"] = torch.randn(n, generator=gen)
+    return out
+
+
+def tp_block_mapping(name: str, block: TPBlock | None = None) -> list:
+    """Checkpoint name -> targets; with `block`, tensors of layers the block lacks are ignored on purpose."""
+    from k3run.loader import IGNORE, Target
+
+    layer, _, rest = name.partition(".")
+    if block is not None and not hasattr(block, layer):
+        return list(IGNORE)
+    if layer.startswith("kda_"):
+        shard, _, param = rest.partition(".")
+        ids = [s for s, _ in KDA_SHARDS]
+        return [Target(f"{layer}.{param}", ids.index(shard))]
+    return [Target(name)]
+
+
+def tp_block_forward(block: TPBlock, seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x_col = torch.randn(3, COL_K, generator=gen)
+    x_row = torch.randn(3, ROW_K, generator=gen)
+    out = {}
+    for kind in block.kinds:
+        if hasattr(block, f"col_{kind}"):
+            out[f"col_{kind}"] = getattr(block, f"col_{kind}")(x_col)
+        if hasattr(block, f"row_{kind}"):
+            out[f"row_{kind}"] = getattr(block, f"row_{kind}")(x_row)
+        if not hasattr(block, f"kda_{kind}"):
+            continue
+        kda = getattr(block, f"kda_{kind}")
+        for (shard, _), y in zip(KDA_SHARDS, kda.split(kda(x_col)), strict=True):
+            out[f"kda_{kind}.{shard}"] = y
+    return out
