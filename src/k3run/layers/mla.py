@@ -1,0 +1,276 @@
+"""Kimi gated NoPE MLA (Kimi Linear and K3), tensor parallel over heads (kimi-architecture.md §3).
+
+Per token, with d_q = d_n + R, latent width L and this rank's H heads:
+    q            = q_b_proj(q_a_layernorm(q_a_proj(x)))  (K3, q_lora)   or  q_proj(x)  (Kimi Linear)  [H, d_q]
+    [c | k_pe]   = kv_a_proj_with_mqa(x);  c <- kv_a_layernorm(c)         (latent [L], shared key dims [R])
+    [k_nope | v] = kv_b_proj(c) per head                                   (expanded form)
+    o_h          = softmax_causal(q_h . [k_nope_h ; k_pe] / sqrt(d_q)) v_h   (fp32; no RoPE anywhere)
+    out          = o_proj(o * sigmoid(g_proj(x)))   (K3 gate on the layer input; Kimi Linear: no gate)
+The latents (q_a_proj, kv_a_proj_with_mqa) are replicated on every rank; heads are split at q_b_proj / q_proj
+/ kv_b_proj / g_proj (column parallel) and o_proj is row parallel (all-reduce).
+
+The cache keeps per token only the normalised latent c and k_pe ([L + R], MLALayerCache). Two equivalent
+attention forms read it:
+- expanded ("naive"): kv_b_proj applied to every cached latent, then ordinary multi-head attention;
+- absorbed: W_UK folded into the query (q~_h = W_UK_h^T q_nope_h in R^L) and W_UV applied after attending
+  over the latents, so kv_b_proj never runs over the context. Default: absorbed for decode steps only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from k3run.distributed import NO_TP, TPInfo
+from k3run.forward_context import ForwardContext, MLALayerCache
+from k3run.layers.linear import ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear
+from k3run.layers.norm import RMSNorm
+from k3run.quant.algo import QuantAlgo
+
+if TYPE_CHECKING:
+    from k3run.quant.modelopt import ModelOptConfig
+
+AbsorbMode = Literal["decode", "always", "never"]
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantized_weight(linear: LinearBase) -> torch.Tensor:
+    """The logical weight [N, K] of a single-partition linear layer in fp32, whatever its scheme.
+
+    Works before and after the scheme's process_after_loading (FP8_PB_WO pads rows and reshapes scales).
+    """
+    if linear.num_partitions != 1:
+        raise ValueError(f"{linear.prefix}: dequantized_weight expects a single-partition layer")
+    rows = linear.weights.layout.logical_rows
+    algo = linear.scheme.algo  # type: ignore[attr-defined]
+    if algo is QuantAlgo.NONE:
+        w = linear.weight.float()
+    elif algo is QuantAlgo.FP8_PB_WO:
+        from k3run.formats import dequantize_fp8_block
+
+        w = dequantize_fp8_block(linear.weight, linear.weight_scale)
+    elif algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
+        from k3run.formats import dequantize_nvfp4
+
+        w = dequantize_nvfp4(linear.weight, linear.weight_scale, linear.weight_scale_2[0])
+    else:
+        raise ValueError(f"{linear.prefix}: cannot dequantize a {algo} weight")
+    return w[:rows]
+
+
+class KimiMLA(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        use_output_gate: bool,
+        latent_norm_eps: float = 1e-6,
+        absorb: AbsorbMode = "decode",
+        qcfg: ModelOptConfig | None = None,
+        prefix: str = "",
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        if absorb not in ("decode", "always", "never"):
+            raise ValueError(f"{prefix}: absorb must be 'decode', 'always' or 'never', got {absorb!r}")
+        self.prefix = prefix
+        self.tp = tp
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.local_heads = tp.shard(num_heads, f"{prefix}: MLA num_attention_heads")
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.use_output_gate = use_output_gate
+        self.absorb = absorb
+        self.params_dtype = params_dtype
+        self.scale = self.qk_head_dim**-0.5  # NoPE: no yarn mscale
+
+        lin = {"qcfg": qcfg, "tp": tp, "params_dtype": params_dtype}
+        if q_lora_rank is not None:
+            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, prefix=f"{prefix}.q_a_proj", **lin)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=latent_norm_eps, params_dtype=params_dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                q_lora_rank, num_heads * self.qk_head_dim, prefix=f"{prefix}.q_b_proj", **lin
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(
+                hidden_size, num_heads * self.qk_head_dim, prefix=f"{prefix}.q_proj", **lin
+            )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden_size, kv_lora_rank + qk_rope_head_dim, prefix=f"{prefix}.kv_a_proj_with_mqa", **lin
+        )
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=latent_norm_eps, params_dtype=params_dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), prefix=f"{prefix}.kv_b_proj", **lin
+        )
+        if use_output_gate:
+            self.g_proj = ColumnParallelLinear(
+                hidden_size, num_heads * v_head_dim, prefix=f"{prefix}.g_proj", **lin
+            )
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, prefix=f"{prefix}.o_proj", **lin)
+        # absorbed kv_b_proj factors, fp32, set by process_after_loading
+        self.register_buffer("w_uk", None, persistent=False)  # [H, d_n, L]
+        self.register_buffer("w_uv", None, persistent=False)  # [H, d_v, L]
+
+    def kv_b_input_dtype(self) -> torch.dtype:
+        """The dtype the cached latent is given to kv_b_proj in (cf. vLLM `_get_kv_b_proj_input_dtype`).
+
+        Unquantized: the weight dtype. FP8_PB_WO quantizes its own high-precision input per token and
+        128 columns, and an fp8 latent would carry no scales, so it gets the activation dtype; NVFP4
+        here is weight-only and also takes the activation dtype. Never an fp8 dtype.
+        """
+        if self.kv_b_proj.scheme.algo is QuantAlgo.NONE:  # type: ignore[attr-defined]
+            return self.kv_b_proj.weight.dtype
+        return self.params_dtype
+
+    def process_after_loading(self) -> None:
+        """Split the (dequantized) kv_b_proj weight into the absorbed factors W_UK and W_UV, once.
+
+        Must run after every kv_b_proj tensor is loaded; it is independent of whether kv_b_proj's own
+        scheme processing has run yet.
+        """
+        H, dn, dv, L = self.local_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+        w = dequantized_weight(self.kv_b_proj).reshape(H, dn + dv, L)  # fp32, rows per head [k_nope | v]
+        self.w_uk = w[:, :dn].contiguous()
+        self.w_uv = w[:, dn:].contiguous()
+
+    # cache
+
+    def cache_shape(self, num_slots: int, max_len: int) -> tuple[int, int, int]:
+        """[S, max_len, L + R]: replicated on every rank (the latent is shared by all heads)."""
+        return num_slots, max_len, self.kv_lora_rank + self.qk_rope_head_dim
+
+    def init_cache(
+        self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> MLALayerCache:
+        return MLALayerCache(
+            latent=torch.zeros(self.cache_shape(num_slots, max_len), dtype=dtype, device=device)
+        )
+
+    def _sequence_latents(
+        self, latent: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
+    ) -> list[torch.Tensor]:
+        """Store this step's latents and return each sequence's whole latent history [ctx + n, L + R]."""
+        bounds = ctx.cu_seqlens.tolist()
+        if cache is None:
+            if any(c != 0 for c in ctx.context_lens_list):
+                raise ValueError(f"{self.prefix}: context_lens {ctx.context_lens_list} need an MLA cache")
+            return [latent[bounds[b] : bounds[b + 1]] for b in range(ctx.num_seqs)]
+        if ctx.slots is None:
+            raise ValueError(f"{self.prefix}: a cache was given but ctx.slots is None")
+        store = cache.latent
+        if store.dim() != 3 or store.shape[2] != latent.shape[1]:
+            raise ValueError(
+                f"{self.prefix}: latent cache must be [S, max_len, {latent.shape[1]}], "
+                f"got {tuple(store.shape)}"
+            )
+        slots = ctx.slots.tolist()
+        out = []
+        for b in range(ctx.num_seqs):
+            s, e, start = bounds[b], bounds[b + 1], ctx.context_lens_list[b]
+            end = start + (e - s)
+            if end > store.shape[1]:
+                raise ValueError(
+                    f"{self.prefix}: sequence {b} needs {end} cached tokens, the cache holds {store.shape[1]}"
+                )
+            store[slots[b], start:end] = latent[s:e].to(store.dtype)
+            out.append(store[slots[b], :end])
+        return out
+
+    # attention
+
+    def _attend_expanded(
+        self, q: torch.Tensor, lats: list[torch.Tensor], ctx: ForwardContext
+    ) -> list[torch.Tensor]:
+        H, dn, dv, L = self.local_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+        c_all = torch.cat([lat[:, :L] for lat in lats]).to(self.kv_b_input_dtype())  # [N, L]
+        if c_all.dtype in _FP8_DTYPES:
+            raise AssertionError(f"{self.prefix}: kv_b_proj must never see an fp8 latent")
+        kv = self.kv_b_proj(c_all).reshape(-1, H, dn + dv)  # one GEMM over every sequence's context
+        outs = []
+        pos = 0
+        bounds = ctx.cu_seqlens.tolist()
+        for b, lat in enumerate(lats):
+            N = lat.shape[0]
+            kv_b = kv[pos : pos + N].float()
+            pos += N
+            k_pe = lat[:, L:].float()  # [N, R], shared by all heads
+            q_b = q[bounds[b] : bounds[b + 1]].float()  # [n, H, d_q]
+            scores = torch.einsum("thd,shd->hts", q_b[..., :dn], kv_b[..., :dn])
+            scores = scores + torch.einsum("thr,sr->hts", q_b[..., dn:], k_pe)
+            p = self._causal_softmax(scores * self.scale, ctx.context_lens_list[b])
+            outs.append(torch.einsum("hts,shv->thv", p, kv_b[..., dn:]))  # [n, H, d_v]
+        return outs
+
+    def _attend_absorbed(
+        self, q: torch.Tensor, lats: list[torch.Tensor], ctx: ForwardContext
+    ) -> list[torch.Tensor]:
+        if self.w_uk is None or self.w_uv is None:
+            raise RuntimeError(f"{self.prefix}: call process_after_loading() before absorbed attention")
+        dn, L = self.qk_nope_head_dim, self.kv_lora_rank
+        bounds = ctx.cu_seqlens.tolist()
+        outs = []
+        for b, lat in enumerate(lats):
+            q_b = q[bounds[b] : bounds[b + 1]].float()  # [n, H, d_q]
+            c, k_pe = lat[:, :L].float(), lat[:, L:].float()  # [N, L], [N, R]
+            q_lat = torch.einsum("thd,hdl->thl", q_b[..., :dn], self.w_uk)  # [n, H, L]
+            scores = torch.einsum("thl,sl->hts", q_lat, c) + torch.einsum("thr,sr->hts", q_b[..., dn:], k_pe)
+            p = self._causal_softmax(scores * self.scale, ctx.context_lens_list[b])
+            o_lat = torch.einsum("hts,sl->thl", p, c)  # [n, H, L]
+            outs.append(torch.einsum("thl,hvl->thv", o_lat, self.w_uv))  # [n, H, d_v]
+        return outs
+
+    @staticmethod
+    def _causal_softmax(scores: torch.Tensor, offset: int) -> torch.Tensor:
+        """scores [H, n, N] fp32 for queries at positions offset..offset+n-1 over keys 0..N-1."""
+        n, N = scores.shape[-2:]
+        q_pos = torch.arange(offset, offset + n, device=scores.device)[:, None]
+        visible = torch.arange(N, device=scores.device)[None, :] <= q_pos
+        return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+
+    # forward
+
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, layer_cache: MLALayerCache | None
+    ) -> torch.Tensor:
+        """x [T, D] (the normed layer input) -> [T, D]; appends this step's latents to layer_cache."""
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
+        T, H = x.shape[0], self.local_heads
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.reshape(T, H, self.qk_head_dim)
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, L + R]
+        c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
+        latent = torch.cat([c, kv_a[:, self.kv_lora_rank :]], dim=-1)  # [T, L + R]
+        lats = self._sequence_latents(latent, ctx, layer_cache)
+
+        absorbed = self.absorb == "always" or (self.absorb == "decode" and ctx.is_decode)
+        attend = self._attend_absorbed if absorbed else self._attend_expanded
+        o = torch.cat(attend(q, lats, ctx))  # [T, H, d_v] fp32
+        if self.use_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float().reshape(T, H, self.v_head_dim))
+        return self.o_proj(o.to(x.dtype).reshape(T, H * self.v_head_dim))
+
+    def extra_repr(self) -> str:
+        q = f"q_lora_rank={self.q_lora_rank}" if self.q_lora_rank is not None else "plain q_proj"
+        return (
+            f"heads={self.local_heads}/{self.num_heads}, {q}, kv_lora_rank={self.kv_lora_rank}, "
+            f"qk={self.qk_nope_head_dim}+{self.qk_rope_head_dim}, v={self.v_head_dim}, "
+            f"output_gate={self.use_output_gate}, absorb={self.absorb}"
+        )
