@@ -1,0 +1,61 @@
+"""The small public API: `load_model(path)` returns a ready KimiForCausalLM (bf16 or ModelOpt-quantized,
+original or transformers-5 tensor naming)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from k3run.config import ModelConfig
+from k3run.distributed import TPInfo
+from k3run.layers.moe import NvFp4ActMode
+from k3run.loader import load_checkpoint
+from k3run.models.kimi import KimiForCausalLM
+from k3run.quant.modelopt import load_quant_config
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    name = (
+        hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "bfloat16"
+    )
+    if name not in _DTYPES:
+        raise ValueError(f"{path / 'config.json'}: dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    tp_group: object = None,
+    nvfp4_moe_act: NvFp4ActMode = "w4a16",
+    progress: bool = False,
+) -> KimiForCausalLM:
+    """Build the model described by `path`/config.json and stream its safetensors weights into it.
+
+    dtype: activation / unquantized-parameter dtype (default: the checkpoint's `dtype`, else bf16).
+    tp_rank / tp_size: this process's place in an already initialised torch.distributed group (tp_group,
+    default the world group). nvfp4_moe_act: NVFP4 experts as W4A16 (activations stay 16-bit, the Hopper
+    path) or "w4a4" (activations quantize-dequantized to NVFP4 like the Blackwell kernels).
+    """
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+    hf = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_hf(hf)
+    qcfg = load_quant_config(path)
+    tp = TPInfo(tp_rank, tp_size, tp_group)
+    dtype = dtype or _checkpoint_dtype(hf, path)
+    with torch.device(device):
+        model = KimiForCausalLM(cfg, qcfg=qcfg, tp=tp, params_dtype=dtype, nvfp4_moe_act=nvfp4_moe_act)
+    load_checkpoint(model, path, model.checkpoint_mapping, tp=tp, progress=progress)
+    return model.eval()

@@ -1,0 +1,436 @@
+"""KimiForCausalLM: the Kimi Linear and Kimi K3 text decoders, and their checkpoint-name table.
+
+Layer i: a KDA or MLA mixer (config.layer_is_kda), then a dense gated MLP or a MoE (config.layer_is_moe).
+Kimi Linear uses the plain pre-norm residual stream; K3 (attn_res_block_size set) uses block attention
+residuals (layers/attn_res.py) and mixes the final output over the blocks before the last norm.
+
+Parameter names are the checkpoint's module names without the root prefix (`model.` or
+`language_model.model.`), except where layers are fused: `CHECKPOINT_TABLE` / `checkpoint_mapping` map
+every checkpoint tensor of both namings onto (parameter, shard id):
+  - original (Moonshot, `save_pretrained`): block_sparse_moe.experts.N.w1/w2/w3, self_attn.{q,k,v}_conv1d,
+    self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}, A_log [H] or legacy [1,1,H,1];
+  - transformers-5 / ModelOpt export: mlp.experts.N.{gate,up,down}_proj, self_attn.conv1d [3P,1,W],
+    self_attn.forget_gate.{f_a_proj,f_b_proj,A_log,dt_bias}, mlp.gate, mlp.shared_experts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from k3run.config import ModelConfig
+from k3run.distributed import NO_TP, TPInfo
+from k3run.forward_context import ForwardContext, KDALayerCache, MLALayerCache, ModelCache
+from k3run.layers.activation import GatedActivation
+from k3run.layers.attn_res import AttnResState, AttnResWeights, attn_res_layer
+from k3run.layers.kda import KimiDeltaAttention
+from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear
+from k3run.layers.mla import KimiMLA
+from k3run.layers.mlp import GatedMLP
+from k3run.layers.moe import KimiMoE, NvFp4ActMode
+from k3run.layers.norm import RMSNorm, norm_weight_loader
+from k3run.loader import IGNORE, Target
+from k3run.quant.algo import QuantAlgo
+
+if TYPE_CHECKING:
+    from k3run.quant.modelopt import ModelOptConfig
+
+# The MLA latent norms use Kimi's RMSNorm default (official code and HF), not rms_norm_eps.
+MLA_LATENT_NORM_EPS = 1e-6
+
+_ROOTS = ("language_model.model.", "model.language_model.", "model.")
+_LM_HEADS = ("language_model.lm_head.", "lm_head.")
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        idx: int,
+        *,
+        qcfg: ModelOptConfig | None,
+        tp: TPInfo,
+        params_dtype: torch.dtype,
+        nvfp4_moe_act: NvFp4ActMode,
+    ) -> None:
+        super().__init__()
+        self.idx = idx
+        self.is_kda = cfg.is_kda_layer(idx)
+        self.is_moe = cfg.is_moe_layer(idx)
+        prefix = f"model.layers.{idx}"
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, params_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, params_dtype)
+        lin = {"qcfg": qcfg, "tp": tp, "params_dtype": params_dtype}
+        self.self_attn: KimiDeltaAttention | KimiMLA
+        if self.is_kda:
+            self.self_attn = KimiDeltaAttention(
+                cfg.hidden_size,
+                cfg.kda_num_heads,
+                cfg.kda_head_dim,
+                conv_kernel_size=cfg.conv_kernel_size,
+                use_full_rank_gate=cfg.use_full_rank_gate,
+                gate_lower_bound=cfg.gate_lower_bound,
+                rms_norm_eps=eps,
+                prefix=f"{prefix}.self_attn",
+                **lin,
+            )
+        else:
+            self.self_attn = KimiMLA(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                q_lora_rank=cfg.q_lora_rank,
+                kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim,
+                use_output_gate=cfg.mla_use_output_gate,
+                latent_norm_eps=MLA_LATENT_NORM_EPS,
+                prefix=f"{prefix}.self_attn",
+                **lin,
+            )
+        act = GatedActivation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+        self.mlp: GatedMLP | KimiMoE
+        if self.is_moe:
+            self.mlp = _make_moe(cfg, act, f"{prefix}.mlp", qcfg, tp, params_dtype, nvfp4_moe_act)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, prefix=f"{prefix}.mlp", **lin)
+        self.attn_res_block_size = cfg.attn_res_block_size
+        if cfg.uses_attn_res:
+            self.self_attention_res = _attn_res_site(cfg, params_dtype)
+            self.mlp_res = _attn_res_site(cfg, params_dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor | AttnResState,
+        ctx: ForwardContext,
+        layer_cache: KDALayerCache | MLALayerCache | None,
+    ) -> torch.Tensor | AttnResState:
+        def mixer(x: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(self.input_layernorm(x), ctx, layer_cache)  # type: ignore[arg-type]
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.post_attention_layernorm(x))
+
+        if isinstance(h, AttnResState):
+            attn_res_layer(
+                h,
+                self.idx,
+                self.attn_res_block_size,
+                mixer,
+                mlp,
+                self.self_attention_res,
+                self.mlp_res,  # type: ignore[arg-type]
+            )
+            return h
+        h = h + mixer(h)
+        return h + mlp(h)
+
+
+def _attn_res_site(cfg: ModelConfig, params_dtype: torch.dtype) -> AttnResWeights:
+    site = AttnResWeights(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
+    for p in site.parameters():
+        p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
+    return site
+
+
+def _make_moe(
+    cfg: ModelConfig,
+    act: GatedActivation,
+    prefix: str,
+    qcfg: ModelOptConfig | None,
+    tp: TPInfo,
+    params_dtype: torch.dtype,
+    nvfp4_moe_act: NvFp4ActMode,
+) -> KimiMoE:
+    if cfg.num_experts is None:
+        raise ValueError(f"{prefix}: a MoE layer needs num_experts")
+    lin = {"qcfg": qcfg, "tp": tp, "params_dtype": params_dtype}
+    latent = cfg.routed_expert_hidden_size
+    down = up = norm = None
+    if latent is not None:
+        # replicated: the latent is shared by every rank's experts; up-proj of the full (all-reduced) sum
+        down = ReplicatedLinear(cfg.hidden_size, latent, prefix=f"{prefix}.routed_expert_down_proj", **lin)
+        up = ReplicatedLinear(latent, cfg.hidden_size, prefix=f"{prefix}.routed_expert_up_proj", **lin)
+        if cfg.latent_moe_use_norm:
+            norm = RMSNorm(latent, cfg.rms_norm_eps, params_dtype)
+    shared = None
+    if cfg.num_shared_experts:
+        shared = GatedMLP(
+            cfg.hidden_size, cfg.shared_intermediate_size, act, prefix=f"{prefix}.shared_experts", **lin
+        )
+    experts_algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(f"{prefix}.experts")
+    return KimiMoE(
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_token,
+        hidden_size=cfg.hidden_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_shared_experts=cfg.num_shared_experts,
+        activation=act,
+        router_kwargs={
+            "num_expert_group": cfg.num_expert_group,
+            "topk_group": cfg.topk_group,
+            "renormalize": cfg.moe_renormalize,
+            "routed_scaling_factor": cfg.routed_scaling_factor,
+        },
+        experts_algo=experts_algo,
+        tp=tp,
+        params_dtype=params_dtype,
+        latent_size=latent,
+        latent_norm=norm,
+        latent_down=down,
+        latent_up=up,
+        shared_experts=shared,
+        nvfp4_act_mode=nvfp4_moe_act,
+        prefix=prefix,
+    )
+
+
+class KimiForCausalLM(nn.Module):
+    """Kimi Linear / K3 text decoder.
+
+    forward(input_ids [T], ctx) -> final-normed hidden [T, D]; compute_logits(hidden) -> fp32 [T, V];
+    logits(input_ids) -> fp32 [T, V] for one sequence without a cache.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        qcfg: ModelOptConfig | None = None,
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+        nvfp4_moe_act: NvFp4ActMode = "w4a16",
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.params_dtype = params_dtype
+        # Replicated embedding: the lookup needs no collective; the vocab-parallel lm_head gathers.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=params_dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
+        self.layers = nn.ModuleList(
+            KimiDecoderLayer(cfg, i, qcfg=qcfg, tp=tp, params_dtype=params_dtype, nvfp4_moe_act=nvfp4_moe_act)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
+        if cfg.uses_attn_res:
+            self.output_attn_res = _attn_res_site(cfg, params_dtype)
+        self.lm_head: ColumnParallelLinear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                gather_output=True,
+                qcfg=qcfg,
+                prefix="lm_head",
+                tp=tp,
+                params_dtype=params_dtype,
+            )
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids: expected a 1-D [T] tensor, got shape {tuple(input_ids.shape)}")
+        if int(ctx.cu_seqlens[-1]) != input_ids.shape[0]:
+            raise ValueError(
+                f"input_ids: {input_ids.shape[0]} tokens but ctx.cu_seqlens ends at {int(ctx.cu_seqlens[-1])}"
+            )
+        caches: Sequence[KDALayerCache | MLALayerCache | None]
+        caches = ctx.cache.layers if ctx.cache is not None else [None] * len(self.layers)
+        if len(caches) != len(self.layers):
+            raise ValueError(f"ctx.cache has {len(caches)} layers, the model {len(self.layers)}")
+        x = self.embed_tokens(input_ids)  # [T, D]
+        h: torch.Tensor | AttnResState = AttnResState(prefix=x) if self.config.uses_attn_res else x
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, ctx, cache)
+        if isinstance(h, AttnResState):
+            h = self.output_attn_res(h.candidates())
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return (hidden @ self.embed_tokens.weight.t()).float()
+        return self.lm_head(hidden).float()  # [T, V]
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, V] of one sequence, no cache."""
+        if input_ids.dim() != 1 or input_ids.dtype != torch.long:
+            raise ValueError(
+                "logits: expected a 1-D LongTensor of token ids, got "
+                f"{input_ids.dtype} {tuple(input_ids.shape)}"
+            )
+        device = self.embed_tokens.weight.device
+        ctx = ForwardContext.single(input_ids.shape[0], device=device)
+        return self.compute_logits(self.forward(input_ids.to(device), ctx))
+
+    def make_cache(self, num_slots: int, max_len: int) -> ModelCache:
+        """Zeroed per-layer caches for `num_slots` sequences of up to `max_len` tokens (this rank's share)."""
+        device = self.embed_tokens.weight.device
+        layers: list[KDALayerCache | MLALayerCache | None] = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                layers.append(attn.init_cache(num_slots, self.params_dtype, device))
+            else:
+                layers.append(attn.init_cache(num_slots, max_len, self.params_dtype, device))
+        return ModelCache(layers=layers)
+
+    def checkpoint_mapping(self, name: str) -> list[Target] | tuple[Target, ...] | None:
+        """Where checkpoint tensor `name` goes: [Target(param, shard_id)], IGNORE, or None if unknown."""
+        return map_checkpoint_name(name, self)
+
+
+def _strip_root(name: str) -> str | None:
+    for head in _LM_HEADS:
+        if name.startswith(head):
+            return "lm_head." + name[len(head) :]
+    for root in _ROOTS:
+        if name.startswith(root):
+            return name[len(root) :]
+    return None
+
+
+# One table for both namings. Each row: regex over the root-stripped, `block_sparse_moe.` -> `mlp.`
+# normalised name; a function of the match (and the model) giving the targets, or None to decline.
+Rule = Callable[[re.Match[str], "KimiForCausalLM"], list[Target] | tuple[Target, ...] | None]
+_SUFFIX = r"(?P<s>weight|weight_scale|weight_scale_2|input_scale|bias)"
+_L = r"layers\.(?P<i>\d+)\."
+
+_KDA_IN_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj")
+_EXPERT_SHARD = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _layer(model: KimiForCausalLM, m: re.Match[str]) -> KimiDecoderLayer | None:
+    i = int(m["i"])
+    return model.layers[i] if i < len(model.layers) else None  # type: ignore[return-value]
+
+
+def _kda_in_proj(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
+    layer = _layer(model, m)
+    if layer is None or not layer.is_kda:
+        return None
+    attn: KimiDeltaAttention = layer.self_attn  # type: ignore[assignment]
+    shard = attn.in_proj_shard_ids.get(m["p"])
+    if shard is None:
+        return None
+    return [Target(f"layers.{m['i']}.self_attn.in_proj.{m['s']}", shard)]
+
+
+def _kda_only(target: str) -> Rule:
+    def rule(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
+        layer = _layer(model, m)
+        if layer is None or not layer.is_kda:
+            return None
+        return [Target(target.format(**m.groupdict()))]
+
+    return rule
+
+
+def _kda_conv(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
+    layer = _layer(model, m)
+    if layer is None or not layer.is_kda:
+        return None
+    shard = None if m["qkv"] is None else "qkv".index(m["qkv"])
+    return [Target(f"layers.{m['i']}.self_attn.conv_weight", shard)]
+
+
+def _same(m: re.Match[str], model: KimiForCausalLM) -> list[Target]:
+    return [Target(m.string)]
+
+
+def _gate_up(prefix: str) -> Rule:
+    def rule(m: re.Match[str], model: KimiForCausalLM) -> list[Target]:
+        return [Target(f"layers.{m['i']}.{prefix}.gate_up_proj.{m['s']}", 0 if m["p"] == "gate" else 1)]
+
+    return rule
+
+
+def _expert(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
+    which = _EXPERT_SHARD[m["w"]]
+    group = "w2" if which == "w2" else "w13"
+    layer = _layer(model, m)
+    if layer is None or not layer.is_moe:
+        return None
+    experts = layer.mlp.experts  # type: ignore[union-attr]
+    param = f"{group}_{m['s']}"
+    if not hasattr(experts, param):
+        return None
+    return [Target(f"layers.{m['i']}.mlp.experts.{param}", (int(m["e"]), which))]
+
+
+def _attn_res(site: str) -> Rule:
+    def rule(m: re.Match[str], model: KimiForCausalLM) -> list[Target]:
+        which = "norm_weight" if m["k"] == "norm" else "proj_weight"
+        head = f"layers.{m['i']}.{site}" if "i" in m.groupdict() else site
+        return [Target(f"{head}.{which}")]
+
+    return rule
+
+
+CHECKPOINT_TABLE: tuple[tuple[re.Pattern[str], Rule], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"embed_tokens\.weight|norm\.weight|lm_head\." + _SUFFIX, _same),
+        (_L + r"(input_layernorm|post_attention_layernorm)\.weight", _same),
+        # KDA: projections fused into in_proj (shard ids from the layer), forget-gate under either spelling
+        (
+            _L + r"self_attn\.(?:forget_gate\.)?(?P<p>" + "|".join(_KDA_IN_PROJ) + r")\." + _SUFFIX,
+            _kda_in_proj,
+        ),
+        (
+            _L + r"self_attn\.(?:forget_gate\.)?f_b_proj\." + _SUFFIX,
+            _kda_only("layers.{i}.self_attn.f_b_proj.{s}"),
+        ),
+        (_L + r"self_attn\.(?:forget_gate\.)?A_log", _kda_only("layers.{i}.self_attn.A_log")),
+        (_L + r"self_attn\.(?:forget_gate\.)?dt_bias", _kda_only("layers.{i}.self_attn.dt_bias")),
+        (_L + r"self_attn\.(?:(?P<qkv>[qkv])_)?conv1d\.weight", _kda_conv),
+        (_L + r"self_attn\.(g_a_proj|g_b_proj|o_proj)\." + _SUFFIX, _same),
+        (_L + r"self_attn\.o_norm\.weight", _same),
+        # MLA: checkpoint module names are the parameter names
+        (
+            _L + r"self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|g_proj)\." + _SUFFIX,
+            _same,
+        ),
+        (_L + r"self_attn\.(q_a_layernorm|kv_a_layernorm)\.weight", _same),
+        # dense MLP / shared experts: gate and up fused
+        (_L + r"mlp\.(?P<p>gate|up)_proj\." + _SUFFIX, _gate_up("mlp")),
+        (_L + r"mlp\.shared_experts\.(?P<p>gate|up)_proj\." + _SUFFIX, _gate_up("mlp.shared_experts")),
+        (_L + r"mlp\.(shared_experts\.)?down_proj\." + _SUFFIX, _same),
+        (_L + r"mlp\.gate\.(weight|e_score_correction_bias)", _same),
+        (_L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _SUFFIX, _expert),
+        (_L + r"mlp\.(routed_expert_down_proj|routed_expert_up_proj)\." + _SUFFIX, _same),
+        (_L + r"mlp\.routed_expert_norm\.weight", _same),
+        (_L + r"self_attention_res_(?P<k>norm|proj)\.weight", _attn_res("self_attention_res")),
+        (_L + r"mlp_res_(?P<k>norm|proj)\.weight", _attn_res("mlp_res")),
+        (r"output_attn_res_(?P<k>norm|proj)\.weight", _attn_res("output_attn_res")),
+    )
+)
+
+_MOE_RENAME = re.compile(r"(?<=\.)block_sparse_moe(?=\.)")
+# Tensors a checkpoint may carry that the text decoder does not use.
+_IGNORED = re.compile(
+    r"(vision_tower|mm_projector|multi_modal_projector|vision_model)\.|.*rotary_emb\.inv_freq$"
+)
+
+
+def map_checkpoint_name(name: str, model: KimiForCausalLM) -> list[Target] | tuple[Target, ...] | None:
+    if _IGNORED.match(name):
+        return IGNORE
+    core = _strip_root(name)
+    if core is None:
+        return None
+    core = _MOE_RENAME.sub("mlp", core)
+    for pattern, rule in CHECKPOINT_TABLE:
+        m = pattern.fullmatch(core)
+        if m is not None:
+            # a rule may decline (e.g. q_proj of an MLA layer under the KDA row): try the next one
+            out = rule(m, model)
+            if out is not None:
+                return out
+    return None
