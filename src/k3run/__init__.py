@@ -2,4 +2,8 @@
 
 from __future__ import annotations
 
+from k3run.api import load_model
+
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "load_model"]
