@@ -41,6 +41,12 @@ CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
 class KimiDeltaAttention(nn.Module):
+    """One KDA mixer on one TP rank (num_heads / tp heads).
+
+    Checkpoint projections load into `in_proj` with shard id `in_proj_shard_ids[name]`; call each
+    linear's and this module's `unfilled_parameters()` after loading to prove completeness.
+    """
+
     def __init__(
         self,
         hidden_size: int,

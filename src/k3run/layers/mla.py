@@ -61,6 +61,14 @@ def dequantized_weight(linear: LinearBase) -> torch.Tensor:
 
 
 class KimiMLA(nn.Module):
+    """One gated NoPE MLA mixer on one TP rank (num_heads / tp heads).
+
+    Submodules carry the checkpoint names (q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, g_proj, o_proj). After loading, call `process_after_loading()` (it builds
+    the absorbed kv_b factors). `absorb` picks the attention form: "decode" (absorbed for pure decode
+    steps, expanded otherwise), "always" or "never"; all three compute the same function.
+    """
+
     def __init__(
         self,
         hidden_size: int,
