@@ -53,24 +53,28 @@ def test_triton_kernels_in_interpreter():
     cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.stdout.count(" PASSED") == 3 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.count(" PASSED") == 5 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
 
 
 @interp_only
-def test_interp_gemm_fp16_odd_shape(poison_empty):
+@pytest.mark.parametrize("decode", [0, 1])
+def test_interp_gemm_fp16_odd_shape(poison_empty, decode: int):
     from k3run.kernels.nvfp4_gemm.triton import nvfp4_gemm
 
     m, n, k = 5, 40, 96  # K not a multiple of block_k, N not a multiple of block_n, M < block_m
     w, s, gs = _random_nvfp4(n, k)
     x = torch.randn(m, k).half()
     pw = prepare_nvfp4_weight(w, s, gs)
-    y = nvfp4_gemm(x, pw.weight, pw.scale_bits, pw.global_scale, block_m=16, block_n=16, block_k=64)
+    y = nvfp4_gemm(
+        x, pw.weight, pw.scale_bits, pw.global_scale, block_m=16, block_n=16, block_k=64, decode=decode
+    )
     assert y.dtype == torch.float16
     assert_close("nvfp4_gemm fp16", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
 
 
 @interp_only
-def test_interp_gemm_fp32_per_row_scale_bias(poison_empty):
+@pytest.mark.parametrize("decode", [0, 1])
+def test_interp_gemm_fp32_per_row_scale_bias(poison_empty, decode: int):
     from k3run.kernels.nvfp4_gemm.triton import nvfp4_gemm
 
     m, n, k = 17, 23, 48  # two M tiles, a partial N tile, K = 1.5 blocks
@@ -79,7 +83,16 @@ def test_interp_gemm_fp32_per_row_scale_bias(poison_empty):
     bias = torch.randn(n)
     pw = prepare_nvfp4_weight(w, s, gs)
     y = nvfp4_gemm(
-        x, pw.weight, pw.scale_bits, pw.global_scale, bias, block_m=16, block_n=16, block_k=32, group_m=2
+        x,
+        pw.weight,
+        pw.scale_bits,
+        pw.global_scale,
+        bias,
+        block_m=16,
+        block_n=16,
+        block_k=32,
+        group_m=2,
+        decode=decode,
     )
     assert_close("nvfp4_gemm fp32 per-row", nvfp4_linear_ref(x, w, s, gs, bias), y, rtol=FP32_RTOL)
 
@@ -138,13 +151,15 @@ def test_choose_config_covers_decode_and_prefill():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 16, 37, 300, 1500])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool):
+@pytest.mark.parametrize("decode", [0, 1])
+def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, decode: int):
     n, k = 1000, 1392  # odd multiples of 8 and 16
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=per_row)
     pw = prepare_nvfp4_weight(w, s, gs)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    y = nvfp4_linear(x, pw, bias)
+    cfg = choose_config(m, n, k)
+    y = nvfp4_linear(x, pw, bias, config=GemmConfig(**{**cfg.__dict__, "decode": decode}))
     assert y.dtype == torch.bfloat16
     assert_close(
         f"nvfp4_linear m={m}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y, rtol=BF16_RTOL
@@ -154,7 +169,13 @@ def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [GemmConfig(), GemmConfig(block_m=64, block_n=64, block_k=128), GemmConfig(dequant_mm=True)],
+    [
+        GemmConfig(),
+        GemmConfig(decode=1),
+        GemmConfig(block_m=64, block_n=64, block_k=128),
+        GemmConfig(block_m=64, block_n=64, block_k=128, decode=1),
+        GemmConfig(dequant_mm=True),
+    ],
 )
 def test_gpu_every_path_fp16(poison_empty, cfg: GemmConfig):
     n, k = 520, 3584

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-10
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-10)
 
 
 @triton.jit

@@ -45,6 +45,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    decode: int = 0
     dequant_mm: bool = False
 
 
@@ -120,6 +121,7 @@ def nvfp4_linear(
             group_m=cfg.group_m,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            decode=cfg.decode,
         )
     return y.reshape(*lead, w.n)
 

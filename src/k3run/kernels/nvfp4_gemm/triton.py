@@ -20,23 +20,41 @@ import triton.language as tl
 
 # fp16 bits (sign << 15 | mag << 9) read the 3-bit E2M1 magnitude as exponent/mantissa bits; the value is
 # the E2M1 value times 2^-14, subnormals included (0.5 -> 2^-15), so 2^14 is folded into the group scale.
-_E2M1_FP16_UNSCALE = 16384.0
+_E2M1_FP16_UNSCALE = tl.constexpr(16384.0)
 
 
 @triton.jit
-def _decode_tile(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _decode_tile(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr):
     """p: uint8 [BN, BK/2] packed E2M1 (low nibble = even k); s: uint8 [BN, BK/16] E4M3 bits.
 
-    Returns the [BN, BK] tile e2m1 * s in OUT_DTYPE.
+    Returns the [BN, BK] tile e2m1 * s in OUT_DTYPE. DECODE picks the instruction mix (same values):
+    0: nibble -> fp16 bits (value * 2^-14) -> fp32 multiply by the scale.
+    1: nibble -> E4M3 bits (value * 2^-6, subnormal 0.5 included) -> fp16 by the packed fp8 convert; the
+       scale multiply stays in fp16 for fp16 outputs (e2m1 * s * 2^-6 * 64 is exact there).
     """
-    p16 = p.to(tl.uint16)
-    lo = ((p16 & 0x8) << 12) | ((p16 & 0x7) << 9)
-    hi = ((p16 & 0x80) << 8) | ((p16 & 0x70) << 5)
-    bits = tl.reshape(tl.join(lo, hi), (BN, BK))  # [BN, BK/2, 2] -> k = 2j + {0, 1}
-    val = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FP16_UNSCALE  # [BN, BK/16]
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
-    return (val * scale).to(OUT_DTYPE)
+    if DECODE == 0:
+        p16 = p.to(tl.uint16)
+        lo = ((p16 & 0x8) << 12) | ((p16 & 0x7) << 9)
+        hi = ((p16 & 0x80) << 8) | ((p16 & 0x70) << 5)
+        bits = tl.reshape(tl.join(lo, hi), (BN, BK))  # [BN, BK/2, 2] -> k = 2j + {0, 1}
+        val = bits.to(tl.float16, bitcast=True).to(tl.float32)
+        scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FP16_UNSCALE  # [BN, BK/16]
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
+        w = (val * scale).to(OUT_DTYPE)
+    else:
+        # magnitude bits e1 e0 m -> E4M3 exponent bits 4-3 and mantissa bit 2, sign -> bit 7
+        lo = ((p & 0x7) << 2) | ((p & 0x8) << 4)
+        hi = ((p >> 2) & 0x1C) | (p & 0x80)
+        e4 = tl.reshape(tl.join(lo, hi), (BN, BK)).to(tl.float8e4nv, bitcast=True)
+        if OUT_DTYPE == tl.float16:
+            scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
+            w = e4.to(tl.float16) * scale
+        else:
+            scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
+            w = (e4.to(tl.float16).to(tl.float32) * scale).to(OUT_DTYPE)
+    return w
 
 
 @triton.jit
@@ -49,9 +67,9 @@ def _nvfp4_gemm_kernel(
     y_ptr,
     M,
     N,
-    K,
     stride_xm,
     stride_ym,
+    K: tl.constexpr,
     PER_COL_GS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
@@ -59,6 +77,7 @@ def _nvfp4_gemm_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
@@ -90,7 +109,7 @@ def _nvfp4_gemm_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
         p = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_kp[None, :] < half_k - k0 // 2), other=0)
         s = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_ks[None, :] < k_groups - k0 // 16), other=0)
-        w = _decode_tile(p, s, BN, BK, x_ptr.dtype.element_ty)
+        w = _decode_tile(p, s, BN, BK, x_ptr.dtype.element_ty, DECODE)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BK
         w_ptrs += BK // 2
@@ -133,7 +152,7 @@ def _nvfp4_dequant_kernel(
     s = tl.load(
         s_ptr + rows * (K // 16) + offs_ks[None, :], mask=mask_n[:, None] & (offs_ks[None, :] < K // 16)
     )
-    w = _decode_tile(p, s, BN, BK, tl.float32)
+    w = _decode_tile(p, s, BN, BK, tl.float32, 0)
     if PER_COL_GS:
         w = w * tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
     else:
@@ -189,6 +208,7 @@ def nvfp4_gemm(
     group_m: int = 8,
     num_warps: int = 4,
     num_stages: int = 3,
+    decode: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) with one fixed launch configuration.
 
@@ -213,9 +233,9 @@ def nvfp4_gemm(
         y,
         m,
         n,
-        k,
         x.stride(0),
         y.stride(0),
+        K=k,
         PER_COL_GS=global_scale.numel() == n and n != 1,
         HAS_BIAS=bias is not None,
         BM=block_m,
@@ -223,6 +243,7 @@ def nvfp4_gemm(
         BK=block_k,
         GROUP_M=group_m,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DECODE=decode,
         num_warps=num_warps,
         num_stages=num_stages,
     )
