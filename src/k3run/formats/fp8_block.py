@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3run.formats._checks import check_divisible, check_dtype, check_float, check_min_dims, check_shape
+from k3run.formats._ops import div_exact
 
 FP8_BLOCK = 128
 FP8_E4M3_MAX = 448.0
@@ -42,7 +43,7 @@ def quantize_fp8_block(
     if scale is None:
         amax = tiles.abs().amax(dim=(1, 3), keepdim=True)  # [Nb, 1, Kb, 1]
         amax = torch.where(amax == 0, torch.full_like(amax, FP8_E4M3_MAX), amax)
-        tile_scale = amax / FP8_E4M3_MAX
+        tile_scale = div_exact(amax, FP8_E4M3_MAX)
     else:
         tile_scale = _scale_2d("quantize_fp8_block scale", scale, nb, kb).to(w.device).reshape(nb, 1, kb, 1)
         if not bool((torch.isfinite(tile_scale) & (tile_scale > 0)).all()):
@@ -91,7 +92,7 @@ def quantize_fp8_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     check_min_dims("quantize_fp8_act_1x128 x", x, 1)
     check_divisible("quantize_fp8_act_1x128 x", x.shape[-1], FP8_BLOCK, "K (last dim)")
     groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // FP8_BLOCK, FP8_BLOCK)  # [..., K/128, 128]
-    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=ACT_AMAX_FLOOR) / FP8_E4M3_MAX
+    scale = div_exact(groups.abs().amax(dim=-1, keepdim=True).clamp(min=ACT_AMAX_FLOOR), FP8_E4M3_MAX)
     q = (groups / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(x.shape), scale.squeeze(-1)
 

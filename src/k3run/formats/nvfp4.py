@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from k3run.formats._checks import check_divisible, check_dtype, check_float, check_min_dims, check_shape
+from k3run.formats._ops import div_exact
 from k3run.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
 
 NVFP4_GROUP = 16
@@ -40,7 +41,7 @@ def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     if a.numel() and not bool((torch.isfinite(a) & (a >= 0)).all()):
         raise ValueError(f"nvfp4_global_scale amax: expected finite values >= 0, got {a.tolist()}")
     a = torch.where(a == 0, torch.full_like(a, E2M1_MAX), a)
-    return a / (E2M1_MAX * FP8_E4M3_MAX)
+    return div_exact(a, E2M1_MAX * FP8_E4M3_MAX)
 
 
 def _as_global_scale(name: str, scale: torch.Tensor | float, lead: tuple[int, ...]) -> torch.Tensor:
@@ -131,10 +132,10 @@ def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tens
     check_min_dims("nvfp4_qdq x", x, 1)
     check_divisible("nvfp4_qdq x", x.shape[-1], NVFP4_GROUP, "K (last dim)")
     gs = _as_global_scale("nvfp4_qdq global_scale", global_scale, ()).to(x.device)
-    enc = 1.0 / gs
+    enc = torch.ones_like(gs) / gs
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // NVFP4_GROUP, NVFP4_GROUP)  # [..., K/16, 16]
     amax_blk = blocks.abs().amax(dim=-1, keepdim=True)
-    bs = (enc * amax_blk / E2M1_MAX).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    bs = div_exact(enc * amax_blk, E2M1_MAX).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
     safe_bs = torch.where(bs == 0, torch.ones_like(bs), bs)
     scaled = (blocks * enc / safe_bs).clamp(-E2M1_MAX, E2M1_MAX)
     x_hat = e2m1_decode(e2m1_encode(scaled)) * bs * gs
