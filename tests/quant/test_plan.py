@@ -247,3 +247,26 @@ def test_corrupt_checkpoint_files(tmp_path: Path) -> None:
     f.write_bytes(raw[:8] + b"#" + raw[9:])
     with pytest.raises(CheckpointError, match="not valid UTF-8 JSON"):
         build_quant_plan(tmp_path)
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def test_plan_of_real_modelopt_exports() -> None:
+    nv, pb = FIXTURES / "llama_nvfp4", FIXTURES / "llama_fp8_pb_wo"
+    if not (nv / "model.safetensors").is_file() or not (pb / "model.safetensors").is_file():
+        pytest.skip("ModelOpt fixtures missing (written by tests/fixtures/make_fixtures.py)")
+    plan = build_quant_plan(nv)
+    quantized = [lp for lp in plan.layers if lp.algo is QuantAlgo.NVFP4]
+    assert len(quantized) == 7
+    assert plan.layer("model.layers.0.mlp.down_proj").logical_shape == (128, 192)
+    assert plan.layer("lm_head").algo is QuantAlgo.NONE
+    # every byte of the data section is accounted to a layer or "other"
+    raw = (nv / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert sum(plan.bytes_by_scheme().values()) == len(raw) - 8 - header_len
+    # ModelOpt writes FP8_PB_WO layers with K % 128 != 0 (edge tiles), which k3run and vLLM refuse
+    with pytest.raises(
+        ValueError, match=r"mlp.down_proj.weight: expected an input size K divisible by 128.*K=192"
+    ):
+        build_quant_plan(pb)

@@ -139,7 +139,8 @@ class QuantPlan:
             counts[key] += 1
             params[key] += lp.logical_shape[0] * lp.logical_shape[1]
         for key, nbytes in sorted(by_scheme.items(), key=lambda kv: -kv[1]):
-            what = f"{self.other_tensors} tensors" if key == "other" else f"{counts[key]} layers"
+            n = self.other_tensors if key == "other" else counts[key]
+            what = f"{n} {'tensor' if key == 'other' else 'layer'}{'' if n == 1 else 's'}"
             extra = "" if key == "other" else f", {params[key] / 1e6:.2f}M weights"
             share = 100.0 * nbytes / total if total else 0.0
             lines.append(f"  {key:<12} {_human(nbytes):>11}  {share:5.1f}%  ({what}{extra})")
