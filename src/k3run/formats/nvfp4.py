@@ -62,8 +62,8 @@ def _as_global_scale(name: str, scale: torch.Tensor | float, lead: tuple[int, ..
 def nvfp4_quantize_blocks(
     blocks: torch.Tensor, weight_scale_2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 blocks [..., G, 16] and a global scale broadcastable to [..., 1, 1] -> (codes uint8 [..., G, 16],
-    block scales float8_e4m3fn [..., G]). No validation: callers check their inputs."""
+    """fp32 blocks [..., G, 16] and a global scale broadcastable against the block amaxes [..., G] ->
+    (codes uint8 [..., G, 16], block scales float8_e4m3fn [..., G]). No validation: callers check inputs."""
     amax_blk = blocks.abs().amax(dim=-1)
     per_block = amax_blk / (E2M1_MAX * weight_scale_2)
     per_block = torch.where(per_block == 0, torch.ones_like(per_block), per_block)
