@@ -252,3 +252,30 @@ def test_expert_loader_errors():
         ex.w13_weight.weight_loader(ex.w13_weight, q.weight, (9, "w1"))
     with pytest.raises(ValueError, match="NVFP4 experts need"):
         FusedExperts(E, 24, INTER, ACTS["silu"], QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.bfloat16)
+
+
+def test_w4a16_nvfp4_experts_need_no_input_scale():
+    ckpt = _nvfp4_checkpoint(*_random_experts(3))
+    ex = FusedExperts(
+        E, D, INTER, ACTS["silu"], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
+    )
+    assert not hasattr(ex, "w13_input_scale") and ex.nvfp4_act_mode == "w4a16"
+    for key in ckpt:
+        ckpt[key].pop("input_scale")
+    _load_nvfp4(ex, ckpt)
+    assert ex.unfilled_parameters() == []
+    assert ex.scales.a13.item() == 1.0 and ex.scales.a2.item() == 1.0
+    x = torch.randn(T, D)
+    weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
+    ref = _reference(
+        x,
+        ids,
+        weights,
+        _dequant(ckpt, "w1"),
+        _dequant(ckpt, "w3"),
+        _dequant(ckpt, "w2"),
+        ACTS["silu"],
+        None,
+        None,
+    )
+    assert_close("w4a16 experts", ref, ex(x, ids, weights), rtol=1e-5)

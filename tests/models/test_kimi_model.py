@@ -292,3 +292,95 @@ def test_checkpoint_errors_name_the_tensor(checkpoints, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(LoadError, match=r"not filled.*experts\.w13_weight \(expert 0 w1\)"):
         load_model(tmp_path)
+
+
+def test_checkpoint_name_table_both_namings():
+    from k3run.config import ModelConfig
+    from k3run.loader import IGNORE, Target
+    from k3run.models.kimi import KimiForCausalLM
+
+    kl = KimiForCausalLM(ModelConfig.from_hf(KIMI_LINEAR), params_dtype=torch.float32)
+    k3 = KimiForCausalLM(ModelConfig.from_hf(K3), params_dtype=torch.float32)
+    cases = [
+        # original naming
+        (kl, "model.layers.0.self_attn.k_proj.weight", Target("layers.0.self_attn.in_proj.weight", 1)),
+        (kl, "model.layers.0.self_attn.b_proj.weight", Target("layers.0.self_attn.in_proj.weight", 3)),
+        (kl, "model.layers.0.self_attn.f_a_proj.weight", Target("layers.0.self_attn.in_proj.weight", 4)),
+        (kl, "model.layers.0.self_attn.v_conv1d.weight", Target("layers.0.self_attn.conv_weight", 2)),
+        (kl, "model.layers.0.self_attn.A_log", Target("layers.0.self_attn.A_log")),
+        (kl, "model.layers.2.self_attn.q_proj.weight", Target("layers.2.self_attn.q_proj.weight")),  # MLA
+        (kl, "model.layers.0.mlp.up_proj.weight", Target("layers.0.mlp.gate_up_proj.weight", 1)),
+        (
+            kl,
+            "model.layers.1.block_sparse_moe.experts.5.w3.weight",
+            Target("layers.1.mlp.experts.w13_weight", (5, "w3")),
+        ),
+        (
+            kl,
+            "model.layers.1.block_sparse_moe.experts.5.w2.weight",
+            Target("layers.1.mlp.experts.w2_weight", (5, "w2")),
+        ),
+        (
+            kl,
+            "model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight",
+            Target("layers.1.mlp.shared_experts.gate_up_proj.weight", 0),
+        ),
+        # transformers-5 / ModelOpt naming
+        (kl, "model.layers.0.self_attn.conv1d.weight", Target("layers.0.self_attn.conv_weight", None)),
+        (
+            kl,
+            "model.layers.0.self_attn.forget_gate.f_a_proj.weight_scale",
+            Target("layers.0.self_attn.in_proj.weight_scale", 4),
+        ),
+        (
+            kl,
+            "model.layers.0.self_attn.forget_gate.f_b_proj.weight",
+            Target("layers.0.self_attn.f_b_proj.weight"),
+        ),
+        (kl, "model.layers.0.self_attn.forget_gate.dt_bias", Target("layers.0.self_attn.dt_bias")),
+        (
+            kl,
+            "model.layers.3.mlp.experts.7.up_proj.weight_scale_2",
+            Target("layers.3.mlp.experts.w13_weight_scale_2", (7, "w3")),
+        ),
+        (
+            kl,
+            "model.layers.3.mlp.gate.e_score_correction_bias",
+            Target("layers.3.mlp.gate.e_score_correction_bias"),
+        ),
+        # K3 (language_model. root, full-rank gate shard order, AttnRes, latent MoE)
+        (
+            k3,
+            "language_model.model.layers.1.self_attn.g_proj.weight",
+            Target("layers.1.self_attn.in_proj.weight", 3),
+        ),
+        (
+            k3,
+            "language_model.model.layers.1.self_attn.b_proj.weight",
+            Target("layers.1.self_attn.in_proj.weight", 5),
+        ),
+        (
+            k3,
+            "language_model.model.layers.3.self_attn.g_proj.weight",
+            Target("layers.3.self_attn.g_proj.weight"),
+        ),
+        (k3, "language_model.model.layers.2.mlp_res_proj.weight", Target("layers.2.mlp_res.proj_weight")),
+        (k3, "language_model.model.output_attn_res_norm.weight", Target("output_attn_res.norm_weight")),
+        (
+            k3,
+            "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight",
+            Target("layers.1.mlp.routed_expert_norm.weight"),
+        ),
+        (k3, "language_model.lm_head.weight", Target("lm_head.weight")),
+    ]
+    params = {
+        id(kl): dict(kl.named_parameters()),
+        id(k3): dict(k3.named_parameters()),
+    }
+    for model, name, target in cases:
+        assert model.checkpoint_mapping(name) == [target], name
+        # these models are unquantized: scale tensors have a destination only in quantized ones
+        if "scale" not in name:
+            assert target.param in params[id(model)], target
+    assert k3.checkpoint_mapping("vision_tower.encoder.blocks.0.wo.weight") == IGNORE
+    assert kl.checkpoint_mapping("model.layers.2.self_attn.conv1d.weight") is None  # MLA layer has no conv

@@ -184,6 +184,8 @@ class FusedExperts(nn.Module):
         self.activation = activation
         self.prefix = prefix
         self.params_dtype = params_dtype
+        # W4A16_NVFP4 checkpoints carry no input scales: same weights, activations always 16-bit
+        has_input_scale = algo == QuantAlgo.NVFP4
         if algo == QuantAlgo.W4A16_NVFP4:
             algo, nvfp4_act_mode = QuantAlgo.NVFP4, "w4a16"
         self.algo = algo
@@ -211,9 +213,10 @@ class FusedExperts(nn.Module):
             self._add("w2_weight", (el, d, i // 2), torch.uint8)
             self._add("w2_weight_scale", (el, d, i // 16), torch.float8_e4m3fn)
             self._add("w2_weight_scale_2", (el,), torch.float32)
-            # global over all experts (not just this rank's): a13/a2 are maxima over every expert
-            self._add("w13_input_scale", (num_experts, 2), torch.float32, local=False)
-            self._add("w2_input_scale", (num_experts,), torch.float32, local=False)
+            if has_input_scale:
+                # global over all experts (not just this rank's): a13/a2 are maxima over every expert
+                self._add("w13_input_scale", (num_experts, 2), torch.float32, local=False)
+                self._add("w2_input_scale", (num_experts,), torch.float32, local=False)
         else:
             raise ValueError(f"{prefix}: unsupported expert quant_algo {algo.value}")
 
@@ -302,8 +305,8 @@ class FusedExperts(nn.Module):
         self.scales = nvfp4_moe_scales(
             self.w13_weight_scale_2,
             self.w2_weight_scale_2,
-            self.w13_input_scale,
-            self.w2_input_scale,
+            getattr(self, "w13_input_scale", None),
+            getattr(self, "w2_input_scale", None),
             self.activation.kind,
             self.nvfp4_act_mode,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -283,7 +284,16 @@ class KimiForCausalLM(nn.Module):
 
     def checkpoint_mapping(self, name: str) -> list[Target] | tuple[Target, ...] | None:
         """Where checkpoint tensor `name` goes: [Target(param, shard_id)], IGNORE, or None if unknown."""
-        return map_checkpoint_name(name, self)
+        targets = map_checkpoint_name(name, self)
+        if targets and name.endswith(".input_scale"):
+            # W4A16 layers (weight-only NVFP4) have no activation scale: the checkpoint's is unused
+            kept = [t for t in targets if t.param in self._param_names]
+            return kept or IGNORE
+        return targets
+
+    @cached_property
+    def _param_names(self) -> frozenset[str]:
+        return frozenset(n for n, _ in self.named_parameters())
 
 
 def _strip_root(name: str) -> str | None:
@@ -357,11 +367,7 @@ def _expert(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
     layer = _layer(model, m)
     if layer is None or not layer.is_moe:
         return None
-    experts = layer.mlp.experts  # type: ignore[union-attr]
-    param = f"{group}_{m['s']}"
-    if not hasattr(experts, param):
-        return None
-    return [Target(f"layers.{m['i']}.mlp.experts.{param}", (int(m["e"]), which))]
+    return [Target(f"layers.{m['i']}.mlp.experts.{group}_{m['s']}", (int(m["e"]), which))]
 
 
 def _attn_res(site: str) -> Rule:
