@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.modelopt import (
@@ -333,3 +334,23 @@ def test_non_modelopt_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_quant_config(tmp_path)
+
+
+def test_substring_rule_matches_naive_search() -> None:
+    """The trie regex behind the substring rule agrees with `any(x in name)` on random overlapping words
+    (letters x/y only, so no root or mlp spelling of the name can add a match)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def word(n: int, alphabet: str) -> str:
+        idx = torch.randint(0, len(alphabet), (n,), generator=gen).tolist()
+        return "".join(alphabet[i] for i in idx)
+
+    entries = [word(int(torch.randint(3, 7, (1,), generator=gen)), "xy") for _ in range(12)]
+    cfg = parse_quant_config(FLAT_FP8_PB_WO | {"ignore": entries})
+    names = [word(int(torch.randint(3, 10, (1,), generator=gen)), "xy.") for _ in range(300)]
+    hits = 0
+    for name in names:
+        want = any(e in name for e in entries)
+        assert cfg.is_excluded(name) == want, (name, entries)
+        hits += want
+    assert 60 < hits < 240, hits  # both outcomes well represented
