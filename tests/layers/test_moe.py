@@ -279,3 +279,83 @@ def test_w4a16_nvfp4_experts_need_no_input_scale():
         None,
     )
     assert_close("w4a16 experts", ref, ex(x, ids, weights), rtol=1e-5)
+
+
+def test_k3_latent_moe_block_matches_formula():
+    """Router on the full x, experts on the down-projected latent, fp32 weighted sum, latent RMSNorm,
+    up-projection, plus shared experts on the ORIGINAL x (kimi-architecture.md §4), all in fp64 here."""
+    from k3run.layers.linear import ReplicatedLinear
+    from k3run.layers.mlp import GatedMLP
+    from k3run.layers.moe import KimiMoE
+    from k3run.layers.norm import RMSNorm
+
+    d, lat, inter, n_sh, eps, scale = 48, 32, 16, 2, 1e-5, 1.5
+    act = ACTS["situ"]
+    f32 = {"params_dtype": torch.float32}
+    moe = KimiMoE(
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=d,
+        moe_intermediate_size=inter,
+        num_shared_experts=n_sh,
+        activation=act,
+        router_kwargs={"routed_scaling_factor": scale},
+        experts_algo=QuantAlgo.NONE,
+        tp=TPInfo(),
+        latent_size=lat,
+        latent_norm=RMSNorm(lat, eps, torch.float32),
+        latent_down=ReplicatedLinear(d, lat, prefix="down", **f32),
+        latent_up=ReplicatedLinear(lat, d, prefix="up", **f32),
+        shared_experts=GatedMLP(d, inter * n_sh, act, prefix="shared", **f32),
+        **f32,
+    )
+    g = torch.Generator().manual_seed(5)
+    w = {
+        "gate.weight": torch.randn(E, d, generator=g) / d**0.5,
+        "gate.e_score_correction_bias": 0.3 * torch.randn(E, generator=g),
+        "routed_expert_down_proj.weight": torch.randn(lat, d, generator=g) / d**0.5,
+        "routed_expert_up_proj.weight": torch.randn(d, lat, generator=g) / lat**0.5,
+        "routed_expert_norm.weight": 1 + 0.2 * torch.randn(lat, generator=g),
+        "shared_experts.down_proj.weight": torch.randn(d, inter * n_sh, generator=g) / inter**0.5,
+    }
+    sh_gate, sh_up = (torch.randn(inter * n_sh, d, generator=g) / d**0.5 for _ in range(2))
+    w1, w3 = (torch.randn(E, inter, lat, generator=g) / lat**0.5 for _ in range(2))
+    w2 = torch.randn(E, lat, inter, generator=g) / inter**0.5
+    params = dict(moe.named_parameters())
+    for name, t in w.items():
+        params[name].weight_loader(params[name], t)
+    p = params["shared_experts.gate_up_proj.weight"]
+    p.weight_loader(p, sh_gate, 0)
+    p.weight_loader(p, sh_up, 1)
+    for e in range(E):
+        for which, t in (("w1", w1[e]), ("w3", w3[e]), ("w2", w2[e])):
+            p = params[f"experts.{'w2' if which == 'w2' else 'w13'}_weight"]
+            p.weight_loader(p, t, (e, which))
+    for m in moe.modules():
+        if m is not moe and hasattr(m, "process_after_loading"):
+            m.process_after_loading()
+
+    x = torch.randn(T, d, generator=g)
+    x64 = x.double()
+
+    def situ64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return 4 * torch.tanh(a / 4) * torch.sigmoid(a) * 25 * torch.tanh(b / 25)
+
+    s = torch.sigmoid(x64 @ w["gate.weight"].double().t())
+    ref = torch.zeros(T, d, dtype=torch.float64)
+    for t in range(T):
+        top = (s[t] + w["gate.e_score_correction_bias"].double()).topk(TOPK).indices
+        wt = s[t, top] / s[t, top].sum() * scale
+        z = x64[t] @ w["routed_expert_down_proj.weight"].double().t()
+        y = sum(
+            wk * (situ64(w1[e].double() @ z, w3[e].double() @ z) @ w2[e].double().t())
+            for wk, e in zip(wt, top.tolist(), strict=True)
+        )
+        y = y / torch.sqrt((y * y).mean() + eps) * w["routed_expert_norm.weight"].double()
+        ref[t] = y @ w["routed_expert_up_proj.weight"].double().t()
+    ref += (
+        situ64(x64 @ sh_gate.double().t(), x64 @ sh_up.double().t())
+        @ w["shared_experts.down_proj.weight"].double().t()
+    )
+    # fp32 model vs fp64 formula: fp32 roundings only
+    assert_close("K3 latent MoE block", ref, moe(x), rtol=1e-5)
