@@ -60,6 +60,7 @@ def _mixed(layers: dict[str, dict], excludes: list[str] | None = None) -> ModelO
 def test_legacy_and_flat_forms_agree() -> None:
     legacy = parse_quant_config(LEGACY_NVFP4)
     flat = parse_quant_config(FLAT_NVFP4)
+    assert legacy == flat and hash(legacy) == hash(flat)
     for cfg in (legacy, flat):
         assert cfg.quant_algo == "NVFP4"
         assert cfg.exclude_modules == tuple(EXCLUDES)

@@ -92,7 +92,9 @@ def test_mixed_plan_layers(tmp_path: Path) -> None:
     assert w2.algo is QuantAlgo.NVFP4
     assert w2.logical_shape == (D, 32) == w2.physical_shape
     assert w2.nbytes == D * 16 + D * 2 + 4 + 4 == _nbytes(t, w2.prefix)
-    assert w2.implementation == "reference: dequantize + matmul (formats)"
+    assert w2.kind == "expert"
+    assert w2.implementation == "layers/moe fused_experts: per-expert loop, dequantize + matmul"
+    assert q.kind == "linear" and q.implementation == "reference: dequantize + matmul (formats)"
     gate = plan.layer("model.layers.1.block_sparse_moe.gate")
     assert gate.algo is QuantAlgo.NONE and gate.implementation == "torch F.linear"
     emb = plan.layer("model.embed_tokens")

@@ -131,6 +131,10 @@ class ModelOptConfig:
         object.__setattr__(self, "quantized_layers", MappingProxyType(dict(self.quantized_layers)))
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
 
+    def __hash__(self) -> int:
+        # the generated hash would fail on the mapping fields; equal configs hash equal without them
+        return hash((self.quant_algo, self.exclude_modules, len(self.quantized_layers), self.group_size))
+
     @property
     def is_mixed(self) -> bool:
         return self.quant_algo == MIXED_PRECISION

@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -31,35 +32,48 @@ _EMBEDDING_NAMES = frozenset({"embed_tokens", "word_embeddings", "wte"})
 _FLOAT_CODES = ("BF16", "F16", "F32")
 
 _CPU_QUANT = "reference: dequantize + matmul (formats)"
-# The kernel each scheme runs, per device type: the one place `k3run inspect` and the start-up log read.
-_IMPLEMENTATIONS: Mapping[tuple[str, QuantAlgo], str] = {
-    ("cpu", QuantAlgo.NONE): "torch F.linear",
-    ("cpu", QuantAlgo.FP8_PB_WO): _CPU_QUANT,
-    ("cpu", QuantAlgo.NVFP4): _CPU_QUANT,
-    ("cpu", QuantAlgo.W4A16_NVFP4): _CPU_QUANT,
-    ("cuda", QuantAlgo.NONE): "torch F.linear (cuBLAS)",
-    ("cuda", QuantAlgo.FP8_PB_WO): "kernels/fp8_gemm: 1x128 fp8 activations x 128x128 blocks "
-    "(block-scaled _scaled_mm on sm90, else Triton)",
-    ("cuda", QuantAlgo.NVFP4): "kernels/nvfp4_gemm: Triton W4A16, E2M1 decoded in registers",
-    ("cuda", QuantAlgo.W4A16_NVFP4): "kernels/nvfp4_gemm: Triton W4A16, E2M1 decoded in registers",
-}
+_NVFP4_CUDA = "kernels/nvfp4_gemm: Triton W4A16, E2M1 decoded in registers"
+_EXPERTS = "layers/moe fused_experts: per-expert loop, dequantize + matmul"
+# The kernel each (layer kind, device type, scheme) runs; the one place `k3run inspect` reads it from.
+_IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
+    {
+        ("linear", "cpu", QuantAlgo.NONE): "torch F.linear",
+        ("linear", "cpu", QuantAlgo.FP8_PB_WO): _CPU_QUANT,
+        ("linear", "cpu", QuantAlgo.NVFP4): _CPU_QUANT,
+        ("linear", "cpu", QuantAlgo.W4A16_NVFP4): _CPU_QUANT,
+        ("linear", "cuda", QuantAlgo.NONE): "torch F.linear (cuBLAS)",
+        ("linear", "cuda", QuantAlgo.FP8_PB_WO): "kernels/fp8_gemm: 1x128 fp8 activations x 128x128 blocks "
+        "(block-scaled _scaled_mm on sm90, else Triton)",
+        ("linear", "cuda", QuantAlgo.NVFP4): _NVFP4_CUDA,
+        ("linear", "cuda", QuantAlgo.W4A16_NVFP4): _NVFP4_CUDA,
+        **{
+            ("expert", dev, a): _EXPERTS
+            for dev in ("cpu", "cuda")
+            for a in QuantAlgo
+            if a is not QuantAlgo.FP8
+        },
+    }
+)
 
 
-def implementation_name(algo: QuantAlgo, device: str | torch.device = "cpu") -> str:
-    """The kernel that runs a linear layer of scheme `algo` on `device` ("cpu", "cuda", "cuda:1", ...)."""
-    kind = torch.device(device).type
-    name = _IMPLEMENTATIONS.get((kind, algo))
+def implementation_name(algo: QuantAlgo, device: str | torch.device = "cpu", kind: str = "linear") -> str:
+    """The kernel that runs a layer of scheme `algo` on `device` ("cpu", "cuda", "cuda:1", ...).
+
+    kind: "linear", or "expert" for a routed expert (run by the MoE layer, not as a separate linear).
+    """
+    dev = torch.device(device).type
+    name = _IMPLEMENTATIONS.get((kind, dev, algo))
     if name is not None:
         return name
     if algo is QuantAlgo.FP8:
         return "unsupported: k3run has no per-tensor FP8 scheme"
-    return f"unsupported: no {algo.value} kernel for device type {kind!r}"
+    return f"unsupported: no {algo.value} {kind} kernel for device type {dev!r}"
 
 
 @dataclass(frozen=True)
 class LayerPlan:
     prefix: str
-    kind: str  # "linear" or "embedding"
+    kind: str  # "linear", "expert" (a routed expert, run by the MoE layer) or "embedding"
     algo: QuantAlgo
     logical_shape: tuple[int, int]  # [N, K]
     physical_shape: tuple[int, int]  # after the scheme's padding
@@ -94,7 +108,7 @@ class QuantPlan:
     def bytes_by_scheme(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for lp in self.layers:
-            out[lp.algo.value if lp.kind == "linear" else lp.kind] += lp.nbytes
+            out[lp.algo.value if lp.kind != "embedding" else lp.kind] += lp.nbytes
         if self.other_bytes:
             out["other"] += self.other_bytes
         return dict(out)
@@ -118,7 +132,7 @@ class QuantPlan:
             rows.append(
                 (
                     label,
-                    lp.algo.value if lp.kind == "linear" else f"{lp.algo.value} ({lp.kind})",
+                    lp.algo.value if lp.kind != "embedding" else f"{lp.algo.value} (embedding)",
                     _shape(lp.logical_shape),
                     _shape(lp.physical_shape),
                     f"N+{pad[0]}" if pad[0] else ("K+" + str(pad[1]) if pad[1] else "-"),
@@ -135,7 +149,7 @@ class QuantPlan:
         counts: dict[str, int] = defaultdict(int)
         params: dict[str, int] = defaultdict(int)
         for lp in self.layers:
-            key = lp.algo.value if lp.kind == "linear" else lp.kind
+            key = lp.algo.value if lp.kind != "embedding" else lp.kind
             counts[key] += 1
             params[key] += lp.logical_shape[0] * lp.logical_shape[1]
         for key, nbytes in sorted(by_scheme.items(), key=lambda kv: -kv[1]):
@@ -334,15 +348,18 @@ def build_quant_plan(model_dir: str | Path, device: str | torch.device = "cpu") 
         else:
             why = functools.partial(_why, qc, algo, prefix)
         logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
+        kind = "embedding" if is_embedding else ("expert" if _EXPERT.match(prefix) else "linear")
         layers.append(
             LayerPlan(
                 prefix=prefix,
-                kind="embedding" if is_embedding else "linear",
+                kind=kind,
                 algo=algo,
                 logical_shape=logical,
                 physical_shape=physical,
                 nbytes=sum(tensors[n].nbytes for n in names),
-                implementation="embedding lookup" if is_embedding else implementation_name(algo, device_name),
+                implementation="embedding lookup"
+                if is_embedding
+                else implementation_name(algo, device_name, kind),
                 tensors=names,
             )
         )
