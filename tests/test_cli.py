@@ -155,26 +155,34 @@ def test_eval_perplexity_kl_and_agreement(
     assert rc == 0
     row = next(line for line in out.splitlines() if line.startswith(str(nvfp4)))
     ppl, rel, kl, agree = row[len(str(nvfp4)) :].split()
-    # recompute the perplexity of the quantized model independently, window by window
+    # recompute all three numbers independently, window by window
     text = (bf16.parent / "heldout.txt").read_text()
     ids = load_tokenizer(nvfp4).encode(text, add_special_tokens=False)
-    model = load_model(nvfp4, dtype=torch.float32)
-    nll, n = 0.0, 0
+    model, ref = load_model(nvfp4, dtype=torch.float32), load_model(bf16, dtype=torch.float32)
+    nll, kl_sum, same, n = 0.0, 0.0, 0, 0
     for i in range(0, len(ids), 32):
         w = torch.tensor(ids[i : i + 32])
         if w.numel() < 2:
             continue
         logp = model.logits(w)[:-1].log_softmax(-1)
+        ref_logp = ref.logits(w)[:-1].log_softmax(-1)
         nll -= logp.gather(-1, w[1:, None]).sum().item()
+        kl_sum += torch.nn.functional.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
+        same += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
         n += w.numel() - 1
+    # the table prints 4-5 significant digits
     assert math.isclose(float(ppl), math.exp(nll / n), rel_tol=1e-4)
-    # NVFP4 weights move the distribution a little: KL strictly positive, most argmaxes kept
-    assert float(kl) > 0 and float(agree.rstrip("%")) > 50
+    assert math.isclose(float(kl), kl_sum / n, rel_tol=1e-3, abs_tol=1e-5)
+    assert math.isclose(float(agree.rstrip("%")), 100 * same / n, abs_tol=0.01)
+    assert kl_sum > 0  # NVFP4 weights do move the distribution
     rc = main(
         ["eval", str(bf16), "--reference", str(bf16), "--window", "32", "--device", "cpu", "--no-progress"]
     )
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{bf16} "))
-    assert row.split()[2:] == ["+0.00%", "0.00000", "100.00%"]
+    ref_row, row = [
+        line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(f"{bf16} ")
+    ]
+    assert ref_row[1] == "(reference)" and ref_row[2] == row[1]
+    assert row[2:] == ["+0.00%", "0.00000", "100.00%"]
 
 
 def test_bench_prints_a_row_per_batch_size(

@@ -72,3 +72,16 @@ def test_llm_from_directory_and_seeded_sampling(ckpt: Path) -> None:
     a = llm.generate(["def f(x):", "abc"], [p, SamplingParams(seed=5)])[0]
     b = llm.generate(["def f(x):"], p)[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+
+
+def test_cache_layout_matches_the_models_own_cache(model) -> None:
+    from k3run.engine.cache import cache_layout_for
+
+    mine = cache_layout_for(model.config, model.params_dtype).allocate(3, 20, "cpu")
+    theirs = model.make_cache(3, 20)
+    assert len(mine.layers) == len(theirs.layers)
+    for a, b in zip(mine.layers, theirs.layers):
+        assert type(a) is type(b)
+        for name in vars(a):
+            ta, tb = getattr(a, name), getattr(b, name)
+            assert (ta.shape, ta.dtype) == (tb.shape, tb.dtype), name

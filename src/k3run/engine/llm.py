@@ -55,12 +55,14 @@ class Detokenizer:
 
 
 def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    # the activation dtype is the embedding's (quantized weights are uint8 / fp8, scales fp32)
-    device, dtype = None, None
+    # KimiForCausalLM states its activation dtype; otherwise take the first 16/32-bit matrix (the embedding;
+    # quantized weights are uint8 / fp8 and their scales are not matrices of the activation dtype)
+    device, dtype = None, getattr(model, "params_dtype", None)
     for p in model.parameters():
         device = device or p.device
-        if p.is_floating_point() and p.dim() == 2 and p.element_size() >= 2:
+        if dtype is None and p.is_floating_point() and p.dim() == 2 and p.element_size() >= 2:
             dtype = p.dtype
+        if device is not None and dtype is not None:
             break
     if device is None or dtype is None:
         raise ValueError("cannot tell the model's device and activation dtype: it has no 2-D float parameter")
