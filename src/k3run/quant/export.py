@@ -34,9 +34,10 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from k3run.quant.algo import QuantAlgo
 from k3run.safetensors_io import INDEX_FILE, CheckpointReader, TensorInfo
 
 RECIPES = ("nvfp4", "fp8_pb_wo", "k3-mixed")
-PRODUCER = {"name": "modelopt", "version": f"0.47.0+k3run.{__version__}"}
+PRODUCER: Mapping[str, str] = MappingProxyType({"name": "modelopt", "version": f"0.47.0+k3run.{__version__}"})
 NVFP4_GROUP = 16
 FP8_BLOCK = 128
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
@@ -69,7 +70,9 @@ _ATTN_INPUT |= {"q_a_proj", "kv_a_proj_with_mqa"}
 _MLP_INPUT = frozenset({"gate_proj", "up_proj", "w1", "w3"})
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
-_NVFP4_ACT = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+_NVFP4_ACT: Mapping[str, Any] = MappingProxyType(
+    {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+)
 
 
 def _last(prefix: str) -> str:
@@ -109,7 +112,12 @@ def recipe_algo(recipe: str, prefix: str) -> QuantAlgo:
 
 
 def fusion_key(prefix: str) -> str:
-    """Linears with the same key read the same input, so ModelOpt gives them one global scale."""
+    """Linears with the same key read the same input, so ModelOpt gives them one global scale.
+
+    Checked against ModelOpt's exports of Llama and Kimi Linear (tests/fixtures). K3's latent MoE
+    projection and shared experts also read the block input, but whether ModelOpt's input hook sees one
+    tensor there is not verified, so they keep their own scales (k3-mixed leaves them bf16 anyway).
+    """
     parent, _, last = prefix.rpartition(".")
     if last in _MLP_INPUT:
         return f"{parent}.<mlp-in>"
@@ -176,6 +184,8 @@ def _read_config(src: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
     for where, qc in (
         ("quantization_config", config.get("quantization_config")),
         ("text_config.quantization_config", (config.get("text_config") or {}).get("quantization_config")),
