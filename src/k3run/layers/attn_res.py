@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from k3run.layers.norm import norm_weight_loader
+
 
 def attn_res_mix(
     cands: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
@@ -52,6 +54,8 @@ class AttnResWeights(nn.Module):
         self.eps = eps
         self.norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.proj_weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=params_dtype), requires_grad=False)
+        for p in (self.norm_weight, self.proj_weight):
+            p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, cands: list[torch.Tensor]) -> torch.Tensor:
         return attn_res_mix(cands, self.norm_weight, self.proj_weight, self.eps)

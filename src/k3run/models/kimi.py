@@ -102,8 +102,8 @@ class KimiDecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, prefix=f"{prefix}.mlp", **lin)
         self.attn_res_block_size = cfg.attn_res_block_size
         if cfg.uses_attn_res:
-            self.self_attention_res = _attn_res_site(cfg, params_dtype)
-            self.mlp_res = _attn_res_site(cfg, params_dtype)
+            self.self_attention_res = AttnResWeights(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
+            self.mlp_res = AttnResWeights(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
 
     def forward(
         self,
@@ -118,25 +118,11 @@ class KimiDecoderLayer(nn.Module):
             return self.mlp(self.post_attention_layernorm(x))
 
         if isinstance(h, AttnResState):
-            attn_res_layer(
-                h,
-                self.idx,
-                self.attn_res_block_size,
-                mixer,
-                mlp,
-                self.self_attention_res,
-                self.mlp_res,  # type: ignore[arg-type]
-            )
+            block = self.attn_res_block_size or 0  # set whenever the state is an AttnResState
+            attn_res_layer(h, self.idx, block, mixer, mlp, self.self_attention_res, self.mlp_res)
             return h
         h = h + mixer(h)
         return h + mlp(h)
-
-
-def _attn_res_site(cfg: ModelConfig, params_dtype: torch.dtype) -> AttnResWeights:
-    site = AttnResWeights(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
-    for p in site.parameters():
-        p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
-    return site
 
 
 def _make_moe(
@@ -221,7 +207,7 @@ class KimiForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
         if cfg.uses_attn_res:
-            self.output_attn_res = _attn_res_site(cfg, params_dtype)
+            self.output_attn_res = AttnResWeights(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
         self.lm_head: ColumnParallelLinear | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(
