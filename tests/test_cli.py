@@ -209,3 +209,23 @@ def test_bench_prints_a_row_per_batch_size(
     rows = [line.split() for line in lines[-2:]]
     assert [r[0] for r in rows] == ["1", "3"]
     assert all(float(x) > 0 for r in rows for x in r[1:])
+
+
+def test_quantize_then_inspect_then_generate(
+    kimi_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bf16, _ = kimi_dirs
+    dst = tmp_path / "nvfp4"
+    assert main(["quantize", str(bf16), str(dst), "--recipe", "nvfp4"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["inspect", str(dst), "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    assert (
+        "model.layers.0.self_attn.q_proj" in table
+        and "NVFP4" in table
+        and "parameter bytes by scheme" in table
+    )
+    # the exporter carries the tokenizer over, so the quantized checkpoint generates directly
+    argv = ["generate", str(dst), "--prompt", "ab", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("ab")

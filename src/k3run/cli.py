@@ -171,7 +171,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     d = _checkpoint_dir(args.dir, "DIR")
     from k3run.quant.plan import build_quant_plan
 
-    plan = build_quant_plan(d)
+    plan = build_quant_plan(d, device=_device(args.device))
     print(plan.format_table())
     return 0
 
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="per-layer quantization plan, bytes by scheme, kernels")
     p.add_argument("dir", metavar="DIR")
+    p.add_argument(
+        "--device", default="auto", help="the device whose kernels to report (default: %(default)s)"
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("quantize", help="write a ModelOpt-format checkpoint from a bf16 one")
