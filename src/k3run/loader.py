@@ -13,6 +13,7 @@ linears, report their own gaps through `unfilled_parameters()`), and then each m
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -25,8 +26,13 @@ import torch
 
 from k3run.distributed import NO_TP, TPInfo
 
-# rows are read in pieces of about this many bytes when a loader keeps only some columns of a tensor
+# A rank that keeps some columns of a tensor reads each row's wanted bytes with its own positioned read
+# when that run is at least _MIN_RUN_BYTES; shorter runs are cheaper to read as whole rows, in chunks of
+# about _CHUNK_BYTES so the transient stays small.
+_MIN_RUN_BYTES = 256
 _CHUNK_BYTES = 16 << 20
+_CHECK_CHUNK = 1 << 16  # elements per slice of the NaN/Inf check
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @runtime_checkable
@@ -126,35 +132,52 @@ class FileTensor:
         return FileTensor(self.fd, self.offset, self.full_shape, self._dtype, self.counter, tuple(region))
 
     def _pread_into(self, out: torch.Tensor, file_offset: int) -> None:
-        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self._pread_bytes(out.reshape(-1).view(torch.uint8).numpy(), file_offset)
+
+    def _pread_bytes(self, buf: Any, file_offset: int) -> None:
+        view = memoryview(buf).cast("B")
         done = 0
-        while done < len(buf):
-            n = os.preadv(self.fd, [buf[done:]], file_offset + done)
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], file_offset + done)
             if n <= 0:
                 raise OSError(f"unexpected end of file at byte {file_offset + done}")
             done += n
-        self.counter.bytes += len(buf)
+        self.counter.bytes += len(view)
 
     def read(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self._dtype)
         if out.numel() == 0:
             return out
-        if not self.region:
-            self._pread_into(out, self.offset)
-            return out
         item = out.element_size()
-        row_elems = math.prod(self.full_shape[1:])
-        (r0, nr), rest = self.region[0], self.region[1:]
-        if all(s == 0 and n == full for (s, n), full in zip(rest, self.full_shape[1:], strict=True)):
-            # whole rows: one contiguous byte range straight into the result
-            self._pread_into(out, self.offset + r0 * row_elems * item)
+        full = self.full_shape
+        narrowed = [
+            d for d, ((s, n), f) in enumerate(zip(self.region, full, strict=True)) if (s, n) != (0, f)
+        ]
+        last = narrowed[-1] if narrowed else 0
+        strides = [math.prod(full[d + 1 :]) for d in range(len(full))]
+        if last == 0:
+            # a block of whole rows (or the whole tensor, or a scalar): one contiguous byte range
+            start = self.region[0][0] * strides[0] if full else 0
+            self._pread_into(out, self.offset + start * item)
             return out
-        # some columns only: read bounded chunks of whole rows and keep the wanted part of each
-        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, row_elems * item))
+        # dims after `last` are whole, so each index of dims 0..last-1 selects one contiguous run
+        run = self.region[last][1] * strides[last]
+        if run * item >= _MIN_RUN_BYTES:
+            flat = out.reshape(-1).view(torch.uint8).numpy()
+            pos = 0
+            for idx in itertools.product(*(range(s, s + n) for s, n in self.region[:last])):
+                elem = sum(i * st for i, st in zip(idx, strides, strict=False))
+                elem += self.region[last][0] * strides[last]
+                self._pread_bytes(flat[pos : pos + run * item], self.offset + elem * item)
+                pos += run * item
+            return out
+        # short runs (e.g. a rank's columns of a small scale tensor): read bounded chunks of whole rows
+        (r0, nr), rest = self.region[0], self.region[1:]
+        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, strides[0] * item))
         for a in range(0, nr, rows_per_chunk):
             b = min(nr, a + rows_per_chunk)
-            chunk = torch.empty((b - a, *self.full_shape[1:]), dtype=self._dtype)
-            self._pread_into(chunk, self.offset + (r0 + a) * row_elems * item)
+            chunk = torch.empty((b - a, *full[1:]), dtype=self._dtype)
+            self._pread_into(chunk, self.offset + (r0 + a) * strides[0] * item)
             for d, (s, n) in enumerate(rest, start=1):
                 chunk = chunk.narrow(d, s, n)
             out[a:b] = chunk
@@ -230,9 +253,31 @@ def _default_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: A
         raise ValueError(
             f"expected {param.dtype} {tuple(param.shape)}, got {loaded.dtype} {tuple(loaded.shape)}"
         )
-    if loaded.is_floating_point() and not bool(torch.isfinite(loaded).all()):
-        raise ValueError("non-finite values (NaN/Inf)")
+    check_finite("value", loaded)
     param.data.copy_(loaded)
+
+
+def check_finite(what: str, t: torch.Tensor) -> None:
+    """Raise on NaN/Inf. Works through the tensor in slices so the check never holds more than a small
+    mask (the loader's peak-memory bound is the parameters plus one checkpoint tensor)."""
+    if not (t.is_floating_point() or t.dtype in _FP8_DTYPES):
+        return
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        bad = _non_finite(flat[start : start + _CHECK_CHUNK])
+        if bool(bad.any()):
+            first = start + int(bad.nonzero()[0, 0])
+            idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), t.shape)) if t.dim() else ()
+            total = int(_non_finite(flat).sum())
+            raise ValueError(f"{what}: non-finite value (NaN/Inf) at index {idx} of {total} bad elements")
+
+
+def _non_finite(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float8_e4m3fn:
+        return (x.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn has NaN only: S.1111.111
+    if x.dtype == torch.float8_e5m2:
+        return (x.view(torch.uint8) & 0x7F) >= 0x7C  # all-ones exponent: Inf or NaN
+    return ~torch.isfinite(x)
 
 
 def _data_start(path: Path) -> int:
@@ -313,7 +358,7 @@ def load_checkpoint(
                     shard = "" if t.shard_id is None else f" shard {t.shard_id!r}"
                     raise LoadError(
                         f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) -> parameter "
-                        f"{t.param!r}{shard}: {e}{_scheme_note(model, t.param)}"
+                        f"{t.param!r}{shard}: {e}"
                     ) from e
                 touched.add(t.param)
             bar.update(info.nbytes)

@@ -97,8 +97,8 @@ def test_dtype_mismatch_explains_quant_config_disagreement() -> None:
     fp8_layer = ReplicatedLinear(128, 64, scheme=Fp8PbWoScheme(), prefix="a")
     with pytest.raises(
         ValueError,
-        match=r"a\.weight: expected dtype torch\.float8_e4m3fn, got torch\.bfloat16.*"
-        r"FP8_PB_WO.*config quantizes it",
+        match=r"a\.weight: expected dtype torch\.float8_e4m3fn, got torch\.bfloat16; .*"
+        r"config quantizes it \[FP8_PB_WO",
     ):
         fp8_layer.weight.weight_loader(fp8_layer.weight, torch.randn(64, 128, dtype=torch.bfloat16))
     plain = ReplicatedLinear(128, 64, scheme=UnquantizedScheme(), prefix="b")

@@ -17,14 +17,17 @@ from safetensors.torch import save_file
 from k3run.distributed import TPInfo, spawn_gloo
 from k3run.layers.linear import ColumnParallelLinear, RowParallelLinear
 from k3run.loader import load_checkpoint
-from k3run.quant.schemes import Fp8PbWoScheme
+from k3run.quant.schemes import Fp8PbWoScheme, Segment
 from k3run.testing import assert_close
 from tests.tp_utils import (
     KDA_REPLICATED,
     KDA_SHARDS,
     KINDS,
     TPBlock,
+    activation_reference,
     checkpoint_tensors,
+    dequantized,
+    load_shards,
     tp_block_checkpoint,
     tp_block_forward,
     tp_block_mapping,
@@ -109,14 +112,28 @@ def test_fp8_tp8_kda_shards_and_replicated_block_scale(ckpt_path: Path, tp1_outp
     _compare({k: v for k, v in tp1_outputs.items() if k in got}, got, 8)
 
 
-def test_fp8_block_straddle_is_a_clear_error() -> None:
-    """384 rows at tp 4: rank 1 keeps rows 96..191, across two checkpoint scale blocks: no exact split."""
-    t = checkpoint_tensors("fp8", torch.randn(384, 128))
-    layer = ColumnParallelLinear(128, 384, tp=TPInfo(1, 4), scheme=Fp8PbWoScheme(), prefix="x.proj")
-    with pytest.raises(
-        ValueError, match=r"x\.proj\.weight_scale: rank 1 rows 96\.\.191 straddle checkpoint "
-    ):
-        layer.weight_scale.weight_loader(layer.weight_scale, t["weight_scale"])
+def test_fp8_rank_rows_crossing_a_checkpoint_block_are_split() -> None:
+    """384 rows at tp 4: rank 1 keeps checkpoint rows 96..191, across scale blocks 0 and 1. Its rows are
+    stored as two segments, each starting a physical block (rows 96..127 -> 0..31, 128..191 -> 128..191),
+    so each physical block keeps one exact checkpoint scale; the output is unchanged."""
+    w = torch.randn(384, 128)
+    t = checkpoint_tensors("fp8", w)
+    x = torch.randn(4, 128)
+    ref = activation_reference("fp8", x) @ dequantized("fp8", t).t()
+    outs = []
+    for r in range(4):
+        layer = ColumnParallelLinear(
+            128, 384, tp=TPInfo(r, 4), scheme=Fp8PbWoScheme(), params_dtype=torch.float32
+        )
+        if r == 1:
+            assert layer.weights.layout.segments == (Segment(0, 0, 32, 0), Segment(0, 32, 64, 128))
+        load_shards(layer, [t], merged=False)
+        layer.process_after_loading()
+        if r == 1:
+            assert tuple(layer.weight.shape) == (256, 128)
+            assert int(torch.count_nonzero(layer.weight[32:128].view(torch.uint8))) == 0
+        outs.append(layer(x))
+    assert_close("fp8 split segments", ref, torch.cat(outs, -1), rtol=FP32_RTOL)
 
 
 def test_fp8_row_parallel_needs_128_aligned_k_per_rank() -> None:

@@ -20,6 +20,7 @@ from k3run.quant.schemes import (
     Fp8PbWoScheme,
     NvFp4Scheme,
     OutputLayout,
+    Segment,
     UnquantizedScheme,
     linear_scheme_for,
 )
@@ -97,7 +98,9 @@ def test_fp8_pb_wo_numerics_match_reference() -> None:
     w = [torch.randn(96, 256), torch.randn(200, 256) * 3.0]
     tensors = [checkpoint_tensors("fp8", wi) for wi in w]
     layer = MergedColumnParallelLinear(256, [96, 200], scheme=Fp8PbWoScheme(), params_dtype=torch.float32)
-    assert layer.weights.layout == OutputLayout(sizes=(96, 200), offsets=(0, 128), rows=328)
+    assert layer.weights.layout == OutputLayout(
+        (96, 200), (Segment(0, 0, 96, 0), Segment(1, 0, 200, 128)), 328
+    )
     load_shards(layer, tensors, merged=True)
     layer.process_after_loading()
     assert tuple(layer.weight.shape) == (384, 256)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3run.distributed import NO_TP, TPInfo, all_gather, all_reduce
-from k3run.loader import InMemoryTensor, SliceLoader, TensorSource
+from k3run.loader import InMemoryTensor, SliceLoader, TensorSource, check_finite
 from k3run.quant.schemes import LinearScheme, LinearWeights, ParamSpec, linear_scheme_for
 
 if TYPE_CHECKING:
@@ -89,8 +89,11 @@ class LinearBase(torch.nn.Module):
             if scheme is not None
             else linear_scheme_for(qcfg, prefix, tuple(shard_prefixes), params_dtype=params_dtype)
         )
+        # the checkpoint row each partition's rank-local rows start at: block-scaled schemes split a
+        # partition where it crosses a checkpoint block boundary
+        row_starts = [self._source_row_start(i) for i in range(len(self.output_sizes))]
         self.weights: LinearWeights = self.scheme.create_weights(
-            self, self.input_size_per_partition, self.local_output_sizes, params_dtype
+            self, self.input_size_per_partition, self.local_output_sizes, params_dtype, row_starts=row_starts
         )
         if bias:
             self.register_parameter(
@@ -151,7 +154,9 @@ class LinearBase(torch.nn.Module):
         return tuple(shape)
 
     def _load(self, name: str, param: torch.nn.Parameter, loaded: TensorSource, shard_id: ShardId) -> None:
-        what = f"{self.prefix}.{name}" + ("" if shard_id is None else f" (shard {shard_id})")
+        what = (f"{self.prefix}.{name}" if self.prefix else name) + (
+            "" if shard_id is None else f" (shard {shard_id})"
+        )
         part = self._partition(shard_id)
         if (name, part) in self._filled:
             raise ValueError(f"{what}: loaded twice")
@@ -164,7 +169,7 @@ class LinearBase(torch.nn.Module):
                     f"[{self.scheme.describe()}]"
                 )
             value = loaded.read().reshape(())
-            _check_finite(what, value)
+            check_finite(what, value)
             param.data[part] = value.to(param.device)
             self._filled.add((name, part))
             return
@@ -178,50 +183,53 @@ class LinearBase(torch.nn.Module):
                 f"{what}: expected checkpoint shape {expected}, got {tuple(loaded.shape)} "
                 f"(dtype {loaded.dtype}) [{self.scheme.describe()}]"
             )
-        dst: torch.Tensor = param.data
-        if spec.out_dim is not None:
-            dst_start, src_start, n = self._row_slices(what, spec, part)
-            src = src.narrow(spec.out_dim, src_start, n)
-            dst = dst.narrow(spec.out_dim, dst_start, n)
-        if spec.in_dim is not None and self.shard_in and self.tp.size > 1:
-            k_local = self.input_size_per_partition
-            if k_local % spec.in_block != 0:
-                raise ValueError(f"{what}: local input size {k_local} is not a multiple of {spec.in_block}")
-            n_in = k_local // spec.in_block
-            src = src.narrow(spec.in_dim, self.tp.rank * n_in, n_in)
-        data = src.read()
-        _check_finite(what, data)
-        dst.copy_(data.to(device=dst.device, dtype=dst.dtype))
+        pieces = self._row_slices(what, spec, part) if spec.out_dim is not None else [None]
+        for piece in pieces:
+            part_src, dst = src, param.data
+            if piece is not None and spec.out_dim is not None:
+                dst_start, src_start, n = piece
+                part_src = part_src.narrow(spec.out_dim, src_start, n)
+                dst = dst.narrow(spec.out_dim, dst_start, n)
+            if spec.in_dim is not None and self.shard_in and self.tp.size > 1:
+                k_local = self.input_size_per_partition
+                if k_local % spec.in_block != 0:
+                    raise ValueError(
+                        f"{what}: local input size {k_local} is not a multiple of {spec.in_block}"
+                    )
+                n_in = k_local // spec.in_block
+                part_src = part_src.narrow(spec.in_dim, self.tp.rank * n_in, n_in)
+            data = part_src.read()
+            check_finite(what, data)
+            dst.copy_(data.to(device=dst.device, dtype=dst.dtype))
         self._filled.add((name, part))
 
-    def _row_slices(self, what: str, spec: ParamSpec, part: int) -> tuple[int, int, int]:
-        """(first destination element, first checkpoint element, count) along the output dim."""
+    def _row_slices(self, what: str, spec: ParamSpec, part: int) -> list[tuple[int, int, int]]:
+        """(first destination element, first checkpoint element, count) along the output dim, per segment."""
         local = self.local_output_sizes[part]
-        # the bias holds the logical partitions back to back; quantized weights follow the scheme's layout
-        offset = (
-            sum(self.local_output_sizes[:part]) if spec is _BIAS_SPEC else self.weights.layout.offsets[part]
-        )
         row0 = self._source_row_start(part)
+        if spec is _BIAS_SPEC:
+            # the bias holds the logical partitions back to back
+            return [(sum(self.local_output_sizes[:part]), row0, local)]
         b = spec.out_block
-        if b == 1:
-            return offset, row0, local
-        if offset % b != 0:
-            raise ValueError(f"{what}: partition starts at row {offset}, not on a {b}-row block boundary")
-        # checkpoint block holding each local block; a local block spanning two checkpoint blocks has no
-        # single exact scale
-        blocks = []
-        for j in range(math.ceil(local / b)):
-            first, last = row0 + j * b, row0 + min((j + 1) * b, local) - 1
-            if first // b != last // b:
-                raise ValueError(
-                    f"{what}: rank {self.tp.rank} rows {first}..{last} straddle checkpoint scale blocks "
-                    f"{first // b} and {last // b}; the {b}-row block scales cannot be split exactly "
-                    f"(local partition size {local})"
-                )
-            blocks.append(first // b)
-        if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
-            raise ValueError(f"{what}: rank-local rows map to non-consecutive scale blocks {blocks}")
-        return offset // b, blocks[0], len(blocks)
+        pieces = []
+        for seg in self.weights.layout.partition_segments(part):
+            first_row = row0 + seg.start
+            if b == 1:
+                pieces.append((seg.physical, first_row, seg.length))
+                continue
+            if seg.physical % b != 0:
+                raise ValueError(f"{what}: segment starts at row {seg.physical}, not on a {b}-row boundary")
+            # every physical block must hold rows of a single checkpoint block to keep its exact scale
+            n_blocks = math.ceil(seg.length / b)
+            for j in range(n_blocks):
+                first, last = first_row + j * b, first_row + min((j + 1) * b, seg.length) - 1
+                if first // b != last // b or first // b != first_row // b + j:
+                    raise ValueError(
+                        f"{what}: rank {self.tp.rank} rows {first}..{last} straddle checkpoint scale blocks "
+                        f"{first // b} and {last // b}; the layout was built without this rank's row starts"
+                    )
+            pieces.append((seg.physical // b, first_row // b, n_blocks))
+        return pieces
 
     def unfilled_parameters(self) -> list[str]:
         """Every (parameter, partition) that no loader call has filled yet, named relative to this module."""
@@ -264,23 +272,7 @@ def _check_dtype(
     elif spec.exact_dtype and dtype in _UNQUANTIZED_DTYPES and param.dtype not in _UNQUANTIZED_DTYPES:
         hint = "; the checkpoint holds an unquantized tensor but the quantization config quantizes it"
     want = param.dtype if spec.exact_dtype else " or ".join(str(d) for d in _UNQUANTIZED_DTYPES)
-    raise ValueError(f"{what}: expected dtype {want}, got {dtype} [{scheme.describe()}]{hint}")
-
-
-def _check_finite(what: str, t: torch.Tensor) -> None:
-    if t.dtype in _FP8_DTYPES:
-        # e4m3fn NaN is S.1111.111; e5m2 NaN/Inf have an all-ones exponent
-        bits = t.view(torch.uint8) & 0x7F
-        bad = bits == 0x7F if t.dtype == torch.float8_e4m3fn else bits >= 0x7C
-    elif t.is_floating_point():
-        bad = ~torch.isfinite(t)
-    else:
-        return
-    if bool(bad.any()):
-        idx = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(
-            f"{what}: non-finite value (NaN/Inf) at index {idx} of {int(bad.sum())} bad elements"
-        )
+    raise ValueError(f"{what}: expected dtype {want}, got {dtype}{hint} [{scheme.describe()}]")
 
 
 class ReplicatedLinear(LinearBase):

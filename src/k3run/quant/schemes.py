@@ -60,26 +60,51 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Consecutive logical rows of one partition stored consecutively in the physical weight."""
+
+    partition: int
+    start: int  # first row within the partition's rank-local rows
+    length: int
+    physical: int  # first physical row
+
+
+@dataclass(frozen=True)
 class OutputLayout:
     """Rank-local rows of the fused output partitions inside the physical weight.
 
-    sizes: logical rows of each partition on this rank; offsets: physical first row of each partition;
-    rows: physical rows of the registered weight (the last partition is not padded at registration).
+    sizes: logical rows of each partition on this rank. segments: where those rows live, in logical order.
+    rows: physical rows of the registered weight (the last segment is not padded at registration).
+
+    With `align` > 1 (FP8 128-row blocks) every segment starts on an aligned physical row, and a partition
+    whose first local row is not on a checkpoint block boundary (`row_starts`, e.g. rank 1 of a 192-row
+    shard at tp 2 starts at checkpoint row 96) is split there, so each physical block holds rows of exactly
+    one checkpoint block and keeps that block's scale.
     """
 
     sizes: tuple[int, ...]
-    offsets: tuple[int, ...]
+    segments: tuple[Segment, ...]
     rows: int
 
     @staticmethod
-    def build(sizes: Sequence[int], align: int = 1) -> OutputLayout:
-        offsets, pos = [], 0
-        for i, s in enumerate(sizes):
+    def build(sizes: Sequence[int], align: int = 1, row_starts: Sequence[int] | None = None) -> OutputLayout:
+        starts = tuple(row_starts) if row_starts is not None else (0,) * len(sizes)
+        if len(starts) != len(sizes):
+            raise ValueError(f"row_starts has {len(starts)} entries for {len(sizes)} partitions")
+        pieces: list[tuple[int, int, int]] = []
+        for i, (s, r) in enumerate(zip(sizes, starts, strict=True)):
             if s <= 0:
                 raise ValueError(f"output partition {i} has size {s}; partitions must be positive")
-            offsets.append(pos)
-            pos += s if i == len(sizes) - 1 else _round_up(s, align)
-        return OutputLayout(tuple(int(s) for s in sizes), tuple(offsets), pos)
+            head = min(s, -r % align) if align > 1 else 0
+            if head:
+                pieces.append((i, 0, head))
+            if s > head:
+                pieces.append((i, head, s - head))
+        segments, pos = [], 0
+        for k, (i, start, length) in enumerate(pieces):
+            segments.append(Segment(i, start, length, pos))
+            pos += length if k == len(pieces) - 1 else _round_up(length, align)
+        return OutputLayout(tuple(int(s) for s in sizes), tuple(segments), pos)
 
     @property
     def logical_rows(self) -> int:
@@ -87,14 +112,24 @@ class OutputLayout:
 
     @property
     def contiguous(self) -> bool:
-        """True when the partitions follow each other without padding rows in between."""
+        """True when the logical rows follow each other without padding rows in between."""
         return self.rows == self.logical_rows
 
-    def logical_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """Physical row of every logical output row, in order. # [N_logical]"""
-        return torch.cat(
-            [torch.arange(o, o + s, device=device) for o, s in zip(self.offsets, self.sizes, strict=True)]
-        )
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Physical first row of each partition."""
+        first: dict[int, int] = {}
+        for seg in self.segments:
+            first.setdefault(seg.partition, seg.physical)
+        return tuple(first[i] for i in range(len(self.sizes)))
+
+    def partition_segments(self, partition: int) -> tuple[Segment, ...]:
+        return tuple(seg for seg in self.segments if seg.partition == partition)
+
+    def partition_rows(self, partition: int) -> slice:
+        """Physical rows of a partition stored in one segment (always the case without alignment)."""
+        (seg,) = self.partition_segments(partition)
+        return slice(seg.physical, seg.physical + seg.length)
 
 
 @dataclass
@@ -125,6 +160,7 @@ class LinearScheme(Protocol):
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
+        row_starts: Sequence[int] | None = None,
     ) -> LinearWeights: ...
 
     def process_after_loading(self, layer: torch.nn.Module) -> None: ...
@@ -174,7 +210,7 @@ def _crop(layer: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
     layout: OutputLayout = layer.weights.layout
     if layout.contiguous:
         return y[..., : layout.logical_rows].contiguous()
-    parts = [y[..., o : o + s] for o, s in zip(layout.offsets, layout.sizes, strict=True)]
+    parts = [y[..., seg.physical : seg.physical + seg.length] for seg in layout.segments]
     return torch.cat(parts, dim=-1)
 
 
@@ -192,6 +228,7 @@ class UnquantizedScheme:
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
+        row_starts: Sequence[int] | None = None,
     ) -> LinearWeights:
         _check_float_dtype(f"{getattr(layer, 'prefix', '')}: params_dtype", params_dtype)
         layout = OutputLayout.build(output_partition_sizes)
@@ -258,6 +295,7 @@ class Fp8PbWoScheme:
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
+        row_starts: Sequence[int] | None = None,
     ) -> LinearWeights:
         prefix = getattr(layer, "prefix", "")
         _check_float_dtype(f"{prefix}: params_dtype", params_dtype)
@@ -267,7 +305,7 @@ class Fp8PbWoScheme:
                 f"{prefix}: FP8_PB_WO needs the input size per partition to be divisible by {FP8_BLOCK}, "
                 f"got {k} (only the output dimension is padded)"
             )
-        layout = OutputLayout.build(output_partition_sizes, align=FP8_BLOCK)
+        layout = OutputLayout.build(output_partition_sizes, align=FP8_BLOCK, row_starts=row_starts)
         w = LinearWeights(k, layout)
         _add_param(layer, w, "weight", (layout.rows, k), FP8_DTYPE, ParamSpec(out_dim=0, in_dim=1))
         _add_param(
@@ -287,8 +325,9 @@ class Fp8PbWoScheme:
         if padded_rows != layout.rows or not layout.contiguous:
             # fresh zeros: every row outside a logical partition is exactly 0, whatever the registration held
             phys = torch.zeros(padded_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            for o, s in zip(layout.offsets, layout.sizes, strict=True):
-                phys[o : o + s] = weight[o : o + s]
+            for seg in layout.segments:
+                rows = slice(seg.physical, seg.physical + seg.length)
+                phys[rows] = weight[rows]
             _replace_param(layer, "weight", phys)
         scale: torch.Tensor = layer.weight_scale
         _replace_param(layer, "weight_scale", scale.reshape(scale.shape[0], scale.shape[2]).contiguous())
@@ -370,6 +409,7 @@ class NvFp4Scheme:
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
+        row_starts: Sequence[int] | None = None,
     ) -> LinearWeights:
         prefix = getattr(layer, "prefix", "")
         _check_float_dtype(f"{prefix}: params_dtype", params_dtype)
@@ -443,7 +483,7 @@ class NvFp4Scheme:
             for first, parts in groups:
                 xa = self._activation(layer, x2, first)
                 for p in parts:
-                    rows = slice(layout.offsets[p], layout.offsets[p] + layout.sizes[p])
+                    rows = layout.partition_rows(p)
                     y[:, rows] = self.gemm(
                         xa,
                         layer.weight[rows],
@@ -490,16 +530,17 @@ def _unify_global_scales(
         common = torch.tensor(g, dtype=torch.float32, device=ws2.device)
         new_scale = weight_scale.clone()
         ok = True
-        for p, (o, s) in enumerate(zip(layout.offsets, layout.sizes, strict=True)):
+        for p in range(len(layout.sizes)):
             if ws2[p].item() == g:
                 continue
-            old = weight_scale[o : o + s]
+            rows = layout.partition_rows(p)
+            old = weight_scale[rows]
             cand = (old.float() * (ws2[p] / common)).to(FP8_DTYPE)
-            ref = dequantize_nvfp4(weight[o : o + s], old, ws2[p])
-            if not torch.equal(dequantize_nvfp4(weight[o : o + s], cand, common), ref):
+            ref = dequantize_nvfp4(weight[rows], old, ws2[p])
+            if not torch.equal(dequantize_nvfp4(weight[rows], cand, common), ref):
                 ok = False
                 break
-            new_scale[o : o + s] = cand
+            new_scale[rows] = cand
         if ok:
             return new_scale, g
     return None
