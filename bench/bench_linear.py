@@ -49,28 +49,19 @@ def copy_bandwidth() -> float:
 
 
 def decode_candidates() -> list[GemmConfig]:
-    out = []
-    for bn in (16, 32, 64):
+    out = [GemmConfig(decode=0)]
+    for bn in (32, 64, 128):
         for bk in (256, 512):
-            for warps, stages in ((4, 3), (4, 5), (8, 4)):
-                for dec in (0, 1):
-                    out.append(
-                        GemmConfig(
-                            block_m=16, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, decode=dec
-                        )
-                    )
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                out.append(GemmConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
     return out
 
 
 def prefill_candidates(m: int) -> list[GemmConfig]:
-    tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4)]
+    tiles = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 256, 8, 3), (64, 128, 256, 4, 4)]
     if m <= 64:
-        tiles = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4)]
-    out = [
-        GemmConfig(block_m=a, block_n=b, block_k=c, num_warps=w, num_stages=s, decode=d)
-        for a, b, c, w, s in tiles
-        for d in (0, 1)
-    ]
+        tiles = [(64, 64, 128, 4, 4), (64, 128, 256, 4, 4), (32, 64, 256, 4, 4), (16, 128, 256, 4, 3)]
+    out = [GemmConfig(block_m=a, block_n=b, block_k=c, num_warps=w, num_stages=s) for a, b, c, w, s in tiles]
     return [*out, GemmConfig(dequant_mm=True)]
 
 

@@ -1,7 +1,7 @@
 """NVFP4 W4A16 linear: the layout prepared once at load time and the per-call implementation choice.
 
-CUDA inputs run the Triton kernels (decode in registers for small M, dequantize + cuBLAS for large M);
-everything else runs the fp32 reference.
+CUDA inputs run the Triton kernels (decode in registers for small and medium M, dequantize + cuBLAS for
+large M); everything else runs the fp32 reference.
 """
 
 from __future__ import annotations
@@ -9,35 +9,71 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .ref import nvfp4_linear_ref
+
+CHUNK = 128  # split128 layout: one 128-wide K chunk per 64 bytes (low nibbles k 0..63, high nibbles 64..127)
+LAYOUTS = ("checkpoint", "split128")
+
+
+def repack_split128(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint layout (uint8 [N, K/2], low nibble = even k; E4M3 [N, K/16]) -> kernel layout
+    (uint8 [N, K_pad/2] split128 bytes, uint8 [N, K_pad/16] scale bits), K_pad = K rounded up to 128,
+    zero-padded (a zero scale decodes the padding to 0)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    k_pad = -(-k // CHUNK) * CHUNK
+    codes = torch.stack([weight & 0xF, weight >> 4], dim=-1).reshape(n, k)  # [N, K] E2M1 codes
+    codes = F.pad(codes, (0, k_pad - k)).reshape(n, k_pad // CHUNK, 2, CHUNK // 2)
+    packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k_pad // 2).contiguous()
+    scale = F.pad(weight_scale.view(torch.uint8), (0, (k_pad - k) // 16)).contiguous()
+    return packed, scale
+
+
+def unpack_split128(
+    packed: torch.Tensor, scale_bits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of repack_split128: back to (uint8 [N, K/2], float8_e4m3fn [N, K/16])."""
+    n, k_pad = packed.shape[0], packed.shape[1] * 2
+    halves = torch.stack([packed & 0xF, packed >> 4], dim=1)  # [N, 2, K_pad/2]: half, (chunk, j)
+    codes = halves.reshape(n, 2, k_pad // CHUNK, CHUNK // 2).permute(0, 2, 1, 3).reshape(n, k_pad)[:, :k]
+    weight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return weight, scale_bits[:, : k // 16].contiguous().view(torch.float8_e4m3fn)
 
 
 @dataclass(frozen=True)
 class NvFp4Weight:
-    """A checkpoint NVFP4 weight in the layout the kernels read.
+    """An NVFP4 weight in the layout its kernel reads.
 
-    weight: uint8 [N, K/2] packed E2M1, low nibble = even k.
-    scale_bits: uint8 [N, K/16], the E4M3 group scales as raw bytes (Triton loads fp8 through uint8).
+    layout "checkpoint": weight uint8 [N, K/2] (low nibble = even k), scale_bits uint8 [N, K/16].
+    layout "split128":   weight uint8 [N, K_pad/2], scale_bits uint8 [N, K_pad/16] (see repack_split128).
+    scale_bits are the E4M3 group scales as raw bytes (Triton loads fp8 through uint8).
     global_scale: fp32 [1] (per tensor) or [N] (fused shards with their own global scales), decode scale.
     """
 
     weight: torch.Tensor
     scale_bits: torch.Tensor
     global_scale: torch.Tensor
+    k: int
+    layout: str
 
     @property
     def n(self) -> int:
         return self.weight.shape[0]
 
-    @property
-    def k(self) -> int:
-        return self.weight.shape[1] * 2
+    def checkpoint_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uint8 [N, K/2], float8_e4m3fn [N, K/16]) in the checkpoint layout."""
+        if self.layout == "split128":
+            return unpack_split128(self.weight, self.scale_bits, self.k)
+        return self.weight, self.scale_bits.view(torch.float8_e4m3fn)
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch of `nvfp4_gemm` (dequant_mm=True: dequantize the weight, then cuBLAS)."""
+    """One launch of `nvfp4_gemm` (dequant_mm=True: dequantize the weight, then cuBLAS).
+
+    decode=1 is the PTX decoder (bf16/fp16 on CUDA); fp32 inputs always use the portable decoder 0.
+    """
 
     block_m: int = 16
     block_n: int = 32
@@ -45,16 +81,20 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    decode: int = 0
+    decode: int = 1
     dequant_mm: bool = False
 
 
 def prepare_nvfp4_weight(
-    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    layout: str | None = None,
 ) -> NvFp4Weight:
-    """Check the checkpoint tensors once and return the kernel layout (no copy when already contiguous).
+    """Check the checkpoint tensors once and return the kernel layout.
 
     weight_scale_2 may be 0-dim/one element (per tensor) or [N] (one decode scale per output row).
+    layout None: "split128" for CUDA tensors (the Triton kernels), "checkpoint" otherwise (the reference).
     """
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         raise ValueError(f"nvfp4 weight: expected uint8 [N, K/2], got {weight.dtype} {tuple(weight.shape)}")
@@ -71,10 +111,15 @@ def prepare_nvfp4_weight(
             f"nvfp4 weight_scale_2: expected fp32 with 1 or {n} elements, "
             f"got {weight_scale_2.dtype} {tuple(weight_scale_2.shape)}"
         )
+    layout = layout or ("split128" if weight.is_cuda else "checkpoint")
+    if layout not in LAYOUTS:
+        raise ValueError(f"nvfp4 layout: expected one of {LAYOUTS}, got {layout!r}")
+    if layout == "split128":
+        w, s = repack_split128(weight, weight_scale)
+    else:
+        w, s = weight.contiguous(), weight_scale.contiguous().view(torch.uint8)
     return NvFp4Weight(
-        weight=weight.contiguous(),
-        scale_bits=weight_scale.contiguous().view(torch.uint8),
-        global_scale=weight_scale_2.reshape(-1).contiguous(),
+        weight=w, scale_bits=s, global_scale=weight_scale_2.reshape(-1).contiguous(), k=k, layout=layout
     )
 
 
@@ -85,7 +130,7 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
     if m <= 64:
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if m < 1024:
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
     return GemmConfig(dequant_mm=True)
 
 
@@ -98,16 +143,18 @@ def nvfp4_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if not x2.is_cuda:
-        scale = w.scale_bits.view(torch.float8_e4m3fn)
-        return nvfp4_linear_ref(x2, w.weight, scale, w.global_scale, bias).reshape(*lead, w.n)
+        weight, scale = w.checkpoint_tensors()
+        return nvfp4_linear_ref(x2, weight, scale, w.global_scale, bias).reshape(*lead, w.n)
+    if w.layout != "split128":
+        raise ValueError("nvfp4 linear: CUDA inputs need a weight prepared with layout='split128'")
     from .triton import nvfp4_dequantize, nvfp4_gemm
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     cfg = config or choose_config(x2.shape[0], w.n, w.k)
     if cfg.dequant_mm:
-        wd = nvfp4_dequantize(w.weight, w.scale_bits, w.global_scale, x2.dtype)
-        y = torch.nn.functional.linear(x2, wd, bias)
+        wd = nvfp4_dequantize(w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype)
+        y = F.linear(x2, wd, bias)
     else:
         y = nvfp4_gemm(
             x2,
@@ -121,16 +168,19 @@ def nvfp4_linear(
             group_m=cfg.group_m,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            decode=cfg.decode,
+            decode=cfg.decode if x2.dtype != torch.float32 else 0,
         )
     return y.reshape(*lead, w.n)
 
 
 __all__ = [
+    "CHUNK",
     "GemmConfig",
     "NvFp4Weight",
     "choose_config",
     "nvfp4_linear",
     "nvfp4_linear_ref",
     "prepare_nvfp4_weight",
+    "repack_split128",
+    "unpack_split128",
 ]

@@ -3,13 +3,18 @@
 y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumulation.
 
 e2m1 * s has at most 2 + 4 significant bits and lies in [2^-10, 2688], so every decoded weight is exact in
-bf16 and fp16: the only roundings are the tensor-core products/sums (fp32) and the final output cast. The
-global scale is applied once, to the fp32 accumulator.
+bf16 and fp16: the only roundings are the tensor-core sums (fp32) and the final output cast. The global scale
+is applied once, to the fp32 accumulator.
 
-Two launches, picked by the caller (see `__init__`):
-- `nvfp4_gemm`: one tiled kernel for every M. Decode (small M) streams the weight bytes once with BM = 16;
-  prefill uses large tiles so each decoded weight tile is reused by BM rows of x.
-- `nvfp4_dequantize`: writes the bf16/fp16 weight (global scale folded in) so prefill can call cuBLAS.
+Kernel weight layout ("split128", made once by `k3run.kernels.nvfp4_gemm.repack_split128`): K is
+padded to a multiple of 128, and each 128-wide chunk of a row is stored as 64 bytes whose LOW nibbles
+hold k = 0..63 of the chunk and whose HIGH nibbles hold k = 64..127. A loaded byte tile then decodes
+into two tiles that each match a contiguous run of x columns, so no interleaving (join/reshape shuffles)
+is needed before the two tensor-core dots. Scales keep the checkpoint layout [N, K/16], zero-padded.
+
+Decoders (same values): DECODE=0 is portable Triton (interpreter, fp32 inputs); DECODE=1 is PTX inline
+assembly for bf16/fp16 (byte permutes as a 16-entry table, then one packed multiply by the scale), about
+3 instructions per weight instead of ~15.
 """
 
 from __future__ import annotations
@@ -18,43 +23,95 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.kernels.nvfp4_gemm import CHUNK
+
 # fp16 bits (sign << 15 | mag << 9) read the 3-bit E2M1 magnitude as exponent/mantissa bits; the value is
 # the E2M1 value times 2^-14, subnormals included (0.5 -> 2^-15), so 2^14 is folded into the group scale.
 _E2M1_FP16_UNSCALE = tl.constexpr(16384.0)
 
+# PRMT tables: byte i of {hi_reg:lo_reg} is the high (or low) byte of the 16-bit float for E2M1 magnitude i.
+# bf16: 0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0000 3F00 3F80 3FC0 4000 4040 4080 40C0; fp16: 0000 3800 3C00 3E00 ...
+_ASM_TEMPLATE = """
+{
+.reg .b32 th0, th1, tl0, tl1, m, m2, h01, l01, h23, l23, t, u, z, sg;
+mov.b32 th0, HB0; mov.b32 th1, HB1; mov.b32 tl0, LB0; mov.b32 tl1, LB1; mov.b32 z, 0;
+and.b32 m, $4, 0x77777777;
+shr.b32 m2, m, 16;
+prmt.b32 h01, th0, th1, m;
+prmt.b32 l01, tl0, tl1, m;
+prmt.b32 h23, th0, th1, m2;
+prmt.b32 l23, tl0, tl1, m2;
+prmt.b32 $0, l01, h01, 0x6240;
+prmt.b32 $1, l23, h23, 0x6240;
+prmt.b32 $2, l01, h01, 0x7351;
+prmt.b32 $3, l23, h23, 0x7351;
+shl.b32 t, $4, 4;
+and.b32 t, t, 0x80808080;
+and.b32 u, $4, 0x80808080;
+prmt.b32 sg, t, z, 0x1404;
+or.b32 $0, $0, sg;
+prmt.b32 sg, t, z, 0x3424;
+or.b32 $1, $1, sg;
+prmt.b32 sg, u, z, 0x1404;
+or.b32 $2, $2, sg;
+prmt.b32 sg, u, z, 0x3424;
+or.b32 $3, $3, sg;
+mul.rn.TY $0, $0, $5;
+mul.rn.TY $1, $1, $6;
+mul.rn.TY $2, $2, $7;
+mul.rn.TY $3, $3, $8;
+}
+"""
+_ASM_BF16 = tl.constexpr(
+    _ASM_TEMPLATE.replace("HB0", "0x3F3F3F00")
+    .replace("HB1", "0x40404040")
+    .replace("LB0", "0xC0800000")
+    .replace("LB1", "0xC0800040")
+    .replace("TY", "bf16x2")
+)
+_ASM_FP16 = tl.constexpr(
+    _ASM_TEMPLATE.replace("HB0", "0x3E3C3800")
+    .replace("HB1", "0x46444240")
+    .replace("LB0", "0x00000000")
+    .replace("LB1", "0x00000000")
+    .replace("TY", "f16x2")
+)
+
 
 @triton.jit
-def _decode_tile(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr):
-    """p: uint8 [BN, BK/2] packed E2M1 (low nibble = even k); s: uint8 [BN, BK/16] E4M3 bits.
-
-    Returns the [BN, BK] tile e2m1 * s in OUT_DTYPE. DECODE picks the instruction mix (same values):
-    0: nibble -> fp16 bits (value * 2^-14) -> fp32 multiply by the scale.
-    1: nibble -> E4M3 bits (value * 2^-6, subnormal 0.5 included) -> fp16 by the packed fp8 convert; the
-       scale multiply stays in fp16 for fp16 outputs (e2m1 * s * 2^-6 * 64 is exact there).
-    """
-    if DECODE == 0:
+def _decode_split(p, s_lo, s_hi, OUT_DTYPE: tl.constexpr, DECODE: tl.constexpr):
+    """p: uint8 [BN, G, 16] split128 bytes; s_lo / s_hi: uint8 [BN, G, 1] E4M3 scale bits of the low / high
+    nibbles' groups. Returns (w_lo, w_hi), each [BN, G, 16] = e2m1 * s in OUT_DTYPE."""
+    if DECODE == 1:
+        sl = s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(OUT_DTYPE)
+        sh = s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(OUT_DTYPE)
+        if OUT_DTYPE == tl.bfloat16:
+            w_lo, w_hi = tl.inline_asm_elementwise(
+                asm=_ASM_BF16,
+                constraints="=r,=r,=r,=r,r,r,r,r,r",
+                args=[p, sl, sh],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            w_lo, w_hi = tl.inline_asm_elementwise(
+                asm=_ASM_FP16,
+                constraints="=r,=r,=r,=r,r,r,r,r,r",
+                args=[p, sl, sh],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+    else:
         p16 = p.to(tl.uint16)
         lo = ((p16 & 0x8) << 12) | ((p16 & 0x7) << 9)
         hi = ((p16 & 0x80) << 8) | ((p16 & 0x70) << 5)
-        bits = tl.reshape(tl.join(lo, hi), (BN, BK))  # [BN, BK/2, 2] -> k = 2j + {0, 1}
-        val = bits.to(tl.float16, bitcast=True).to(tl.float32)
-        scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FP16_UNSCALE  # [BN, BK/16]
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
-        w = (val * scale).to(OUT_DTYPE)
-    else:
-        # magnitude bits e1 e0 m -> E4M3 exponent bits 4-3 and mantissa bit 2, sign -> bit 7
-        lo = ((p & 0x7) << 2) | ((p & 0x8) << 4)
-        hi = ((p >> 2) & 0x1C) | (p & 0x80)
-        e4 = tl.reshape(tl.join(lo, hi), (BN, BK)).to(tl.float8e4nv, bitcast=True)
-        if OUT_DTYPE == tl.float16:
-            scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
-            w = e4.to(tl.float16) * scale
-        else:
-            scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 16, 16)), (BN, BK))
-            w = (e4.to(tl.float16).to(tl.float32) * scale).to(OUT_DTYPE)
-    return w
+        sl = s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FP16_UNSCALE
+        sh = s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _E2M1_FP16_UNSCALE
+        w_lo = (lo.to(tl.float16, bitcast=True).to(tl.float32) * sl).to(OUT_DTYPE)
+        w_hi = (hi.to(tl.float16, bitcast=True).to(tl.float32) * sh).to(OUT_DTYPE)
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -70,6 +127,7 @@ def _nvfp4_gemm_kernel(
     stride_xm,
     stride_ym,
     K: tl.constexpr,
+    K_PAD: tl.constexpr,
     PER_COL_GS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
@@ -79,6 +137,7 @@ def _nvfp4_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,
 ):
+    G: tl.constexpr = BK // 32  # 16-byte groups per tile; each holds 16 low-nibble and 16 high-nibble weights
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -92,28 +151,43 @@ def _nvfp4_gemm_kernel(
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_kp = tl.arange(0, BK // 2)
-    offs_ks = tl.arange(0, BK // 16)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    half_k = K // 2
-    k_groups = K // 16
+    offs_g = tl.arange(0, G)
+    offs_b = tl.arange(0, 16)
+    # x columns of the tile's low-nibble weights: chunk c, positions 0..63 (the high nibbles: 64..127)
+    offs_c = tl.arange(0, BK // 128)
+    offs_j = tl.arange(0, 64)
+    k_lo = offs_c[:, None] * 128 + offs_j[None, :]  # [BK/128, 64]
+    # scale group of tile group g (low nibbles); the high nibbles' groups are 4 further
+    sg_lo = (offs_g // 4) * 8 + offs_g % 4
 
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * half_k + offs_kp[None, :]
-    s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * k_groups + offs_ks[None, :]
+    rows_n = offs_n.to(tl.int64)[:, None, None]
+    w_ptrs = w_ptr + rows_n * (K_PAD // 2) + (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]
+    s_ptrs = s_ptr + rows_n * (K_PAD // 16) + sg_lo[None, :, None]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + k_lo[None, :, :]
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-        p = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_kp[None, :] < half_k - k0 // 2), other=0)
-        s = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_ks[None, :] < k_groups - k0 // 16), other=0)
-        w = _decode_tile(p, s, BN, BK, x_ptr.dtype.element_ty, DECODE)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        x_ptrs += BK
+    for k0 in range(0, K_PAD, BK):
+        p = tl.load(w_ptrs, mask=mask_n[:, None, None], other=0)
+        s_lo = tl.load(s_ptrs, mask=mask_n[:, None, None], other=0)
+        s_hi = tl.load(s_ptrs + 4, mask=mask_n[:, None, None], other=0)
+        if K == K_PAD:
+            x_lo = tl.load(x_ptrs, mask=mask_m[:, None, None], other=0.0)
+            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None, None], other=0.0)
+        else:
+            x_lo = tl.load(x_ptrs, mask=mask_m[:, None, None] & (k_lo[None] < K - k0), other=0.0)
+            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None, None] & (k_lo[None] + 64 < K - k0), other=0.0)
+        x_lo = tl.reshape(x_lo, (BM, BK // 2))
+        x_hi = tl.reshape(x_hi, (BM, BK // 2))
+        w_lo, w_hi = _decode_split(p, s_lo, s_hi, x_ptr.dtype.element_ty, DECODE)
+        w_lo = tl.reshape(w_lo, (BN, BK // 2))
+        w_hi = tl.reshape(w_hi, (BN, BK // 2))
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
         w_ptrs += BK // 2
         s_ptrs += BK // 16
+        x_ptrs += BK
 
     if PER_COL_GS:
         gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)
@@ -133,54 +207,56 @@ def _nvfp4_dequant_kernel(
     gs_ptr,
     out_ptr,
     N,
-    K,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
     PER_COL_GS: tl.constexpr,
     BN: tl.constexpr,
-    BK: tl.constexpr,
 ):
+    """One program: BN rows x one 128-wide chunk of the split128 layout -> the dense [N, K] weight."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    c = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_kp = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-    offs_ks = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    offs_k = pid_k * BK + tl.arange(0, BK)
     mask_n = offs_n < N
-    rows = offs_n[:, None].to(tl.int64)
-    p = tl.load(
-        w_ptr + rows * (K // 2) + offs_kp[None, :], mask=mask_n[:, None] & (offs_kp[None, :] < K // 2)
-    )
-    s = tl.load(
-        s_ptr + rows * (K // 16) + offs_ks[None, :], mask=mask_n[:, None] & (offs_ks[None, :] < K // 16)
-    )
-    w = _decode_tile(p, s, BN, BK, tl.float32, 0)
+    offs_g = tl.arange(0, 4)
+    offs_b = tl.arange(0, 16)
+    rows = offs_n.to(tl.int64)[:, None, None]
+    byte = (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]  # [1, 4, 16] position in the 64-byte chunk
+    p = tl.load(w_ptr + rows * (K_PAD // 2) + c * 64 + byte, mask=mask_n[:, None, None], other=0)
+    s_base = s_ptr + rows * (K_PAD // 16) + c * 8 + offs_g[None, :, None]
+    s_lo = tl.load(s_base, mask=mask_n[:, None, None], other=0)
+    s_hi = tl.load(s_base + 4, mask=mask_n[:, None, None], other=0)
+    w_lo, w_hi = _decode_split(p, s_lo, s_hi, tl.float32, 0)
     if PER_COL_GS:
-        w = w * tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+        gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)[:, None, None]
     else:
-        w = w * tl.load(gs_ptr)
-    mask = mask_n[:, None] & (offs_k[None, :] < K)
-    tl.store(out_ptr + rows * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        gs = tl.load(gs_ptr)
+    k = c * 128 + byte
+    out = out_ptr + rows * K + k
+    tl.store(out, (w_lo * gs).to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None] & (k < K))
+    tl.store(out + 64, (w_hi * gs).to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None] & (k + 64 < K))
 
 
 def _check(
-    x: torch.Tensor | None, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor
-) -> tuple[int, int]:
+    x: torch.Tensor | None, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor, k: int
+) -> int:
     if weight.dtype != torch.uint8 or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(
-            f"nvfp4 weight: expected contiguous uint8 [N, K/2], got {weight.dtype} {tuple(weight.shape)}"
+            f"nvfp4 weight: expected contiguous uint8 [N, K_pad/2], got {weight.dtype} {tuple(weight.shape)}"
         )
-    n, k = weight.shape[0], weight.shape[1] * 2
-    if k % 16:
-        raise ValueError(f"nvfp4 weight: K={k} must be a multiple of 16")
-    if scale_u8.dtype != torch.uint8 or tuple(scale_u8.shape) != (n, k // 16) or not scale_u8.is_contiguous():
+    n, k_pad = weight.shape[0], weight.shape[1] * 2
+    if k_pad % CHUNK or not 0 < k <= k_pad or k % 16 or k_pad - k >= CHUNK:
+        raise ValueError(f"nvfp4 weight: K={k} (multiple of 16) must round up to the split128 width {k_pad}")
+    if (
+        scale_u8.dtype != torch.uint8
+        or tuple(scale_u8.shape) != (n, k_pad // 16)
+        or not scale_u8.is_contiguous()
+    ):
         raise ValueError(
-            f"nvfp4 weight_scale: expected contiguous E4M3 bits as uint8 {(n, k // 16)}, "
+            f"nvfp4 weight_scale: expected contiguous E4M3 bits as uint8 {(n, k_pad // 16)}, "
             f"got {scale_u8.dtype} {tuple(scale_u8.shape)}"
         )
-    if (
-        global_scale.dtype != torch.float32
-        or global_scale.numel() not in (1, n)
-        or not global_scale.is_contiguous()
-    ):
+    gs_ok = global_scale.dtype == torch.float32 and global_scale.numel() in (1, n)
+    if not gs_ok or not global_scale.is_contiguous():
         raise ValueError(
             f"nvfp4 global scale: expected contiguous fp32 with 1 or N={n} elements, "
             f"got {global_scale.dtype} {tuple(global_scale.shape)}"
@@ -192,7 +268,7 @@ def _check(
             )
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"nvfp4 linear input: expected bf16/fp16/fp32, got {x.dtype}")
-    return n, k
+    return n
 
 
 def nvfp4_gemm(
@@ -212,11 +288,20 @@ def nvfp4_gemm(
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) with one fixed launch configuration.
 
-    x bf16/fp16/fp32; weight uint8 [N, K/2]; scale_u8 [N, K/16] (E4M3 bits); global_scale fp32 [1] or [N].
+    weight / scale_u8: split128 layout from `repack_split128` (package __init__); x bf16/fp16/fp32;
+    global_scale fp32 [1] or [N]. block_k is lowered to the largest multiple of 128 dividing K_pad;
+    decode=1 needs bf16/fp16 on CUDA.
     """
-    n, k = _check(x, weight, scale_u8, global_scale)
-    if block_k % 32 or block_m < 16 or block_n < 16:
-        raise ValueError(f"nvfp4_gemm: block_k={block_k} must be a multiple of 32, blocks >= 16")
+    n = _check(x, weight, scale_u8, global_scale, x.shape[-1])
+    k = x.shape[1]
+    k_pad = weight.shape[1] * 2
+    if block_m < 16 or block_n < 16 or block_k % CHUNK:
+        raise ValueError(f"nvfp4_gemm: block_k={block_k} must be a multiple of 128, blocks >= 16")
+    while k_pad % block_k:
+        block_k //= 2
+    block_k = max(block_k, CHUNK)
+    if decode == 1 and (x.dtype == torch.float32 or not x.is_cuda):
+        raise ValueError("nvfp4_gemm: decode=1 (PTX) needs bf16/fp16 inputs on a CUDA device")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
     m = x.shape[0]
@@ -236,6 +321,7 @@ def nvfp4_gemm(
         x.stride(0),
         y.stride(0),
         K=k,
+        K_PAD=k_pad,
         PER_COL_GS=global_scale.numel() == n and n != 1,
         HAS_BIAS=bias is not None,
         BM=block_m,
@@ -254,24 +340,25 @@ def nvfp4_dequantize(
     weight: torch.Tensor,
     scale_u8: torch.Tensor,
     global_scale: torch.Tensor,
+    k: int,
     dtype: torch.dtype,
     *,
     block_n: int = 32,
-    block_k: int = 256,
 ) -> torch.Tensor:
     """The dense [N, K] weight e2m1 * s * global_scale in `dtype` (one rounding per element)."""
-    n, k = _check(None, weight, scale_u8, global_scale)
+    n = _check(None, weight, scale_u8, global_scale, k)
+    k_pad = weight.shape[1] * 2
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    grid = (triton.cdiv(n, block_n), k_pad // CHUNK)
     _nvfp4_dequant_kernel[grid](
         weight,
         scale_u8,
         global_scale,
         out,
         n,
-        k,
+        K=k,
+        K_PAD=k_pad,
         PER_COL_GS=global_scale.numel() == n and n != 1,
         BN=block_n,
-        BK=block_k,
     )
     return out
