@@ -126,11 +126,11 @@ class ToyModel(nn.Module):
 CHARS = ["\n", *(chr(c) for c in range(32, 127))]
 
 
-def write_char_tokenizer(d: Path) -> None:
-    """A character-level tokenizer.json (ids: <eos> 0, <unk> 1, then newline and printable ASCII)."""
+def write_char_tokenizer(d: Path, chars: list[str] = CHARS) -> None:
+    """A character-level tokenizer.json (ids: <eos> 0, <unk> 1, then `chars`: newline and printable ASCII)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {"<eos>": 0, "<unk>": 1, **{ch: i + 2 for i, ch in enumerate(CHARS)}}
+    vocab = {"<eos>": 0, "<unk>": 1, **{ch: i + 2 for i, ch in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()

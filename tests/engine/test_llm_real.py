@@ -85,3 +85,19 @@ def test_cache_layout_matches_the_models_own_cache(model) -> None:
         for name in vars(a):
             ta, tb = getattr(a, name), getattr(b, name)
             assert (ta.shape, ta.dtype) == (tb.shape, tb.dtype), name
+
+
+def test_k3_batched_greedy_equals_single_runs(tmp_path: Path) -> None:
+    """The same on a tiny random K3 (AttnRes across closed blocks, latent MoE with SiTU, q_lora, gated MLA,
+    lower-bound KDA gate), written by the model tests' checkpoint helper."""
+    from ..models.test_kimi_model import K3, VOCAB, write_checkpoint
+
+    d = write_checkpoint(tmp_path / "k3", K3, seed=11)
+    write_char_tokenizer(d, chars=[chr(c) for c in range(32, 32 + VOCAB - 2)])
+    llm = LLM(d, dtype=torch.float32, config=EngineConfig(max_num_seqs=8, max_model_len=56))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params)
+    single = LLM(d, dtype=torch.float32, config=EngineConfig(max_num_seqs=1, max_model_len=56))
+    for prompt, out in zip(PROMPTS, batched):
+        assert single.generate([prompt], params)[0].token_ids == out.token_ids, prompt
+    assert len({tuple(o.token_ids) for o in batched}) > 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from k3run.engine import FinishReason, SamplingParams
@@ -86,3 +87,11 @@ def test_closing_a_stream_early_aborts_and_frees_the_slot(toy_llm) -> None:
     assert llm.engine.cache.num_free == 1
     it.close()
     assert llm.engine.cache.num_free == 2 and not llm.engine.has_unfinished()
+
+
+def test_a_rejected_prompt_leaves_nothing_queued(toy_llm) -> None:
+    llm = toy_llm(max_model_len=16)
+    with pytest.raises(ValueError, match="prompt has 20 tokens; max_model_len is 16"):
+        llm.generate(["ok", "x" * 20], GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.cache.num_free == 8
+    assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12

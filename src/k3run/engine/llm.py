@@ -214,7 +214,15 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids: list[int] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.engine.add_request(p, sp))
+        except ValueError:
+            # one bad prompt rejects the call; the ones already queued must not linger in the engine
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
         done: dict[int, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
