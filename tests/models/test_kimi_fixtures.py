@@ -32,7 +32,7 @@ def test_bf16_fixture_matches_hf_reference_logits():
     out = model.logits(ref["input_ids"])
     assert out.dtype == torch.float32 and out.shape == ref["logits"].shape
     # Same bf16-valued weights, both computed in fp32: only the order of fp32 roundings differs (measured
-    # 1.2e-6 relative RMS); a wrong router, gate, norm eps or residual is O(1e-2) or worse.
+    # 1.2e-6 relative RMS); a wrong router, gate, norm weight or residual is O(1e-2) or worse.
     assert_close("kimi_linear_bf16 vs HF fp32 logits", ref["logits"], out, rtol=1e-5)
 
 

@@ -384,3 +384,126 @@ def test_checkpoint_name_table_both_namings():
             assert target.param in params[id(model)], target
     assert k3.checkpoint_mapping("vision_tower.encoder.blocks.0.wo.weight") == IGNORE
     assert kl.checkpoint_mapping("model.layers.2.self_attn.conv1d.weight") is None  # MLA layer has no conv
+
+
+def _k3_reference_logits(hf: dict, t: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """The K3 decoder written out from kimi-architecture.md §2-§4 in fp64, token by token, straight from the
+    checkpoint tensors (original names): an independent check of the whole assembly (AttnRes wiring, latent
+    MoE, SiTU, full-rank KDA gate with lower bound, q_lora MLA with output gate)."""
+    c = hf["text_config"]
+    r = "language_model.model."
+    w = {k.removeprefix(r): v.double() for k, v in t.items()}
+    eps, n_tok = c["rms_norm_eps"], len(ids)
+    lin = c["linear_attn_config"]
+    H, K = lin["num_heads"], lin["head_dim"]
+
+    def rms(x, weight=None, e=eps):
+        y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + e)
+        return y if weight is None else y * weight
+
+    def situ(gu):
+        g, u = gu.chunk(2, dim=-1)
+        return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+
+    def gated(x, gate, up, down):
+        return situ(torch.cat([x @ gate.t(), x @ up.t()], -1)) @ down.t()
+
+    def mlp(p, x):
+        return gated(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+
+    def mlp_w(p, x):  # routed experts use the original w1 (gate) / w3 (up) / w2 (down) names
+        return gated(x, w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"])
+
+    def kda(p, x):
+        proj = {n: x @ w[p + f"{n}_proj.weight"].t() for n in "qkvgb"}
+        conv = {}
+        for n in "qkv":
+            cw = w[p + f"{n}_conv1d.weight"][:, 0]  # [P, W]
+            pad = torch.cat([torch.zeros(cw.shape[1] - 1, cw.shape[0], dtype=torch.float64), proj[n]])
+            conv[n] = torch.nn.functional.silu(
+                torch.stack([(pad[i : i + cw.shape[1]].t() * cw).sum(-1) for i in range(n_tok)])
+            ).view(n_tok, H, K)
+        q = conv["q"] / torch.sqrt((conv["q"] ** 2).sum(-1, keepdim=True) + 1e-6) * K**-0.5
+        k = conv["k"] / torch.sqrt((conv["k"] ** 2).sum(-1, keepdim=True) + 1e-6)
+        f = (x @ w[p + "f_a_proj.weight"].t() @ w[p + "f_b_proj.weight"].t()).view(n_tok, H, K)
+        a = torch.exp(w[p + "A_log"]).view(1, H, 1)
+        g = c["gate_lower_bound"] * torch.sigmoid(a * (f + w[p + "dt_bias"].view(1, H, K)))
+        beta = torch.sigmoid(proj["b"])
+        s = torch.zeros(H, K, K, dtype=torch.float64)
+        outs = []
+        for i in range(n_tok):
+            s = torch.exp(g[i]).unsqueeze(-1) * s
+            err = conv["v"][i] - torch.einsum("hkv,hk->hv", s, k[i])
+            s = s + beta[i].view(H, 1, 1) * torch.einsum("hk,hv->hkv", k[i], err)
+            outs.append(torch.einsum("hkv,hk->hv", s, q[i]))
+        o = rms(torch.stack(outs), w[p + "o_norm.weight"]) * torch.sigmoid(proj["g"].view(n_tok, H, K))
+        return o.reshape(n_tok, H * K) @ w[p + "o_proj.weight"].t()
+
+    def mla(p, x):
+        nh, dn, dr, dv, L = (
+            c[n]
+            for n in (
+                "num_attention_heads",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "kv_lora_rank",
+            )
+        )
+        q = (
+            rms(x @ w[p + "q_a_proj.weight"].t(), w[p + "q_a_layernorm.weight"], 1e-6)
+            @ w[p + "q_b_proj.weight"].t()
+        )
+        q = q.view(n_tok, nh, dn + dr)
+        kv = x @ w[p + "kv_a_proj_with_mqa.weight"].t()
+        lat, kpe = rms(kv[:, :L], w[p + "kv_a_layernorm.weight"], 1e-6), kv[:, L:]
+        kvb = (lat @ w[p + "kv_b_proj.weight"].t()).view(n_tok, nh, dn + dv)
+        key = torch.cat([kvb[..., :dn], kpe.unsqueeze(1).expand(n_tok, nh, dr)], -1)
+        scores = torch.einsum("ihd,jhd->hij", q, key) / math.sqrt(dn + dr)
+        scores = scores.masked_fill(torch.ones(n_tok, n_tok).triu(1).bool(), float("-inf"))
+        o = torch.einsum("hij,jhd->ihd", scores.softmax(-1), kvb[..., dn:]).reshape(n_tok, nh * dv)
+        return (o * torch.sigmoid(x @ w[p + "g_proj.weight"].t())) @ w[p + "o_proj.weight"].t()
+
+    def moe(p, x):
+        s = torch.sigmoid(x @ w[p + "gate.weight"].t())
+        z = x @ w[p + "routed_expert_down_proj.weight"].t()
+        y = torch.zeros(n_tok, z.shape[1], dtype=torch.float64)
+        for i in range(n_tok):
+            top = (s[i] + w[p + "gate.e_score_correction_bias"]).topk(c["num_experts_per_token"]).indices
+            for e, we in zip(top.tolist(), s[i, top] / s[i, top].sum(), strict=True):
+                y[i] += we * mlp_w(p + f"experts.{e}.", z[i])
+        y = rms(y, w[p + "routed_expert_norm.weight"]) @ w[p + "routed_expert_up_proj.weight"].t()
+        return y + mlp(p + "shared_experts.", x)
+
+    def mix(cands, site):
+        v = torch.stack(cands)
+        scores = rms(v) @ (w[site + "_norm.weight"] * w[site + "_proj.weight"][0])
+        return (scores.softmax(0).unsqueeze(-1) * v).sum(0)
+
+    blocks, prefix = [], w["embed_tokens.weight"][ids]
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        a_in = prefix if not blocks else mix([*blocks, prefix], p + "self_attention_res")
+        if i % c["attn_res_block_size"] == 0:
+            blocks, prefix = [*blocks, prefix], None
+        x = rms(a_in, w[p + "input_layernorm.weight"])
+        a = kda(p + "self_attn.", x) if i + 1 in lin["kda_layers"] else mla(p + "self_attn.", x)
+        prefix = a if prefix is None else prefix + a
+        x = rms(mix([*blocks, prefix], p + "mlp_res"), w[p + "post_attention_layernorm.weight"])
+        prefix = prefix + (
+            mlp(p + "mlp.", x) if i < c["first_k_dense_replace"] else moe(p + "block_sparse_moe.", x)
+        )
+    h = rms(mix([*blocks, prefix], "output_attn_res"), w["norm.weight"])
+    return h @ t["language_model.lm_head.weight"].double().t()
+
+
+def test_k3_matches_fp64_reference(checkpoints):
+    from safetensors.torch import load_file
+
+    ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(11))
+    tensors = load_file(str(checkpoints["k3"] / "model.safetensors"))
+    ref = _k3_reference_logits(K3, tensors, ids)
+    out = load_model(checkpoints["k3"]).logits(ids)
+    # fp32 model vs fp64 formula over 5 layers: fp32 roundings (~1e-7 per op) compounded; any wiring slip
+    # (wrong candidate set, norm weight, gate, shard, routing) is O(1e-2) or larger
+    assert_close("K3 tiny model vs fp64 reference", ref, out, rtol=1e-5)
