@@ -229,3 +229,12 @@ def test_quantize_then_inspect_then_generate(
     argv = ["generate", str(dst), "--prompt", "ab", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"]
     assert main([*argv, "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("ab")
+
+
+def test_run_default_generates_from_the_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make run`: the bundled model when assets/ has one, else the quantize-inspect-generate demo."""
+    from k3run.cli import DEFAULT_PROMPT
+
+    assert main(["run-default"]) == 0
+    captured = capsys.readouterr()
+    assert DEFAULT_PROMPT in captured.out and "tokens/s" in captured.err

@@ -6,8 +6,11 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -17,10 +20,13 @@ if TYPE_CHECKING:
 
     from k3run.engine import LLM
 
-# The bundled default model (written by scripts/train_default_model.py, quantized with the k3-mixed recipe),
-# looked up relative to the repository root so `k3run generate` works from any working directory.
+# The bundled default model (trained by scripts/train_default_model.py, quantized with the k3-mixed recipe)
+# lives under assets/ in the repository, found relative to this file so `k3run generate` works from any
+# working directory.
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL_DIR = REPO_ROOT / "assets" / "default-model-k3-mixed"
+ASSETS_DIR = REPO_ROOT / "assets"
+# run-default's stand-in while assets/ has no model: the tiny random Kimi Linear checkpoint of the test suite
+DEMO_SOURCE = REPO_ROOT / "tests" / "fixtures" / "kimi_linear_bf16"
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 RECIPES = ("nvfp4", "fp8_pb_wo", "k3-mixed")
 
@@ -37,13 +43,29 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_dir(path: str | None) -> Path:
     if path is None:
-        if not DEFAULT_MODEL_DIR.is_dir():
+        found = default_model_dir()
+        if found is None:
             raise UserError(
-                f"no MODEL given and the bundled default model is not at {DEFAULT_MODEL_DIR}; "
-                f"pass a checkpoint directory"
+                f"no MODEL given and no bundled model under {ASSETS_DIR}; pass a checkpoint directory"
             )
-        return DEFAULT_MODEL_DIR
+        return found
     return _checkpoint_dir(path, "MODEL")
+
+
+def default_model_dir() -> Path | None:
+    """The bundled checkpoint: among the directories under assets/ with a config.json, a ModelOpt-quantized
+    one (MIXED_PRECISION, i.e. k3-mixed, first), else any; None when there is none."""
+    if not ASSETS_DIR.is_dir():
+        return None
+    dirs = sorted(p.parent for p in ASSETS_DIR.glob("*/config.json"))
+
+    def rank(d: Path) -> int:
+        qfile = d / "hf_quant_config.json"
+        if not qfile.is_file():
+            return 2
+        return 0 if "MIXED_PRECISION" in qfile.read_text(encoding="utf-8") else 1
+
+    return min(dirs, key=rank) if dirs else None
 
 
 def _checkpoint_dir(path: str, what: str) -> Path:
@@ -184,7 +206,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from k3run.quant.export import quantize_checkpoint
 
     t0 = time.perf_counter()
-    quantize_checkpoint(src, dst, args.recipe)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        quantize_checkpoint(src, dst, args.recipe, progress=not args.quiet)
+    # the exporter explains each layer it leaves in bf16; a few lines and a count say enough
+    for note in notes[:3]:
+        print(f"[k3run] note: {note.message}", file=sys.stderr)
+    if len(notes) > 3:
+        print(f"[k3run] ... and {len(notes) - 3} more notes like these", file=sys.stderr)
     size = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     secs = time.perf_counter() - t0
     print(f"[k3run] wrote {dst} ({args.recipe}, {size / 2**20:.2f} MiB of tensors) in {secs:.1f} s")
@@ -325,14 +354,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_run_default(args: argparse.Namespace) -> int:
-    if DEFAULT_MODEL_DIR.is_dir():
-        ns = _generate_parser_defaults()
-        return cmd_generate(ns)
-    raise UserError(f"the bundled default model is missing: {DEFAULT_MODEL_DIR}")
+    if default_model_dir() is not None:
+        return cmd_generate(build_parser().parse_args(["generate", "--prompt", DEFAULT_PROMPT]))
+    # No bundled model yet: show the whole path on a tiny random checkpoint instead (quantize with k3-mixed,
+    # print the plan, greedy generation). Random weights write random characters; that is the point.
+    if not (DEMO_SOURCE / "model.safetensors").is_file():
+        raise UserError(f"no bundled model under {ASSETS_DIR} and no demo checkpoint at {DEMO_SOURCE}")
+    print(f"[k3run] no bundled model under {ASSETS_DIR}; demo on a tiny random checkpoint", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="k3run-demo-") as tmp:
+        src, dst = Path(tmp) / "bf16", Path(tmp) / "k3-mixed"
+        src.mkdir()
+        for name in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copy(DEMO_SOURCE / name, src / name)
+        _write_ascii_tokenizer(src)
+        rc = main(["--quiet", "quantize", str(src), str(dst), "--recipe", "k3-mixed"])
+        rc = rc or main(["inspect", str(dst), "--device", "cpu"])
+        gen = ["generate", str(dst), "--prompt", DEFAULT_PROMPT, "--temperature", "0", "--max-tokens", "24"]
+        return rc or main([*gen, "--ignore-eos", "--device", "cpu"])
 
 
-def _generate_parser_defaults() -> argparse.Namespace:
-    return build_parser().parse_args(["generate", "--prompt", DEFAULT_PROMPT])
+def _write_ascii_tokenizer(d: Path) -> None:
+    """A character-level tokenizer.json over newline and printable ASCII (98 ids with <eos> and <unk>)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = ["\n", *(chr(c) for c in range(32, 127))]
+    tok = Tokenizer(
+        models.WordLevel({"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}, "<unk>")
+    )
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<eos>", "<unk>"])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:

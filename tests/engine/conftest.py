@@ -134,7 +134,7 @@ def write_char_tokenizer(d: Path, chars: list[str] = CHARS) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<eos>"])
+    tok.add_special_tokens(["<eos>", "<unk>"])
     d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))

@@ -136,8 +136,9 @@ class CachePlan:
         return self.num_slots * self.bytes_per_seq
 
     def describe(self) -> str:
+        seqs = f"{self.num_slots} sequence{'' if self.num_slots == 1 else 's'}"
         return (
-            f"cache: {self.num_slots} sequences x {self.max_len} tokens = {self.total_bytes / MiB:.2f} MiB "
+            f"cache: {seqs} x {self.max_len} tokens = {self.total_bytes / MiB:.2f} MiB "
             f"({self.bytes_per_seq / MiB:.3f} MiB per sequence: MLA latent "
             f"{self.mla_bytes_per_seq / MiB:.3f} MiB, KDA state {self.kda_bytes_per_seq / MiB:.3f} MiB)"
         )
