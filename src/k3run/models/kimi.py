@@ -368,6 +368,8 @@ def _attn_res(site: str) -> Rule:
 CHECKPOINT_TABLE: tuple[tuple[re.Pattern[str], Rule], ...] = tuple(
     (re.compile(p), r)
     for p, r in (
+        # routed experts first: they are nearly all of a K3 checkpoint's ~1M tensors
+        (_L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _SUFFIX, _expert),
         (r"embed_tokens\.weight|norm\.weight|lm_head\." + _SUFFIX, _same),
         (_L + r"(input_layernorm|post_attention_layernorm)\.weight", _same),
         # KDA: projections fused into in_proj (shard ids from the layer), forget-gate under either spelling
@@ -395,7 +397,6 @@ CHECKPOINT_TABLE: tuple[tuple[re.Pattern[str], Rule], ...] = tuple(
         (_L + r"mlp\.shared_experts\.(?P<p>gate|up)_proj\." + _SUFFIX, _gate_up("mlp.shared_experts")),
         (_L + r"mlp\.(shared_experts\.)?down_proj\." + _SUFFIX, _same),
         (_L + r"mlp\.gate\.(weight|e_score_correction_bias)", _same),
-        (_L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _SUFFIX, _expert),
         (_L + r"mlp\.(routed_expert_down_proj|routed_expert_up_proj)\." + _SUFFIX, _same),
         (_L + r"mlp\.routed_expert_norm\.weight", _same),
         (_L + r"self_attention_res_(?P<k>norm|proj)\.weight", _attn_res("self_attention_res")),
