@@ -217,3 +217,38 @@ def test_output_partition_must_split_evenly() -> None:
         ValueError, match=r"q: output partition 0 = 100 is not divisible by the tensor-parallel size 8"
     ):
         ColumnParallelLinear(64, 100, tp=TPInfo(0, 8), prefix="q", scheme=UnquantizedScheme())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_cuda_kernels_match_cpu_reference(kind: str) -> None:
+    """The CUDA dispatch (k3run.kernels) against the CPU reference on the same checkpoint: rank 1 of 2 of a
+    [192, 200] merged layer (FP8: both partitions start mid-block and are split into segments; NVFP4: the
+    shards' global scales differ, so the kernel gets one decode scale per row). bf16 activations and output:
+    the reference sees the same bf16 inputs in fp32, so the difference is the output rounding (2^-9) plus
+    accumulation order; rtol 2^-8."""
+    tensors = [
+        checkpoint_tensors(kind, torch.randn(192, 256)),
+        checkpoint_tensors(kind, 5 * torch.randn(200, 256)),
+    ]
+    x = torch.randn(37, 256).bfloat16()
+    bias = torch.randn(392)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        with torch.device(device):
+            layer = MergedColumnParallelLinear(
+                256,
+                [192, 200],
+                bias=True,
+                tp=TPInfo(1, 2),
+                scheme=make_scheme(kind),
+                params_dtype=torch.bfloat16,
+            )
+        load_shards(
+            layer, [t | {"bias": b} for t, b in zip(tensors, (bias[:192], bias[192:]), strict=True)], True
+        )
+        layer.process_after_loading()
+        assert layer.weight.device.type == device
+        outs[device] = layer(x.to(device) if device == "cuda" else x.float())
+    assert outs["cuda"].dtype == torch.bfloat16
+    assert_close(f"{kind} cuda vs cpu", outs["cpu"], outs["cuda"].cpu(), rtol=2**-8)

@@ -8,6 +8,7 @@ matmul (and of the row-parallel partial sums) differs: RMS ~ sqrt(K) * 2^-24 for
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,82 @@ def test_gloo_collectives_match_tp1(tp: int, ckpt_path: Path, tp1_outputs: dict[
     """Real process groups: gathered column outputs and all-reduced row outputs equal tp 1 on every rank."""
     per_rank = spawn_gloo(_gloo_worker, tp, str(ckpt_path))
     _compare(tp1_outputs, _assemble(per_rank, gathered=True), tp)
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys, torch
+from k3run.distributed import all_gather, all_reduce, init_distributed
+from k3run.layers.linear import RowParallelLinear
+from k3run.quant.schemes import UnquantizedScheme
+
+tp = init_distributed()
+dev = torch.device("cuda", torch.cuda.current_device()) if sys.argv[1] == "cuda" else torch.device("cpu")
+summed = all_reduce(torch.tensor([tp.rank + 1.0], device=dev), tp)
+gathered = all_gather(torch.full((1, 2), float(tp.rank), device=dev), tp, dim=-1)
+gen = torch.Generator().manual_seed(0)
+w, x = torch.randn(24, 256, generator=gen), torch.randn(3, 256, generator=gen)
+with dev:
+    layer = RowParallelLinear(256, 24, tp=tp, input_is_parallel=False, scheme=UnquantizedScheme(),
+                              params_dtype=torch.float32)
+layer.weight.weight_loader(layer.weight, w)
+err = (layer(x.to(dev)).cpu() - x @ w.t()).abs().max().item()
+out = {"rank": tp.rank, "size": tp.size, "sum": summed.item(), "gathered": gathered.flatten().tolist()}
+print(json.dumps(out | {"err": err}))
+"""
+
+
+def run_torchrun_like(world: int, device: str) -> list[dict]:
+    """Start `world` processes with the environment torchrun sets (port chosen by the OS)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(world):
+        env = os.environ | {
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _TORCHRUN_SCRIPT, device],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, f"rank {r} failed:\n{err[-3000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def check_torchrun_outputs(outs: list[dict], world: int) -> None:
+    for r, o in enumerate(outs):
+        assert (o["rank"], o["size"]) == (r, world)
+        assert o["sum"] == world * (world + 1) / 2
+        assert o["gathered"] == [float(i) for i in range(world) for _ in range(2)]
+        # fp32 row-parallel partial sums vs one fp32 matmul (K = 256, |y| ~ 16): a few ulps of 2^-19
+        assert o["err"] < 1e-4
+
+
+def test_init_distributed_from_torchrun_env_gloo() -> None:
+    check_torchrun_outputs(run_torchrun_like(2, "cpu"), 2)
+
+
+@pytest.mark.gpu
+def test_init_distributed_from_torchrun_env_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    check_torchrun_outputs(run_torchrun_like(2, "cuda"), 2)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from k3run.quant.algo import QuantAlgo
 
 if TYPE_CHECKING:
+    from k3run.kernels.nvfp4_gemm import NvFp4Weight
     from k3run.quant.modelopt import ModelOptConfig
 
 FP8_BLOCK = 128
@@ -256,6 +257,21 @@ class UnquantizedScheme:
         return "unquantized (F.linear in the parameter dtype)"
 
 
+def fp8_block_gemm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The FP8_PB_WO GEMM over the whole physical weight: [M, K] x fp8 [N_phys, K] -> [M, N_phys].
+
+    The one place a device kernel is chosen: CUDA runs k3run.kernels.fp8_gemm (block-wise cuBLAS on sm90,
+    else Triton), everything else the k3run.formats reference below.
+    """
+    if x.is_cuda:
+        from k3run.kernels.fp8_gemm import fp8_pb_wo_linear
+
+        return fp8_pb_wo_linear(x, weight, weight_scale, weight.shape[0], bias)
+    return fp8_block_gemm_reference(x, weight, weight_scale, bias)
+
+
 def fp8_block_gemm_reference(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -287,7 +303,7 @@ class Fp8PbWoScheme:
     algo = QuantAlgo.FP8_PB_WO
 
     def __init__(self, gemm: Callable[..., torch.Tensor] | None = None) -> None:
-        self.gemm = gemm if gemm is not None else fp8_block_gemm_reference
+        self.gemm = gemm if gemm is not None else fp8_block_gemm
 
     def create_weights(
         self,
@@ -352,25 +368,16 @@ class Fp8PbWoScheme:
         return "FP8_PB_WO (fp8 e4m3 weights, 128x128 fp32 block scales, dynamic 1x128 fp8 activations)"
 
 
-def nvfp4_gemm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_scale_2: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y = x @ dq(W)^T (+ bias): exact fp32 dequantized weight, fp32 matmul, x.dtype out.
+def nvfp4_gemm(x: torch.Tensor, weight: NvFp4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The NVFP4 GEMM: x [M, K] @ dq(W)^T (+ bias) -> [M, N] in x's dtype.
 
-    x: [M, K] (already quant-dequantized for W4A4); weight: uint8 [N, K/2]; weight_scale: fp8 [N, K/16];
-    weight_scale_2: fp32 0-dim decode scale. Returns [M, N].
+    The one place a device kernel is chosen (k3run.kernels.nvfp4_gemm): Triton W4A16 on CUDA, and on CPU
+    its fp32 reference, which dequantizes with k3run.formats (e2m1 * block scale exact in fp32, one
+    rounding for the per-row global scale) and multiplies in fp32.
     """
-    from k3run.formats import dequantize_nvfp4
+    from k3run.kernels.nvfp4_gemm import nvfp4_linear
 
-    wd = dequantize_nvfp4(weight, weight_scale, weight_scale_2, dtype=torch.float32)
-    y = x.float() @ wd.t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return nvfp4_linear(x, weight, bias)
 
 
 class NvFp4Scheme:
@@ -401,7 +408,7 @@ class NvFp4Scheme:
         self.algo = algo
         self.w4a4 = w4a4
         self.has_input_scale = algo is QuantAlgo.NVFP4
-        self.gemm = gemm if gemm is not None else nvfp4_gemm_reference
+        self.gemm = gemm if gemm is not None else nvfp4_gemm
 
     def create_weights(
         self,
@@ -440,6 +447,8 @@ class NvFp4Scheme:
         return w
 
     def process_after_loading(self, layer: torch.nn.Module) -> None:
+        from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
+
         layout: OutputLayout = layer.weights.layout
         ws2: torch.Tensor = layer.weight_scale_2
         _check_positive_scales(layer.prefix, "weight_scale_2", ws2)
@@ -451,21 +460,29 @@ class NvFp4Scheme:
                 new_scale, common = unified
                 _replace_param(layer, "weight_scale", new_scale)
                 _replace_param(layer, "weight_scale_2", torch.full_like(ws2, common))
-        layer.nvfp4_groups = self._partition_groups(layer)
+                ws2 = layer.weight_scale_2
+        if bool((ws2 == ws2[0]).all()):
+            global_scale = ws2[:1]
+        else:
+            # one decode scale per output row: each partition keeps its own, applied to its own columns
+            global_scale = torch.cat(
+                [ws2[p].expand(layout.sizes[p]) for p in range(len(layout.sizes))]
+            ).contiguous()
+        # kernel layout, prepared once (on CPU it aliases the checkpoint tensors)
+        layer.nvfp4_weight = prepare_nvfp4_weight(layer.weight, layer.weight_scale, global_scale)
+        layer.nvfp4_act_groups = self._activation_groups(layer)
 
-    def _partition_groups(self, layer: torch.nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """Partitions that can share one GEMM: same global weight scale and (W4A4) same input scale.
-
-        Each group is (index of a partition holding the group's scales, partitions); read once on the host
-        after loading so `apply` never synchronises with the device.
-        """
+    def _activation_groups(self, layer: torch.nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """W4A4: partitions sharing one input_scale share one activation quant-dequant. Each group is
+        (a partition holding the group's input_scale, the group's partitions); read once after loading so
+        `apply` never synchronises with the device."""
         n = len(layer.weights.layout.sizes)
-        ws2 = layer.weight_scale_2.tolist()
-        acts = layer.input_scale.tolist() if self.w4a4 else [None] * n
-        keys: dict[tuple[float, float | None], list[int]] = {}
-        for p in range(n):
-            keys.setdefault((ws2[p], acts[p]), []).append(p)
-        return tuple((ps[0], tuple(ps)) for ps in keys.values())
+        if not self.w4a4:
+            return ((0, tuple(range(n))),)
+        groups: dict[float, list[int]] = {}
+        for p, v in enumerate(layer.input_scale.tolist()):
+            groups.setdefault(v, []).append(p)
+        return tuple((ps[0], tuple(ps)) for ps in groups.values())
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -474,23 +491,18 @@ class NvFp4Scheme:
         layout: OutputLayout = layer.weights.layout
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        groups: tuple[tuple[int, tuple[int, ...]], ...] = layer.nvfp4_groups
+        groups: tuple[tuple[int, tuple[int, ...]], ...] = layer.nvfp4_act_groups
         if len(groups) == 1:
-            xa = self._activation(layer, x2, 0)
-            y = self.gemm(xa, layer.weight, layer.weight_scale, layer.weight_scale_2[0], bias).to(x.dtype)
+            y = self.gemm(self._activation(layer, x2, groups[0][0]), layer.nvfp4_weight, bias).to(x.dtype)
         else:
+            # partitions quantized their activations with different input scales: one GEMM per scale,
+            # each keeping its own partitions' columns (emulation only; K3 uses input_scale 1 throughout)
             y = torch.empty(x2.shape[0], layout.rows, dtype=x.dtype, device=x.device)
             for first, parts in groups:
-                xa = self._activation(layer, x2, first)
+                full = self.gemm(self._activation(layer, x2, first), layer.nvfp4_weight, bias)
                 for p in parts:
                     rows = layout.partition_rows(p)
-                    y[:, rows] = self.gemm(
-                        xa,
-                        layer.weight[rows],
-                        layer.weight_scale[rows],
-                        layer.weight_scale_2[p],
-                        None if bias is None else bias[rows],
-                    )
+                    y[:, rows] = full[:, rows]
         return y.reshape(*lead, y.shape[-1])
 
     def _activation(self, layer: torch.nn.Module, x: torch.Tensor, partition: int) -> torch.Tensor:
@@ -498,8 +510,10 @@ class NvFp4Scheme:
             return x
         from k3run.formats import nvfp4_qdq
 
-        # kept in fp32: the quant-dequantized values need not be representable in the activation dtype
-        return nvfp4_qdq(x.float(), layer.input_scale[partition])
+        xq = nvfp4_qdq(x.float(), layer.input_scale[partition])
+        # CPU keeps the quant-dequantized values in fp32 (exact); the CUDA kernel takes 16-bit inputs, exact
+        # when input_scale is a power of two (e2m1 * e4m3 has <= 6 significant bits)
+        return xq if not x.is_cuda else xq.to(x.dtype)
 
     def describe(self) -> str:
         mode = "W4A4 emulation (activations NVFP4 quant-dequantized)" if self.w4a4 else "weight-only W4A16"
