@@ -400,12 +400,24 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from k3run import __version__
+
     parser = _Parser(prog="k3run", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"k3run {__version__}")
+    # the global flags are accepted before or after the command; SUPPRESS keeps a subcommand's unset flag
+    # from overwriting a value given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help="full tracebacks")
+    common.add_argument(
+        "--quiet", action="store_true", default=argparse.SUPPRESS, help="no start-up report (cache, kernels)"
+    )
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     parser.add_argument("--quiet", action="store_true", help="no start-up report (cache plan, kernels)")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    p = sub.add_parser(
+        "generate", parents=[common], help="generate text from a prompt, streamed to the terminal"
+    )
     p.add_argument(
         "model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled model)"
     )
@@ -423,20 +435,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("inspect", help="per-layer quantization plan, bytes by scheme, kernels")
+    p = sub.add_parser(
+        "inspect", parents=[common], help="per-layer quantization plan, bytes by scheme, kernels"
+    )
     p.add_argument("dir", metavar="DIR")
     p.add_argument(
         "--device", default="auto", help="the device whose kernels to report (default: %(default)s)"
     )
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("quantize", help="write a ModelOpt-format checkpoint from a bf16 one")
+    p = sub.add_parser(
+        "quantize", parents=[common], help="write a ModelOpt-format checkpoint from a bf16 one"
+    )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--recipe", choices=RECIPES, required=True)
     p.set_defaults(func=cmd_quantize)
 
-    p = sub.add_parser("eval", help="held-out perplexity; KL and top-1 agreement against a reference")
+    p = sub.add_parser(
+        "eval", parents=[common], help="held-out perplexity; KL and top-1 agreement against a reference"
+    )
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--reference", metavar="REF_DIR", help="checkpoint to compare against (e.g. the bf16 one)")
     p.add_argument("--text", metavar="FILE", help="held-out text (default: heldout.txt next to DIR)")
@@ -446,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_args(p)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("bench", help="prefill and decode tokens/s at several batch sizes")
+    p = sub.add_parser("bench", parents=[common], help="prefill and decode tokens/s at several batch sizes")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="comma separated")
     p.add_argument("--prompt-len", type=_positive_int, default=128)
@@ -456,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_args(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("run-default", help="generate with the bundled default model (what `make run` does)")
+    p = sub.add_parser(
+        "run-default", parents=[common], help="generate with the bundled default model (what `make run` does)"
+    )
     p.set_defaults(func=cmd_run_default)
     return parser
 
