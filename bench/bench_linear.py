@@ -26,7 +26,13 @@ from triton.testing import do_bench
 from k3run.formats import dequantize_fp8_block, dequantize_nvfp4, quantize_fp8_block, quantize_nvfp4
 from k3run.kernels.fp8_act_quant import quantize_act_1x128
 from k3run.kernels.fp8_gemm import fp8_pb_wo_linear, fp8_pb_wo_linear_ref
-from k3run.kernels.nvfp4_gemm import GemmConfig, choose_config, nvfp4_linear, prepare_nvfp4_weight
+from k3run.kernels.nvfp4_gemm import (
+    GemmConfig,
+    choose_config,
+    nvfp4_linear,
+    nvfp4_to_fp8_block,
+    prepare_nvfp4_weight,
+)
 from k3run.testing import rel_rms_error
 
 NVFP4_SHAPES = [(7168, 7168), (12288, 7168), (7168, 12288), (3072, 3584), (3584, 3072)]  # (N, K)
@@ -181,10 +187,9 @@ def bench_nvfp4_via_fp8(rows: list[dict], ms) -> None:
     q = quantize_nvfp4(torch.randn(n, k, device="cuda"))
     w32 = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2)
     w_bf16 = w32.bfloat16()
-    fq, fs = quantize_fp8_block(w32)
-    s2d = fs.reshape(fs.shape[0], fs.shape[2]).contiguous()
+    fq, s2d = nvfp4_to_fp8_block(q.weight, q.weight_scale, q.weight_scale_2)
     pw = prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2)
-    w_err = rel_rms_error(w32, dequantize_fp8_block(fq, fs))
+    w_err = rel_rms_error(w32, dequantize_fp8_block(fq, s2d))
     for m in ms:
         x = torch.randn(m, k, device="cuda").bfloat16()
         exact = x.float() @ w32.t()

@@ -19,6 +19,7 @@ from k3run.kernels.nvfp4_gemm import (
     choose_config,
     nvfp4_linear,
     nvfp4_linear_ref,
+    nvfp4_to_fp8_block,
     prepare_nvfp4_weight,
     repack_split128,
     unpack_split128,
@@ -149,6 +150,21 @@ def test_prepare_rejects_bad_tensors():
         nvfp4_linear(torch.randn(2, 32), prepare_nvfp4_weight(w, s, gs))
     with pytest.raises(ValueError, match="layout"):
         prepare_nvfp4_weight(w, s, gs, layout="marlin")
+
+
+def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
+    """The FP8 conversion re-rounds every weight once to E4M3 in its 128x128 block: relative error per
+    element <= 2^-4 for normal values (3 mantissa bits), so the RMS error stays well under 2^-4."""
+    from k3run.formats import dequantize_fp8_block
+
+    n, k = 200, 256
+    w, s, gs = _random_nvfp4(n, k, per_row_global=True)
+    q, scale = nvfp4_to_fp8_block(w, s, gs)
+    assert q.shape == (256, k) and scale.shape == (2, 2) and torch.count_nonzero(q[n:].float()) == 0
+    exact = dequantize_nvfp4(w, s, torch.ones(())) * gs.reshape(-1, 1)
+    assert_close("nvfp4 -> fp8 block", exact, dequantize_fp8_block(q, scale)[:n], rtol=2.0**-4)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        nvfp4_to_fp8_block(*_random_nvfp4(8, 80))
 
 
 def test_choose_config_covers_decode_and_prefill():

@@ -123,6 +123,29 @@ def prepare_nvfp4_weight(
     )
 
 
+def nvfp4_to_fp8_block(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load-time conversion for the optional FP8 tensor-core path (issue 6 section 2; opt-in, lossy).
+
+    Dequantizes the NVFP4 weight exactly in fp32 and re-quantizes it to 128x128-block E4M3, returning
+    (fp8 [N_pad, K] with zero pad rows, fp32 scale [N_pad/128, K/128]) ready for fp8_gemm.fp8_pb_wo_linear.
+    E4M3 keeps 4 significant bits where e2m1 * e4m3 needs up to 6, so this adds a rounding error (measured
+    in bench/bench_linear.py); K must be a multiple of 128.
+    """
+    from k3run.formats import dequantize_nvfp4, quantize_fp8_block
+
+    w = dequantize_nvfp4(weight, weight_scale, 1.0) * weight_scale_2.float().reshape(-1, 1)
+    n, k = w.shape
+    if k % 128:
+        raise ValueError(f"nvfp4_to_fp8_block: K={k} must be a multiple of 128 for FP8 block GEMMs")
+    q, scale = quantize_fp8_block(w)
+    n_pad = scale.shape[0] * 128
+    q_pad = torch.zeros((n_pad, k), dtype=torch.float8_e4m3fn, device=w.device)
+    q_pad[:n] = q
+    return q_pad, scale.reshape(scale.shape[0], scale.shape[2]).contiguous()
+
+
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
     """The launch for M rows (decode: stream the weight once; prefill: big tiles or dequantize + cuBLAS)."""
     if m <= 16:
@@ -180,6 +203,7 @@ __all__ = [
     "choose_config",
     "nvfp4_linear",
     "nvfp4_linear_ref",
+    "nvfp4_to_fp8_block",
     "prepare_nvfp4_weight",
     "repack_split128",
     "unpack_split128",
