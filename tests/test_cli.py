@@ -238,3 +238,21 @@ def test_run_default_generates_from_the_prompt(capsys: pytest.CaptureFixture[str
     assert main(["run-default"]) == 0
     captured = capsys.readouterr()
     assert DEFAULT_PROMPT in captured.out and "tokens/s" in captured.err
+
+
+def test_generate_chat_uses_the_template(
+    kimi_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bf16, _ = kimi_dirs
+    d = bf16.parent / "chat"
+    shutil.copytree(bf16, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "[user]{{ messages[0].content }}{% if add_generation_prompt %}[bot]{% endif %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    argv = ["generate", str(d), "--chat", "--prompt", "hi", "--max-tokens", "5", "--temperature", "0"]
+    assert main([*argv, "--ignore-eos", "--device", "cpu", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    llm = LLM(d, dtype=torch.float32, config=EngineConfig(max_num_seqs=1, max_model_len=64))
+    ids = llm.tokenizer.encode("[user]hi[bot]", add_special_tokens=False)
+    expect = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert out == expect.text + "\n"

@@ -159,9 +159,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = _load_llm(args, model_dir, 1, args.max_model_len, args.max_model_len)
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        # the template writes its own special tokens (BOS included), so none are added when encoding
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = llm.tokenizer.encode(text, add_special_tokens=False)
     out = sys.stdout
     if not args.chat:
         out.write(args.prompt)
