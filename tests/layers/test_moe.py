@@ -286,7 +286,7 @@ def test_k3_latent_moe_block_matches_formula():
     up-projection, plus shared experts on the ORIGINAL x (kimi-architecture.md §4), all in fp64 here."""
     from k3run.layers.linear import ReplicatedLinear
     from k3run.layers.mlp import GatedMLP
-    from k3run.layers.moe import KimiMoE
+    from k3run.layers.moe import KimiMoE, RouterConfig
     from k3run.layers.norm import RMSNorm
 
     d, lat, inter, n_sh, eps, scale = 48, 32, 16, 2, 1e-5, 1.5
@@ -294,12 +294,11 @@ def test_k3_latent_moe_block_matches_formula():
     f32 = {"params_dtype": torch.float32}
     moe = KimiMoE(
         num_experts=E,
-        top_k=TOPK,
         hidden_size=d,
         moe_intermediate_size=inter,
         num_shared_experts=n_sh,
         activation=act,
-        router_kwargs={"routed_scaling_factor": scale},
+        router=RouterConfig(TOPK, routed_scaling_factor=scale),
         experts_algo=QuantAlgo.NONE,
         tp=TPInfo(),
         latent_size=lat,

@@ -72,13 +72,21 @@ def route(
     return weights * routed_scaling_factor, ids
 
 
+@dataclass(frozen=True)
+class RouterConfig:
+    top_k: int
+    num_expert_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+
+
 class MoERouter(nn.Module):
     """`gate.weight` [E, D] and `gate.e_score_correction_bias` [E], both kept in fp32 (replicated)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, top_k: int, cfg_kwargs: dict[str, object]) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, cfg: RouterConfig) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.cfg_kwargs = cfg_kwargs
+        self.cfg = cfg
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         for p in (self.weight, self.e_score_correction_bias):
@@ -86,7 +94,16 @@ class MoERouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = x.float() @ self.weight.t()  # [T, E] fp32
-        return route(logits, self.e_score_correction_bias, self.top_k, **self.cfg_kwargs)  # type: ignore[arg-type]
+        c = self.cfg
+        return route(
+            logits,
+            self.e_score_correction_bias,
+            c.top_k,
+            num_expert_group=c.num_expert_group,
+            topk_group=c.topk_group,
+            renormalize=c.renormalize,
+            routed_scaling_factor=c.routed_scaling_factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -412,12 +429,11 @@ class KimiMoE(nn.Module):
         self,
         *,
         num_experts: int,
-        top_k: int,
+        router: RouterConfig,
         hidden_size: int,
         moe_intermediate_size: int,
         num_shared_experts: int,
         activation: GatedActivation,
-        router_kwargs: dict[str, object],
         experts_algo: QuantAlgo,
         tp: TPInfo,
         params_dtype: torch.dtype,
@@ -431,7 +447,7 @@ class KimiMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.gate = MoERouter(num_experts, hidden_size, top_k, router_kwargs)
+        self.gate = MoERouter(num_experts, hidden_size, router)
         if (latent_size is None) != (latent_down is None) or (latent_down is None) != (latent_up is None):
             raise ValueError(f"{prefix}: latent MoE needs latent_size, latent_down and latent_up together")
         self.routed_expert_down_proj = latent_down

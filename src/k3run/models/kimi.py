@@ -32,7 +32,7 @@ from k3run.layers.kda import KimiDeltaAttention
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from k3run.layers.mla import KimiMLA
 from k3run.layers.mlp import GatedMLP
-from k3run.layers.moe import KimiMoE, NvFp4ActMode
+from k3run.layers.moe import KimiMoE, NvFp4ActMode, RouterConfig
 from k3run.layers.norm import RMSNorm, norm_weight_loader
 from k3run.loader import IGNORE, Target
 from k3run.quant.algo import QuantAlgo
@@ -153,17 +153,17 @@ def _make_moe(
     experts_algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(f"{prefix}.experts")
     return KimiMoE(
         num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_token,
+        router=RouterConfig(
+            top_k=cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group,
+            topk_group=cfg.topk_group,
+            renormalize=cfg.moe_renormalize,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        ),
         hidden_size=cfg.hidden_size,
         moe_intermediate_size=cfg.moe_intermediate_size,
         num_shared_experts=cfg.num_shared_experts,
         activation=act,
-        router_kwargs={
-            "num_expert_group": cfg.num_expert_group,
-            "topk_group": cfg.topk_group,
-            "renormalize": cfg.moe_renormalize,
-            "routed_scaling_factor": cfg.routed_scaling_factor,
-        },
         experts_algo=experts_algo,
         tp=tp,
         params_dtype=params_dtype,
