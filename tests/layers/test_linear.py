@@ -252,3 +252,20 @@ def test_cuda_kernels_match_cpu_reference(kind: str) -> None:
         outs[device] = layer(x.to(device) if device == "cuda" else x.float())
     assert outs["cuda"].dtype == torch.bfloat16
     assert_close(f"{kind} cuda vs cpu", outs["cpu"], outs["cuda"].cpu(), rtol=2**-8)
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nvfp4"])
+def test_dequantized_weight_is_the_logical_rank_local_weight(kind: str) -> None:
+    """Rank 1 of 2 of a [192, 200] merged layer: FP8 splits both partitions into segments, NVFP4 keeps two
+    global scales; the dequantized weight is exactly the checkpoint's rows 96..191 and 100..199, before and
+    after process_after_loading."""
+    w = [torch.randn(192, 128), 7 * torch.randn(200, 128)]
+    tensors = [checkpoint_tensors(kind, wi) for wi in w]
+    ref = torch.cat([dequantized(kind, tensors[0])[96:], dequantized(kind, tensors[1])[100:]])
+    layer = MergedColumnParallelLinear(
+        128, [192, 200], tp=TPInfo(1, 2), scheme=make_scheme(kind), params_dtype=torch.float32
+    )
+    load_shards(layer, tensors, merged=True)
+    assert torch.equal(layer.dequantized_weight(), ref)
+    layer.process_after_loading()
+    assert torch.equal(layer.dequantized_weight(), ref)

@@ -10,9 +10,11 @@ Sharding rules:
   [r*s, (r+1)*s) of each checkpoint shard (s = its local size). A *replicated* partition of a merged layer
   (KDA's f_a_proj) is declared with size s*tp, keeps s rows per rank and loads the whole checkpoint tensor on
   every rank.
-- Block scales along N are loaded per 128-row block of the rank's rows: each local block must lie inside
-  one checkpoint block. When the whole shard is one block (b_proj: 96 rows) every rank loads that block, which
-  generalises upstream's "fewer row blocks than tp_size -> replicate".
+- FP8 block scales along N: the scheme's layout starts a new 128-row physical block wherever the rank's
+  rows cross a checkpoint block boundary, so each physical block takes exactly one checkpoint block scale.
+  When the whole shard is one block (b_proj: 96 rows) every rank loads that block, which generalises
+  upstream's "fewer row blocks than tp_size -> replicate"; shards like 192 rows at tp 2 (rank 1 starts at
+  row 96) are split instead of refused.
 - Row-parallel: K is split evenly; packed bytes, group-16 and 128-block scales are split in their own units.
 - Per-partition scalars (NVFP4 weight_scale_2 / input_scale) go to their partition's slot.
 Every (parameter, partition) must be loaded exactly once; `unfilled_parameters` lists what is missing.
@@ -21,7 +23,7 @@ Every (parameter, partition) must be loaded exactly once; `unfilled_parameters` 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +47,9 @@ class LinearBase(torch.nn.Module):
     output_sizes: the declared (global) output size of every fused partition, in order.
     shard_out / shard_in: whether output rows / input columns are split over the TP ranks.
     replicated: partitions kept whole on every rank (declared as local size * tp).
+    qcfg / prefix / shard_prefixes: the scheme comes from `linear_scheme_for(qcfg, prefix, shard_prefixes)`
+      unless `scheme` is given; `prefix` (checkpoint naming) also names the layer in every error.
+    tp: this rank's place in the TP group; params_dtype: dtype of unquantized weights and the bias.
     """
 
     def __init__(
@@ -115,7 +120,7 @@ class LinearBase(torch.nn.Module):
     def _spec(self, name: str) -> ParamSpec:
         return _BIAS_SPEC if name == "bias" else self.weights.params[name]
 
-    def _loader_for(self, name: str):  # type: ignore[no-untyped-def]
+    def _loader_for(self, name: str) -> Callable[[torch.nn.Parameter, TensorSource, ShardId], None]:
         def load(param: torch.nn.Parameter, loaded: TensorSource, shard_id: ShardId = None) -> None:
             self._load(name, param, loaded, shard_id)
 
@@ -244,6 +249,11 @@ class LinearBase(torch.nn.Module):
     def process_after_loading(self) -> None:
         self.scheme.process_after_loading(self)
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """This rank's logical weight [sum(local_output_sizes), K/tp or K] in fp32, whatever the scheme
+        (e.g. for MLA weight absorption); padding rows never appear."""
+        return self.scheme.dequantize_weight(self)
+
     def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.scheme.apply(self, x, bias)
 
@@ -278,8 +288,32 @@ def _check_dtype(
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (latent projections shared by all heads, routers)."""
 
-    def __init__(self, input_size: int, output_size: int, **kw) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(input_size, [output_size], shard_out=False, shard_in=False, **kw)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        qcfg: ModelOptConfig | None = None,
+        prefix: str = "",
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+        shard_prefixes: Sequence[str] = (),
+        scheme: LinearScheme | None = None,
+    ) -> None:
+        super().__init__(
+            input_size,
+            [output_size],
+            shard_out=False,
+            shard_in=False,
+            bias=bias,
+            qcfg=qcfg,
+            prefix=prefix,
+            tp=tp,
+            params_dtype=params_dtype,
+            shard_prefixes=shard_prefixes,
+            scheme=scheme,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply(x, self.bias)
@@ -288,8 +322,33 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split over the ranks; with gather_output the full output is all-gathered."""
 
-    def __init__(self, input_size: int, output_size: int, *, gather_output: bool = False, **kw) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(input_size, [output_size], shard_out=True, shard_in=False, **kw)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        gather_output: bool = False,
+        bias: bool = False,
+        qcfg: ModelOptConfig | None = None,
+        prefix: str = "",
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+        shard_prefixes: Sequence[str] = (),
+        scheme: LinearScheme | None = None,
+    ) -> None:
+        super().__init__(
+            input_size,
+            [output_size],
+            shard_out=True,
+            shard_in=False,
+            bias=bias,
+            qcfg=qcfg,
+            prefix=prefix,
+            tp=tp,
+            params_dtype=params_dtype,
+            shard_prefixes=shard_prefixes,
+            scheme=scheme,
+        )
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,20 +364,45 @@ class MergedColumnParallelLinear(LinearBase):
     The output is the rank-local concatenation [p0_local | p1_local | ...] (`local_output_sizes`); padding
     added by a scheme never shows. `replicated_shard_id` names a partition declared as (local size * tp)
     that every rank loads whole from its checkpoint tensor (KDA f_a_proj, see kimi-architecture.md §5).
+    `shard_prefixes` (the checkpoint prefixes of the fused projections) let the quant config resolve the
+    fused layer's scheme.
     """
 
-    def __init__(  # type: ignore[no-untyped-def]
-        self, input_size: int, output_sizes: Sequence[int], *, replicated_shard_id: int | None = None, **kw
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        replicated_shard_id: int | None = None,
+        bias: bool = False,
+        qcfg: ModelOptConfig | None = None,
+        prefix: str = "",
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+        shard_prefixes: Sequence[str] = (),
+        scheme: LinearScheme | None = None,
     ) -> None:
         replicated = () if replicated_shard_id is None else (replicated_shard_id,)
         super().__init__(
-            input_size, output_sizes, shard_out=True, shard_in=False, replicated=replicated, **kw
+            input_size,
+            output_sizes,
+            shard_out=True,
+            shard_in=False,
+            replicated=replicated,
+            bias=bias,
+            qcfg=qcfg,
+            prefix=prefix,
+            tp=tp,
+            params_dtype=params_dtype,
+            shard_prefixes=shard_prefixes,
+            scheme=scheme,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply(x, self.bias)  # [..., sum(local_output_sizes)]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rank-local output of each partition."""
         return tuple(torch.split(y, list(self.local_output_sizes), dim=-1))
 
 
@@ -326,16 +410,34 @@ class RowParallelLinear(LinearBase):
     """Input features split over the ranks; partial products are summed with an all-reduce (visible in
     `forward`). The bias is added once, on rank 0, before the reduction."""
 
-    def __init__(  # type: ignore[no-untyped-def]
+    def __init__(
         self,
         input_size: int,
         output_size: int,
         *,
         input_is_parallel: bool = True,
         reduce_results: bool = True,
-        **kw,
+        bias: bool = False,
+        qcfg: ModelOptConfig | None = None,
+        prefix: str = "",
+        tp: TPInfo = NO_TP,
+        params_dtype: torch.dtype = torch.bfloat16,
+        shard_prefixes: Sequence[str] = (),
+        scheme: LinearScheme | None = None,
     ) -> None:
-        super().__init__(input_size, [output_size], shard_out=False, shard_in=True, **kw)
+        super().__init__(
+            input_size,
+            [output_size],
+            shard_out=False,
+            shard_in=True,
+            bias=bias,
+            qcfg=qcfg,
+            prefix=prefix,
+            tp=tp,
+            params_dtype=params_dtype,
+            shard_prefixes=shard_prefixes,
+            scheme=scheme,
+        )
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
 

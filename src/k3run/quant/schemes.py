@@ -7,16 +7,18 @@ saying how the parameter's dims map onto the logical weight [N, K], which is all
 checkpoint tensor for any TP rank and fused shard.
 
 Rows of fused output shards ("partitions") are laid out by `OutputLayout`. FP8_PB_WO starts every partition
-on a 128-row boundary so a 128x128 scale block never covers rows of two checkpoint tensors; the padding rows
-are zero and `apply` crops them, so callers always see the concatenation of the logical partitions.
+(and every piece of a partition that begins mid-way through a checkpoint block on this TP rank) on a 128-row
+boundary, so each 128x128 scale block covers rows of exactly one checkpoint block; the padding rows are zero
+and `apply` crops them, so callers always see the concatenation of the logical partitions.
 
-Numerics of the CPU paths (the references the GPU kernels are checked against):
-- Unquantized: `F.linear` in the parameter dtype (the activation dtype).
+Each scheme has exactly one GEMM entry point (`self.gemm`, default `fp8_block_gemm` / `nvfp4_gemm`), where
+the device is dispatched: CUDA tensors go to k3run.kernels, CPU tensors to fp32 references built on
+k3run.formats (the oracles the kernels are tested against):
+- Unquantized: `F.linear` in the parameter dtype (the activation dtype), on every device.
 - FP8_PB_WO: activations fp8-quantized per token and 128-column group, both operands dequantized to fp32,
   fp32 matmul, one cast to the activation dtype.
 - NVFP4: weights dequantized exactly to fp32 (optionally the activation quant-dequantized to NVFP4 for W4A4
   emulation), fp32 matmul, one cast to the activation dtype.
-Each scheme has exactly one GEMM entry point (`self.gemm`), the place where device kernels plug in.
 """
 
 from __future__ import annotations
@@ -142,17 +144,6 @@ class LinearWeights:
     params: dict[str, ParamSpec] = field(default_factory=dict)
 
 
-class LinearLayer(Protocol):
-    """The attributes a scheme relies on (layers/linear.py `LinearBase` provides them)."""
-
-    weights: LinearWeights
-    prefix: str
-
-    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None: ...
-
-    def __getattr__(self, name: str) -> torch.Tensor: ...
-
-
 @runtime_checkable
 class LinearScheme(Protocol):
     def create_weights(
@@ -169,6 +160,8 @@ class LinearScheme(Protocol):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor: ...
+
+    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor: ...
 
     def describe(self) -> str: ...
 
@@ -204,6 +197,14 @@ def _check_input(layer: torch.nn.Module, x: torch.Tensor) -> None:
     k = layer.weights.input_size
     if x.shape[-1] != k:
         raise ValueError(f"{layer.prefix}: input has {x.shape[-1]} features, the layer expects {k}")
+
+
+def _logical_rows(layer: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """Physical weight rows -> the concatenated logical partitions (drops padding rows)."""
+    layout: OutputLayout = layer.weights.layout
+    if layout.contiguous:
+        return w[: layout.logical_rows]
+    return torch.cat([w[seg.physical : seg.physical + seg.length] for seg in layout.segments])
 
 
 def _crop(layer: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
@@ -252,6 +253,10 @@ class UnquantizedScheme:
     ) -> torch.Tensor:
         _check_input(layer, x)
         return self.gemm(x, layer.weight, bias)
+
+    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The rank-local logical weight [N, K] in fp32."""
+        return layer.weight.float()
 
     def describe(self) -> str:
         return "unquantized (F.linear in the parameter dtype)"
@@ -363,6 +368,12 @@ class Fp8PbWoScheme:
             if bias is not None:
                 y.add_(bias)
         return y.reshape(*lead, y.shape[-1])
+
+    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The rank-local logical weight [N, K] in fp32 (before or after process_after_loading)."""
+        from k3run.formats import dequantize_fp8_block
+
+        return _logical_rows(layer, dequantize_fp8_block(layer.weight, layer.weight_scale))
 
     def describe(self) -> str:
         return "FP8_PB_WO (fp8 e4m3 weights, 128x128 fp32 block scales, dynamic 1x128 fp8 activations)"
@@ -514,6 +525,19 @@ class NvFp4Scheme:
         # CPU keeps the quant-dequantized values in fp32 (exact); the CUDA kernel takes 16-bit inputs, exact
         # when input_scale is a power of two (e2m1 * e4m3 has <= 6 significant bits)
         return xq if not x.is_cuda else xq.to(x.dtype)
+
+    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The rank-local logical weight [N, K] in fp32, each partition with its own global scale."""
+        from k3run.formats import dequantize_nvfp4
+
+        layout: OutputLayout = layer.weights.layout
+        parts = []
+        for p in range(len(layout.sizes)):
+            rows = layout.partition_rows(p)
+            parts.append(
+                dequantize_nvfp4(layer.weight[rows], layer.weight_scale[rows], layer.weight_scale_2[p])
+            )
+        return torch.cat(parts)
 
     def describe(self) -> str:
         mode = "W4A4 emulation (activations NVFP4 quant-dequantized)" if self.w4a4 else "weight-only W4A16"
