@@ -390,3 +390,25 @@ def test_real_modelopt_fixture_layers(fixture: str) -> None:
         if rows:
             assert_close(f"tp{tp} o", ref(x, w_o), sum(o["o"] for o in outs), rtol=FP32_RTOL)
             assert_close(f"tp{tp} down", ref(h, w_down), sum(o["down"] for o in outs), rtol=FP32_RTOL)
+
+
+def test_process_after_loading_runs_children_first(tmp_path: Path) -> None:
+    order: list[str] = []
+
+    class Leaf(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+            self.w = torch.nn.Parameter(torch.empty(2), requires_grad=False)
+
+        def process_after_loading(self) -> None:
+            order.append(self.name)
+
+    class Parent(Leaf):
+        def __init__(self) -> None:
+            super().__init__("parent")
+            self.a, self.b = Leaf("a"), Leaf("b")
+
+    save_file({n: torch.ones(2) for n in ("w", "a.w", "b.w")}, str(tmp_path / "model.safetensors"))
+    load_checkpoint(Parent(), tmp_path, progress=False)
+    assert order.index("parent") == 2 and sorted(order[:2]) == ["a", "b"]

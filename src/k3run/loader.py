@@ -368,7 +368,9 @@ def load_checkpoint(
             os.close(fd)
 
     _check_filled(model, params, touched, set(ignore_unfilled))
-    for module in model.modules():
+    # children before their parents (reversed pre-order), so a container's post-processing (e.g. MLA
+    # weight absorption) sees its linears already processed
+    for module in reversed(list(model.modules())):
         if isinstance(module, PostLoad):
             module.process_after_loading()
     return LoadStats(tensors=len(plan), ignored=ignored, bytes_read=counter.bytes)
