@@ -277,12 +277,12 @@ def _peak(path: Path, warm: Path, mode: str, n_layers: int, rows: int, cols: int
 
 
 def test_peak_memory_is_params_plus_one_tensor(tmp_path: Path) -> None:
-    """Bound: peak RSS growth while loading <= final parameters + the largest checkpoint tensor + 1 MiB.
+    """Bound: peak RSS growth while loading <= final parameters + the largest checkpoint tensor + 2 MiB.
 
     Measured in a fresh process: VmHWM (reset through /proc/self/clear_refs) counts every resident page,
     torch's allocations included. glibc's mmap threshold is pinned at 64 KiB so each buffer above it is its
     own mapping, returned to the OS when freed (otherwise the heap keeps freed buffers and the peak reflects
-    allocator history); one intra-op thread so no thread arenas appear mid-load. The 1 MiB covers Python
+    allocator history); one intra-op thread so no thread arenas appear mid-load. The 2 MiB cover Python
     objects and small tensors. A naive load (every tensor in memory, then copied) must break the bound,
     showing that the measurement can fail."""
     n_layers, rows, cols = 8, 512, 2048  # 8 bf16 tensors of 2 MiB
@@ -292,7 +292,7 @@ def test_peak_memory_is_params_plus_one_tensor(tmp_path: Path) -> None:
     warm = tmp_path / "warm.safetensors"
     save_file({"l0.weight": torch.randn(64, 64).bfloat16()}, str(warm))
     largest = rows * cols * 2 // 1024
-    slack = 1024
+    slack = 2048
     for tp in (1, 4):
         grown, params = _peak(path, warm, "stream", n_layers, rows, cols, tp)
         print(f"tp={tp}: peak growth {grown} KiB, params {params} KiB, largest tensor {largest} KiB")
