@@ -53,6 +53,11 @@ def load_model(
     hf = json.loads(cfg_path.read_text())
     cfg = ModelConfig.from_hf(hf)
     qcfg = load_quant_config(path)
+    if tp_size > 1 and not torch.distributed.is_initialized():
+        raise ValueError(
+            f"load_model: tp_size={tp_size} needs an initialised torch.distributed process group "
+            "(k3run.distributed.init_distributed() under torchrun, or spawn_gloo on CPU)"
+        )
     tp = TPInfo(tp_rank, tp_size, tp_group)
     dtype = dtype or _checkpoint_dtype(hf, path)
     with torch.device(device):

@@ -88,3 +88,10 @@ def test_fp8_pb_wo_fixture_with_k_not_multiple_of_128_is_refused_clearly():
         pytest.skip("fixture not generated")
     with pytest.raises((ValueError, LoadError), match=r"model\.layers\.0\..*divisible by 128"):
         load_model(FP8)
+
+
+def test_load_model_argument_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match="tp_size=2 needs an initialised torch.distributed"):
+        load_model(BF16, tp_rank=0, tp_size=2)
