@@ -543,3 +543,16 @@ def test_k3_mixed_export_matches_its_dequantized_weights(checkpoints, tmp_path):
     ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(5))
     # W4A16: the experts compute with exactly the dequantized weights (fp32 rounding order only)
     assert_close("k3-mixed vs dequantized", load_model(tmp_path).logits(ids), quant.logits(ids), rtol=1e-5)
+
+
+def test_tied_word_embeddings(tmp_path):
+    hf = {**KIMI_LINEAR, "tie_word_embeddings": True}
+    tensors = random_checkpoint(hf, 4)  # still carries lm_head.weight: ignored, embed_tokens is the head
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = load_model(tmp_path)
+    assert model.lm_head is None
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    hidden = model(ids, ForwardContext.single(len(ids)))
+    emb = tensors["model.embed_tokens.weight"].float()
+    assert_close("tied head", hidden.detach() @ emb.t(), model.logits(ids), rtol=1e-6)

@@ -418,6 +418,8 @@ def map_checkpoint_name(name: str, model: KimiForCausalLM) -> list[Target] | tup
     core = _strip_root(name)
     if core is None:
         return None
+    if core.startswith("lm_head.") and model.lm_head is None:
+        return IGNORE  # tie_word_embeddings: logits use embed_tokens; a saved copy of it is redundant
     core = _MOE_RENAME.sub("mlp", core)
     for pattern, rule in CHECKPOINT_TABLE:
         m = pattern.fullmatch(core)
