@@ -84,6 +84,7 @@ def fp8_act_quant(
     scale_outer_major: bool = False,
     block_m: int = 4,
     groups_per_program: int = 4,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] bf16/fp16/fp32 (K % 128 == 0, unit stride along K) -> (q fp8 [M', K], scale fp32 [M', K/128]).
 
@@ -121,5 +122,6 @@ def fp8_act_quant(
         BM=block_m,
         G=groups_per_program,
         EXACT_ROUND=not x.is_cuda,
+        num_warps=num_warps,
     )
     return q, scale

@@ -87,13 +87,16 @@ def fp8_pb_wo_linear(
         y = fp8_block_gemm(q, sx, weight_padded, scale_2d, n_logical, x.dtype, bias)
         return y.reshape(*lead, n_logical)
     # cuBLAS block-wise on sm90 wants M % 4 == 0 and outer-dim-major activation scales; the quant kernel
-    # writes both directly (zero pad rows), so the only post-processing is the crop (+ bias) below.
+    # writes both directly (zero pad rows). It takes N rows down to a multiple of 16 with the same
+    # ceil(N/128) scale rows, so the GEMM reads only rows [0, n16) and writes no padding columns unless
+    # n_logical itself is not a multiple of 16 (then one crop copy).
     q, sx = quantize_act_1x128(x2, m_multiple=4, scale_outer_major=True)
-    out = torch._scaled_mm(q, weight_padded.t(), scale_a=sx, scale_b=scale_2d.t(), out_dtype=x.dtype)
+    n16 = -(-n_logical // 16) * 16
+    out = torch._scaled_mm(q, weight_padded[:n16].t(), scale_a=sx, scale_b=scale_2d.t(), out_dtype=x.dtype)
     y = out[:m, :n_logical]
     if bias is not None:
         y = torch.add(y, bias)
-    elif n_logical != weight_padded.shape[0]:
+    elif n16 != n_logical:
         y = y.contiguous()
     return y.reshape(*lead, n_logical)
 

@@ -29,8 +29,17 @@ from k3run.kernels.nvfp4_gemm import CHUNK
 # the E2M1 value times 2^-14, subnormals included (0.5 -> 2^-15), so 2^14 is folded into the group scale.
 _E2M1_FP16_UNSCALE = tl.constexpr(16384.0)
 
-# PRMT tables: byte i of {hi_reg:lo_reg} is the high (or low) byte of the 16-bit float for E2M1 magnitude i.
-# bf16: 0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0000 3F00 3F80 3FC0 4000 4040 4080 40C0; fp16: 0000 3800 3C00 3E00 ...
+# PRMT tables (lo word, hi word): byte i is the high (or low) byte of the 16-bit float of E2M1 magnitude i.
+# bf16: 0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0000 3F00 3F80 3FC0 4000 4040 4080 40C0; fp16: 0000 3800 3C00 3E00 4000
+# 4200 4400 4600 (all low bytes zero).
+PRMT_TABLES = {
+    "bf16": ((0x3F3F3F00, 0x40404040), (0xC0800000, 0xC0804000)),
+    "fp16": ((0x3E3C3800, 0x46444240), (0x00000000, 0x00000000)),
+}
+# One call: $4 = 4 split128 bytes b0..b3 (nibbles b0lo b0hi b1lo ... at bits 0-3, 4-7, ...); $5,$6 / $7,$8 =
+# the low / high nibbles' scales as packed pairs. Outputs $0,$1 = decoded low nibbles (b0,b1), (b2,b3) and
+# $2,$3 = high nibbles, each a packed pair: magnitudes by table lookup, sign bits moved to bit 15 of each
+# half, then one packed multiply by the scale.
 _ASM_TEMPLATE = """
 {
 .reg .b32 th0, th1, tl0, tl1, m, m2, h01, l01, h23, l23, t, u, z, sg;
@@ -62,20 +71,20 @@ mul.rn.TY $2, $2, $7;
 mul.rn.TY $3, $3, $8;
 }
 """
-_ASM_BF16 = tl.constexpr(
-    _ASM_TEMPLATE.replace("HB0", "0x3F3F3F00")
-    .replace("HB1", "0x40404040")
-    .replace("LB0", "0xC0800000")
-    .replace("LB1", "0xC0800040")
-    .replace("TY", "bf16x2")
-)
-_ASM_FP16 = tl.constexpr(
-    _ASM_TEMPLATE.replace("HB0", "0x3E3C3800")
-    .replace("HB1", "0x46444240")
-    .replace("LB0", "0x00000000")
-    .replace("LB1", "0x00000000")
-    .replace("TY", "f16x2")
-)
+
+
+def decode_asm(kind: str) -> str:
+    """The PTX of DECODE=1 for kind "bf16" or "fp16" (also read by the CPU test that emulates it)."""
+    (hb0, hb1), (lb0, lb1) = PRMT_TABLES[kind]
+    subs = {"HB0": hb0, "HB1": hb1, "LB0": lb0, "LB1": lb1}
+    text = _ASM_TEMPLATE.replace("TY", "bf16x2" if kind == "bf16" else "f16x2")
+    for key, val in subs.items():
+        text = text.replace(key, f"0x{val:08X}")
+    return text
+
+
+_ASM_BF16 = tl.constexpr(decode_asm("bf16"))
+_ASM_FP16 = tl.constexpr(decode_asm("fp16"))
 
 
 @triton.jit
