@@ -76,6 +76,11 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                f"{model.config.vocab_size}"
+            )
         device, act_dtype = _model_device_dtype(model)  # type: ignore[arg-type]
         layout = cache_layout_for(model.config, act_dtype, self.config.tp_size)
         self.cache: CacheManager = build_cache_manager(
@@ -97,12 +102,6 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(self.config.seed))
         self.detokenizer = Detokenizer(tokenizer)
         self._ids = SequenceIds()
-        self._seqs: dict[int, Sequence] = {}
-        if model.config.vocab_size < tokenizer.vocab_size:
-            raise ValueError(
-                f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                f"{model.config.vocab_size}"
-            )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
@@ -117,20 +116,17 @@ class LLMEngine:
             )
         seq = Sequence(seq_id=self._ids.next(), prompt=text, prompt_token_ids=ids, params=params)
         self.scheduler.add(seq)
-        self._seqs[seq.seq_id] = seq
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            self._seqs.pop(request_id, None)
+        self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """One model step. Returns an output (with the newly streamable text in `delta`) for every sequence
-        that produced a token; finished sequences are returned once more and then forgotten."""
+        that produced a token; a finished sequence appears once, with `finished` set."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -147,8 +143,6 @@ class LLMEngine:
         for b in rows:
             seq = batch.seqs[b]
             outputs.append(RequestOutput.from_sequence(seq, delta=self._postprocess(seq)))
-            if seq.is_finished:
-                self._seqs.pop(seq.seq_id, None)
         return outputs
 
     def _postprocess(self, seq: Sequence) -> str:
