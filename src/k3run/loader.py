@@ -195,7 +195,7 @@ class Target:
 # A mapping returns the targets of a checkpoint tensor, IGNORE to skip it on purpose, or None when it does
 # not know the name (an error).
 IGNORE: tuple[Target, ...] = ()
-Mapping = Callable[[str], Sequence[Target | tuple[str, Any]] | None]
+NameMapping = Callable[[str], Sequence[Target | tuple[str, Any]] | None]
 
 
 def identity_mapping(name: str) -> list[Target]:
@@ -239,7 +239,7 @@ def _scheme_note(model: torch.nn.Module, param_name: str) -> str:
     return f" [layer {module_name}: {scheme.describe()}]" if scheme is not None else ""
 
 
-def _targets(mapping: Mapping, name: str) -> list[Target] | None:
+def _targets(mapping: NameMapping, name: str) -> list[Target] | None:
     raw = mapping(name)
     if raw is None:
         return None
@@ -289,7 +289,7 @@ def _data_start(path: Path) -> int:
 def load_checkpoint(
     model: torch.nn.Module,
     path: str | Path,
-    mapping: Mapping = identity_mapping,
+    mapping: NameMapping = identity_mapping,
     *,
     tp: TPInfo = NO_TP,
     progress: bool = True,
