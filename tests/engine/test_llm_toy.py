@@ -95,3 +95,11 @@ def test_a_rejected_prompt_leaves_nothing_queued(toy_llm) -> None:
         llm.generate(["ok", "x" * 20], GREEDY)
     assert not llm.engine.has_unfinished() and llm.engine.cache.num_free == 8
     assert len(llm.generate(["ok"], GREEDY)[0].token_ids) == 12
+
+
+def test_byte_budget_limits_concurrency_not_results(toy_llm) -> None:
+    full = toy_llm().generate(PROMPTS, GREEDY)
+    per_seq = toy_llm().engine.cache.plan.bytes_per_seq
+    small = toy_llm(cache_bytes=int(2.5 * per_seq))
+    assert small.engine.cache.num_slots == 2 and small.engine.scheduler.max_running == 2
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == [o.token_ids for o in full]
