@@ -259,3 +259,24 @@ def test_linear_scheme_for_real_modelopt_config() -> None:
     s = linear_scheme_for(cfg, "model.layers.0.self_attn.qkv_proj", shards, **kw)
     assert isinstance(s, Fp8PbWoScheme)
     assert isinstance(linear_scheme_for(cfg, "lm_head", **kw), UnquantizedScheme)
+
+
+def test_output_layout_segments() -> None:
+    # aligned starts: one segment per partition, each non-final partition padded to 128
+    assert OutputLayout.build([64, 200], 128, [128, 0]).segments == (
+        Segment(0, 0, 64, 0),
+        Segment(1, 0, 200, 128),
+    )
+    # a partition that starts mid-block (checkpoint row 36) and ends inside that block: one segment
+    assert OutputLayout.build([12, 30], 128, [36, 0]).segments == (
+        Segment(0, 0, 12, 0),
+        Segment(1, 0, 30, 128),
+    )
+    # starts at row 96 and crosses a block boundary: split at row 128 of the checkpoint
+    layout = OutputLayout.build([100], 128, [96])
+    assert layout.segments == (Segment(0, 0, 32, 0), Segment(0, 32, 68, 128))
+    assert (layout.rows, layout.logical_rows, layout.contiguous) == (196, 100, False)
+    # without alignment the row starts do not matter
+    assert OutputLayout.build([100, 7], 1, [96, 3]).segments == (Segment(0, 0, 100, 0), Segment(1, 0, 7, 100))
+    with pytest.raises(ValueError, match="output partition 1 has size 0"):
+        OutputLayout.build([4, 0])
