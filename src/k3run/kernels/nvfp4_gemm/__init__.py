@@ -73,6 +73,8 @@ class GemmConfig:
     """One launch of `nvfp4_gemm` (dequant_mm=True: dequantize the weight, then cuBLAS).
 
     decode=1 is the PTX decoder (bf16/fp16 on CUDA); fp32 inputs always use the portable decoder 0.
+    split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel),
+    which small-M decode needs to keep enough warps per SM busy.
     """
 
     block_m: int = 16
@@ -82,6 +84,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     decode: int = 1
+    split_k: int = 1
     dequant_mm: bool = False
 
 
@@ -149,7 +152,10 @@ def nvfp4_to_fp8_block(
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
     """The launch for M rows (decode: stream the weight once; prefill: big tiles or dequantize + cuBLAS)."""
     if m <= 16:
-        return GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+        # ~4 resident 4-warp programs per SM (132 SMs) hide the decode's dependent-instruction latency
+        n_tiles = -(-n // 32)
+        return GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4,
+                          split_k=max(1, min(8, -(-4 * 132 // n_tiles))))  # fmt: skip
     if m <= 64:
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if m < 1024:
@@ -192,6 +198,7 @@ def nvfp4_linear(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             decode=cfg.decode if x2.dtype != torch.float32 else 0,
+            split_k=cfg.split_k,
         )
     return y.reshape(*lead, w.n)
 

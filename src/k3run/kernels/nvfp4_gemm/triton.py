@@ -131,12 +131,14 @@ def _nvfp4_gemm_kernel(
     gs_ptr,
     b_ptr,
     y_ptr,
+    ws_ptr,
     M,
     N,
     stride_xm,
     stride_ym,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PER_COL_GS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
@@ -147,7 +149,9 @@ def _nvfp4_gemm_kernel(
     DECODE: tl.constexpr,
 ):
     G: tl.constexpr = BK // 32  # 16-byte groups per tile; each holds 16 low-nibble and 16 high-nibble weights
+    K_SPLIT: tl.constexpr = K_PAD // SPLIT_K  # the wrapper makes it a multiple of BK
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
@@ -172,12 +176,16 @@ def _nvfp4_gemm_kernel(
     sg_lo = (offs_g // 4) * 8 + offs_g % 4
 
     rows_n = offs_n.to(tl.int64)[:, None, None]
-    w_ptrs = w_ptr + rows_n * (K_PAD // 2) + (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]
-    s_ptrs = s_ptr + rows_n * (K_PAD // 16) + sg_lo[None, :, None]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + k_lo[None, :, :]
+    k_start = pid_k * K_SPLIT
+    w_ptrs = (
+        w_ptr + rows_n * (K_PAD // 2) + k_start // 2 + (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]
+    )
+    s_ptrs = s_ptr + rows_n * (K_PAD // 16) + k_start // 16 + sg_lo[None, :, None]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + k_start + k_lo[None, :, :]
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K_PAD, BK):
+    for kt in range(0, K_SPLIT, BK):
+        k0 = k_start + kt
         p = tl.load(w_ptrs, mask=mask_n[:, None, None], other=0)
         s_lo = tl.load(s_ptrs, mask=mask_n[:, None, None], other=0)
         s_hi = tl.load(s_ptrs + 4, mask=mask_n[:, None, None], other=0)
@@ -198,15 +206,51 @@ def _nvfp4_gemm_kernel(
         s_ptrs += BK // 16
         x_ptrs += BK
 
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        # fp32 partial sums [SPLIT_K, M, N]; _split_k_epilogue adds them and applies the scales
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask_mn)
+    else:
+        if PER_COL_GS:
+            gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)
+            acc = acc * gs[None, :]
+        else:
+            acc = acc * tl.load(gs_ptr)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _split_k_epilogue(
+    ws_ptr,
+    gs_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_ym,
+    SPLIT_K: tl.constexpr,
+    PER_COL_GS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y[m, n] = (sum_s ws[s, m, n]) * global_scale (+ bias[n]), in a fixed order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sk in range(SPLIT_K):
+        acc += tl.load(ws_ptr + sk * M * N + offs, mask=mask, other=0.0)
+    offs_n = offs % N
     if PER_COL_GS:
-        gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)
-        acc = acc * gs[None, :]
+        acc = acc * tl.load(gs_ptr + offs_n, mask=mask, other=0.0)
     else:
         acc = acc * tl.load(gs_ptr)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // N).to(tl.int64) * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -294,6 +338,7 @@ def nvfp4_gemm(
     num_warps: int = 4,
     num_stages: int = 3,
     decode: int = 0,
+    split_k: int = 1,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) with one fixed launch configuration.
 
@@ -309,6 +354,9 @@ def nvfp4_gemm(
     while k_pad % block_k:
         block_k //= 2
     block_k = max(block_k, CHUNK)
+    # split K only into whole tiles: the largest divisor of the tile count not above split_k
+    tiles = k_pad // block_k
+    split_k = max(d for d in range(1, max(1, min(split_k, tiles)) + 1) if tiles % d == 0)
     if decode == 1 and (x.dtype == torch.float32 or not x.is_cuda):
         raise ValueError("nvfp4_gemm: decode=1 (PTX) needs bf16/fp16 inputs on a CUDA device")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
@@ -317,7 +365,9 @@ def nvfp4_gemm(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    per_col = global_scale.numel() == n and n != 1
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split_k)
     _nvfp4_gemm_kernel[grid](
         x,
         weight,
@@ -325,13 +375,15 @@ def nvfp4_gemm(
         global_scale,
         bias if bias is not None else global_scale,
         y,
+        ws,
         m,
         n,
         x.stride(0),
         y.stride(0),
         K=k,
         K_PAD=k_pad,
-        PER_COL_GS=global_scale.numel() == n and n != 1,
+        SPLIT_K=split_k,
+        PER_COL_GS=per_col,
         HAS_BIAS=bias is not None,
         BM=block_m,
         BN=block_n,
@@ -342,6 +394,21 @@ def nvfp4_gemm(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if split_k > 1:
+        block = 1024
+        _split_k_epilogue[(triton.cdiv(m * n, block),)](
+            ws,
+            global_scale,
+            bias if bias is not None else global_scale,
+            y,
+            m,
+            n,
+            y.stride(0),
+            SPLIT_K=split_k,
+            PER_COL_GS=per_col,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
     return y
 
 
