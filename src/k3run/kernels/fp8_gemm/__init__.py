@@ -92,9 +92,18 @@ def fp8_pb_wo_linear(
     # n_logical itself is not a multiple of 16 (then one crop copy).
     q, sx = quantize_act_1x128(x2, m_multiple=4, scale_outer_major=True)
     n16 = -(-n_logical // 16) * 16
-    out = torch._scaled_mm(q, weight_padded[:n16].t(), scale_a=sx, scale_b=scale_2d.t(), out_dtype=x.dtype)
+    # cuBLAS adds a bias of the output dtype in its epilogue when no crop follows
+    fuse_bias = bias is not None and n16 == n_logical and bias.dtype == x.dtype
+    out = torch._scaled_mm(
+        q,
+        weight_padded[:n16].t(),
+        scale_a=sx,
+        scale_b=scale_2d.t(),
+        bias=bias if fuse_bias else None,
+        out_dtype=x.dtype,
+    )
     y = out[:m, :n_logical]
-    if bias is not None:
+    if bias is not None and not fuse_bias:
         y = torch.add(y, bias)
     elif n16 != n_logical:
         y = y.contiguous()
