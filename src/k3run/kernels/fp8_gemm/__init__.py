@@ -104,7 +104,7 @@ def fp8_pb_wo_linear(
     )
     y = out[:m, :n_logical]
     if bias is not None and not fuse_bias:
-        y = torch.add(y, bias)
+        y = torch.add(y, bias.to(y.dtype))
     elif n16 != n_logical:
         y = y.contiguous()
     return y.reshape(*lead, n_logical)
