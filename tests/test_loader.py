@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -270,7 +271,7 @@ def _peak(path: Path, warm: Path, mode: str, n_layers: int, rows: int, cols: int
         capture_output=True,
         text=True,
         check=True,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        env=os.environ | {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
     )
     before, hwm, params = map(int, res.stdout.split())
     return hwm - before, params
