@@ -96,13 +96,7 @@ def copy_bandwidth() -> float:
 
 
 def decode_candidates() -> list[GemmConfig]:
-    out = [GemmConfig(decode=0, split_k=2)]
-    for bn in (16, 32, 64):
-        for sk in (1, 2, 4, 8):
-            out.append(GemmConfig(block_n=bn, block_k=256, num_warps=4, num_stages=4, split_k=sk))
-    out += [GemmConfig(block_n=32, block_k=512, num_stages=3, split_k=sk) for sk in (2, 4)]
-    out += [GemmConfig(block_n=64, block_k=256, num_warps=8, num_stages=3, split_k=sk) for sk in (2, 4)]
-    return out
+    return [GemmConfig(block_n=bn, split_k=sk) for bn in (16, 32, 64) for sk in (1, 2, 4, 8)]
 
 
 def prefill_candidates(m: int) -> list[GemmConfig]:
