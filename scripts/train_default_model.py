@@ -26,9 +26,16 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from k3run.forward_context import ForwardContext
+    from k3run.models.kimi import KimiForCausalLM
 
 EOS_TOKEN = "<|endoftext|>"
 # Directories left out of the corpus: third-party code, the test suite (deliberately odd encodings and binary
@@ -65,7 +72,7 @@ def corpus_files(root: Path | None = None) -> list[tuple[str, str]]:
     return out
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -82,7 +89,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def encode_stream(tok, texts: list[str], eos_id: int) -> np.ndarray:
+def encode_stream(tok: Tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
     """Documents joined as `EOS doc EOS doc ...`: a window starting after an EOS sees a file start."""
     ids: list[int] = []
     for enc in tok.encode_batch(texts):
@@ -284,7 +291,7 @@ def checkpoint_layout(config: dict) -> list[tuple[str, tuple[int, ...], torch.dt
     return out
 
 
-def build_model(config: dict, device: str | torch.device):
+def build_model(config: dict, device: str | torch.device) -> KimiForCausalLM:
     """k3run's own KimiForCausalLM, unquantized with fp32 parameters (the training master weights)."""
     from k3run.config import ModelConfig
     from k3run.models.kimi import KimiForCausalLM
@@ -403,7 +410,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float) ->
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_context(batch: int, seq_len: int, device: torch.device | str):
+def batch_context(batch: int, seq_len: int, device: torch.device | str) -> ForwardContext:
     """A ForwardContext of `batch` independent fresh sequences of seq_len tokens each (no cache)."""
     from k3run.forward_context import ForwardContext
 
@@ -411,7 +418,9 @@ def batch_context(batch: int, seq_len: int, device: torch.device | str):
     return ForwardContext(cu_seqlens=cu, context_lens=torch.zeros(batch, dtype=torch.int64, device=device))
 
 
-def heldout_nll(model, stream: torch.Tensor, seq_len: int, max_tokens: int, device: str) -> tuple[float, int]:
+def heldout_nll(
+    model: KimiForCausalLM, stream: torch.Tensor, seq_len: int, max_tokens: int, device: str
+) -> tuple[float, int]:
     """Mean next-token NLL (nats) over consecutive held-out windows of seq_len + 1 tokens, each fresh."""
     total, count = 0.0, 0
     n_win = min((stream.numel() - 1) // seq_len, max(1, max_tokens // seq_len))
@@ -432,7 +441,7 @@ def unigram_baseline(train: torch.Tensor, val: torch.Tensor, vocab: int) -> floa
 
 
 @torch.no_grad()
-def greedy(model, tok, prompt: str, new_tokens: int, device: str) -> str:
+def greedy(model: KimiForCausalLM, tok: Tokenizer, prompt: str, new_tokens: int, device: str) -> str:
     ids = tok.encode(prompt).ids
     for _ in range(new_tokens):
         logits = model.logits(torch.tensor(ids, dtype=torch.int64, device=device))
@@ -440,7 +449,9 @@ def greedy(model, tok, prompt: str, new_tokens: int, device: str) -> str:
     return tok.decode(ids)
 
 
-def save_checkpoint(out: Path, model, config: dict, probe: dict[str, torch.Tensor], data: Path) -> None:
+def save_checkpoint(
+    out: Path, model: KimiForCausalLM, config: dict, probe: dict[str, torch.Tensor], data: Path
+) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)

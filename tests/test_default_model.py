@@ -15,6 +15,7 @@ import torch
 
 from k3run.config import ModelConfig
 from k3run.formats import dequantize_fp8_block, dequantize_nvfp4
+from k3run.models.kimi import KimiForCausalLM
 from k3run.safetensors_io import CheckpointReader
 from k3run.testing import assert_close, rel_rms_error
 
@@ -49,7 +50,8 @@ def quant_tensors() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def models():  # noqa: ANN201 - (bf16 model, quantized model)
+def models() -> tuple[KimiForCausalLM, KimiForCausalLM]:
+    """(bf16 original, k3-mixed quantized), loaded as `k3run` loads them."""
     from k3run.api import load_model
 
     return load_model(BF16_DIR), load_model(QUANT_DIR)
@@ -109,7 +111,7 @@ def test_bf16_checkpoint_tensors_match_the_config(bf16_tensors: dict[str, torch.
     assert len(moved) >= cfg.num_hidden_layers
 
 
-def test_bf16_model_loads(models) -> None:  # noqa: ANN001
+def test_bf16_model_loads(models: tuple[KimiForCausalLM, KimiForCausalLM]) -> None:
     bf16, quant = models
     assert bf16.config == quant.config == _config()
 
@@ -184,7 +186,7 @@ def _heldout_windows(tokenizer_dir: Path, n_windows: int, window: int) -> list[l
     return [ids[i * window : (i + 1) * window] for i in range(n_windows)]
 
 
-def _nll(model, windows: list[list[int]]) -> float:  # noqa: ANN001
+def _nll(model: KimiForCausalLM, windows: list[list[int]]) -> float:
     total, count = 0.0, 0
     for w in windows:
         ids = torch.tensor(w, dtype=torch.int64)
@@ -194,7 +196,9 @@ def _nll(model, windows: list[list[int]]) -> float:  # noqa: ANN001
     return total / count
 
 
-def test_heldout_perplexity_beats_unigram_and_survives_quantization(models) -> None:  # noqa: ANN001
+def test_heldout_perplexity_beats_unigram_and_survives_quantization(
+    models: tuple[KimiForCausalLM, KimiForCausalLM],
+) -> None:
     bf16, quant = models
     windows = _heldout_windows(QUANT_DIR, n_windows=8, window=256)
     # The best any unigram model can do on this very text: its own token frequencies (an optimistic baseline).
@@ -210,7 +214,7 @@ def test_heldout_perplexity_beats_unigram_and_survives_quantization(models) -> N
     assert abs(ppl_quant / ppl_bf16 - 1) < 0.05, f"k3-mixed ppl {ppl_quant:.2f} vs bf16 {ppl_bf16:.2f}"
 
 
-def test_greedy_generation_looks_like_python(models) -> None:  # noqa: ANN001
+def test_greedy_generation_looks_like_python(models: tuple[KimiForCausalLM, KimiForCausalLM]) -> None:
     from tokenizers import Tokenizer
 
     from k3run.forward_context import ForwardContext
