@@ -258,7 +258,8 @@ def bench_nvfp4_via_fp8(rows: list[dict], ms) -> None:
 def _cfg_name(b: dict) -> str:
     if b["dequant_mm"]:
         return "dequant+cuBLAS"
-    return f"{b['block_m']}x{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} d{b['decode']}"
+    tile = f"{b['block_m']}x{b['block_n']}x{b['block_k']}"
+    return f"{tile} w{b['num_warps']} s{b['num_stages']} d{b['decode']} sk{b.get('split_k', 1)}"
 
 
 def table(rows: list[dict], copy_tbs: float) -> str:

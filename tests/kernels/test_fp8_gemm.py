@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from k3run.formats import dequantize_fp8_block, quantize_fp8_act_1x128, quantize_fp8_block
-from k3run.kernels.fp8_gemm import fp8_block_gemm_ref, fp8_pb_wo_linear, fp8_pb_wo_linear_ref
+from k3run.kernels.fp8_gemm import (
+    default_backend,
+    fp8_block_gemm_ref,
+    fp8_pb_wo_linear,
+    fp8_pb_wo_linear_ref,
+    scaled_mm_shape_ok,
+)
 from k3run.testing import assert_close
 
 IN_INTERP_CHILD = os.environ.get("K3RUN_INTERP_CHILD") == "1"
@@ -110,6 +116,13 @@ def test_contract_errors():
         fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w, 130, torch.randn(256))
     with pytest.raises(ValueError, match="backend"):
         fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w, 130, backend="cutlass")
+    with pytest.raises(ValueError, match="multiple of 512"):
+        fp8_pb_wo_linear(torch.randn(2, 384), w_pad, s_w, 130, backend="scaled_mm")
+
+
+def test_backend_choice():
+    assert default_backend(torch.device("cpu"), 7168) == "ref"
+    assert scaled_mm_shape_ok(7168) and scaled_mm_shape_ok(512) and not scaled_mm_shape_ok(640)
 
 
 @pytest.mark.gpu
@@ -121,7 +134,7 @@ def test_gpu_backends(poison_empty, backend: str, m: int, n: int):
 
     if backend == "scaled_mm" and not blockwise_scaled_mm_supported(torch.device("cuda")):
         pytest.skip("block-wise torch._scaled_mm needs sm90 and CUDA >= 12.9")
-    k = 640
+    k = 7168 if backend == "scaled_mm" else 640  # scaled_mm: K/128 must be a multiple of 4 (measured)
     w_pad, s_w = _padded_block_weight(n, k, device="cuda")
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
@@ -140,7 +153,7 @@ def test_gpu_scaled_mm_identity_exact():
 
     if not blockwise_scaled_mm_supported(torch.device("cuda")):
         pytest.skip("block-wise torch._scaled_mm needs sm90 and CUDA >= 12.9")
-    n, k = 256, 384
+    n, k = 256, 512
     w_pad, s_w = _padded_block_weight(n, k, device="cuda")
     y = fp8_pb_wo_linear(torch.eye(k, device="cuda").bfloat16(), w_pad, s_w, n, backend="scaled_mm")
     ref = dequantize_fp8_block(w_pad, s_w)[:n].t()

@@ -16,6 +16,13 @@ from .ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
 BACKENDS = ("scaled_mm", "triton", "ref")
 
 
+def scaled_mm_shape_ok(k: int) -> bool:
+    """Measured on an H200 (torch 2.11+cu130, bench/probe_scaled_mm.py): block-wise _scaled_mm is exact for
+    K = 7168 (56 scale columns) but returns garbage for K = 640 and 768 (5 and 6 scale columns), with or
+    without padding or bias. Only K/128 divisible by 4 is trusted; other K use the Triton GEMM."""
+    return k % 512 == 0
+
+
 def blockwise_scaled_mm_supported(device: torch.device) -> bool:
     """Block-wise (1x128 x 128x128) torch._scaled_mm exists on sm90 with a CUDA >= 12.9 build of torch."""
     if device.type != "cuda" or torch.version.cuda is None:
@@ -24,10 +31,11 @@ def blockwise_scaled_mm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and (major, minor) >= (12, 9)
 
 
-def default_backend(device: torch.device) -> str:
+def default_backend(device: torch.device, k: int) -> str:
+    """The backend for a layer with K input columns on `device` (resolve once, at load time)."""
     if device.type != "cuda":
         return "ref"
-    return "scaled_mm" if blockwise_scaled_mm_supported(device) else "triton"
+    return "scaled_mm" if blockwise_scaled_mm_supported(device) and scaled_mm_shape_ok(k) else "triton"
 
 
 def _check(
@@ -67,12 +75,16 @@ def fp8_pb_wo_linear(
     """y [..., n_logical] = quant_1x128(x) [..., K] @ weight_padded[:n_logical]^T (+ bias), in x's dtype.
 
     weight_padded: fp8 [N_pad, K], N_pad = n_logical rounded up to 128 with zero pad rows;
-    scale_2d: fp32 [N_pad/128, K/128] weight tile scales. backend None means default_backend(x.device).
+    scale_2d: fp32 [N_pad/128, K/128] weight tile scales. backend None means default_backend(x.device, K).
     """
     _check(x, weight_padded, scale_2d, n_logical, bias)
-    backend = backend or default_backend(x.device)
+    backend = backend or default_backend(x.device, x.shape[-1])
     if backend not in BACKENDS:
         raise ValueError(f"fp8_pb_wo backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "scaled_mm" and not scaled_mm_shape_ok(x.shape[-1]):
+        raise ValueError(
+            f"fp8_pb_wo backend 'scaled_mm': K={x.shape[-1]} is not a multiple of 512 (scaled_mm_shape_ok)"
+        )
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -117,4 +129,5 @@ __all__ = [
     "fp8_block_gemm_ref",
     "fp8_pb_wo_linear",
     "fp8_pb_wo_linear_ref",
+    "scaled_mm_shape_ok",
 ]

@@ -150,16 +150,15 @@ def nvfp4_to_fp8_block(
 
 
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch for M rows (decode: stream the weight once; prefill: big tiles or dequantize + cuBLAS)."""
+    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 2-3).
+
+    M <= 16: the decode kernel with 16x64x256 tiles and K split 4 ways (best or within 3% of the best of
+    block_n 16/32/64 x split_k 1/2/4/8 on 7168x7168 and 3072x3584). M > 16: dequantize to bf16 + cuBLAS,
+    which beat every fused tile configuration tried at M = 64 and 4096 (the fused kernel stays available
+    through an explicit GemmConfig).
+    """
     if m <= 16:
-        # ~4 resident 4-warp programs per SM (132 SMs) hide the decode's dependent-instruction latency
-        n_tiles = -(-n // 32)
-        return GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4,
-                          split_k=max(1, min(8, -(-4 * 132 // n_tiles))))  # fmt: skip
-    if m <= 64:
-        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if m < 1024:
-        return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        return GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
     return GemmConfig(dequant_mm=True)
 
 
