@@ -1,7 +1,8 @@
 """NVFP4 W4A16 linear: the layout prepared once at load time and the per-call implementation choice.
 
-CUDA inputs run the Triton kernels (decode in registers for small and medium M, dequantize + cuBLAS for
-large M); everything else runs the fp32 reference.
+CUDA inputs run the Triton kernels (decode in registers for M <= 16, Triton dequantize + cuBLAS above);
+everything else runs the fp32 reference. `nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8
+blocks for fp8_gemm (issue 6 section 2).
 """
 
 from __future__ import annotations
@@ -152,10 +153,11 @@ def nvfp4_to_fp8_block(
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
     """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 2-3).
 
-    M <= 16: the decode kernel with 16x64x256 tiles and K split 4 ways (best or within 3% of the best of
-    block_n 16/32/64 x split_k 1/2/4/8 on 7168x7168 and 3072x3584). M > 16: dequantize to bf16 + cuBLAS,
-    which beat every fused tile configuration tried at M = 64 and 4096 (the fused kernel stays available
-    through an explicit GemmConfig).
+    M <= 16: the decode kernel with 16x64x256 tiles (block_n 64 won the block_n 16/32/64 x split_k 1/2/4/8
+    sweep on 7168x7168 and 3072x3584; the winning split_k was 8 and 2 on the first, where it changed the
+    time by ~2%, and 4 on the second). M > 16: dequantize to bf16 + cuBLAS, which beat every fused tile
+    configuration tried at M = 64 and 4096 on those two shapes (the fused kernel stays available through
+    an explicit GemmConfig).
     """
     if m <= 16:
         return GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
