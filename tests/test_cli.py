@@ -232,7 +232,7 @@ def test_quantize_then_inspect_then_generate(
 
 
 def test_run_default_generates_from_the_prompt(capsys: pytest.CaptureFixture[str]) -> None:
-    """`make run`: the bundled model when assets/ has one, else the quantize-inspect-generate demo."""
+    """`make run` streams from the bundled k3-mixed model and reports its speed."""
     from k3run.cli import DEFAULT_PROMPT
 
     assert main(["run-default"]) == 0

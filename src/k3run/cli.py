@@ -6,9 +6,7 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -25,8 +23,6 @@ if TYPE_CHECKING:
 # working directory.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ASSETS_DIR = REPO_ROOT / "assets"
-# run-default's stand-in while assets/ has no model: the tiny random Kimi Linear checkpoint of the test suite
-DEMO_SOURCE = REPO_ROOT / "tests" / "fixtures" / "kimi_linear_bf16"
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 RECIPES = ("nvfp4", "fp8_pb_wo", "k3-mixed")
 
@@ -356,38 +352,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_run_default(args: argparse.Namespace) -> int:
-    if default_model_dir() is not None:
-        return cmd_generate(build_parser().parse_args(["generate", "--prompt", DEFAULT_PROMPT]))
-    # No bundled model yet: show the whole path on a tiny random checkpoint instead (quantize with k3-mixed,
-    # print the plan, greedy generation). Random weights write random characters; that is the point.
-    if not (DEMO_SOURCE / "model.safetensors").is_file():
-        raise UserError(f"no bundled model under {ASSETS_DIR} and no demo checkpoint at {DEMO_SOURCE}")
-    print(f"[k3run] no bundled model under {ASSETS_DIR}; demo on a tiny random checkpoint", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="k3run-demo-") as tmp:
-        src, dst = Path(tmp) / "bf16", Path(tmp) / "k3-mixed"
-        src.mkdir()
-        for name in ("config.json", "generation_config.json", "model.safetensors"):
-            shutil.copy(DEMO_SOURCE / name, src / name)
-        _write_ascii_tokenizer(src)
-        rc = main(["--quiet", "quantize", str(src), str(dst), "--recipe", "k3-mixed"])
-        rc = rc or main(["inspect", str(dst), "--device", "cpu"])
-        gen = ["generate", str(dst), "--prompt", DEFAULT_PROMPT, "--temperature", "0", "--max-tokens", "24"]
-        return rc or main([*gen, "--ignore-eos", "--device", "cpu"])
-
-
-def _write_ascii_tokenizer(d: Path) -> None:
-    """A character-level tokenizer.json over newline and printable ASCII (98 ids with <eos> and <unk>)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    chars = ["\n", *(chr(c) for c in range(32, 127))]
-    tok = Tokenizer(
-        models.WordLevel({"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}, "<unk>")
-    )
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<eos>", "<unk>"])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    """`make run`: stream a continuation of a fixed prompt from the bundled model (default sampling)."""
+    if default_model_dir() is None:
+        raise UserError(f"the bundled model is missing: no checkpoint under {ASSETS_DIR}")
+    return cmd_generate(build_parser().parse_args(["generate", "--prompt", DEFAULT_PROMPT]))
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
