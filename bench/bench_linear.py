@@ -96,7 +96,9 @@ def copy_bandwidth() -> float:
 
 
 def decode_candidates() -> list[GemmConfig]:
-    return [GemmConfig(block_n=bn, split_k=sk) for bn in (16, 32, 64) for sk in (1, 2, 4, 8)]
+    plain = [GemmConfig(block_n=bn, split_k=sk) for bn in (16, 32, 64) for sk in (1, 2, 4, 8)]
+    swapped = [GemmConfig(block_n=bn, split_k=sk, swap_ab=True) for bn in (64, 128) for sk in (1, 2, 4)]
+    return plain + swapped
 
 
 def prefill_candidates(m: int) -> list[GemmConfig]:
@@ -259,7 +261,8 @@ def _cfg_name(b: dict) -> str:
     if b["dequant_mm"]:
         return "dequant+cuBLAS"
     tile = f"{b['block_m']}x{b['block_n']}x{b['block_k']}"
-    return f"{tile} w{b['num_warps']} s{b['num_stages']} d{b['decode']} sk{b.get('split_k', 1)}"
+    swap = " swapAB" if b.get("swap_ab") else ""
+    return f"{tile} w{b['num_warps']} s{b['num_stages']} d{b['decode']} sk{b.get('split_k', 1)}{swap}"
 
 
 def table(rows: list[dict], copy_tbs: float) -> str:

@@ -58,12 +58,12 @@ def test_triton_kernels_in_interpreter():
     cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.stdout.count(" PASSED") == 5 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.count(" PASSED") == 6 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
 
 
 @interp_only
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_interp_gemm_fp16_odd_shape(poison_empty, split_k: int):
+@pytest.mark.parametrize("split_k, swap_ab", [(1, False), (2, False), (2, True)])
+def test_interp_gemm_fp16_odd_shape(poison_empty, split_k: int, swap_ab: bool):
     from k3run.kernels.nvfp4_gemm.triton import nvfp4_gemm
 
     m, n, k = 5, 40, 208  # K pads to 256 (two split128 chunks), N not a multiple of block_n, M < block_m
@@ -71,7 +71,15 @@ def test_interp_gemm_fp16_odd_shape(poison_empty, split_k: int):
     x = torch.randn(m, k).half()
     pw = prepare_nvfp4_weight(w, s, gs, layout="split128")
     y = nvfp4_gemm(
-        x, pw.weight, pw.scale_bits, pw.global_scale, block_m=16, block_n=16, block_k=128, split_k=split_k
+        x,
+        pw.weight,
+        pw.scale_bits,
+        pw.global_scale,
+        block_m=16,
+        block_n=16,
+        block_k=128,
+        split_k=split_k,
+        swap_ab=swap_ab,
     )
     assert y.dtype == torch.float16
     assert_close("nvfp4_gemm fp16", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
@@ -214,6 +222,7 @@ def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, decode: int):
         GemmConfig(block_n=128, block_k=512, num_stages=3),
         GemmConfig(block_n=16, split_k=4),
         GemmConfig(block_n=64, split_k=3, decode=0),
+        GemmConfig(block_n=64, split_k=2, swap_ab=True),
         GemmConfig(block_m=64, block_n=64, block_k=128),
         GemmConfig(block_m=64, block_n=64, block_k=128, decode=0),
         GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),

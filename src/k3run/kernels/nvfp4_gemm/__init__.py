@@ -74,8 +74,9 @@ class GemmConfig:
     """One launch of `nvfp4_gemm` (dequant_mm=True: dequantize the weight, then cuBLAS).
 
     decode=1 is the PTX decoder (bf16/fp16 on CUDA); fp32 inputs always use the portable decoder 0.
-    split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel),
-    which small-M decode needs to keep enough warps per SM busy.
+    split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel).
+    swap_ab computes y^T = W x^T (decoded weights as the register operand; wgmma on sm90 when
+    block_n >= 64); correct in the interpreter and compiled for sm_90, not yet timed on a GPU.
     """
 
     block_m: int = 16
@@ -86,6 +87,7 @@ class GemmConfig:
     num_stages: int = 4
     decode: int = 1
     split_k: int = 1
+    swap_ab: bool = False
     dequant_mm: bool = False
 
 
@@ -200,6 +202,7 @@ def nvfp4_linear(
             num_stages=cfg.num_stages,
             decode=cfg.decode if x2.dtype != torch.float32 else 0,
             split_k=cfg.split_k,
+            swap_ab=cfg.swap_ab,
         )
     return y.reshape(*lead, w.n)
 
