@@ -256,3 +256,18 @@ def test_generate_chat_uses_the_template(
     ids = llm.tokenizer.encode("[user]hi[bot]", add_special_tokens=False)
     expect = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert out == expect.text + "\n"
+
+
+def test_eval_of_the_bundled_model_uses_its_heldout_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's bar: the k3-mixed model's held-out perplexity within 5% of its bf16 original."""
+    from k3run.cli import ASSETS_DIR, default_model_dir
+
+    quant, bf16 = default_model_dir(), ASSETS_DIR / "default-model-bf16"
+    assert quant is not None and quant.name == "default-model-k3-mixed"
+    argv = ["eval", str(quant), "--reference", str(bf16), "--max-tokens", "1024", "--no-progress"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out: 1020 predicted tokens in 4 windows" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith(str(quant)))
+    ppl, rel, kl, agree = row[1:]
+    assert abs(float(rel.rstrip("%"))) < 5.0 and 0 < float(kl) < 0.05 and float(agree.rstrip("%")) > 90
