@@ -10,7 +10,7 @@ import torch
 from k3run.distributed import NO_TP, TPInfo, spawn_gloo
 from k3run.formats import dequantize_fp8_block, quantize_fp8_block
 from k3run.forward_context import ForwardContext
-from k3run.layers.mla import KimiMLA, dequantized_weight
+from k3run.layers.mla import KimiMLA
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.modelopt import ModelOptConfig
 from k3run.quant.schemes import fp8_block_gemm_reference
@@ -210,7 +210,7 @@ def test_kv_b_proj_fp8_pb_wo_gets_activation_dtype_and_dequantized_absorption() 
     # absorbed everywhere: exactly the dequantized weight, applied to the unquantized latent
     layer = fp8_layer(torch.float32, "always")
     assert layer.kv_b_proj.weight.dtype == torch.float8_e4m3fn
-    assert torch.equal(dequantized_weight(layer.kv_b_proj), w_deq["kv_b_proj"])
+    assert torch.equal(layer.kv_b_proj.dequantized_weight(), w_deq["kv_b_proj"])
     assert torch.equal(layer.w_uk, w_deq["kv_b_proj"].reshape(H, DN + DV, L)[:, :DN])
     outs = run_schedule(layer, xs, SCHEDULE, [2, 0, 3])
     for b, x in enumerate(xs):

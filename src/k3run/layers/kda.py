@@ -168,7 +168,7 @@ class KimiDeltaAttention(nn.Module):
     def unfilled_parameters(self) -> list[str]:
         """This module's own parameters (not its linears') that no loader call has filled yet."""
         names = ["A_log", "dt_bias", *CONV_SHARD_NAMES]
-        return [f"{self.prefix}.{n}" for n in names if n not in self._filled]
+        return [n for n in names if n not in self._filled]
 
     # cache
 

@@ -254,7 +254,7 @@ class LinearBase(torch.nn.Module):
         (e.g. for MLA weight absorption); padding rows never appear."""
         return self.scheme.dequantize_weight(self)
 
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _apply_scheme(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.scheme.apply(self, x, bias)
 
     def extra_repr(self) -> str:
@@ -316,7 +316,7 @@ class ReplicatedLinear(LinearBase):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(x, self.bias)
+        return self._apply_scheme(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -352,7 +352,7 @@ class ColumnParallelLinear(LinearBase):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._apply(x, self.bias)  # [..., N/tp]
+        y = self._apply_scheme(x, self.bias)  # [..., N/tp]
         if self.gather_output:
             y = all_gather(y, self.tp, dim=-1)  # [..., N]
         return y
@@ -399,7 +399,7 @@ class MergedColumnParallelLinear(LinearBase):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(x, self.bias)  # [..., sum(local_output_sizes)]
+        return self._apply_scheme(x, self.bias)  # [..., sum(local_output_sizes)]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The rank-local output of each partition."""
@@ -445,7 +445,7 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel:
             k = self.input_size_per_partition
             x = x.narrow(-1, self.tp.rank * k, k)  # [..., K/tp]
-        y = self._apply(x, self.bias if self.tp.rank == 0 else None)
+        y = self._apply_scheme(x, self.bias if self.tp.rank == 0 else None)
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         return y

@@ -25,7 +25,7 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, MLALayerCache
-from k3run.layers.linear import ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear
+from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from k3run.layers.norm import RMSNorm
 from k3run.quant.algo import QuantAlgo
 
@@ -34,30 +34,6 @@ if TYPE_CHECKING:
 
 AbsorbMode = Literal["decode", "always", "never"]
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def dequantized_weight(linear: LinearBase) -> torch.Tensor:
-    """The logical weight [N, K] of a single-partition linear layer in fp32, whatever its scheme.
-
-    Works before and after the scheme's process_after_loading (FP8_PB_WO pads rows and reshapes scales).
-    """
-    if linear.num_partitions != 1:
-        raise ValueError(f"{linear.prefix}: dequantized_weight expects a single-partition layer")
-    rows = linear.weights.layout.logical_rows
-    algo = linear.scheme.algo  # type: ignore[attr-defined]
-    if algo is QuantAlgo.NONE:
-        w = linear.weight.float()
-    elif algo is QuantAlgo.FP8_PB_WO:
-        from k3run.formats import dequantize_fp8_block
-
-        w = dequantize_fp8_block(linear.weight, linear.weight_scale)
-    elif algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
-        from k3run.formats import dequantize_nvfp4
-
-        w = dequantize_nvfp4(linear.weight, linear.weight_scale, linear.weight_scale_2[0])
-    else:
-        raise ValueError(f"{linear.prefix}: cannot dequantize a {algo} weight")
-    return w[:rows]
 
 
 class KimiMLA(nn.Module):
@@ -151,7 +127,7 @@ class KimiMLA(nn.Module):
         scheme processing has run yet.
         """
         H, dn, dv, L = self.local_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
-        w = dequantized_weight(self.kv_b_proj).reshape(H, dn + dv, L)  # fp32, rows per head [k_nope | v]
+        w = self.kv_b_proj.dequantized_weight().reshape(H, dn + dv, L)  # fp32, rows per head [k_nope | v]
         self.w_uk = w[:, :dn].contiguous()
         self.w_uv = w[:, dn:].contiguous()
 
