@@ -1,8 +1,15 @@
 """Kimi Delta Attention ops: gate, q/k L2 norm, chunked prefill, recurrent decode and the short conv.
 
-The dispatch point for every op is `_backend`; today it always answers "ref" (the fp32 torch oracle in
-ref.py, which also runs on CUDA, slowly). The GPU kernels (fla's chunk_kda / fused_recurrent_kda and its
-causal conv) are meant to be added as further branches there, keeping these signatures.
+`_backend` is the one dispatch point: CPU tensors run the fp32 torch oracle (ref.py); CUDA tensors run
+fla-core's Triton kernels (fla.py) when fla-core is installed, and the reference otherwise (logged once).
+
+Two levels of entry:
+- `kda_forward` takes the raw layer tensors (un-normalised q, k; the raw forget-gate projection f with A_log
+  and dt_bias; the raw beta logits). On CPU it computes l2norm, kda_gate and sigmoid(beta) here and runs the
+  reference; on CUDA it hands the raw tensors to fla with the gate, beta sigmoid and q/k norm fused in the
+  kernels, the way the official K3 code calls chunk_kda / fused_recurrent_kda.
+- `chunk_kda` / `recurrent_kda` take the activated inputs (g, post-sigmoid beta, normalised q, k).
+The causal conv runs the reference everywhere (fla's causal-conv kernel is not wired up yet).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ __all__ = [
     "L2NORM_EPS",
     "causal_conv1d",
     "chunk_kda",
+    "kda_backend",
+    "kda_forward",
     "kda_gate",
     "l2norm",
     "recurrent_kda",
@@ -31,9 +40,64 @@ __all__ = [
 
 
 def _backend(x: torch.Tensor) -> str:
-    """Which implementation runs for inputs living where `x` lives."""
-    del x  # one implementation today; GPU kernels will branch on x.device here
-    return "ref"
+    """Which implementation runs for inputs living where `x` lives: "fla" or "ref"."""
+    if not x.is_cuda:
+        return "ref"
+    from k3run.kernels.kda.fla import fla_kda_ops
+
+    return "fla" if fla_kda_ops() is not None else "ref"
+
+
+def kda_backend(device: str | torch.device) -> str:
+    """The KDA implementation for tensors on `device` (for start-up reports and benchmarks)."""
+    return _backend(torch.empty(0, device=device))
+
+
+def kda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    decode: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA from the raw layer tensors, gate / beta / q-k norm included.
+
+    q, k [T, H, K] (after the short conv, not normalised); v [T, H, V]; f [T, H, K] raw forget-gate
+    projection; b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; lower_bound None (softplus gate) or < 0
+    (K3's sigmoid gate); initial_state [B, H, K, V] fp32 or None; cu_seqlens [B+1]. decode=True runs the
+    token-by-token recurrence (every sequence one token), else the chunked algorithm.
+    Returns o [T, H, V] fp32 and the final states [B, H, K, V] fp32.
+    """
+    if _backend(q) == "fla":
+        from k3run.kernels.kda.fla import kda_fla_raw
+
+        return kda_fla_raw(
+            q,
+            k,
+            v,
+            f,
+            b,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            lower_bound=lower_bound,
+            scale=scale,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            decode=decode,
+        )
+    qn, kn = l2norm(q), l2norm(k)  # [T, H, K] fp32
+    g = kda_gate(f, A_log, dt_bias, lower_bound)  # [T, H, K] fp32
+    beta = torch.sigmoid(b.float())  # [T, H]
+    ref = recurrent_kda_ref if decode else chunk_kda_ref
+    return ref(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
 
 
 def chunk_kda(
@@ -53,9 +117,13 @@ def chunk_kda(
     initial_state [B, H, K, V] fp32 or None; cu_seqlens [B+1]. Returns o [T, H, V] fp32 and final states
     [B, H, K, V] fp32.
     """
-    if _backend(q) == "ref":
-        return chunk_kda_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    raise AssertionError("unreachable: unknown KDA backend")
+    if _backend(q) == "fla":
+        from k3run.kernels.kda.fla import kda_fla
+
+        return kda_fla(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, decode=False
+        )
+    return chunk_kda_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 
 def recurrent_kda(
@@ -70,9 +138,13 @@ def recurrent_kda(
     cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen KDA token by token (decode); same contract as chunk_kda."""
-    if _backend(q) == "ref":
-        return recurrent_kda_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    raise AssertionError("unreachable: unknown KDA backend")
+    if _backend(q) == "fla":
+        from k3run.kernels.kda.fla import kda_fla
+
+        return kda_fla(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, decode=True
+        )
+    return recurrent_kda_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 
 def causal_conv1d(
@@ -83,6 +155,4 @@ def causal_conv1d(
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU with conv states; x [T, C], weight [C, W], states [B, C, W-1]."""
-    if _backend(x) == "ref":
-        return causal_conv1d_ref(x, weight, cu_seqlens, initial_state)
-    raise AssertionError("unreachable: unknown KDA backend")
+    return causal_conv1d_ref(x, weight, cu_seqlens, initial_state)
