@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import torch
 
@@ -39,6 +39,19 @@ ShardId = int | None
 _BIAS_SPEC = ParamSpec(out_dim=0, in_dim=None, exact_dtype=False)
 _UNQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class LinearOptions(TypedDict, total=False):
+    """The keyword options every layer below passes through to `LinearBase`, which holds their defaults
+    and documents them."""
+
+    bias: bool
+    qcfg: ModelOptConfig | None
+    prefix: str
+    tp: TPInfo
+    params_dtype: torch.dtype
+    shard_prefixes: Sequence[str]
+    scheme: LinearScheme | None
 
 
 class LinearBase(torch.nn.Module):
@@ -292,27 +305,14 @@ class ReplicatedLinear(LinearBase):
         self,
         input_size: int,
         output_size: int,
-        *,
-        bias: bool = False,
-        qcfg: ModelOptConfig | None = None,
-        prefix: str = "",
-        tp: TPInfo = NO_TP,
-        params_dtype: torch.dtype = torch.bfloat16,
-        shard_prefixes: Sequence[str] = (),
-        scheme: LinearScheme | None = None,
+        **options: Unpack[LinearOptions],
     ) -> None:
         super().__init__(
             input_size,
             [output_size],
             shard_out=False,
             shard_in=False,
-            bias=bias,
-            qcfg=qcfg,
-            prefix=prefix,
-            tp=tp,
-            params_dtype=params_dtype,
-            shard_prefixes=shard_prefixes,
-            scheme=scheme,
+            **options,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -328,26 +328,14 @@ class ColumnParallelLinear(LinearBase):
         output_size: int,
         *,
         gather_output: bool = False,
-        bias: bool = False,
-        qcfg: ModelOptConfig | None = None,
-        prefix: str = "",
-        tp: TPInfo = NO_TP,
-        params_dtype: torch.dtype = torch.bfloat16,
-        shard_prefixes: Sequence[str] = (),
-        scheme: LinearScheme | None = None,
+        **options: Unpack[LinearOptions],
     ) -> None:
         super().__init__(
             input_size,
             [output_size],
             shard_out=True,
             shard_in=False,
-            bias=bias,
-            qcfg=qcfg,
-            prefix=prefix,
-            tp=tp,
-            params_dtype=params_dtype,
-            shard_prefixes=shard_prefixes,
-            scheme=scheme,
+            **options,
         )
         self.gather_output = gather_output
 
@@ -374,13 +362,7 @@ class MergedColumnParallelLinear(LinearBase):
         output_sizes: Sequence[int],
         *,
         replicated_shard_id: int | None = None,
-        bias: bool = False,
-        qcfg: ModelOptConfig | None = None,
-        prefix: str = "",
-        tp: TPInfo = NO_TP,
-        params_dtype: torch.dtype = torch.bfloat16,
-        shard_prefixes: Sequence[str] = (),
-        scheme: LinearScheme | None = None,
+        **options: Unpack[LinearOptions],
     ) -> None:
         replicated = () if replicated_shard_id is None else (replicated_shard_id,)
         super().__init__(
@@ -389,13 +371,7 @@ class MergedColumnParallelLinear(LinearBase):
             shard_out=True,
             shard_in=False,
             replicated=replicated,
-            bias=bias,
-            qcfg=qcfg,
-            prefix=prefix,
-            tp=tp,
-            params_dtype=params_dtype,
-            shard_prefixes=shard_prefixes,
-            scheme=scheme,
+            **options,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -417,26 +393,14 @@ class RowParallelLinear(LinearBase):
         *,
         input_is_parallel: bool = True,
         reduce_results: bool = True,
-        bias: bool = False,
-        qcfg: ModelOptConfig | None = None,
-        prefix: str = "",
-        tp: TPInfo = NO_TP,
-        params_dtype: torch.dtype = torch.bfloat16,
-        shard_prefixes: Sequence[str] = (),
-        scheme: LinearScheme | None = None,
+        **options: Unpack[LinearOptions],
     ) -> None:
         super().__init__(
             input_size,
             [output_size],
             shard_out=False,
             shard_in=True,
-            bias=bias,
-            qcfg=qcfg,
-            prefix=prefix,
-            tp=tp,
-            params_dtype=params_dtype,
-            shard_prefixes=shard_prefixes,
-            scheme=scheme,
+            **options,
         )
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
