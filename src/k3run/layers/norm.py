@@ -25,22 +25,24 @@ def norm_weight_loader(
     param.data.copy_(src.read().to(param.dtype))
 
 
+def _normalized_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (weight and gate not yet applied)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x.dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (_normalized_fp32(x, eps) * weight.float()).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = rms_norm(x) * weight * sigmoid(gate) over the last dim, in fp32, returned in x.dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+    return (_normalized_fp32(x, eps) * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension with a learned scale; the weight is replicated on every TP rank."""
+class _NormBase(nn.Module):
+    """The learned scale [hidden_size] of both norms: initialised to ones, replicated on every TP rank."""
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype = torch.float32
@@ -50,6 +52,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
+
+
+class RMSNorm(_NormBase):
+    """RMSNorm over the last dimension with a learned scale; the weight is replicated on every TP rank."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
@@ -60,17 +66,8 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.eps}"
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(_NormBase):
     """RMSNorm(x) * weight * sigmoid(gate), the KDA `o_norm`: one weight [K] shared by every head."""
-
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype = torch.float32
-    ) -> None:
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
-        self.weight.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size or gate.shape != x.shape:
