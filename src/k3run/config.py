@@ -276,6 +276,18 @@ class ModelConfig:
         return self.moe_intermediate_size * self.num_shared_experts
 
 
+def _type_list_flags(
+    field: str, types: Any, n_layers: int, allowed: tuple[str, str], *, flagged: str
+) -> tuple[bool, ...]:
+    """A per-layer list of type names, each one of `allowed`, as one flag per layer (entry == `flagged`)."""
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise _fail(field, f"a list of {n_layers} entries", types)
+    bad = [t for t in types if t not in allowed]
+    if bad:
+        raise _fail(field, f"entries {allowed[0]!r} or {allowed[1]!r}", bad)
+    return tuple(t == flagged for t in types)
+
+
 def _parse_layer_types(cfg: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
     """Per-layer KDA flag from `linear_attn_config` (1-indexed lists) and/or `layer_types` (must agree)."""
     from_lists: tuple[bool, ...] | None = None
@@ -304,12 +316,7 @@ def _parse_layer_types(cfg: Mapping[str, Any], n_layers: int) -> tuple[bool, ...
     from_types: tuple[bool, ...] | None = None
     types = cfg.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != n_layers:
-            raise _fail("layer_types", f"a list of {n_layers} entries", types)
-        bad = [t for t in types if t not in (_KDA, _MLA)]
-        if bad:
-            raise _fail("layer_types", f"entries {_KDA!r} or {_MLA!r}", bad)
-        from_types = tuple(t == _KDA for t in types)
+        from_types = _type_list_flags("layer_types", types, n_layers, (_KDA, _MLA), flagged=_KDA)
 
     if from_lists is None and from_types is None:
         raise _fail("linear_attn_config.kda_layers", "kda_layers/full_attn_layers or layer_types", None)
@@ -337,12 +344,7 @@ def _parse_mlp_types(cfg: Mapping[str, Any], n_layers: int, num_experts: int | N
 
     from_types: tuple[bool, ...] | None = None
     if types is not None:
-        if not isinstance(types, list) or len(types) != n_layers:
-            raise _fail("mlp_layer_types", f"a list of {n_layers} entries", types)
-        bad = [t for t in types if t not in (_DENSE, _SPARSE)]
-        if bad:
-            raise _fail("mlp_layer_types", f"entries {_DENSE!r} or {_SPARSE!r}", bad)
-        from_types = tuple(t == _SPARSE for t in types)
+        from_types = _type_list_flags("mlp_layer_types", types, n_layers, (_DENSE, _SPARSE), flagged=_SPARSE)
         if any(from_types) and num_experts is None:
             raise _fail("num_experts", "an expert count (mlp_layer_types has sparse layers)", None)
 
