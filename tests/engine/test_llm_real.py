@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from k3run.engine import LLM, EngineConfig, FinishReason, SamplingParams
+from tests.model_builders import K3, VOCAB, write_checkpoint
 
 from .conftest import write_char_tokenizer
 
@@ -89,9 +90,7 @@ def test_cache_layout_matches_the_models_own_cache(model) -> None:
 
 def test_k3_batched_greedy_equals_single_runs(tmp_path: Path) -> None:
     """The same on a tiny random K3 (AttnRes across closed blocks, latent MoE with SiTU, q_lora, gated MLA,
-    lower-bound KDA gate), written by the model tests' checkpoint helper."""
-    from ..models.test_kimi_model import K3, VOCAB, write_checkpoint
-
+    lower-bound KDA gate), written by the shared tiny-model checkpoint builder."""
     d = write_checkpoint(tmp_path / "k3", K3, seed=11)
     write_char_tokenizer(d, chars=[chr(c) for c in range(32, 32 + VOCAB - 2)])
     llm = LLM(d, dtype=torch.float32, config=EngineConfig(max_num_seqs=8, max_model_len=56))
