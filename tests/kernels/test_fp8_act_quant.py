@@ -6,18 +6,12 @@ The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from k3run.formats import quantize_fp8_act_1x128
 from k3run.kernels.fp8_act_quant import fp8_act_quant_ref, quantize_act_1x128
-
-IN_INTERP_CHILD = os.environ.get("K3RUN_INTERP_CHILD") == "1"
-interp_only = pytest.mark.skipif(not IN_INTERP_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
 
 def _activations(m: int, k: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
@@ -51,14 +45,7 @@ def _assert_bit_exact(q, s, x, m_multiple: int = 1) -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the compiled kernels are tested by the gpu tests instead")
-    env = dict(os.environ, TRITON_INTERPRET="1", K3RUN_INTERP_CHILD="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.stdout.count(" PASSED") == 4 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    run_interp_tests_in_child(__file__, expected_passed=4)
 
 
 @interp_only

@@ -6,10 +6,6 @@ The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,9 +18,7 @@ from k3run.kernels.fp8_gemm import (
     scaled_mm_shape_ok,
 )
 from k3run.testing import assert_close
-
-IN_INTERP_CHILD = os.environ.get("K3RUN_INTERP_CHILD") == "1"
-interp_only = pytest.mark.skipif(not IN_INTERP_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
 # fp32 output: E4M3 x E4M3 products are exact in fp32 (8 significant bits), so only the fp32 summation order
 # differs (~K * 2^-24 relative at worst for K <= 512).
@@ -50,14 +44,7 @@ def _padded_block_weight(n: int, k: int, device: str = "cpu"):
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the compiled kernels are tested by the gpu tests instead")
-    env = dict(os.environ, TRITON_INTERPRET="1", K3RUN_INTERP_CHILD="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.stdout.count(" PASSED") == 2 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    run_interp_tests_in_child(__file__, expected_passed=2)
 
 
 @interp_only

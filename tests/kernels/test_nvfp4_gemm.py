@@ -6,10 +6,6 @@ The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,9 +21,7 @@ from k3run.kernels.nvfp4_gemm import (
     unpack_split128,
 )
 from k3run.testing import assert_close
-
-IN_INTERP_CHILD = os.environ.get("K3RUN_INTERP_CHILD") == "1"
-interp_only = pytest.mark.skipif(not IN_INTERP_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
 # fp16 output: 11 significant bits, one final rounding <= 2^-11 relative per element; the decoded weights are
 # exact and the fp32 accumulation adds ~1e-7, so the relative RMS error stays below 2^-11 ~ 4.9e-4.
@@ -51,14 +45,7 @@ def _random_nvfp4(n: int, k: int, device: str = "cpu", per_row_global: bool = Fa
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1 (about 10 s, mostly imports)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the compiled kernels are tested by the gpu tests instead")
-    env = dict(os.environ, TRITON_INTERPRET="1", K3RUN_INTERP_CHILD="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-vv", "-x", "-k", "interp_", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.stdout.count(" PASSED") == 6 and " SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    run_interp_tests_in_child(__file__, expected_passed=6)
 
 
 @interp_only
