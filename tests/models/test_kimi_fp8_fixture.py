@@ -210,3 +210,16 @@ def test_logits_close_to_hf_bf16_reference(models):
     # error includes (measured 0.27)
     assert statistics.median(per_pos) < 0.2, per_pos
     assert rel_rms_error(hf, quant) < 0.5
+
+
+def test_default_bf16_activations_close_to_hf_reference():
+    ref = _reference()
+    model = load_model(FIXTURE)  # the checkpoint's dtype: bf16 activations, as deployed
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    out = model.logits(ref["input_ids"])
+    per_pos = [rel_rms_error(ref["logits"][i], out[i]) for i in range(out.shape[0])]
+    # bf16 rounding (2^-9 relative per op) is small next to e4m3's 0.026, but it moves activations across
+    # e4m3 rounding boundaries and near-tie routing choices, so this is another draw of the same error as
+    # the fp32 run, with the same bounds (measured median 0.121, whole sequence 0.219)
+    assert statistics.median(per_pos) < 0.2, per_pos
+    assert rel_rms_error(ref["logits"], out) < 0.5
