@@ -12,6 +12,21 @@ import triton.language as tl
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid` over a [M, N] output in BM x BN tiles, in grouped order: GROUP_M row
+    tiles run one after another on each column tile, so they share its weight tile while it is in L2."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
     x_ptr,
     sx_ptr,
@@ -34,15 +49,7 @@ def _fp8_block_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     BK: tl.constexpr = 128
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.kernels.fp8_gemm.triton import grouped_tile
 from k3run.kernels.nvfp4_gemm import CHUNK
 
 # fp16 bits (sign << 15 | mag << 9) read the 3-bit E2M1 magnitude as exponent/mantissa bits; the value is
@@ -156,17 +157,8 @@ def _nvfp4_gemm_kernel(
 ):
     G: tl.constexpr = BK // 32  # 16-byte groups per tile; each holds 16 low-nibble and 16 high-nibble weights
     K_SPLIT: tl.constexpr = K_PAD // SPLIT_K  # the wrapper makes it a multiple of BK
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
-    width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
