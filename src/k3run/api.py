@@ -4,6 +4,7 @@ original or transformers-5 tensor naming)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,9 @@ from k3run.layers.moe import NvFp4ActMode
 from k3run.loader import load_checkpoint
 from k3run.models.kimi import KimiForCausalLM
 from k3run.quant.modelopt import load_quant_config
+from k3run.quant.schemes import enable_nvfp4_fp8_blocks
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -37,6 +41,7 @@ def load_model(
     *,
     tp_group: object = None,
     nvfp4_moe_act: NvFp4ActMode = "w4a16",
+    nvfp4_as_fp8: bool = False,
     progress: bool = False,
 ) -> KimiForCausalLM:
     """Build the model described by `path`/config.json and stream its safetensors weights into it.
@@ -45,6 +50,9 @@ def load_model(
     tp_rank / tp_size: this process's place in an already initialised torch.distributed group (tp_group,
     default the world group). nvfp4_moe_act: NVFP4 experts as W4A16 (activations stay 16-bit, the Hopper
     path) or "w4a4" (activations quantize-dequantized to NVFP4 like the Blackwell kernels).
+    nvfp4_as_fp8: also convert NVFP4 linear weights to FP8 128x128 blocks at load and run them on FP8
+    tensor cores for the shapes where that is measured faster (quant/schemes.py `nvfp4_fp8_faster`; sm90
+    only, a no-op on CPU). Lossy: ~3e-2 relative weight error on top of NVFP4. Routed experts keep NVFP4.
     """
     path = Path(path)
     cfg_path = path / "config.json"
@@ -63,4 +71,7 @@ def load_model(
     with torch.device(device):
         model = KimiForCausalLM(cfg, qcfg=qcfg, tp=tp, params_dtype=dtype, nvfp4_moe_act=nvfp4_moe_act)
     load_checkpoint(model, path, model.checkpoint_mapping, tp=tp, progress=progress)
+    if nvfp4_as_fp8:
+        converted = enable_nvfp4_fp8_blocks(model)
+        log.info("nvfp4_as_fp8: %d NVFP4 linear layers also hold FP8 128x128 blocks", len(converted))
     return model.eval()

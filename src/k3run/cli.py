@@ -137,7 +137,13 @@ def _load_llm(
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
         cache_bytes=args.cache_mib << 20 if args.cache_mib else None,
     )
-    return LLM(model_dir, dtype=_dtype(args.dtype), device=_device(args.device), config=cfg)
+    from k3run.api import load_model
+    from k3run.tokenizer import load_tokenizer
+
+    model = load_model(
+        model_dir, dtype=_dtype(args.dtype), device=_device(args.device), nvfp4_as_fp8=args.nvfp4_as_fp8
+    )
+    return LLM.from_model(model, load_tokenizer(model_dir), cfg)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -191,7 +197,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     d = _checkpoint_dir(args.dir, "DIR")
     from k3run.quant.plan import build_quant_plan
 
-    plan = build_quant_plan(d, device=_device(args.device))
+    plan = build_quant_plan(d, device=_device(args.device), nvfp4_as_fp8=args.nvfp4_as_fp8)
     print(plan.format_table())
     return 0
 
@@ -255,7 +261,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from k3run.api import load_model
 
     device, dtype = _device(args.device), _dtype(args.dtype)
-    model = load_model(model_dir, dtype=dtype, device=device)
+    model = load_model(model_dir, dtype=dtype, device=device, nvfp4_as_fp8=args.nvfp4_as_fp8)
     ref = load_model(ref_dir, dtype=dtype, device=device) if ref_dir else None
     if ref is not None and ref.config.vocab_size != model.config.vocab_size:
         raise UserError(
@@ -363,6 +369,15 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="activation dtype")
 
 
+def _add_nvfp4_as_fp8(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nvfp4-as-fp8",
+        action="store_true",
+        help="convert NVFP4 linears to FP8 128x128 blocks at load and use FP8 tensor cores where measured "
+        "faster (sm90; lossy, ~3e-2 relative weight error; off by default)",
+    )
+
+
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-mib", type=_positive_int, default=None, help="cache budget in MiB (checked at start)"
@@ -402,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-model-len", type=_positive_int, default=1024, help="prompt + generated tokens")
     _add_device_args(p)
+    _add_nvfp4_as_fp8(p)
     _add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -412,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default="auto", help="the device whose kernels to report (default: %(default)s)"
     )
+    _add_nvfp4_as_fp8(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser(
@@ -432,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_positive_int, default=8192, help="evaluate at most this many tokens")
     p.add_argument("--no-progress", action="store_true")
     _add_device_args(p)
+    _add_nvfp4_as_fp8(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", parents=[common], help="prefill and decode tokens/s at several batch sizes")
@@ -441,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=_positive_int, default=32)
     p.add_argument("--no-progress", action="store_true")
     _add_device_args(p)
+    _add_nvfp4_as_fp8(p)
     _add_cache_args(p)
     p.set_defaults(func=cmd_bench)
 

@@ -70,6 +70,28 @@ def implementation_name(algo: QuantAlgo, device: str | torch.device = "cpu", kin
     return f"unsupported: no {algo.value} {kind} kernel for device type {dev!r}"
 
 
+def nvfp4_fp8_implementation(n: int, k: int) -> str | None:
+    """What an NVFP4 linear [N, K] runs on an sm90 GPU with load_model(nvfp4_as_fp8=True), from the rule in
+    quant/schemes.py (`nvfp4_fp8_faster`); None where that rule never picks the FP8 copy."""
+    from k3run.kernels.fp8_gemm import scaled_mm_shape_ok
+    from k3run.quant.schemes import FP8_BLOCK as BLOCK
+    from k3run.quant.schemes import NVFP4_DECODE_MAX_M, nvfp4_fp8_faster
+
+    if k % BLOCK:
+        return None
+    backend = "scaled_mm" if scaled_mm_shape_ok(k) else "triton"
+    small = nvfp4_fp8_faster(1, n, k, backend)
+    large = nvfp4_fp8_faster(NVFP4_DECODE_MAX_M + 1, n, k, backend)
+    if not (small or large):
+        return None
+    if small and large:
+        when = "every M"
+    else:
+        when = f"M > {NVFP4_DECODE_MAX_M}" if large else f"M <= {NVFP4_DECODE_MAX_M}"
+        when += ", Triton W4A16 otherwise"
+    return f"NVFP4 -> FP8 128x128 blocks at load (opt-in, lossy): kernels/fp8_gemm _scaled_mm for {when}"
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     prefix: str
@@ -320,8 +342,13 @@ def _why(qc: ModelOptConfig | None, algo: QuantAlgo, prefix: str) -> str:
     return f"from the {qc.quant_algo} config"
 
 
-def build_quant_plan(model_dir: str | Path, device: str | torch.device = "cpu") -> QuantPlan:
+def build_quant_plan(
+    model_dir: str | Path, device: str | torch.device = "cpu", *, nvfp4_as_fp8: bool = False
+) -> QuantPlan:
     """The plan of a checkpoint directory from config.json and the safetensors headers (no tensor data).
+
+    nvfp4_as_fp8: report NVFP4 linears as load_model(nvfp4_as_fp8=True) runs them on CUDA (the FP8 copy
+    where quant/schemes.py's rule picks it; CPU always runs the reference).
 
     Raises ValueError naming the tensor, expected and actual when the config and the tensors disagree.
     """
@@ -349,6 +376,13 @@ def build_quant_plan(model_dir: str | Path, device: str | torch.device = "cpu") 
             why = functools.partial(_why, qc, algo, prefix)
         logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
         kind = "embedding" if is_embedding else ("expert" if _EXPERT.match(prefix) else "linear")
+        if is_embedding:
+            impl = "embedding lookup"
+        else:
+            impl = implementation_name(algo, device_name, kind)
+            nvfp4 = algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4)
+            if nvfp4_as_fp8 and nvfp4 and kind == "linear" and torch.device(device_name).type == "cuda":
+                impl = nvfp4_fp8_implementation(*logical) or impl
         layers.append(
             LayerPlan(
                 prefix=prefix,
@@ -357,9 +391,7 @@ def build_quant_plan(model_dir: str | Path, device: str | torch.device = "cpu") 
                 logical_shape=logical,
                 physical_shape=physical,
                 nbytes=sum(tensors[n].nbytes for n in names),
-                implementation="embedding lookup"
-                if is_embedding
-                else implementation_name(algo, device_name, kind),
+                implementation=impl,
                 tensors=names,
             )
         )

@@ -379,6 +379,42 @@ class Fp8PbWoScheme:
         return "FP8_PB_WO (fp8 e4m3 weights, 128x128 fp32 block scales, dynamic 1x128 fp8 activations)"
 
 
+# The NVFP4 -> FP8 choice (issue 6 section 2): the one place it is made. H200 measurements, bench/RESULTS.md:
+# - M > 16, where the NVFP4 path is Triton dequantize + cuBLAS bf16: the converted FP8 weight through
+#   block-scaled _scaled_mm ran 7168x7168 at M = 4096 in 0.400 ms vs 0.642 ms (1.51x cuBLAS bf16, run 2), and
+#   bare block _scaled_mm reached 1127-1138 TFLOP/s at M = 4096 on 7168x7168 and 2112x7168 against 724-745
+#   for cuBLAS bf16 (run 3, toolchain.md), so it wins at every large-M shape it accepts.
+# - M <= 16 (the NVFP4 decode kernel): FP8 won on 7168x7168, 0.0242 vs 0.0681 ms at M = 16 (run 2) and the
+#   FP8_PB_WO layer took 0.0255 ms at M = 1 vs 0.0418 ms for the best NVFP4 decode config (run 3). Smaller
+#   weights (the 3072x3584 / 3584x3072 expert shapes) were not measured through FP8, so they stay NVFP4.
+# - only the block-scaled _scaled_mm backend: the Triton FP8 fallback ran at 589 TFLOP/s at M = 4096 (run 3),
+#   below dequantize + cuBLAS (702-739 TFLOP/s).
+NVFP4_DECODE_MAX_M = 16  # the NVFP4 decode kernel's range (kernels/nvfp4_gemm choose_config)
+NVFP4_FP8_DECODE_MIN_WEIGHTS = 7168 * 7168  # smallest N*K where FP8 was measured faster at M <= 16
+
+
+def nvfp4_fp8_faster(m: int, n: int, k: int, fp8_backend: str) -> bool:
+    """Whether an NVFP4 linear [N, K] converted to FP8 blocks runs M rows faster on `fp8_backend` (the
+    fp8_gemm backend the layer resolved at load) than the NVFP4 kernels do; see the measurements above."""
+    if fp8_backend != "scaled_mm":
+        return False
+    return m > NVFP4_DECODE_MAX_M or n * k >= NVFP4_FP8_DECODE_MIN_WEIGHTS
+
+
+@dataclass(frozen=True)
+class Fp8BlockCopy:
+    """An NVFP4 layer's weight re-quantized to FP8 128x128 blocks at load time (opt-in, lossy).
+
+    weight: fp8 [N_pad, K] with zero pad rows; scale: fp32 [N_pad/128, K/128]; n: logical rows;
+    backend: the fp8_gemm backend resolved for the layer's device and K.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    n: int
+    backend: str
+
+
 def nvfp4_gemm(x: torch.Tensor, weight: NvFp4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The NVFP4 GEMM: x [M, K] @ dq(W)^T (+ bias) -> [M, N] in x's dtype.
 
@@ -402,6 +438,10 @@ class NvFp4Scheme:
     Fused partitions with different `weight_scale_2` stay exact: after loading, a partition's block scales
     are rescaled to a common global scale only when re-dequantizing proves it bit-identical; otherwise each
     partition keeps its own global scale and is applied to its own output columns.
+
+    Opt-in FP8 path (`enable_fp8_blocks`, load_model(nvfp4_as_fp8=True)): a second copy of the weight in FP8
+    128x128 blocks, used for the calls where `fp8_choice(M, N, K, backend)` (default `nvfp4_fp8_faster`)
+    says it is faster; the NVFP4 weight stays for the others.
     """
 
     def __init__(
@@ -409,6 +449,7 @@ class NvFp4Scheme:
         algo: QuantAlgo = QuantAlgo.NVFP4,
         w4a4: bool = False,
         gemm: Callable[..., torch.Tensor] | None = None,
+        fp8_choice: Callable[[int, int, int, str], bool] | None = None,
     ) -> None:
         if algo not in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
             raise ValueError(f"NvFp4Scheme: algo must be NVFP4 or W4A16_NVFP4, got {algo}")
@@ -420,6 +461,7 @@ class NvFp4Scheme:
         self.w4a4 = w4a4
         self.has_input_scale = algo is QuantAlgo.NVFP4
         self.gemm = gemm if gemm is not None else nvfp4_gemm
+        self.fp8_choice = fp8_choice if fp8_choice is not None else nvfp4_fp8_faster
 
     def create_weights(
         self,
@@ -482,6 +524,32 @@ class NvFp4Scheme:
         # kernel layout, prepared once (on CPU it aliases the checkpoint tensors)
         layer.nvfp4_weight = prepare_nvfp4_weight(layer.weight, layer.weight_scale, global_scale)
         layer.nvfp4_act_groups = self._activation_groups(layer)
+        layer.nvfp4_fp8 = None
+
+    def enable_fp8_blocks(self, layer: torch.nn.Module, backend: str | None = None) -> bool:
+        """Add the FP8 128x128-block copy of the weight (after process_after_loading) if `fp8_choice` would
+        use it for some M on this layer's device; returns whether it did.
+
+        backend: the fp8_gemm backend to run it on (default: fp8_gemm.default_backend for the weight's device
+        and K). W4A4 emulation and K not divisible by 128 keep the NVFP4 path only.
+        """
+        from k3run.kernels.fp8_gemm import default_backend
+        from k3run.kernels.nvfp4_gemm import nvfp4_to_fp8_block
+
+        if not hasattr(layer, "nvfp4_weight"):
+            raise RuntimeError(f"{layer.prefix}: enable_fp8_blocks needs process_after_loading() first")
+        k: int = layer.weights.input_size
+        n: int = layer.weights.layout.rows
+        if self.w4a4 or k % FP8_BLOCK:
+            return False
+        backend = backend or default_backend(layer.weight.device, k)
+        if not any(self.fp8_choice(m, n, k, backend) for m in (1, NVFP4_DECODE_MAX_M + 1)):
+            return False
+        weight, scale = nvfp4_to_fp8_block(
+            layer.weight, layer.weight_scale, layer.nvfp4_weight.global_scale.reshape(-1, 1)
+        )
+        layer.nvfp4_fp8 = Fp8BlockCopy(weight=weight, scale=scale, n=n, backend=backend)
+        return True
 
     def _activation_groups(self, layer: torch.nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """W4A4: partitions sharing one input_scale share one activation quant-dequant. Each group is
@@ -502,6 +570,12 @@ class NvFp4Scheme:
         layout: OutputLayout = layer.weights.layout
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        fp8: Fp8BlockCopy | None = layer.nvfp4_fp8
+        if fp8 is not None and self.fp8_choice(x2.shape[0], fp8.n, x2.shape[1], fp8.backend):
+            from k3run.kernels.fp8_gemm import fp8_pb_wo_linear
+
+            y = fp8_pb_wo_linear(x2, fp8.weight, fp8.scale, fp8.n, bias, backend=fp8.backend)
+            return y.reshape(*lead, fp8.n)
         groups: tuple[tuple[int, tuple[int, ...]], ...] = layer.nvfp4_act_groups
         if len(groups) == 1:
             y = self.gemm(self._activation(layer, x2, groups[0][0]), layer.nvfp4_weight, bias).to(x.dtype)
@@ -542,6 +616,18 @@ class NvFp4Scheme:
     def describe(self) -> str:
         mode = "W4A4 emulation (activations NVFP4 quant-dequantized)" if self.w4a4 else "weight-only W4A16"
         return f"{self.algo.value} (E2M1 weights, e4m3 group-16 scales, fp32 global scale; {mode})"
+
+
+def enable_nvfp4_fp8_blocks(model: torch.nn.Module) -> list[str]:
+    """The load-time NVFP4 -> FP8 conversion for every NVFP4 linear of a loaded model where the rule can
+    pick it (load_model(nvfp4_as_fp8=True)); returns the prefixes converted. Routed experts (layers/moe)
+    are not linears with a scheme and keep their NVFP4 path."""
+    done = []
+    for module in model.modules():
+        scheme = getattr(module, "scheme", None)
+        if isinstance(scheme, NvFp4Scheme) and scheme.enable_fp8_blocks(module):
+            done.append(module.prefix)
+    return done
 
 
 def _check_positive_scales(prefix: str, name: str, t: torch.Tensor) -> None:
