@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from k3run.distributed import NO_TP, TPInfo, spawn_gloo
-from k3run.forward_context import ForwardContext
 from k3run.layers.kda import KimiDeltaAttention
 from k3run.testing import assert_close
+from tests.step_schedule import ctx_for, feed_in_steps
 
 D, H, K, W = 37, 4, 12, 4
 P = H * K
@@ -137,33 +137,14 @@ def reference(variant: str, w: dict[str, torch.Tensor], x: torch.Tensor) -> torc
     return o.reshape(T, P) @ w["o_proj"].T
 
 
-def ctx_for(lens: list[int], ctx_lens: list[int], slots: list[int] | None) -> ForwardContext:
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    return ForwardContext(
-        cu_seqlens=cu,
-        context_lens=torch.tensor(ctx_lens),
-        slots=None if slots is None else torch.tensor(slots),
-    )
-
-
 def run_schedule(
     layer: KimiDeltaAttention, xs: list[torch.Tensor], steps: list[list[int]], slots: list[int]
 ) -> list[torch.Tensor]:
-    """Feed sequences xs[b] in pieces: steps[i][b] new tokens of sequence b at step i (0 = idle)."""
+    """`feed_in_steps` over a 4-slot cache that starts out holding noise."""
     cache = layer.init_cache(4, xs[0].dtype, "cpu")
     cache.recurrent.normal_()  # stale state of a previous owner must be ignored by fresh sequences
     cache.conv.normal_()
-    done = [0] * len(xs)
-    outs: list[list[torch.Tensor]] = [[] for _ in xs]
-    for step in steps:
-        active = [b for b, n in enumerate(step) if n > 0]
-        x = torch.cat([xs[b][done[b] : done[b] + step[b]] for b in active])
-        ctx = ctx_for([step[b] for b in active], [done[b] for b in active], [slots[b] for b in active])
-        y = layer(x, ctx, cache)
-        for b, piece in zip(active, y.split([step[b] for b in active]), strict=True):
-            outs[b].append(piece)
-            done[b] += step[b]
-    return [torch.cat(o) for o in outs]
+    return feed_in_steps(layer, cache, xs, steps, slots)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

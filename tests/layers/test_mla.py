@@ -9,12 +9,12 @@ import torch
 
 from k3run.distributed import NO_TP, TPInfo, spawn_gloo
 from k3run.formats import dequantize_fp8_block, quantize_fp8_block
-from k3run.forward_context import ForwardContext
 from k3run.layers.mla import KimiMLA
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.modelopt import ModelOptConfig
 from k3run.quant.schemes import fp8_block_gemm_reference
 from k3run.testing import assert_close
+from tests.step_schedule import ctx_for, feed_in_steps
 
 D, H, DN, R, DV = 37, 4, 12, 6, 10
 EPS = 1e-6
@@ -120,32 +120,13 @@ def reference(
     return o.reshape(T, H * DV) @ w["o_proj"].T
 
 
-def ctx_for(lens: list[int], ctx_lens: list[int], slots: list[int] | None) -> ForwardContext:
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    return ForwardContext(
-        cu_seqlens=cu,
-        context_lens=torch.tensor(ctx_lens),
-        slots=None if slots is None else torch.tensor(slots),
-    )
-
-
 def run_schedule(
     layer: KimiMLA, xs: list[torch.Tensor], steps: list[list[int]], slots: list[int], max_len: int = 40
 ) -> list[torch.Tensor]:
-    """Feed sequences xs[b] in pieces: steps[i][b] new tokens of sequence b at step i (0 = idle)."""
+    """`feed_in_steps` over a 4-slot, max_len-token cache that starts out holding noise."""
     cache = layer.init_cache(4, max_len, xs[0].dtype, "cpu")
     cache.latent.normal_()  # stale latents beyond a sequence's length must never be read
-    done = [0] * len(xs)
-    outs: list[list[torch.Tensor]] = [[] for _ in xs]
-    for step in steps:
-        active = [b for b, n in enumerate(step) if n > 0]
-        x = torch.cat([xs[b][done[b] : done[b] + step[b]] for b in active])
-        ctx = ctx_for([step[b] for b in active], [done[b] for b in active], [slots[b] for b in active])
-        y = layer(x, ctx, cache)
-        for b, piece in zip(active, y.split([step[b] for b in active]), strict=True):
-            outs[b].append(piece)
-            done[b] += step[b]
-    return [torch.cat(o) for o in outs]
+    return feed_in_steps(layer, cache, xs, steps, slots)
 
 
 SCHEDULE = [[20, 0, 1], [7, 9, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 0, 0]]  # chunked prefill + decode
