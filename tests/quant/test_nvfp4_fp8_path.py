@@ -192,3 +192,32 @@ def test_load_model_flag_is_a_no_op_on_cpu() -> None:
     nvfp4_layers = [m for m in model.modules() if isinstance(getattr(m, "scheme", None), NvFp4Scheme)]
     assert nvfp4_layers, "the fixture has NVFP4 linears"
     assert all(m.nvfp4_fp8 is None for m in nvfp4_layers)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_copy_runs_block_scaled_mm_for_large_m() -> None:
+    """On sm90 the default rule converts a K = 7168 layer and runs it through block _scaled_mm for M > 16;
+    M <= 16 on this small N*K stays on the NVFP4 kernel."""
+    from k3run.kernels.fp8_gemm import blockwise_scaled_mm_supported
+
+    if not blockwise_scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("block-scaled _scaled_mm needs sm90 and a CUDA >= 12.9 build of torch")
+    k, n = 7168, 296
+    t = checkpoint_tensors("nvfp4", torch.randn(n, k))
+    layer = ReplicatedLinear(k, n, scheme=NvFp4Scheme(), params_dtype=torch.bfloat16)
+    load_shards(layer, [t], merged=False)
+    layer = layer.cuda()
+    layer.process_after_loading()
+    x_small = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    before = layer(x_small)
+    assert layer.scheme.enable_fp8_blocks(layer)
+    fp8 = layer.nvfp4_fp8
+    assert fp8.backend == "scaled_mm"
+
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    want = fp8_pb_wo_linear_ref(x.cpu(), fp8.weight.cpu(), fp8.scale.cpu(), n, None)
+    # bf16 output: one rounding of the fp32 result (2^-9 relative) plus cuBLAS' fp32 accumulation order
+    assert_close("fp8 copy on GPU", want.float(), out.float(), rtol=2**-8)
+    # M = 8: the NVFP4 kernel as before (deterministic: split-K partials are summed without atomics)
+    assert torch.equal(layer(x_small), before)
