@@ -24,7 +24,7 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache
-from k3run.kernels.kda import causal_conv1d, chunk_kda, kda_gate, l2norm, recurrent_kda
+from k3run.kernels.kda import causal_conv1d, kda_forward
 from k3run.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -234,14 +234,12 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([q, k, v], dim=-1)  # [T, 3P]
         qkv, conv_final = causal_conv1d(qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0)
         q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
-        q, k = l2norm(q), l2norm(k)  # [T, H, K] fp32
-
-        f = self.f_b_proj(f_a).reshape(T, H, K)
-        g = kda_gate(f, self.A_log, self.dt_bias, self.gate_lower_bound)  # [T, H, K] fp32
-        beta = torch.sigmoid(b.float())  # [T, H]
-
-        kda = recurrent_kda if ctx.is_decode else chunk_kda
-        o, rec_final = kda(q, k, v, g, beta, scale=self.scale, initial_state=rec0, cu_seqlens=ctx.cu_seqlens)
+        f = self.f_b_proj(f_a).reshape(T, H, K)  # raw forget-gate projection
+        # gate, beta sigmoid and q/k L2 norm happen inside kda_forward (in-kernel on the fla GPU path)
+        o, rec_final = kda_forward(
+            q, k, v, f, b, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound,
+            scale=self.scale, initial_state=rec0, cu_seqlens=ctx.cu_seqlens, decode=ctx.is_decode,
+        )  # fmt: skip
         if layer_cache is not None:
             layer_cache.conv[ctx.slots] = conv_final.to(layer_cache.conv.dtype)
             layer_cache.recurrent[ctx.slots] = rec_final
