@@ -10,9 +10,14 @@ Three steps, each deterministic given its arguments and seed:
            the original Kimi K3 naming (config.json, model.safetensors, tokenizer.json).
   eval     held-out perplexity of a checkpoint directory, next to the uniform and unigram baselines.
 
-Example (the command that produced assets/, see assets/README.md):
+`train --init-from DIR` continues from a bf16 checkpoint of the same config written by this script: the
+weights are restored exactly, the AdamW moments start at zero (the checkpoint holds none), so give it a short
+--warmup; the LR then decays by cosine to --final-lr-frac. The run is deterministic given --seed and --procs.
+
+Example (the commands that produced assets/ are in assets/README.md):
   python scripts/train_default_model.py prepare --out out/default_model
   python scripts/train_default_model.py train --device cuda --out out/default_model/bf16  (options: README)
+  python scripts/train_default_model.py train --init-from out/default_model/bf16 --out ...  (continuation)
 """
 
 from __future__ import annotations
@@ -467,6 +472,39 @@ def save_checkpoint(
     )
 
 
+def load_init_checkpoint(model: KimiForCausalLM, config: dict, src: Path) -> None:
+    """Overwrite the model's weights with a bf16 checkpoint written by this script for the same config.
+
+    Only weights are restored: the checkpoint holds no optimizer state, so AdamW's moments start at zero
+    and the caller's LR schedule (a short warm-up) has to absorb that. The bf16 values become the fp32
+    master weights exactly (bf16 -> fp32 is lossless).
+    """
+    from k3run.loader import load_checkpoint
+    from k3run.safetensors_io import read_checkpoint_headers
+
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"--init-from {src}: no config.json")
+    theirs = json.loads(cfg_path.read_text())
+    if theirs != config:
+        diff = sorted(
+            k
+            for k in set(theirs.get("text_config", {})) | set(config["text_config"])
+            if theirs.get("text_config", {}).get(k) != config["text_config"].get(k)
+        )
+        raise ValueError(
+            f"--init-from {src}: config.json differs from this script's model config "
+            f"(text_config fields {diff or 'none; top-level fields differ'})"
+        )
+    layout = {name for name, _, _ in checkpoint_layout(config)}
+    headers = read_checkpoint_headers(src / "model.safetensors")
+    if set(headers) != set(layout):
+        missing, extra = sorted(set(layout) - set(headers)), sorted(set(headers) - set(layout))
+        raise ValueError(f"--init-from {src}: tensors missing {missing[:3]}..., unexpected {extra[:3]}...")
+    with torch.no_grad():
+        load_checkpoint(model, src / "model.safetensors", model.checkpoint_mapping, progress=False)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     """Data-parallel over `--procs` processes (gloo all-reduce of the gradients; all may share one GPU).
 
@@ -520,6 +558,9 @@ def _train_worker(rank: int, args: argparse.Namespace, init_method: str | None) 
     # initial weights are the same on every device and every rank.
     model = build_model(config, device)
     init_weights(model, config, torch.Generator().manual_seed(args.seed))
+    if args.init_from:
+        load_init_checkpoint(model, config, Path(args.init_from))
+        say(f"initialised from {args.init_from} (fresh optimizer state)")
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if name.endswith("e_score_correction_bias"):
@@ -545,6 +586,10 @@ def _train_worker(rank: int, args: argparse.Namespace, init_method: str | None) 
         f"held-out baselines: uniform ppl {manifest['vocab_size']}, unigram ppl {math.exp(uni):.1f}"
     )
     log: dict = {"args": vars(args), "params": n_params, "unigram_nll": uni, "train": [], "heldout": []}
+    prior_log = Path(args.init_from) / "train_log.json" if args.init_from else None
+    if prior_log is not None and prior_log.is_file():
+        # the continued checkpoint carries the whole history: the stage it started from, nested
+        log["init_from_log"] = json.loads(prior_log.read_text())
     total = args.steps
     t0, run_loss, run_n, step = time.perf_counter(), 0.0, 0, 0
     while step < total:
@@ -663,6 +708,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-budget", type=float, default=0, help="seconds; fixes --steps after the probe")
     p.add_argument("--budget-probe-steps", type=int, default=10)
     p.add_argument("--no-save", action="store_true", help="train and report only (timing runs)")
+    p.add_argument(
+        "--init-from",
+        default="",
+        help="bf16 checkpoint dir of the same config to continue from (weights only; AdamW starts fresh)",
+    )
     p = sub.add_parser("eval", help="held-out perplexity of checkpoint directories")
     p.add_argument("dirs", nargs="+")
     p.add_argument("--data", default="out/default_model")

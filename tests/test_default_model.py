@@ -242,3 +242,39 @@ def test_greedy_generation_looks_like_python(models: tuple[KimiForCausalLM, Kimi
     assert len(counts) >= 12, f"degenerate greedy output ({len(counts)} distinct tokens): {text!r}"
     assert counts.most_common(1)[0][1] <= new_tokens // 3, f"one token dominates: {text!r}"
     assert "\n" in text and any(k in text for k in ("return", "if ", "for ", "(", "=")), text
+
+
+def _train_script():  # noqa: ANN202 - a module loaded from scripts/, which is not a package
+    import importlib.util
+
+    path = ASSETS.parent / "scripts" / "train_default_model.py"
+    spec = importlib.util.spec_from_file_location("train_default_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_init_from_restores_the_bundled_weights_exactly(bf16_tensors: dict[str, torch.Tensor]) -> None:
+    """`train --init-from` starts from the checkpoint's weights: bf16 -> fp32 master -> bf16 is lossless."""
+    script = _train_script()
+    config = json.loads((BF16_DIR / "config.json").read_text())
+    model = script.build_model(config, "cpu")
+    script.init_weights(model, config, torch.Generator().manual_seed(123))
+    script.load_init_checkpoint(model, config, BF16_DIR)
+    state = script.export_state(model, config, script.probe_checkpoint_map(config))
+    assert set(state) == set(bf16_tensors)
+    for name, t in bf16_tensors.items():
+        assert state[name].dtype == t.dtype, name
+        assert torch.equal(state[name], t), f"{name}: not restored bit-exactly"
+
+
+def test_init_from_rejects_a_different_config(tmp_path: Path) -> None:
+    script = _train_script()
+    config = json.loads((BF16_DIR / "config.json").read_text())
+    other = json.loads(json.dumps(config))
+    other["text_config"]["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    model = script.build_model(config, "cpu")
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        script.load_init_checkpoint(model, config, tmp_path)
