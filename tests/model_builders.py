@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+
+from k3run.formats import dequantize_fp8_block, dequantize_nvfp4
 
 D, VOCAB = 64, 96
 
@@ -180,3 +182,25 @@ def write_checkpoint(directory: Path, hf: dict, seed: int) -> Path:
     (directory / "config.json").write_text(json.dumps(hf))
     save_file(random_checkpoint(hf, seed), str(directory / "model.safetensors"))
     return directory
+
+
+def write_dequantized_copy(src: Path, dst: Path) -> None:
+    """A ModelOpt export with every NVFP4 (uint8) and FP8_PB_WO (e4m3) weight replaced by its fp32
+    dequantization, the scale tensors dropped and no quantization config: same tensor names otherwise."""
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        base, _, kind = name.rpartition(".")
+        if kind == "weight" and t.dtype == torch.uint8:
+            scale, scale_2 = tensors[f"{base}.weight_scale"], tensors[f"{base}.weight_scale_2"]
+            out[name] = dequantize_nvfp4(t, scale, scale_2)
+        elif kind == "weight" and t.dtype == torch.float8_e4m3fn:
+            out[name] = dequantize_fp8_block(t, tensors[f"{base}.weight_scale"])
+        elif kind not in ("weight_scale", "weight_scale_2", "input_scale"):
+            out[name] = t.float()
+    hf = json.loads((src / "config.json").read_text())
+    del hf["quantization_config"]
+    hf["dtype"] = "float32"
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(hf))
+    save_file(out, str(dst / "model.safetensors"))

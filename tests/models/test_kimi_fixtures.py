@@ -4,17 +4,16 @@ from its own dequantized weights."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from k3run.api import load_model
-from k3run.formats import dequantize_nvfp4
 from k3run.loader import LoadError
 from k3run.testing import assert_close, rel_rms_error
+from tests.model_builders import write_dequantized_copy
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BF16 = FIXTURES / "kimi_linear_bf16"
@@ -36,33 +35,13 @@ def test_bf16_fixture_matches_hf_reference_logits():
     assert_close("kimi_linear_bf16 vs HF fp32 logits", ref["logits"], out, rtol=1e-5)
 
 
-def _dequantized_copy(src: Path, dst: Path) -> None:
-    """The NVFP4 export with every NVFP4 weight replaced by its fp32 dequantization (same tensor names)."""
-    tensors = load_file(str(src / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        base, _, kind = name.rpartition(".")
-        if kind == "weight" and t.dtype == torch.uint8:
-            out[name] = dequantize_nvfp4(
-                t, tensors[f"{base}.weight_scale"], tensors[f"{base}.weight_scale_2"]
-            )
-        elif kind not in ("weight_scale", "weight_scale_2", "input_scale"):
-            out[name] = t.float()
-    hf = json.loads((src / "config.json").read_text())
-    del hf["quantization_config"]
-    hf["dtype"] = "float32"
-    dst.mkdir()
-    (dst / "config.json").write_text(json.dumps(hf))
-    save_file(out, str(dst / "model.safetensors"))
-
-
 def test_nvfp4_fixture_matches_its_dequantized_weights(tmp_path):
     ref = _reference()
     quant = load_model(NVFP4, dtype=torch.float32)  # transformers-5 names, loaded as exported
     experts = quant.layers[1].mlp.experts
     assert experts.algo.value == "NVFP4" and experts.nvfp4_act_mode == "w4a16"
     assert quant.layers[0].self_attn.in_proj.scheme.describe().startswith("NVFP4")
-    _dequantized_copy(NVFP4, tmp_path / "deq")
+    write_dequantized_copy(NVFP4, tmp_path / "deq")
     deq = load_model(tmp_path / "deq")
     assert deq.layers[1].mlp.experts.algo.value == "NONE"
     out, out_deq = quant.logits(ref["input_ids"]), deq.logits(ref["input_ids"])

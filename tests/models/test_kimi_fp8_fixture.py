@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from k3run.api import load_model
 from k3run.config import ModelConfig
-from k3run.formats import dequantize_fp8_act_1x128, dequantize_fp8_block, quantize_fp8_act_1x128
+from k3run.formats import dequantize_fp8_act_1x128, quantize_fp8_act_1x128
 from k3run.layers.linear import LinearBase
 from k3run.layers.moe import FusedExperts
 from k3run.loader import IGNORE, load_checkpoint
@@ -27,6 +27,7 @@ from k3run.quant.plan import build_quant_plan
 from k3run.quant.schemes import Fp8PbWoScheme, UnquantizedScheme
 from k3run.safetensors_io import read_checkpoint_headers
 from k3run.testing import assert_close, rel_rms_error
+from tests.model_builders import write_dequantized_copy
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "kimi_linear_fp8_pb_wo_h128"
 # The output widths of this model that are not multiples of 128 (see make_fixtures.KIMI_H128_KWARGS):
@@ -45,24 +46,6 @@ def _fp8_checkpoint_tensors() -> dict[str, torch.Tensor]:
     return {n: t for n, t in tensors.items() if n.rpartition(".")[0] in fp8}
 
 
-def _write_dequantized(dst: Path) -> None:
-    """The export with every FP8 weight replaced by its fp32 dequantization and no quantization config."""
-    tensors = load_file(str(FIXTURE / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        base, _, kind = name.rpartition(".")
-        if t.dtype == torch.float8_e4m3fn:
-            out[name] = dequantize_fp8_block(t, tensors[f"{base}.weight_scale"])
-        elif kind != "weight_scale":
-            out[name] = t.float()
-    hf = json.loads((FIXTURE / "config.json").read_text())
-    del hf["quantization_config"]
-    hf["dtype"] = "float32"
-    dst.mkdir()
-    (dst / "config.json").write_text(json.dumps(hf))
-    save_file(out, str(dst / "model.safetensors"))
-
-
 def _act_rounded_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x rounded to e4m3 per token and 128-column group (what FP8_PB_WO does to its input), then F.linear."""
     return F.linear(dequantize_fp8_act_1x128(*quantize_fp8_act_1x128(x), dtype=x.dtype), w, bias)
@@ -71,7 +54,7 @@ def _act_rounded_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KimiForCausalLM]:
     deq_dir = tmp_path_factory.mktemp("kimi_fp8_h128") / "deq"
-    _write_dequantized(deq_dir)
+    write_dequantized_copy(FIXTURE, deq_dir)
     quant = load_model(FIXTURE, dtype=torch.float32)
     # Reference: the dequantized model whose linears round their input exactly as FP8_PB_WO does.
     # UnquantizedScheme takes its GEMM as an argument, so each layer that is FP8 in `quant` gets a plain
