@@ -260,6 +260,8 @@ def bench_nvfp4_via_fp8(rows: list[dict], ms) -> None:
 def _cfg_name(b: dict) -> str:
     if b["dequant_mm"]:
         return "dequant+cuBLAS"
+    if b.get("gemv"):
+        return f"gemv w{b['num_warps']} bk{b['block_k']} sk{b['split_k']} depth{b.get('depth', 1)}"
     tile = f"{b['block_m']}x{b['block_n']}x{b['block_k']}"
     swap = " swapAB" if b.get("swap_ab") else ""
     return f"{tile} w{b['num_warps']} s{b['num_stages']} d{b['decode']} sk{b.get('split_k', 1)}{swap}"

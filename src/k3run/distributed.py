@@ -70,19 +70,30 @@ def init_distributed(backend: str | None = None) -> TPInfo:
     """Join the process group described by the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, ...).
 
     Without WORLD_SIZE (or with WORLD_SIZE=1) nothing is initialised and TPInfo() is returned. The backend
-    defaults to NCCL when CUDA is available and gloo otherwise; on CUDA the process binds to LOCAL_RANK's GPU.
+    is `backend`, else $K3RUN_DIST_BACKEND, else NCCL when CUDA is available and gloo otherwise (a CPU run on
+    a machine with GPUs needs gloo: NCCL has no CPU tensors); with NCCL the process binds to LOCAL_RANK's GPU.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return TPInfo()
     rank = int(os.environ["RANK"])
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = os.environ.get("K3RUN_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"distributed backend: expected 'nccl' or 'gloo', got {backend!r}")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world)
     return TPInfo(rank=rank, size=world, group=None)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly: a barrier so no rank exits while another still talks to it, then
+    destroy the group (a gloo rank that exits with the group alive can abort with 'terminate called')."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str]:

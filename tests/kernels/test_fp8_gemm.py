@@ -134,8 +134,9 @@ def test_gpu_backends(poison_empty, backend: str, m: int, n: int):
 
 @pytest.mark.gpu
 def test_gpu_scaled_mm_identity_exact():
-    """x = I through block-wise _scaled_mm gives W^T up to the bf16 output rounding (a scale layout check):
-    448 * fl(1/448) may leave a 1-ulp fp32 difference that flips a bf16 rounding now and then."""
+    """x = I through block-wise _scaled_mm gives W^T up to the bf16 output rounding (a scale layout check: a
+    wrong scale layout is off by O(1)). fp8 * fp32 scale is not a bf16 value in general, so each output
+    element carries one bf16 rounding (<= 2^-9 relative; ~1.5e-3 RMS measured on an H200): bound 2^-9."""
     from k3run.kernels.fp8_gemm import blockwise_scaled_mm_supported
 
     if not blockwise_scaled_mm_supported(torch.device("cuda")):
@@ -144,4 +145,4 @@ def test_gpu_scaled_mm_identity_exact():
     w_pad, s_w = _padded_block_weight(n, k, device="cuda")
     y = fp8_pb_wo_linear(torch.eye(k, device="cuda").bfloat16(), w_pad, s_w, n, backend="scaled_mm")
     ref = dequantize_fp8_block(w_pad, s_w)[:n].t()
-    assert_close("identity through _scaled_mm", ref, y, rtol=2.0**-12)
+    assert_close("identity through _scaled_mm", ref, y, rtol=2.0**-9)

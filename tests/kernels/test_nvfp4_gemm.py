@@ -177,8 +177,26 @@ def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
 
 
 def test_choose_config_covers_decode_and_prefill():
-    assert choose_config(1, 7168, 7168).block_m == 16
-    assert choose_config(4096, 7168, 7168).dequant_mm or choose_config(4096, 7168, 7168).block_m >= 64
+    """M <= 16: the Gluon decode kernel, ~1800 one-warp programs (split_k from N, clamped to 1..8);
+    larger M: dequantize + cuBLAS (the H200 measurements behind this are in bench/NOTES.md)."""
+    for n, split_k in [(7168, 4), (12288, 2), (3072, 8), (520, 8), (200_000, 1)]:
+        cfg = choose_config(1, n, 7168)
+        assert (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.depth) == (True, 1, 128, split_k, 1), n
+    assert choose_config(16, 7168, 7168).gemv
+    assert choose_config(17, 7168, 7168).dequant_mm and not choose_config(17, 7168, 7168).gemv
+    assert choose_config(4096, 7168, 7168).dequant_mm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 40])
+def test_gpu_gemv_config_falls_back_for_fp32(poison_empty, m: int):
+    """A gemv config with fp32 input (the Gluon kernel takes bf16/fp16 only) runs the Triton kernels."""
+    n, k = 72, 400
+    w, s, gs = _random_nvfp4(n, k, device="cuda")
+    pw = prepare_nvfp4_weight(w, s, gs)
+    x = torch.randn(m, k, device="cuda")
+    y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True))
+    assert_close("gemv fallback fp32", nvfp4_linear_ref(x, w, s, gs), y, rtol=FP32_RTOL)
 
 
 @pytest.mark.gpu
@@ -232,14 +250,34 @@ def _emulate_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
     def val(a: str) -> int:
         return regs[a] if a in regs else int(a, 0)
 
-    for stmt in asm.replace("{", ";").replace("}", ";").split(";"):
+    body = asm.strip()
+    assert body.startswith("{") and body.endswith("}"), "the decoder is one PTX block"
+    for stmt in body[1:-1].split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
             continue
         op, rest = stmt.split(None, 1)
+        if op == "mov.b32" and "{" in rest:  # pack / unpack 16-bit halves: {lo, hi}
+            left = [x.strip() for x in rest.split("}", 1)[0].split("{", 1)[1].split(",")]
+            if rest.lstrip().startswith("{"):  # mov.b32 {a, b}, r
+                src = val(rest.rsplit(",", 1)[1].strip())
+                lo, hi = left
+                regs[lo], regs[hi] = src & 0xFFFF, src >> 16
+            else:  # mov.b32 d, {a, b}
+                d = rest.split(",", 1)[0].strip()
+                lo, hi = left
+                regs[d] = val(lo) | (val(hi) << 16)
+            continue
         d, *a = [x.strip() for x in rest.split(",")]
         if op == "mov.b32":
             regs[d] = val(a[0])
+        elif op == "lop3.b32":
+            x, y, z, lut = (val(v) for v in a)
+            out = 0
+            for bit in range(32):
+                idx = ((x >> bit) & 1) << 2 | ((y >> bit) & 1) << 1 | ((z >> bit) & 1)
+                out |= ((lut >> idx) & 1) << bit
+            regs[d] = out
         elif op == "and.b32":
             regs[d] = val(a[0]) & val(a[1])
         elif op == "or.b32":
@@ -304,3 +342,27 @@ def test_ptx_decoder_emulated_on_every_byte(kind: str):
         s_hi = scales.float()[[2, 3, 0, 1]]
         assert torch.equal(halves[:2].reshape(4).float(), lo * s_lo), (kind, b)
         assert torch.equal(halves[2:].reshape(4).float(), hi * s_hi), (kind, b)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_gemv_word_decoder_emulated_on_every_byte(kind: str):
+    """The Gluon decode kernel's PTX (one 32-bit word per call, the two scales packed in one register) gives
+    e2m1(nibble) * scale exactly for every byte value in every byte position, positive and negative."""
+    gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
+    from k3run.formats import e2m1_decode
+
+    dt = torch.bfloat16 if kind == "bf16" else torch.float16
+    asm = gemv.word_decode_asm(kind)
+    for s_lo, s_hi in [(0.375, 448.0), (2.0**-9, 3.0)]:
+        sbits = torch.tensor([s_lo, s_hi], dtype=dt).view(torch.int16).to(torch.int32) & 0xFFFF
+        for word in range(256):
+            b = [(word + 37 * i) % 256 for i in range(4)]  # every byte value lands in every position
+            word_bits = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+            regs = _emulate_ptx(asm, {"$4": word_bits, "$5": int(sbits[0]) | int(sbits[1]) << 16})
+            out = [regs[f"${i}"] for i in range(4)]
+            halves = (
+                torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16).view(dt)
+            )
+            codes = torch.tensor(b, dtype=torch.uint8)
+            assert torch.equal(halves[:2].reshape(4).float(), e2m1_decode(codes & 0xF) * s_lo), (kind, b)
+            assert torch.equal(halves[2:].reshape(4).float(), e2m1_decode(codes >> 4) * s_hi), (kind, b)

@@ -157,11 +157,11 @@ def test_gloo_collectives_match_tp1(tp: int, ckpt_path: Path, tp1_outputs: dict[
 
 _TORCHRUN_SCRIPT = """
 import json, sys, torch
-from k3run.distributed import all_gather, all_reduce, init_distributed
+from k3run.distributed import all_gather, all_reduce, init_distributed, shutdown_distributed
 from k3run.layers.linear import RowParallelLinear
 from k3run.quant.schemes import UnquantizedScheme
 
-tp = init_distributed()
+tp = init_distributed("gloo" if sys.argv[1] == "cpu" else None)
 dev = torch.device("cuda", torch.cuda.current_device()) if sys.argv[1] == "cuda" else torch.device("cpu")
 summed = all_reduce(torch.tensor([tp.rank + 1.0], device=dev), tp)
 gathered = all_gather(torch.full((1, 2), float(tp.rank), device=dev), tp, dim=-1)
@@ -173,7 +173,8 @@ with dev:
 layer.weight.weight_loader(layer.weight, w)
 err = (layer(x.to(dev)).cpu() - x @ w.t()).abs().max().item()
 out = {"rank": tp.rank, "size": tp.size, "sum": summed.item(), "gathered": gathered.flatten().tolist()}
-print(json.dumps(out | {"err": err}))
+print(json.dumps(out | {"err": err}), flush=True)
+shutdown_distributed()
 """
 
 
@@ -232,3 +233,13 @@ def test_init_distributed_from_torchrun_env_nccl() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     check_torchrun_outputs(run_torchrun_like(2, "cuda"), 2)
+
+
+def test_init_distributed_rejects_unknown_backend(monkeypatch) -> None:
+    from k3run.distributed import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("K3RUN_DIST_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="'nccl' or 'gloo', got 'mpi'"):
+        init_distributed()

@@ -77,6 +77,9 @@ class GemmConfig:
     split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel).
     swap_ab computes y^T = W x^T (decoded weights as the register operand; wgmma on sm90 when
     block_n >= 64); correct in the interpreter and compiled for sm_90, not yet timed on a GPU.
+    gemv=True runs the Gluon decode kernel (gluon_gemv.py; M <= 16, bf16/fp16): 16 * num_warps rows per
+    program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
+    K tiles of loads in flight per warp.
     """
 
     block_m: int = 16
@@ -89,6 +92,8 @@ class GemmConfig:
     split_k: int = 1
     swap_ab: bool = False
     dequant_mm: bool = False
+    gemv: bool = False
+    depth: int = 2
 
 
 def prepare_nvfp4_weight(
@@ -152,17 +157,43 @@ def nvfp4_to_fp8_block(
     return q_pad, scale.reshape(scale.shape[0], scale.shape[2]).contiguous()
 
 
-def choose_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 2-3).
+_GEMV_OK: bool | None = None
 
-    M <= 16: the decode kernel with 16x64x256 tiles (block_n 64 won the block_n 16/32/64 x split_k 1/2/4/8
-    sweep on 7168x7168 and 3072x3584; the winning split_k was 8 and 2 on the first, where it changed the
-    time by ~2%, and 4 on the second). M > 16: dequantize to bf16 + cuBLAS, which beat every fused tile
-    configuration tried at M = 64 and 4096 on those two shapes (the fused kernel stays available through
-    an explicit GemmConfig).
+
+def gemv_available() -> bool:
+    """Whether the Gluon decode kernel can be used here (Triton with Gluon, a CUDA GPU of sm_80 or later)."""
+    global _GEMV_OK
+    if _GEMV_OK is None:
+        try:
+            from . import gluon_gemv  # noqa: F401
+
+            _GEMV_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+        except Exception as e:  # an old Triton without Gluon, or its API changed
+            import logging
+
+            logging.getLogger(__name__).warning("nvfp4: Gluon decode kernel unavailable (%s)", e)
+            _GEMV_OK = False
+    return _GEMV_OK
+
+
+# the Triton tile kernel's decode launch (runs 2-3), used where the Gluon kernel cannot run
+TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
+GEMV_PROGRAMS = 1800  # 1-warp programs to aim for: ~13.6 per SM on 132 SMs, all resident at <= 168 registers
+
+
+def choose_config(m: int, n: int, k: int) -> GemmConfig:
+    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 2-5).
+
+    M <= 16: the Gluon decode kernel with 1-warp programs (16 rows), 128-wide K tiles, one tile in flight,
+    and split_k = GEMV_PROGRAMS / (N / 16) clamped to 1..8. Run 5's sweep (block_k 128/256, split_k 2/4/8,
+    depth 1-3, 1/2/4 warps) put this within 4% of the best measured launch on 7168x7168, 12288x7168 and
+    3072x3584 at M = 1 and 16 (bench/NOTES.md). M > 16: dequantize to bf16 + cuBLAS, which beat every
+    fused tile configuration tried at M = 64 and 4096 (the Triton kernel stays available through an
+    explicit GemmConfig).
     """
     if m <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
+        split_k = max(1, min(8, round(GEMV_PROGRAMS * 16 / max(n, 1))))
+        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1)
     return GemmConfig(dequant_mm=True)
 
 
@@ -184,7 +215,25 @@ def nvfp4_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     cfg = config or choose_config(x2.shape[0], w.n, w.k)
-    if cfg.dequant_mm:
+    if cfg.gemv and not (
+        x2.shape[0] <= 16 and x2.dtype in (torch.bfloat16, torch.float16) and gemv_available()
+    ):
+        cfg = TRITON_DECODE if x2.shape[0] <= 16 else GemmConfig(dequant_mm=True)
+    if cfg.gemv:
+        from .gluon_gemv import nvfp4_gemv
+
+        y = nvfp4_gemv(
+            x2,
+            w.weight,
+            w.scale_bits,
+            w.global_scale,
+            bias,
+            num_warps=cfg.num_warps,
+            block_k=cfg.block_k,
+            split_k=cfg.split_k,
+            depth=cfg.depth,
+        )
+    elif cfg.dequant_mm:
         wd = nvfp4_dequantize(w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype)
         y = F.linear(x2, wd, bias)
     else:

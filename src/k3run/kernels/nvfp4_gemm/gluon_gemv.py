@@ -1,0 +1,453 @@
+"""NVFP4 W4A16 decode GEMM (M <= 16) in Gluon: weights decoded straight into mma.sync operand registers.
+
+y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumulation, M <= 16.
+
+Why Gluon, not plain Triton: the Triton kernel (triton.py) decodes a tile in a blocked layout and lets the
+compiler move it into the dot-operand layout through shared memory; on an H200 that ran at ~0.7 TB/s of
+weight bytes (bench/NOTES.md). Here every tensor has an explicit layout:
+- The computation is swapped: acc[n, t] = sum_k W[n, k] x[t, k], so the weights are the mma A operand
+  (16 rows per warp) and the <= 16 tokens the B operand (8 or 16 columns; one mma.sync m16n8k16 per 16 k).
+- The split128 bytes are loaded directly in the A operand layout with k_width = 8 (each thread owns 8
+  consecutive bytes of a row: 64-bit loads, a full 32-byte sector per 4 lanes), seen as a 3-D tensor
+  [BN, runs, 8] so each thread's group scale (one per 8-byte run) broadcasts along the register dimension.
+  The PTX decoder of triton.py (byte-permute table, sign, packed multiply by the scale) turns 4 bytes into
+  8 bf16/fp16 weights in place; the reshape back to [BN, BK/2] and the conversion to the dot layout are
+  checked to move no data (`assert_trivial`).
+- Loads for the next K tile are issued before the current tile is decoded (register double buffering).
+- Split-K: grid (N / BN, SPLIT_K). Each program writes an fp32 partial; the last program of a row block
+  to arrive (an acq_rel counter) adds the partials in a fixed order, applies the global scale and the
+  bias and writes y, then resets the counter, so one launch does everything and results are deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from k3run.kernels.nvfp4_gemm import CHUNK
+from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
+
+K_WIDTH = 8  # consecutive k per thread in the mma operand layouts (= one 8-byte run of split128 bytes)
+
+# One call decodes one 32-bit word of split128 bytes b0..b3 ($4; nibbles n0 = b0 low, n1 = b0 high, ...):
+# $0 = (b0 low, b1 low), $1 = (b2 low, b3 low), $2 = (b0 high, b1 high), $3 = (b2 high, b3 high), each a
+# packed pair of 16-bit floats times its scale. $5 holds the low nibbles' scale in its low half and the
+# high nibbles' scale in its high half. Magnitudes: two byte-permute lookups (high / low byte of the float)
+# per 4 nibbles; signs: one permute in sign-replicate mode turns each nibble's sign bit (moved to a byte's
+# top bit) into 0xFF / 0x00, and one LOP3 (a | (b & 0x80808080)) sets the high bytes' sign bits; two
+# permutes build the pairs, then one packed multiply per pair (exact: e2m1 * e4m3 has <= 6 significant bits).
+_WORD_ASM = """
+{
+.reg .b32 th0, th1, tl0, tl1, m, m2, h01, l01, h23, l23, t, sg, sl, sh;
+.reg .b16 s0, s1;
+mov.b32 th0, HB0;
+mov.b32 th1, HB1;
+mov.b32 tl0, LB0;
+mov.b32 tl1, LB1;
+and.b32 m, $4, 0x77777777;
+shr.b32 m2, m, 16;
+prmt.b32 h01, th0, th1, m;
+prmt.b32 l01, tl0, tl1, m;
+prmt.b32 h23, th0, th1, m2;
+prmt.b32 l23, tl0, tl1, m2;
+shl.b32 t, $4, 4;
+prmt.b32 sg, t, $4, 0xD9C8;
+lop3.b32 h01, h01, sg, 0x80808080, 0xF8;
+prmt.b32 sg, t, $4, 0xFBEA;
+lop3.b32 h23, h23, sg, 0x80808080, 0xF8;
+prmt.b32 $0, l01, h01, 0x6240;
+prmt.b32 $1, l23, h23, 0x6240;
+prmt.b32 $2, l01, h01, 0x7351;
+prmt.b32 $3, l23, h23, 0x7351;
+mov.b32 {s0, s1}, $5;
+mov.b32 sl, {s0, s0};
+mov.b32 sh, {s1, s1};
+mul.rn.TY $0, $0, sl;
+mul.rn.TY $1, $1, sl;
+mul.rn.TY $2, $2, sh;
+mul.rn.TY $3, $3, sh;
+}
+"""
+
+
+def word_decode_asm(kind: str) -> str:
+    """The PTX decoding one split128 word for kind "bf16" or "fp16" (also run by the CPU emulator test)."""
+    (hb0, hb1), (lb0, lb1) = PRMT_TABLES[kind]
+    text = _WORD_ASM.replace("TY", "bf16x2" if kind == "bf16" else "f16x2")
+    for key, val in {"HB0": hb0, "HB1": hb1, "LB0": lb0, "LB1": lb1}.items():
+        text = text.replace(key, f"0x{val:08X}")
+    return text
+
+
+_ASM_BF16 = gl.constexpr(word_decode_asm("bf16"))
+_ASM_FP16 = gl.constexpr(word_decode_asm("fp16"))
+
+
+@functools.cache
+def _linear_bases(layout: gl.DistributedLayout, shape: tuple[int, ...]) -> gl.DistributedLinearLayout:
+    """Triton's own linear form of `layout` over `shape` (host side, no GPU needed)."""
+    from triton._C.libtriton import gluon_ir, ir
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+    return builder.to_linear_layout(layout._to_ir(builder), list(shape))
+
+
+@functools.cache
+def gemv_layouts(num_warps: int, block_n: int, block_k: int, block_t: int):
+    """(mma layout, A dot layout [BN, BK/2], the word layout [BN, BK/16, 2], B dot layout [BK/2, BT]).
+
+    The word layout holds the split128 bytes as 32-bit words: k bit 2 of the A layout becomes the word
+    index w, k bits >= 3 the run; k bits 0 and 1 (the 4 bytes of a word) are added back by two joins
+    after the decode, so the decoded tile lands in the A layout with no data movement.
+    """
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=K_WIDTH)
+    b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=K_WIDTH)
+    half = block_k // 2
+    lin = _linear_bases(a, (block_n, half))
+
+    def to_words(bases: list[list[int]]) -> list[list[int]]:
+        out = []
+        for r, k in bases:
+            if k in (1, 2):
+                continue  # a byte within the word: rebuilt by the joins
+            out.append([r, 0, 1] if k == 4 else [r, k // K_WIDTH, 0])
+        return out
+
+    if lin.reg_bases[:2] != [[0, 1], [0, 2]] or lin.reg_bases[2] != [0, 4]:
+        raise RuntimeError(f"nvfp4_gemv: unexpected mma operand layout {lin} (Triton version change?)")
+    words = gl.DistributedLinearLayout(
+        reg_bases=to_words(lin.reg_bases),
+        lane_bases=to_words(lin.lane_bases),
+        warp_bases=to_words(lin.warp_bases),
+        block_bases=[],
+        shape=[block_n, half // K_WIDTH, 2],
+    )
+    return mma, a, words, b
+
+
+@gluon.jit
+def _halves(o):
+    """uint32 pairs -> (low 16-bit float, high 16-bit float) as bf16 bit patterns."""
+    lo = (o & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+    hi = (o >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@gluon.jit
+def _assemble(o_a, o_b, BN: gl.constexpr, HALF: gl.constexpr, LA: gl.constexpr, DT: gl.constexpr):
+    """Decoded pairs [BN, RUNS, 2] (o_a: bytes 0, 1 of each word; o_b: bytes 2, 3) -> [BN, HALF] in LA."""
+    a0, a1 = _halves(o_a)
+    b0, b1 = _halves(o_b)
+    even = gl.join(a0, b0)  # [BN, RUNS, 2 (word), 2 (pair)]: element 0 of each pair
+    odd = gl.join(a1, b1)
+    w = gl.reshape(gl.join(even, odd), [BN, HALF])  # k in the run = word * 4 + pair * 2 + element
+    return gl.convert_layout(w.to(DT, bitcast=True), LA, assert_trivial=True)
+
+
+@gluon.jit
+def _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt, K_SPLIT: gl.constexpr):
+    """The words and both scale sets of the K tile starting kt into this program's range (0 past its end)."""
+    more = kt < K_SPLIT
+    p = gl.load(w_ptr + w_off + kt // 8, mask=row_ok3 & more, other=0)
+    s_lo = gl.load(s_ptr + s_off + kt // 16, mask=row_ok2 & more, other=0)
+    s_hi = gl.load(s_ptr + s_off + (kt // 16 + 4), mask=row_ok2 & more, other=0)
+    return p, s_lo, s_hi
+
+
+@gluon.jit
+def _tile(
+    acc, p, s_lo, s_hi, x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr,
+    BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr, LA: gl.constexpr, DT: gl.constexpr,
+):  # fmt: skip
+    """acc += decode(tile) @ x(tile): two mma_v2 over the low- and high-nibble halves."""
+    # x (a few KB, L1/L2-resident) is loaded when needed, not prefetched: it would double the registers
+    if K == K_PAD:
+        x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok, other=0.0)
+        x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=t_ok, other=0.0)
+    else:
+        x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok & (k_start + kt + kx < K), other=0.0)
+        x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=t_ok & (k_start + kt + kx + 64 < K), other=0.0)
+    # the two scales of a run as one word: (low nibbles' scale, high nibbles' scale) in DT bits
+    sl = s_lo.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
+    sh = s_hi.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
+    s_pair = gl.expand_dims(sl.to(gl.uint32) | (sh.to(gl.uint32) << 16), 2)
+    o_la, o_lb, o_ha, o_hb = gl.inline_asm_elementwise(
+        asm=ASM,
+        constraints="=r,=r,=r,=r,r,r",
+        args=[p.to(gl.uint32, bitcast=True), s_pair],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+    acc = mma_v2(_assemble(o_la, o_lb, BN, HALF, LA, DT), x_lo, acc)
+    return mma_v2(_assemble(o_ha, o_hb, BN, HALF, LA, DT), x_hi, acc)
+
+
+@gluon.jit
+def _nvfp4_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    b_ptr,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_ym,
+    K: gl.constexpr,
+    K_PAD: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    PER_COL_GS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    EVEN_N: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    BT: gl.constexpr,
+    DEPTH: gl.constexpr,
+    ASM: gl.constexpr,
+    MMA: gl.constexpr,
+    LA: gl.constexpr,
+    LW: gl.constexpr,
+    LB: gl.constexpr,
+):
+    HALF: gl.constexpr = BK // 2  # bytes per row per K tile
+    RUNS: gl.constexpr = HALF // 8
+    K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
+    N_TILES: gl.constexpr = K_SPLIT // BK
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    k_start = pid_k * K_SPLIT
+
+    # ---- A side: words [BN, RUNS, 2] (w_ptr is the split128 bytes seen as int32) and each run's scales
+    L_S: gl.constexpr = gl.SliceLayout(2, LW)
+    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L_S))
+    runs = gl.arange(0, RUNS, layout=gl.SliceLayout(0, L_S))
+    wi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    rows2 = gl.expand_dims(rows, 1)  # [BN, 1]
+    runs2 = gl.expand_dims(runs, 0)  # [1, RUNS]
+    if EVEN_N:
+        row_ok2 = gl.full([BN, RUNS], 1, gl.int1, layout=L_S)
+    else:
+        row_ok2 = (rows2 < N) & (runs2 >= 0)
+    # run r of the tile = bytes 8r..8r+7; chunk r // 8; its low nibbles' group = chunk * 8 + (r % 8) // 2
+    s_off = rows2.to(gl.int64) * (K_PAD // 16) + k_start // 16 + (runs2 // 8) * 8 + (runs2 % 8) // 2
+    w3 = gl.expand_dims(gl.expand_dims(wi, 0), 1)  # [1, 1, 2]
+    w_off = gl.expand_dims(rows2.to(gl.int64) * (K_PAD // 8) + k_start // 8 + runs2 * 2, 2) + w3
+    row_ok3 = gl.expand_dims(row_ok2, 2) & (w3 >= 0)
+
+    # ---- B side [HALF, BT]: x columns of the low nibbles (the high nibbles' are 64 further)
+    j = gl.arange(0, HALF, layout=gl.SliceLayout(1, LB))
+    t = gl.arange(0, BT, layout=gl.SliceLayout(0, LB))
+    kx = gl.expand_dims((j // 64) * 128 + j % 64, 1)  # [HALF, 1]
+    t2 = gl.expand_dims(t, 0)  # [1, BT]
+    x_off = t2.to(gl.int64) * stride_xm + k_start + kx
+    t_ok = (t2 < M) & (kx >= 0)
+
+    acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
+
+    # register ring of DEPTH tiles in flight: tile i is consumed, then the load of tile i + DEPTH is issued
+    # into its slot (masked off past the end of this program's K range)
+    p0, sl0, sh0 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, 0, K_SPLIT)
+    if DEPTH >= 2:
+        p1, sl1, sh1 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, BK, K_SPLIT)
+    if DEPTH >= 3:
+        p2, sl2, sh2 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, 2 * BK, K_SPLIT)
+    for it in range(0, N_TILES, DEPTH):
+        kt = it * BK
+        if DEPTH == 1:
+            p1, sl1, sh1 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + BK, K_SPLIT)
+        acc = _tile(acc, p0, sl0, sh0, x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD, BN, HALF, ASM, LA, DT)
+        if DEPTH == 1:
+            p0 = p1
+            sl0 = sl1
+            sh0 = sh1
+        else:
+            p0, sl0, sh0 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + DEPTH * BK, K_SPLIT)
+            if kt + BK < K_SPLIT:
+                acc = _tile(
+                    acc,
+                    p1,
+                    sl1,
+                    sh1,
+                    x_ptr,
+                    x_off,
+                    kx,
+                    t_ok,
+                    k_start,
+                    kt + BK,
+                    K,
+                    K_PAD,
+                    BN,
+                    HALF,
+                    ASM,
+                    LA,
+                    DT,
+                )
+            p1, sl1, sh1 = _load_tile(
+                w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + (DEPTH + 1) * BK, K_SPLIT
+            )
+            if DEPTH >= 3:
+                if kt + 2 * BK < K_SPLIT:
+                    acc = _tile(
+                        acc, p2, sl2, sh2, x_ptr, x_off, kx, t_ok, k_start, kt + 2 * BK, K, K_PAD, BN, HALF,
+                        ASM, LA, DT,
+                    )  # fmt: skip
+                p2, sl2, sh2 = _load_tile(
+                    w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + (DEPTH + 2) * BK, K_SPLIT
+                )
+
+    # ---- epilogue: acc[n, t] -> y[t, n]
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    t_idx = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
+    n2 = gl.expand_dims(n_idx, 1)
+    te = gl.expand_dims(t_idx, 0)
+    out_ok = (n2 < N) & (te < M)
+    if SPLIT_K > 1:
+        ws_off = (pid_k * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
+        gl.store(ws_ptr + ws_off, acc)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
+            for sk in gl.static_range(SPLIT_K):
+                part_off = (sk * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
+                acc += gl.load(ws_ptr + part_off, cache_modifier=".cg")
+            gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, te, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
+    else:
+        _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, te, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
+
+
+@gluon.jit
+def _finish(
+    acc,
+    gs_ptr,
+    b_ptr,
+    y_ptr,
+    n_idx,
+    n2,
+    te,
+    out_ok,
+    stride_ym,
+    PER_COL_GS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    N,
+):
+    n_ok = n_idx < N
+    if PER_COL_GS:
+        acc = acc * gl.expand_dims(gl.load(gs_ptr + n_idx, mask=n_ok, other=0.0), 1)
+    else:
+        acc = acc * gl.load(gs_ptr)
+    if HAS_BIAS:
+        acc += gl.expand_dims(gl.load(b_ptr + n_idx, mask=n_ok, other=0.0).to(gl.float32), 1)
+    gl.store(y_ptr + te.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per row block; every launch leaves them zero again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def nvfp4_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    num_warps: int = 1,
+    block_k: int = 512,
+    split_k: int = 1,
+    depth: int = 2,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 16, bf16/fp16 x on CUDA (sm_80+).
+
+    weight / scale_u8: the split128 layout (`repack_split128`). One program covers 16 * num_warps rows and
+    K_pad / split_k columns, in tiles of block_k (lowered to a multiple of 128 dividing that range), with
+    `depth` (1-3) tiles of loads in flight per warp.
+    maxnreg: the register cap handed to ptxas; None: 168 for M <= 8, 192 above (ptxas' own cap for a 1-warp
+    program is 128, which spilled the block_k 256 kernel to local memory; it needs ~165 / ~187 registers).
+    """
+    from k3run.kernels.nvfp4_gemm.triton import _check
+
+    n = _check(x, weight, scale_u8, global_scale, x.shape[-1])
+    m, k = x.shape
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
+    if m > 16:
+        raise ValueError(f"nvfp4_gemv: M={m} > 16 (use the tiled GEMM)")
+    if depth not in (1, 2, 3):
+        raise ValueError(f"nvfp4_gemv: depth={depth}, expected 1, 2 or 3")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    k_pad = weight.shape[1] * 2
+    chunks = k_pad // CHUNK
+    split_k = max(d for d in range(1, max(1, min(split_k, chunks)) + 1) if chunks % d == 0)
+    per_split = chunks // split_k  # 128-wide chunks per program
+    bk_chunks = max(d for d in range(1, max(1, min(block_k // CHUNK, per_split)) + 1) if per_split % d == 0)
+    bk = bk_chunks * CHUNK
+    bn = 16 * num_warps
+    bt = 8 if m <= 8 else 16
+    mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
+    grid_n = triton.cdiv(n, bn)
+    per_col = global_scale.numel() == n and n != 1
+    if split_k > 1:
+        ws = torch.empty((split_k, grid_n * bn, bt), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid_n)
+    else:
+        ws = cnt = y
+    _nvfp4_gemv_kernel[(grid_n, split_k)](
+        x,
+        weight.view(torch.int32),
+        scale_u8,
+        global_scale,
+        bias if bias is not None else global_scale,
+        y,
+        ws,
+        cnt,
+        m,
+        n,
+        x.stride(0),
+        y.stride(0),
+        K=k,
+        K_PAD=k_pad,
+        SPLIT_K=split_k,
+        PER_COL_GS=per_col,
+        HAS_BIAS=bias is not None,
+        EVEN_N=n % bn == 0,
+        BN=bn,
+        BK=bk,
+        BT=bt,
+        DEPTH=depth,
+        ASM=_ASM_BF16 if x.dtype == torch.bfloat16 else _ASM_FP16,
+        MMA=mma,
+        LA=la,
+        LW=lw,
+        LB=lb,
+        num_warps=num_warps,
+        maxnreg=maxnreg or (168 if bt == 8 else 192),
+    )
+    return y
