@@ -31,8 +31,11 @@ from k3run.testing import rel_rms_error  # noqa: E402
 TRITON_DEFAULT = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
 
 
-def candidates(full: bool) -> list[GemmConfig]:
-    """1-warp programs (16 rows each): depth 1-3 x split_k; --full adds block_k 256 and 2-warp programs."""
+def candidates(full: bool, quick: bool = False) -> list[GemmConfig]:
+    """1-warp programs (16 rows each): depth 1-3 x split_k; --full adds block_k 256 and 2-warp programs;
+    --quick: only the shape of choose_config's launch (block_k 128, depth 1) with split_k 2 / 4 / 8."""
+    if quick:
+        return [GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1) for sk in (2, 4, 8)]
     out = [
         GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=d)
         for d in (1, 2, 3)
@@ -50,6 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--full", action="store_true", help="also depth 1 and 2-warp programs")
+    ap.add_argument(
+        "--quick", action="store_true", help="choose_config's launch shape only (3 split_k values)"
+    )
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--shapes", default="", help="N x K list, e.g. 7168x7168,3072x3584 (default: all five)")
     args = ap.parse_args()
@@ -75,8 +81,10 @@ def main() -> None:
             exact = x.float() @ w_bf16[0].float().t()
             t_cublas = graph_ms([lambda w=w: F.linear(x, w) for w in w_bf16], 0.05)
             t_triton = graph_ms([lambda p=p: nvfp4_linear(x, p, config=TRITON_DEFAULT) for p in pws], 0.05)
+            deq = GemmConfig(dequant_mm=True)
+            t_deq = graph_ms([lambda p=p: nvfp4_linear(x, p, config=deq) for p in pws], 0.05)
             res = []
-            for c in candidates(args.full):
+            for c in candidates(args.full, args.quick):
                 try:
                     err = rel_rms_error(exact, nvfp4_linear(x, pws[0], config=c).float())
                     t = graph_ms([lambda p=p, c=c: nvfp4_linear(x, p, config=c) for p in pws], t_cublas / 3)
@@ -108,6 +116,8 @@ def main() -> None:
                 us_triton=t_triton * 1e3,
                 x_cublas=t_cublas / t,
                 x_triton=t_triton / t,
+                us_dequant=t_deq * 1e3,
+                x_dequant=t_deq / t,
                 err=err,
                 max_err=max(r[2] for r in res),
             )
@@ -120,7 +130,8 @@ def main() -> None:
     lines = [
         header,
         f"{'N x K':>12} {'M':>3} {'best (warps/bk/split/depth)':>26} {'us':>7} {'TB/s':>6} {'%copy':>6} "
-        f"{'cuBLAS us':>9} {'x cuBLAS':>8} {'Triton us':>9} {'x Triton':>8} {'err':>8}",
+        f"{'cuBLAS us':>9} {'x cuBLAS':>8} {'Triton us':>9} {'x Triton':>8} {'deq+mm us':>9} {'x deq':>6} "
+        f"{'err':>8}",
     ]
     for r in rows:
         c = r["cfg"]
@@ -128,7 +139,8 @@ def main() -> None:
             f"{r['n']:>5}x{r['k']:<6} {r['m']:>3} "
             f"{c['num_warps']:>14}/{c['block_k']}/{c['split_k']}/{c['depth']:<4} "
             f"{r['us']:7.2f} {r['tbs']:6.2f} {r['pct_copy']:6.1f} {r['us_cublas']:9.2f} {r['x_cublas']:8.2f} "
-            f"{r['us_triton']:9.2f} {r['x_triton']:8.2f} {r['max_err']:8.1e}"
+            f"{r['us_triton']:9.2f} {r['x_triton']:8.2f} {r['us_dequant']:9.2f} {r['x_dequant']:6.2f} "
+            f"{r['max_err']:8.1e}"
         )
     text = "\n".join(lines)
     with open(os.path.join(args.out, "bench_gemv.txt"), "w") as f:

@@ -1,12 +1,42 @@
 #!/usr/bin/env bash
-# One GPU session: the GPU kernel tests, then the benchmark; logs under $OUT (or ./bench_out).
+# One GPU session in one script: stages run in the order given; logs and tables under $OUT (or ./bench_out).
+#   bash bench/run_h200.sh [stage ...]     (default: tests gemv linear)
+# Stages:
+#   tests   every GPU-marked test (pytest -m gpu), fla-core included when its wheels travel in .whl/
+#   kda     bench/bench_kda.py (fla chunk_kda / fused_recurrent_kda vs the fp32 reference)
+#   gemv    bench/bench_gemv.py (the Gluon NVFP4 decode kernel's launch sweep; GEMV_ARGS adds options)
+#   linear  bench/bench_linear.py (NVFP4, FP8_PB_WO, NVFP4->FP8; LINEAR_ARGS adds options, e.g. --sweep)
+#   probe   bench/probe_scaled_mm.py (which K block-wise torch._scaled_mm gets right)
+#   model   the bundled model through `k3run bench` on CUDA
+# fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-900}" python -m pytest -p no:cacheprovider -q tests/kernels/test_nvfp4_gemm.py \
-    tests/kernels/test_fp8_act_quant.py tests/kernels/test_fp8_gemm.py 2>&1 | tee "$OUT/tests.txt" | tail -15
-python bench/probe_scaled_mm.py > "$OUT/probe_scaled_mm.txt" 2>&1
-python bench/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_stdout.txt" | grep -v '^{'
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests gemv linear)
+rc=0
+for stage in "${stages[@]}"; do
+    echo "== $stage"
+    case $stage in
+    tests) timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -rfE -m gpu tests 2>&1 \
+        | tee "$OUT/tests_gpu.txt" | grep -E "passed|failed|FAILED|ERROR" | tail -20 ;;
+    kda) timeout 300 python3 bench/bench_kda.py --out "$OUT" 2>&1 | tee "$OUT/bench_kda_stdout.txt" | grep -v '^{' ;;
+    gemv) timeout 400 python3 bench/bench_gemv.py --out "$OUT" ${GEMV_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_gemv_stdout.txt" | grep -v '^{' | grep -v '^  ' ;;
+    linear) timeout 500 python3 bench/bench_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_linear_stdout.txt" | grep -v '^{' ;;
+    probe) python3 bench/probe_scaled_mm.py >"$OUT/probe_scaled_mm.txt" 2>&1; tail -5 "$OUT/probe_scaled_mm.txt" ;;
+    model) timeout 200 python3 -m k3run.cli bench assets/default-model-k3-mixed --device cuda --dtype bf16 \
+        --batch-sizes 1,8 --prompt-len 64 --decode-tokens 64 --no-progress 2>&1 | tee "$OUT/model_bench.txt" | tail -4 ;;
+    *) echo "unknown stage $stage"; rc=2 ;;
+    esac
+    [ $? -ne 0 ] && rc=1
+done
+exit $rc

@@ -177,13 +177,14 @@ def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
 
 
 def test_choose_config_covers_decode_and_prefill():
-    """M <= 16: the Gluon decode kernel, ~1800 one-warp programs (split_k from N, clamped to 1..8);
-    larger M: dequantize + cuBLAS (the H200 measurements behind this are in bench/NOTES.md)."""
+    """M <= 16: the Gluon decode kernel, ~1800 one-warp programs (split_k from N, clamped to 1..8); M <= 32:
+    the same kernel, split_k 4; larger M: dequantize + cuBLAS (H200 measurements: bench/RESULTS.md)."""
     for n, split_k in [(7168, 4), (12288, 2), (3072, 8), (520, 8), (200_000, 1)]:
         cfg = choose_config(1, n, 7168)
         assert (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.depth) == (True, 1, 128, split_k, 1), n
     assert choose_config(16, 7168, 7168).gemv
-    assert choose_config(17, 7168, 7168).dequant_mm and not choose_config(17, 7168, 7168).gemv
+    assert choose_config(17, 7168, 7168).gemv and choose_config(32, 3072, 3584).split_k == 4
+    assert choose_config(33, 7168, 7168).dequant_mm and not choose_config(33, 7168, 7168).gemv
     assert choose_config(4096, 7168, 7168).dequant_mm
 
 

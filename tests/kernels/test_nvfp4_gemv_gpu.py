@@ -15,14 +15,15 @@ from tests.kernels.test_nvfp4_gemm import BF16_RTOL, FP16_RTOL, _random_nvfp4
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 45])
 @pytest.mark.parametrize(
     "num_warps, block_k, split_k, depth",
     [(1, 256, 1, 1), (1, 512, 3, 2), (2, 256, 4, 3), (4, 128, 2, 2), (1, 128, 8, 3), (1, 128, 5, 2)],
 )
 def test_gemv_odd_shapes_bf16(poison_empty, m: int, num_warps: int, block_k: int, split_k: int, depth: int):
     """N = 520 (not a multiple of 16 * num_warps), K = 3600 (pads to 3712: a partial last chunk), bias,
-    per-row global scales: bf16 output rounding bounds the relative RMS error (BF16_RTOL)."""
+    per-row global scales, token tiles 8 / 16 / 32 and M = 45 in two launches (32 + 13): bf16 output rounding
+    bounds the relative RMS error (BF16_RTOL)."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
     pw = prepare_nvfp4_weight(w, s, gs)

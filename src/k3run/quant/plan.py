@@ -32,7 +32,7 @@ _EMBEDDING_NAMES = frozenset({"embed_tokens", "word_embeddings", "wte"})
 _FLOAT_CODES = ("BF16", "F16", "F32")
 
 _CPU_QUANT = "reference: dequantize + matmul (formats)"
-_NVFP4_CUDA = "kernels/nvfp4_gemm: Triton W4A16, E2M1 decoded in registers"
+_NVFP4_CUDA = "kernels/nvfp4_gemm: Gluon W4A16 decode kernel (M <= 32), dequantize + cuBLAS above"
 _EXPERTS = "layers/moe fused_experts: per-expert loop, dequantize + matmul"
 # The kernel each (layer kind, device type, scheme) runs; the one place `k3run inspect` reads it from.
 _IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
@@ -88,7 +88,7 @@ def nvfp4_fp8_implementation(n: int, k: int) -> str | None:
         when = "every M"
     else:
         when = f"M > {NVFP4_DECODE_MAX_M}" if large else f"M <= {NVFP4_DECODE_MAX_M}"
-        when += ", Triton W4A16 otherwise"
+        when += ", the NVFP4 kernels otherwise"
     return f"NVFP4 -> FP8 128x128 blocks at load (opt-in, lossy): kernels/fp8_gemm _scaled_mm for {when}"
 
 

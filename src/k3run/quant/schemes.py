@@ -384,13 +384,14 @@ class Fp8PbWoScheme:
 #   block-scaled _scaled_mm ran 7168x7168 at M = 4096 in 0.400 ms vs 0.642 ms (1.51x cuBLAS bf16, run 2), and
 #   bare block _scaled_mm reached 1127-1138 TFLOP/s at M = 4096 on 7168x7168 and 2112x7168 against 724-745
 #   for cuBLAS bf16 (run 3, toolchain.md), so it wins at every large-M shape it accepts.
-# - M <= 16 (the NVFP4 decode kernel): FP8 won on 7168x7168, 0.0242 vs 0.0681 ms at M = 16 (run 2) and the
-#   FP8_PB_WO layer took 0.0255 ms at M = 1 vs 0.0418 ms for the best NVFP4 decode config (run 3). Smaller
-#   weights (the 3072x3584 / 3584x3072 expert shapes) were not measured through FP8, so they stay NVFP4.
+# - M <= 16: the Gluon NVFP4 decode kernel (run 8) beats the FP8 copy: 7168x7168 in 0.0180 ms at M = 1 and
+#   0.0232 ms at M = 16, against 0.0255 ms (M = 1, run 3) and 0.0242 ms (M = 16, run 2) through FP8 (the
+#   Triton decode kernel that FP8 used to beat took 0.0418 / 0.0681 ms). So FP8 is never picked there.
+# - M = 17..32 (the Gluon kernel's 32-token tile, run 9): 0.037-0.039 ms on 7168x7168, still slower than the
+#   FP8 layer (~0.029 ms at M = 64, run 3), so FP8 keeps every M > 16.
 # - only the block-scaled _scaled_mm backend: the Triton FP8 fallback ran at 589 TFLOP/s at M = 4096 (run 3),
 #   below dequantize + cuBLAS (702-739 TFLOP/s).
-NVFP4_DECODE_MAX_M = 16  # the NVFP4 decode kernel's range (kernels/nvfp4_gemm choose_config)
-NVFP4_FP8_DECODE_MIN_WEIGHTS = 7168 * 7168  # smallest N*K where FP8 was measured faster at M <= 16
+NVFP4_DECODE_MAX_M = 16  # up to here the NVFP4 decode kernel beats the FP8 copy (measurements above)
 
 
 def nvfp4_fp8_faster(m: int, n: int, k: int, fp8_backend: str) -> bool:
@@ -398,7 +399,7 @@ def nvfp4_fp8_faster(m: int, n: int, k: int, fp8_backend: str) -> bool:
     fp8_gemm backend the layer resolved at load) than the NVFP4 kernels do; see the measurements above."""
     if fp8_backend != "scaled_mm":
         return False
-    return m > NVFP4_DECODE_MAX_M or n * k >= NVFP4_FP8_DECODE_MIN_WEIGHTS
+    return m > NVFP4_DECODE_MAX_M
 
 
 @dataclass(frozen=True)
@@ -418,7 +419,7 @@ class Fp8BlockCopy:
 def nvfp4_gemm(x: torch.Tensor, weight: NvFp4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The NVFP4 GEMM: x [M, K] @ dq(W)^T (+ bias) -> [M, N] in x's dtype.
 
-    The one place a device kernel is chosen (k3run.kernels.nvfp4_gemm): Triton W4A16 on CUDA, and on CPU
+    The one place a device kernel is chosen (k3run.kernels.nvfp4_gemm): W4A16 kernels on CUDA, and on CPU
     its fp32 reference, which dequantizes with k3run.formats (e2m1 * block scale exact in fp32, one
     rounding for the per-row global scale) and multiplies in fp32.
     """

@@ -179,21 +179,28 @@ def gemv_available() -> bool:
 # the Triton tile kernel's decode launch (runs 2-3), used where the Gluon kernel cannot run
 TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
 GEMV_PROGRAMS = 1800  # 1-warp programs to aim for: ~13.6 per SM on 132 SMs, all resident at <= 168 registers
+# rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (run 9:
+# 1.6-2.3x faster than dequantize + cuBLAS at M = 24 / 32, 0.77-1.24x at M = 48 / 64)
+GEMV_MAX_M = 64
+GEMV_AUTO_M = 32
 
 
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 2-5).
+    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 5-9).
 
     M <= 16: the Gluon decode kernel with 1-warp programs (16 rows), 128-wide K tiles, one tile in flight,
-    and split_k = GEMV_PROGRAMS / (N / 16) clamped to 1..8. Run 5's sweep (block_k 128/256, split_k 2/4/8,
+    and split_k = GEMV_PROGRAMS / (N / 16) clamped to 1..8. Run 7's sweep (block_k 128/256, split_k 2/4/8,
     depth 1-3, 1/2/4 warps) put this within 4% of the best measured launch on 7168x7168, 12288x7168 and
-    3072x3584 at M = 1 and 16 (bench/NOTES.md). M > 16: dequantize to bf16 + cuBLAS, which beat every
-    fused tile configuration tried at M = 64 and 4096 (the Triton kernel stays available through an
-    explicit GemmConfig).
+    3072x3584 at M = 1 and 16 (bench/NOTES.md). M = 17..32: the same kernel with its 32-token tile and
+    split_k 4 (within 5% of the best of split_k 2/4/8 on all five K3 shapes, run 9). Larger M: dequantize to
+    bf16 + cuBLAS, which beat every fused tile configuration tried at M = 64 and 4096 (the Triton kernel stays
+    available through an explicit GemmConfig).
     """
     if m <= 16:
         split_k = max(1, min(8, round(GEMV_PROGRAMS * 16 / max(n, 1))))
         return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1)
+    if m <= GEMV_AUTO_M:
+        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=4, depth=1)
     return GemmConfig(dequant_mm=True)
 
 
@@ -216,23 +223,28 @@ def nvfp4_linear(
         x2 = x2.contiguous()
     cfg = config or choose_config(x2.shape[0], w.n, w.k)
     if cfg.gemv and not (
-        x2.shape[0] <= 16 and x2.dtype in (torch.bfloat16, torch.float16) and gemv_available()
+        x2.shape[0] <= GEMV_MAX_M and x2.dtype in (torch.bfloat16, torch.float16) and gemv_available()
     ):
         cfg = TRITON_DECODE if x2.shape[0] <= 16 else GemmConfig(dequant_mm=True)
     if cfg.gemv:
         from .gluon_gemv import nvfp4_gemv
 
-        y = nvfp4_gemv(
-            x2,
-            w.weight,
-            w.scale_bits,
-            w.global_scale,
-            bias,
-            num_warps=cfg.num_warps,
-            block_k=cfg.block_k,
-            split_k=cfg.split_k,
-            depth=cfg.depth,
-        )
+        # one launch per 32 rows (the kernel's widest token tile)
+        parts = [
+            nvfp4_gemv(
+                x2[i : i + 32],
+                w.weight,
+                w.scale_bits,
+                w.global_scale,
+                bias,
+                num_warps=cfg.num_warps,
+                block_k=cfg.block_k,
+                split_k=cfg.split_k,
+                depth=cfg.depth,
+            )
+            for i in range(0, x2.shape[0], 32)
+        ]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
     elif cfg.dequant_mm:
         wd = nvfp4_dequantize(w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype)
         y = F.linear(x2, wd, bias)

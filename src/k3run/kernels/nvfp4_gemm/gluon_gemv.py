@@ -380,13 +380,14 @@ def nvfp4_gemv(
     depth: int = 2,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 16, bf16/fp16 x on CUDA (sm_80+).
+    """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
     weight / scale_u8: the split128 layout (`repack_split128`). One program covers 16 * num_warps rows and
     K_pad / split_k columns, in tiles of block_k (lowered to a multiple of 128 dividing that range), with
     `depth` (1-3) tiles of loads in flight per warp.
-    maxnreg: the register cap handed to ptxas; None: 168 for M <= 8, 192 above (ptxas' own cap for a 1-warp
-    program is 128, which spilled the block_k 256 kernel to local memory; it needs ~165 / ~187 registers).
+    The token tile is 8, 16 or 32 wide (the mma n dimension), the smallest that holds M.
+    maxnreg: the register cap handed to ptxas; None: 168 / 192 / 232 for token tiles 8 / 16 / 32 (ptxas' own
+    cap for a 1-warp program is 128, which spilled the block_k 256 kernel; it needs ~165 / ~187 / ~181).
     """
     from k3run.kernels.nvfp4_gemm.triton import _check
 
@@ -394,8 +395,8 @@ def nvfp4_gemv(
     m, k = x.shape
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
-    if m > 16:
-        raise ValueError(f"nvfp4_gemv: M={m} > 16 (use the tiled GEMM)")
+    if m > 32:
+        raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
     if depth not in (1, 2, 3):
         raise ValueError(f"nvfp4_gemv: depth={depth}, expected 1, 2 or 3")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
@@ -410,7 +411,7 @@ def nvfp4_gemv(
     bk_chunks = max(d for d in range(1, max(1, min(block_k // CHUNK, per_split)) + 1) if per_split % d == 0)
     bk = bk_chunks * CHUNK
     bn = 16 * num_warps
-    bt = 8 if m <= 8 else 16
+    bt = 8 if m <= 8 else 16 if m <= 16 else 32
     mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
     grid_n = triton.cdiv(n, bn)
     per_col = global_scale.numel() == n and n != 1
@@ -448,6 +449,6 @@ def nvfp4_gemv(
         LW=lw,
         LB=lb,
         num_warps=num_warps,
-        maxnreg=maxnreg or (168 if bt == 8 else 192),
+        maxnreg=maxnreg or {8: 168, 16: 192, 32: 232}[bt],
     )
     return y
