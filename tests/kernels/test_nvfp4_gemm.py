@@ -201,7 +201,7 @@ def test_gpu_gemv_config_falls_back_for_fp32(poison_empty, m: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 16, 37, 300, 1500])
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 37, 300, 1500])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("decode", [0, 1])
 def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, decode: int):

@@ -391,7 +391,7 @@ def nvfp4_gemv(
     """
     from k3run.kernels.nvfp4_gemm.triton import _check
 
-    n = _check(x, weight, scale_u8, global_scale, x.shape[-1])
+    n = _check(x, weight, scale_u8, global_scale, x.shape[-1], bias)
     m, k = x.shape
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
@@ -399,8 +399,6 @@ def nvfp4_gemv(
         raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
     if depth not in (1, 2, 3):
         raise ValueError(f"nvfp4_gemv: depth={depth}, expected 1, 2 or 3")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -299,8 +299,14 @@ def _nvfp4_dequant_kernel(
 
 
 def _check(
-    x: torch.Tensor | None, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor, k: int
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
 ) -> int:
+    """Validate a kernel call's tensors (split128 layout); returns N."""
     if weight.dtype != torch.uint8 or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(
             f"nvfp4 weight: expected contiguous uint8 [N, K_pad/2], got {weight.dtype} {tuple(weight.shape)}"
@@ -330,6 +336,8 @@ def _check(
             )
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"nvfp4 linear input: expected bf16/fp16/fp32, got {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
     return n
 
 
@@ -356,7 +364,7 @@ def nvfp4_gemm(
     global_scale fp32 [1] or [N]. block_k is lowered to the largest multiple of 128 dividing K_pad;
     decode=1 needs bf16/fp16 on CUDA.
     """
-    n = _check(x, weight, scale_u8, global_scale, x.shape[-1])
+    n = _check(x, weight, scale_u8, global_scale, x.shape[-1], bias)
     k = x.shape[1]
     k_pad = weight.shape[1] * 2
     if block_m < 16 or block_n < 16 or block_k % CHUNK:
@@ -369,8 +377,6 @@ def nvfp4_gemm(
     split_k = max(d for d in range(1, max(1, min(split_k, tiles)) + 1) if tiles % d == 0)
     if decode == 1 and (x.dtype == torch.float32 or not x.is_cuda):
         raise ValueError("nvfp4_gemm: decode=1 (PTX) needs bf16/fp16 inputs on a CUDA device")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
