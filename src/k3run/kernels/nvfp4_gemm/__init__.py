@@ -204,6 +204,41 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(dequant_mm=True)
 
 
+def _fallback(m: int) -> GemmConfig:
+    return TRITON_DECODE if m <= 16 else GemmConfig(dequant_mm=True)
+
+
+def _disable_gemv(err: Exception) -> None:
+    global _GEMV_OK
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "nvfp4: Gluon decode kernel failed to compile, Triton fallback: %s", err
+    )
+    _GEMV_OK = False
+
+
+def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
+    """The Gluon decode kernel, one launch per 32 rows (its widest token tile)."""
+    from .gluon_gemv import nvfp4_gemv
+
+    parts = [
+        nvfp4_gemv(
+            x2[i : i + 32],
+            w.weight,
+            w.scale_bits,
+            w.global_scale,
+            bias,
+            num_warps=cfg.num_warps,
+            block_k=cfg.block_k,
+            split_k=cfg.split_k,
+            depth=cfg.depth,
+        )
+        for i in range(0, x2.shape[0], 32)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def nvfp4_linear(
     x: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
@@ -225,30 +260,20 @@ def nvfp4_linear(
     if cfg.gemv and not (
         x2.shape[0] <= GEMV_MAX_M and x2.dtype in (torch.bfloat16, torch.float16) and gemv_available()
     ):
-        cfg = TRITON_DECODE if x2.shape[0] <= 16 else GemmConfig(dequant_mm=True)
+        cfg = _fallback(x2.shape[0])
+    y = None
     if cfg.gemv:
-        from .gluon_gemv import nvfp4_gemv
+        from triton.compiler.errors import CompilationError
 
-        # one launch per 32 rows (the kernel's widest token tile)
-        parts = [
-            nvfp4_gemv(
-                x2[i : i + 32],
-                w.weight,
-                w.scale_bits,
-                w.global_scale,
-                bias,
-                num_warps=cfg.num_warps,
-                block_k=cfg.block_k,
-                split_k=cfg.split_k,
-                depth=cfg.depth,
-            )
-            for i in range(0, x2.shape[0], 32)
-        ]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
-    elif cfg.dequant_mm:
+        try:
+            y = _gemv(x2, w, bias, cfg)
+        except CompilationError as e:  # a Triton whose Gluon API moved: use the Triton kernels from now on
+            _disable_gemv(e)
+            cfg = _fallback(x2.shape[0])
+    if y is None and cfg.dequant_mm:
         wd = nvfp4_dequantize(w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype)
         y = F.linear(x2, wd, bias)
-    else:
+    elif y is None:
         y = nvfp4_gemm(
             x2,
             w.weight,

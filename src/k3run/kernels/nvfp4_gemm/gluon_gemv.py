@@ -32,6 +32,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from k3run.kernels.nvfp4_gemm import CHUNK
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
 
+# the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 K_WIDTH = 8  # consecutive k per thread in the mma operand layouts (= one 8-byte run of split128 bytes)
 
 # One call decodes one 32-bit word of split128 bytes b0..b3 ($4; nibbles n0 = b0 low, n1 = b0 high, ...):
@@ -317,7 +320,7 @@ def _nvfp4_gemv_kernel(
     if SPLIT_K > 1:
         ws_off = (pid_k * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
         gl.store(ws_ptr + ws_off, acc)
-        gl.thread_barrier()
+        _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
@@ -355,6 +358,7 @@ def _finish(
     gl.store(y_ptr + te.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
+MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -447,6 +451,6 @@ def nvfp4_gemv(
         LW=lw,
         LB=lb,
         num_warps=num_warps,
-        maxnreg=maxnreg or {8: 168, 16: 192, 32: 232}[bt],
+        maxnreg=maxnreg or MAXNREG[bt],
     )
     return y

@@ -1,0 +1,74 @@
+"""The Gluon NVFP4 decode kernel compiled for sm_90 on the CPU (no GPU needed): it must build with this
+machine's Triton, put the decoded weights in the mma operand layout without moving data (the kernel's
+`convert_layout(..., assert_trivial=True)` fails the compile otherwise), issue mma.sync, and fit its
+register cap without spilling. The numbers it computes are checked on a GPU (test_nvfp4_gemv_gpu.py)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+
+import pytest
+
+gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
+triton = pytest.importorskip("triton")
+
+
+def _compile(
+    num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int
+):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
+    asm = gemv._ASM_BF16 if dtype == "bf16" else gemv._ASM_FP16
+    consts = dict(
+        K=k, K_PAD=-(-k // 128) * 128, SPLIT_K=split_k, PER_COL_GS=False, HAS_BIAS=True, EVEN_N=False,
+        BN=16 * num_warps, BK=block_k, BT=bt, DEPTH=depth, ASM=asm, MMA=mma, LA=la, LW=lw, LB=lb,
+    )  # fmt: skip
+    ptrs = dict(
+        x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
+        ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_ym="i32",
+    )  # fmt: skip
+    order = list(inspect.signature(gemv._nvfp4_gemv_kernel.fn).parameters)
+    sig = {name: ("constexpr" if name in consts else ptrs[name]) for name in order}
+    src = GluonASTSource(gemv._nvfp4_gemv_kernel, sig, {(order.index(c),): v for c, v in consts.items()}, {})
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg}
+    )
+
+
+@pytest.mark.parametrize(
+    "m, n, k, dtype", [(1, 7168, 7168, "bf16"), (16, 12288, 7168, "bf16"), (32, 520, 3600, "fp16")]
+)
+def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k: int, dtype: str):
+    """The launches choose_config makes (token tiles 8 / 16 / 32), at the register cap nvfp4_gemv passes."""
+    from k3run.kernels.nvfp4_gemm import choose_config
+
+    cfg = choose_config(m, n, k)
+    assert cfg.gemv
+    bt = 8 if m <= 8 else 16 if m <= 16 else 32
+    maxnreg = gemv.MAXNREG[bt]
+    ck = _compile(cfg.num_warps, cfg.block_k, bt, cfg.split_k, cfg.depth, k, dtype, maxnreg)
+    ptx = ck.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    # no shared-memory staging of the decoded tile: at most the split-K counter's broadcast touches smem
+    assert len(re.findall(r"\bst\.shared", ptx)) <= 2, "the decoded weights went through shared memory"
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("no cuobjdump in this Triton build to read the register use")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_gemv_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(ck.asm["cubin"])
+    try:
+        res = subprocess.run(
+            [cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.remove(path)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None, res
+    regs, stack = int(use.group(1)), int(use.group(2))
+    assert regs <= maxnreg and stack == 0, f"{regs} registers, {stack} bytes of stack (spills)"
