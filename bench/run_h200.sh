@@ -7,6 +7,7 @@
 #   gemv    bench/bench_gemv.py (the Gluon NVFP4 decode kernel's launch sweep; GEMV_ARGS adds options)
 #   linear  bench/bench_linear.py (NVFP4, FP8_PB_WO, NVFP4->FP8; LINEAR_ARGS adds options, e.g. --sweep)
 #   probe   bench/probe_scaled_mm.py (which K block-wise torch._scaled_mm gets right)
+#   host    bench/probe_host_overhead.py (eager vs CUDA-graph time of small calls: KDA decode, NVFP4 M=1)
 #   model   the bundled model through `k3run bench` on CUDA
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
@@ -33,6 +34,7 @@ for stage in "${stages[@]}"; do
     linear) timeout 500 python3 bench/bench_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
         | tee "$OUT/bench_linear_stdout.txt" | grep -v '^{' ;;
     probe) python3 bench/probe_scaled_mm.py >"$OUT/probe_scaled_mm.txt" 2>&1; tail -5 "$OUT/probe_scaled_mm.txt" ;;
+    host) timeout 200 python3 bench/probe_host_overhead.py 2>&1 | tee "$OUT/probe_host.txt" | tail -8 ;;
     model) timeout 200 python3 -m k3run.cli bench assets/default-model-k3-mixed --device cuda --dtype bf16 \
         --batch-sizes 1,8 --prompt-len 64 --decode-tokens 64 --no-progress 2>&1 | tee "$OUT/model_bench.txt" | tail -4 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
