@@ -393,7 +393,7 @@ def nvfp4_gemv(
     maxnreg: the register cap handed to ptxas; None: 168 / 192 / 232 for token tiles 8 / 16 / 32 (ptxas' own
     cap for a 1-warp program is 128, which spilled the block_k 256 kernel; it needs ~165 / ~187 / ~181).
     """
-    from k3run.kernels.nvfp4_gemm.triton import _check
+    from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
     n = _check(x, weight, scale_u8, global_scale, x.shape[-1], bias)
     m, k = x.shape
@@ -408,9 +408,9 @@ def nvfp4_gemv(
         return y
     k_pad = weight.shape[1] * 2
     chunks = k_pad // CHUNK
-    split_k = max(d for d in range(1, max(1, min(split_k, chunks)) + 1) if chunks % d == 0)
+    split_k = largest_divisor(chunks, split_k)
     per_split = chunks // split_k  # 128-wide chunks per program
-    bk_chunks = max(d for d in range(1, max(1, min(block_k // CHUNK, per_split)) + 1) if per_split % d == 0)
+    bk_chunks = largest_divisor(per_split, block_k // CHUNK)
     bk = bk_chunks * CHUNK
     bn = 16 * num_warps
     bt = 8 if m <= 8 else 16 if m <= 16 else 32

@@ -298,6 +298,11 @@ def _nvfp4_dequant_kernel(
     tl.store(out + 64, (w_hi * gs).to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None] & (k + 64 < K))
 
 
+def largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of n not above cap (at least 1): how many whole pieces n splits into."""
+    return max(d for d in range(1, max(1, min(cap, n)) + 1) if n % d == 0)
+
+
 def _check(
     x: torch.Tensor | None,
     weight: torch.Tensor,
@@ -374,7 +379,7 @@ def nvfp4_gemm(
     block_k = max(block_k, CHUNK)
     # split K only into whole tiles: the largest divisor of the tile count not above split_k
     tiles = k_pad // block_k
-    split_k = max(d for d in range(1, max(1, min(split_k, tiles)) + 1) if tiles % d == 0)
+    split_k = largest_divisor(tiles, split_k)
     if decode == 1 and (x.dtype == torch.float32 or not x.is_cuda):
         raise ValueError("nvfp4_gemm: decode=1 (PTX) needs bf16/fp16 inputs on a CUDA device")
     m = x.shape[0]
