@@ -358,3 +358,86 @@ def test_k3_latent_moe_block_matches_formula():
     )
     # fp32 model vs fp64 formula: fp32 roundings only
     assert_close("K3 latent MoE block", ref, moe(x), rtol=1e-5)
+
+
+def _kernel_case(act_name: str, device: str, kernels: bool | None, dtype=torch.float32, seed: int = 3):
+    """NVFP4 experts with D = I = 128 (the kernel path's multiple of 128) loaded from a ModelOpt-style
+    checkpoint, and a batch routed over them."""
+    e, d, i = 4, 128, 128
+    g = torch.Generator().manual_seed(seed)
+    w1, w3, w2 = (
+        torch.randn(e, *shape, generator=g) * s for shape, s in (((i, d), 0.2), ((i, d), 3.0), ((d, i), 0.2))
+    )
+    ckpt = {}
+    for k in range(e):
+        for which, w in (("w1", w1[k]), ("w3", w3[k]), ("w2", w2[k])):
+            q = quantize_nvfp4(w)
+            ckpt[(k, which)] = {
+                "weight": q.weight,
+                "weight_scale": q.weight_scale,
+                "weight_scale_2": q.weight_scale_2,
+            }
+    with torch.device(device):
+        ex = FusedExperts(
+            e, d, i, ACTS[act_name], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
+        )
+    ex.nvfp4_kernels = kernels
+    for (k, which), tensors in ckpt.items():
+        for kind, t in tensors.items():
+            p = getattr(ex, ("w2_" if which == "w2" else "w13_") + kind)
+            p.weight_loader(p, t, (k, which))
+    ex.process_after_loading()
+    x = (torch.randn(9, d, generator=g) * 2).to(device=device, dtype=dtype)
+    weights, ids = route(torch.randn(9, e, generator=g).to(device), torch.zeros(e, device=device), 2)
+    return ex, x, ids, weights
+
+
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_nvfp4_expert_kernel_path_folds_the_scales_exactly(act_name):
+    """The kernel path (global scales and alphas folded into per-row decode scales, run here through the
+    kernels' fp32 CPU reference) equals the dequantized reference path up to fp32 rounding order."""
+    ex_ref, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False)
+    ex_k, *_ = _kernel_case(act_name, "cpu", kernels=True)
+    assert ex_k.nvfp4_kernels and not ex_ref.nvfp4_kernels
+    assert_close(f"expert kernel path {act_name}", ex_ref(x, ids, weights), ex_k(x, ids, weights), rtol=1e-5)
+    # the other activation's folding is caught: SwiGLU's (up rows scaled by g1_scale_c = a2_gscale here, the
+    # up alpha lost) on SiTU, SiTU's (g1_scale_c = g1_alphas_up also on GEMM2: counted twice) on SiLU
+    gs13, gs2 = ex_k._kernel_scales
+    s = ex_k.scales
+    if act_name == "situ":
+        ex_k._kernel_scales = (torch.cat([gs13[:, :128], s.g1_scale_c[:, None].expand(-1, 128)], 1), gs2)
+    else:
+        ex_k._kernel_scales = (gs13, gs2 * s.g1_scale_c[:, None])
+    assert rel_rms_error(ex_ref(x, ids, weights), ex_k(x, ids, weights)) > 1e-2
+
+
+def test_nvfp4_expert_kernel_path_needs_w4a16_and_multiples_of_128():
+    with pytest.raises(ValueError, match="multiples of 128, got w4a16, D=32, I=32"):
+        ex = FusedExperts(
+            E, D, INTER, ACTS["silu"], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
+        )
+        ex.nvfp4_kernels = True
+        _load_nvfp4(
+            ex,
+            {
+                k: {n: t for n, t in v.items() if n != "input_scale"}
+                for k, v in _nvfp4_checkpoint(*_random_experts(0)).items()
+            },
+        )
+    ex, *_ = _kernel_case("silu", "cpu", kernels=None)
+    assert ex.nvfp4_kernels is False  # CPU keeps the exact fp32 reference by default
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_gpu_nvfp4_experts_use_the_kernels(act_name):
+    """On CUDA the experts repack in place to the kernel layout and run the W4A16 kernels: bf16 activations,
+    gate/up and h rounded to bf16 (<= 2^-9 each) against the fp32 reference path: bound 2^-7."""
+    ex_ref, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False, dtype=torch.bfloat16)
+    ex, *_ = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16)
+    assert ex.nvfp4_kernels and ex._split128
+    for k in range(4):  # the in-place repack is lossless
+        for a, b in zip(ex.nvfp4_expert_tensors(k), ex_ref.nvfp4_expert_tensors(k)):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+    out = ex(x.cuda(), ids.cuda(), weights.cuda())
+    assert_close(f"gpu experts {act_name}", ex_ref(x.float(), ids, weights), out, rtol=2.0**-7)

@@ -208,6 +208,11 @@ class FusedExperts(nn.Module):
         self.algo = algo
         self.nvfp4_act_mode: NvFp4ActMode = nvfp4_act_mode
         self.scales: NvFp4MoeScales | None = None
+        # NVFP4 experts through the W4A16 linear kernels (kernels/nvfp4_gemm): None = decide at
+        # process_after_loading (CUDA, w4a16, D and I multiples of 128); True/False force it (tests)
+        self.nvfp4_kernels: bool | None = None
+        self._kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # gs13 [E_l, 2I], gs2 [E_l, 1]
+        self._split128 = False  # expert weights repacked in place to the kernel layout (CUDA)
         self._filled: set[tuple[str, int, str]] = set()
         self._expected: list[tuple[str, int, str]] = []
         el, d, i = self.num_local, hidden_size, intermediate_size
@@ -327,6 +332,51 @@ class FusedExperts(nn.Module):
             self.activation.kind,
             self.nvfp4_act_mode,
         )
+        eligible = (
+            self.nvfp4_act_mode == "w4a16"
+            and self.hidden_size % 128 == 0
+            and self.intermediate_size % 128 == 0
+        )
+        use = self.nvfp4_kernels if self.nvfp4_kernels is not None else eligible and self.w13_weight.is_cuda
+        if use and not eligible:
+            raise ValueError(
+                f"{self.prefix}: NVFP4 expert kernels need w4a16 mode and D, I multiples of 128, got "
+                f"{self.nvfp4_act_mode}, D={self.hidden_size}, I={self.intermediate_size}"
+            )
+        self.nvfp4_kernels = bool(use)
+        if not use:
+            return
+        s, i = self.scales, self.intermediate_size
+        # GEMM1 rows: gate scaled by a1 * g1_alpha_gate; up by a1 * g1_alpha_up for SiTU (its nonlinear up is
+        # dequantized first) or by a1 * g1_scale_c for SiLU (up enters linearly, so g1_scale_c = g1_alphas *
+        # a2_gscale folds in); GEMM2 by g2_alphas, times g1_scale_c (= a2_gscale) for SiTU.
+        up = s.g1_alphas[:, 1] if self.activation.kind == "situ" else s.g1_scale_c
+        gs13 = torch.cat(
+            [(s.a1_gscale * s.g1_alphas[:, :1]).expand(-1, i), (s.a1_gscale * up[:, None]).expand(-1, i)], 1
+        )
+        gs2 = s.g2_alphas * (s.g1_scale_c if self.activation.kind == "situ" else 1.0)
+        self._kernel_scales = (gs13.float().contiguous(), gs2.float().reshape(-1, 1).contiguous())
+        if self.w13_weight.is_cuda and not self._split128:
+            from k3run.kernels.nvfp4_gemm import repack_split128
+
+            # K is a multiple of 128, so the kernel layout has the checkpoint layout's shape: repack in place
+            for w, sc in ((self.w13_weight, self.w13_weight_scale), (self.w2_weight, self.w2_weight_scale)):
+                for e in range(self.num_local):
+                    packed, bits = repack_split128(w.data[e], sc.data[e])
+                    w.data[e].copy_(packed)
+                    sc.data[e].view(torch.uint8).copy_(bits)
+            self._split128 = True
+
+    def nvfp4_expert_tensors(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Local expert e's (w13, w13 scale, w2, w2 scale) in the checkpoint layout, whatever the storage."""
+        tensors = (self.w13_weight[e], self.w13_weight_scale[e], self.w2_weight[e], self.w2_weight_scale[e])
+        if not self._split128:
+            return tensors
+        from k3run.kernels.nvfp4_gemm import unpack_split128
+
+        w13, s13 = unpack_split128(tensors[0], tensors[1].view(torch.uint8), self.hidden_size)
+        w2, s2 = unpack_split128(tensors[2], tensors[3].view(torch.uint8), self.intermediate_size)
+        return w13, s13, w2, s2
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
@@ -354,17 +404,46 @@ class FusedExperts(nn.Module):
             return h @ dequantize_fp8_block(self.w2_weight[e], self.w2_weight_scale[e], x.dtype).t()
         return self._nvfp4_expert(e, x)
 
+    def _nvfp4_expert_kernels(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """W4A16 through kernels/nvfp4_gemm: the global scales and the alphas ride in per-row decode scales
+        (see process_after_loading); gate / up leave GEMM1 rounded to x's dtype, h enters GEMM2 in it."""
+        from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
+
+        assert self._kernel_scales is not None
+        gs13, gs2 = self._kernel_scales
+        layout = "split128" if self._split128 else "checkpoint"
+        w13 = NvFp4Weight(
+            self.w13_weight[e], self.w13_weight_scale[e].view(torch.uint8), gs13[e], self.hidden_size, layout
+        )
+        w2 = NvFp4Weight(
+            self.w2_weight[e],
+            self.w2_weight_scale[e].view(torch.uint8),
+            gs2[e],
+            self.intermediate_size,
+            layout,
+        )
+        gu = nvfp4_linear(x, w13)
+        i = self.intermediate_size
+        if self.activation.kind == "silu":
+            h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+        else:
+            h = self.activation.on_halves(gu[:, :i], gu[:, i:])
+        return nvfp4_linear(h.to(x.dtype), w2)
+
     def _nvfp4_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         s = self.scales
         if s is None:
             raise RuntimeError(f"{self.prefix}: process_after_loading() was not called")
+        if self.nvfp4_kernels:
+            return self._nvfp4_expert_kernels(e, x)
+        w13_codes, w13_scale, w2_codes, w2_scale = self.nvfp4_expert_tensors(e)
         i = self.intermediate_size
         w4a4 = self.nvfp4_act_mode == "w4a4"
         xin = x.float() * s.a1_gscale
         if w4a4:
             xin = nvfp4_qdq(xin, 1.0)
         # Codes times block scales only; the global scales live in the alphas, as in the kernel.
-        w13 = dequantize_nvfp4(self.w13_weight[e], self.w13_weight_scale[e], 1.0)  # [2I, D]
+        w13 = dequantize_nvfp4(w13_codes, w13_scale, 1.0)  # [2I, D]
         acc = xin @ w13.t()  # [n, 2I] fp32 GEMM1 accumulator
         gate = acc[:, :i] * s.g1_alphas[e, 0]
         if self.activation.kind == "silu":
@@ -374,7 +453,7 @@ class FusedExperts(nn.Module):
             h = self.activation.on_halves(gate, up).float() * s.g1_scale_c[e]
         # h is already in GEMM2's encoded input domain (times a2_gscale)
         h = nvfp4_qdq(h, 1.0) if w4a4 else h.to(x.dtype).float()
-        w2 = dequantize_nvfp4(self.w2_weight[e], self.w2_weight_scale[e], 1.0)  # [D, I]
+        w2 = dequantize_nvfp4(w2_codes, w2_scale, 1.0)  # [D, I]
         return ((h @ w2.t()) * s.g2_alphas[e]).to(x.dtype)
 
     def extra_repr(self) -> str:
