@@ -359,15 +359,17 @@ def _finish(
 
 
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per row block; every launch leaves them zero again."""
-    buf = _COUNTERS.get(device)
+    """Zeroed int32 arrival counters, one per row block; every launch leaves them zero again. One buffer per
+    (device, stream): launches on one stream run in order, so they never share a counter while in flight."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        _COUNTERS[key] = buf
     return buf
 
 
