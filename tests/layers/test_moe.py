@@ -441,3 +441,29 @@ def test_gpu_nvfp4_experts_use_the_kernels(act_name):
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
     out = ex(x.cuda(), ids.cuda(), weights.cuda())
     assert_close(f"gpu experts {act_name}", ex_ref(x.float(), ids, weights), out, rtol=2.0**-7)
+
+
+def test_fused_experts_dispatch_is_the_plain_per_expert_loop():
+    """The sort-based dispatch (one host sync) gives bit for bit what a loop over experts with nonzero() does,
+    including picks that land on other EP ranks' experts."""
+    from k3run.layers.moe import fused_experts
+
+    ex = FusedExperts(
+        8, D, INTER, ACTS["situ"], QuantAlgo.NONE, ep=TPInfo(rank=1, size=2), params_dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        ex.w13_weight.copy_(torch.randn(ex.w13_weight.shape, generator=g) * 0.2)
+        ex.w2_weight.copy_(torch.randn(ex.w2_weight.shape, generator=g) * 0.2)
+    x = torch.randn(T, D, generator=g)
+    weights, ids = route(torch.randn(T, 8, generator=g), torch.zeros(8), 3)
+    ids[0, 0], ids[1, 2] = 4, 4  # a repeated expert
+    want = torch.zeros(T, D)
+    local = ids - ex.first
+    for e in range(ex.num_local):
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        if tok.numel():
+            want.index_add_(0, tok, ex.expert(e, x[tok]).float() * weights[tok, slot].float().unsqueeze(-1))
+    got = fused_experts(ex, x, ids, weights)
+    assert torch.equal(got, want)
+    assert (local < 0).any() and ((local >= 0) & (local < ex.num_local)).any()  # both kinds of picks present

@@ -467,12 +467,26 @@ class FusedExperts(nn.Module):
 def fused_experts(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """The one dispatch point for the routed-expert computation (a per-expert loop on CPU for now)."""
+    """The one dispatch point for the routed-expert computation: a loop over the local experts that were hit.
+
+    The (token, slot) picks are grouped by expert with one stable sort, and the per-expert counts are read
+    back once: one host synchronisation per call (a nonzero() per expert would cost one each). Within an
+    expert the picks stay in (token, slot) order, so the fp32 accumulation order is fixed.
+    """
     out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
-    local = ids - experts.first
+    picks = ids.shape[1]
+    local = (ids - experts.first).reshape(-1)
     hit = (local >= 0) & (local < experts.num_local)
-    for e in torch.unique(local[hit]).tolist():
-        tok, slot = torch.nonzero(local == e, as_tuple=True)
+    bucket = torch.where(hit, local, torch.full_like(local, experts.num_local))  # misses sort last
+    order = torch.argsort(bucket, stable=True)
+    counts = torch.bincount(bucket, minlength=experts.num_local + 1)[: experts.num_local].tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start : start + n]
+        start += n
+        tok, slot = sel // picks, sel % picks
         y = experts.expert(e, x[tok])
         out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
     return out
