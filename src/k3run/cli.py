@@ -193,6 +193,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UserError(f"k3run serve needs the serve extra (pip install 'k3run[serve]'): {e}") from e
+    model_dir = _model_dir(args.model)
+    llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
+    from k3run.serve import OpenAIServer, build_app
+
+    server = OpenAIServer(llm.engine, args.served_model_name or model_dir.name)
+    print(
+        f"[k3run] serving {model_dir} as '{server.model_name}' on http://{args.host}:{args.port}/v1 "
+        f"(max {args.max_num_seqs} sequences of {args.max_model_len} tokens)",
+        file=sys.stderr,
+    )
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     d = _checkpoint_dir(args.dir, "DIR")
     from k3run.quant.plan import build_quant_plan
@@ -420,6 +440,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nvfp4_as_fp8(p)
     _add_cache_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+    )
+    p.add_argument(
+        "model", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled model)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_positive_int, default=8000)
+    p.add_argument(
+        "--served-model-name", default=None, help="the 'model' clients name (default: the dir name)"
+    )
+    p.add_argument("--max-num-seqs", type=_positive_int, default=8, help="sequences batched at once")
+    p.add_argument("--max-model-len", type=_positive_int, default=2048, help="prompt + generated tokens")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
+    _add_device_args(p)
+    _add_nvfp4_as_fp8(p)
+    _add_cache_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
         "inspect", parents=[common], help="per-layer quantization plan, bytes by scheme, kernels"

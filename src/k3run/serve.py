@@ -1,0 +1,445 @@
+"""An OpenAI-compatible HTTP server over one LLMEngine: `/v1/models`, `/v1/completions` and
+`/v1/chat/completions`, with server-sent-event streaming (`"stream": true`).
+
+Every client shares the engine, so concurrent requests are batched by its scheduler (continuous batching):
+a background thread takes new requests and aborts from thread-safe queues, steps the engine while anything is
+unfinished and hands each output to its request's asyncio queue. HTTP handlers never wait on a model step.
+
+Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (the
+field is named), 404 for an unknown model name, 500 if a model step fails (every request then in flight gets
+it). A client that disconnects mid-stream has its request aborted and its cache slot freed.
+
+Needs the `serve` extra (fastapi, uvicorn): `k3run serve [MODEL] --port 8000`.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3run.engine import LLMEngine, SamplingParams
+from k3run.engine.sequence import FinishReason, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class ServeError(Exception):
+    """An error for the client: HTTP status, OpenAI error type, the offending field."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class _Request:
+    key: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    rid: int | None = None  # the engine's id, once the engine thread has added it
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread; `submit` / `abort` are safe from any thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._keys = itertools.count()
+        self._new: deque[_Request] = deque()
+        self._aborts: deque[int] = deque()
+        self._live: dict[int, _Request] = {}  # key -> request, touched by the engine thread only
+        self._by_rid: dict[int, _Request] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="k3run-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        req = _Request(next(self._keys), prompt_ids, params, asyncio.get_running_loop())
+        self._new.append(req)
+        self._wake.set()
+        return req
+
+    def abort(self, req: _Request) -> None:
+        self._aborts.append(req.key)
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, req: _Request, item: RequestOutput | BaseException) -> bool:
+        try:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the request's event loop has closed, and its client with it
+            return False
+
+    def _forget(self, req: _Request) -> None:
+        self._live.pop(req.key, None)
+        if req.rid is not None:
+            self._by_rid.pop(req.rid, None)
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self._iteration()
+            except Exception:  # the engine thread must outlive any one request's failure
+                log.exception("k3run serve: engine loop error")
+
+    def _iteration(self) -> None:
+        """Take new requests and aborts, then one engine step (or a short wait when idle)."""
+        while self._new:
+            req = self._new.popleft()
+            try:
+                req.rid = self.engine.add_request(req.prompt_ids, req.params)
+            except ValueError as e:
+                self._deliver(req, ServeError(400, str(e), "prompt"))
+                continue
+            self._live[req.key] = req
+            self._by_rid[req.rid] = req
+        while self._aborts:
+            req = self._live.get(self._aborts.popleft())
+            if req is not None:
+                self.engine.abort(req.rid)  # type: ignore[arg-type]
+                self._forget(req)
+        if not self.engine.has_unfinished():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            return
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # a failed step fails every request in flight; the server stays up
+            log.exception("model step failed")
+            for req in list(self._live.values()):
+                self.engine.abort(req.rid)  # type: ignore[arg-type]
+                self._deliver(req, ServeError(500, f"model step failed: {e}", kind="server_error"))
+                self._forget(req)
+            return
+        for out in outs:
+            req = self._by_rid.get(out.request_id)
+            if req is None:
+                continue
+            delivered = self._deliver(req, out)
+            if not delivered and not out.finished:
+                self.engine.abort(out.request_id)
+            if out.finished or not delivered:
+                self._forget(req)
+
+
+# ---------------------------------------------------------------- request parsing (plain dicts, named fields)
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds:
+        raise ServeError(
+            400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got a boolean", name
+        )
+    if not isinstance(v, kinds):
+        raise ServeError(
+            400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got {type(v).__name__}", name
+        )
+    return v
+
+
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+def sampling_params(body: dict[str, Any], max_tokens_default: int) -> SamplingParams:
+    """SamplingParams from an OpenAI request body (top_k, ignore_eos and stop_token_ids are extensions)."""
+    for name, ok in _UNSUPPORTED.items():
+        if body.get(name) not in ok:
+            raise ServeError(400, f"'{name}' is not supported by this server", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, (int, float), 0) != 0:
+            raise ServeError(400, f"'{name}' is not supported (only 0)", name)
+    if _get(body, "n", (int,), 1) != 1:
+        raise ServeError(400, "'n' must be 1 (one choice per request)", "n")
+    if body.get("echo"):
+        raise ServeError(400, "'echo' is not supported", "echo")
+    max_tokens = _get(body, "max_completion_tokens", (int,), None)
+    max_tokens = _get(
+        body, "max_tokens", (int,), max_tokens if max_tokens is not None else max_tokens_default
+    )
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise ServeError(400, "'stop' must be a string or a list of strings", "stop")
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ServeError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    values = {
+        "max_tokens": max_tokens,
+        "temperature": float(_get(body, "temperature", (int, float), 1.0)),
+        "top_p": float(_get(body, "top_p", (int, float), 1.0)),
+        "top_k": _get(body, "top_k", (int,), 0),
+        "seed": _get(body, "seed", (int,), None),
+        "stop": tuple(stop),
+        "stop_token_ids": tuple(stop_ids),
+        "ignore_eos": _get(body, "ignore_eos", (bool,), False),
+    }
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:  # "SamplingParams.<field> must ...": name the request field
+        name = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise ServeError(400, str(e).replace("SamplingParams.", ""), name if name in values else None) from e
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(out.finish_reason, "stop")  # type: ignore[arg-type]
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class OpenAIServer:
+    """The request handling, independent of the web framework (`build_app` wires it to FastAPI)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+        self.async_engine = AsyncEngine(engine)
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "k3run"}
+        return {"object": "list", "data": [card]}
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        name = _get(body, "model", (str,), self.model_name)
+        if name != self.model_name:
+            raise ServeError(
+                404,
+                f"model '{name}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                "not_found_error",
+            )
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            return list(prompt)
+        raise ServeError(
+            400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
+        )
+
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ServeError(400, "'messages' must be a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ServeError(
+                    400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}].role"
+                )
+            content = m.get("content")
+            if isinstance(content, list):  # text parts only
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise ServeError(
+                        400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content"
+                    )
+                m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
+                messages[i] = m
+            elif not isinstance(content, str):
+                raise ServeError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
+        if self.tokenizer.chat_template is None:
+            raise ServeError(
+                400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages"
+            )
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes its own special tokens (BOS included)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _start(self, body: dict[str, Any], chat: bool) -> tuple[_Request, bool]:
+        if not isinstance(body, dict):
+            raise ServeError(400, "the request body must be a JSON object")
+        self._check_model(body)
+        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        if len(ids) >= self.max_model_len:
+            raise ServeError(
+                400,
+                f"the prompt has {len(ids)} tokens; this server's max_model_len is {self.max_model_len}",
+                "messages" if chat else "prompt",
+            )
+        params = sampling_params(body, (self.max_model_len - len(ids)) if chat else 16)
+        stream = _get(body, "stream", (bool,), False)
+        return self.async_engine.submit(ids, params), stream
+
+    async def _outputs(self, req: _Request) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.async_engine.abort(req)
+
+    async def complete(
+        self, body: dict[str, Any], chat: bool
+    ) -> tuple[dict[str, Any] | None, AsyncIterator[str] | None]:
+        """(JSON response, None) or (None, server-sent-event stream)."""
+        req, stream = self._start(body, chat)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if stream:
+            it = self._outputs(req)
+            try:  # errors before the first token (a bad prompt, a failed step) are plain HTTP errors
+                first = await it.__anext__()
+            except BaseException:
+                await it.aclose()
+                raise
+            return None, self._sse(rid, chat, first, it)
+        last = None
+        async for out in self._outputs(req):
+            last = out
+        assert last is not None
+        created = int(time.time())
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": last.text},
+                "finish_reason": _finish_reason(last),
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": last.text, "logprobs": None, "finish_reason": _finish_reason(last)}
+            obj = "text_completion"
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(last),
+        }, None
+
+    async def _sse(
+        self, rid: str, chat: bool, first: RequestOutput, rest: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(out: RequestOutput, role: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if out.delta:
+                    delta["content"] = out.delta
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": _finish_reason(out)}
+            else:
+                choice = {
+                    "index": 0,
+                    "text": out.delta,
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(out),
+                }
+            data: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
+            if out.finished:
+                data["usage"] = _usage(out)
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            yield chunk(first, role=True)
+            async for out in rest:
+                yield chunk(out)
+            yield "data: [DONE]\n\n"
+        except ServeError as e:  # a step failed mid-stream: the status line is already sent
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+
+
+def build_app(server: OpenAIServer) -> Any:
+    """The FastAPI application around `server`."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.async_engine.shutdown()
+
+    app = FastAPI(title="k3run", version="1", lifespan=lifespan)
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(_: Request, e: ServeError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ServeError(400, f"the request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise ServeError(400, "the request body must be a JSON object")
+        return body
+
+    async def _respond(request: Request, chat: bool) -> Any:
+        result, stream = await server.complete(await _body(request), chat)
+        if stream is not None:
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return JSONResponse(result)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(server.models())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _respond(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await _respond(request, chat=True)
+
+    return app

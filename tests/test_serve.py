@@ -1,0 +1,206 @@
+"""The OpenAI-compatible server (k3run.serve) on the bundled model, via FastAPI's TestClient and directly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from k3run.api import load_model  # noqa: E402
+from k3run.cli import default_model_dir  # noqa: E402
+from k3run.engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from k3run.serve import OpenAIServer, build_app  # noqa: E402
+from k3run.tokenizer import load_tokenizer  # noqa: E402
+
+MODEL_DIR = default_model_dir()
+pytestmark = pytest.mark.skipif(MODEL_DIR is None, reason="no bundled model")
+CONFIG = EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=128)
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL_DIR, dtype=torch.float32)
+
+
+@pytest.fixture
+def server(model):
+    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), CONFIG), "k3")
+    yield srv
+    srv.async_engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    with TestClient(build_app(server)) as c:
+        yield c
+
+
+def _greedy(model, prompt: str | list[int], max_tokens: int) -> str:
+    llm = LLM.from_model(model, load_tokenizer(MODEL_DIR), CONFIG)
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
+
+
+def test_models_and_greedy_completion(client, model):
+    assert client.get("/v1/models").json()["data"][0]["id"] == "k3"
+    r = client.post(
+        "/v1/completions", json={"model": "k3", "prompt": "def ", "max_tokens": 12, "temperature": 0}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["choices"][0]["text"] == _greedy(model, "def ", 12)
+    usage = body["usage"]
+    assert (
+        usage["prompt_tokens"] > 0
+        and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    )
+
+
+def test_streaming_matches_the_plain_response(client):
+    req = {"prompt": "import ", "max_tokens": 10, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=req) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" in chunks[-1]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    plain = client.post("/v1/completions", json={**req, "stream": False}).json()["choices"][0]["text"]
+    assert streamed == plain
+
+
+def test_concurrent_requests_are_batched_and_each_matches_its_single_run(server, model):
+    """Three requests in flight at once share engine steps (continuous batching); greedy fp32 results equal
+    single runs."""
+    prompts = ["def ", "class ", "import os\n"]
+
+    async def run_all():
+        results = await asyncio.gather(
+            *[server.complete({"prompt": p, "max_tokens": 10, "temperature": 0}, chat=False) for p in prompts]
+        )
+        return [res["choices"][0]["text"] for res, _ in results]
+
+    steps = []
+    engine = server.engine
+    step = engine.step
+
+    def counting_step():
+        outs = step()
+        steps.append(len(outs))
+        return outs
+
+    engine.step = counting_step
+    texts = asyncio.run(run_all())
+    assert texts == [_greedy(model, p, 10) for p in prompts]
+    assert max(steps) > 1  # at least one step decoded several requests together
+
+
+def test_chat_completion_uses_the_template(client, server, model):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # the bundled model has none
+    server.tokenizer.chat_template = TEMPLATE
+    try:
+        msgs = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "x ="}]},
+        ]
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+        rendered = server.tokenizer.apply_chat_template([msgs[0], {"role": "user", "content": "x ="}])
+        ids = server.tokenizer.encode(rendered, add_special_tokens=False)
+        assert body["choices"][0]["message"]["content"] == _greedy(model, ids, 8)
+        with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": msgs, "max_tokens": 8, "temperature": 0, "stream": True},
+        ) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert (
+            "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            == body["choices"][0]["message"]["content"]
+        )
+    finally:
+        server.tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "stop": [1]}, 400, "stop"),
+        ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": 5}, 400, "prompt"),
+        ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
+        ({"prompt": "x " * 200}, 400, "prompt"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ],
+)
+def test_bad_requests_name_the_field(client, body, status, param):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+
+
+def test_malformed_json_is_a_400(client):
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_a_closed_stream_aborts_its_request(server):
+    """Closing the event stream early (a client that went away) aborts the request and frees its slot."""
+
+    async def start_and_close():
+        _, stream = await server.complete(
+            {"prompt": "def ", "max_tokens": 80, "temperature": 0, "stream": True}, False
+        )
+        first = await stream.__anext__()
+        await stream.aclose()
+        return first
+
+    first = asyncio.run(start_and_close())
+    assert first.startswith("data: ")
+    deadline = time.time() + 10
+    while server.engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.02)
+    assert not server.engine.has_unfinished()
+
+
+def test_a_failed_step_fails_the_requests_in_flight_and_the_server_carries_on(client, server, model):
+    engine = server.engine
+    step = engine.step
+    calls = {"n": 0}
+
+    def failing_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return step()
+
+    engine.step = failing_once
+    r = client.post("/v1/completions", json={"prompt": "def ", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 500 and "device fell over" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "server_error"
+    r = client.post("/v1/completions", json={"prompt": "def ", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _greedy(model, "def ", 4)
