@@ -1,4 +1,7 @@
-"""The `k3run` command line: generate, inspect, quantize, eval, bench, run-default."""
+"""The `k3run` command line: generate, inspect, quantize, eval, bench, serve, run-default.
+
+Under torchrun (WORLD_SIZE > 1) generate and bench load the model tensor-parallel over the world (NCCL on
+GPUs, gloo on CPU or with K3RUN_DIST_BACKEND=gloo); every rank runs the engine, rank 0 prints."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -128,22 +132,36 @@ def _load_llm(
     max_model_len: int,
     max_num_batched_tokens: int,
 ) -> LLM:
+    from k3run.distributed import init_distributed
     from k3run.engine import LLM, EngineConfig
 
     _check_kimi(model_dir)
+    tp = init_distributed()  # under torchrun (WORLD_SIZE > 1): tensor parallel over the world; else a no-op
     cfg = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
         cache_bytes=args.cache_mib << 20 if args.cache_mib else None,
+        tp_size=tp.size,
     )
     from k3run.api import load_model
     from k3run.tokenizer import load_tokenizer
 
     model = load_model(
-        model_dir, dtype=_dtype(args.dtype), device=_device(args.device), nvfp4_as_fp8=args.nvfp4_as_fp8
+        model_dir,
+        dtype=_dtype(args.dtype),
+        device=_device(args.device),
+        tp_rank=tp.rank,
+        tp_size=tp.size,
+        nvfp4_as_fp8=args.nvfp4_as_fp8,
     )
     return LLM.from_model(model, load_tokenizer(model_dir), cfg)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,7 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # the template writes its own special tokens (BOS included), so none are added when encoding
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt = llm.tokenizer.encode(text, add_special_tokens=False)
-    out = sys.stdout
+    # under tensor parallelism every rank runs the engine; rank 0 alone writes
+    out = sys.stdout if _rank() == 0 else open(os.devnull, "w")  # noqa: SIM115
     if not args.chat:
         out.write(args.prompt)
     t0 = time.perf_counter()
@@ -184,6 +203,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert last is not None and t_first is not None
     decode_s = t1 - t_first
     decode_rate = f"{(n - 1) / decode_s:.1f} tokens/s" if n > 1 and decode_s > 0 else "n/a"
+    if _rank() != 0:
+        return 0
     print(
         f"[k3run] {n} tokens in {t1 - t0:.2f} s ({n / (t1 - t0):.1f} tokens/s; prompt "
         f"{len(last.prompt_token_ids)} tokens, first token after {t_first - t0:.2f} s, decode {decode_rate}; "
@@ -199,6 +220,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError as e:
         raise UserError(f"k3run serve needs the serve extra (pip install 'k3run[serve]'): {e}") from e
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("k3run serve runs in one process; tensor parallelism (torchrun) is not supported yet")
     model_dir = _model_dir(args.model)
     llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
     from k3run.serve import OpenAIServer, build_app
@@ -342,7 +365,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if engine.cache.device.type == "cuda" else (lambda: None)
     total_steps = sum(1 + args.decode_tokens - 1 for _ in args.batch_sizes) + 2
     results = []
-    with tqdm(total=total_steps, desc="bench", unit="step", file=sys.stderr, disable=args.no_progress) as bar:
+    with tqdm(
+        total=total_steps,
+        desc="bench",
+        unit="step",
+        file=sys.stderr,
+        disable=args.no_progress or _rank() != 0,
+    ) as bar:
         # one warm-up request so first-call costs (allocator, kernel compilation) stay out of the numbers
         warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         engine.add_request(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), warm)
@@ -370,7 +399,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(
                 (bs, bs * args.prompt_len / (t1 - t0), bs * steps / (t2 - t1) if steps else float("nan"))
             )
-    print(f"{model_dir}: prompt {args.prompt_len} tokens, {args.decode_tokens} generated tokens per sequence")
+    if _rank() != 0:
+        return 0
+    tp = f", tensor parallel over {engine.config.tp_size} ranks" if engine.config.tp_size > 1 else ""
+    print(
+        f"{model_dir}{tp}: prompt {args.prompt_len} tokens, "
+        f"{args.decode_tokens} generated tokens per sequence"
+    )
     print(f"{'batch':>6}  {'prefill tok/s':>14}  {'decode tok/s':>13}")
     for bs, pre, dec in results:
         print(f"{bs:>6}  {pre:>14.1f}  {dec:>13.1f}")
@@ -521,7 +556,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO, format="[k3run] %(message)s", stream=sys.stderr
     )
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        from k3run.distributed import shutdown_distributed
+
+        shutdown_distributed()  # a no-op outside torchrun
+        return rc
     except (
         UserError,
         TokenizerError,

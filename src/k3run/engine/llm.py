@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     cache_bytes: int | None = None
     seed: int = 0  # generator for requests without their own seed
-    tp_size: int = 1
+    tp_size: int = 1  # ranks of the (world) process group sharing the model; every rank runs the engine
 
 
 class Detokenizer:
@@ -136,6 +136,8 @@ class LLMEngine:
             assert logits is not None
             seqs = [batch.seqs[b] for b in rows]
             tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            if self.config.tp_size > 1:
+                tokens = self._agree(tokens, logits.device)
             for b, t in zip(rows, tokens):
                 sampled[b] = t
         self.scheduler.update(batch, sampled, self.tokenizer.eos_token_ids)
@@ -144,6 +146,16 @@ class LLMEngine:
             seq = batch.seqs[b]
             outputs.append(RequestOutput.from_sequence(seq, delta=self._postprocess(seq)))
         return outputs
+
+    @staticmethod
+    def _agree(tokens: list[int], device: torch.device) -> list[int]:
+        """Tensor parallelism: every rank runs the same schedule on the same all-gathered logits, so the
+        samples already agree; rank 0's are broadcast anyway so no rounding can make the ranks diverge."""
+        import torch.distributed as dist
+
+        t = torch.tensor(tokens, dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0)
+        return t.tolist()
 
     def _postprocess(self, seq: Sequence) -> str:
         """Render the new token, apply stop strings, and return the text that is now safe to stream."""
@@ -184,7 +196,18 @@ class LLM:
     ) -> None:
         from k3run.api import load_model
 
-        model = load_model(model_dir, dtype=dtype, device=device)
+        tp_size = config.tp_size if config is not None else 1
+        rank = 0
+        if tp_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() != tp_size:
+                raise ValueError(
+                    f"EngineConfig.tp_size={tp_size} needs an initialised torch.distributed world of that "
+                    "size (k3run.distributed.init_distributed() under torchrun)"
+                )
+            rank = dist.get_rank()
+        model = load_model(model_dir, dtype=dtype, device=device, tp_rank=rank, tp_size=tp_size)
         self.engine = LLMEngine(model, load_tokenizer(model_dir), config)
 
     @classmethod
