@@ -11,7 +11,6 @@ is the host's, and an engine decode step needs graph capture to see the kernel's
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
@@ -19,39 +18,16 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kda import inputs  # noqa: E402
+from bench_linear import graph_ms  # noqa: E402
 
 from k3run.formats import quantize_nvfp4  # noqa: E402
 from k3run.kernels.kda import kda_forward  # noqa: E402
 from k3run.kernels.nvfp4_gemm import nvfp4_linear, prepare_nvfp4_weight  # noqa: E402
 
 
-def graph_us(fn, calls: int = 20) -> float:
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def _graph_or_nan(fn) -> float:
     try:
-        return graph_us(fn)
+        return graph_ms([fn], 0.01) * 1e3
     except Exception as e:  # a host sync inside the call makes capture fail: that is the finding
         print(f"capture failed: {type(e).__name__}: {str(e)[:200]}")
         torch.cuda.synchronize()
