@@ -73,7 +73,7 @@ def test_streaming_matches_the_plain_response(client):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" in chunks[-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" not in chunks[-1]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     streamed = "".join(c["choices"][0]["text"] for c in chunks)
     plain = client.post("/v1/completions", json={**req, "stream": False}).json()["choices"][0]["text"]
@@ -140,7 +140,7 @@ def test_chat_completion_uses_the_template(client, server, model):
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": ["x", 3]}, 400, "prompt"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
@@ -204,3 +204,39 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_server_carries_on(cl
     assert r.json()["error"]["type"] == "server_error"
     r = client.post("/v1/completions", json={"prompt": "def ", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _greedy(model, "def ", 4)
+
+
+def test_stream_usage_when_asked(client):
+    req = {"prompt": "def ", "max_tokens": 6, "temperature": 0, "stream": True}
+    with client.stream(
+        "POST", "/v1/completions", json=req | {"stream_options": {"include_usage": True}}
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_several_prompts_and_choices(client, model):
+    """A list of prompts gives one choice each, in order; n > 1 samples per prompt, seeded choices differ."""
+    r = client.post("/v1/completions", json={"prompt": ["def ", "class "], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["text"] for c in choices] == [_greedy(model, "def ", 8), _greedy(model, "class ", 8)]
+    req = {"prompt": "def ", "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3}
+    body = client.post("/v1/completions", json=req).json()
+    texts = [c["text"] for c in body["choices"]]
+    assert len(set(texts)) > 1 and body["usage"]["completion_tokens"] == 36
+    assert client.post("/v1/completions", json=req).json()["choices"] == body["choices"]  # seeded: repeatable
+    with client.stream("POST", "/v1/completions", json=req | {"stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    streamed = [
+        "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)
+    ]
+    assert streamed == texts
+
+
+@pytest.mark.parametrize("n", [0, 65])
+def test_choice_count_limits(client, n):
+    r = client.post("/v1/completions", json={"prompt": "x", "n": n})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"

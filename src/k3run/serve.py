@@ -14,6 +14,7 @@ Needs the `serve` extra (fastapi, uvicorn): `k3run serve [MODEL] --port 8000`.
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -29,6 +30,7 @@ from k3run.engine import LLMEngine, SamplingParams
 from k3run.engine.sequence import FinishReason, RequestOutput
 
 log = logging.getLogger(__name__)
+MAX_CHOICES = 64  # prompts x n per request
 
 
 class ServeError(Exception):
@@ -177,8 +179,6 @@ def sampling_params(body: dict[str, Any], max_tokens_default: int) -> SamplingPa
     for name in ("presence_penalty", "frequency_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise ServeError(400, f"'{name}' is not supported (only 0)", name)
-    if _get(body, "n", (int,), 1) != 1:
-        raise ServeError(400, "'n' must be 1 (one choice per request)", "n")
     if body.get("echo"):
         raise ServeError(400, "'echo' is not supported", "echo")
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
@@ -215,9 +215,12 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(out.finish_reason, "stop")  # type: ignore[arg-type]
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class OpenAIServer:
@@ -245,20 +248,25 @@ class OpenAIServer:
                 "not_found_error",
             )
 
-    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+    def _prompt_ids(self, body: dict[str, Any]) -> list[list[int]]:
+        """One or several prompts, each a string or a list of token ids."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+
+        def is_ids(p: Any) -> bool:
+            return (
+                isinstance(p, list)
+                and bool(p)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            )
+
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            return list(prompt)
+            return [self.tokenizer.encode(prompt)]
+        if is_ids(prompt):
+            return [list(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+            return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
         raise ServeError(
-            400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
+            400, "'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt"
         )
 
     def _chat_ids(self, body: dict[str, Any]) -> list[int]:
@@ -288,20 +296,40 @@ class OpenAIServer:
         # the template writes its own special tokens (BOS included)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _start(self, body: dict[str, Any], chat: bool) -> tuple[_Request, bool]:
+    def _start(self, body: dict[str, Any], chat: bool) -> tuple[list[_Request], int, bool, bool]:
+        """Submit every (prompt, choice) pair; returns the requests in choice-index order, the number of
+        prompt tokens (each prompt counted once), whether to stream and whether to end it with usage."""
         if not isinstance(body, dict):
             raise ServeError(400, "the request body must be a JSON object")
         self._check_model(body)
-        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
-        if len(ids) >= self.max_model_len:
-            raise ServeError(
-                400,
-                f"the prompt has {len(ids)} tokens; this server's max_model_len is {self.max_model_len}",
-                "messages" if chat else "prompt",
-            )
-        params = sampling_params(body, (self.max_model_len - len(ids)) if chat else 16)
+        prompts = [self._chat_ids(body)] if chat else self._prompt_ids(body)
+        n = _get(body, "n", (int,), 1)
+        if not 1 <= n <= MAX_CHOICES:
+            raise ServeError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
+        if len(prompts) * n > MAX_CHOICES:
+            raise ServeError(400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices", "n")
+        for ids in prompts:
+            if len(ids) >= self.max_model_len:
+                raise ServeError(
+                    400,
+                    f"the prompt has {len(ids)} tokens; this server's max_model_len is {self.max_model_len}",
+                    "messages" if chat else "prompt",
+                )
+        params = sampling_params(body, (self.max_model_len - len(prompts[0])) if chat else 16)
         stream = _get(body, "stream", (bool,), False)
-        return self.async_engine.submit(ids, params), stream
+        options = _get(body, "stream_options", (dict,), {})
+        include_usage = _get(options, "include_usage", (bool,), False)
+        reqs = []
+        for ids in prompts:
+            for j in range(n):
+                # seeded choices of one prompt get distinct seeds, or they would all be the same sample
+                pj = (
+                    params
+                    if params.seed is None or j == 0
+                    else dataclasses.replace(params, seed=params.seed + j)
+                )
+                reqs.append(self.async_engine.submit(ids, pj))
+        return reqs, sum(len(ids) for ids in prompts), stream, include_usage
 
     async def _outputs(self, req: _Request) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -316,63 +344,97 @@ class OpenAIServer:
             if not finished:
                 self.async_engine.abort(req)
 
+    async def _merged(self, reqs: list[_Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) from every request as they come; closing it aborts what is unfinished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, req: _Request) -> None:
+            try:
+                async for out in self._outputs(req):
+                    queue.put_nowait((i, out))
+            except Exception as e:  # cancellation (BaseException) passes through: _outputs aborts then
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        done = 0
+        try:
+            while done < len(tasks):
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done += item.finished
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def complete(
         self, body: dict[str, Any], chat: bool
     ) -> tuple[dict[str, Any] | None, AsyncIterator[str] | None]:
         """(JSON response, None) or (None, server-sent-event stream)."""
-        req, stream = self._start(body, chat)
+        reqs, prompt_tokens, stream, include_usage = self._start(body, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        merged = self._merged(reqs)
         if stream:
-            it = self._outputs(req)
             try:  # errors before the first token (a bad prompt, a failed step) are plain HTTP errors
-                first = await it.__anext__()
+                first = await merged.__anext__()
             except BaseException:
-                await it.aclose()
+                await merged.aclose()
                 raise
-            return None, self._sse(rid, chat, first, it)
-        last = None
-        async for out in self._outputs(req):
-            last = out
-        assert last is not None
-        created = int(time.time())
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": last.text},
-                "finish_reason": _finish_reason(last),
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": last.text, "logprobs": None, "finish_reason": _finish_reason(last)}
-            obj = "text_completion"
+            return None, self._sse(rid, chat, first, merged, prompt_tokens if include_usage else None)
+        final: dict[int, RequestOutput] = {}
+        async for i, out in merged:
+            if out.finished:
+                final[i] = out
+        choices = []
+        for i in range(len(reqs)):
+            out = final[i]
+            if chat:
+                msg = {"role": "assistant", "content": out.text}
+                choices.append({"index": i, "message": msg, "finish_reason": _finish_reason(out)})
+            else:
+                choices.append(
+                    {"index": i, "text": out.text, "logprobs": None, "finish_reason": _finish_reason(out)}
+                )
         return {
             "id": rid,
-            "object": obj,
-            "created": created,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
             "model": self.model_name,
-            "choices": [choice],
-            "usage": _usage(last),
+            "choices": choices,
+            "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in final.values())),
         }, None
 
     async def _sse(
-        self, rid: str, chat: bool, first: RequestOutput, rest: AsyncIterator[RequestOutput]
+        self,
+        rid: str,
+        chat: bool,
+        first: tuple[int, RequestOutput],
+        rest: AsyncIterator[tuple[int, RequestOutput]],
+        prompt_tokens: int | None,
     ) -> AsyncIterator[str]:
+        """Chunks as the choices produce text; with prompt_tokens (stream_options.include_usage) a last chunk
+        with no choices carries the usage, as OpenAI sends it."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        started: set[int] = set()
+        completion_tokens = {}
 
-        def chunk(out: RequestOutput, role: bool = False) -> str:
+        def chunk(i: int, out: RequestOutput) -> str:
             if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                delta: dict[str, Any] = {} if i in started else {"role": "assistant"}
                 if out.delta:
                     delta["content"] = out.delta
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": _finish_reason(out)}
+                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": _finish_reason(out)}
             else:
                 choice = {
-                    "index": 0,
+                    "index": i,
                     "text": out.delta,
                     "logprobs": None,
                     "finish_reason": _finish_reason(out),
                 }
+            started.add(i)
             data: dict[str, Any] = {
                 "id": rid,
                 "object": obj,
@@ -381,13 +443,17 @@ class OpenAIServer:
                 "choices": [choice],
             }
             if out.finished:
-                data["usage"] = _usage(out)
+                completion_tokens[i] = len(out.token_ids)
             return f"data: {json.dumps(data)}\n\n"
 
         try:
-            yield chunk(first, role=True)
-            async for out in rest:
-                yield chunk(out)
+            yield chunk(*first)
+            async for i, out in rest:
+                yield chunk(i, out)
+            if prompt_tokens is not None:
+                usage = _usage(prompt_tokens, sum(completion_tokens.values()))
+                tail = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": []}
+                yield f"data: {json.dumps(tail | {'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         except ServeError as e:  # a step failed mid-stream: the status line is already sent
             yield f"data: {json.dumps(e.body())}\n\n"
