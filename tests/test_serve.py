@@ -146,7 +146,8 @@ def test_chat_completion_uses_the_template(client, server, model):
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x", "stop": [1]}, 400, "stop"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": 5}, 400, "prompt"),
         ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
@@ -240,3 +241,47 @@ def test_several_prompts_and_choices(client, model):
 def test_choice_count_limits(client, n):
     r = client.post("/v1/completions", json={"prompt": "x", "n": n})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_completion_logprobs(client, server, model):
+    """logprobs=k: one entry per generated token, the values the engine computes (log_softmax of the raw
+    logits), streamed in pieces that add up to the same list."""
+    req = {"prompt": "def ", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    body = client.post("/v1/completions", json=req).json()
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"] == 6
+    llm = LLM.from_model(model, load_tokenizer(MODEL_DIR), CONFIG)
+    ref = llm.generate(["def "], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2))[0].logprobs
+    assert lp["token_logprobs"] == [x.logprob for x in ref]
+    assert all(
+        len(top) <= 2 and max(top.values()) == t for top, t in zip(lp["top_logprobs"], lp["token_logprobs"])
+    )
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    with client.stream("POST", "/v1/completions", json=req | {"stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    assert [v for c in chunks for v in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
+    assert client.post("/v1/completions", json={"prompt": "x"}).json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs(client, server):
+    server.tokenizer.chat_template = TEMPLATE
+    try:
+        msgs = [{"role": "user", "content": "x ="}]
+        r = client.post(
+            "/v1/chat/completions",
+            json={"messages": msgs, "max_tokens": 4, "temperature": 0, "top_logprobs": 2},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+        req = {"messages": msgs, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        body = client.post("/v1/chat/completions", json=req).json()
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == body["usage"]["completion_tokens"]
+        for e in content:
+            assert (
+                e["logprob"] <= 0 and e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 2
+            )
+            assert e["top_logprobs"][0]["logprob"] == e["logprob"]  # greedy: the chosen token is the top one
+    finally:
+        server.tokenizer.chat_template = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3run.engine import LLMEngine, SamplingParams
-from k3run.engine.sequence import FinishReason, RequestOutput
+from k3run.engine.sequence import MAX_LOGPROBS, FinishReason, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 MAX_CHOICES = 64  # prompts x n per request
@@ -163,15 +163,28 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any)
     return v
 
 
-_UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-}
+_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, "")}
 
 
-def sampling_params(body: dict[str, Any], max_tokens_default: int) -> SamplingParams:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top alternatives to report (None: no logprobs). Completions: `logprobs` is that number;
+    chat: `logprobs` is a flag and `top_logprobs` the number."""
+    if chat:
+        if not _get(body, "logprobs", (bool,), False):
+            if body.get("top_logprobs") not in (None, 0):
+                raise ServeError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        k, name = _get(body, "top_logprobs", (int,), 0), "top_logprobs"
+    else:
+        k, name = _get(body, "logprobs", (int,), None), "logprobs"
+        if k is None:
+            return None
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise ServeError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    return k
+
+
+def sampling_params(body: dict[str, Any], max_tokens_default: int, chat: bool = False) -> SamplingParams:
     """SamplingParams from an OpenAI request body (top_k, ignore_eos and stop_token_ids are extensions)."""
     for name, ok in _UNSUPPORTED.items():
         if body.get(name) not in ok:
@@ -201,12 +214,42 @@ def sampling_params(body: dict[str, Any], max_tokens_default: int) -> SamplingPa
         "stop": tuple(stop),
         "stop_token_ids": tuple(stop_ids),
         "ignore_eos": _get(body, "ignore_eos", (bool,), False),
+        "logprobs": _logprobs(body, chat),
     }
     try:
         return SamplingParams(**values)
     except ValueError as e:  # "SamplingParams.<field> must ...": name the request field
         name = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
         raise ServeError(400, str(e).replace("SamplingParams.", ""), name if name in values else None) from e
+
+
+def _completion_logprobs(tok: Any, lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{tok.decode([i], skip_special_tokens=False): v for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tok: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat shape: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+
+    def entry(i: int, v: float) -> dict[str, Any]:
+        text = tok.decode([i], skip_special_tokens=False)
+        return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps
+        ]
+    }
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -315,7 +358,7 @@ class OpenAIServer:
                     f"the prompt has {len(ids)} tokens; this server's max_model_len is {self.max_model_len}",
                     "messages" if chat else "prompt",
                 )
-        params = sampling_params(body, (self.max_model_len - len(prompts[0])) if chat else 16)
+        params = sampling_params(body, (self.max_model_len - len(prompts[0])) if chat else 16, chat)
         stream = _get(body, "stream", (bool,), False)
         options = _get(body, "stream_options", (dict,), {})
         include_usage = _get(options, "include_usage", (bool,), False)
@@ -390,12 +433,18 @@ class OpenAIServer:
         choices = []
         for i in range(len(reqs)):
             out = final[i]
+            lps = None
+            if out.logprobs is not None:
+                render = _chat_logprobs if chat else _completion_logprobs
+                lps = render(self.tokenizer, out.logprobs)
             if chat:
                 msg = {"role": "assistant", "content": out.text}
-                choices.append({"index": i, "message": msg, "finish_reason": _finish_reason(out)})
+                choices.append(
+                    {"index": i, "message": msg, "logprobs": lps, "finish_reason": _finish_reason(out)}
+                )
             else:
                 choices.append(
-                    {"index": i, "text": out.text, "logprobs": None, "finish_reason": _finish_reason(out)}
+                    {"index": i, "text": out.text, "logprobs": lps, "finish_reason": _finish_reason(out)}
                 )
         return {
             "id": rid,
@@ -420,20 +469,29 @@ class OpenAIServer:
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
         completion_tokens = {}
+        sent_lps: dict[int, int] = {}  # per choice: tokens whose logprobs were already sent
+        lp_offset: dict[int, int] = {}  # per choice: characters of those tokens (completions' text_offset)
 
         def chunk(i: int, out: RequestOutput) -> str:
+            lps = None
+            if out.logprobs is not None:
+                new = out.logprobs[sent_lps.get(i, 0) :]
+                sent_lps[i] = len(out.logprobs)
+                if chat:
+                    lps = _chat_logprobs(self.tokenizer, new)
+                else:
+                    lps = _completion_logprobs(self.tokenizer, new, lp_offset.get(i, 0))
+                    if new:
+                        lp_offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            choice: dict[str, Any] = {"index": i}
             if chat:
                 delta: dict[str, Any] = {} if i in started else {"role": "assistant"}
                 if out.delta:
                     delta["content"] = out.delta
-                choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": _finish_reason(out)}
+                choice["delta"] = delta
             else:
-                choice = {
-                    "index": i,
-                    "text": out.delta,
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(out),
-                }
+                choice["text"] = out.delta
+            choice |= {"logprobs": lps, "finish_reason": _finish_reason(out)}
             started.add(i)
             data: dict[str, Any] = {
                 "id": rid,

@@ -100,3 +100,32 @@ def test_k3_batched_greedy_equals_single_runs(tmp_path: Path) -> None:
     for prompt, out in zip(PROMPTS, batched):
         assert single.generate([prompt], params)[0].token_ids == out.token_ids, prompt
     assert len({tuple(o.token_ids) for o in batched}) > 4
+
+
+def test_logprobs_are_the_models_log_softmax(model, ckpt: Path) -> None:
+    """SamplingParams.logprobs: each generated token's log-probability and the top k equal log_softmax of a
+    full no-cache forward (fp32), for greedy and sampled requests (raw logits: before temperature / top-k)."""
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=1, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    ]
+    outs = _llm(model, ckpt).generate(PROMPTS[:3], params)
+    assert outs[2].logprobs is None
+    for out, k in zip(outs[:2], (3, 0)):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
+        ids = out.prompt_token_ids + out.token_ids
+        n = len(out.prompt_token_ids)
+        ref = torch.log_softmax(model.logits(torch.tensor(ids))[n - 1 : -1], dim=-1)  # [6, vocab]
+        for t, lp in enumerate(out.logprobs):
+            assert lp.token_id == out.token_ids[t]
+            assert abs(lp.logprob - ref[t, lp.token_id].item()) < 1e-4
+            assert len(lp.top) == k
+            want = ref[t].topk(k) if k else None
+            if want is not None:
+                assert [i for i, _ in lp.top] == want.indices.tolist()
+                assert max(abs(v - w) for (_, v), w in zip(lp.top, want.values.tolist())) < 1e-4
+        if k:  # greedy: the chosen token is the most likely one
+            assert all(lp.top[0][0] == lp.token_id for lp in out.logprobs)
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        SamplingParams(logprobs=21)

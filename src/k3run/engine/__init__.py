@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from k3run.engine.llm import LLM, EngineConfig, LLMEngine
-from k3run.engine.sequence import FinishReason, RequestOutput, SamplingParams
+from k3run.engine.sequence import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
-__all__ = ["LLM", "EngineConfig", "FinishReason", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "FinishReason",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

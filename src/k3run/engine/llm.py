@@ -15,7 +15,14 @@ from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_f
 from k3run.engine.runner import CausalLM, ModelRunner
 from k3run.engine.sampler import Sampler
 from k3run.engine.scheduler import Scheduler, SchedulerConfig
-from k3run.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceIds
+from k3run.engine.sequence import (
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceIds,
+    TokenLogprob,
+)
 from k3run.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,6 +74,23 @@ def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dty
     if device is None or dtype is None:
         raise ValueError("cannot tell the model's device and activation dtype: it has no 2-D float parameter")
     return device, dtype
+
+
+def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+    """Append each sampled token's log-probability (log-softmax of the raw fp32 logits) and the top k to the
+    sequences that asked for them."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not want:
+        return
+    lp = torch.log_softmax(logits[want].float(), dim=-1)
+    k = max(seqs[i].params.logprobs or 0 for i in want)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        n = seqs[i].params.logprobs or 0
+        top = tuple(zip(top_i[j][:n], top_v[j][:n]))
+        seqs[i].output_logprobs.append(TokenLogprob(tokens[i], chosen[j], top))
 
 
 class LLMEngine:
@@ -138,6 +162,7 @@ class LLMEngine:
             tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             if self.config.tp_size > 1:
                 tokens = self._agree(tokens, logits.device)
+            _record_logprobs(seqs, logits, tokens)
             for b, t in zip(rows, tokens):
                 sampled[b] = t
         self.scheduler.update(batch, sampled, self.tokenizer.eos_token_ids)

@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability; `top`: the k most likely tokens' (descending)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +38,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; k >= 0: each generated token's log-probability under the model (raw logits,
+    # before temperature / top-k / top-p) and the k most likely tokens with theirs
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -37,6 +51,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(s == "" for s in self.stop):
@@ -75,6 +93,7 @@ class Sequence:
     slot: int | None = None
     num_cached: int = 0
     generator: torch.Generator | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_text: str = ""
     # incremental detokenisation offsets into all_token_ids (see Detokenizer)
     prefix_offset: int = 0
@@ -136,6 +155,9 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     delta: str = ""
+    logprobs: list[TokenLogprob] | None = (
+        None  # one per token in token_ids when SamplingParams.logprobs is set
+    )
 
     @classmethod
     def from_sequence(cls, seq: Sequence, delta: str = "") -> RequestOutput:
@@ -148,4 +170,5 @@ class RequestOutput:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             delta=delta,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         )
