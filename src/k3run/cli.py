@@ -1,7 +1,7 @@
 """The `k3run` command line: generate, inspect, quantize, eval, bench, serve, run-default.
 
-Under torchrun (WORLD_SIZE > 1) generate and bench load the model tensor-parallel over the world (NCCL on
-GPUs, gloo on CPU or with K3RUN_DIST_BACKEND=gloo); every rank runs the engine, rank 0 prints."""
+Under torchrun (WORLD_SIZE > 1) generate, bench and serve load the model tensor-parallel over the world (NCCL
+on GPUs, gloo on CPU or with K3RUN_DIST_BACKEND=gloo); every rank runs the engine, rank 0 prints / serves."""
 
 from __future__ import annotations
 
@@ -220,16 +220,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError as e:
         raise UserError(f"k3run serve needs the serve extra (pip install 'k3run[serve]'): {e}") from e
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("k3run serve runs in one process; tensor parallelism (torchrun) is not supported yet")
     model_dir = _model_dir(args.model)
     llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
-    from k3run.serve import OpenAIServer, build_app
+    from k3run.serve import OpenAIServer, build_app, follow
+
+    if _rank() != 0:  # tensor parallel: rank 0 serves HTTP, the other ranks mirror its engine
+        follow(llm.engine)
+        return 0
 
     server = OpenAIServer(llm.engine, args.served_model_name or model_dir.name)
+    tp = f", tensor parallel over {llm.engine.config.tp_size} ranks" if llm.engine.config.tp_size > 1 else ""
     print(
         f"[k3run] serving {model_dir} as '{server.model_name}' on http://{args.host}:{args.port}/v1 "
-        f"(max {args.max_num_seqs} sequences of {args.max_model_len} tokens)",
+        f"(max {args.max_num_seqs} sequences of {args.max_model_len} tokens{tp})",
         file=sys.stderr,
     )
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")

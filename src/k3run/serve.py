@@ -56,16 +56,66 @@ class _Request:
     rid: int | None = None  # the engine's id, once the engine thread has added it
 
 
-class AsyncEngine:
-    """Runs `engine` on a background thread; `submit` / `abort` are safe from any thread."""
+Command = tuple[list[tuple[int, list[int], SamplingParams]], list[int], bool]  # (adds, aborts, stop)
 
-    def __init__(self, engine: LLMEngine) -> None:
+
+def apply_command(engine: LLMEngine, rids: dict[int, int], cmd: Command) -> dict[int, ValueError]:
+    """Apply one step's new requests and aborts to `engine` (the same on every tensor-parallel rank, so all
+    ranks keep identical schedules); `rids` maps request keys to engine ids. Returns the adds that failed."""
+    adds, aborts, _ = cmd
+    errors = {}
+    for key, ids, params in adds:
+        try:
+            rids[key] = engine.add_request(ids, params)
+        except ValueError as e:
+            errors[key] = e
+    for key in aborts:
+        rid = rids.pop(key, None)
+        if rid is not None:
+            engine.abort(rid)
+    return errors
+
+
+def _broadcast(cmd: Command | None) -> Command:
+    import torch.distributed as dist
+
+    box = [cmd]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def follow(engine: LLMEngine) -> None:
+    """A tensor-parallel rank other than 0: mirror rank 0's requests and steps until it stops."""
+    rids: dict[int, int] = {}
+    while True:
+        cmd = _broadcast(None)
+        if cmd[2]:
+            return
+        apply_command(engine, rids, cmd)
+        if engine.has_unfinished():
+            finished = {o.request_id for o in engine.step() if o.finished}
+            if finished:
+                for key in [k for k, r in rids.items() if r in finished]:
+                    del rids[key]
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread; `submit` / `abort` are safe from any thread.
+
+    With `tensor_parallel`, this is rank 0: every iteration broadcasts its new requests and aborts (an empty
+    command at least once a second while idle, so the other ranks' collectives never time out) and the
+    other ranks run `follow`.
+    """
+
+    def __init__(self, engine: LLMEngine, tensor_parallel: bool = False) -> None:
         self.engine = engine
+        self.tensor_parallel = tensor_parallel
         self._keys = itertools.count()
         self._new: deque[_Request] = deque()
         self._aborts: deque[int] = deque()
         self._live: dict[int, _Request] = {}  # key -> request, touched by the engine thread only
         self._by_rid: dict[int, _Request] = {}
+        self._rids: dict[int, int] = {}  # key -> engine id
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="k3run-engine", daemon=True)
@@ -95,54 +145,61 @@ class AsyncEngine:
 
     def _forget(self, req: _Request) -> None:
         self._live.pop(req.key, None)
+        self._rids.pop(req.key, None)
         if req.rid is not None:
             self._by_rid.pop(req.rid, None)
 
     def _run(self) -> None:
-        while not self._stop:
+        while True:
             try:
-                self._iteration()
+                if self._iteration():
+                    return
             except Exception:  # the engine thread must outlive any one request's failure
                 log.exception("k3run serve: engine loop error")
 
-    def _iteration(self) -> None:
-        """Take new requests and aborts, then one engine step (or a short wait when idle)."""
-        while self._new:
-            req = self._new.popleft()
-            try:
-                req.rid = self.engine.add_request(req.prompt_ids, req.params)
-            except ValueError as e:
-                self._deliver(req, ServeError(400, str(e), "prompt"))
+    def _iteration(self) -> bool:
+        """Take new requests and aborts, then one engine step (or a short wait when idle). True: stopped."""
+        adds = [self._new.popleft() for _ in range(len(self._new))]
+        aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
+        cmd: Command = ([(r.key, r.prompt_ids, r.params) for r in adds], aborts, self._stop)
+        if self.tensor_parallel:
+            _broadcast(cmd)
+        if self._stop:
+            return True
+        errors = apply_command(self.engine, self._rids, cmd)
+        for req in adds:
+            if req.key in errors:
+                self._deliver(req, ServeError(400, str(errors[req.key]), "prompt"))
                 continue
+            req.rid = self._rids[req.key]
             self._live[req.key] = req
             self._by_rid[req.rid] = req
-        while self._aborts:
-            req = self._live.get(self._aborts.popleft())
+        for key in aborts:
+            req = self._live.get(key)
             if req is not None:
-                self.engine.abort(req.rid)  # type: ignore[arg-type]
                 self._forget(req)
         if not self.engine.has_unfinished():
             self._wake.wait(timeout=1.0)
             self._wake.clear()
-            return
+            return False
         try:
             outs = self.engine.step()
         except Exception as e:  # a failed step fails every request in flight; the server stays up
             log.exception("model step failed")
             for req in list(self._live.values()):
-                self.engine.abort(req.rid)  # type: ignore[arg-type]
                 self._deliver(req, ServeError(500, f"model step failed: {e}", kind="server_error"))
-                self._forget(req)
-            return
+                self._aborts.append(req.key)  # through the next command, so every rank drops it
+            return False
         for out in outs:
             req = self._by_rid.get(out.request_id)
             if req is None:
                 continue
             delivered = self._deliver(req, out)
-            if not delivered and not out.finished:
-                self.engine.abort(out.request_id)
-            if out.finished or not delivered:
+            if out.finished:
                 self._forget(req)
+            elif not delivered:
+                self._aborts.append(req.key)
+        return False
 
 
 # ---------------------------------------------------------------- request parsing (plain dicts, named fields)
@@ -274,7 +331,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, tensor_parallel=engine.config.tp_size > 1)
         self.created = int(time.time())
 
     def models(self) -> dict[str, Any]:
