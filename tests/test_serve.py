@@ -285,3 +285,32 @@ def test_chat_logprobs(client, server):
             assert e["top_logprobs"][0]["logprob"] == e["logprob"]  # greedy: the chosen token is the top one
     finally:
         server.tokenizer.chat_template = None
+
+
+def test_echo_scores_the_prompt(client, model):
+    """echo + logprobs + max_tokens 0 (how evaluation harnesses score text): the prompt comes back with each
+    token's log-probability given the ones before it (the first is null), and nothing is generated."""
+    prompt = "import os\nimport sys\n"
+    body = client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0},
+    ).json()
+    choice = body["choices"][0]
+    assert choice["text"] == prompt and body["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    llm = LLM.from_model(model, load_tokenizer(MODEL_DIR), CONFIG)
+    ref = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert len(lp["tokens"]) == len(ref.prompt_token_ids) == body["usage"]["prompt_tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [e.logprob for e in ref.prompt_logprobs[1:]]
+    # echo with generation: prompt then completion, one logprob per token of both
+    body = client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 0, "temperature": 0},
+    ).json()
+    assert body["choices"][0]["text"].startswith(prompt) and len(body["choices"][0]["text"]) > len(prompt)
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == body["usage"]["prompt_tokens"] + 3
+    r = client.post("/v1/completions", json={"prompt": prompt, "echo": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

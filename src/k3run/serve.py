@@ -56,6 +56,16 @@ class _Request:
     rid: int | None = None  # the engine's id, once the engine thread has added it
 
 
+@dataclass
+class _Plan:
+    reqs: list[_Request]
+    echoes: list[str | None]  # per choice: the prompt text to put before the completion (echo), or None
+    prompt_tokens: int  # each prompt counted once
+    stream: bool
+    include_usage: bool
+    score_only: bool  # echo with max_tokens 0: the one generated token is dropped
+
+
 Command = tuple[list[tuple[int, list[int], SamplingParams]], list[int], bool]  # (adds, aborts, stop)
 
 
@@ -249,8 +259,6 @@ def sampling_params(body: dict[str, Any], max_tokens_default: int, chat: bool = 
     for name in ("presence_penalty", "frequency_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise ServeError(400, f"'{name}' is not supported (only 0)", name)
-    if body.get("echo"):
-        raise ServeError(400, "'echo' is not supported", "echo")
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
     max_tokens = _get(
         body, "max_tokens", (int,), max_tokens if max_tokens is not None else max_tokens_default
@@ -273,6 +281,8 @@ def sampling_params(body: dict[str, Any], max_tokens_default: int, chat: bool = 
         "ignore_eos": _get(body, "ignore_eos", (bool,), False),
         "logprobs": _logprobs(body, chat),
     }
+    if not chat and _get(body, "echo", (bool,), False):  # the prompt's tokens are returned too, scored
+        values["prompt_logprobs"] = values["logprobs"]
     try:
         return SamplingParams(**values)
     except ValueError as e:  # "SamplingParams.<field> must ...": name the request field
@@ -280,17 +290,28 @@ def sampling_params(body: dict[str, Any], max_tokens_default: int, chat: bool = 
         raise ServeError(400, str(e).replace("SamplingParams.", ""), name if name in values else None) from e
 
 
-def _completion_logprobs(tok: Any, lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
+def _completion_logprobs(
+    tok: Any, lps: list[TokenLogprob], offset: int = 0, prompt: list[TokenLogprob | None] | None = None,
+    first_prompt_id: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset. With `prompt` (echo)
+    the prompt's tokens come first; the very first has no log-probability (null)."""
+    entries: list[tuple[int, TokenLogprob | None]] = []
+    if prompt is not None:
+        entries = [(first_prompt_id if e is None else e.token_id, e) for e in prompt]
+    entries += [(lp.token_id, lp) for lp in lps]
+    tokens = [tok.decode([i], skip_special_tokens=False) for i, _ in entries]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{tok.decode([i], skip_special_tokens=False): v for i, v in lp.top} for lp in lps],
+        "token_logprobs": [None if e is None else e.logprob for _, e in entries],
+        "top_logprobs": [
+            None if e is None else {tok.decode([i], skip_special_tokens=False): v for i, v in e.top}
+            for _, e in entries
+        ],
         "text_offset": offsets,
     }
 
@@ -396,12 +417,13 @@ class OpenAIServer:
         # the template writes its own special tokens (BOS included)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _start(self, body: dict[str, Any], chat: bool) -> tuple[list[_Request], int, bool, bool]:
-        """Submit every (prompt, choice) pair; returns the requests in choice-index order, the number of
-        prompt tokens (each prompt counted once), whether to stream and whether to end it with usage."""
+    def _start(self, body: dict[str, Any], chat: bool) -> "_Plan":
+        """Submit every (prompt, choice) pair, in choice-index order."""
         if not isinstance(body, dict):
             raise ServeError(400, "the request body must be a JSON object")
         self._check_model(body)
+        if chat and body.get("echo") is not None:
+            raise ServeError(400, "'echo' is a /v1/completions field", "echo")
         prompts = [self._chat_ids(body)] if chat else self._prompt_ids(body)
         n = _get(body, "n", (int,), 1)
         if not 1 <= n <= MAX_CHOICES:
@@ -415,12 +437,26 @@ class OpenAIServer:
                     f"the prompt has {len(ids)} tokens; this server's max_model_len is {self.max_model_len}",
                     "messages" if chat else "prompt",
                 )
-        params = sampling_params(body, (self.max_model_len - len(prompts[0])) if chat else 16, chat)
         stream = _get(body, "stream", (bool,), False)
+        echo = not chat and _get(body, "echo", (bool,), False)
+        if echo and stream:
+            raise ServeError(400, "'echo' with 'stream' is not supported", "echo")
+        # scoring a prompt: max_tokens 0 with echo (one token is generated and dropped)
+        score_only = echo and body.get("max_tokens") == 0
+        params = sampling_params(
+            body | {"max_tokens": 1} if score_only else body,
+            (self.max_model_len - len(prompts[0])) if chat else 16,
+            chat,
+        )
         options = _get(body, "stream_options", (dict,), {})
         include_usage = _get(options, "include_usage", (bool,), False)
-        reqs = []
-        for ids in prompts:
+        raw = body.get("prompt")
+        texts = []
+        if echo:  # the prompt as given (a string), or decoded (token ids)
+            items = [raw] if isinstance(raw, str) or (raw and not isinstance(raw[0], (str, list))) else raw
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in items]
+        reqs, echoes = [], []
+        for p, ids in enumerate(prompts):
             for j in range(n):
                 # seeded choices of one prompt get distinct seeds, or they would all be the same sample
                 pj = (
@@ -429,7 +465,8 @@ class OpenAIServer:
                     else dataclasses.replace(params, seed=params.seed + j)
                 )
                 reqs.append(self.async_engine.submit(ids, pj))
-        return reqs, sum(len(ids) for ids in prompts), stream, include_usage
+                echoes.append(texts[p] if echo else None)
+        return _Plan(reqs, echoes, sum(len(ids) for ids in prompts), stream, include_usage, score_only)
 
     async def _outputs(self, req: _Request) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -473,43 +510,55 @@ class OpenAIServer:
         self, body: dict[str, Any], chat: bool
     ) -> tuple[dict[str, Any] | None, AsyncIterator[str] | None]:
         """(JSON response, None) or (None, server-sent-event stream)."""
-        reqs, prompt_tokens, stream, include_usage = self._start(body, chat)
+        plan = self._start(body, chat)
+        reqs, prompt_tokens = plan.reqs, plan.prompt_tokens
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         merged = self._merged(reqs)
-        if stream:
+        if plan.stream:
             try:  # errors before the first token (a bad prompt, a failed step) are plain HTTP errors
                 first = await merged.__anext__()
             except BaseException:
                 await merged.aclose()
                 raise
-            return None, self._sse(rid, chat, first, merged, prompt_tokens if include_usage else None)
+            return None, self._sse(rid, chat, first, merged, prompt_tokens if plan.include_usage else None)
         final: dict[int, RequestOutput] = {}
         async for i, out in merged:
             if out.finished:
                 final[i] = out
         choices = []
+        completion_tokens = 0
         for i in range(len(reqs)):
             out = final[i]
+            gen_lps, text = out.logprobs, out.text
+            if plan.score_only:
+                gen_lps, text = ([] if gen_lps is not None else None), ""
+            else:
+                completion_tokens += len(out.token_ids)
             lps = None
-            if out.logprobs is not None:
-                render = _chat_logprobs if chat else _completion_logprobs
-                lps = render(self.tokenizer, out.logprobs)
             if chat:
-                msg = {"role": "assistant", "content": out.text}
+                lps = _chat_logprobs(self.tokenizer, gen_lps) if gen_lps is not None else None
+                msg = {"role": "assistant", "content": text}
                 choices.append(
                     {"index": i, "message": msg, "logprobs": lps, "finish_reason": _finish_reason(out)}
                 )
-            else:
-                choices.append(
-                    {"index": i, "text": out.text, "logprobs": lps, "finish_reason": _finish_reason(out)}
+                continue
+            echo = plan.echoes[i]
+            if gen_lps is not None:
+                lps = _completion_logprobs(
+                    self.tokenizer,
+                    gen_lps,
+                    prompt=out.prompt_logprobs if echo is not None else None,
+                    first_prompt_id=out.prompt_token_ids[0],
                 )
+            text = (echo or "") + text
+            choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": _finish_reason(out)})
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in final.values())),
+            "usage": _usage(prompt_tokens, completion_tokens),
         }, None
 
     async def _sse(

@@ -129,3 +129,24 @@ def test_logprobs_are_the_models_log_softmax(model, ckpt: Path) -> None:
             assert all(lp.top[0][0] == lp.token_id for lp in out.logprobs)
     with pytest.raises(ValueError, match="logprobs must be in"):
         SamplingParams(logprobs=21)
+
+
+def test_prompt_logprobs_cover_every_prompt_token_across_prefill_chunks(model, ckpt: Path) -> None:
+    """SamplingParams.prompt_logprobs: None for the first prompt token, then each prompt token's
+    log-probability given the tokens before it, equal to a full no-cache forward, also when the prefill is
+    split into chunks of 16 tokens (the 40-token prompt spans three steps)."""
+    prompt = PROMPTS[3]  # 40 characters
+    for budget in (512, 16):
+        out = _llm(model, ckpt, max_num_batched_tokens=budget).generate(
+            [prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+        )[0]
+        ids = out.prompt_token_ids
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) > 16
+        assert out.prompt_logprobs[0] is None
+        ref = torch.log_softmax(model.logits(torch.tensor(ids))[:-1], dim=-1)  # row t predicts ids[t + 1]
+        for t, lp in enumerate(out.prompt_logprobs[1:]):
+            assert lp.token_id == ids[t + 1]
+            assert abs(lp.logprob - ref[t, ids[t + 1]].item()) < 1e-4
+            assert [i for i, _ in lp.top] == ref[t].topk(2).indices.tolist()
+    plain = _llm(model, ckpt).generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert plain.prompt_logprobs is None and plain.token_ids == out.token_ids

@@ -93,6 +93,28 @@ def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[in
         seqs[i].output_logprobs.append(TokenLogprob(tokens[i], chosen[j], top))
 
 
+def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """Logits of the prompt positions fed this step ([n, vocab], before the scheduler advances num_cached):
+    position j predicts token num_cached + j + 1; those inside the prompt are recorded."""
+    prompt = seq.prompt_token_ids
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first prompt token: nothing precedes it
+    start = seq.num_cached
+    n = min(logits.shape[0], len(prompt) - 1 - start)
+    if n <= 0:
+        return
+    lp = torch.log_softmax(logits[:n], dim=-1)
+    targets = torch.tensor(prompt[start + 1 : start + 1 + n], device=lp.device)
+    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+    k = seq.params.prompt_logprobs or 0
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j in range(n):
+        seq.prompt_logprobs.append(
+            TokenLogprob(prompt[start + 1 + j], chosen[j], tuple(zip(top_i[j], top_v[j])))
+        )
+
+
 class LLMEngine:
     """Requests in, tokens and text out, one `step()` at a time."""
 
@@ -155,6 +177,8 @@ class LLMEngine:
         if batch is None:
             return []
         rows, logits = self.runner.run(batch)
+        for b, plogits in self.runner.prompt_logits.items():
+            _record_prompt_logprobs(batch.seqs[b], plogits)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if rows:
             assert logits is not None

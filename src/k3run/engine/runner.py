@@ -56,9 +56,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:
-        """One step; returns the batch rows that end their known tokens and those rows' logits [B', vocab]."""
+        """One step; returns the batch rows that end their known tokens and those rows' logits [B', vocab].
+
+        Sequences that asked for prompt log-probabilities and feed prompt tokens in this step get the logits
+        of every position they feed in `self.prompt_logits[b]` ([n_b, vocab] fp32, set by each call)."""
         input_ids, ctx = self.prepare(batch)
         hidden = self.model.forward(input_ids, ctx)  # [T, D]
+        self.prompt_logits: dict[int, torch.Tensor] = {}
+        lo = 0
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_token_ids):
+                self.prompt_logits[b] = self.model.compute_logits(hidden[lo : lo + n]).float()
+            lo += n
         rows = [b for b in range(len(batch.seqs)) if batch.samples(b)]
         if not rows:
             return rows, None

@@ -41,6 +41,8 @@ class SamplingParams:
     # None: no log-probabilities; k >= 0: each generated token's log-probability under the model (raw logits,
     # before temperature / top-k / top-p) and the k most likely tokens with theirs
     logprobs: int | None = None
+    # the same for the prompt's tokens (the first has none: nothing precedes it)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,10 +53,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.{name} must be in [0, {MAX_LOGPROBS}] or None, got {k}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(s == "" for s in self.stop):
@@ -94,6 +96,7 @@ class Sequence:
     num_cached: int = 0
     generator: torch.Generator | None = None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     output_text: str = ""
     # incremental detokenisation offsets into all_token_ids (see Detokenizer)
     prefix_offset: int = 0
@@ -155,9 +158,10 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     delta: str = ""
-    logprobs: list[TokenLogprob] | None = (
-        None  # one per token in token_ids when SamplingParams.logprobs is set
-    )
+    # one per token in token_ids when SamplingParams.logprobs is set
+    logprobs: list[TokenLogprob] | None = None
+    # one per prompt token (the first None) when SamplingParams.prompt_logprobs is set, once it is read
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def from_sequence(cls, seq: Sequence, delta: str = "") -> RequestOutput:
@@ -171,4 +175,5 @@ class RequestOutput:
             finish_reason=seq.finish_reason,
             delta=delta,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )
