@@ -118,3 +118,14 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="scale: expected shape \\(2, 2\\), got \\(2, 1\\)"):
         dequantize_fp8_act_1x128(qa, sa[:, :1])
     assert FP8_BLOCK == 128
+
+
+@pytest.mark.parametrize("n, k", [(256, 384), (200, 300), (128, 128)])
+def test_dequantize_tile_broadcast_equals_the_expanded_scale(n: int, k: int) -> None:
+    """Whole tiles take the broadcast path, partial ones the expanded scale: both give q * s bit for bit."""
+    q, s = quantize_fp8_block(torch.randn(n, k) * 5)
+    s2 = s.reshape(s.shape[0], s.shape[2])
+    full = s2.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    want = q.float() * full
+    assert torch.equal(dequantize_fp8_block(q, s), want)
+    assert torch.equal(dequantize_fp8_block(q, s, torch.bfloat16), want.to(torch.bfloat16))

@@ -81,7 +81,11 @@ def dequantize_fp8_block(
         raise ValueError(f"dequantize_fp8_block q: expected 2 dims [N, K], got shape {tuple(q.shape)}")
     n, k = q.shape
     s = _scale_2d("dequantize_fp8_block scale", scale, _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
-    full = s.to(q.device).repeat_interleave(FP8_BLOCK, dim=0)[:n].repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
+    s = s.to(q.device)
+    if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:  # broadcast over the tiles: no expanded [N, K] scale
+        tiles = q.float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        return (tiles * s[:, None, :, None]).view(n, k).to(dtype)
+    full = s.repeat_interleave(FP8_BLOCK, dim=0)[:n].repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
     return (q.float() * full).to(dtype)
 
 
