@@ -215,17 +215,19 @@ class AsyncEngine:
 # ---------------------------------------------------------------- request parsing (plain dicts, named fields)
 
 
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+               bool: "a boolean"}  # fmt: skip
+
+
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    """body[name] if present and one of `kinds` (a bool never passes for a number), else a 400 naming it."""
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) and bool not in kinds:
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        want = " or ".join(_JSON_TYPES.get(k, k.__name__) for k in kinds)
         raise ServeError(
-            400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got a boolean", name
-        )
-    if not isinstance(v, kinds):
-        raise ServeError(
-            400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got {type(v).__name__}", name
+            400, f"'{name}' must be {want}, got {_JSON_TYPES.get(type(v), type(v).__name__)}", name
         )
     return v
 
