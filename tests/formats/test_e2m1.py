@@ -114,3 +114,12 @@ def test_bad_inputs_name_the_problem():
         pack_e2m1(torch.tensor([200, 1], dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8, got torch.float32"):
         unpack_e2m1(torch.zeros(4))
+
+
+def test_byte_table_decode_equals_unpack_then_decode():
+    from k3run.formats.e2m1 import decode_e2m1_bytes
+
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)[:, torch.randperm(64)]
+    assert torch.equal(decode_e2m1_bytes(packed), e2m1_decode(unpack_e2m1(packed)))
+    with pytest.raises(ValueError, match="uint8"):
+        decode_e2m1_bytes(packed.float())

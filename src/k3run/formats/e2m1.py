@@ -51,6 +51,24 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
+# every byte's two values: row b = (value of the low nibble, value of the high nibble)
+_BYTE_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes [..., K/2] -> fp32 values [..., K], low nibble first: `e2m1_decode(unpack_e2m1(packed))` by
+    one 256-entry table lookup (every byte is a valid pair of codes, so nothing needs checking)."""
+    check_dtype("decode_e2m1_bytes packed", packed, (torch.uint8,))
+    if packed.dim() == 0:
+        raise ValueError("decode_e2m1_bytes packed: expected at least 1 dim, got a 0-dim tensor")
+    table = _BYTE_VALUES.get(packed.device)
+    if table is None:
+        b = torch.arange(256, dtype=torch.int64)
+        table = torch.stack((E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]), dim=-1).to(packed.device)  # [256, 2]
+        _BYTE_VALUES[packed.device] = table
+    return table[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., K] -> uint8 bytes [..., K/2] with element 2j in the low nibble."""
     check_dtype("pack_e2m1 codes", codes, (torch.uint8,))

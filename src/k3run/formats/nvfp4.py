@@ -15,7 +15,7 @@ import torch
 
 from k3run.formats._checks import check_divisible, check_dtype, check_float, check_min_dims, check_shape
 from k3run.formats._ops import div_exact
-from k3run.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_e2m1, unpack_e2m1
+from k3run.formats.e2m1 import E2M1_MAX, decode_e2m1_bytes, e2m1_decode, e2m1_encode, pack_e2m1
 
 NVFP4_GROUP = 16
 FP8_E4M3_MAX = 448.0
@@ -115,7 +115,7 @@ def dequantize_nvfp4(
     lead = tuple(weight.shape[:-2])
     check_shape("dequantize_nvfp4 weight_scale", weight_scale, (*lead, n, k // NVFP4_GROUP))
     wsc2 = _as_global_scale("dequantize_nvfp4 weight_scale_2", weight_scale_2, lead).to(weight.device)
-    vals = e2m1_decode(unpack_e2m1(weight)).reshape(*lead, n, k // NVFP4_GROUP, NVFP4_GROUP)
+    vals = decode_e2m1_bytes(weight).reshape(*lead, n, k // NVFP4_GROUP, NVFP4_GROUP)
     scaled = vals * weight_scale.float().unsqueeze(-1)
     out = scaled * wsc2.reshape(*wsc2.shape, 1, 1, 1)
     return out.reshape(*lead, n, k).to(dtype)
