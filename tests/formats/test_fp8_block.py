@@ -129,3 +129,12 @@ def test_dequantize_tile_broadcast_equals_the_expanded_scale(n: int, k: int) -> 
     want = q.float() * full
     assert torch.equal(dequantize_fp8_block(q, s), want)
     assert torch.equal(dequantize_fp8_block(q, s, torch.bfloat16), want.to(torch.bfloat16))
+
+
+def test_e4m3_table_cast_is_the_plain_cast_for_every_byte() -> None:
+    from k3run.formats.fp8_block import e4m3_to_float
+
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16).t()  # strided too
+    got, want = e4m3_to_float(q), q.float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and got.shape == want.shape

@@ -72,6 +72,17 @@ def _scale_2d(name: str, scale: torch.Tensor, nb: int, kb: int) -> torch.Tensor:
     )
 
 
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every byte's value
+
+
+def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> fp32, exactly `q.float()`; on the CPU through a 256-entry table (PyTorch's CPU cast
+    of fp8 is ~1.7x slower than the lookup)."""
+    if q.device.type != "cpu":
+        return q.float()
+    return _E4M3_TABLE[q.view(torch.uint8).long()]
+
+
 def dequantize_fp8_block(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -83,10 +94,10 @@ def dequantize_fp8_block(
     s = _scale_2d("dequantize_fp8_block scale", scale, _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
     s = s.to(q.device)
     if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:  # broadcast over the tiles: no expanded [N, K] scale
-        tiles = q.float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        tiles = e4m3_to_float(q).view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
         return (tiles * s[:, None, :, None]).view(n, k).to(dtype)
     full = s.repeat_interleave(FP8_BLOCK, dim=0)[:n].repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
-    return (q.float() * full).to(dtype)
+    return (e4m3_to_float(q) * full).to(dtype)
 
 
 def quantize_fp8_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
