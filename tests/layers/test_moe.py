@@ -102,7 +102,7 @@ def _nvfp4_checkpoint(w1, w3, w2):
     scales differ per expert (so the max over experts is what must be used) and are not powers of two (a
     power-of-two global scale would leave the block-scaled quantization unchanged and hide a wrong one)."""
     ckpt = {}
-    for e in range(E):
+    for e in range(w1.shape[0]):
         for which, w in (("w1", w1[e]), ("w3", w3[e]), ("w2", w2[e])):
             q = quantize_nvfp4(w)
             ckpt[(e, which)] = {
@@ -368,25 +368,17 @@ def _kernel_case(act_name: str, device: str, kernels: bool | None, dtype=torch.f
     w1, w3, w2 = (
         torch.randn(e, *shape, generator=g) * s for shape, s in (((i, d), 0.2), ((i, d), 3.0), ((d, i), 0.2))
     )
-    ckpt = {}
-    for k in range(e):
-        for which, w in (("w1", w1[k]), ("w3", w3[k]), ("w2", w2[k])):
-            q = quantize_nvfp4(w)
-            ckpt[(k, which)] = {
-                "weight": q.weight,
-                "weight_scale": q.weight_scale,
-                "weight_scale_2": q.weight_scale_2,
-            }
+    # the W4A16 checkpoint form: no input scales
+    ckpt = {
+        key: {kind: t for kind, t in tensors.items() if kind != "input_scale"}
+        for key, tensors in _nvfp4_checkpoint(w1, w3, w2).items()
+    }
     with torch.device(device):
         ex = FusedExperts(
             e, d, i, ACTS[act_name], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
         )
     ex.nvfp4_kernels = kernels
-    for (k, which), tensors in ckpt.items():
-        for kind, t in tensors.items():
-            p = getattr(ex, ("w2_" if which == "w2" else "w13_") + kind)
-            p.weight_loader(p, t, (k, which))
-    ex.process_after_loading()
+    _load_nvfp4(ex, ckpt)
     x = (torch.randn(9, d, generator=g) * 2).to(device=device, dtype=dtype)
     weights, ids = route(torch.randn(9, e, generator=g).to(device), torch.zeros(e, device=device), 2)
     return ex, x, ids, weights
