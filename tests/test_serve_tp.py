@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +15,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from k3run.cli import ASSETS_DIR  # noqa: E402
+from tests.tp_utils import free_port, torchrun_env  # noqa: E402
 
 MODEL_DIR = ASSETS_DIR / "default-model-bf16"
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="no bundled bf16 model")
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _greedy(prompt: str, max_tokens: int) -> str:
@@ -39,15 +32,11 @@ def _greedy(prompt: str, max_tokens: int) -> str:
 
 
 def test_serve_tensor_parallel_over_two_ranks():
-    port, master = _free_port(), _free_port()
+    port, master = free_port(), free_port()
     cmd = [sys.executable, "-m", "k3run.cli", "serve", str(MODEL_DIR), "--port", port, "--device", "cpu"]
     cmd += ["--dtype", "fp32", "--max-model-len", "128", "--quiet"]
-    env = os.environ | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master}
-    env |= {"K3RUN_DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen(
-            cmd, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True
-        )
+        subprocess.Popen(cmd, env=torchrun_env(r, 2, master, gloo=True), stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]
     try:

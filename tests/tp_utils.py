@@ -81,6 +81,31 @@ def random_weight(gen: torch.Generator, n: int, k: int, scale: float = 1.0) -> t
     return scale * torch.randn(n, k, generator=gen)
 
 
+def free_port() -> str:
+    """A TCP port the OS reports free on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def torchrun_env(rank: int, world: int, master_port: str, gloo: bool = False) -> dict[str, str]:
+    """os.environ plus what `torchrun` sets for one rank (one OpenMP thread each); gloo forces the gloo
+    backend (k3run.distributed picks NCCL when CUDA is present)."""
+    import os
+
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": master_port,
+        "OMP_NUM_THREADS": "1",
+    }
+    return os.environ | env | ({"K3RUN_DIST_BACKEND": "gloo"} if gloo else {})
+
+
 def ranks(size: int) -> list[TPInfo]:
     return [TPInfo(rank=r, size=size) for r in range(size)]
 

@@ -4,7 +4,6 @@ two (the k3-mixed one cannot: its FP8_PB_WO o_proj would get 64 input columns pe
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import torch
 
 from k3run.cli import ASSETS_DIR
 from k3run.distributed import TPInfo, spawn_gloo
+from tests.tp_utils import free_port, torchrun_env
 
 MODEL_DIR = ASSETS_DIR / "default-model-bf16"
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="no bundled bf16 model")
@@ -73,13 +73,8 @@ def test_cli_generate_under_torchrun_env():
     single = _cli({"OMP_NUM_THREADS": "1"})
     out1, err1 = single.communicate(timeout=120)
     assert single.returncode == 0, err1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-    procs = [
-        _cli(base | {"RANK": str(r), "LOCAL_RANK": str(r), "K3RUN_DIST_BACKEND": "gloo"}) for r in range(2)
-    ]
+    port = free_port()
+    procs = [_cli(torchrun_env(r, 2, port, gloo=True)) for r in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]

@@ -28,7 +28,9 @@ from tests.tp_utils import (
     activation_reference,
     checkpoint_tensors,
     dequantized,
+    free_port,
     load_shards,
+    torchrun_env,
     tp_block_checkpoint,
     tp_block_forward,
     tp_block_mapping,
@@ -180,24 +182,13 @@ shutdown_distributed()
 
 def run_torchrun_like(world: int, device: str) -> list[dict]:
     """Start `world` processes with the environment torchrun sets (port chosen by the OS)."""
-    import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for r in range(world):
-        env = os.environ | {
-            "RANK": str(r),
-            "LOCAL_RANK": str(r),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = torchrun_env(r, world, port)
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", _TORCHRUN_SCRIPT, device],

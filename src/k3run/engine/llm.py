@@ -76,21 +76,28 @@ def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dty
     return device, dtype
 
 
-def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-    """Append each sampled token's log-probability (log-softmax of the raw fp32 logits) and the top k to the
-    sequences that asked for them."""
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if not want:
-        return
-    lp = torch.log_softmax(logits[want].float(), dim=-1)
-    k = max(seqs[i].params.logprobs or 0 for i in want)
+def _token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Row r: the log-probability of token targets[r] under log_softmax(logits[r]) (raw fp32 logits) and the
+    ks[r] most likely tokens with theirs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(ks)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, i in enumerate(want):
-        n = seqs[i].params.logprobs or 0
-        top = tuple(zip(top_i[j][:n], top_v[j][:n]))
-        seqs[i].output_logprobs.append(TokenLogprob(tokens[i], chosen[j], top))
+    return [
+        TokenLogprob(t, c, tuple(zip(ti[:n], tv[:n])))
+        for t, c, ti, tv, n in zip(targets, chosen, top_i, top_v, ks)
+    ]
+
+
+def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+    """Append each sampled token's log-probability and top k to the sequences that asked for them."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if want:
+        ks = [seqs[i].params.logprobs or 0 for i in want]
+        entries = _token_logprobs(logits[want], [tokens[i] for i in want], ks)
+        for i, entry in zip(want, entries):
+            seqs[i].output_logprobs.append(entry)
 
 
 def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
@@ -101,17 +108,10 @@ def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
         seq.prompt_logprobs.append(None)  # the first prompt token: nothing precedes it
     start = seq.num_cached
     n = min(logits.shape[0], len(prompt) - 1 - start)
-    if n <= 0:
-        return
-    lp = torch.log_softmax(logits[:n], dim=-1)
-    targets = torch.tensor(prompt[start + 1 : start + 1 + n], device=lp.device)
-    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
-    k = seq.params.prompt_logprobs or 0
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j in range(n):
-        seq.prompt_logprobs.append(
-            TokenLogprob(prompt[start + 1 + j], chosen[j], tuple(zip(top_i[j], top_v[j])))
+    if n > 0:
+        targets = prompt[start + 1 : start + 1 + n]
+        seq.prompt_logprobs.extend(
+            _token_logprobs(logits[:n], targets, [seq.params.prompt_logprobs or 0] * n)
         )
 
 
