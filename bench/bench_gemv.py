@@ -32,11 +32,20 @@ TRITON_DEFAULT = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, nu
 
 
 def candidates(full: bool, quick: bool = False) -> list[GemmConfig]:
-    """1-warp programs (16 rows each): depth 1-3 x split_k; --full adds block_k 256 and 2-warp programs;
-    --quick: only the shape of choose_config's launch (block_k 128, depth 1) with split_k 2 / 4 / 8."""
+    """1-warp programs (16 rows each): the register-prefetch kernel (depth 1-3 x split_k) and the cp.async
+    kernel (smem_stages 2 / 4 / 8 x split_k); --full adds block_k 256 and 2-warp programs; --quick: only
+    the register kernel (block_k 128, depth 1) and the cp.async kernel at 2 stages (choose_config), split_k
+    2 / 4 / 8.
+    """
+    smem = [
+        GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1, smem_stages=st)
+        for st in ((2,) if quick else (2, 4, 8))
+        for sk in (2, 4, 8)
+    ]
     if quick:
-        return [GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1) for sk in (2, 4, 8)]
-    out = [
+        reg = [GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1) for sk in (2, 4, 8)]
+        return reg + smem
+    out = smem + [
         GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=d)
         for d in (1, 2, 3)
         for sk in (2, 4, 8)
@@ -96,7 +105,8 @@ def main() -> None:
                     continue
                 res.append((t, c, err))
                 print(
-                    f"  {n}x{k} m={m} w{c.num_warps} bk{c.block_k} sk{c.split_k} d{c.depth}: "
+                    f"  {n}x{k} m={m} w{c.num_warps} bk{c.block_k} sk{c.split_k} d{c.depth} "
+                    f"st{c.smem_stages}: "
                     f"{t * 1e3:7.2f} us "
                     f"{wbytes / t / 1e9:5.2f} TB/s err {err:.1e}",
                     flush=True,
@@ -120,6 +130,8 @@ def main() -> None:
                 x_dequant=t_deq / t,
                 err=err,
                 max_err=max(r[2] for r in res),
+                us_reg=min((r[0] for r in res if not r[1].smem_stages), default=float("nan")) * 1e3,
+                us_smem=min((r[0] for r in res if r[1].smem_stages), default=float("nan")) * 1e3,
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -129,16 +141,18 @@ def main() -> None:
     )
     lines = [
         header,
-        f"{'N x K':>12} {'M':>3} {'best (warps/bk/split/depth)':>26} {'us':>7} {'TB/s':>6} {'%copy':>6} "
-        f"{'cuBLAS us':>9} {'x cuBLAS':>8} {'Triton us':>9} {'x Triton':>8} {'deq+mm us':>9} {'x deq':>6} "
+        f"{'N x K':>12} {'M':>3} {'best (warps/bk/split/depth/stages)':>33} {'us':>7} {'TB/s':>6} "
+        f"{'%copy':>6} {'reg us':>7} {'smem us':>7} {'cuBLAS us':>9} {'x cuBLAS':>8} {'Triton us':>9} "
+        f"{'x Triton':>8} {'deq+mm us':>9} {'x deq':>6} "
         f"{'err':>8}",
     ]
     for r in rows:
         c = r["cfg"]
         lines.append(
             f"{r['n']:>5}x{r['k']:<6} {r['m']:>3} "
-            f"{c['num_warps']:>14}/{c['block_k']}/{c['split_k']}/{c['depth']:<4} "
-            f"{r['us']:7.2f} {r['tbs']:6.2f} {r['pct_copy']:6.1f} {r['us_cublas']:9.2f} {r['x_cublas']:8.2f} "
+            f"{c['num_warps']:>19}/{c['block_k']}/{c['split_k']}/{c['depth']}/{c['smem_stages']:<4} "
+            f"{r['us']:7.2f} {r['tbs']:6.2f} {r['pct_copy']:6.1f} {r['us_reg']:7.2f} {r['us_smem']:7.2f} "
+            f"{r['us_cublas']:9.2f} {r['x_cublas']:8.2f} "
             f"{r['us_triton']:9.2f} {r['x_triton']:8.2f} {r['us_dequant']:9.2f} {r['x_dequant']:6.2f} "
             f"{r['max_err']:8.1e}"
         )

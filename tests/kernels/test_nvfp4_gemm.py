@@ -177,13 +177,14 @@ def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
 
 
 def test_choose_config_covers_decode_and_prefill():
-    """M <= 16: the Gluon decode kernel, ~1800 one-warp programs (split_k from N, clamped to 1..8); M <= 32:
-    the same kernel, split_k 4; larger M: dequantize + cuBLAS (H200 measurements: bench/RESULTS.md)."""
-    for n, split_k in [(7168, 4), (12288, 2), (3072, 8), (520, 8), (200_000, 1)]:
-        cfg = choose_config(1, n, 7168)
-        assert (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.depth) == (True, 1, 128, split_k, 1), n
-    assert choose_config(16, 7168, 7168).gemv
-    assert choose_config(17, 7168, 7168).gemv and choose_config(32, 3072, 3584).split_k == 4
+    """M <= 16: the Gluon decode kernel's cp.async variant (1-warp programs, 2 stages, split_k 8); M <= 32:
+    the register-prefetch kernel, split_k 4; larger M: dequantize + cuBLAS (H200 measurements:
+    bench/RESULTS.md)."""
+    for m, n in [(1, 7168), (1, 12288), (16, 3072), (9, 520), (1, 200_000)]:
+        cfg = choose_config(m, n, 7168)
+        assert (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages) == (True, 1, 128, 8, 2), n
+    cfg = choose_config(17, 7168, 7168)
+    assert cfg.gemv and cfg.smem_stages == 0 and choose_config(32, 3072, 3584).split_k == 4
     assert choose_config(33, 7168, 7168).dequant_mm and not choose_config(33, 7168, 7168).gemv
     assert choose_config(4096, 7168, 7168).dequant_mm
 
@@ -297,6 +298,13 @@ def _emulate_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
                     byte = 0xFF if byte & 0x80 else 0
                 out |= byte << (8 * i)
             regs[d] = out
+        elif (
+            op == "cvt.rn.f16x2.e4m3x2"
+        ):  # two E4M3 bytes of a 16-bit operand -> f16x2 (low byte -> low half)
+            src = val(a[0])
+            f8 = torch.tensor([src & 0xFF, (src >> 8) & 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+            h = f8.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+            regs[d] = int(h[0]) | (int(h[1]) << 16)
         elif op.startswith("mul.rn."):
             dt = torch.bfloat16 if op.endswith("bf16x2") else torch.float16
             x, y = (
@@ -359,7 +367,8 @@ def test_gemv_word_decoder_emulated_on_every_byte(kind: str):
         for word in range(256):
             b = [(word + 37 * i) % 256 for i in range(4)]  # every byte value lands in every position
             word_bits = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-            regs = _emulate_ptx(asm, {"$4": word_bits, "$5": int(sbits[0]) | int(sbits[1]) << 16})
+            tables = {f"${6 + i}": v for i, v in enumerate(gemv.decode_table_words(kind)[:4])}
+            regs = _emulate_ptx(asm, {"$4": word_bits, "$5": int(sbits[0]) | int(sbits[1]) << 16, **tables})
             out = [regs[f"${i}"] for i in range(4)]
             halves = (
                 torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16).view(dt)
@@ -367,3 +376,23 @@ def test_gemv_word_decoder_emulated_on_every_byte(kind: str):
             codes = torch.tensor(b, dtype=torch.uint8)
             assert torch.equal(halves[:2].reshape(4).float(), e2m1_decode(codes & 0xF) * s_lo), (kind, b)
             assert torch.equal(halves[2:].reshape(4).float(), e2m1_decode(codes >> 4) * s_hi), (kind, b)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_gemv_scale_pair_asm_emulated_on_every_e4m3_pair(kind: str):
+    """The cp.async kernel's scale PTX (two E4M3 bytes -> one word of two 16-bit floats; bf16 through the
+    f16 bits >> 3 and an exact 2^112 multiply) gives exactly the E4M3 values for every pair of finite
+    non-negative scales (0x00..0x7E), each byte in its own half."""
+    gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
+    dt = torch.bfloat16 if kind == "bf16" else torch.float16
+    asm = gemv._SCALE_ASM_BF16 if kind == "bf16" else gemv._SCALE_ASM
+    c112 = gemv.decode_table_words(kind)[4]
+    codes = torch.arange(127, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(want.to(dt).float(), want)  # every E4M3 value is exact in bf16 and fp16
+    for lo in range(127):
+        for hi in range(0, 127, 7) if lo % 9 else range(127):
+            regs = _emulate_ptx(asm, {"$1": lo, "$2": hi, "$3": c112})
+            out = regs["$0"]
+            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt)
+            assert halves.float().tolist() == [want[lo].item(), want[hi].item()], (kind, lo, hi)

@@ -17,24 +17,39 @@ triton = pytest.importorskip("triton")
 
 
 def _compile(
-    num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int
-):
+    num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
+    stages: int = 0,
+):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
     asm = gemv._ASM_BF16 if dtype == "bf16" else gemv._ASM_FP16
     consts = dict(
         K=k, K_PAD=-(-k // 128) * 128, SPLIT_K=split_k, PER_COL_GS=False, HAS_BIAS=True, EVEN_N=False,
-        BN=16 * num_warps, BK=block_k, BT=bt, DEPTH=depth, ASM=asm, MMA=mma, LA=la, LW=lw, LB=lb,
+        BN=16 * num_warps, BT=bt, ASM=asm,
     )  # fmt: skip
+    if stages:
+        kernel = gemv._nvfp4_gemv_async_kernel
+        mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt)
+        scale_asm = gemv._SCALE_ASM_BF16 if dtype == "bf16" else gemv._SCALE_ASM
+        consts.update(STAGES=stages, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs)
+        consts.update(SMEM=smem, TILED=False, ACC2=False)
+    else:
+        kernel = gemv._nvfp4_gemv_kernel
+        mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
+        consts.update(BK=block_k, DEPTH=depth, MMA=mma, LA=la, LW=lw, LB=lb)
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
-        ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_ym="i32",
+        ws_ptr="*fp32", cnt_ptr="*i32", tab_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_ym="i32",
     )  # fmt: skip
-    order = list(inspect.signature(gemv._nvfp4_gemv_kernel.fn).parameters)
+    order = list(inspect.signature(kernel.fn).parameters)
     sig = {name: ("constexpr" if name in consts else ptrs[name]) for name in order}
-    src = GluonASTSource(gemv._nvfp4_gemv_kernel, sig, {(order.index(c),): v for c, v in consts.items()}, {})
+    # what the runtime specialises for torch tensors: 16-byte aligned pointers, strides divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(order) if name.endswith("_ptr")}
+    if k % 16 == 0:
+        attrs.update({(order.index(s),): [["tt.divisibility", 16]] for s in ("stride_xm", "stride_ym")})
+    const_args = {(order.index(c),): v for c, v in consts.items()}
+    src = GluonASTSource(kernel, sig, const_args, attrs)
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg}
     )
@@ -49,9 +64,22 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
 
     cfg = choose_config(m, n, k)
     assert cfg.gemv
+    _check_compiled(m, k, dtype, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.depth, cfg.smem_stages)
+
+
+@pytest.mark.parametrize(
+    "m, k, dtype, stages", [(1, 7168, "bf16", 4), (16, 3584, "fp16", 8), (32, 3600, "bf16", 2)]
+)
+def test_cp_async_gemv_compiles_for_sm90_without_spills(m: int, k: int, dtype: str, stages: int):
+    """The cp.async kernel: weights staged by cp.async, read back in the operand layout, no spills."""
+    ck = _check_compiled(m, k, dtype, 1, 128, 1, 1, stages)
+    assert "cp.async" in ck.asm["ptx"]
+
+
+def _check_compiled(m: int, k: int, dtype: str, num_warps, block_k, split_k, depth, stages):
     bt = 8 if m <= 8 else 16 if m <= 16 else 32
     maxnreg = gemv.MAXNREG[bt]
-    ck = _compile(cfg.num_warps, cfg.block_k, bt, cfg.split_k, cfg.depth, k, dtype, maxnreg)
+    ck = _compile(num_warps, block_k, bt, split_k, depth, k, dtype, maxnreg, stages)
     ptx = ck.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx
     # no shared-memory staging of the decoded tile: at most the split-K counter's broadcast touches smem
@@ -72,3 +100,4 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
     assert use is not None, res
     regs, stack = int(use.group(1)), int(use.group(2))
     assert regs <= maxnreg and stack == 0, f"{regs} registers, {stack} bytes of stack (spills)"
+    return ck

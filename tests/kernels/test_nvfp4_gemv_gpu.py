@@ -17,19 +17,27 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 45])
 @pytest.mark.parametrize(
-    "num_warps, block_k, split_k, depth",
-    [(1, 256, 1, 1), (1, 512, 3, 2), (2, 256, 4, 3), (4, 128, 2, 2), (1, 128, 8, 3), (1, 128, 5, 2)],
-)
-def test_gemv_odd_shapes_bf16(poison_empty, m: int, num_warps: int, block_k: int, split_k: int, depth: int):
+    "num_warps, block_k, split_k, depth, stages",
+    [
+        (1, 256, 1, 1, 0), (1, 512, 3, 2, 0), (2, 256, 4, 3, 0), (4, 128, 2, 2, 0), (1, 128, 8, 3, 0),
+        (1, 128, 5, 2, 0), (1, 128, 1, 1, 4), (2, 128, 3, 1, 2), (1, 128, 7, 1, 8), (4, 128, 2, 1, 3),
+    ],
+)  # fmt: skip
+def test_gemv_odd_shapes_bf16(
+    poison_empty, m: int, num_warps: int, block_k: int, split_k: int, depth: int, stages: int
+):
     """N = 520 (not a multiple of 16 * num_warps), K = 3600 (pads to 3712: a partial last chunk), bias,
-    per-row global scales, token tiles 8 / 16 / 32 and M = 45 in two launches (32 + 13): bf16 output rounding
-    bounds the relative RMS error (BF16_RTOL)."""
+    per-row global scales, token tiles 8 / 16 / 32 and M = 45 in two launches (32 + 13), both kernels
+    (register prefetch, and cp.async stages with more stages than some programs have K tiles): bf16 output
+    rounding bounds the relative RMS error (BF16_RTOL)."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
     pw = prepare_nvfp4_weight(w, s, gs)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    cfg = GemmConfig(gemv=True, num_warps=num_warps, block_k=block_k, split_k=split_k, depth=depth)
+    cfg = GemmConfig(
+        gemv=True, num_warps=num_warps, block_k=block_k, split_k=split_k, depth=depth, smem_stages=stages
+    )
     ref = nvfp4_linear_ref(x.float(), w, s, gs, bias.float())
     y = nvfp4_linear(x, pw, bias, config=cfg)
     assert_close(f"gemv m={m} {cfg}", ref, y, rtol=BF16_RTOL)
@@ -37,14 +45,17 @@ def test_gemv_odd_shapes_bf16(poison_empty, m: int, num_warps: int, block_k: int
     assert torch.equal(y, nvfp4_linear(x, pw, bias, config=cfg))
 
 
-@pytest.mark.parametrize("m, split_k, depth", [(1, 1, 2), (5, 4, 3), (16, 7, 1)])
-def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, depth: int):
+@pytest.mark.parametrize(
+    "m, split_k, depth, stages", [(1, 1, 2, 0), (5, 4, 3, 0), (16, 7, 1, 0), (3, 4, 1, 4)]
+)
+def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, depth: int, stages: int):
     """fp16, K a multiple of 128 (the unmasked x path), per-tensor global scale, no bias."""
     n, k = 4096 + 48, 7168
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     pw = prepare_nvfp4_weight(w, s, gs)
     x = torch.randn(m, k, device="cuda").half()
-    y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, block_k=128, split_k=split_k, depth=depth))
+    cfg = GemmConfig(gemv=True, block_k=128, split_k=split_k, depth=depth, smem_stages=stages)
+    y = nvfp4_linear(x, pw, config=cfg)
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
 
 
@@ -59,3 +70,43 @@ def test_gemv_strided_input_and_negative_zero(poison_empty):
     x = big[:, :k]
     y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, split_k=2))
     assert_close("gemv strided", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stages", [0, 4])
+def test_gemv_every_e4m3_scale_exact(poison_empty, dtype: torch.dtype, stages: int):
+    """Every finite non-negative E4M3 group scale (0x00..0x7E: zero, subnormals, 448) with one code per
+    row: the product must match the fp32 reference to one output rounding in every element (the cp.async
+    kernel converts the scale bytes with cvt.f16x2.e4m3x2 and, for bf16, a shift + exact 2^112 multiply)."""
+    n, k = 128, 2048
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    s = (torch.arange(n * k // 16, device="cuda") % 127).to(torch.uint8).reshape(n, k // 16)
+    gs = torch.tensor([1.0], device="cuda")
+    pw = prepare_nvfp4_weight(w, s.view(torch.float8_e4m3fn), gs)
+    eye = torch.zeros(16, k, device="cuda", dtype=dtype)
+    for t in range(16):  # one-hot inputs: y[t] is column k of the dequantized weight, exactly representable
+        eye[t, 7 * t + 64 * (t % 3)] = 1.0
+    y = nvfp4_linear(eye, pw, config=GemmConfig(gemv=True, block_k=128, split_k=2, smem_stages=stages))
+    ref = nvfp4_linear_ref(eye.float(), w, s.view(torch.float8_e4m3fn), gs)
+    assert torch.equal(y.float(), ref.to(dtype).float()), (y.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 9, 17])
+def test_gemv_tiled_layout_bit_identical(poison_empty, m: int):
+    """tile_split128 (rows padded to 16, K tiles stored contiguously) gives the same bits as split128 through
+    the cp.async kernel: N = 520 (padded to 528), K = 3600, per-row global scales, bias."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, tile_split128
+
+    n, k = 520, 3600
+    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
+    pw = prepare_nvfp4_weight(w, s, gs)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    tw, ts = tile_split128(pw.weight, pw.scale_bits)
+    assert tw.shape == (528, pw.weight.shape[1])
+    gs_pad = torch.cat([pw.global_scale, pw.global_scale.new_ones(8)])
+    bias_pad = torch.cat([bias, bias.new_zeros(8)])
+    want = nvfp4_gemv(x, pw.weight, pw.scale_bits, pw.global_scale, bias, split_k=1, stages=4)
+    got = nvfp4_gemv(x, tw, ts, gs_pad, bias_pad, split_k=1, stages=4, tiled=True, rows=n)
+    assert torch.equal(want, got)
+    assert_close("tiled", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), got, rtol=BF16_RTOL)

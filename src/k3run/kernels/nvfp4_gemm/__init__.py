@@ -79,7 +79,8 @@ class GemmConfig:
     block_n >= 64); correct in the interpreter and compiled for sm_90, not yet timed on a GPU.
     gemv=True runs the Gluon decode kernel (gluon_gemv.py; M <= 16, bf16/fp16): 16 * num_warps rows per
     program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
-    K tiles of loads in flight per warp.
+    K tiles of loads in flight per warp; smem_stages >= 2 stages the weights through shared memory by
+    cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
     """
 
     block_m: int = 16
@@ -94,6 +95,7 @@ class GemmConfig:
     dequant_mm: bool = False
     gemv: bool = False
     depth: int = 2
+    smem_stages: int = 0
 
 
 def prepare_nvfp4_weight(
@@ -178,7 +180,6 @@ def gemv_available() -> bool:
 
 # the Triton tile kernel's decode launch (runs 2-3), used where the Gluon kernel cannot run
 TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
-GEMV_PROGRAMS = 1800  # 1-warp programs to aim for: ~13.6 per SM on 132 SMs, all resident at <= 168 registers
 # rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (run 9:
 # 1.6-2.3x faster than dequantize + cuBLAS at M = 24 / 32, 0.77-1.24x at M = 48 / 64)
 GEMV_MAX_M = 64
@@ -188,17 +189,17 @@ GEMV_AUTO_M = 32
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
     """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 5-9).
 
-    M <= 16: the Gluon decode kernel with 1-warp programs (16 rows), 128-wide K tiles, one tile in flight,
-    and split_k = GEMV_PROGRAMS / (N / 16) clamped to 1..8. Run 7's sweep (block_k 128/256, split_k 2/4/8,
-    depth 1-3, 1/2/4 warps) put this within 4% of the best measured launch on 7168x7168, 12288x7168 and
-    3072x3584 at M = 1 and 16 (bench/NOTES.md). M = 17..32: the same kernel with its 32-token tile and
-    split_k 4 (within 5% of the best of split_k 2/4/8 on all five K3 shapes, run 9). Larger M: dequantize to
-    bf16 + cuBLAS, which beat every fused tile configuration tried at M = 64 and 4096 (the Triton kernel stays
-    available through an explicit GemmConfig).
+    M <= 16: the Gluon decode kernel's cp.async variant with 1-warp programs (16 rows), 128-wide K tiles
+    staged through 2 shared-memory slots, split_k 8 (the largest divisor of the 128-wide chunk count <= 8):
+    the fastest or within 3% of the fastest of stages 2/4/8 x split_k 2/4/8 (and 1.0-1.4x faster than the
+    register-prefetch kernel) on the four K3 shapes at M = 1 and 16 in runs 12-14 (bench/RESULTS.md).
+    M = 17..32: the register-prefetch kernel with its 32-token tile and split_k 4 (within 5% of the best of
+    split_k 2/4/8 on all five K3 shapes, run 9). Larger M: dequantize to bf16 + cuBLAS, which beat every
+    fused tile configuration tried at M = 64 and 4096 (the Triton kernel stays available through an
+    explicit GemmConfig).
     """
     if m <= 16:
-        split_k = max(1, min(8, round(GEMV_PROGRAMS * 16 / max(n, 1))))
-        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1)
+        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=8, depth=1, smem_stages=2)
     if m <= GEMV_AUTO_M:
         return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=4, depth=1)
     return GemmConfig(dequant_mm=True)
@@ -233,6 +234,7 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             block_k=cfg.block_k,
             split_k=cfg.split_k,
             depth=cfg.depth,
+            stages=cfg.smem_stages,
         )
         for i in range(0, x2.shape[0], 32)
     ]

@@ -27,13 +27,15 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from k3run.kernels.nvfp4_gemm import CHUNK
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# cp.async global -> shared: async_copy_global_to_shared in Triton 3.6, async_load in later releases
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 K_WIDTH = 8  # consecutive k per thread in the mma operand layouts (= one 8-byte run of split128 bytes)
 
@@ -48,10 +50,10 @@ _WORD_ASM = """
 {
 .reg .b32 th0, th1, tl0, tl1, m, m2, h01, l01, h23, l23, t, sg, sl, sh;
 .reg .b16 s0, s1;
-mov.b32 th0, HB0;
-mov.b32 th1, HB1;
-mov.b32 tl0, LB0;
-mov.b32 tl1, LB1;
+mov.b32 th0, $6;
+mov.b32 th1, $7;
+mov.b32 tl0, $8;
+mov.b32 tl1, $9;
 and.b32 m, $4, 0x77777777;
 shr.b32 m2, m, 16;
 prmt.b32 h01, th0, th1, m;
@@ -79,12 +81,30 @@ mul.rn.TY $3, $3, sh;
 
 
 def word_decode_asm(kind: str) -> str:
-    """The PTX decoding one split128 word for kind "bf16" or "fp16" (also run by the CPU emulator test)."""
+    """The PTX decoding one split128 word for kind "bf16" or "fp16" (also run by the CPU emulator test).
+
+    The four byte-permute table words come in as operands $6..$9 (`decode_tables`), loaded once per program
+    from global memory: as immediates inside the block, ptxas re-materialised them before every use (one
+    move per table lookup, ~0.5 instructions per weight)."""
+    return _WORD_ASM.replace("TY", "bf16x2" if kind == "bf16" else "f16x2")
+
+
+def decode_table_words(kind: str) -> list[int]:
+    """Operands $6..$9 of word_decode_asm(kind), then the bf16 bits of (2^112, 2^112) for the scale asm."""
     (hb0, hb1), (lb0, lb1) = PRMT_TABLES[kind]
-    text = _WORD_ASM.replace("TY", "bf16x2" if kind == "bf16" else "f16x2")
-    for key, val in {"HB0": hb0, "HB1": hb1, "LB0": lb0, "LB1": lb1}.items():
-        text = text.replace(key, f"0x{val:08X}")
-    return text
+    return [hb0, hb1, lb0, lb1, 0x77807780]
+
+
+_TABLES: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def decode_tables(device: torch.device, kind: str) -> torch.Tensor:
+    """decode_table_words(kind) as an int32 tensor on `device` (made once)."""
+    key = (device, kind)
+    if key not in _TABLES:
+        words = [w - (1 << 32) if w >= 1 << 31 else w for w in decode_table_words(kind)]
+        _TABLES[key] = torch.tensor(words, dtype=torch.int32, device=device)
+    return _TABLES[key]
 
 
 _ASM_BF16 = gl.constexpr(word_decode_asm("bf16"))
@@ -136,6 +156,49 @@ def gemv_layouts(num_warps: int, block_n: int, block_k: int, block_t: int):
     return mma, a, words, b
 
 
+@functools.cache
+def async_layouts(num_warps: int, block_t: int):
+    """The cp.async kernel's layouts (128-wide K tiles): (mma, A dot, words [BN, 4, 2, 2], B dot, the copy
+    layouts of the words [BN, 16] and of the scale bytes [BN, 8], the unswizzled shared layout).
+
+    The words are the register layout of gemv_layouts with the run index split into (scale group, run in the
+    group), so one [BN, 4] tensor of scale pairs broadcasts over the two runs of each group."""
+    bn = 16 * num_warps
+    mma, a, words, b = gemv_layouts(num_warps, bn, 128, block_t)
+
+    def split_run(bases: list[list[int]]) -> list[list[int]]:
+        return [[r, run // 2, run % 2, w] for r, run, w in bases]
+
+    w4 = gl.DistributedLinearLayout(
+        reg_bases=split_run(words.reg_bases),
+        lane_bases=split_run(words.lane_bases),
+        warp_bases=split_run(words.warp_bases),
+        block_bases=[],
+        shape=[bn, 4, 2, 2],
+    )
+    lcw = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+    lcs = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])
+    smem = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    return mma, a, w4, b, lcw, lcs, smem
+
+
+# (sm_89+) a run's two E4M3 scale bytes -> f16x2 in one cvt; bf16: the f16 bits >> 3 are the same values
+# times 2^-112 as bf16 (E4M3 values are positive, normal in f16, with 7 zero low mantissa bits), and one
+# exact multiply by 2^112 restores them
+_SCALE_ASM = """
+{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $1, $2, 0x0040;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+}
+"""
+_SCALE_ASM_BF16 = _SCALE_ASM.replace(
+    "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nshr.b32 t, t, 3;\nmul.rn.bf16x2 $0, t, $3;"
+)  # $3: (2^112, 2^112) as bf16 bits (decode_table_words)
+
+
 @gluon.jit
 def _halves(o):
     """uint32 pairs -> (low 16-bit float, high 16-bit float) as bf16 bit patterns."""
@@ -166,11 +229,8 @@ def _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt, K_SPLIT: gl.con
 
 
 @gluon.jit
-def _tile(
-    acc, p, s_lo, s_hi, x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr,
-    BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr, LA: gl.constexpr, DT: gl.constexpr,
-):  # fmt: skip
-    """acc += decode(tile) @ x(tile): two mma_v2 over the low- and high-nibble halves."""
+def _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr):
+    """The B operands of the K tile at kt: x columns of the low nibbles and of the high ones (64 further)."""
     # x (a few KB, L1/L2-resident) is loaded when needed, not prefetched: it would double the registers
     if K == K_PAD:
         x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok, other=0.0)
@@ -178,20 +238,83 @@ def _tile(
     else:
         x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok & (k_start + kt + kx < K), other=0.0)
         x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=t_ok & (k_start + kt + kx + 64 < K), other=0.0)
-    # the two scales of a run as one word: (low nibbles' scale, high nibbles' scale) in DT bits
-    sl = s_lo.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
-    sh = s_hi.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
-    s_pair = gl.expand_dims(sl.to(gl.uint32) | (sh.to(gl.uint32) << 16), 2)
+    return x_lo, x_hi
+
+
+@gluon.jit
+def _scale_pair(s_lo, s_hi, c112, DT: gl.constexpr, SCALE_ASM: gl.constexpr):
+    """E4M3 scale bytes of a run's low / high nibbles -> one word: (low scale, high scale) as DT bits."""
+    if SCALE_ASM == "":
+        sl = s_lo.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
+        sh = s_hi.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
+        return sl.to(gl.uint32) | (sh.to(gl.uint32) << 16)
+    else:
+        return gl.inline_asm_elementwise(
+            asm=SCALE_ASM,
+            constraints="=r,r,r,r",
+            args=[s_lo.to(gl.uint32), s_hi.to(gl.uint32), c112],
+            dtype=gl.uint32,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@gluon.jit
+def _mma_words(
+    acc, p, s_pair, tab, x_lo, x_hi, BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr,
+    LA: gl.constexpr, DT: gl.constexpr,
+):  # fmt: skip
+    """acc += decode(words p, scales s_pair broadcast over p) @ x: two mma_v2 (low / high-nibble halves)."""
     o_la, o_lb, o_ha, o_hb = gl.inline_asm_elementwise(
         asm=ASM,
-        constraints="=r,=r,=r,=r,r,r",
-        args=[p.to(gl.uint32, bitcast=True), s_pair],
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r",
+        args=[p.to(gl.uint32, bitcast=True), s_pair, tab[0], tab[1], tab[2], tab[3]],
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
         is_pure=True,
         pack=1,
     )
+    RUNS: gl.constexpr = HALF // 8
+    o_la = gl.reshape(o_la, [BN, RUNS, 2])
+    o_lb = gl.reshape(o_lb, [BN, RUNS, 2])
+    o_ha = gl.reshape(o_ha, [BN, RUNS, 2])
+    o_hb = gl.reshape(o_hb, [BN, RUNS, 2])
     acc = mma_v2(_assemble(o_la, o_lb, BN, HALF, LA, DT), x_lo, acc)
     return mma_v2(_assemble(o_ha, o_hb, BN, HALF, LA, DT), x_hi, acc)
+
+
+@gluon.jit
+def _mma_words2(
+    acc, acc2, p, s_pair, tab, x_lo, x_hi, BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr,
+    LA: gl.constexpr, DT: gl.constexpr,
+):  # fmt: skip
+    """_mma_words with the low-nibble half accumulated into acc and the high one into acc2."""
+    o_la, o_lb, o_ha, o_hb = gl.inline_asm_elementwise(
+        asm=ASM,
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r",
+        args=[p.to(gl.uint32, bitcast=True), s_pair, tab[0], tab[1], tab[2], tab[3]],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+    RUNS: gl.constexpr = HALF // 8
+    o_la = gl.reshape(o_la, [BN, RUNS, 2])
+    o_lb = gl.reshape(o_lb, [BN, RUNS, 2])
+    o_ha = gl.reshape(o_ha, [BN, RUNS, 2])
+    o_hb = gl.reshape(o_hb, [BN, RUNS, 2])
+    acc = mma_v2(_assemble(o_la, o_lb, BN, HALF, LA, DT), x_lo, acc)
+    acc2 = mma_v2(_assemble(o_ha, o_hb, BN, HALF, LA, DT), x_hi, acc2)
+    return acc, acc2
+
+
+@gluon.jit
+def _tile(
+    acc, p, s_lo, s_hi, tab, x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr,
+    BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr, LA: gl.constexpr, DT: gl.constexpr,
+):  # fmt: skip
+    """acc += decode(tile) @ x(tile): two mma_v2 over the low- and high-nibble halves."""
+    x_lo, x_hi = _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD)
+    s_pair = gl.expand_dims(_scale_pair(s_lo, s_hi, tab[4], DT, ""), 2)
+    return _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
 
 
 @gluon.jit
@@ -204,6 +327,7 @@ def _nvfp4_gemv_kernel(
     y_ptr,
     ws_ptr,
     cnt_ptr,
+    tab_ptr,
     M,
     N,
     stride_xm,
@@ -232,6 +356,9 @@ def _nvfp4_gemv_kernel(
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     k_start = pid_k * K_SPLIT
+    # the decoder's table words and the scale constant: loaded once, so they stay in registers
+    tab = (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
+           gl.load(tab_ptr + 4))  # fmt: skip
 
     # ---- A side: words [BN, RUNS, 2] (w_ptr is the split128 bytes seen as int32) and each run's scales
     L_S: gl.constexpr = gl.SliceLayout(2, LW)
@@ -271,7 +398,9 @@ def _nvfp4_gemv_kernel(
         kt = it * BK
         if DEPTH == 1:
             p1, sl1, sh1 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + BK, K_SPLIT)
-        acc = _tile(acc, p0, sl0, sh0, x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD, BN, HALF, ASM, LA, DT)
+        acc = _tile(
+            acc, p0, sl0, sh0, tab, x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD, BN, HALF, ASM, LA, DT
+        )
         if DEPTH == 1:
             p0 = p1
             sl0 = sl1
@@ -284,6 +413,7 @@ def _nvfp4_gemv_kernel(
                     p1,
                     sl1,
                     sh1,
+                    tab,
                     x_ptr,
                     x_off,
                     kx,
@@ -304,14 +434,129 @@ def _nvfp4_gemv_kernel(
             if DEPTH >= 3:
                 if kt + 2 * BK < K_SPLIT:
                     acc = _tile(
-                        acc, p2, sl2, sh2, x_ptr, x_off, kx, t_ok, k_start, kt + 2 * BK, K, K_PAD, BN, HALF,
-                        ASM, LA, DT,
+                        acc, p2, sl2, sh2, tab, x_ptr, x_off, kx, t_ok, k_start, kt + 2 * BK, K, K_PAD, BN,
+                        HALF, ASM, LA, DT,
                     )  # fmt: skip
                 p2, sl2, sh2 = _load_tile(
                     w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + (DEPTH + 2) * BK, K_SPLIT
                 )
 
-    # ---- epilogue: acc[n, t] -> y[t, n]
+    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
+              HAS_BIAS, BN, BT, MMA)  # fmt: skip
+
+
+@gluon.jit
+def _issue_tile(
+    smem_w, smem_s, w_src, s_src, ok_w, ok_s, tile, N_TILES: gl.constexpr, BK: gl.constexpr,
+    TILED: gl.constexpr,
+):  # fmt: skip
+    """cp.async the words and scale bytes of K tile `tile` into one pipeline slot (zeros past the end)."""
+    more = tile < N_TILES
+    if TILED:  # consecutive K tiles of a 16-row block are consecutive 1 KB + 128 B blocks
+        _async_load(smem_w, w_src + tile * 256, mask=ok_w & more)
+        _async_load(smem_s, s_src + tile * 128, mask=ok_s & more)
+    else:
+        kt = tile * BK
+        _async_load(smem_w, w_src + kt // 8, mask=ok_w & more)
+        _async_load(smem_s, s_src + kt // 16, mask=ok_s & more)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _nvfp4_gemv_async_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, tab_ptr, M, N, stride_xm, stride_ym,
+    K: gl.constexpr, K_PAD: gl.constexpr, SPLIT_K: gl.constexpr, PER_COL_GS: gl.constexpr,
+    HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+    ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
+    LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
+    ACC2: gl.constexpr,
+):  # fmt: skip
+    """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
+    K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
+    keeps one tile in flight; deeper register rings cost occupancy)."""
+    BK: gl.constexpr = 128
+    HALF: gl.constexpr = 64
+    K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
+    N_TILES: gl.constexpr = K_SPLIT // BK
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    k_start = pid_k * K_SPLIT
+    # the decoder's table words and the scale constant: loaded once, so they stay in registers
+    tab = (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
+           gl.load(tab_ptr + 4))  # fmt: skip
+
+    # ---- copy sources: words [BN, 16] (16-byte cp.async per thread) and scale bytes [BN, 8] (4 bytes)
+    rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCW))
+    cw = gl.arange(0, 16, layout=gl.SliceLayout(0, LCW))
+    rw2 = gl.expand_dims(rw, 1)
+    CH: gl.constexpr = K_PAD // 128
+    if TILED:  # tile_split128 layout: [rows / 16, K_PAD / 128, 16 rows, 16 words]
+        w_row = ((rw2 // 16).to(gl.int64) * CH + k_start // 128) * 16 + rw2 % 16
+        w_src = w_ptr + (w_row * 16 + gl.expand_dims(cw, 0))
+    else:
+        w_src = w_ptr + (rw2.to(gl.int64) * (K_PAD // 8) + k_start // 8 + gl.expand_dims(cw, 0))
+    rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS))
+    cs = gl.arange(0, 8, layout=gl.SliceLayout(0, LCS))
+    rs2 = gl.expand_dims(rs, 1)
+    if TILED:  # [rows / 16, K_PAD / 128, 16 rows, 8 scales]
+        s_row = ((rs2 // 16).to(gl.int64) * CH + k_start // 128) * 16 + rs2 % 16
+        s_src = s_ptr + (s_row * 8 + gl.expand_dims(cs, 0))
+    else:
+        s_src = s_ptr + (rs2.to(gl.int64) * (K_PAD // 16) + k_start // 16 + gl.expand_dims(cs, 0))
+    if EVEN_N:
+        ok_w = gl.full([BN, 16], 1, gl.int1, layout=LCW)
+        ok_s = gl.full([BN, 8], 1, gl.int1, layout=LCS)
+    else:
+        ok_w = (rw2 < N) & (gl.expand_dims(cw, 0) >= 0)
+        ok_s = (rs2 < N) & (gl.expand_dims(cs, 0) >= 0)
+    smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
+    smem_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SMEM)
+
+    # ---- B side [HALF, BT]: x columns of the low nibbles (the high nibbles' are 64 further)
+    j = gl.arange(0, HALF, layout=gl.SliceLayout(1, LB))
+    t = gl.arange(0, BT, layout=gl.SliceLayout(0, LB))
+    kx = gl.expand_dims(j, 1)  # [HALF, 1]
+    t2 = gl.expand_dims(t, 0)  # [1, BT]
+    x_off = t2.to(gl.int64) * stride_xm + k_start + kx
+    t_ok = (t2 < M) & (kx >= 0)
+    L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
+
+    for st in gl.static_range(STAGES - 1):
+        _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
+    acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
+    acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
+    for i in range(N_TILES):
+        kt = i * BK
+        x_lo, x_hi = _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD)
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
+        _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
+        nxt = i + STAGES - 1
+        _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
+                    N_TILES, BK, TILED)  # fmt: skip
+        slot = i % STAGES
+        p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
+        sw = smem_s.index(slot)
+        s_pair = _scale_pair(sw.slice(0, 4, 1).load(L_G), sw.slice(4, 4, 1).load(L_G), tab[4], DT, SCALE_ASM)
+        s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
+        if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
+            acc, acc2 = _mma_words2(acc, acc2, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
+        else:
+            acc = _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
+    async_copy.wait_group(0)
+    if ACC2:
+        acc += acc2
+
+    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
+              HAS_BIAS, BN, BT, MMA)  # fmt: skip
+
+
+@gluon.jit
+def _epilogue(
+    acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K: gl.constexpr,
+    PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, MMA: gl.constexpr,
+):  # fmt: skip
+    """acc[n, t] -> y[t, n]; with split-K the last program of the row block to arrive sums the partials."""
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     t_idx = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
     n2 = gl.expand_dims(n_idx, 1)
@@ -319,14 +564,14 @@ def _nvfp4_gemv_kernel(
     out_ok = (n2 < N) & (te < M)
     if SPLIT_K > 1:
         ws_off = (pid_k * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
-        gl.store(ws_ptr + ws_off, acc)
+        gl.store(ws_ptr + ws_off, acc, mask=te < M)  # only the real tokens' partials travel
         _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
             for sk in gl.static_range(SPLIT_K):
                 part_off = (sk * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
-                acc += gl.load(ws_ptr + part_off, cache_modifier=".cg")
+                acc += gl.load(ws_ptr + part_off, mask=te < M, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, te, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
     else:
@@ -358,6 +603,22 @@ def _finish(
     gl.store(y_ptr + te.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
+def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the same data stored tile by tile: rows
+    padded with zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes and [.., 16, 8] scales,
+    returned as [N_pad, K_pad/2] and [N_pad, K_pad/16] tensors. A 1-warp program's K tiles are then
+    consecutive 1 KB blocks (split128 rows are 64-byte pieces K_pad/2 bytes apart)."""
+    n, half = weight.shape
+    n_pad = -(-n // 16) * 16
+    ch = half // 64
+    w = torch.zeros((n_pad, half), dtype=torch.uint8, device=weight.device)
+    s = torch.zeros((n_pad, half // 8), dtype=torch.uint8, device=weight.device)
+    w[:n], s[:n] = weight, scale_u8
+    w = w.view(n_pad // 16, 16, ch, 64).transpose(1, 2).contiguous().view(n_pad, half)
+    s = s.view(n_pad // 16, 16, ch, 8).transpose(1, 2).contiguous().view(n_pad, half // 8)
+    return w, s
+
+
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -385,6 +646,10 @@ def nvfp4_gemv(
     split_k: int = 1,
     depth: int = 2,
     maxnreg: int | None = None,
+    stages: int = 0,
+    tiled: bool = False,
+    rows: int | None = None,
+    acc2: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -394,15 +659,27 @@ def nvfp4_gemv(
     The token tile is 8, 16 or 32 wide (the mma n dimension), the smallest that holds M.
     maxnreg: the register cap handed to ptxas; None: 168 / 192 / 232 for token tiles 8 / 16 / 32 (ptxas' own
     cap for a 1-warp program is 128, which spilled the block_k 256 kernel; it needs ~165 / ~187 / ~181).
+    stages >= 2: the cp.async kernel instead (block_k 128, `stages` - 1 tiles in flight through shared memory;
+    depth is ignored). tiled: weight / scale_u8 are in the `tile_split128` layout (cp.async kernel only),
+    whose rows are padded to 16; rows: the real row count N then.
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
     n = _check(x, weight, scale_u8, global_scale, x.shape[-1], bias)
+    if tiled:
+        if not stages:
+            raise ValueError("nvfp4_gemv: the tiled layout needs the cp.async kernel (stages >= 2)")
+        if n % 16:
+            raise ValueError(f"nvfp4_gemv: a tiled weight has a multiple of 16 rows, got {n}")
+        if rows is not None:
+            n = rows
     m, k = x.shape
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
     if m > 32:
         raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
+    if stages == 1 or stages < 0:
+        raise ValueError(f"nvfp4_gemv: stages={stages}, expected 0 (register prefetch) or >= 2")
     if depth not in (1, 2, 3):
         raise ValueError(f"nvfp4_gemv: depth={depth}, expected 1, 2 or 3")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -412,18 +689,33 @@ def nvfp4_gemv(
     chunks = k_pad // CHUNK
     split_k = largest_divisor(chunks, split_k)
     per_split = chunks // split_k  # 128-wide chunks per program
-    bk_chunks = largest_divisor(per_split, block_k // CHUNK)
+    bk_chunks = 1 if stages else largest_divisor(per_split, block_k // CHUNK)
     bk = bk_chunks * CHUNK
     bn = 16 * num_warps
     bt = 8 if m <= 8 else 16 if m <= 16 else 32
     mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
     grid_n = triton.cdiv(n, bn)
-    per_col = global_scale.numel() == n and n != 1
+    per_col = global_scale.numel() != 1  # _check: one global scale or one per row
     if split_k > 1:
         ws = torch.empty((split_k, grid_n * bn, bt), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, grid_n)
     else:
         ws = cnt = y
+    tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
+    common = (x, weight.view(torch.int32), scale_u8, global_scale, bias if bias is not None else global_scale)
+    if stages:
+        mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
+        fast_scale = torch.cuda.get_device_capability(x.device) >= (8, 9)
+        scale_asm = (_SCALE_ASM_BF16 if x.dtype == torch.bfloat16 else _SCALE_ASM) if fast_scale else ""
+        _nvfp4_gemv_async_kernel[(grid_n, split_k)](
+            *common, y, ws, cnt, tab, m, n, x.stride(0), y.stride(0),
+            K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
+            EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
+            ASM=_ASM_BF16 if x.dtype == torch.bfloat16 else _ASM_FP16, SCALE_ASM=scale_asm,
+            MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem, TILED=tiled, ACC2=acc2,
+            num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt],
+        )  # fmt: skip
+        return y
     _nvfp4_gemv_kernel[(grid_n, split_k)](
         x,
         weight.view(torch.int32),
@@ -433,6 +725,7 @@ def nvfp4_gemv(
         y,
         ws,
         cnt,
+        tab,
         m,
         n,
         x.stride(0),
