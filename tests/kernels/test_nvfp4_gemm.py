@@ -177,14 +177,15 @@ def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
 
 
 def test_choose_config_covers_decode_and_prefill():
-    """M <= 16: the Gluon decode kernel's cp.async variant (1-warp programs, 2 stages, split_k 8); M <= 32:
-    the register-prefetch kernel, split_k 4; larger M: dequantize + cuBLAS (H200 measurements:
+    """M <= 32: the Gluon decode kernel's cp.async variant (1-warp programs, 2 stages; split_k 8 for M <= 8,
+    ~1800 programs for M <= 16, 2 or 4 for M <= 32); larger M: dequantize + cuBLAS (H200 measurements:
     bench/RESULTS.md)."""
-    for m, n in [(1, 7168), (1, 12288), (16, 3072), (9, 520), (1, 200_000)]:
+    cases = [(1, 7168, 8), (8, 12288, 8), (16, 7168, 4), (16, 12288, 2), (9, 3072, 8), (16, 200_000, 1)]
+    cases += [(17, 7168, 2), (32, 12288, 2), (24, 3584, 4), (32, 3072, 4)]
+    for m, n, split_k in cases:
         cfg = choose_config(m, n, 7168)
-        assert (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages) == (True, 1, 128, 8, 2), n
-    cfg = choose_config(17, 7168, 7168)
-    assert cfg.gemv and cfg.smem_stages == 0 and choose_config(32, 3072, 3584).split_k == 4
+        got = (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages)
+        assert got == (True, 1, 128, split_k, 2), (m, n, got)
     assert choose_config(33, 7168, 7168).dequant_mm and not choose_config(33, 7168, 7168).gemv
     assert choose_config(4096, 7168, 7168).dequant_mm
 

@@ -180,28 +180,31 @@ def gemv_available() -> bool:
 
 # the Triton tile kernel's decode launch (runs 2-3), used where the Gluon kernel cannot run
 TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
-# rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (run 9:
-# 1.6-2.3x faster than dequantize + cuBLAS at M = 24 / 32, 0.77-1.24x at M = 48 / 64)
+# rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (run 15:
+# 2.0-2.8x faster than dequantize + cuBLAS at M = 24 / 32; run 9: 0.77-1.24x at M = 48 / 64)
 GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
 
 
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 5-9).
+    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 12-15).
 
-    M <= 16: the Gluon decode kernel's cp.async variant with 1-warp programs (16 rows), 128-wide K tiles
-    staged through 2 shared-memory slots, split_k 8 (the largest divisor of the 128-wide chunk count <= 8):
-    the fastest or within 3% of the fastest of stages 2/4/8 x split_k 2/4/8 (and 1.0-1.4x faster than the
-    register-prefetch kernel) on the four K3 shapes at M = 1 and 16 in runs 12-14 (bench/RESULTS.md).
-    M = 17..32: the register-prefetch kernel with its 32-token tile and split_k 4 (within 5% of the best of
-    split_k 2/4/8 on all five K3 shapes, run 9). Larger M: dequantize to bf16 + cuBLAS, which beat every
-    fused tile configuration tried at M = 64 and 4096 (the Triton kernel stays available through an
-    explicit GemmConfig).
+    M <= 32: the Gluon decode kernel's cp.async variant: 1-warp programs (16 rows), 128-wide K tiles staged
+    through 2 shared-memory slots, and split_k (the largest divisor of the 128-wide chunk count at or below
+    it) by M: 8 for M <= 8, ~1800 programs (1800 * 16 / N, clamped to 1..8) for M <= 16, and 2 (N > 4096)
+    or 4 for M <= 32. Each was the best or within 3% of the best of split_k 2/4/8 on the five K3 shapes in
+    run 15, and the kernel beat the register-prefetch one at every M measured (1.0-1.4x). Larger M:
+    dequantize to bf16 + cuBLAS, which beat every fused tile configuration tried at M = 64 and 4096 (the
+    Triton kernel stays available through an explicit GemmConfig).
     """
-    if m <= 16:
-        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=8, depth=1, smem_stages=2)
-    if m <= GEMV_AUTO_M:
-        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=4, depth=1)
+    if m <= 32:
+        if m <= 8:
+            split_k = 8
+        elif m <= 16:
+            split_k = max(1, min(8, round(1800 * 16 / max(n, 1))))
+        else:
+            split_k = 2 if n > 4096 else 4
+        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2)
     return GemmConfig(dequant_mm=True)
 
 
