@@ -1,4 +1,7 @@
-"""NVFP4 decode (M <= 16): the Gluon decode kernel's launch sweep against cuBLAS bf16 and the Triton kernel.
+"""NVFP4 decode (M <= 32): the Gluon decode kernels' launch sweep against cuBLAS bf16 and the Triton kernel.
+
+The register-prefetch kernel runs on split128 weights, the cp.async kernel on the default CUDA layout
+(tiled128 on sm_89+: tile-contiguous storage and the shift decoder).
 
 Same timing method as bench_linear.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
 Prints per shape and M: the best Gluon configuration, its time, weight TB/s, % of the copy bandwidth measured
@@ -80,7 +83,11 @@ def main() -> None:
         wbytes = n * k * BYTES_PER_NVFP4_WEIGHT
         nc = copies_for(wbytes)
         qs = [quantize_nvfp4(torch.randn(n, k, device="cuda")) for _ in range(nc)]
-        pws = [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2) for q in qs]
+        # register and Triton kernels read split128; the cp.async kernel the default CUDA layout (tiled128)
+        pws = [
+            prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2, layout="split128") for q in qs
+        ]
+        pwt = [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2) for q in qs]
         w_bf16 = [
             dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.bfloat16)
             for q in qs[: copies_for(2 * n * k)]
@@ -94,9 +101,10 @@ def main() -> None:
             t_deq = graph_ms([lambda p=p: nvfp4_linear(x, p, config=deq) for p in pws], 0.05)
             res = []
             for c in candidates(args.full, args.quick):
+                src = pwt if c.smem_stages else pws
                 try:
-                    err = rel_rms_error(exact, nvfp4_linear(x, pws[0], config=c).float())
-                    t = graph_ms([lambda p=p, c=c: nvfp4_linear(x, p, config=c) for p in pws], t_cublas / 3)
+                    err = rel_rms_error(exact, nvfp4_linear(x, src[0], config=c).float())
+                    t = graph_ms([lambda p=p, c=c: nvfp4_linear(x, p, config=c) for p in src], t_cublas / 3)
                 except Exception as e:
                     msg = (
                         f"  {n}x{k} m={m} w{c.num_warps} bk{c.block_k} sk{c.split_k}: {type(e).__name__}: {e}"

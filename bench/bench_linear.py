@@ -114,7 +114,13 @@ def bench_nvfp4(rows: list[dict], copy_tbs: float, shapes, ms, sweep: bool) -> N
         wbytes = n * k * BYTES_PER_NVFP4_WEIGHT
         nc = copies_for(wbytes)
         qs = [quantize_nvfp4(torch.randn(n, k, device="cuda")) for _ in range(nc)]
-        pws = [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2) for q in qs]
+        pws = [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2) for q in qs]  # default layout
+        # the sweep's explicit Triton configs read split128
+        pws_split = (
+            [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2, layout="split128") for q in qs]
+            if sweep
+            else pws
+        )
         nb = copies_for(2 * n * k)
         w_bf16 = [
             dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.bfloat16)
@@ -141,8 +147,9 @@ def bench_nvfp4(rows: list[dict], copy_tbs: float, shapes, ms, sweep: bool) -> N
                 cands += decode_candidates() if m <= 16 else prefill_candidates(m)
             best_t, best_cfg, t_default = float("inf"), cfg, float("nan")
             for c in cands:
+                src = pws if c is cfg or c.dequant_mm else pws_split
                 try:
-                    t = graph_ms([lambda p=p, c=c: nvfp4_linear(x, p, config=c) for p in pws], t_cublas / 3)
+                    t = graph_ms([lambda p=p, c=c: nvfp4_linear(x, p, config=c) for p in src], t_cublas / 3)
                 except Exception as e:  # a config the compiler rejects (e.g. shared memory) is skipped
                     print(f"  skip {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -151,7 +158,8 @@ def bench_nvfp4(rows: list[dict], copy_tbs: float, shapes, ms, sweep: bool) -> N
                 if t < best_t:
                     best_t, best_cfg = t, c
             exact = x.float() @ w_bf16[0].float().t()
-            err = rel_rms_error(exact, nvfp4_linear(x, pws[0], config=best_cfg).float())
+            src = pws if best_cfg is cfg or best_cfg.dequant_mm else pws_split
+            err = rel_rms_error(exact, nvfp4_linear(x, src[0], config=best_cfg).float())
             err_default = rel_rms_error(exact, nvfp4_linear(x, pws[0]).float())
             row = dict(
                 kind="nvfp4", n=n, k=k, m=m, copies=nc, ms_default=t_default, ms_best=best_t,

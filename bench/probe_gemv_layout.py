@@ -52,7 +52,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.ncu:  # one launch per variant at 7168^2, M = 1 (plus cuBLAS), nothing else on the GPU
         q = quantize_nvfp4(torch.randn(7168, 7168, device="cuda"))
-        pw = prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2)
+        pw = prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2, layout="split128")
         tw, ts = tile_split128(pw.weight, pw.scale_bits)
         wb = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.bfloat16)
         x = torch.randn(1, 7168, device="cuda").bfloat16()
@@ -75,7 +75,9 @@ def main() -> None:
         wbytes = n * k * BYTES_PER_NVFP4_WEIGHT
         nc = copies_for(wbytes)
         qs = [quantize_nvfp4(torch.randn(n, k, device="cuda")) for _ in range(nc)]
-        pws = [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2) for q in qs]
+        pws = [
+            prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2, layout="split128") for q in qs
+        ]
         tiled = [tile_split128(p.weight, p.scale_bits) for p in pws]
         wbf = [
             dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.bfloat16)

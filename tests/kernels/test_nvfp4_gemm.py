@@ -45,7 +45,7 @@ def _random_nvfp4(n: int, k: int, device: str = "cpu", per_row_global: bool = Fa
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1 (about 10 s, mostly imports)."""
-    run_interp_tests_in_child(__file__, expected_passed=6)
+    run_interp_tests_in_child(__file__, expected_passed=8)
 
 
 @interp_only
@@ -97,9 +97,11 @@ def test_interp_gemm_fp32_per_row_scale_bias(poison_empty):
 
 
 @interp_only
+@pytest.mark.parametrize("layout", ["split128", "tiled128"])
 @pytest.mark.parametrize("k", [512, 80])
-def test_interp_dequantize_every_code_exact(poison_empty, k: int):
-    """All 256 byte values against a spread of E4M3 scales (subnormal ones too): bit-exact with formats."""
+def test_interp_dequantize_every_code_exact(poison_empty, k: int, layout: str):
+    """All 256 byte values against a spread of E4M3 scales (subnormal ones too): bit-exact with formats, from
+    both CUDA layouts (tiled128: 19 rows padded to 32, a per-row global scale padded with ones)."""
     from k3run.kernels.nvfp4_gemm.triton import nvfp4_dequantize
 
     n = 19
@@ -107,13 +109,44 @@ def test_interp_dequantize_every_code_exact(poison_empty, k: int):
     w = w[torch.randperm(n)].contiguous()
     exps = torch.randint(-9, 9, (n, k // 16)).float()
     s = (2.0**exps * (1 + torch.rand(n, k // 16))).to(torch.float8_e4m3fn)
-    gs = torch.tensor([0.0123])
-    pw = prepare_nvfp4_weight(w, s, gs, layout="split128")
-    out = nvfp4_dequantize(pw.weight, pw.scale_bits, pw.global_scale, k, torch.float32, block_n=16)
-    ref = dequantize_nvfp4(w, s, gs.reshape(()))
+    gs = torch.tensor([0.0123]) if layout == "split128" else 0.01 + torch.rand(n)
+    pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
+    rows = n if layout == "tiled128" else None
+    out = nvfp4_dequantize(pw.weight, pw.scale_bits, pw.global_scale, k, torch.float32, block_n=16, rows=rows)
+    ref = dequantize_nvfp4(w, s, 1.0) * gs.reshape(-1, 1)
     assert torch.equal(out, ref)
-    out16 = nvfp4_dequantize(pw.weight, pw.scale_bits, pw.global_scale, k, torch.float16, block_n=16)
+    out16 = nvfp4_dequantize(
+        pw.weight, pw.scale_bits, pw.global_scale, k, torch.float16, block_n=16, rows=rows
+    )
     assert torch.equal(out16, ref.half())
+
+
+@pytest.mark.parametrize("n, k", [(19, 80), (32, 1392), (1, 16)])
+def test_tiled128_prepare_round_trip(n: int, k: int):
+    """tiled128 pads rows to 16 (zeros), keeps N in `rows`, pads a per-row global scale with ones, stores each
+    tile contiguously with its words' bytes as (0, 2, 1, 3), and checkpoint_tensors gives the inputs back."""
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    s = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    gs = torch.rand(n) + 0.5
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    n_pad, k_pad = -(-n // 16) * 16, -(-k // 128) * 128
+    assert (
+        pw.n == n and pw.weight.shape == (n_pad, k_pad // 2) and pw.scale_bits.shape == (n_pad, k_pad // 16)
+    )
+    assert torch.equal(pw.global_scale[:n], gs) and bool((pw.global_scale[n:] == 1).all())
+    w2, s2 = pw.checkpoint_tensors()
+    assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+    split, sbits = repack_split128(w, s)
+    r, c, byte = (
+        n - 1,
+        k_pad // 128 - 1,
+        5,
+    )  # one byte by hand: tile (r // 16, c), row r % 16, word byte 1 -> 2
+    tile = (r // 16) * (k_pad // 128) + c
+    assert pw.weight.view(-1)[tile * 1024 + (r % 16) * 64 + 6] == split[r, c * 64 + byte]
+    assert torch.equal(pw.scale_bits.view(-1)[tile * 128 + (r % 16) * 8 :][:8], sbits[r, c * 8 : c * 8 + 8])
+    x = torch.randn(3, k)  # the CPU path reads it through checkpoint_tensors
+    assert_close("tiled128 cpu", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, pw), rtol=FP32_RTOL)
 
 
 @pytest.mark.parametrize("k", [16, 80, 128, 1392])
@@ -196,26 +229,28 @@ def test_gpu_gemv_config_falls_back_for_fp32(poison_empty, m: int):
     """A gemv config with fp32 input (the Gluon kernel takes bf16/fp16 only) runs the Triton kernels."""
     n, k = 72, 400
     w, s, gs = _random_nvfp4(n, k, device="cuda")
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="split128")
     x = torch.randn(m, k, device="cuda")
     y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True))
+    # a tiled128 weight (the default where the cp.async kernel runs) falls back to dequantize + cuBLAS
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    assert_close("tiled fallback fp32", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, tw), rtol=FP32_RTOL)
     assert_close("gemv fallback fp32", nvfp4_linear_ref(x, w, s, gs), y, rtol=FP32_RTOL)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 16, 24, 37, 300, 1500])
 @pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("decode", [0, 1])
-def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, decode: int):
-    """Every path choose_config picks, with both decoders (1 = PTX, never run by the interpreter)."""
-    n, k = 1000, 1392  # odd multiples of 8 and 16
+@pytest.mark.parametrize("layout", [None, "split128"])
+def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, layout: str | None):
+    """Every path choose_config picks, on the default CUDA layout (tiled128 on sm_89+) and on split128."""
+    n, k = 1000 + 4, 1392  # N not a multiple of 16 (tiled128 pads it), K an odd multiple of 16
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=per_row)
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    cfg = choose_config(m, n, k)
-    y = nvfp4_linear(x, pw, bias, config=GemmConfig(**{**cfg.__dict__, "decode": decode}))
-    assert y.dtype == torch.bfloat16
+    y = nvfp4_linear(x, pw, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert_close(
         f"nvfp4_linear m={m}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y, rtol=BF16_RTOL
     )
@@ -240,7 +275,7 @@ def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, decode: int):
 def test_gpu_every_path_fp16(poison_empty, cfg: GemmConfig):
     n, k = 520, 3600  # K pads to 3712: the last split128 chunk is partial
     w, s, gs = _random_nvfp4(n, k, device="cuda")
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="split128")  # the Triton kernels read split128
     x = torch.randn(33, k, device="cuda").half()
     y = nvfp4_linear(x, pw, config=cfg)
     rtol = 2.0**-10 if cfg.dequant_mm else FP16_RTOL  # dequant path: one more fp16 rounding per weight
@@ -397,3 +432,51 @@ def test_gemv_scale_pair_asm_emulated_on_every_e4m3_pair(kind: str):
             out = regs["$0"]
             halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt)
             assert halves.float().tolist() == [want[lo].item(), want[hi].item()], (kind, lo, hi)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_tiled_word_decoder_emulated_on_every_byte(kind: str):
+    """The tiled layout's decoders (bf16: two shifts and two logic ops per pair, then a multiply by s * 2^119;
+    fp16: one byte permute back to split128 order, then the table decoder) on words whose bytes are stored
+    in the order (0, 2, 1, 3): every byte value in every position, both signs, subnormal and large scales.
+    bf16 gives e2m1 * s * 2^-7 (the kernel multiplies by 2^7 = SHIFT_OUT_SCALE), fp16 e2m1 * s."""
+    gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
+    from k3run.formats import e2m1_decode
+
+    dt = torch.bfloat16 if kind == "bf16" else torch.float16
+    asm = gemv.tiled_word_decode_asm(kind)
+    factor = 2.0**119 if kind == "bf16" else 1.0
+    unit = 1.0 / gemv.SHIFT_OUT_SCALE if kind == "bf16" else 1.0
+    tables = {f"${6 + i}": v for i, v in enumerate(gemv.decode_table_words(kind)[:4])}
+    for s_lo, s_hi in [(0.375, 448.0), (2.0**-9, 3.0), (0.0, 1.0)]:
+        sbits = (
+            torch.tensor([s_lo * factor, s_hi * factor], dtype=dt).view(torch.int16).to(torch.int32) & 0xFFFF
+        )
+        for word in range(256):
+            b = [(word + 37 * i) % 256 for i in range(4)]  # logical split128 bytes
+            stored = b[0] | b[2] << 8 | b[1] << 16 | b[3] << 24
+            regs = _emulate_ptx(asm, {"$4": stored, "$5": int(sbits[0]) | int(sbits[1]) << 16, **tables})
+            out = [regs[f"${i}"] for i in range(4)]
+            halves = (
+                torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16).view(dt)
+            )
+            codes = torch.tensor(b, dtype=torch.uint8)
+            lo, hi = e2m1_decode(codes & 0xF) * s_lo * unit, e2m1_decode(codes >> 4) * s_hi * unit
+            assert torch.equal(halves[:2].reshape(4).float(), lo), (kind, b, s_lo)
+            assert torch.equal(halves[2:].reshape(4).float(), hi), (kind, b, s_hi)
+
+
+def test_shift_decoder_scale_asm_emulated_on_every_e4m3_pair():
+    """The tiled bf16 scale PTX gives exactly s * 2^119 (bf16) for every finite non-negative E4M3 pair."""
+    gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
+    c112, c119 = gemv.decode_table_words("bf16")[4:6]
+    want = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * 2.0**119
+    for lo in range(127):
+        for hi in range(0, 127, 5) if lo % 7 else range(127):
+            out = _emulate_ptx(gemv._SCALE_ASM_SHIFT, {"$1": lo, "$2": hi, "$3": c112, "$4": c119})["$0"]
+            halves = (
+                torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32)
+                .to(torch.int16)
+                .view(torch.bfloat16)
+            )
+            assert halves.float().tolist() == [want[lo].item(), want[hi].item()], (lo, hi)

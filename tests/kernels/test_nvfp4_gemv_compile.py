@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 def _compile(
     num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
-    stages: int = 0,
+    stages: int = 0, tiled: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -31,9 +31,14 @@ def _compile(
     if stages:
         kernel = gemv._nvfp4_gemv_async_kernel
         mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt)
-        scale_asm = gemv._SCALE_ASM_BF16 if dtype == "bf16" else gemv._SCALE_ASM
-        consts.update(STAGES=stages, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs)
-        consts.update(SMEM=smem, TILED=False, ACC2=False)
+        if tiled:
+            asm = gemv.tiled_word_decode_asm(dtype)
+            scale_asm = gemv._SCALE_ASM_SHIFT if dtype == "bf16" else gemv._SCALE_ASM
+        else:
+            scale_asm = gemv._SCALE_ASM_BF16 if dtype == "bf16" else gemv._SCALE_ASM
+        out_scale = gemv.SHIFT_OUT_SCALE if tiled and dtype == "bf16" else 1.0
+        consts.update(STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw)
+        consts.update(LCS=lcs, SMEM=smem, TILED=tiled, ACC2=False, OUT_SCALE=out_scale)
     else:
         kernel = gemv._nvfp4_gemv_kernel
         mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
@@ -67,22 +72,26 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
     cfg = choose_config(m, n, k)
     assert cfg.gemv
     split_k = largest_divisor(-(-k // 128), cfg.split_k)  # what nvfp4_gemv launches
-    _check_compiled(m, k, dtype, cfg.num_warps, cfg.block_k, split_k, cfg.depth, cfg.smem_stages)
+    # on sm_90 the default layout is tiled128 (the shift decoder for bf16)
+    _check_compiled(m, k, dtype, cfg.num_warps, cfg.block_k, split_k, cfg.depth, cfg.smem_stages, True)
 
 
 @pytest.mark.parametrize(
     "m, k, dtype, stages", [(1, 7168, "bf16", 4), (16, 3584, "fp16", 8), (32, 3600, "bf16", 2)]
 )
 def test_cp_async_gemv_compiles_for_sm90_without_spills(m: int, k: int, dtype: str, stages: int):
-    """The cp.async kernel: weights staged by cp.async, read back in the operand layout, no spills."""
-    ck = _check_compiled(m, k, dtype, 1, 128, 1, 1, stages)
-    assert "cp.async" in ck.asm["ptx"]
+    """The cp.async kernel on split128 and on tiled128: weights staged by cp.async, read back in the operand
+    layout, no spills; the register kernel (split128) too."""
+    for tiled in (False, True):
+        ck = _check_compiled(m, k, dtype, 1, 128, 1, 1, stages, tiled)
+        assert "cp.async" in ck.asm["ptx"]
+    _check_compiled(m, k, dtype, 1, 128, 2, 1, 0, False)
 
 
-def _check_compiled(m: int, k: int, dtype: str, num_warps, block_k, split_k, depth, stages):
+def _check_compiled(m: int, k: int, dtype: str, num_warps, block_k, split_k, depth, stages, tiled=False):
     bt = 8 if m <= 8 else 16 if m <= 16 else 32
     maxnreg = gemv.MAXNREG[bt]
-    ck = _compile(num_warps, block_k, bt, split_k, depth, k, dtype, maxnreg, stages)
+    ck = _compile(num_warps, block_k, bt, split_k, depth, k, dtype, maxnreg, stages, tiled)
     ptx = ck.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx
     # no shared-memory staging of the decoded tile: at most the split-K counter's broadcast touches smem

@@ -32,7 +32,7 @@ def test_gemv_odd_shapes_bf16(
     rounding bounds the relative RMS error (BF16_RTOL)."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     cfg = GemmConfig(
@@ -52,23 +52,25 @@ def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, depth: int, stage
     """fp16, K a multiple of 128 (the unmasked x path), per-tensor global scale, no bias."""
     n, k = 4096 + 48, 7168
     w, s, gs = _random_nvfp4(n, k, device="cuda")
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
     x = torch.randn(m, k, device="cuda").half()
     cfg = GemmConfig(gemv=True, block_k=128, split_k=split_k, depth=depth, smem_stages=stages)
     y = nvfp4_linear(x, pw, config=cfg)
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
 
 
-def test_gemv_strided_input_and_negative_zero(poison_empty):
-    """x as a row-strided view; weights containing -0 codes and subnormal (2^-9) group scales."""
+@pytest.mark.parametrize("stages", [0, 2])
+def test_gemv_strided_input_and_negative_zero(poison_empty, stages: int):
+    """x as a row-strided view; weights containing -0 codes and subnormal (2^-9) group scales; the register
+    kernel on split128 and the cp.async kernel on tiled128 (the shift decoder)."""
     n, k = 96, 640
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     w[:, ::7] = 0x88  # -0 in both nibbles
     s.view(torch.uint8)[:, ::5] = 0x01  # E4M3 subnormal 2^-9
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
     big = torch.randn(4, 2 * k, device="cuda").bfloat16()
     x = big[:, :k]
-    y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, split_k=2))
+    y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, split_k=2, smem_stages=stages))
     assert_close("gemv strided", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=BF16_RTOL)
 
 
@@ -77,12 +79,13 @@ def test_gemv_strided_input_and_negative_zero(poison_empty):
 def test_gemv_every_e4m3_scale_exact(poison_empty, dtype: torch.dtype, stages: int):
     """Every finite non-negative E4M3 group scale (0x00..0x7E: zero, subnormals, 448) with one code per
     row: the product must match the fp32 reference to one output rounding in every element (the cp.async
-    kernel converts the scale bytes with cvt.f16x2.e4m3x2 and, for bf16, a shift + exact 2^112 multiply)."""
+    kernel on tiled128 converts the scale bytes with cvt.f16x2.e4m3x2, and for bf16 decodes by shifts into
+    bf16 subnormals for the e = 0 codes: a flush-to-zero anywhere would show here)."""
     n, k = 128, 2048
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     s = (torch.arange(n * k // 16, device="cuda") % 127).to(torch.uint8).reshape(n, k // 16)
     gs = torch.tensor([1.0], device="cuda")
-    pw = prepare_nvfp4_weight(w, s.view(torch.float8_e4m3fn), gs)
+    pw = prepare_nvfp4_weight(w, s.view(torch.float8_e4m3fn), gs, layout="tiled128" if stages else "split128")
     eye = torch.zeros(16, k, device="cuda", dtype=dtype)
     for t in range(16):  # one-hot inputs: y[t] is column k of the dequantized weight, exactly representable
         eye[t, 7 * t + 64 * (t % 3)] = 1.0
@@ -93,20 +96,20 @@ def test_gemv_every_e4m3_scale_exact(poison_empty, dtype: torch.dtype, stages: i
 
 @pytest.mark.parametrize("m", [1, 9, 17])
 def test_gemv_tiled_layout_bit_identical(poison_empty, m: int):
-    """tile_split128 (rows padded to 16, K tiles stored contiguously) gives the same bits as split128 through
-    the cp.async kernel: N = 520 (padded to 528), K = 3600, per-row global scales, bias."""
+    """tile_split128 (rows padded to 16, K tiles stored contiguously, the shift decoder for bf16) gives the
+    same bits as split128 (byte-permute tables) through the cp.async kernel: N = 520 (padded to 528),
+    K = 3600, per-row global scales, bias. Same products up to the exact 2^-7 factor, same summation order."""
     from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, tile_split128
 
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
-    pw = prepare_nvfp4_weight(w, s, gs)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="split128")
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     tw, ts = tile_split128(pw.weight, pw.scale_bits)
     assert tw.shape == (528, pw.weight.shape[1])
     gs_pad = torch.cat([pw.global_scale, pw.global_scale.new_ones(8)])
-    bias_pad = torch.cat([bias, bias.new_zeros(8)])
     want = nvfp4_gemv(x, pw.weight, pw.scale_bits, pw.global_scale, bias, split_k=1, stages=4)
-    got = nvfp4_gemv(x, tw, ts, gs_pad, bias_pad, split_k=1, stages=4, tiled=True, rows=n)
+    got = nvfp4_gemv(x, tw, ts, gs_pad, bias, split_k=1, stages=4, tiled=True, rows=n)
     assert torch.equal(want, got)
     assert_close("tiled", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), got, rtol=BF16_RTOL)

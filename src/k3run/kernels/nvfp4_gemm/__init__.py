@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .ref import nvfp4_linear_ref
 
 CHUNK = 128  # split128 layout: one 128-wide K chunk per 64 bytes (low nibbles k 0..63, high nibbles 64..127)
-LAYOUTS = ("checkpoint", "split128")
+LAYOUTS = ("checkpoint", "split128", "tiled128")
 
 
 def repack_split128(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +29,36 @@ def repack_split128(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[t
     packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k_pad // 2).contiguous()
     scale = F.pad(weight_scale.view(torch.uint8), (0, (k_pad - k) // 16)).contiguous()
     return packed, scale
+
+
+def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the same data stored tile by tile: rows
+    padded with zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes (each 4-byte word's
+    bytes in the order 0, 2, 1, 3) and [.., 16, 8] scales, returned as [N_pad, K_pad/2] and [N_pad, K_pad/16]
+    tensors. A 1-warp program's K tiles are then consecutive 1 KB blocks (split128 rows are 64-byte pieces
+    K_pad/2 bytes apart)."""
+    n, half = weight.shape
+    n_pad = -(-n // 16) * 16
+    ch = half // 64
+    w = torch.zeros((n_pad, half), dtype=torch.uint8, device=weight.device)
+    s = torch.zeros((n_pad, half // 8), dtype=torch.uint8, device=weight.device)
+    w[:n], s[:n] = weight, scale_u8
+    # bytes (0, 1, 2, 3) of every word stored as (0, 2, 1, 3): the shift decoder's pair order (_SHIFT_ASM)
+    w = w.view(n_pad, half // 4, 2, 2).transpose(2, 3)
+    w = w.reshape(n_pad // 16, 16, ch, 64).transpose(1, 2).contiguous().view(n_pad, half)
+    s = s.view(n_pad // 16, 16, ch, 8).transpose(1, 2).contiguous().view(n_pad, half // 8)
+    return w, s
+
+
+def untile_split128(
+    weight: torch.Tensor, scale_u8: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of tile_split128: the first n rows back in split128 order."""
+    n_pad, half = weight.shape
+    ch = half // 64
+    w = weight.view(n_pad // 16, ch, 16, 64).transpose(1, 2).reshape(n_pad, half // 4, 2, 2).transpose(2, 3)
+    s = scale_u8.view(n_pad // 16, ch, 16, 8).transpose(1, 2).reshape(n_pad, half // 8)
+    return w.reshape(n_pad, half)[:n].contiguous(), s[:n].contiguous()
 
 
 def unpack_split128(
@@ -48,6 +78,10 @@ class NvFp4Weight:
 
     layout "checkpoint": weight uint8 [N, K/2] (low nibble = even k), scale_bits uint8 [N, K/16].
     layout "split128":   weight uint8 [N, K_pad/2], scale_bits uint8 [N, K_pad/16] (see repack_split128).
+    layout "tiled128":   split128 stored tile by tile (tile_split128): [N_pad, K_pad/2] / [N_pad, K_pad/16]
+                         with N_pad = N rounded up to 16 (zero rows); `rows` holds N; a per-row global_scale
+                         is padded to N_pad with ones. Read by the cp.async decode kernel (M <= 32) and the
+                         dequantize kernel (larger M).
     scale_bits are the E4M3 group scales as raw bytes (Triton loads fp8 through uint8).
     global_scale: fp32 [1] (per tensor) or [N] (fused shards with their own global scales), decode scale.
     """
@@ -57,13 +91,16 @@ class NvFp4Weight:
     global_scale: torch.Tensor
     k: int
     layout: str
+    rows: int = -1  # the real N when the layout pads rows (tiled128)
 
     @property
     def n(self) -> int:
-        return self.weight.shape[0]
+        return self.rows if self.rows >= 0 else self.weight.shape[0]
 
     def checkpoint_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(uint8 [N, K/2], float8_e4m3fn [N, K/16]) in the checkpoint layout."""
+        if self.layout == "tiled128":
+            return unpack_split128(*untile_split128(self.weight, self.scale_bits, self.n), self.k)
         if self.layout == "split128":
             return unpack_split128(self.weight, self.scale_bits, self.k)
         return self.weight, self.scale_bits.view(torch.float8_e4m3fn)
@@ -107,7 +144,8 @@ def prepare_nvfp4_weight(
     """Check the checkpoint tensors once and return the kernel layout.
 
     weight_scale_2 may be 0-dim/one element (per tensor) or [N] (one decode scale per output row).
-    layout None: "split128" for CUDA tensors (the Triton kernels), "checkpoint" otherwise (the reference).
+    layout None: "tiled128" for CUDA tensors on sm_89+ with the Gluon decode kernel available, "split128" on
+    other CUDA devices (the Triton kernels), "checkpoint" otherwise (the reference).
     """
     if weight.dtype != torch.uint8 or weight.dim() != 2:
         raise ValueError(f"nvfp4 weight: expected uint8 [N, K/2], got {weight.dtype} {tuple(weight.shape)}")
@@ -124,16 +162,29 @@ def prepare_nvfp4_weight(
             f"nvfp4 weight_scale_2: expected fp32 with 1 or {n} elements, "
             f"got {weight_scale_2.dtype} {tuple(weight_scale_2.shape)}"
         )
-    layout = layout or ("split128" if weight.is_cuda else "checkpoint")
+    layout = layout or (default_cuda_layout(weight.device) if weight.is_cuda else "checkpoint")
     if layout not in LAYOUTS:
         raise ValueError(f"nvfp4 layout: expected one of {LAYOUTS}, got {layout!r}")
-    if layout == "split128":
+    gs = weight_scale_2.reshape(-1).contiguous()
+    rows = -1
+    if layout in ("split128", "tiled128"):
         w, s = repack_split128(weight, weight_scale)
+        if layout == "tiled128":
+            w, s = tile_split128(w, s)
+            rows = n
+            if gs.numel() > 1 and w.shape[0] > n:
+                gs = torch.cat([gs, gs.new_ones(w.shape[0] - n)])
     else:
         w, s = weight.contiguous(), weight_scale.contiguous().view(torch.uint8)
-    return NvFp4Weight(
-        weight=w, scale_bits=s, global_scale=weight_scale_2.reshape(-1).contiguous(), k=k, layout=layout
-    )
+    return NvFp4Weight(weight=w, scale_bits=s, global_scale=gs, k=k, layout=layout, rows=rows)
+
+
+def default_cuda_layout(device: torch.device) -> str:
+    """tiled128 where its decode kernel runs (Gluon, sm_89+: the decoder converts E4M3 scales with
+    cvt.f16x2.e4m3x2), split128 elsewhere (the Triton kernels)."""
+    if gemv_available() and torch.cuda.get_device_capability(device) >= (8, 9):
+        return "tiled128"
+    return "split128"
 
 
 def nvfp4_to_fp8_block(
@@ -238,6 +289,8 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             split_k=cfg.split_k,
             depth=cfg.depth,
             stages=cfg.smem_stages,
+            tiled=w.layout == "tiled128",
+            rows=w.n,
         )
         for i in range(0, x2.shape[0], 32)
     ]
@@ -254,18 +307,25 @@ def nvfp4_linear(
     x2 = x.reshape(-1, w.k)
     if not x2.is_cuda:
         weight, scale = w.checkpoint_tensors()
-        return nvfp4_linear_ref(x2, weight, scale, w.global_scale, bias).reshape(*lead, w.n)
-    if w.layout != "split128":
-        raise ValueError("nvfp4 linear: CUDA inputs need a weight prepared with layout='split128'")
+        gs = w.global_scale if w.global_scale.numel() == 1 else w.global_scale[: w.n]  # tiled128 pads it
+        return nvfp4_linear_ref(x2, weight, scale, gs, bias).reshape(*lead, w.n)
+    if w.layout not in ("split128", "tiled128"):
+        raise ValueError(f"nvfp4 linear: CUDA inputs need a split128 or tiled128 weight, got {w.layout!r}")
     from .triton import nvfp4_dequantize, nvfp4_gemm
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    tiled = w.layout == "tiled128"
     cfg = config or choose_config(x2.shape[0], w.n, w.k)
+    if tiled and not (cfg.dequant_mm or (cfg.gemv and cfg.smem_stages)):
+        raise ValueError(
+            "nvfp4 linear: a tiled128 weight runs the cp.async decode kernel or dequantize + cuBLAS, not "
+            f"{cfg}; prepare the weight with layout='split128' for the other kernels"
+        )
     if cfg.gemv and not (
         x2.shape[0] <= GEMV_MAX_M and x2.dtype in (torch.bfloat16, torch.float16) and gemv_available()
     ):
-        cfg = _fallback(x2.shape[0])
+        cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
     y = None
     if cfg.gemv:
         from triton.compiler.errors import CompilationError
@@ -274,9 +334,11 @@ def nvfp4_linear(
             y = _gemv(x2, w, bias, cfg)
         except CompilationError as e:  # a Triton whose Gluon API moved: use the Triton kernels from now on
             _disable_gemv(e)
-            cfg = _fallback(x2.shape[0])
+            cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
     if y is None and cfg.dequant_mm:
-        wd = nvfp4_dequantize(w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype)
+        wd = nvfp4_dequantize(
+            w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype, rows=w.n if tiled else None
+        )
         y = F.linear(x2, wd, bias)
     elif y is None:
         y = nvfp4_gemm(
@@ -308,5 +370,7 @@ __all__ = [
     "nvfp4_to_fp8_block",
     "prepare_nvfp4_weight",
     "repack_split128",
+    "tile_split128",
+    "untile_split128",
     "unpack_split128",
 ]

@@ -29,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from k3run.kernels.nvfp4_gemm import CHUNK
+from k3run.kernels.nvfp4_gemm import CHUNK, tile_split128, untile_split128  # noqa: F401 (re-exported)
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
@@ -90,9 +90,10 @@ def word_decode_asm(kind: str) -> str:
 
 
 def decode_table_words(kind: str) -> list[int]:
-    """Operands $6..$9 of word_decode_asm(kind), then the bf16 bits of (2^112, 2^112) for the scale asm."""
+    """Operands $6..$9 of word_decode_asm(kind), then the bf16 bits of (2^112, 2^112) and (2^119, 2^119) for
+    the scale asm."""
     (hb0, hb1), (lb0, lb1) = PRMT_TABLES[kind]
-    return [hb0, hb1, lb0, lb1, 0x77807780]
+    return [hb0, hb1, lb0, lb1, 0x77807780, 0x7B007B00]
 
 
 _TABLES: dict[tuple[torch.device, str], torch.Tensor] = {}
@@ -109,6 +110,53 @@ def decode_tables(device: torch.device, kind: str) -> torch.Tensor:
 
 _ASM_BF16 = gl.constexpr(word_decode_asm("bf16"))
 _ASM_FP16 = gl.constexpr(word_decode_asm("fp16"))
+
+# The tiled layout (tile_split128) stores each word's bytes in the order (0, 2, 1, 3), so the two nibbles of
+# every output pair sit at the same offset of the word's two 16-bit halves: (k0, k1) at bits 0-3 / 16-19,
+# (k64, k65) at 4-7 / 20-23, (k2, k3) at 8-11 / 24-27, (k66, k67) at 12-15 / 28-31. Each pair is then two
+# shifts and two logic ops: the sign to bit 15 of its half, the 3 magnitude bits to bits 8..6 - the bf16
+# bits of e2m1 * 2^-126 (the e = 0 codes land as bf16 subnormals with the same factor) - and one packed
+# multiply by the scale times 2^119 (`_SCALE_ASM_SHIFT`) gives e2m1 * s * 2^-7 exactly (<= 6 significant
+# bits, in the normal range); the kernel multiplies the output by 2^7. 10 integer-pipe instructions per 8
+# weights instead of 14 (the byte-permute tables), the multiplies unchanged.
+_SHIFT_ASM = """
+{
+.reg .b32 a, b, sl, sh;
+.reg .b16 s0, s1;
+shl.b32 a, $4, 12;
+shl.b32 b, $4, 6;
+and.b32 b, b, 0x01C001C0;
+lop3.b32 $0, a, 0x80008000, b, 0xEA;
+shl.b32 a, $4, 4;
+shr.b32 b, $4, 2;
+and.b32 b, b, 0x01C001C0;
+lop3.b32 $1, a, 0x80008000, b, 0xEA;
+shl.b32 a, $4, 8;
+shl.b32 b, $4, 2;
+and.b32 b, b, 0x01C001C0;
+lop3.b32 $2, a, 0x80008000, b, 0xEA;
+shr.b32 b, $4, 6;
+and.b32 b, b, 0x01C001C0;
+lop3.b32 $3, $4, 0x80008000, b, 0xEA;
+mov.b32 {s0, s1}, $5;
+mov.b32 sl, {s0, s0};
+mov.b32 sh, {s1, s1};
+mul.rn.bf16x2 $0, $0, sl;
+mul.rn.bf16x2 $1, $1, sl;
+mul.rn.bf16x2 $2, $2, sh;
+mul.rn.bf16x2 $3, $3, sh;
+}
+"""
+SHIFT_OUT_SCALE = 128.0  # the shift decoder's weights are e2m1 * s * 2^-7
+
+
+def tiled_word_decode_asm(kind: str) -> str:
+    """The decoder for a word of the tiled layout: the shift decoder for bf16; for fp16 the byte-permute table
+    decoder after one permute that puts the bytes back in split128 order."""
+    if kind == "bf16":
+        return _SHIFT_ASM
+    body = word_decode_asm(kind).replace("$4", "wq").replace(".reg .b32 ", ".reg .b32 wq, ", 1)
+    return body.replace("mov.b32 th0,", "prmt.b32 wq, $4, $4, 0x3120;\nmov.b32 th0,", 1)
 
 
 @functools.cache
@@ -197,6 +245,10 @@ cvt.rn.f16x2.e4m3x2 $0, lo;
 _SCALE_ASM_BF16 = _SCALE_ASM.replace(
     "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nshr.b32 t, t, 3;\nmul.rn.bf16x2 $0, t, $3;"
 )  # $3: (2^112, 2^112) as bf16 bits (decode_table_words)
+# the shift decoder's scale: s * 2^119 (exact: E4M3 values times 2^119 stay normal in bf16); $4 = 2^119
+_SCALE_ASM_SHIFT = _SCALE_ASM_BF16.replace(
+    "mul.rn.bf16x2 $0, t, $3;", "mul.rn.bf16x2 t, t, $3;\nmul.rn.bf16x2 $0, t, $4;"
+)
 
 
 @gluon.jit
@@ -242,7 +294,7 @@ def _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.cons
 
 
 @gluon.jit
-def _scale_pair(s_lo, s_hi, c112, DT: gl.constexpr, SCALE_ASM: gl.constexpr):
+def _scale_pair(s_lo, s_hi, c112, c119, DT: gl.constexpr, SCALE_ASM: gl.constexpr):
     """E4M3 scale bytes of a run's low / high nibbles -> one word: (low scale, high scale) as DT bits."""
     if SCALE_ASM == "":
         sl = s_lo.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
@@ -251,8 +303,8 @@ def _scale_pair(s_lo, s_hi, c112, DT: gl.constexpr, SCALE_ASM: gl.constexpr):
     else:
         return gl.inline_asm_elementwise(
             asm=SCALE_ASM,
-            constraints="=r,r,r,r",
-            args=[s_lo.to(gl.uint32), s_hi.to(gl.uint32), c112],
+            constraints="=r,r,r,r,r",
+            args=[s_lo.to(gl.uint32), s_hi.to(gl.uint32), c112, c119],
             dtype=gl.uint32,
             is_pure=True,
             pack=1,
@@ -313,7 +365,7 @@ def _tile(
 ):  # fmt: skip
     """acc += decode(tile) @ x(tile): two mma_v2 over the low- and high-nibble halves."""
     x_lo, x_hi = _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD)
-    s_pair = gl.expand_dims(_scale_pair(s_lo, s_hi, tab[4], DT, ""), 2)
+    s_pair = gl.expand_dims(_scale_pair(s_lo, s_hi, tab[4], tab[5], DT, ""), 2)
     return _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
 
 
@@ -358,7 +410,7 @@ def _nvfp4_gemv_kernel(
     k_start = pid_k * K_SPLIT
     # the decoder's table words and the scale constant: loaded once, so they stay in registers
     tab = (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
-           gl.load(tab_ptr + 4))  # fmt: skip
+           gl.load(tab_ptr + 4), gl.load(tab_ptr + 5))  # fmt: skip
 
     # ---- A side: words [BN, RUNS, 2] (w_ptr is the split128 bytes seen as int32) and each run's scales
     L_S: gl.constexpr = gl.SliceLayout(2, LW)
@@ -469,7 +521,7 @@ def _nvfp4_gemv_async_kernel(
     HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
-    ACC2: gl.constexpr,
+    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -484,7 +536,7 @@ def _nvfp4_gemv_async_kernel(
     k_start = pid_k * K_SPLIT
     # the decoder's table words and the scale constant: loaded once, so they stay in registers
     tab = (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
-           gl.load(tab_ptr + 4))  # fmt: skip
+           gl.load(tab_ptr + 4), gl.load(tab_ptr + 5))  # fmt: skip
 
     # ---- copy sources: words [BN, 16] (16-byte cp.async per thread) and scale bytes [BN, 8] (4 bytes)
     rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCW))
@@ -537,7 +589,8 @@ def _nvfp4_gemv_async_kernel(
         slot = i % STAGES
         p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
         sw = smem_s.index(slot)
-        s_pair = _scale_pair(sw.slice(0, 4, 1).load(L_G), sw.slice(4, 4, 1).load(L_G), tab[4], DT, SCALE_ASM)
+        s_lo = sw.slice(0, 4, 1).load(L_G)
+        s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
         s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
         if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
             acc, acc2 = _mma_words2(acc, acc2, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
@@ -546,6 +599,8 @@ def _nvfp4_gemv_async_kernel(
     async_copy.wait_group(0)
     if ACC2:
         acc += acc2
+    if OUT_SCALE != 1.0:
+        acc = acc * OUT_SCALE
 
     _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
               HAS_BIAS, BN, BT, MMA)  # fmt: skip
@@ -603,22 +658,6 @@ def _finish(
     gl.store(y_ptr + te.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
-def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the same data stored tile by tile: rows
-    padded with zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes and [.., 16, 8] scales,
-    returned as [N_pad, K_pad/2] and [N_pad, K_pad/16] tensors. A 1-warp program's K tiles are then
-    consecutive 1 KB blocks (split128 rows are 64-byte pieces K_pad/2 bytes apart)."""
-    n, half = weight.shape
-    n_pad = -(-n // 16) * 16
-    ch = half // 64
-    w = torch.zeros((n_pad, half), dtype=torch.uint8, device=weight.device)
-    s = torch.zeros((n_pad, half // 8), dtype=torch.uint8, device=weight.device)
-    w[:n], s[:n] = weight, scale_u8
-    w = w.view(n_pad // 16, 16, ch, 64).transpose(1, 2).contiguous().view(n_pad, half)
-    s = s.view(n_pad // 16, 16, ch, 8).transpose(1, 2).contiguous().view(n_pad, half // 8)
-    return w, s
-
-
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -665,14 +704,17 @@ def nvfp4_gemv(
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
-    n = _check(x, weight, scale_u8, global_scale, x.shape[-1], bias)
+    n = _check(x, weight, scale_u8, global_scale, x.shape[-1], None if tiled else bias)
     if tiled:
         if not stages:
             raise ValueError("nvfp4_gemv: the tiled layout needs the cp.async kernel (stages >= 2)")
-        if n % 16:
-            raise ValueError(f"nvfp4_gemv: a tiled weight has a multiple of 16 rows, got {n}")
-        if rows is not None:
-            n = rows
+        if n % 16 or (rows is not None and not n - 16 < rows <= n):
+            raise ValueError(f"nvfp4_gemv: a tiled weight has rows padded to 16: {n} rows for N={rows}")
+        if torch.cuda.get_device_capability(x.device) < (8, 9):
+            raise ValueError("nvfp4_gemv: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
+        n = n if rows is None else rows
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
     m, k = x.shape
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
@@ -705,14 +747,20 @@ def nvfp4_gemv(
     common = (x, weight.view(torch.int32), scale_u8, global_scale, bias if bias is not None else global_scale)
     if stages:
         mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
-        fast_scale = torch.cuda.get_device_capability(x.device) >= (8, 9)
-        scale_asm = (_SCALE_ASM_BF16 if x.dtype == torch.bfloat16 else _SCALE_ASM) if fast_scale else ""
+        bf16 = x.dtype == torch.bfloat16
+        if tiled:
+            asm = tiled_word_decode_asm("bf16" if bf16 else "fp16")
+            scale_asm, out_scale = (_SCALE_ASM_SHIFT, SHIFT_OUT_SCALE) if bf16 else (_SCALE_ASM, 1.0)
+        else:
+            asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
+            fast_scale = torch.cuda.get_device_capability(x.device) >= (8, 9)
+            scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if fast_scale else ""
         _nvfp4_gemv_async_kernel[(grid_n, split_k)](
             *common, y, ws, cnt, tab, m, n, x.stride(0), y.stride(0),
             K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
-            ASM=_ASM_BF16 if x.dtype == torch.bfloat16 else _ASM_FP16, SCALE_ASM=scale_asm,
-            MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem, TILED=tiled, ACC2=acc2,
+            ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
+            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale,
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt],
         )  # fmt: skip
         return y

@@ -273,8 +273,11 @@ def _nvfp4_dequant_kernel(
     K_PAD: tl.constexpr,
     PER_COL_GS: tl.constexpr,
     BN: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):
-    """One program: BN rows x one 128-wide chunk of the split128 layout -> the dense [N, K] weight."""
+    """One program: BN rows x one 128-wide chunk of the split128 layout -> the dense [N, K] weight.
+    TILED: the weight is in the tiled128 order (tile_split128: 16-row blocks of 64-byte chunk rows, each
+    4-byte word's bytes stored as 0, 2, 1, 3)."""
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -283,8 +286,14 @@ def _nvfp4_dequant_kernel(
     offs_b = tl.arange(0, 16)
     rows = offs_n.to(tl.int64)[:, None, None]
     byte = (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]  # [1, 4, 16] position in the 64-byte chunk
-    p = tl.load(w_ptr + rows * (K_PAD // 2) + c * 64 + byte, mask=mask_n[:, None, None], other=0)
-    s_base = s_ptr + rows * (K_PAD // 16) + c * 8 + offs_g[None, :, None]
+    if TILED:
+        tile = (rows // 16) * (K_PAD // 128) + c
+        stored = (byte & ~3) | ((byte & 1) << 1) | ((byte >> 1) & 1)
+        p = tl.load(w_ptr + tile * 1024 + (rows % 16) * 64 + stored, mask=mask_n[:, None, None], other=0)
+        s_base = s_ptr + tile * 128 + (rows % 16) * 8 + offs_g[None, :, None]
+    else:
+        p = tl.load(w_ptr + rows * (K_PAD // 2) + c * 64 + byte, mask=mask_n[:, None, None], other=0)
+        s_base = s_ptr + rows * (K_PAD // 16) + c * 8 + offs_g[None, :, None]
     s_lo = tl.load(s_base, mask=mask_n[:, None, None], other=0)
     s_hi = tl.load(s_base + 4, mask=mask_n[:, None, None], other=0)
     w_lo, w_hi = _decode_split(p, s_lo, s_hi, tl.float32, 0)
@@ -442,9 +451,15 @@ def nvfp4_dequantize(
     dtype: torch.dtype,
     *,
     block_n: int = 32,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """The dense [N, K] weight e2m1 * s * global_scale in `dtype` (one rounding per element)."""
+    """The dense [N, K] weight e2m1 * s * global_scale in `dtype` (one rounding per element).
+    rows: the weight is in the tiled128 order with its rows padded to 16; N = rows."""
     n = _check(None, weight, scale_u8, global_scale, k)
+    if rows is not None:
+        if n % 16 or not n - 16 < rows <= n:
+            raise ValueError(f"nvfp4 dequantize: a tiled128 weight has rows padded to 16: {n} for N={rows}")
+        n = rows
     k_pad = weight.shape[1] * 2
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
     grid = (triton.cdiv(n, block_n), k_pad // CHUNK)
@@ -456,7 +471,8 @@ def nvfp4_dequantize(
         n,
         K=k,
         K_PAD=k_pad,
-        PER_COL_GS=global_scale.numel() == n and n != 1,
+        PER_COL_GS=global_scale.numel() != 1,
         BN=block_n,
+        TILED=rows is not None,
     )
     return out
