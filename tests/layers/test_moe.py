@@ -427,8 +427,14 @@ def test_gpu_nvfp4_experts_use_the_kernels(act_name):
     gate/up and h rounded to bf16 (<= 2^-9 each) against the fp32 reference path: bound 2^-7."""
     ex_ref, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False, dtype=torch.bfloat16)
     ex, *_ = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16)
-    assert ex.nvfp4_kernels and ex._split128
-    for k in range(4):  # the in-place repack is lossless
+    from k3run.kernels.nvfp4_gemm import default_cuda_layout
+
+    assert (
+        ex.nvfp4_kernels
+        and ex._split128
+        and ex._tiled == (default_cuda_layout(x.new_empty(0, device="cuda").device) == "tiled128")
+    )
+    for k in range(4):  # the in-place repack (split128, then tiled128 on sm_89+) is lossless
         for a, b in zip(ex.nvfp4_expert_tensors(k), ex_ref.nvfp4_expert_tensors(k)):
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
     out = ex(x.cuda(), ids.cuda(), weights.cuda())

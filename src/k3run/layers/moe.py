@@ -213,6 +213,7 @@ class FusedExperts(nn.Module):
         self.nvfp4_kernels: bool | None = None
         self._kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # gs13 [E_l, 2I], gs2 [E_l, 1]
         self._split128 = False  # expert weights repacked in place to the kernel layout (CUDA)
+        self._tiled = False  # ... and that layout is tiled128 (where the cp.async decode kernel runs)
         self._filled: set[tuple[str, int, str]] = set()
         self._expected: list[tuple[str, int, str]] = []
         el, d, i = self.num_local, hidden_size, intermediate_size
@@ -357,12 +358,16 @@ class FusedExperts(nn.Module):
         gs2 = s.g2_alphas * (s.g1_scale_c if self.activation.kind == "situ" else 1.0)
         self._kernel_scales = (gs13.float().contiguous(), gs2.float().reshape(-1, 1).contiguous())
         if self.w13_weight.is_cuda and not self._split128:
-            from k3run.kernels.nvfp4_gemm import repack_split128
+            from k3run.kernels.nvfp4_gemm import default_cuda_layout, repack_split128, tile_split128
 
-            # K is a multiple of 128, so the kernel layout has the checkpoint layout's shape: repack in place
+            # K is a multiple of 128 and N (2I or D) of 16, so the kernel layouts have the checkpoint layout's
+            # shape: repack in place
+            self._tiled = default_cuda_layout(self.w13_weight.device) == "tiled128"
             for w, sc in ((self.w13_weight, self.w13_weight_scale), (self.w2_weight, self.w2_weight_scale)):
                 for e in range(self.num_local):
                     packed, bits = repack_split128(w.data[e], sc.data[e])
+                    if self._tiled:
+                        packed, bits = tile_split128(packed, bits)
                     w.data[e].copy_(packed)
                     sc.data[e].view(torch.uint8).copy_(bits)
             self._split128 = True
@@ -372,10 +377,14 @@ class FusedExperts(nn.Module):
         tensors = (self.w13_weight[e], self.w13_weight_scale[e], self.w2_weight[e], self.w2_weight_scale[e])
         if not self._split128:
             return tensors
-        from k3run.kernels.nvfp4_gemm import unpack_split128
+        from k3run.kernels.nvfp4_gemm import unpack_split128, untile_split128
 
-        w13, s13 = unpack_split128(tensors[0], tensors[1].view(torch.uint8), self.hidden_size)
-        w2, s2 = unpack_split128(tensors[2], tensors[3].view(torch.uint8), self.intermediate_size)
+        w13, s13, w2, s2 = tensors[0], tensors[1].view(torch.uint8), tensors[2], tensors[3].view(torch.uint8)
+        if self._tiled:
+            w13, s13 = untile_split128(w13, s13, w13.shape[0])
+            w2, s2 = untile_split128(w2, s2, w2.shape[0])
+        w13, s13 = unpack_split128(w13, s13, self.hidden_size)
+        w2, s2 = unpack_split128(w2, s2, self.intermediate_size)
         return w13, s13, w2, s2
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -411,7 +420,7 @@ class FusedExperts(nn.Module):
 
         assert self._kernel_scales is not None
         gs13, gs2 = self._kernel_scales
-        layout = "split128" if self._split128 else "checkpoint"
+        layout = ("tiled128" if self._tiled else "split128") if self._split128 else "checkpoint"
         w13 = NvFp4Weight(
             self.w13_weight[e], self.w13_weight_scale[e].view(torch.uint8), gs13[e], self.hidden_size, layout
         )
