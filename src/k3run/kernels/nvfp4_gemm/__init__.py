@@ -244,7 +244,8 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
     through 2 shared-memory slots, and split_k (the largest divisor of the 128-wide chunk count at or below
     it) by M: 8 for M <= 8, ~1800 programs (1800 * 16 / N, clamped to 1..8) for M <= 16, and 2 (N > 4096)
     or 4 for M <= 32. Each was the best or within 3% of the best of split_k 2/4/8 on the five K3 shapes in
-    run 15, and the kernel beat the register-prefetch one at every M measured (1.0-1.4x). Larger M:
+    run 15 (split128) and within 1% of split_k 4-32 on tiled128 in run 18 except 12288x7168 at M = 16 (6%),
+    and the kernel beat the register-prefetch one at every M measured (1.0-1.4x). Larger M:
     dequantize to bf16 + cuBLAS, which beat every fused tile configuration tried at M = 64 and 4096 (the
     Triton kernel stays available through an explicit GemmConfig).
     """

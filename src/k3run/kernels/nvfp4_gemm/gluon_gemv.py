@@ -17,6 +17,14 @@ weight bytes (bench/NOTES.md). Here every tensor has an explicit layout:
 - Split-K: grid (N / BN, SPLIT_K). Each program writes an fp32 partial; the last program of a row block
   to arrive (an acq_rel counter) adds the partials in a fixed order, applies the global scale and the
   bias and writes y, then resets the counter, so one launch does everything and results are deterministic.
+
+Two kernels share the decode, mma and epilogue code:
+- `_nvfp4_gemv_kernel` (register prefetch, split128 weights; `depth` tiles of loads in flight in registers).
+- `_nvfp4_gemv_async_kernel` (the default): 128-wide K tiles of words and scale bytes staged through
+  `STAGES` shared-memory slots by cp.async, scale pairs converted by one cvt.f16x2.e4m3x2; on the tiled128
+  layout (tile-contiguous, each word's bytes as 0, 2, 1, 3) bf16 weights are decoded by shifts
+  (`_SHIFT_ASM`: 10 integer-pipe instructions per 8 weights, 64 registers). Measurements and the ncu
+  analysis that led here: bench/NOTES.md "v4" and "v5".
 """
 
 from __future__ import annotations
