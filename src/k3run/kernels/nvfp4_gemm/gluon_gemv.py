@@ -320,50 +320,37 @@ def _scale_pair(s_lo, s_hi, c112, c119, DT: gl.constexpr, SCALE_ASM: gl.constexp
 
 
 @gluon.jit
+def _decode_operands(
+    p, s_pair, tab, BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr, LA: gl.constexpr,
+    DT: gl.constexpr,
+):  # fmt: skip
+    """decode(words p, scales s_pair broadcast over p) -> the mma A operands of the low- and high-nibble
+    halves, in registers (no data movement: `_assemble`)."""
+    o_la, o_lb, o_ha, o_hb = gl.inline_asm_elementwise(
+        asm=ASM,
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r",
+        args=[p.to(gl.uint32, bitcast=True), s_pair, tab[0], tab[1], tab[2], tab[3]],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+    RUNS: gl.constexpr = HALF // 8
+    o_la = gl.reshape(o_la, [BN, RUNS, 2])
+    o_lb = gl.reshape(o_lb, [BN, RUNS, 2])
+    o_ha = gl.reshape(o_ha, [BN, RUNS, 2])
+    o_hb = gl.reshape(o_hb, [BN, RUNS, 2])
+    return _assemble(o_la, o_lb, BN, HALF, LA, DT), _assemble(o_ha, o_hb, BN, HALF, LA, DT)
+
+
+@gluon.jit
 def _mma_words(
     acc, p, s_pair, tab, x_lo, x_hi, BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr,
     LA: gl.constexpr, DT: gl.constexpr,
 ):  # fmt: skip
     """acc += decode(words p, scales s_pair broadcast over p) @ x: two mma_v2 (low / high-nibble halves)."""
-    o_la, o_lb, o_ha, o_hb = gl.inline_asm_elementwise(
-        asm=ASM,
-        constraints="=r,=r,=r,=r,r,r,r,r,r,r",
-        args=[p.to(gl.uint32, bitcast=True), s_pair, tab[0], tab[1], tab[2], tab[3]],
-        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-        is_pure=True,
-        pack=1,
-    )
-    RUNS: gl.constexpr = HALF // 8
-    o_la = gl.reshape(o_la, [BN, RUNS, 2])
-    o_lb = gl.reshape(o_lb, [BN, RUNS, 2])
-    o_ha = gl.reshape(o_ha, [BN, RUNS, 2])
-    o_hb = gl.reshape(o_hb, [BN, RUNS, 2])
-    acc = mma_v2(_assemble(o_la, o_lb, BN, HALF, LA, DT), x_lo, acc)
-    return mma_v2(_assemble(o_ha, o_hb, BN, HALF, LA, DT), x_hi, acc)
-
-
-@gluon.jit
-def _mma_words2(
-    acc, acc2, p, s_pair, tab, x_lo, x_hi, BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr,
-    LA: gl.constexpr, DT: gl.constexpr,
-):  # fmt: skip
-    """_mma_words with the low-nibble half accumulated into acc and the high one into acc2."""
-    o_la, o_lb, o_ha, o_hb = gl.inline_asm_elementwise(
-        asm=ASM,
-        constraints="=r,=r,=r,=r,r,r,r,r,r,r",
-        args=[p.to(gl.uint32, bitcast=True), s_pair, tab[0], tab[1], tab[2], tab[3]],
-        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-        is_pure=True,
-        pack=1,
-    )
-    RUNS: gl.constexpr = HALF // 8
-    o_la = gl.reshape(o_la, [BN, RUNS, 2])
-    o_lb = gl.reshape(o_lb, [BN, RUNS, 2])
-    o_ha = gl.reshape(o_ha, [BN, RUNS, 2])
-    o_hb = gl.reshape(o_hb, [BN, RUNS, 2])
-    acc = mma_v2(_assemble(o_la, o_lb, BN, HALF, LA, DT), x_lo, acc)
-    acc2 = mma_v2(_assemble(o_ha, o_hb, BN, HALF, LA, DT), x_hi, acc2)
-    return acc, acc2
+    a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
+    acc = mma_v2(a_lo, x_lo, acc)
+    return mma_v2(a_hi, x_hi, acc)
 
 
 @gluon.jit
@@ -601,7 +588,9 @@ def _nvfp4_gemv_async_kernel(
         s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
         s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
         if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
-            acc, acc2 = _mma_words2(acc, acc2, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
+            a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
+            acc = mma_v2(a_lo, x_lo, acc)
+            acc2 = mma_v2(a_hi, x_hi, acc2)
         else:
             acc = _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
     async_copy.wait_group(0)
