@@ -320,6 +320,14 @@ def _scale_pair(s_lo, s_hi, c112, c119, DT: gl.constexpr, SCALE_ASM: gl.constexp
 
 
 @gluon.jit
+def _load_tables(tab_ptr):
+    """decode_table_words, loaded once per program so they stay in registers (as immediates, ptxas
+    re-materialised them before every use)."""
+    return (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
+            gl.load(tab_ptr + 4), gl.load(tab_ptr + 5))  # fmt: skip
+
+
+@gluon.jit
 def _decode_operands(
     p, s_pair, tab, BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr, LA: gl.constexpr,
     DT: gl.constexpr,
@@ -403,9 +411,7 @@ def _nvfp4_gemv_kernel(
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     k_start = pid_k * K_SPLIT
-    # the decoder's table words and the scale constant: loaded once, so they stay in registers
-    tab = (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
-           gl.load(tab_ptr + 4), gl.load(tab_ptr + 5))  # fmt: skip
+    tab = _load_tables(tab_ptr)
 
     # ---- A side: words [BN, RUNS, 2] (w_ptr is the split128 bytes seen as int32) and each run's scales
     L_S: gl.constexpr = gl.SliceLayout(2, LW)
@@ -529,9 +535,7 @@ def _nvfp4_gemv_async_kernel(
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     k_start = pid_k * K_SPLIT
-    # the decoder's table words and the scale constant: loaded once, so they stay in registers
-    tab = (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
-           gl.load(tab_ptr + 4), gl.load(tab_ptr + 5))  # fmt: skip
+    tab = _load_tables(tab_ptr)
 
     # ---- copy sources: words [BN, 16] (16-byte cp.async per thread) and scale bytes [BN, 8] (4 bytes)
     rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCW))
