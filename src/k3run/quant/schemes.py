@@ -546,9 +546,8 @@ class NvFp4Scheme:
         backend = backend or default_backend(layer.weight.device, k)
         if not any(self.fp8_choice(m, n, k, backend) for m in (1, NVFP4_DECODE_MAX_M + 1)):
             return False
-        gs = layer.nvfp4_weight.global_scale
-        gs = gs if gs.numel() == 1 else gs[:n]  # the tiled128 layout pads per-row scales to 16 rows
-        weight, scale = nvfp4_to_fp8_block(layer.weight, layer.weight_scale, gs.reshape(-1, 1))
+        gs = layer.nvfp4_weight.row_global_scale.reshape(-1, 1)
+        weight, scale = nvfp4_to_fp8_block(layer.weight, layer.weight_scale, gs)
         layer.nvfp4_fp8 = Fp8BlockCopy(weight=weight, scale=scale, n=n, backend=backend)
         return True
 

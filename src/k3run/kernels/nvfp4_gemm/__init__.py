@@ -97,6 +97,12 @@ class NvFp4Weight:
     def n(self) -> int:
         return self.rows if self.rows >= 0 else self.weight.shape[0]
 
+    @property
+    def row_global_scale(self) -> torch.Tensor:
+        """global_scale without the layout's row padding: [1] or [N]."""
+        gs = self.global_scale
+        return gs if gs.numel() == 1 else gs[: self.n]
+
     def checkpoint_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(uint8 [N, K/2], float8_e4m3fn [N, K/16]) in the checkpoint layout."""
         if self.layout == "tiled128":
@@ -308,8 +314,7 @@ def nvfp4_linear(
     x2 = x.reshape(-1, w.k)
     if not x2.is_cuda:
         weight, scale = w.checkpoint_tensors()
-        gs = w.global_scale if w.global_scale.numel() == 1 else w.global_scale[: w.n]  # tiled128 pads it
-        return nvfp4_linear_ref(x2, weight, scale, gs, bias).reshape(*lead, w.n)
+        return nvfp4_linear_ref(x2, weight, scale, w.row_global_scale, bias).reshape(*lead, w.n)
     if w.layout not in ("split128", "tiled128"):
         raise ValueError(f"nvfp4 linear: CUDA inputs need a split128 or tiled128 weight, got {w.layout!r}")
     from .triton import nvfp4_dequantize, nvfp4_gemm

@@ -54,6 +54,17 @@ K_WIDTH = 8  # consecutive k per thread in the mma operand layouts (= one 8-byte
 # per 4 nibbles; signs: one permute in sign-replicate mode turns each nibble's sign bit (moved to a byte's
 # top bit) into 0xFF / 0x00, and one LOP3 (a | (b & 0x80808080)) sets the high bytes' sign bits; two
 # permutes build the pairs, then one packed multiply per pair (exact: e2m1 * e4m3 has <= 6 significant bits).
+# both decoders end alike: the run's two scales ($5: the low nibbles' in the low half, the high nibbles' in
+# the high half) broadcast to packed pairs, then one packed multiply per output pair
+_SCALE_PAIRS = """mov.b32 {s0, s1}, $5;
+mov.b32 sl, {s0, s0};
+mov.b32 sh, {s1, s1};
+mul.rn.TY $0, $0, sl;
+mul.rn.TY $1, $1, sl;
+mul.rn.TY $2, $2, sh;
+mul.rn.TY $3, $3, sh;
+}
+"""
 _WORD_ASM = """
 {
 .reg .b32 th0, th1, tl0, tl1, m, m2, h01, l01, h23, l23, t, sg, sl, sh;
@@ -77,15 +88,8 @@ prmt.b32 $0, l01, h01, 0x6240;
 prmt.b32 $1, l23, h23, 0x6240;
 prmt.b32 $2, l01, h01, 0x7351;
 prmt.b32 $3, l23, h23, 0x7351;
-mov.b32 {s0, s1}, $5;
-mov.b32 sl, {s0, s0};
-mov.b32 sh, {s1, s1};
-mul.rn.TY $0, $0, sl;
-mul.rn.TY $1, $1, sl;
-mul.rn.TY $2, $2, sh;
-mul.rn.TY $3, $3, sh;
-}
 """
+_WORD_ASM += _SCALE_PAIRS
 
 
 def word_decode_asm(kind: str) -> str:
@@ -146,15 +150,8 @@ lop3.b32 $2, a, 0x80008000, b, 0xEA;
 shr.b32 b, $4, 6;
 and.b32 b, b, 0x01C001C0;
 lop3.b32 $3, $4, 0x80008000, b, 0xEA;
-mov.b32 {s0, s1}, $5;
-mov.b32 sl, {s0, s0};
-mov.b32 sh, {s1, s1};
-mul.rn.bf16x2 $0, $0, sl;
-mul.rn.bf16x2 $1, $1, sl;
-mul.rn.bf16x2 $2, $2, sh;
-mul.rn.bf16x2 $3, $3, sh;
-}
 """
+_SHIFT_ASM += _SCALE_PAIRS.replace("TY", "bf16x2")
 SHIFT_OUT_SCALE = 128.0  # the shift decoder's weights are e2m1 * s * 2^-7
 
 
@@ -165,6 +162,10 @@ def tiled_word_decode_asm(kind: str) -> str:
         return _SHIFT_ASM
     body = word_decode_asm(kind).replace("$4", "wq").replace(".reg .b32 ", ".reg .b32 wq, ", 1)
     return body.replace("mov.b32 th0,", "prmt.b32 wq, $4, $4, 0x3120;\nmov.b32 th0,", 1)
+
+
+_TILED_ASM_BF16 = gl.constexpr(tiled_word_decode_asm("bf16"))
+_TILED_ASM_FP16 = gl.constexpr(tiled_word_decode_asm("fp16"))
 
 
 @functools.cache
@@ -706,12 +707,14 @@ def nvfp4_gemv(
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
     n = _check(x, weight, scale_u8, global_scale, x.shape[-1], None if tiled else bias)
+    # sm_89+: cvt.f16x2.e4m3x2 converts a run's two scale bytes in one instruction
+    sm89 = bool(stages) and torch.cuda.get_device_capability(x.device) >= (8, 9)
     if tiled:
         if not stages:
             raise ValueError("nvfp4_gemv: the tiled layout needs the cp.async kernel (stages >= 2)")
         if n % 16 or (rows is not None and not n - 16 < rows <= n):
             raise ValueError(f"nvfp4_gemv: a tiled weight has rows padded to 16: {n} rows for N={rows}")
-        if torch.cuda.get_device_capability(x.device) < (8, 9):
+        if not sm89:
             raise ValueError("nvfp4_gemv: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
         n = n if rows is None else rows
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
@@ -736,7 +739,6 @@ def nvfp4_gemv(
     bk = bk_chunks * CHUNK
     bn = 16 * num_warps
     bt = 8 if m <= 8 else 16 if m <= 16 else 32
-    mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
     grid_n = triton.cdiv(n, bn)
     per_col = global_scale.numel() != 1  # _check: one global scale or one per row
     if split_k > 1:
@@ -750,12 +752,11 @@ def nvfp4_gemv(
         mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
         bf16 = x.dtype == torch.bfloat16
         if tiled:
-            asm = tiled_word_decode_asm("bf16" if bf16 else "fp16")
+            asm = _TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16
             scale_asm, out_scale = (_SCALE_ASM_SHIFT, SHIFT_OUT_SCALE) if bf16 else (_SCALE_ASM, 1.0)
         else:
             asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
-            fast_scale = torch.cuda.get_device_capability(x.device) >= (8, 9)
-            scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if fast_scale else ""
+            scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
         _nvfp4_gemv_async_kernel[(grid_n, split_k)](
             *common, y, ws, cnt, tab, m, n, x.stride(0), y.stride(0),
             K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
@@ -765,6 +766,7 @@ def nvfp4_gemv(
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt],
         )  # fmt: skip
         return y
+    mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
     _nvfp4_gemv_kernel[(grid_n, split_k)](
         x,
         weight.view(torch.int32),
