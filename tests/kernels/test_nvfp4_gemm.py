@@ -124,9 +124,12 @@ def test_interp_dequantize_every_code_exact(poison_empty, k: int, layout: str):
 @pytest.mark.parametrize("n, k", [(19, 80), (32, 1392), (1, 16)])
 def test_tiled128_prepare_round_trip(n: int, k: int):
     """tiled128 pads rows to 16 (zeros), keeps N in `rows`, pads a per-row global scale with ones, stores each
-    tile contiguously with its words' bytes as (0, 2, 1, 3), and checkpoint_tensors gives the inputs back."""
+    tile contiguously with each word's bits placed for the shift decoder (TILED_PAIR_BITS), and
+    checkpoint_tensors gives the inputs back (nonzero scales: zero-scale groups are the next test)."""
+    from k3run.kernels.nvfp4_gemm import tiled_word
+
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    s = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
     gs = torch.rand(n) + 0.5
     pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
     n_pad, k_pad = -(-n // 16) * 16, -(-k // 128) * 128
@@ -137,16 +140,34 @@ def test_tiled128_prepare_round_trip(n: int, k: int):
     w2, s2 = pw.checkpoint_tensors()
     assert torch.equal(w2, w) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
     split, sbits = repack_split128(w, s)
-    r, c, byte = (
-        n - 1,
-        k_pad // 128 - 1,
-        5,
-    )  # one byte by hand: tile (r // 16, c), row r % 16, word byte 1 -> 2
+    r, c, word = n - 1, k_pad // 128 - 1, 1  # one word by hand: tile (r // 16, c), row r % 16, word 1
     tile = (r // 16) * (k_pad // 128) + c
-    assert pw.weight.view(-1)[tile * 1024 + (r % 16) * 64 + 6] == split[r, c * 64 + byte]
+    stored = pw.weight.view(-1)[tile * 1024 + (r % 16) * 64 + 4 * word :][:4].tolist()
+    logical = split[r, c * 64 + 4 * word :][:4].tolist()
+    assert sum(v << (8 * i) for i, v in enumerate(stored)) == tiled_word(logical)
     assert torch.equal(pw.scale_bits.view(-1)[tile * 128 + (r % 16) * 8 :][:8], sbits[r, c * 8 : c * 8 + 8])
     x = torch.randn(3, k)  # the CPU path reads it through checkpoint_tensors
     assert_close("tiled128 cpu", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, pw), rtol=FP32_RTOL)
+
+
+def test_tiled128_zero_scale_groups_and_bad_scales():
+    """A group whose scale is 0 is stored with zero codes (the shift decoder's scale is 2^104, not 0, there):
+    the dequantized weight is unchanged. Negative and NaN E4M3 scales are refused, naming the tensor."""
+    n, k = 16, 256
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    s = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8)
+    s[3, 5] = 0  # and random zeros elsewhere
+    pw = prepare_nvfp4_weight(w, s.view(torch.float8_e4m3fn), torch.ones(1), layout="tiled128")
+    w2, s2 = pw.checkpoint_tensors()
+    assert torch.equal(s2.view(torch.uint8), s)
+    assert torch.equal(dequantize_nvfp4(w2, s2, 1.0), dequantize_nvfp4(w, s.view(torch.float8_e4m3fn), 1.0))
+    zero = (s == 0).repeat_interleave(8, dim=1)  # 8 bytes (16 codes) per group
+    assert bool((w2[zero] == 0).all()) and torch.equal(w2[~zero], w[~zero])
+    for byte in (0x81, 0x7F, 0xFF):
+        bad = s.clone()
+        bad[2, 9] = byte
+        with pytest.raises(ValueError, match=r"weight_scale: expected finite E4M3 scales >= 0.*\(2, 9\)"):
+            prepare_nvfp4_weight(w, bad.view(torch.float8_e4m3fn), torch.ones(1), layout="tiled128")
 
 
 @pytest.mark.parametrize("k", [16, 80, 128, 1392])
@@ -324,6 +345,8 @@ def _emulate_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
             regs[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF
         elif op == "shr.b32":
             regs[d] = val(a[0]) >> val(a[1])
+        elif op == "add.u32":
+            regs[d] = (val(a[0]) + val(a[1])) & 0xFFFFFFFF
         elif op == "prmt.b32":
             src = val(a[0]) | (val(a[1]) << 32)
             out = 0
@@ -436,26 +459,25 @@ def test_gemv_scale_pair_asm_emulated_on_every_e4m3_pair(kind: str):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_tiled_word_decoder_emulated_on_every_byte(kind: str):
-    """The tiled layout's decoders (bf16: two shifts and two logic ops per pair, then a multiply by s * 2^119;
-    fp16: one byte permute back to split128 order, then the table decoder) on words whose bytes are stored
-    in the order (0, 2, 1, 3): every byte value in every position, both signs, subnormal and large scales.
-    bf16 gives e2m1 * s * 2^-7 (the kernel multiplies by 2^7 = SHIFT_OUT_SCALE), fp16 e2m1 * s."""
+    """The tiled layout's shift decoders (per pair: shifts of the whole word, a mask, a merge; then a multiply
+    by s * 2^119 in bf16 or s * 2^7 in fp16) on words packed by tiled_word: every byte value in every
+    position, both signs, subnormal and large scales. Both give e2m1 * s * 2^-7 (the kernel multiplies by
+    2^7 = SHIFT_OUT_SCALE): the e = 0 codes pass through bf16 / fp16 subnormals, so a flush would fail."""
     gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
     from k3run.formats import e2m1_decode
+    from k3run.kernels.nvfp4_gemm import tiled_word
 
     dt = torch.bfloat16 if kind == "bf16" else torch.float16
     asm = gemv.tiled_word_decode_asm(kind)
-    factor = 2.0**119 if kind == "bf16" else 1.0
-    unit = 1.0 / gemv.SHIFT_OUT_SCALE if kind == "bf16" else 1.0
-    tables = {f"${6 + i}": v for i, v in enumerate(gemv.decode_table_words(kind)[:4])}
+    factor = 2.0**119 if kind == "bf16" else 2.0**7
+    unit = 1.0 / gemv.SHIFT_OUT_SCALE
     for s_lo, s_hi in [(0.375, 448.0), (2.0**-9, 3.0), (0.0, 1.0)]:
         sbits = (
             torch.tensor([s_lo * factor, s_hi * factor], dtype=dt).view(torch.int16).to(torch.int32) & 0xFFFF
         )
         for word in range(256):
             b = [(word + 37 * i) % 256 for i in range(4)]  # logical split128 bytes
-            stored = b[0] | b[2] << 8 | b[1] << 16 | b[3] << 24
-            regs = _emulate_ptx(asm, {"$4": stored, "$5": int(sbits[0]) | int(sbits[1]) << 16, **tables})
+            regs = _emulate_ptx(asm, {"$4": tiled_word(b), "$5": int(sbits[0]) | int(sbits[1]) << 16})
             out = [regs[f"${i}"] for i in range(4)]
             halves = (
                 torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16).view(dt)
@@ -466,17 +488,19 @@ def test_tiled_word_decoder_emulated_on_every_byte(kind: str):
             assert torch.equal(halves[2:].reshape(4).float(), hi), (kind, b, s_hi)
 
 
-def test_shift_decoder_scale_asm_emulated_on_every_e4m3_pair():
-    """The tiled bf16 scale PTX gives exactly s * 2^119 (bf16) for every finite non-negative E4M3 pair."""
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_shift_decoder_scale_asm_emulated_on_every_e4m3_pair(kind: str):
+    """The tiled scale PTX (cvt to f16x2, then an exponent add) gives exactly s * 2^119 (bf16) / s * 2^7
+    (fp16) for every pair of finite positive E4M3 scales, each byte in its own half (a zero scale gives a
+    nonzero factor: tile_split128 zeroes those groups' codes, tested above)."""
     gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
-    c112, c119 = gemv.decode_table_words("bf16")[4:6]
-    want = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * 2.0**119
-    for lo in range(127):
-        for hi in range(0, 127, 5) if lo % 7 else range(127):
-            out = _emulate_ptx(gemv._SCALE_ASM_SHIFT, {"$1": lo, "$2": hi, "$3": c112, "$4": c119})["$0"]
-            halves = (
-                torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32)
-                .to(torch.int16)
-                .view(torch.bfloat16)
-            )
-            assert halves.float().tolist() == [want[lo].item(), want[hi].item()], (lo, hi)
+    dt = torch.bfloat16 if kind == "bf16" else torch.float16
+    asm = gemv._SCALE_ASM_SHIFT if kind == "bf16" else gemv._SCALE_ASM_SHIFT_FP16
+    factor = 2.0**119 if kind == "bf16" else 2.0**7
+    want = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * factor
+    assert torch.equal(want.to(dt).float(), want)
+    for lo in range(1, 127):
+        for hi in range(1, 127, 5) if lo % 7 else range(1, 127):
+            out = _emulate_ptx(asm, {"$1": lo, "$2": hi})["$0"]
+            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt)
+            assert halves.float().tolist() == [want[lo].item(), want[hi].item()], (kind, lo, hi)

@@ -358,11 +358,19 @@ class FusedExperts(nn.Module):
         gs2 = s.g2_alphas * (s.g1_scale_c if self.activation.kind == "situ" else 1.0)
         self._kernel_scales = (gs13.float().contiguous(), gs2.float().reshape(-1, 1).contiguous())
         if self.w13_weight.is_cuda and not self._split128:
-            from k3run.kernels.nvfp4_gemm import default_cuda_layout, repack_split128, tile_split128
+            from k3run.kernels.nvfp4_gemm import (
+                check_scale_bytes,
+                default_cuda_layout,
+                repack_split128,
+                tile_split128,
+            )
 
             # K is a multiple of 128 and N (2I or D) of 16, so the kernel layouts have the checkpoint layout's
             # shape: repack in place
             self._tiled = default_cuda_layout(self.w13_weight.device) == "tiled128"
+            if self._tiled:  # before anything is repacked: the tiled decoder needs finite scales >= 0
+                check_scale_bytes(self.w13_weight_scale.data, f"{self.prefix}.w13_weight_scale")
+                check_scale_bytes(self.w2_weight_scale.data, f"{self.prefix}.w2_weight_scale")
             for w, sc in ((self.w13_weight, self.w13_weight_scale), (self.w2_weight, self.w2_weight_scale)):
                 for e in range(self.num_local):
                     packed, bits = repack_split128(w.data[e], sc.data[e])

@@ -523,7 +523,10 @@ class NvFp4Scheme:
                 [ws2[p].expand(layout.sizes[p]) for p in range(len(layout.sizes))]
             ).contiguous()
         # kernel layout, prepared once (on CPU it aliases the checkpoint tensors)
-        layer.nvfp4_weight = prepare_nvfp4_weight(layer.weight, layer.weight_scale, global_scale)
+        try:
+            layer.nvfp4_weight = prepare_nvfp4_weight(layer.weight, layer.weight_scale, global_scale)
+        except ValueError as e:  # name the layer (the kernel layout checks the block scales)
+            raise ValueError(f"{layer.prefix}: {e}") from None
         layer.nvfp4_act_groups = self._activation_groups(layer)
         layer.nvfp4_fp8 = None
 

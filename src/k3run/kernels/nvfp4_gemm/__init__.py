@@ -31,20 +31,81 @@ def repack_split128(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[t
     return packed, scale
 
 
+# The tiled128 word: the 8 nibbles of 4 split128 bytes b0..b3 (n0..n3 = the low nibbles of b0..b3, n4..n7 the
+# high ones) form 4 output pairs of the decode kernel: pair j = (n[2j], n[2j+1]) -> the low and high 16-bit
+# half of one mma operand register. TILED_PAIR_BITS[j] = (sign bit, lowest magnitude bit) of n[2j] in the
+# stored word; n[2j+1] sits 16 bits higher. The decoder (gluon_gemv.shift_decode_asm) moves each sign to bit
+# 15 and each 3-bit magnitude to bits 8..6 (bf16) or 11..9 (fp16) of its half: pair 0 is in place for bf16
+# (one AND), pair 1 needs one shift for both (sign - magnitude = 9, as in bf16), pairs 2 and 3 two shifts.
+# No placement does better: 4 pairs with the bf16 spacing cannot tile the 16 bits of a half (checked by
+# enumeration, bench/NOTES.md "v6").
+TILED_PAIR_BITS = ((15, 6), (9, 0), (10, 3), (11, 12))
+
+
+def tiled_word(b: list[int]) -> int:
+    """The stored tiled128 word of split128 bytes b[0..3] (the scalar form of tile_split128's packing)."""
+    out = 0
+    for j, (xs, ys) in enumerate(TILED_PAIR_BITS):
+        for h in range(2):
+            nib = (b[(2 * j + h) % 4] >> (4 * (j >= 2))) & 0xF
+            out |= (nib >> 3) << (xs + 16 * h) | (nib & 7) << (ys + 16 * h)
+    return out
+
+
+def _pack_words(b: torch.Tensor) -> torch.Tensor:
+    """split128 bytes [..., 4] (uint8) -> stored tiled128 words [...] (int64 holding 32 bits)."""
+    b = b.to(torch.int64)
+    out = torch.zeros(b.shape[:-1], dtype=torch.int64, device=b.device)
+    for j, (xs, ys) in enumerate(TILED_PAIR_BITS):
+        for h in range(2):
+            nib = (b[..., (2 * j + h) % 4] >> (4 * (j >= 2))) & 0xF
+            out |= (nib >> 3) << (xs + 16 * h) | (nib & 7) << (ys + 16 * h)
+    return out
+
+
+def _unpack_words(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of _pack_words: words [...] (int64) -> split128 bytes [..., 4] (uint8)."""
+    nib = []
+    for xs, ys in TILED_PAIR_BITS:
+        for h in range(2):
+            nib.append(((q >> (xs + 16 * h)) & 1) << 3 | ((q >> (ys + 16 * h)) & 7))
+    # n[2j + h]: bytes b_i = n_i | n_{4 + i} << 4
+    return torch.stack([nib[i] | nib[4 + i] << 4 for i in range(4)], dim=-1).to(torch.uint8)
+
+
+def check_scale_bytes(scale_u8: torch.Tensor, what: str = "weight_scale") -> None:
+    """NVFP4 block scales are finite, non-negative E4M3 (what the format and ModelOpt write): the tiled128
+    decoder builds the scale's bits by an exponent add that a sign bit or NaN would corrupt."""
+    b = scale_u8.view(torch.uint8)
+    bad = ((b & 0x80) != 0) & (b != 0x80) | ((b & 0x7F) == 0x7F)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"nvfp4 {what}: expected finite E4M3 scales >= 0, found {int(bad.sum())} negative or NaN "
+            f"(first at {idx}: byte 0x{int(b[idx]):02x})"
+        )
+
+
 def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the same data stored tile by tile: rows
-    padded with zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes (each 4-byte word's
-    bytes in the order 0, 2, 1, 3) and [.., 16, 8] scales, returned as [N_pad, K_pad/2] and [N_pad, K_pad/16]
-    tensors. A 1-warp program's K tiles are then consecutive 1 KB blocks (split128 rows are 64-byte pieces
-    K_pad/2 bytes apart)."""
+    """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the tiled128 layout: rows padded with
+    zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes and [.., 16, 8] scales, returned as
+    [N_pad, K_pad/2] and [N_pad, K_pad/16] tensors. A 1-warp program's K tiles are consecutive 1 KB blocks
+    (split128 rows are 64-byte pieces K_pad/2 bytes apart), and each 4-byte word's 32 bits are placed for the
+    shift decoder (TILED_PAIR_BITS). The codes of groups whose scale is 0 are stored as 0 (their weights are
+    0 either way; the decoder's scale, built by an exponent add, is not 0 there). Scales must be finite and
+    >= 0 (check_scale_bytes)."""
+    check_scale_bytes(scale_u8)
     n, half = weight.shape
     n_pad = -(-n // 16) * 16
     ch = half // 64
     w = torch.zeros((n_pad, half), dtype=torch.uint8, device=weight.device)
     s = torch.zeros((n_pad, half // 8), dtype=torch.uint8, device=weight.device)
     w[:n], s[:n] = weight, scale_u8
-    # bytes (0, 1, 2, 3) of every word stored as (0, 2, 1, 3): the shift decoder's pair order (_SHIFT_ASM)
-    w = w.view(n_pad, half // 4, 2, 2).transpose(2, 3)
+    zero = (s.view(torch.float8_e4m3fn).float() == 0).view(n_pad, ch, 2, 4, 1)  # [.., low/high, group, 1]
+    keep = (~zero[:, :, 0]).to(torch.uint8) * 0x0F | (~zero[:, :, 1]).to(torch.uint8) * 0xF0
+    w = (w.view(n_pad, ch, 4, 16) & keep).view(n_pad, half // 4, 4)
+    words = _pack_words(w).to(torch.int32)  # the low 32 bits (int64 -> int32 wraps)
+    w = words.view(torch.uint8).view(n_pad, half)  # little-endian bytes of each word
     w = w.reshape(n_pad // 16, 16, ch, 64).transpose(1, 2).contiguous().view(n_pad, half)
     s = s.view(n_pad // 16, 16, ch, 8).transpose(1, 2).contiguous().view(n_pad, half // 8)
     return w, s
@@ -56,9 +117,11 @@ def untile_split128(
     """Inverse of tile_split128: the first n rows back in split128 order."""
     n_pad, half = weight.shape
     ch = half // 64
-    w = weight.view(n_pad // 16, ch, 16, 64).transpose(1, 2).reshape(n_pad, half // 4, 2, 2).transpose(2, 3)
+    w = weight.view(n_pad // 16, ch, 16, 64).transpose(1, 2).reshape(n_pad, half).contiguous()
+    q = w.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    w = _unpack_words(q).reshape(n_pad, half)
     s = scale_u8.view(n_pad // 16, ch, 16, 8).transpose(1, 2).reshape(n_pad, half // 8)
-    return w.reshape(n_pad, half)[:n].contiguous(), s[:n].contiguous()
+    return w[:n].contiguous(), s[:n].contiguous()
 
 
 def unpack_split128(
@@ -377,6 +440,8 @@ __all__ = [
     "prepare_nvfp4_weight",
     "repack_split128",
     "tile_split128",
+    "tiled_word",
+    "check_scale_bytes",
     "untile_split128",
     "unpack_split128",
 ]

@@ -37,7 +37,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from k3run.kernels.nvfp4_gemm import CHUNK, tile_split128, untile_split128  # noqa: F401 (re-exported)
+from k3run.kernels.nvfp4_gemm import (  # noqa: F401 (re-exported)
+    CHUNK,
+    TILED_PAIR_BITS,
+    tile_split128,
+    untile_split128,
+)
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
@@ -123,45 +128,46 @@ def decode_tables(device: torch.device, kind: str) -> torch.Tensor:
 _ASM_BF16 = gl.constexpr(word_decode_asm("bf16"))
 _ASM_FP16 = gl.constexpr(word_decode_asm("fp16"))
 
-# The tiled layout (tile_split128) stores each word's bytes in the order (0, 2, 1, 3), so the two nibbles of
-# every output pair sit at the same offset of the word's two 16-bit halves: (k0, k1) at bits 0-3 / 16-19,
-# (k64, k65) at 4-7 / 20-23, (k2, k3) at 8-11 / 24-27, (k66, k67) at 12-15 / 28-31. Each pair is then two
-# shifts and two logic ops: the sign to bit 15 of its half, the 3 magnitude bits to bits 8..6 - the bf16
-# bits of e2m1 * 2^-126 (the e = 0 codes land as bf16 subnormals with the same factor) - and one packed
-# multiply by the scale times 2^119 (`_SCALE_ASM_SHIFT`) gives e2m1 * s * 2^-7 exactly (<= 6 significant
-# bits, in the normal range); the kernel multiplies the output by 2^7. 10 integer-pipe instructions per 8
-# weights instead of 14 (the byte-permute tables), the multiplies unchanged.
-_SHIFT_ASM = """
-{
-.reg .b32 a, b, sl, sh;
-.reg .b16 s0, s1;
-shl.b32 a, $4, 12;
-shl.b32 b, $4, 6;
-and.b32 b, b, 0x01C001C0;
-lop3.b32 $0, a, 0x80008000, b, 0xEA;
-shl.b32 a, $4, 4;
-shr.b32 b, $4, 2;
-and.b32 b, b, 0x01C001C0;
-lop3.b32 $1, a, 0x80008000, b, 0xEA;
-shl.b32 a, $4, 8;
-shl.b32 b, $4, 2;
-and.b32 b, b, 0x01C001C0;
-lop3.b32 $2, a, 0x80008000, b, 0xEA;
-shr.b32 b, $4, 6;
-and.b32 b, b, 0x01C001C0;
-lop3.b32 $3, $4, 0x80008000, b, 0xEA;
-"""
-_SHIFT_ASM += _SCALE_PAIRS.replace("TY", "bf16x2")
-SHIFT_OUT_SCALE = 128.0  # the shift decoder's weights are e2m1 * s * 2^-7
+# The tiled layout (tile_split128) places the 32 bits of each word for this decoder (TILED_PAIR_BITS): every
+# output pair's two signs and two 3-bit magnitudes sit at the same offsets of the word's two 16-bit halves, so
+# shifts of the whole word and masks move both at once. The sign goes to bit 15 of its half and the magnitude
+# to bits 8..6 (bf16: the bits of e2m1 * 2^-126, the e = 0 codes as bf16 subnormals with the same factor) or
+# 11..9 (fp16: e2m1 * 2^-14); one packed multiply by the scale times 2^119 (bf16) or 2^7 (fp16), built by the
+# scale asm below, gives e2m1 * s * 2^-7 exactly (<= 6 significant bits; no underflow: the smallest nonzero
+# product is 2^-17); the kernel multiplies the output by 2^7 (SHIFT_OUT_SCALE). bf16: 11 integer
+# instructions per 8 weights (7 on the ALU pipe, 4 shifts as IMAD on the FMA pipe), was 15 (v5) and 14 + 4
+# constant moves (the byte-permute tables).
+SHIFT_OUT_SCALE = 128.0  # the shift decoders' weights are e2m1 * s * 2^-7
+
+
+def shift_decode_asm(kind: str) -> str:
+    """The PTX decoding one tiled128 word ($4) with the scale pair $5 into 4 packed pairs $0..$3."""
+    target = 6 if kind == "bf16" else 9  # lowest magnitude bit of the 16-bit float
+    mag_mask = 0x00070007 << target
+    lines = [".reg .b32 a, b, sl, sh;", ".reg .b16 s0, s1;"]
+    for j, (xs, ys) in enumerate(TILED_PAIR_BITS):
+        ds, dm = 15 - xs, target - ys  # left shifts of the sign and of the magnitude
+        if ds == dm:  # one shift moves both (the bf16 spacing)
+            src = "$4"
+            if ds:
+                lines.append(f"shl.b32 a, $4, {ds};")
+                src = "a"
+            lines.append(f"and.b32 ${j}, {src}, 0x{0x80008000 | mag_mask:08X};")
+            continue
+        sign = "$4"
+        if ds:
+            lines.append(f"shl.b32 a, $4, {ds};")
+            sign = "a"
+        lines.append(f"shl.b32 b, $4, {dm};" if dm > 0 else f"shr.b32 b, $4, {-dm};")
+        lines.append(f"and.b32 b, b, 0x{mag_mask:08X};")
+        lines.append(f"lop3.b32 ${j}, {sign}, 0x80008000, b, 0xEA;")  # (sign & 0x80008000) | b
+    ty = "bf16x2" if kind == "bf16" else "f16x2"
+    return "\n{\n" + "\n".join(lines) + "\n" + _SCALE_PAIRS.replace("TY", ty)
 
 
 def tiled_word_decode_asm(kind: str) -> str:
-    """The decoder for a word of the tiled layout: the shift decoder for bf16; for fp16 the byte-permute table
-    decoder after one permute that puts the bytes back in split128 order."""
-    if kind == "bf16":
-        return _SHIFT_ASM
-    body = word_decode_asm(kind).replace("$4", "wq").replace(".reg .b32 ", ".reg .b32 wq, ", 1)
-    return body.replace("mov.b32 th0,", "prmt.b32 wq, $4, $4, 0x3120;\nmov.b32 th0,", 1)
+    """The decoder of one tiled128 word for kind "bf16" or "fp16" (shift_decode_asm)."""
+    return shift_decode_asm(kind)
 
 
 _TILED_ASM_BF16 = gl.constexpr(tiled_word_decode_asm("bf16"))
@@ -254,9 +260,14 @@ cvt.rn.f16x2.e4m3x2 $0, lo;
 _SCALE_ASM_BF16 = _SCALE_ASM.replace(
     "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nshr.b32 t, t, 3;\nmul.rn.bf16x2 $0, t, $3;"
 )  # $3: (2^112, 2^112) as bf16 bits (decode_table_words)
-# the shift decoder's scale: s * 2^119 (exact: E4M3 values times 2^119 stay normal in bf16); $4 = 2^119
-_SCALE_ASM_SHIFT = _SCALE_ASM_BF16.replace(
-    "mul.rn.bf16x2 $0, t, $3;", "mul.rn.bf16x2 t, t, $3;\nmul.rn.bf16x2 $0, t, $4;"
+# the shift decoders' scales, s * 2^119 (bf16) / s * 2^7 (fp16), by an exponent add: E4M3 values are normal in
+# f16 (and, >> 3, in bf16 times 2^-112), at most 448 (exponent + 231 <= 254 in bf16, + 7 <= 30 in f16). A zero
+# scale becomes 2^104 / 2^-8, not 0: tile_split128 stores the codes of such groups as 0.
+_SCALE_ASM_SHIFT = _SCALE_ASM.replace(
+    "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nshr.b32 t, t, 3;\nadd.u32 $0, t, 0x73807380;"
+)
+_SCALE_ASM_SHIFT_FP16 = _SCALE_ASM.replace(
+    "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nadd.u32 $0, t, 0x1C001C00;"
 )
 
 
@@ -300,6 +311,24 @@ def _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.cons
         x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok & (k_start + kt + kx < K), other=0.0)
         x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=t_ok & (k_start + kt + kx + 64 < K), other=0.0)
     return x_lo, x_hi
+
+
+@gluon.jit
+def _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr):
+    """_x_tile with the token index already clamped into x: masked only past K."""
+    if K == K_PAD:
+        x_lo = gl.load(x_ptr + x_off + kt)
+        x_hi = gl.load(x_ptr + x_off + (kt + 64))
+    else:
+        x_lo = gl.load(x_ptr + x_off + kt, mask=k_start + kt + kx < K, other=0.0)
+        x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=k_start + kt + kx + 64 < K, other=0.0)
+    return x_lo, x_hi
+
+
+@gluon.jit
+def _gdc(ASM: gl.constexpr):
+    """A grid-dependency-control instruction (programmatic dependent launch, sm_90+)."""
+    gl.inline_asm_elementwise(ASM + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -517,13 +546,45 @@ def _issue_tile(
 
 
 @gluon.jit
+def _async_step(
+    acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
+    K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
+    HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
+    ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
+    DT: gl.constexpr,
+):  # fmt: skip
+    """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead, decode,
+    two mma."""
+    kt = i * BK
+    x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
+    async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
+    _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
+    nxt = i + STAGES - 1
+    _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
+                N_TILES, BK, TILED)  # fmt: skip
+    slot = i % STAGES
+    p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
+    sw = smem_s.index(slot)
+    s_lo = sw.slice(0, 4, 1).load(L_G)
+    s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
+    s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
+    if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
+        a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
+        acc = mma_v2(a_lo, x_lo, acc)
+        acc2 = mma_v2(a_hi, x_hi, acc2)
+    else:
+        acc = _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
+    return acc, acc2
+
+
+@gluon.jit
 def _nvfp4_gemv_async_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, tab_ptr, M, N, stride_xm, stride_ym,
     K: gl.constexpr, K_PAD: gl.constexpr, SPLIT_K: gl.constexpr, PER_COL_GS: gl.constexpr,
     HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
-    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr,
+    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -570,34 +631,23 @@ def _nvfp4_gemv_async_kernel(
     t = gl.arange(0, BT, layout=gl.SliceLayout(0, LB))
     kx = gl.expand_dims(j, 1)  # [HALF, 1]
     t2 = gl.expand_dims(t, 0)  # [1, BT]
-    x_off = t2.to(gl.int64) * stride_xm + k_start + kx
-    t_ok = (t2 < M) & (kx >= 0)
+    # token columns >= M re-read row M - 1 (never stored): no token mask, no zero-fill of the B operand
+    x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
 
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
+    if PDL:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
+        _gdc("griddepcontrol.wait;")
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
     for i in range(N_TILES):
-        kt = i * BK
-        x_lo, x_hi = _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD)
-        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
-        _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
-        nxt = i + STAGES - 1
-        _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
-                    N_TILES, BK, TILED)  # fmt: skip
-        slot = i % STAGES
-        p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
-        sw = smem_s.index(slot)
-        s_lo = sw.slice(0, 4, 1).load(L_G)
-        s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
-        s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
-        if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
-            a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
-            acc = mma_v2(a_lo, x_lo, acc)
-            acc2 = mma_v2(a_hi, x_hi, acc2)
-        else:
-            acc = _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
+        acc, acc2 = _async_step(
+            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT,
+        )  # fmt: skip
+    if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
+        _gdc("griddepcontrol.launch_dependents;")
     async_copy.wait_group(0)
     if ACC2:
         acc += acc2
@@ -691,6 +741,7 @@ def nvfp4_gemv(
     tiled: bool = False,
     rows: int | None = None,
     acc2: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -703,12 +754,23 @@ def nvfp4_gemv(
     stages >= 2: the cp.async kernel instead (block_k 128, `stages` - 1 tiles in flight through shared memory;
     depth is ignored). tiled: weight / scale_u8 are in the `tile_split128` layout (cp.async kernel only),
     whose rows are padded to 16; rows: the real row count N then.
+    pdl (cp.async kernel): programmatic dependent launch. The launch may start while the previous kernel on
+    the stream drains: its programs stage their first weight tile, then wait (griddepcontrol.wait) for the
+    previous kernel to finish before reading x or writing anything; and once every program of this launch has
+    left its K loop, the next launch may start (its prologue overlaps this one's split-K reduction). Weights,
+    scales and tables are read before the wait, so they must not be written by the kernel just before. None:
+    on where supported (sm_90+); bench/RESULTS.md run 21: 1.0-1.1 us less per back-to-back launch at M = 1.
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
     n = _check(x, weight, scale_u8, global_scale, x.shape[-1], None if tiled else bias)
     # sm_89+: cvt.f16x2.e4m3x2 converts a run's two scale bytes in one instruction
-    sm89 = bool(stages) and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    cap = torch.cuda.get_device_capability(x.device)
+    sm89 = bool(stages) and cap >= (8, 9)
+    if pdl is None:
+        pdl = bool(stages) and cap >= (9, 0)
+    elif pdl and (not stages or cap < (9, 0)):
+        raise ValueError("nvfp4_gemv: pdl needs the cp.async kernel (stages >= 2) on sm_90+")
     if tiled:
         if not stages:
             raise ValueError("nvfp4_gemv: the tiled layout needs the cp.async kernel (stages >= 2)")
@@ -753,7 +815,7 @@ def nvfp4_gemv(
         bf16 = x.dtype == torch.bfloat16
         if tiled:
             asm = _TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16
-            scale_asm, out_scale = (_SCALE_ASM_SHIFT, SHIFT_OUT_SCALE) if bf16 else (_SCALE_ASM, 1.0)
+            scale_asm, out_scale = (_SCALE_ASM_SHIFT if bf16 else _SCALE_ASM_SHIFT_FP16), SHIFT_OUT_SCALE
         else:
             asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
             scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
@@ -762,8 +824,8 @@ def nvfp4_gemv(
             K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
             ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
-            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale,
-            num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt],
+            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl,
+            num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
         )  # fmt: skip
         return y
     mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)

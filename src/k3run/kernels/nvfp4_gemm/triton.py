@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from k3run.kernels.fp8_gemm.triton import grouped_tile
-from k3run.kernels.nvfp4_gemm import CHUNK
+from k3run.kernels.nvfp4_gemm import CHUNK, TILED_PAIR_BITS
 
 # fp16 bits (sign << 15 | mag << 9) read the 3-bit E2M1 magnitude as exponent/mantissa bits; the value is
 # the E2M1 value times 2^-14, subnormals included (0.5 -> 2^-15), so 2^14 is folded into the group scale.
@@ -277,7 +277,7 @@ def _nvfp4_dequant_kernel(
 ):
     """One program: BN rows x one 128-wide chunk of the split128 layout -> the dense [N, K] weight.
     TILED: the weight is in the tiled128 order (tile_split128: 16-row blocks of 64-byte chunk rows, each
-    4-byte word's bytes stored as 0, 2, 1, 3)."""
+    4-byte word's bits placed for the shift decoder, TILED_PAIR_BITS)."""
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -288,8 +288,9 @@ def _nvfp4_dequant_kernel(
     byte = (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]  # [1, 4, 16] position in the 64-byte chunk
     if TILED:
         tile = (rows // 16) * (K_PAD // 128) + c
-        stored = (byte & ~3) | ((byte & 1) << 1) | ((byte >> 1) & 1)
-        p = tl.load(w_ptr + tile * 1024 + (rows % 16) * 64 + stored, mask=mask_n[:, None, None], other=0)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        q = tl.load(w32 + tile * 256 + (rows % 16) * 16 + byte // 4, mask=mask_n[:, None, None], other=0)
+        p = _untile_byte(q.to(tl.uint32, bitcast=True), byte % 4)
         s_base = s_ptr + tile * 128 + (rows % 16) * 8 + offs_g[None, :, None]
     else:
         p = tl.load(w_ptr + rows * (K_PAD // 2) + c * 64 + byte, mask=mask_n[:, None, None], other=0)
@@ -305,6 +306,32 @@ def _nvfp4_dequant_kernel(
     out = out_ptr + rows * K + k
     tl.store(out, (w_lo * gs).to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None] & (k < K))
     tl.store(out + 64, (w_hi * gs).to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None] & (k + 64 < K))
+
+
+_PAIR_S0 = tl.constexpr(TILED_PAIR_BITS[0][0])
+_PAIR_M0 = tl.constexpr(TILED_PAIR_BITS[0][1])
+_PAIR_S1 = tl.constexpr(TILED_PAIR_BITS[1][0])
+_PAIR_M1 = tl.constexpr(TILED_PAIR_BITS[1][1])
+_PAIR_S2 = tl.constexpr(TILED_PAIR_BITS[2][0])
+_PAIR_M2 = tl.constexpr(TILED_PAIR_BITS[2][1])
+_PAIR_S3 = tl.constexpr(TILED_PAIR_BITS[3][0])
+_PAIR_M3 = tl.constexpr(TILED_PAIR_BITS[3][1])
+
+
+@triton.jit
+def _nibble(q, sign_bit, mag_bit):
+    return ((q >> sign_bit) & 1) << 3 | ((q >> mag_bit) & 7)
+
+
+@triton.jit
+def _untile_byte(q, i):
+    """Split128 byte i (0..3) of stored tiled128 words q (uint32): its low nibble is n_i = element i % 2 of
+    pair i // 2, its high nibble n_{4+i} = element i % 2 of pair 2 + i // 2 (TILED_PAIR_BITS)."""
+    h = (i % 2) * 16
+    first = i < 2
+    lo = _nibble(q, tl.where(first, _PAIR_S0, _PAIR_S1) + h, tl.where(first, _PAIR_M0, _PAIR_M1) + h)
+    hi = _nibble(q, tl.where(first, _PAIR_S2, _PAIR_S3) + h, tl.where(first, _PAIR_M2, _PAIR_M3) + h)
+    return (lo | (hi << 4)).to(tl.uint8)
 
 
 def largest_divisor(n: int, cap: int) -> int:

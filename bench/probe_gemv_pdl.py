@@ -1,0 +1,155 @@
+"""NVFP4 decode: where do the fixed microseconds of a launch go? (bench/NOTES.md, session 10)
+
+0. An empty kernel (one store per program) back to back in a graph: the launch + dispatch floor.
+1. Fixed cost vs streaming rate: the default launch at N = 7168 over K = 1024 .. 14336 (and N over
+   1792 .. 14336 at K = 7168), M = 1; a least-squares line time = a + bytes / rate.
+2. Variants of the cp.async kernel on the five K3 shapes, M = 1 and 16, against cuBLAS bf16 in the same run:
+   `pdl` (programmatic dependent launch: the next launch may start once every program of this one has
+   left its K loop, and waits for this one to finish before reading x), `w2` / `w4` (2- and 4-warp
+   programs: 2x / 4x fewer programs to dispatch), split_k halved / doubled. Results must match the base
+   launch bit for bit (same split_k) or to fp32 summation order (split_k changed).
+
+Same timing method as bench_gemv.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
+
+    PYTHONPATH=src python bench/probe_gemv_pdl.py [--ncu]   (--ncu: one launch per variant for ncu)
+"""
+
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_linear import BYTES_PER_NVFP4_WEIGHT, NVFP4_SHAPES, copies_for, copy_bandwidth, graph_ms  # noqa: E402
+
+from k3run.formats import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from k3run.kernels.nvfp4_gemm import choose_config, prepare_nvfp4_weight  # noqa: E402
+from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv  # noqa: E402
+
+VARIANTS = {
+    "base": {},  # the default launch (PDL on sm_90+)
+    "nopdl": dict(pdl=False),
+    "pdl": dict(pdl=True),
+    "w2": dict(num_warps=2),
+    "w4": dict(num_warps=4),
+    "sk/2": dict(split_div=2),
+    "sk*2": dict(split_mul=2),
+}
+
+
+@triton.jit
+def _null_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+def null_launch_ms(grid: int, warps: int) -> float:
+    """A kernel that only stores one int per program: the launch + dispatch cost of `grid` programs."""
+    out = torch.empty(grid, dtype=torch.int32, device="cuda")
+    return graph_ms([lambda: _null_kernel[(grid,)](out, num_warps=warps)] * 8, 0.003)
+
+
+def launch(x, p, split_div=1, split_mul=1, **kw):
+    cfg = choose_config(x.shape[0], p.n, p.k)
+    return nvfp4_gemv(
+        x, p.weight, p.scale_bits, p.global_scale, split_k=max(1, cfg.split_k * split_mul // split_div),
+        stages=cfg.smem_stages, tiled=True, rows=p.n, **kw,
+    )  # fmt: skip
+
+
+def weights(n: int, k: int, copies: int):
+    qs = [quantize_nvfp4(torch.randn(n, k, device="cuda")) for _ in range(copies)]
+    pws = [prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2, layout="tiled128") for q in qs]
+    return qs, pws
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = a + b * bytes: (a in us, 1 / b in TB/s)."""
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    b = sum((p[0] - mx) * (p[1] - my) for p in points) / sum((p[0] - mx) ** 2 for p in points)
+    return (my - b * mx) * 1e3, 1 / b / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--sweep", default="nopdl,pdl", help="variants of the fixed-cost sweep ('' skips it)")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    torch.manual_seed(0)
+    if args.ncu:
+        _, (p,) = weights(7168, 7168, 1)
+        x = torch.randn(1, 7168, device="cuda").bfloat16()
+        for name in names:
+            launch(x, p, **VARIANTS[name])
+            torch.cuda.synchronize()
+            print("profiled", name, flush=True)
+        return
+    copy_tbs = copy_bandwidth()
+    print(f"copy bandwidth {copy_tbs:.2f} TB/s", flush=True)
+
+    # ---- 0. what an empty launch costs back to back in a graph
+    for grid, warps in ((132, 1), (3584, 1), (3584, 4), (6144, 1)):
+        t = null_launch_ms(grid, warps)
+        print(f"null kernel grid {grid:5d} x {warps} warps: {t * 1e3:5.2f} us", flush=True)
+
+    # ---- 1. fixed cost vs streaming rate
+    sweep = [(7168, k) for k in (1024, 2048, 4096, 7168, 14336)] + [(n, 7168) for n in (1792, 3584, 14336)]
+    pts: dict[str, list[tuple[float, float]]] = {v: [] for v in args.sweep.split(",") if v}
+    if not pts:
+        sweep = []
+    for n, k in sweep:
+        wbytes = n * k * BYTES_PER_NVFP4_WEIGHT
+        _, pws = weights(n, k, copies_for(wbytes))
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        row = f"sweep {n:>5}x{k:<6} {wbytes / 1e6:6.1f} MB"
+        for v in pts:
+            t = graph_ms([lambda p=p: launch(x, p, **VARIANTS[v]) for p in pws], 0.02)
+            pts[v].append((wbytes, t))
+            row += f" | {v} {t * 1e3:6.2f} us {wbytes / t / 1e9:4.2f} TB/s"
+        print(row, flush=True)
+    for v, p in pts.items():
+        a, rate = fit(p)
+        print(f"fit {v}: fixed {a:5.2f} us + bytes / {rate:4.2f} TB/s", flush=True)
+
+    # ---- 2. variants on the K3 shapes
+    lines = []
+    for n, k in NVFP4_SHAPES:
+        wbytes = n * k * BYTES_PER_NVFP4_WEIGHT
+        qs, pws = weights(n, k, copies_for(wbytes))
+        wbf = [
+            dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.bfloat16)
+            for q in qs[: copies_for(2 * n * k)]
+        ]
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            t_cublas = graph_ms([lambda w=w: F.linear(x, w) for w in wbf], 0.05)
+            ref = launch(x, pws[0])
+            row = f"{n:>5}x{k:<6} M={m:<3} cuBLAS {t_cublas * 1e3:6.2f} us"
+            for name in names:
+                y = launch(x, pws[0], **VARIANTS[name])
+                if "sk" in name:
+                    err = (y.float() - ref.float()).norm() / ref.float().norm()
+                    assert err < 2**-8, f"{name}: {err:.2e} from the base launch"
+                else:
+                    assert torch.equal(y, ref), f"{name}: differs from the base launch"
+                t = graph_ms([lambda p=p: launch(x, p, **VARIANTS[name]) for p in pws], t_cublas / 3)
+                row += f" | {name} {t * 1e3:6.2f} us {wbytes / t / 1e9:4.2f} TB/s {t_cublas / t:4.2f}x"
+            print(row, flush=True)
+            lines.append(row)
+    print(f"\n{torch.cuda.get_device_name()}, copy {copy_tbs:.2f} TB/s; us per call, weight TB/s, x cuBLAS")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
