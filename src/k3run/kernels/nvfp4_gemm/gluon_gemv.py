@@ -22,9 +22,10 @@ Two kernels share the decode, mma and epilogue code:
 - `_nvfp4_gemv_kernel` (register prefetch, split128 weights; `depth` tiles of loads in flight in registers).
 - `_nvfp4_gemv_async_kernel` (the default): 128-wide K tiles of words and scale bytes staged through
   `STAGES` shared-memory slots by cp.async, scale pairs converted by one cvt.f16x2.e4m3x2; on the tiled128
-  layout (tile-contiguous, each word's bytes as 0, 2, 1, 3) bf16 weights are decoded by shifts
-  (`_SHIFT_ASM`: 10 integer-pipe instructions per 8 weights, 64 registers). Measurements and the ncu
-  analysis that led here: bench/NOTES.md "v4" and "v5".
+  layout (tile-contiguous, each word's bits placed by TILED_PAIR_BITS) weights are decoded by shifts and
+  masks (`shift_decode_asm`: 11 integer instructions per 8 weights for bf16) and scales by one exponent add.
+  With `pdl` (the default on sm_90+) consecutive launches overlap (programmatic dependent launch).
+  Measurements and the ncu analysis that led here: bench/NOTES.md "v4" to "v6".
 """
 
 from __future__ import annotations
