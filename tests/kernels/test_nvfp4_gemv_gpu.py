@@ -153,22 +153,3 @@ def test_gemv_pdl_chain_reads_each_previous_output(poison_empty, graph: bool):
             g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-
-
-@pytest.mark.parametrize("m", [1, 9, 17])
-@pytest.mark.parametrize("num_warps, stages", [(1, 2), (2, 3)])
-def test_gemv_x_staged_in_shared_memory_bit_identical(poison_empty, m: int, num_warps: int, stages: int):
-    """xsmem (x copied by cp.async with the weights, token rows clamped, zeros past K) gives the same bits as
-    x loaded from global memory: N = 520, K = 3600 (a partial last K tile), bias."""
-    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv
-
-    n, k = 520, 3600
-    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
-    p = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    bias = torch.randn(n, device="cuda").bfloat16()
-    kw = dict(num_warps=num_warps, split_k=3, stages=stages, tiled=True, rows=n)
-    want = nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, bias, **kw)
-    got = nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, bias, xsmem=True, **kw)
-    assert torch.equal(want, got)
-    assert_close("xsmem", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), got, rtol=BF16_RTOL)

@@ -532,17 +532,10 @@ def _nvfp4_gemv_kernel(
 @gluon.jit
 def _issue_tile(
     smem_w, smem_s, w_src, s_src, ok_w, ok_s, tile, N_TILES: gl.constexpr, BK: gl.constexpr,
-    TILED: gl.constexpr, smem_x=None, x_src=None, kxc=None, k_start=0, XSMEM: gl.constexpr = False,
-    K: gl.constexpr = 0, K_PAD: gl.constexpr = 0,
+    TILED: gl.constexpr,
 ):  # fmt: skip
-    """cp.async the words and scale bytes of K tile `tile` into one pipeline slot (zeros past the end); with
-    XSMEM also the x tile [BT, 128] (token rows clamped into x, zeros past K)."""
+    """cp.async the words and scale bytes of K tile `tile` into one pipeline slot (zeros past the end)."""
     more = tile < N_TILES
-    if XSMEM:
-        if K == K_PAD:
-            _async_load(smem_x, x_src + tile * BK, mask=(kxc >= 0) & more)
-        else:
-            _async_load(smem_x, x_src + tile * BK, mask=(k_start + tile * BK + kxc < K) & more)
     if TILED:  # consecutive K tiles of a 16-row block are consecutive 1 KB + 128 B blocks
         _async_load(smem_w, w_src + tile * 256, mask=ok_w & more)
         _async_load(smem_s, s_src + tile * 128, mask=ok_s & more)
@@ -555,8 +548,7 @@ def _issue_tile(
 
 @gluon.jit
 def _async_step(
-    acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, smem_x, x_src,
-    kxc, XSMEM: gl.constexpr, LB: gl.constexpr,
+    acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
     K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
@@ -565,19 +557,13 @@ def _async_step(
     """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead, decode,
     two mma."""
     kt = i * BK
-    if not XSMEM:
-        x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
+    x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
     async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
     _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
     nxt = i + STAGES - 1
-    nslot = nxt % STAGES
-    _issue_tile(smem_w.index(nslot), smem_s.index(nslot), w_src, s_src, ok_w, ok_s, nxt, N_TILES, BK, TILED,
-                smem_x.index(nslot), x_src, kxc, k_start, XSMEM, K, K_PAD)  # fmt: skip
+    _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
+                N_TILES, BK, TILED)  # fmt: skip
     slot = i % STAGES
-    if XSMEM:  # the B operands from the staged x tile [BT, 128]: low nibbles' k 0..63, high 64..127
-        xs = smem_x.index(slot)
-        x_lo = xs.slice(0, 64, 1).permute([1, 0]).load(LB)
-        x_hi = xs.slice(64, 64, 1).permute([1, 0]).load(LB)
     p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
     sw = smem_s.index(slot)
     s_lo = sw.slice(0, 4, 1).load(L_G)
@@ -599,8 +585,7 @@ def _nvfp4_gemv_async_kernel(
     HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
-    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, XSMEM: gl.constexpr = False,
-    NO_REDUCE: gl.constexpr = False,
+    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -650,26 +635,17 @@ def _nvfp4_gemv_async_kernel(
     # token columns >= M re-read row M - 1 (never stored): no token mask, no zero-fill of the B operand
     x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
-    # x staged with the weights (XSMEM): [BT, 128] per slot, 16-byte copies, 16-byte chunks swizzled by row
-    LCX: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    tx = gl.arange(0, BT, layout=gl.SliceLayout(1, LCX))
-    kxc = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, LCX)), 0)
-    x_src = x_ptr + (gl.expand_dims(gl.minimum(tx, M - 1).to(gl.int64) * stride_xm, 1) + k_start + kxc)
-    X_SHAPE: gl.constexpr = [STAGES, BT, 128] if XSMEM else [1, 1, 8]  # (unused without XSMEM)
-    smem_x = gl.allocate_shared_memory(DT, X_SHAPE, gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
 
     for st in gl.static_range(STAGES - 1):
-        _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED,
-                    smem_x.index(st), x_src, kxc, k_start, XSMEM, K, K_PAD)  # fmt: skip
+        _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
     if PDL:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
         _gdc("griddepcontrol.wait;")
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
     for i in range(N_TILES):
         acc, acc2 = _async_step(
-            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, smem_x,
-            x_src, kxc, XSMEM, LB, K, K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA,
-            LW4, L_G, DT,
+            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT,
         )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
@@ -679,13 +655,8 @@ def _nvfp4_gemv_async_kernel(
     if OUT_SCALE != 1.0:
         acc = acc * OUT_SCALE
 
-    if NO_REDUCE:  # measurement only (wrong result): the partials stored, no split-K handshake
-        n2 = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)
-        te = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, MMA)), 0)
-        gl.store(ws_ptr + (pid_k * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te, acc, mask=te < M)
-    else:
-        _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K,
-                  PER_COL_GS, HAS_BIAS, BN, BT, MMA)  # fmt: skip
+    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
+              HAS_BIAS, BN, BT, MMA)  # fmt: skip
 
 
 @gluon.jit
@@ -772,8 +743,6 @@ def nvfp4_gemv(
     rows: int | None = None,
     acc2: bool = False,
     pdl: bool | None = None,
-    xsmem: bool = False,
-    _no_reduce: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -856,7 +825,7 @@ def nvfp4_gemv(
             K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
             ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
-            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, XSMEM=xsmem, NO_REDUCE=_no_reduce,
+            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl,
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
         )  # fmt: skip
         return y
