@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 def _compile(
     num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
-    stages: int = 0, tiled: bool = False, pdl: bool = False, persist: bool = False,
+    stages: int = 0, tiled: bool = False, pdl: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -39,7 +39,6 @@ def _compile(
         out_scale = gemv.SHIFT_OUT_SCALE if tiled and dtype == "bf16" else 1.0
         consts.update(STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw)
         consts.update(LCS=lcs, SMEM=smem, TILED=tiled, ACC2=False, OUT_SCALE=out_scale, PDL=pdl)
-        consts.update(PERSIST=persist)
     else:
         kernel = gemv._nvfp4_gemv_kernel
         mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)

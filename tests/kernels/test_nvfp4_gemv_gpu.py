@@ -153,22 +153,3 @@ def test_gemv_pdl_chain_reads_each_previous_output(poison_empty, graph: bool):
             g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-
-
-@pytest.mark.parametrize("m", [1, 9, 17])
-@pytest.mark.parametrize("persist", [2, 3])
-def test_gemv_persistent_programs_bit_identical(poison_empty, m: int, persist: int):
-    """persist (each program walks several (row block, K split) items) gives the same bits as one program per
-    item: N = 520, K = 3600, split_k 3 (item counts that do not divide evenly), bias, per-row scales."""
-    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv
-
-    n, k = 520, 3600
-    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
-    p = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    bias = torch.randn(n, device="cuda").bfloat16()
-    kw = dict(split_k=3, stages=2, tiled=True, rows=n)
-    want = nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, bias, **kw)
-    for _ in range(2):  # the split-K counters must be left at zero for the next launch
-        got = nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, bias, persist=persist, **kw)
-        assert torch.equal(want, got)

@@ -525,8 +525,8 @@ def _nvfp4_gemv_kernel(
                     w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + (DEPTH + 2) * BK, K_SPLIT
                 )
 
-    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, gl.num_programs(0),
-              SPLIT_K, PER_COL_GS, HAS_BIAS, BN, BT, MMA)  # fmt: skip
+    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
+              HAS_BIAS, BN, BT, MMA)  # fmt: skip
 
 
 @gluon.jit
@@ -585,51 +585,20 @@ def _nvfp4_gemv_async_kernel(
     HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
-    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, PERSIST: gl.constexpr = False,
+    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
     keeps one tile in flight; deeper register rings cost occupancy)."""
-    tab = _load_tables(tab_ptr)
-    smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
-    smem_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SMEM)
-    if PERSIST:  # a fixed grid walks the (row block, K split) items: fewer programs to dispatch
-        grid_n = gl.cdiv(N, BN)
-        total = grid_n * SPLIT_K
-        nprog = gl.num_programs(0)
-        for item in range(gl.program_id(0), total, nprog):
-            _async_item(
-                item % grid_n, item // grid_n, grid_n, item + nprog >= total, x_ptr, w_ptr, s_ptr, gs_ptr,
-                b_ptr, y_ptr, ws_ptr, cnt_ptr, tab, smem_w, smem_s, M, N, stride_xm, stride_ym, K, K_PAD,
-                SPLIT_K, PER_COL_GS, HAS_BIAS, EVEN_N, BN, BT, STAGES, ASM, SCALE_ASM, MMA, LA, LW4, LB, LCW,
-                LCS, TILED, ACC2, OUT_SCALE, PDL,
-            )  # fmt: skip
-    else:
-        _async_item(
-            gl.program_id(0), gl.program_id(1), gl.num_programs(0), True, x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr,
-            y_ptr, ws_ptr, cnt_ptr, tab, smem_w, smem_s, M, N, stride_xm, stride_ym, K, K_PAD, SPLIT_K,
-            PER_COL_GS, HAS_BIAS, EVEN_N, BN, BT, STAGES, ASM, SCALE_ASM, MMA, LA, LW4, LB, LCW, LCS, TILED,
-            ACC2, OUT_SCALE, PDL,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _async_item(
-    pid_n, pid_k, grid_n, last, x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, tab, smem_w,
-    smem_s, M, N, stride_xm, stride_ym, K: gl.constexpr, K_PAD: gl.constexpr, SPLIT_K: gl.constexpr,
-    PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr,
-    BT: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr,
-    LA: gl.constexpr, LW4: gl.constexpr, LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr,
-    TILED: gl.constexpr, ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr,
-):  # fmt: skip
-    """One (row block, K split) item of the cp.async kernel: the pipeline over its K tiles, then the
-    epilogue (last: this program has no later item, so the next launch may be released after its K loop)."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
     N_TILES: gl.constexpr = K_SPLIT // BK
     DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
     k_start = pid_k * K_SPLIT
+    tab = _load_tables(tab_ptr)
 
     # ---- copy sources: words [BN, 16] (16-byte cp.async per thread) and scale bytes [BN, 8] (4 bytes)
     rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCW))
@@ -655,6 +624,8 @@ def _async_item(
     else:
         ok_w = (rw2 < N) & (gl.expand_dims(cw, 0) >= 0)
         ok_s = (rs2 < N) & (gl.expand_dims(cs, 0) >= 0)
+    smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
+    smem_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SMEM)
 
     # ---- B side [HALF, BT]: x columns of the low nibbles (the high nibbles' are 64 further)
     j = gl.arange(0, HALF, layout=gl.SliceLayout(1, LB))
@@ -665,7 +636,6 @@ def _async_item(
     x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
 
-    _cta_barrier()  # (persistent programs) every lane is done with the previous item's slots
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
     if PDL:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
@@ -678,21 +648,20 @@ def _async_item(
             N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT,
         )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
-        if last:
-            _gdc("griddepcontrol.launch_dependents;")
+        _gdc("griddepcontrol.launch_dependents;")
     async_copy.wait_group(0)
     if ACC2:
         acc += acc2
     if OUT_SCALE != 1.0:
         acc = acc * OUT_SCALE
 
-    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, grid_n, SPLIT_K,
-              PER_COL_GS, HAS_BIAS, BN, BT, MMA)  # fmt: skip
+    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
+              HAS_BIAS, BN, BT, MMA)  # fmt: skip
 
 
 @gluon.jit
 def _epilogue(
-    acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, grid_n, SPLIT_K: gl.constexpr,
+    acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K: gl.constexpr,
     PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, MMA: gl.constexpr,
 ):  # fmt: skip
     """acc[n, t] -> y[t, n]; with split-K the last program of the row block to arrive sums the partials."""
@@ -702,14 +671,14 @@ def _epilogue(
     te = gl.expand_dims(t_idx, 0)
     out_ok = (n2 < N) & (te < M)
     if SPLIT_K > 1:
-        ws_off = (pid_k * (grid_n * BN) + n2).to(gl.int64) * BT + te
+        ws_off = (pid_k * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
         gl.store(ws_ptr + ws_off, acc, mask=te < M)  # only the real tokens' partials travel
         _cta_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
             for sk in gl.static_range(SPLIT_K):
-                part_off = (sk * (grid_n * BN) + n2).to(gl.int64) * BT + te
+                part_off = (sk * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
                 acc += gl.load(ws_ptr + part_off, mask=te < M, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, te, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
@@ -774,7 +743,6 @@ def nvfp4_gemv(
     rows: int | None = None,
     acc2: bool = False,
     pdl: bool | None = None,
-    persist: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -852,15 +820,12 @@ def nvfp4_gemv(
         else:
             asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
             scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
-        grid = (grid_n, split_k)
-        if persist:  # each program walks `persist` of the grid_n * split_k items
-            grid = (triton.cdiv(grid_n * split_k, persist), 1)
-        _nvfp4_gemv_async_kernel[grid](
+        _nvfp4_gemv_async_kernel[(grid_n, split_k)](
             *common, y, ws, cnt, tab, m, n, x.stride(0), y.stride(0),
             K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
             ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
-            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, PERSIST=bool(persist),
+            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl,
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
         )  # fmt: skip
         return y
