@@ -83,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--ms", default="1,16", help="token counts, e.g. 1,16")
     ap.add_argument("--sweep", default="nopdl,pdl", help="variants of the fixed-cost sweep ('' skips it)")
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -131,7 +132,7 @@ def main() -> None:
             dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.bfloat16)
             for q in qs[: copies_for(2 * n * k)]
         ]
-        for m in (1, 16):
+        for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda").bfloat16()
             t_cublas = graph_ms([lambda w=w: F.linear(x, w) for w in wbf], 0.05)
             ref = launch(x, pws[0])

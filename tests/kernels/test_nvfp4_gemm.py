@@ -126,7 +126,7 @@ def test_tiled128_prepare_round_trip(n: int, k: int):
     """tiled128 pads rows to 16 (zeros), keeps N in `rows`, pads a per-row global scale with ones, stores each
     tile contiguously with each word's bits placed for the shift decoder (TILED_PAIR_BITS), and
     checkpoint_tensors gives the inputs back (nonzero scales: zero-scale groups are the next test)."""
-    from k3run.kernels.nvfp4_gemm import tiled_word
+    from k3run.kernels.nvfp4_gemm import TILED_SCALE_ORDER, tiled_word
 
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     s = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -145,7 +145,8 @@ def test_tiled128_prepare_round_trip(n: int, k: int):
     stored = pw.weight.view(-1)[tile * 1024 + (r % 16) * 64 + 4 * word :][:4].tolist()
     logical = split[r, c * 64 + 4 * word :][:4].tolist()
     assert sum(v << (8 * i) for i, v in enumerate(stored)) == tiled_word(logical)
-    assert torch.equal(pw.scale_bits.view(-1)[tile * 128 + (r % 16) * 8 :][:8], sbits[r, c * 8 : c * 8 + 8])
+    order = [c * 8 + g for g in TILED_SCALE_ORDER]  # (low 0, high 0, low 2, high 2, low 1, high 1, ...)
+    assert torch.equal(pw.scale_bits.view(-1)[tile * 128 + (r % 16) * 8 :][:8], sbits[r, order])
     x = torch.randn(3, k)  # the CPU path reads it through checkpoint_tensors
     assert_close("tiled128 cpu", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, pw), rtol=FP32_RTOL)
 
@@ -490,17 +491,23 @@ def test_tiled_word_decoder_emulated_on_every_byte(kind: str):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_shift_decoder_scale_asm_emulated_on_every_e4m3_pair(kind: str):
-    """The tiled scale PTX (cvt to f16x2, then an exponent add) gives exactly s * 2^119 (bf16) / s * 2^7
-    (fp16) for every pair of finite positive E4M3 scales, each byte in its own half (a zero scale gives a
-    nonzero factor: tile_split128 zeroes those groups' codes, tested above)."""
+    """The tiled scale PTX (one word of 4 E4M3 bytes in TILED_SCALE_ORDER -> the pairs of two groups: cvt to
+    f16x2, then an exponent add) gives exactly s * 2^119 (bf16) / s * 2^7 (fp16) for every pair of finite
+    positive E4M3 scales in both halves of the word (a zero scale gives a nonzero factor: tile_split128
+    zeroes those groups' codes, tested above)."""
     gemv = pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
     dt = torch.bfloat16 if kind == "bf16" else torch.float16
-    asm = gemv._SCALE_ASM_SHIFT if kind == "bf16" else gemv._SCALE_ASM_SHIFT_FP16
+    asm = gemv._SCALE_WORD_ASM_BF16 if kind == "bf16" else gemv._SCALE_WORD_ASM_FP16
     factor = 2.0**119 if kind == "bf16" else 2.0**7
     want = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * factor
     assert torch.equal(want.to(dt).float(), want)
+
+    def halves(word: int) -> list[float]:
+        return torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(dt).tolist()
+
     for lo in range(1, 127):
         for hi in range(1, 127, 5) if lo % 7 else range(1, 127):
-            out = _emulate_ptx(asm, {"$1": lo, "$2": hi})["$0"]
-            halves = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt)
-            assert halves.float().tolist() == [want[lo].item(), want[hi].item()], (kind, lo, hi)
+            lo2, hi2 = 127 - lo, 1 + (hi * 37) % 126  # the other group of the word
+            out = _emulate_ptx(asm, {"$2": lo | hi << 8 | lo2 << 16 | hi2 << 24})
+            assert halves(out["$0"]) == [want[lo].item(), want[hi].item()], (kind, lo, hi)
+            assert halves(out["$1"]) == [want[lo2].item(), want[hi2].item()], (kind, lo2, hi2)

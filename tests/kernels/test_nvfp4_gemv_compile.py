@@ -33,19 +33,28 @@ def _compile(
         mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt)
         if tiled:
             asm = gemv.tiled_word_decode_asm(dtype)
-            scale_asm = gemv._SCALE_ASM_SHIFT if dtype == "bf16" else gemv._SCALE_ASM
+            scale_asm = gemv._SCALE_WORD_ASM_BF16 if dtype == "bf16" else gemv._SCALE_WORD_ASM_FP16
         else:
             scale_asm = gemv._SCALE_ASM_BF16 if dtype == "bf16" else gemv._SCALE_ASM
-        out_scale = gemv.SHIFT_OUT_SCALE if tiled and dtype == "bf16" else 1.0
+        out_scale = gemv.SHIFT_OUT_SCALE if tiled else 1.0
         consts.update(STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw)
-        consts.update(LCS=lcs, SMEM=smem, TILED=tiled, ACC2=False, OUT_SCALE=out_scale, PDL=pdl)
+        consts.update(
+            LCS=lcs,
+            SMEM=smem,
+            TILED=tiled,
+            ACC2=False,
+            OUT_SCALE=out_scale,
+            PDL=pdl,
+            LSW=gemv.scale_word_layout(num_warps, bt),
+        )
     else:
         kernel = gemv._nvfp4_gemv_kernel
         mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
         consts.update(BK=block_k, DEPTH=depth, MMA=mma, LA=la, LW=lw, LB=lb)
     ptrs = dict(
-        x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
-        ws_ptr="*fp32", cnt_ptr="*i32", tab_ptr="*i32", M="i32", N="i32", stride_xm="i32", stride_ym="i32",
+        x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32" if tiled else "*u8", gs_ptr="*fp32",
+        b_ptr=f"*{dtype}", y_ptr=f"*{dtype}", ws_ptr="*fp32", cnt_ptr="*i32", tab_ptr="*i32", M="i32",
+        N="i32", stride_xm="i32", stride_ym="i32",
     )  # fmt: skip
     order = list(inspect.signature(kernel.fn).parameters)
     sig = {name: ("constexpr" if name in consts else ptrs[name]) for name in order}

@@ -40,6 +40,10 @@ def repack_split128(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[t
 # No placement does better: 4 pairs with the bf16 spacing cannot tile the 16 bits of a half (checked by
 # enumeration, bench/NOTES.md "v6").
 TILED_PAIR_BITS = ((15, 6), (9, 0), (10, 3), (11, 12))
+# The 8 scale bytes of a row's 128-wide chunk (groups 0..3 of the low nibbles, 4..7 of the high ones) are
+# stored in the order TILED_SCALE_ORDER: the decode kernel's lane for groups {g, g + 2} (g = 0 or 1) reads one
+# 32-bit word at byte 4g, (low g, high g, low g + 2, high g + 2): two cvt.f16x2.e4m3x2 operands as they are.
+TILED_SCALE_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 
 def tiled_word(b: list[int]) -> int:
@@ -88,7 +92,8 @@ def check_scale_bytes(scale_u8: torch.Tensor, what: str = "weight_scale") -> Non
 
 def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the tiled128 layout: rows padded with
-    zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes and [.., 16, 8] scales, returned as
+    zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes and [.., 16, 8] scales (in
+    TILED_SCALE_ORDER), returned as
     [N_pad, K_pad/2] and [N_pad, K_pad/16] tensors. A 1-warp program's K tiles are consecutive 1 KB blocks
     (split128 rows are 64-byte pieces K_pad/2 bytes apart), and each 4-byte word's 32 bits are placed for the
     shift decoder (TILED_PAIR_BITS). The codes of groups whose scale is 0 are stored as 0 (their weights are
@@ -107,7 +112,8 @@ def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.T
     words = _pack_words(w).to(torch.int32)  # the low 32 bits (int64 -> int32 wraps)
     w = words.view(torch.uint8).view(n_pad, half)  # little-endian bytes of each word
     w = w.reshape(n_pad // 16, 16, ch, 64).transpose(1, 2).contiguous().view(n_pad, half)
-    s = s.view(n_pad // 16, 16, ch, 8).transpose(1, 2).contiguous().view(n_pad, half // 8)
+    s = s.view(n_pad, ch, 8)[:, :, list(TILED_SCALE_ORDER)]
+    s = s.reshape(n_pad // 16, 16, ch, 8).transpose(1, 2).contiguous().view(n_pad, half // 8)
     return w, s
 
 
@@ -120,7 +126,9 @@ def untile_split128(
     w = weight.view(n_pad // 16, ch, 16, 64).transpose(1, 2).reshape(n_pad, half).contiguous()
     q = w.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     w = _unpack_words(q).reshape(n_pad, half)
-    s = scale_u8.view(n_pad // 16, ch, 16, 8).transpose(1, 2).reshape(n_pad, half // 8)
+    s = scale_u8.view(n_pad // 16, ch, 16, 8).transpose(1, 2).reshape(n_pad, ch, 8)
+    inverse = [TILED_SCALE_ORDER.index(g) for g in range(8)]
+    s = s[:, :, inverse].reshape(n_pad, half // 8)
     return w[:n].contiguous(), s[:n].contiguous()
 
 

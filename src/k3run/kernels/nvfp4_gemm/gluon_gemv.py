@@ -246,6 +246,25 @@ def async_layouts(num_warps: int, block_t: int):
     return mma, a, w4, b, lcw, lcs, smem
 
 
+@functools.cache
+def scale_word_layout(num_warps: int, block_t: int) -> gl.DistributedLinearLayout:
+    """The tiled128 scale words [BN, 2] (TILED_SCALE_ORDER): word j of a row = the scale pairs of groups j and
+    j + 2, held by the lanes that hold those groups in the [BN, 4] scale layout of the words (whose register
+    basis for group + 2 is dropped here: the two groups come out of one word)."""
+    bn = 16 * num_warps
+    _, _, w4, _, _, _, _ = async_layouts(num_warps, block_t)
+    lg = _linear_bases(gl.SliceLayout(2, gl.SliceLayout(3, w4)), (bn, 4))
+    if [0, 2] not in lg.reg_bases or any(c in (2, 3) for _, c in lg.lane_bases + lg.warp_bases):
+        raise RuntimeError(f"nvfp4_gemv: unexpected scale layout {lg} (Triton version change?)")
+    return gl.DistributedLinearLayout(
+        reg_bases=[bs for bs in lg.reg_bases if bs != [0, 2]],
+        lane_bases=lg.lane_bases,
+        warp_bases=lg.warp_bases,
+        block_bases=[],
+        shape=[bn, 2],
+    )
+
+
 # (sm_89+) a run's two E4M3 scale bytes -> f16x2 in one cvt; bf16: the f16 bits >> 3 are the same values
 # times 2^-112 as bf16 (E4M3 values are positive, normal in f16, with 7 zero low mantissa bits), and one
 # exact multiply by 2^112 restores them
@@ -263,13 +282,32 @@ _SCALE_ASM_BF16 = _SCALE_ASM.replace(
 )  # $3: (2^112, 2^112) as bf16 bits (decode_table_words)
 # the shift decoders' scales, s * 2^119 (bf16) / s * 2^7 (fp16), by an exponent add: E4M3 values are normal in
 # f16 (and, >> 3, in bf16 times 2^-112), at most 448 (exponent + 231 <= 254 in bf16, + 7 <= 30 in f16). A zero
-# scale becomes 2^104 / 2^-8, not 0: tile_split128 stores the codes of such groups as 0.
-_SCALE_ASM_SHIFT = _SCALE_ASM.replace(
-    "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nshr.b32 t, t, 3;\nadd.u32 $0, t, 0x73807380;"
-)
-_SCALE_ASM_SHIFT_FP16 = _SCALE_ASM.replace(
-    "cvt.rn.f16x2.e4m3x2 $0, lo;", "cvt.rn.f16x2.e4m3x2 t, lo;\nadd.u32 $0, t, 0x1C001C00;"
-)
+# scale becomes 2^104 / 2^-8, not 0: tile_split128 stores the codes of such groups as 0. One tiled128 scale
+# word ($2: low g, high g, low g + 2, high g + 2; TILED_SCALE_ORDER) gives the pairs of groups g and g + 2.
+_SCALE_WORD_ASM_BF16 = """
+{
+.reg .b32 t;
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 t, lo;
+shr.b32 t, t, 3;
+add.u32 $0, t, 0x73807380;
+cvt.rn.f16x2.e4m3x2 t, hi;
+shr.b32 t, t, 3;
+add.u32 $1, t, 0x73807380;
+}
+"""
+_SCALE_WORD_ASM_FP16 = """
+{
+.reg .b32 t;
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 t, lo;
+add.u32 $0, t, 0x1C001C00;
+cvt.rn.f16x2.e4m3x2 t, hi;
+add.u32 $1, t, 0x1C001C00;
+}
+"""
 
 
 @gluon.jit
@@ -532,13 +570,14 @@ def _nvfp4_gemv_kernel(
 @gluon.jit
 def _issue_tile(
     smem_w, smem_s, w_src, s_src, ok_w, ok_s, tile, N_TILES: gl.constexpr, BK: gl.constexpr,
-    TILED: gl.constexpr,
+    TILED: gl.constexpr, IN_RANGE: gl.constexpr = False,
 ):  # fmt: skip
-    """cp.async the words and scale bytes of K tile `tile` into one pipeline slot (zeros past the end)."""
-    more = tile < N_TILES
-    if TILED:  # consecutive K tiles of a 16-row block are consecutive 1 KB + 128 B blocks
+    """cp.async the words and scale bytes of K tile `tile` into one pipeline slot (zeros past the end;
+    IN_RANGE: the caller knows tile < N_TILES)."""
+    more = True if IN_RANGE else tile < N_TILES
+    if TILED:  # consecutive K tiles of a 16-row block are consecutive 1 KB + 128 B blocks (int32 pointers)
         _async_load(smem_w, w_src + tile * 256, mask=ok_w & more)
-        _async_load(smem_s, s_src + tile * 128, mask=ok_s & more)
+        _async_load(smem_s, s_src + tile * 32, mask=ok_s & more)
     else:
         kt = tile * BK
         _async_load(smem_w, w_src + kt // 8, mask=ok_w & more)
@@ -552,22 +591,35 @@ def _async_step(
     K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
-    DT: gl.constexpr,
+    DT: gl.constexpr, SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
 ):  # fmt: skip
-    """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead, decode,
-    two mma."""
+    """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
+    the caller's loop only runs while that tile exists), decode, two mma."""
     kt = i * BK
     x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
-    async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
+    if ISSUE:
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
+    else:
+        async_copy.wait_group(0)  # no newer group follows: all of this thread's copies
     _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
-    nxt = i + STAGES - 1
-    _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
-                N_TILES, BK, TILED)  # fmt: skip
+    if ISSUE:
+        nxt = i + STAGES - 1
+        _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
+                    N_TILES, BK, TILED, True)  # fmt: skip
     slot = i % STAGES
     p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
     sw = smem_s.index(slot)
-    s_lo = sw.slice(0, 4, 1).load(L_G)
-    s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
+    if TILED:  # one word per row and lane: the pairs of groups j and j + 2 (TILED_SCALE_ORDER)
+        s_w = sw.load(LSW)
+        s_a, s_b = gl.inline_asm_elementwise(
+            asm=SCALE_ASM, constraints="=r,=r,r", args=[s_w.to(gl.uint32, bitcast=True)],
+            dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1,
+        )  # fmt: skip
+        s_pair = gl.reshape(gl.permute(gl.join(s_a, s_b), [0, 2, 1]), [BN, 4])  # group = 2 * (b) + j
+        s_pair = gl.convert_layout(s_pair, L_G, assert_trivial=True)
+    else:
+        s_lo = sw.slice(0, 4, 1).load(L_G)
+        s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
     s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
     if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
         a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
@@ -585,7 +637,7 @@ def _nvfp4_gemv_async_kernel(
     HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
-    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False,
+    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -610,22 +662,25 @@ def _nvfp4_gemv_async_kernel(
         w_src = w_ptr + (w_row * 16 + gl.expand_dims(cw, 0))
     else:
         w_src = w_ptr + (rw2.to(gl.int64) * (K_PAD // 8) + k_start // 8 + gl.expand_dims(cw, 0))
-    rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS))
-    cs = gl.arange(0, 8, layout=gl.SliceLayout(0, LCS))
+    # scales: tiled128 as int32 words [BN, 2] (s_ptr is an int32 pointer there), split128 as bytes [BN, 8]
+    LCS_: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [gl.num_warps(), 1], [1, 0]) if TILED else LCS
+    SW: gl.constexpr = 2 if TILED else 8
+    rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS_))
+    cs = gl.arange(0, SW, layout=gl.SliceLayout(0, LCS_))
     rs2 = gl.expand_dims(rs, 1)
-    if TILED:  # [rows / 16, K_PAD / 128, 16 rows, 8 scales]
+    if TILED:  # [rows / 16, K_PAD / 128, 16 rows, 2 words of 4 scales]
         s_row = ((rs2 // 16).to(gl.int64) * CH + k_start // 128) * 16 + rs2 % 16
-        s_src = s_ptr + (s_row * 8 + gl.expand_dims(cs, 0))
+        s_src = s_ptr + (s_row * 2 + gl.expand_dims(cs, 0))
     else:
         s_src = s_ptr + (rs2.to(gl.int64) * (K_PAD // 16) + k_start // 16 + gl.expand_dims(cs, 0))
     if EVEN_N:
         ok_w = gl.full([BN, 16], 1, gl.int1, layout=LCW)
-        ok_s = gl.full([BN, 8], 1, gl.int1, layout=LCS)
+        ok_s = gl.full([BN, SW], 1, gl.int1, layout=LCS_)
     else:
         ok_w = (rw2 < N) & (gl.expand_dims(cw, 0) >= 0)
         ok_s = (rs2 < N) & (gl.expand_dims(cs, 0) >= 0)
     smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
-    smem_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SMEM)
+    smem_s = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BN, SW], SMEM)
 
     # ---- B side [HALF, BT]: x columns of the low nibbles (the high nibbles' are 64 further)
     j = gl.arange(0, HALF, layout=gl.SliceLayout(1, LB))
@@ -642,10 +697,17 @@ def _nvfp4_gemv_async_kernel(
         _gdc("griddepcontrol.wait;")
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
-    for i in range(N_TILES):
+    # the loop is split where the refills stop, so neither part tests whether a tile exists
+    MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
+    for i in range(MAIN):
         acc, acc2 = _async_step(
             acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
-            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
+        )  # fmt: skip
+    for i in range(MAIN, N_TILES):
+        acc, acc2 = _async_step(
+            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
         )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
@@ -810,13 +872,14 @@ def nvfp4_gemv(
     else:
         ws = cnt = y
     tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
-    common = (x, weight.view(torch.int32), scale_u8, global_scale, bias if bias is not None else global_scale)
+    scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
+    common = (x, weight.view(torch.int32), scales, global_scale, bias if bias is not None else global_scale)
     if stages:
         mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
         bf16 = x.dtype == torch.bfloat16
         if tiled:
             asm = _TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16
-            scale_asm, out_scale = (_SCALE_ASM_SHIFT if bf16 else _SCALE_ASM_SHIFT_FP16), SHIFT_OUT_SCALE
+            scale_asm, out_scale = (_SCALE_WORD_ASM_BF16 if bf16 else _SCALE_WORD_ASM_FP16), SHIFT_OUT_SCALE
         else:
             asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
             scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
@@ -825,7 +888,7 @@ def nvfp4_gemv(
             K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
             ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
-            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl,
+            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
         )  # fmt: skip
         return y

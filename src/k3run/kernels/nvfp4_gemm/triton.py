@@ -291,12 +291,14 @@ def _nvfp4_dequant_kernel(
         w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         q = tl.load(w32 + tile * 256 + (rows % 16) * 16 + byte // 4, mask=mask_n[:, None, None], other=0)
         p = _untile_byte(q.to(tl.uint32, bitcast=True), byte % 4)
-        s_base = s_ptr + tile * 128 + (rows % 16) * 8 + offs_g[None, :, None]
+        # TILED_SCALE_ORDER: low group g at byte 4 (g % 2) + 2 (g // 2), its high group one byte later
+        g = offs_g[None, :, None]
+        s_base = s_ptr + tile * 128 + (rows % 16) * 8 + (g % 2) * 4 + (g // 2) * 2
     else:
         p = tl.load(w_ptr + rows * (K_PAD // 2) + c * 64 + byte, mask=mask_n[:, None, None], other=0)
         s_base = s_ptr + rows * (K_PAD // 16) + c * 8 + offs_g[None, :, None]
     s_lo = tl.load(s_base, mask=mask_n[:, None, None], other=0)
-    s_hi = tl.load(s_base + 4, mask=mask_n[:, None, None], other=0)
+    s_hi = tl.load(s_base + (1 if TILED else 4), mask=mask_n[:, None, None], other=0)
     w_lo, w_hi = _decode_split(p, s_lo, s_hi, tl.float32, 0)
     if PER_COL_GS:
         gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)[:, None, None]
