@@ -233,15 +233,20 @@ def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
 
 def test_choose_config_covers_decode_and_prefill():
     """M <= 32: the Gluon decode kernel's cp.async variant (1-warp programs, 2 stages; split_k 8 for M <= 8,
-    ~1800 programs for M <= 16, 2 or 4 for M <= 32); larger M: dequantize + cuBLAS (H200 measurements:
-    bench/RESULTS.md)."""
+    ~1800 programs for M <= 16, 2 or 4 for M <= 64); 33..64 on large matrices too; larger M: dequantize +
+    cuBLAS (H200 measurements: bench/RESULTS.md)."""
     cases = [(1, 7168, 8), (8, 12288, 8), (16, 7168, 4), (16, 12288, 2), (9, 3072, 8), (16, 200_000, 1)]
     cases += [(17, 7168, 2), (32, 12288, 2), (24, 3584, 4), (32, 3072, 4)]
     for m, n, split_k in cases:
         cfg = choose_config(m, n, 7168)
         got = (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages)
         assert got == (True, 1, 128, split_k, 2), (m, n, got)
-    assert choose_config(33, 7168, 7168).dequant_mm and not choose_config(33, 7168, 7168).gemv
+    # 33..64 rows: two launches of the 32-row tile on large matrices, dequantize + cuBLAS on small ones
+    for m, n, k, split_k in [(33, 7168, 7168, 2), (64, 12288, 7168, 2), (64, 3072, 12288, 4)]:
+        cfg = choose_config(m, n, k)
+        assert (cfg.gemv, cfg.split_k, cfg.smem_stages) == (True, split_k, 2), (m, n, k, cfg)
+    assert choose_config(64, 3072, 3584).dequant_mm and not choose_config(64, 3072, 3584).gemv
+    assert choose_config(65, 7168, 7168).dequant_mm
     assert choose_config(4096, 7168, 7168).dequant_mm
 
 

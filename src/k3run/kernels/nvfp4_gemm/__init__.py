@@ -309,9 +309,12 @@ def gemv_available() -> bool:
 # the Triton tile kernel's decode launch (runs 2-3), used where the Gluon kernel cannot run
 TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
 # rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (run 15:
-# 2.0-2.8x faster than dequantize + cuBLAS at M = 24 / 32; run 9: 0.77-1.24x at M = 48 / 64)
+# 2.0-2.8x faster than dequantize + cuBLAS at M = 24 / 32); 33..64 rows (two launches) only on matrices of at
+# least GEMV_PAIR_MIN_WEIGHTS weights (run 27 at M = 64: 1.27x / 1.61x faster than dequantize + cuBLAS on
+# 7168^2 / 12288x7168, 0.94x on 3072x3584; the threshold sits between the measured sizes)
 GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
+GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
 
 
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
@@ -322,11 +325,12 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
     it) by M: 8 for M <= 8, ~1800 programs (1800 * 16 / N, clamped to 1..8) for M <= 16, and 2 (N > 4096)
     or 4 for M <= 32. Each was the best or within 3% of the best of split_k 2/4/8 on the five K3 shapes in
     run 15 (split128) and within 1% of split_k 4-32 on tiled128 in run 18 except 12288x7168 at M = 16 (6%),
-    and the kernel beat the register-prefetch one at every M measured (1.0-1.4x). Larger M:
-    dequantize to bf16 + cuBLAS, which beat every fused tile configuration tried at M = 64 and 4096 (the
-    Triton kernel stays available through an explicit GemmConfig).
+    and the kernel beat the register-prefetch one at every M measured (1.0-1.4x). M = 33..64 on matrices of
+    at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches (32 + the rest). Larger M, and
+    33..64 on smaller matrices: dequantize to bf16 + cuBLAS (the Triton kernel stays available through an
+    explicit GemmConfig).
     """
-    if m <= 32:
+    if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
         if m <= 8:
             split_k = 8
         elif m <= 16:
