@@ -108,10 +108,10 @@ def word_decode_asm(kind: str) -> str:
 
 
 def decode_table_words(kind: str) -> list[int]:
-    """Operands $6..$9 of word_decode_asm(kind), then the bf16 bits of (2^112, 2^112) and (2^119, 2^119) for
-    the scale asm."""
+    """Operands $6..$9 of word_decode_asm(kind), then the bf16 bits of (2^112, 2^112) for the split128 bf16
+    scale asm."""
     (hb0, hb1), (lb0, lb1) = PRMT_TABLES[kind]
-    return [hb0, hb1, lb0, lb1, 0x77807780, 0x7B007B00]
+    return [hb0, hb1, lb0, lb1, 0x77807780]
 
 
 _TABLES: dict[tuple[torch.device, str], torch.Tensor] = {}
@@ -371,7 +371,7 @@ def _gdc(ASM: gl.constexpr):
 
 
 @gluon.jit
-def _scale_pair(s_lo, s_hi, c112, c119, DT: gl.constexpr, SCALE_ASM: gl.constexpr):
+def _scale_pair(s_lo, s_hi, c112, DT: gl.constexpr, SCALE_ASM: gl.constexpr):
     """E4M3 scale bytes of a run's low / high nibbles -> one word: (low scale, high scale) as DT bits."""
     if SCALE_ASM == "":
         sl = s_lo.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT).to(gl.uint16, bitcast=True)
@@ -380,8 +380,8 @@ def _scale_pair(s_lo, s_hi, c112, c119, DT: gl.constexpr, SCALE_ASM: gl.constexp
     else:
         return gl.inline_asm_elementwise(
             asm=SCALE_ASM,
-            constraints="=r,r,r,r,r",
-            args=[s_lo.to(gl.uint32), s_hi.to(gl.uint32), c112, c119],
+            constraints="=r,r,r,r",
+            args=[s_lo.to(gl.uint32), s_hi.to(gl.uint32), c112],
             dtype=gl.uint32,
             is_pure=True,
             pack=1,
@@ -393,7 +393,7 @@ def _load_tables(tab_ptr):
     """decode_table_words, loaded once per program so they stay in registers (as immediates, ptxas
     re-materialised them before every use)."""
     return (gl.load(tab_ptr), gl.load(tab_ptr + 1), gl.load(tab_ptr + 2), gl.load(tab_ptr + 3),
-            gl.load(tab_ptr + 4), gl.load(tab_ptr + 5))  # fmt: skip
+            gl.load(tab_ptr + 4))  # fmt: skip
 
 
 @gluon.jit
@@ -437,7 +437,7 @@ def _tile(
 ):  # fmt: skip
     """acc += decode(tile) @ x(tile): two mma_v2 over the low- and high-nibble halves."""
     x_lo, x_hi = _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD)
-    s_pair = gl.expand_dims(_scale_pair(s_lo, s_hi, tab[4], tab[5], DT, ""), 2)
+    s_pair = gl.expand_dims(_scale_pair(s_lo, s_hi, tab[4], DT, ""), 2)
     return _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
 
 
@@ -619,7 +619,7 @@ def _async_step(
         s_pair = gl.convert_layout(s_pair, L_G, assert_trivial=True)
     else:
         s_lo = sw.slice(0, 4, 1).load(L_G)
-        s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], tab[5], DT, SCALE_ASM)
+        s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], DT, SCALE_ASM)
     s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
     if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
         a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
