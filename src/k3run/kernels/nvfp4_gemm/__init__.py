@@ -34,9 +34,9 @@ def repack_split128(weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[t
 # The tiled128 word: the 8 nibbles of 4 split128 bytes b0..b3 (n0..n3 = the low nibbles of b0..b3, n4..n7 the
 # high ones) form 4 output pairs of the decode kernel: pair j = (n[2j], n[2j+1]) -> the low and high 16-bit
 # half of one mma operand register. TILED_PAIR_BITS[j] = (sign bit, lowest magnitude bit) of n[2j] in the
-# stored word; n[2j+1] sits 16 bits higher. The decoder (gluon_gemv.shift_decode_asm) moves each sign to bit
-# 15 and each 3-bit magnitude to bits 8..6 (bf16) or 11..9 (fp16) of its half: pair 0 is in place for bf16
-# (one AND), pair 1 needs one shift for both (sign - magnitude = 9, as in bf16), pairs 2 and 3 two shifts.
+# stored word; n[2j+1] sits 16 bits higher. The decoder (gluon_gemv.tiled_word_decode_asm) moves each sign
+# to bit 15 and each 3-bit magnitude to bits 8..6 (bf16) or 11..9 (fp16) of its half: pair 0 is in place for
+# bf16 (one AND), pair 1 needs one shift for both (sign - magnitude = 9 as in bf16), pairs 2 and 3 two shifts.
 # No placement does better: 4 pairs with the bf16 spacing cannot tile the 16 bits of a half (checked by
 # enumeration, bench/NOTES.md "v6").
 TILED_PAIR_BITS = ((15, 6), (9, 0), (10, 3), (11, 12))

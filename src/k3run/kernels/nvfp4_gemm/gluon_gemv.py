@@ -23,8 +23,9 @@ Two kernels share the decode, mma and epilogue code:
 - `_nvfp4_gemv_async_kernel` (the default): 128-wide K tiles of words and scale bytes staged through
   `STAGES` shared-memory slots by cp.async, scale pairs converted by one cvt.f16x2.e4m3x2; on the tiled128
   layout (tile-contiguous, each word's bits placed by TILED_PAIR_BITS) weights are decoded by shifts and
-  masks (`shift_decode_asm`: 11 integer instructions per 8 weights for bf16) and scales by one exponent add.
-  With `pdl` (the default on sm_90+) consecutive launches overlap (programmatic dependent launch).
+  masks (`tiled_word_decode_asm`: 11 integer instructions per 8 weights for bf16) and scales by one
+  exponent add. With `pdl` (the default on sm_90+) consecutive launches overlap (programmatic dependent
+  launch).
   Measurements and the ncu analysis that led here: bench/NOTES.md "v4" to "v6".
 """
 
@@ -141,8 +142,9 @@ _ASM_FP16 = gl.constexpr(word_decode_asm("fp16"))
 SHIFT_OUT_SCALE = 128.0  # the shift decoders' weights are e2m1 * s * 2^-7
 
 
-def shift_decode_asm(kind: str) -> str:
-    """The PTX decoding one tiled128 word ($4) with the scale pair $5 into 4 packed pairs $0..$3."""
+def tiled_word_decode_asm(kind: str) -> str:
+    """The PTX decoding one tiled128 word ($4) with the scale pair $5 into 4 packed pairs $0..$3, for kind
+    "bf16" or "fp16" (the shift decoder described above)."""
     target = 6 if kind == "bf16" else 9  # lowest magnitude bit of the 16-bit float
     mag_mask = 0x00070007 << target
     lines = [".reg .b32 a, b, sl, sh;", ".reg .b16 s0, s1;"]
@@ -164,11 +166,6 @@ def shift_decode_asm(kind: str) -> str:
         lines.append(f"lop3.b32 ${j}, {sign}, 0x80008000, b, 0xEA;")  # (sign & 0x80008000) | b
     ty = "bf16x2" if kind == "bf16" else "f16x2"
     return "\n{\n" + "\n".join(lines) + "\n" + _SCALE_PAIRS.replace("TY", ty)
-
-
-def tiled_word_decode_asm(kind: str) -> str:
-    """The decoder of one tiled128 word for kind "bf16" or "fp16" (shift_decode_asm)."""
-    return shift_decode_asm(kind)
 
 
 _TILED_ASM_BF16 = gl.constexpr(tiled_word_decode_asm("bf16"))
