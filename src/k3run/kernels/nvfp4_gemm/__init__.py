@@ -47,13 +47,8 @@ TILED_SCALE_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 
 def tiled_word(b: list[int]) -> int:
-    """The stored tiled128 word of split128 bytes b[0..3] (the scalar form of tile_split128's packing)."""
-    out = 0
-    for j, (xs, ys) in enumerate(TILED_PAIR_BITS):
-        for h in range(2):
-            nib = (b[(2 * j + h) % 4] >> (4 * (j >= 2))) & 0xF
-            out |= (nib >> 3) << (xs + 16 * h) | (nib & 7) << (ys + 16 * h)
-    return out
+    """The stored tiled128 word of split128 bytes b[0..3] (one word of tile_split128's packing)."""
+    return int(_pack_words(torch.tensor(b, dtype=torch.uint8)))
 
 
 def _pack_words(b: torch.Tensor) -> torch.Tensor:
@@ -93,12 +88,11 @@ def check_scale_bytes(scale_u8: torch.Tensor, what: str = "weight_scale") -> Non
 def tile_split128(weight: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """split128 bytes [N, K_pad/2] and scale bytes [N, K_pad/16] -> the tiled128 layout: rows padded with
     zeros to a multiple of 16, then [N_pad/16, K_pad/128, 16, 64] bytes and [.., 16, 8] scales (in
-    TILED_SCALE_ORDER), returned as
-    [N_pad, K_pad/2] and [N_pad, K_pad/16] tensors. A 1-warp program's K tiles are consecutive 1 KB blocks
-    (split128 rows are 64-byte pieces K_pad/2 bytes apart), and each 4-byte word's 32 bits are placed for the
-    shift decoder (TILED_PAIR_BITS). The codes of groups whose scale is 0 are stored as 0 (their weights are
-    0 either way; the decoder's scale, built by an exponent add, is not 0 there). Scales must be finite and
-    >= 0 (check_scale_bytes)."""
+    TILED_SCALE_ORDER), returned as [N_pad, K_pad/2] and [N_pad, K_pad/16] tensors. A 1-warp program's K
+    tiles are consecutive 1 KB blocks (split128 rows are 64-byte pieces K_pad/2 bytes apart), and each 4-byte
+    word's 32 bits are placed for the shift decoder (TILED_PAIR_BITS). The codes of groups whose scale is 0
+    are stored as 0 (their weights are 0 either way; the decoder's scale, built by an exponent add, is not 0
+    there). Scales must be finite and >= 0 (check_scale_bytes)."""
     check_scale_bytes(scale_u8)
     n, half = weight.shape
     n_pad = -(-n // 16) * 16
