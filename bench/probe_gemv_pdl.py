@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_linear import BYTES_PER_NVFP4_WEIGHT, NVFP4_SHAPES, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 from k3run.formats import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
-from k3run.kernels.nvfp4_gemm import choose_config, prepare_nvfp4_weight  # noqa: E402
+from k3run.kernels.nvfp4_gemm import choose_config, one_wave_split, prepare_nvfp4_weight  # noqa: E402
 from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv  # noqa: E402
 
+SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
 VARIANTS = {
     "base": {},  # the default launch (PDL on sm_90+)
     "nopdl": dict(pdl=False),
@@ -42,6 +43,28 @@ VARIANTS = {
     "w4": dict(num_warps=4),
     "sk/2": dict(split_div=2),
     "sk*2": dict(split_mul=2),
+    "e1": dict(pdl_early=1),  # PDL: release the next launch 1 / 2 / 3 K tiles before the loop ends
+    "e2": dict(pdl_early=2),
+    "e3": dict(pdl_early=3),
+    "st3": dict(stages=3),
+    "sk/2st3": dict(split_div=2, stages=3),
+    "r80": dict(maxnreg=80),  # M = 16: 80 registers (no spills) let 25 programs share an SM instead of 23
+    "r80sk*2": dict(maxnreg=80, split_mul=2),
+    "wave": dict(wave=True),  # one_wave_split: every program resident at once
+    "old": dict(old=True),
+    "sk4": dict(split=4),
+    "sk6": dict(split=6),
+    "sk8": dict(split=8),
+    "sk6r80": dict(split=6, maxnreg=80),
+    "sk8r80": dict(split=8, maxnreg=80),
+    "skew1": dict(
+        skew=1
+    ),  # first half of a row block's split programs: one K tile more, second half one less
+    "skew2": dict(skew=2),
+    "ws": dict(warp_sync=True),  # the K loop syncs the warp, not the program (each warp copies its own rows)
+    "w2ws": dict(num_warps=2, warp_sync=True),
+    "w4ws": dict(num_warps=4, warp_sync=True),
+    "w8ws": dict(num_warps=8, warp_sync=True),
 }
 
 
@@ -56,11 +79,18 @@ def null_launch_ms(grid: int, warps: int) -> float:
     return graph_ms([lambda: _null_kernel[(grid,)](out, num_warps=warps)] * 8, 0.003)
 
 
-def launch(x, p, split_div=1, split_mul=1, **kw):
-    cfg = choose_config(x.shape[0], p.n, p.k)
+def launch(x, p, split_div=1, split_mul=1, wave=False, split=None, old=False, **kw):
+    m = x.shape[0]
+    cfg = choose_config(m, p.n, p.k, SMS)
+    split_k = split or max(1, cfg.split_k * split_mul // split_div)
+    kw.setdefault("maxnreg", cfg.maxnreg)
+    if wave:  # one_wave_split's choice (what choose_config takes since session 11)
+        split_k, kw["maxnreg"] = one_wave_split(m, p.n, p.k, SMS)
+    if old:  # choose_config's rule before session 11: 8 for M <= 8, ~1800 programs for M <= 16
+        split_k, kw["maxnreg"] = (8 if m <= 8 else max(1, min(8, round(1800 * 16 / p.n)))), None
     return nvfp4_gemv(
-        x, p.weight, p.scale_bits, p.global_scale, split_k=max(1, cfg.split_k * split_mul // split_div),
-        stages=cfg.smem_stages, tiled=True, rows=p.n, **kw,
+        x, p.weight, p.scale_bits, p.global_scale, split_k=split_k,
+        stages=kw.pop("stages", cfg.smem_stages), tiled=True, rows=p.n, **kw,
     )  # fmt: skip
 
 
@@ -138,8 +168,13 @@ def main() -> None:
             ref = launch(x, pws[0])
             row = f"{n:>5}x{k:<6} M={m:<3} cuBLAS {t_cublas * 1e3:6.2f} us"
             for name in names:
-                y = launch(x, pws[0], **VARIANTS[name])
-                if "sk" in name:
+                try:
+                    y = launch(x, pws[0], **VARIANTS[name])
+                except ValueError as e:  # a variant that does not apply to this shape
+                    row += f" | {name} n/a"
+                    print(f"{name}: {e}", flush=True)
+                    continue
+                if "sk" in name or name in ("wave", "old"):
                     err = (y.float() - ref.float()).norm() / ref.float().norm()
                     assert err < 2**-8, f"{name}: {err:.2e} from the base launch"
                 else:

@@ -16,7 +16,9 @@ from k3run.kernels.nvfp4_gemm import (
     nvfp4_linear,
     nvfp4_linear_ref,
     nvfp4_to_fp8_block,
+    one_wave_split,
     prepare_nvfp4_weight,
+    programs_per_sm,
     repack_split128,
     unpack_split128,
 )
@@ -232,15 +234,21 @@ def test_nvfp4_to_fp8_block_error_is_one_e4m3_rounding():
 
 
 def test_choose_config_covers_decode_and_prefill():
-    """M <= 32: the Gluon decode kernel's cp.async variant (1-warp programs, 2 stages; split_k 8 for M <= 8,
-    ~1800 programs for M <= 16, 2 or 4 for M <= 64); 33..64 on large matrices too; larger M: dequantize +
-    cuBLAS (H200 measurements: bench/RESULTS.md)."""
-    cases = [(1, 7168, 8), (8, 12288, 8), (16, 7168, 4), (16, 12288, 2), (9, 3072, 8), (16, 200_000, 1)]
-    cases += [(17, 7168, 2), (32, 12288, 2), (24, 3584, 4), (32, 3072, 4)]
-    for m, n, split_k in cases:
+    """M <= 32: the Gluon decode kernel's cp.async variant (1-warp programs, 2 stages; split_k for M <= 16 by
+    one_wave_split on 132 SMs, 2 or 4 for M <= 64); 33..64 on large matrices too; larger M: dequantize +
+    cuBLAS (H200 measurements: bench/RESULTS.md). K = 7168: 56 chunks of 128 (divisors 1 2 4 7 8 14 ...)."""
+    cases = [
+        (1, 7168, 8, None),
+        (8, 12288, 4, None),
+        (16, 7168, 7, 80),
+        (16, 12288, 4, 80),
+        (9, 3072, 8, None),
+    ]
+    cases += [(16, 200_000, 1, None), (17, 7168, 2, None), (32, 12288, 2, None), (24, 3584, 4, None)]
+    for m, n, split_k, maxnreg in cases:
         cfg = choose_config(m, n, 7168)
-        got = (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages)
-        assert got == (True, 1, 128, split_k, 2), (m, n, got)
+        got = (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages, cfg.maxnreg)
+        assert got == (True, 1, 128, split_k, 2, maxnreg), (m, n, got)
     # 33..64 rows: two launches of the 32-row tile on large matrices, dequantize + cuBLAS on small ones
     for m, n, k, split_k in [(33, 7168, 7168, 2), (64, 12288, 7168, 2), (64, 3072, 12288, 4)]:
         cfg = choose_config(m, n, k)
@@ -248,6 +256,27 @@ def test_choose_config_covers_decode_and_prefill():
     assert choose_config(64, 3072, 3584).dequant_mm and not choose_config(64, 3072, 3584).gemv
     assert choose_config(65, 7168, 7168).dequant_mm
     assert choose_config(4096, 7168, 7168).dequant_mm
+
+
+def test_one_wave_split_keeps_every_program_resident():
+    """Programs per SM from the register file (4 schedulers x 16384 registers, whole warps, 8 registers per
+    thread at a time; at most 32 blocks): the H200 held 32 / 24 / 20 programs at 64 / 80 / ~90 registers.
+    The split is the largest divisor (<= 8) of the chunk count whose grid fits at once; the 16-token tile
+    takes the 80-register cap only where that admits a larger split."""
+    assert [programs_per_sm(r) for r in (64, 72, 80, 88, 90, 128)] == [32, 28, 24, 20, 20, 16]
+    for sms in (132, 114, 78):
+        for m in (1, 8, 9, 16):
+            for n, k in [(7168, 7168), (12288, 7168), (7168, 12288), (3072, 3584), (3584, 3072), (520, 3600)]:
+                split, maxnreg = one_wave_split(m, n, k, sms)
+                chunks, blocks = -(-k // 128), -(-n // 16)
+                regs = 64 if m <= 8 else maxnreg or 90
+                assert chunks % split == 0 and 1 <= split <= 8
+                assert split == 1 or blocks * split <= sms * programs_per_sm(regs), (m, n, k, sms, split)
+                bigger = [d for d in range(split + 1, 9) if chunks % d == 0]
+                best = sms * programs_per_sm(64 if m <= 8 else 80)
+                assert all(blocks * d > best for d in bigger), (m, n, k, sms, split, bigger)
+    assert one_wave_split(16, 7168, 12288, 132) == (6, 80)  # 448 blocks: 20 x 132 admits 4, 24 x 132 admits 6
+    assert one_wave_split(16, 3072, 3584, 132) == (7, None)  # fits at the uncapped 20 per SM already
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ blocks for fp8_gemm (issue 6 section 2).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +190,7 @@ class GemmConfig:
     program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
     K tiles of loads in flight per warp; smem_stages >= 2 stages the weights through shared memory by
     cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
+    maxnreg: the Gluon kernel's register cap (None: its default per token tile).
     """
 
     block_m: int = 16
@@ -204,6 +206,7 @@ class GemmConfig:
     gemv: bool = False
     depth: int = 2
     smem_stages: int = 0
+    maxnreg: int | None = None
 
 
 def prepare_nvfp4_weight(
@@ -311,28 +314,67 @@ GEMV_AUTO_M = 32
 GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
 
 
-def choose_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch for M rows, from the H200 measurements in bench/RESULTS.md (runs 12-15).
+def programs_per_sm(regs: int) -> int:
+    """How many 1-warp programs of `regs` registers per thread an sm_90 SM holds at once: at most 32 blocks,
+    and each of the 4 schedulers' 16384-register files holds whole warps (registers allocated 8 per thread
+    at a time). Measured on the H200 (bench/RESULTS.md run 34): 32 at 64 registers, 24 at 80, 20 uncapped
+    at the 16-token tile's ~90."""
+    return min(32, 4 * (16384 // (-(-regs // 8) * 8 * 32)))
+
+
+# ptxas' registers for the decode kernel's 16-token tile (sm_90, Triton 3.6): 86-90 uncapped (the H200 held
+# 20 such programs per SM), 80 with no spills when capped at 80 (72 spills); the 8-token tile takes 62-64
+GEMV_REGS_T16 = 90
+GEMV_REGS_T16_CAPPED = 80
+DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
+
+
+def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
+    """(split_k, maxnreg or None) for M <= 16: the largest split_k <= 8 dividing the 128-wide chunk count
+    whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of programs starts only
+    as the first drains (bench/NOTES.md session 11: 12288x7168 at M = 1 ran 6144 programs on 132 x 32 slots).
+    For the 16-token tile, the register cap of 80 is taken where it lets more programs in."""
+    from .triton import largest_divisor
+
+    chunks, blocks = -(-k // CHUNK), -(-n // 16)
+
+    def split(per_sm: int) -> int:
+        return largest_divisor(chunks, min(8, max(1, sms * per_sm // blocks)))
+
+    if m <= 8:
+        return split(programs_per_sm(64)), None
+    free, capped = split(programs_per_sm(GEMV_REGS_T16)), split(programs_per_sm(GEMV_REGS_T16_CAPPED))
+    return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
+
+
+def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
+    """The launch for M rows on a GPU of `sms` SMs, from the H200 measurements in bench/RESULTS.md.
 
     M <= 32: the Gluon decode kernel's cp.async variant: 1-warp programs (16 rows), 128-wide K tiles staged
-    through 2 shared-memory slots, and split_k (the largest divisor of the 128-wide chunk count at or below
-    it) by M: 8 for M <= 8, ~1800 programs (1800 * 16 / N, clamped to 1..8) for M <= 16, and 2 (N > 4096)
-    or 4 for M <= 32. Each was the best or within 3% of the best of split_k 2/4/8 on the five K3 shapes in
-    run 15 (split128) and within 1% of split_k 4-32 on tiled128 in run 18 except 12288x7168 at M = 16 (6%),
-    and the kernel beat the register-prefetch one at every M measured (1.0-1.4x). M = 33..64 on matrices of
-    at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches (32 + the rest). Larger M, and
-    33..64 on smaller matrices: dequantize to bf16 + cuBLAS (the Triton kernel stays available through an
-    explicit GemmConfig).
+    through 2 shared-memory slots, split_k programs per row block.
+    - M <= 16: `one_wave_split` (runs 31-35: 7-18% faster than the earlier fixed rule on 12288x7168 and
+      7168x12288, equal elsewhere).
+    - M = 17..32: 2 (N > 4096) or 4 (run 15: the best or within 3% of the best of 2/4/8 on the K3 shapes).
+    - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
+    Larger M, and 33..64 on smaller matrices: dequantize to bf16 + cuBLAS (the Triton kernel stays available
+    through an explicit GemmConfig).
     """
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
-        if m <= 8:
-            split_k = 8
-        elif m <= 16:
-            split_k = max(1, min(8, round(1800 * 16 / max(n, 1))))
+        maxnreg = None
+        if m <= 16:
+            split_k, maxnreg = one_wave_split(m, n, k, sms)
         else:
             split_k = 2 if n > 4096 else 4
-        return GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2)
+        return GemmConfig(
+            gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2, maxnreg=maxnreg
+        )
     return GemmConfig(dequant_mm=True)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The SM count of CUDA device `index` (a fixed property of the hardware)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _fallback(m: int) -> GemmConfig:
@@ -367,6 +409,7 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             stages=cfg.smem_stages,
             tiled=w.layout == "tiled128",
             rows=w.n,
+            maxnreg=cfg.maxnreg,
         )
         for i in range(0, x2.shape[0], 32)
     ]
@@ -391,7 +434,7 @@ def nvfp4_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     tiled = w.layout == "tiled128"
-    cfg = config or choose_config(x2.shape[0], w.n, w.k)
+    cfg = config or choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
     if tiled and not (cfg.dequant_mm or (cfg.gemv and cfg.smem_stages)):
         raise ValueError(
             "nvfp4 linear: a tiled128 weight runs the cp.async decode kernel or dequantize + cuBLAS, not "
@@ -440,6 +483,8 @@ __all__ = [
     "GemmConfig",
     "NvFp4Weight",
     "choose_config",
+    "one_wave_split",
+    "programs_per_sm",
     "nvfp4_linear",
     "nvfp4_linear_ref",
     "nvfp4_to_fp8_block",
