@@ -6,8 +6,10 @@
 2. Variants of the cp.async kernel on the five K3 shapes, M = 1 and 16, against cuBLAS bf16 in the same run:
    `pdl` (programmatic dependent launch: the next launch may start once every program of this one has
    left its K loop, and waits for this one to finish before reading x), `w2` / `w4` (2- and 4-warp
-   programs: 2x / 4x fewer programs to dispatch), split_k halved / doubled. Results must match the base
-   launch bit for bit (same split_k) or to fp32 summation order (split_k changed).
+   programs: 2x / 4x fewer programs to dispatch), split_k halved / doubled or fixed (sk4 / sk6 / sk8),
+   stages (st3), register caps (r80), `wave` / `old` (choose_config's split rule since / before session 11).
+   Results must match the base launch bit for bit (same split_k) or to fp32 summation order (split_k
+   changed). A variant that does not apply to a shape prints n/a.
 
 Same timing method as bench_gemv.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
 
@@ -43,28 +45,17 @@ VARIANTS = {
     "w4": dict(num_warps=4),
     "sk/2": dict(split_div=2),
     "sk*2": dict(split_mul=2),
-    "e1": dict(pdl_early=1),  # PDL: release the next launch 1 / 2 / 3 K tiles before the loop ends
-    "e2": dict(pdl_early=2),
-    "e3": dict(pdl_early=3),
     "st3": dict(stages=3),
     "sk/2st3": dict(split_div=2, stages=3),
-    "r80": dict(maxnreg=80),  # M = 16: 80 registers (no spills) let 25 programs share an SM instead of 23
+    "r80": dict(maxnreg=80),  # the 16-token tile at 80 registers: 24 programs per SM instead of 20
     "r80sk*2": dict(maxnreg=80, split_mul=2),
-    "wave": dict(wave=True),  # one_wave_split: every program resident at once
-    "old": dict(old=True),
+    "wave": dict(wave=True),  # one_wave_split (choose_config's rule since session 11)
+    "old": dict(old=True),  # choose_config's rule before session 11
     "sk4": dict(split=4),
     "sk6": dict(split=6),
     "sk8": dict(split=8),
     "sk6r80": dict(split=6, maxnreg=80),
     "sk8r80": dict(split=8, maxnreg=80),
-    "skew1": dict(
-        skew=1
-    ),  # first half of a row block's split programs: one K tile more, second half one less
-    "skew2": dict(skew=2),
-    "ws": dict(warp_sync=True),  # the K loop syncs the warp, not the program (each warp copies its own rows)
-    "w2ws": dict(num_warps=2, warp_sync=True),
-    "w4ws": dict(num_warps=4, warp_sync=True),
-    "w8ws": dict(num_warps=8, warp_sync=True),
 }
 
 

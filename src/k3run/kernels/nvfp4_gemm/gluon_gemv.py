@@ -369,7 +369,7 @@ def _gdc(ASM: gl.constexpr):
 
 @gluon.jit
 def _globaltimer():
-    """The GPU's global nanosecond timer (its update granularity: bench/probe_gemv_timeline.py)."""
+    """The GPU's global nanosecond timer (32 ns steps on the H200: bench/probe_gemv_timeline.py)."""
     return gl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
     )
@@ -597,7 +597,6 @@ def _async_step(
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
     DT: gl.constexpr, SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
-    WSYNC: gl.constexpr = False,
 ):  # fmt: skip
     """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
     the caller's loop only runs while that tile exists), decode, two mma."""
@@ -607,12 +606,7 @@ def _async_step(
         async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
     else:
         async_copy.wait_group(0)  # no newer group follows: all of this thread's copies
-    # ... and everyone's; the slot refilled below was read by everyone last iteration. WSYNC: each warp copies
-    # only the rows it reads (the copy layouts' warp bases match the mma's), so its own lanes are everyone
-    if WSYNC:
-        _gdc("bar.warp.sync -1;")
-    else:
-        _cta_barrier()
+    _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
     if ISSUE:
         nxt = i + STAGES - 1
         _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
@@ -649,8 +643,7 @@ def _nvfp4_gemv_async_kernel(
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
-    stamp_ptr=None, STAMP: gl.constexpr = False, WSYNC: gl.constexpr = False, PDL_EARLY: gl.constexpr = 0,
-    SKEW: gl.constexpr = 0,
+    stamp_ptr=None, STAMP: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -665,17 +658,7 @@ def _nvfp4_gemv_async_kernel(
     if STAMP:  # measurement only (stamps=): [program, (entry, after the wait, after the K loop, end, SM)]
         stamp_ptr += (pid_k * gl.num_programs(0) + pid_n).to(gl.int64) * 5
         gl.store(stamp_ptr, _globaltimer())
-    if SKEW == 0:
-        k_start = pid_k * K_SPLIT
-        n_tiles = N_TILES
-    else:  # the first half of the split programs take N_TILES + SKEW K tiles, the second half N_TILES - SKEW
-        HS: gl.constexpr = SPLIT_K // 2
-        big = pid_k < HS
-        n_tiles = gl.where(big, N_TILES + SKEW, N_TILES - SKEW)
-        k_start = gl.where(
-            big, pid_k * (N_TILES + SKEW), HS * (N_TILES + SKEW) + (pid_k - HS) * (N_TILES - SKEW)
-        )
-        k_start = k_start * BK
+    k_start = pid_k * K_SPLIT
     tab = _load_tables(tab_ptr)
 
     # ---- copy sources: words [BN, 16] (16-byte cp.async per thread) and scale bytes [BN, 8] (4 bytes)
@@ -718,9 +701,7 @@ def _nvfp4_gemv_async_kernel(
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
 
     for st in gl.static_range(STAGES - 1):
-        _issue_tile(
-            smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES - SKEW, BK, TILED
-        )
+        _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
     if PDL:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
         _gdc("griddepcontrol.wait;")
     if STAMP:
@@ -728,34 +709,18 @@ def _nvfp4_gemv_async_kernel(
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
     # the loop is split where the refills stop, so neither part tests whether a tile exists
-    if SKEW == 0:
-        MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
-    else:
-        MAIN = n_tiles - (STAGES - 1)  # N_TILES - SKEW >= STAGES - 1 (the host checks)
-    TRIGGER: gl.constexpr = N_TILES - PDL_EARLY  # PDL_EARLY > 0: release the next launch before tile TRIGGER
-    if PDL and PDL_EARLY > 0 and TRIGGER <= 0:
-        _gdc("griddepcontrol.launch_dependents;")
+    MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
     for i in range(MAIN):
-        if PDL and PDL_EARLY > 0 and TRIGGER > 0:
-            if i == TRIGGER:
-                _gdc("griddepcontrol.launch_dependents;")
         acc, acc2 = _async_step(
             acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            WSYNC,
         )  # fmt: skip
-    for i in range(MAIN, n_tiles):
-        if PDL and PDL_EARLY > 0 and TRIGGER > 0:
-            if i == TRIGGER:
-                _gdc("griddepcontrol.launch_dependents;")
+    for i in range(MAIN, N_TILES):
         acc, acc2 = _async_step(
             acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
-            WSYNC,
         )  # fmt: skip
-    if (
-        PDL and PDL_EARLY == 0
-    ):  # the next launch may start now (its prologue overlaps this one's split-K reduction)
+    if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
     if STAMP:
         gl.store(stamp_ptr + 2, _globaltimer())
@@ -770,8 +735,10 @@ def _nvfp4_gemv_async_kernel(
     if STAMP:
         _cta_barrier()
         gl.store(stamp_ptr + 3, _globaltimer())
-        gl.store(stamp_ptr + 4, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                                           is_pure=False, pack=1).to(gl.int64))  # fmt: skip
+        smid = gl.inline_asm_elementwise(
+            "mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.store(stamp_ptr + 4, smid.to(gl.int64))
 
 
 @gluon.jit
@@ -859,9 +826,6 @@ def nvfp4_gemv(
     acc2: bool = False,
     pdl: bool | None = None,
     stamps: torch.Tensor | None = None,
-    warp_sync: bool = False,
-    pdl_early: int = 0,
-    skew: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -880,15 +844,9 @@ def nvfp4_gemv(
     left its K loop, the next launch may start (its prologue overlaps this one's split-K reduction). Weights,
     scales and tables are read before the wait, so they must not be written by the kernel just before. None:
     on where supported (sm_90+); bench/RESULTS.md run 21: 1.0-1.1 us less per back-to-back launch at M = 1.
-    stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program fills with
-    %globaltimer at entry, after the PDL wait, after its K loop and at its end, then its SM id
-    (bench/probe_gemv_timeline.py).
-    warp_sync (cp.async kernel, experiment): each warp copies only its own 16 rows, so the K loop syncs the
-    warp (bar.warp.sync) instead of the whole program.
-    pdl_early (experiment): with pdl, release the next launch `pdl_early` K tiles before the end of the loop
-    instead of after it.
-    skew (experiment): the first half of the split_k programs of a row block take `skew` more K tiles, the
-    second half `skew` fewer (the programs dispatched first get more issue slots: bench/NOTES.md session 11).
+    stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
+    row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
+    then its SM id (bench/probe_gemv_timeline.py).
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
@@ -942,12 +900,6 @@ def nvfp4_gemv(
     common = (x, weight.view(torch.int32), scales, global_scale, bias if bias is not None else global_scale)
     if stages:
         mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
-        if warp_sync:  # [BN, 16] words: 2 rows x 16 bytes per thread, warp w copies rows 16w .. 16w + 15
-            lcw = gl.BlockedLayout([2, 4], [8, 4], [num_warps, 1], [1, 0])
-        if skew and (split_k % 2 or per_split - skew < stages - 1 or pdl_early):
-            raise ValueError(
-                f"nvfp4_gemv: skew={skew} needs an even split_k with > {skew} tiles each, no pdl_early"
-            )
         if stamps is not None and (stamps.dtype != torch.int64 or stamps.numel() < 5 * grid_n * split_k):
             raise ValueError(f"nvfp4_gemv: stamps must be int64 with >= {5 * grid_n * split_k} elements")
         bf16 = x.dtype == torch.bfloat16
@@ -963,7 +915,7 @@ def nvfp4_gemv(
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
             ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
             TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
-            stamp_ptr=stamps, STAMP=stamps is not None, WSYNC=warp_sync, PDL_EARLY=pdl_early, SKEW=skew,
+            stamp_ptr=stamps, STAMP=stamps is not None,
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
         )  # fmt: skip
         return y
