@@ -277,6 +277,10 @@ def test_one_wave_split_keeps_every_program_resident():
                 assert all(blocks * d > best for d in bigger), (m, n, k, sms, split, bigger)
     assert one_wave_split(16, 7168, 12288, 132) == (6, 80)  # 448 blocks: 20 x 132 admits 4, 24 x 132 admits 6
     assert one_wave_split(16, 3072, 3584, 132) == (7, None)  # fits at the uncapped 20 per SM already
+    # more rows than one wave holds unsplit (16 picks of a 6144-row expert GEMM): 6144 blocks on 4224 slots
+    # fill 1.45 waves unsplit (73% of two), 2.91 at split_k 2 (97% of three): 2
+    assert one_wave_split(1, 16 * 6144, 3584, 132) == (2, None)
+    assert one_wave_split(1, 64 * 6144, 3584, 132) == (1, None)  # 5.8 waves unsplit: 97% already
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 def _compile(
     num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
-    stages: int = 0, tiled: bool = False, pdl: bool = False, stamp: bool = False,
+    stages: int = 0, tiled: bool = False, pdl: bool = False, stamp: bool = False, grouped: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -47,9 +47,12 @@ def _compile(
             PDL=pdl,
             LSW=gemv.scale_word_layout(num_warps, bt),
             STAMP=stamp,
+            GROUPED=grouped,
         )
         if not stamp:
             consts["stamp_ptr"] = None
+        if not grouped:
+            consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
     else:
         kernel = gemv._nvfp4_gemv_kernel
         mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
@@ -57,7 +60,8 @@ def _compile(
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32" if tiled else "*u8", gs_ptr="*fp32",
         b_ptr=f"*{dtype}", y_ptr=f"*{dtype}", ws_ptr="*fp32", cnt_ptr="*i32", tab_ptr="*i32", M="i32",
-        N="i32", stride_xm="i32", stride_ym="i32", stamp_ptr="*i64",
+        N="i32", stride_xm="i32", stride_ym="i32", stamp_ptr="*i64", ids_ptr="*i64", n_experts="i32",
+        slot_div="i32", w_estride="i64", s_estride="i64", gs_estride="i32",
     )  # fmt: skip
     params = inspect.signature(kernel.fn).parameters
     order = list(params)
@@ -157,6 +161,13 @@ def _local_accesses_in_loops(sass: str) -> list[str]:
                 i for b, (_, i) in zip(addr, code) if lo <= b <= hi and re.match(r"(@!?P\w+\s+)?(LDL|STL)", i)
             ]
     return found
+
+
+def test_grouped_gemv_compiles_for_sm90_without_spills():
+    """The routed-expert launch (nvfp4_gemv_grouped): expert id per pick, the wait before reading the ids."""
+    ck = _compile(1, 128, 8, 7, 1, 3584, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=True)
+    ptx = ck.asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
 
 
 def test_stamped_gemv_compiles_for_sm90():

@@ -178,3 +178,40 @@ def test_gemv_stamps_keep_the_result(num_warps: int):
     assert bool((used[:, :4].diff(dim=1) >= 0).all()), "stamps out of order"
     assert int(used[:, 4].max()) < torch.cuda.get_device_properties(0).multi_processor_count
     assert_close("stamped", nvfp4_linear_ref(x.float(), w, s, gs), got, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_gemv_grouped_matches_single_launches(per_row: bool):
+    """nvfp4_gemv_grouped: pick s gives the bits of nvfp4_gemv(x[s // A], W[ids[s]]) at the same split_k (the
+    same programs in the same order); ids outside [0, E) give zero rows. E = 5 experts, N = 520 (rows padded
+    to 528), K = 3504 (not a multiple of 128), T = 3 tokens x A = 4 picks with two misses; per-expert scalar
+    or per-row global scales."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, nvfp4_gemv_grouped
+
+    n_exp, n, k, t, a = 5, 520, 3504, 3, 4
+    raw = [_random_nvfp4(n, k, device="cuda", per_row_global=per_row) for _ in range(n_exp)]
+    ps = [prepare_nvfp4_weight(*r, layout="tiled128") for r in raw]
+    w = torch.stack([p.weight for p in ps])
+    s = torch.stack([p.scale_bits for p in ps])
+    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])  # [E, 528] or [E, 1]
+    ids = torch.tensor([0, 4, 2, -1, 3, 3, 1, 0, 7, 2, 4, 1], dtype=torch.int32, device="cuda")
+    x = torch.randn(t, k, device="cuda").bfloat16()
+    for split in (1, 4):
+        y = nvfp4_gemv_grouped(x, w, s, gs, ids, rows=n, split_k=split)
+        assert y.shape == (t * a, n)
+        for si, e in enumerate(ids.tolist()):
+            if not 0 <= e < n_exp:
+                assert not bool(y[si].any()), (split, si)
+                continue
+            p = ps[e]
+            xs = x[si // a : si // a + 1]
+            want = nvfp4_gemv(
+                xs, p.weight, p.scale_bits, p.global_scale, split_k=split, stages=2, tiled=True, rows=n
+            )
+            assert torch.equal(y[si], want[0]), (split, si, e)
+    e = int(ids[5])
+    assert_close("grouped", nvfp4_linear_ref(x[1:2].float(), *raw[e]), y[5:6], rtol=BF16_RTOL)
+    with pytest.raises(ValueError, match="picks for 3 tokens"):
+        nvfp4_gemv_grouped(x, w, s, gs, ids[:10], rows=n)
+    with pytest.raises(ValueError, match="global scale"):
+        nvfp4_gemv_grouped(x, w, s, gs.new_ones(n_exp, 3), ids, rows=n)

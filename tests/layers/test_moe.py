@@ -465,3 +465,27 @@ def test_fused_experts_dispatch_is_the_plain_per_expert_loop():
     got = fused_experts(ex, x, ids, weights)
     assert torch.equal(got, want)
     assert (local < 0).any() and ((local >= 0) & (local < ex.num_local)).any()  # both kinds of picks present
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
+    """Decode through the two grouped launches (one pick per program row, no host sync) against the
+    per-expert loop on the same repacked weights: the same products, other split_k and summation orders;
+    gate/up and h are rounded to bf16 in both (<= 2^-9 each, and one ulp apart where the fp32 sums round
+    differently): bound 2^-7. Picks of experts outside this rank's range (ids shifted past the 4 local
+    experts, as on another EP rank) contribute nothing in both paths."""
+    from k3run.layers.moe import fused_experts
+
+    ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16)
+    if not ex._tiled:
+        pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
+    for shift in (0, 2):
+        ids_s = ids + shift
+        assert ex.grouped_ok(x, ids_s)
+        loop = fused_experts(ex, x, ids_s, weights, grouped=False)
+        got = fused_experts(ex, x, ids_s, weights)
+        assert_close(f"grouped experts {act_name} shift {shift}", loop, got, rtol=2.0**-7)
+        assert float(got.abs().max()) > 0
+    only_misses = torch.full_like(ids, 4)
+    assert not bool(fused_experts(ex, x, only_misses, weights).any())

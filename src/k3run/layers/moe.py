@@ -170,6 +170,10 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# picks (tokens x top-k) up to which the NVFP4 experts run as two grouped launches (decode); not yet tuned
+GROUPED_MAX_PICKS = 128
+
+
 class FusedExperts(nn.Module):
     """E/ep routed experts of width hidden -> intermediate -> hidden with a gated activation.
 
@@ -259,6 +263,19 @@ class FusedExperts(nn.Module):
         experts = range(self.first, self.first + self.num_local) if local else range(self.num_experts)
         shards = ("w2",) if name.startswith("w2_") else ("w1", "w3")
         self._expected += [(name, e, w) for e in experts for w in shards]
+
+    def grouped_ok(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether fused_experts takes the grouped decode launches: NVFP4 experts repacked for the cp.async
+        kernel (tiled128, CUDA), a 16-bit input, and at most GROUPED_MAX_PICKS picks (each pick reads its
+        expert's weights; beyond that the per-expert loop reads each hit expert once for all its tokens)."""
+        return (
+            self.algo == QuantAlgo.NVFP4
+            and bool(self.nvfp4_kernels)
+            and self._tiled
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and ids.numel() <= GROUPED_MAX_PICKS
+        )
 
     def is_local(self, expert_id: int) -> bool:
         return self.first <= expert_id < self.first + self.num_local
@@ -482,14 +499,23 @@ class FusedExperts(nn.Module):
 
 
 def fused_experts(
-    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    experts: FusedExperts,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    grouped: bool | None = None,
 ) -> torch.Tensor:
-    """The one dispatch point for the routed-expert computation: a loop over the local experts that were hit.
+    """The one dispatch point for the routed-expert computation.
 
-    The (token, slot) picks are grouped by expert with one stable sort, and the per-expert counts are read
-    back once: one host synchronisation per call (a nonzero() per expert would cost one each). Within an
-    expert the picks stay in (token, slot) order, so the fp32 accumulation order is fixed.
+    Decode on NVFP4 kernels (`experts.grouped_ok`; grouped=False forces the loop): two grouped launches
+    over all picks, no host synchronisation (`_fused_experts_grouped`). Otherwise a loop over the local
+    experts that were hit: the (token, slot) picks are grouped by expert with one stable sort, and the
+    per-expert counts are read back once: one host synchronisation per call (a nonzero() per expert would
+    cost one each). Within an expert the picks stay in (token, slot) order, so the fp32 accumulation order
+    is fixed.
     """
+    if grouped is not False and experts.grouped_ok(x, ids):
+        return _fused_experts_grouped(experts, x, ids, weights)
     out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
     picks = ids.shape[1]
     local = (ids - experts.first).reshape(-1)
@@ -507,6 +533,35 @@ def fused_experts(
         y = experts.expert(e, x[tok])
         out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
     return out
+
+
+def _fused_experts_grouped(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """fused_experts through two grouped NVFP4 launches (kernels/nvfp4_gemm nvfp4_gemv_grouped): every
+    (token, slot) pick runs its expert's GEMM1, the activation, GEMM2; picks of other ranks' experts give
+    zero rows. No host synchronisation, so a decode step can be captured in a CUDA graph. Sum over a token's
+    picks in slot order, fp32."""
+    from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_grouped
+
+    assert experts._kernel_scales is not None
+    gs13, gs2 = experts._kernel_scales
+    t, a = ids.shape
+    d, i = experts.hidden_size, experts.intermediate_size
+    local = (ids.reshape(-1) - experts.first).to(torch.int32)  # outside [0, num_local): another rank's expert
+    sms = sm_count(x.device.index or 0)
+    w13, s13 = experts.w13_weight, experts.w13_weight_scale.view(torch.uint8)
+    w2, s2 = experts.w2_weight, experts.w2_weight_scale.view(torch.uint8)
+    split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)  # every pick's rows count towards one wave
+    gu = nvfp4_gemv_grouped(x.contiguous(), w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1)
+    if experts.activation.kind == "silu":
+        h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+    else:
+        h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
+    split2, reg2 = one_wave_split(1, d * t * a, i, sms)
+    y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
+    return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
 
 
 def _scalar(what: str, t: torch.Tensor) -> float:

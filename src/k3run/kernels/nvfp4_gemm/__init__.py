@@ -333,13 +333,19 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     """(split_k, maxnreg or None) for M <= 16: the largest split_k <= 8 dividing the 128-wide chunk count
     whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of programs starts only
     as the first drains (bench/NOTES.md session 11: 12288x7168 at M = 1 ran 6144 programs on 132 x 32 slots).
-    For the 16-token tile, the register cap of 80 is taken where it lets more programs in."""
+    For the 16-token tile, the register cap of 80 is taken where it lets more programs in. Where even split_k
+    1 takes more than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8
+    whose waves are on average >= 90% full (else the fullest)."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
 
     def split(per_sm: int) -> int:
-        return largest_divisor(chunks, min(8, max(1, sms * per_sm // blocks)))
+        slots = sms * per_sm
+        if blocks > slots:  # more than one wave even unsplit (grouped launches): keep the waves >= 90% full
+            fill = {d: blocks * d / slots / -(-blocks * d // slots) for d in range(1, 9) if chunks % d == 0}
+            return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
+        return largest_divisor(chunks, min(8, max(1, slots // blocks)))
 
     if m <= 8:
         return split(programs_per_sm(64)), None
@@ -485,6 +491,7 @@ __all__ = [
     "choose_config",
     "one_wave_split",
     "programs_per_sm",
+    "sm_count",
     "nvfp4_linear",
     "nvfp4_linear_ref",
     "nvfp4_to_fp8_block",

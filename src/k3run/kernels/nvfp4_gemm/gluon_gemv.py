@@ -643,11 +643,15 @@ def _nvfp4_gemv_async_kernel(
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
-    stamp_ptr=None, STAMP: gl.constexpr = False,
+    stamp_ptr=None, STAMP: gl.constexpr = False, ids_ptr=None, n_experts=0, slot_div=1, w_estride=0,
+    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
-    keeps one tile in flight; deeper register rings cost occupancy)."""
+    keeps one tile in flight; deeper register rings cost occupancy).
+    GROUPED (`nvfp4_gemv_grouped`): grid axis 2 is the pick s: one token row x[s // slot_div] times expert
+    ids[s]'s weights (w / s / gs_ptr + ids[s] * their expert strides) into y row s; an id outside
+    [0, n_experts) copies no weights (zero-filled: y row s = 0)."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
@@ -658,6 +662,21 @@ def _nvfp4_gemv_async_kernel(
     if STAMP:  # measurement only (stamps=): [program, (entry, after the wait, after the K loop, end, SM)]
         stamp_ptr += (pid_k * gl.num_programs(0) + pid_n).to(gl.int64) * 5
         gl.store(stamp_ptr, _globaltimer())
+    hit = True
+    if GROUPED:
+        if PDL:  # the ids are the previous kernel's output (routing): wait before reading them
+            _gdc("griddepcontrol.wait;")
+        pid_s = gl.program_id(2)
+        e = gl.load(ids_ptr + pid_s).to(gl.int32)
+        hit = (e >= 0) & (e < n_experts)
+        e = gl.where(hit, e, 0).to(gl.int64)
+        w_ptr += e * w_estride
+        s_ptr += e * s_estride
+        gs_ptr += e * gs_estride
+        x_ptr += (pid_s // slot_div).to(gl.int64) * stride_xm
+        y_ptr += pid_s.to(gl.int64) * stride_ym
+        ws_ptr += pid_s.to(gl.int64) * (SPLIT_K * gl.num_programs(0) * BN * BT)
+        cnt_ptr += pid_s * gl.num_programs(0)
     k_start = pid_k * K_SPLIT
     tab = _load_tables(tab_ptr)
 
@@ -688,6 +707,9 @@ def _nvfp4_gemv_async_kernel(
     else:
         ok_w = (rw2 < N) & (gl.expand_dims(cw, 0) >= 0)
         ok_s = (rs2 < N) & (gl.expand_dims(cs, 0) >= 0)
+    if GROUPED:  # a missed pick copies nothing: zero codes decode to 0 whatever the scale
+        ok_w = ok_w & hit
+        ok_s = ok_s & hit
     smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
     smem_s = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BN, SW], SMEM)
 
@@ -702,7 +724,7 @@ def _nvfp4_gemv_async_kernel(
 
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
-    if PDL:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
+    if PDL and not GROUPED:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
         _gdc("griddepcontrol.wait;")
     if STAMP:
         gl.store(stamp_ptr + 1, _globaltimer())
@@ -952,4 +974,96 @@ def nvfp4_gemv(
         num_warps=num_warps,
         maxnreg=maxnreg or MAXNREG[bt],
     )
+    return y
+
+
+def nvfp4_gemv_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    rows: int,
+    split_k: int = 1,
+    maxnreg: int | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """Routed experts in one launch: y [P, N], row s = x[s // (P / T)] @ W[ids[s]]^T * global_scale[ids[s]].
+
+    x [T, K] bf16/fp16; weight / scale_u8: E experts in the tiled128 layout ([E, N_pad, K_pad / 2] and
+    [E, N_pad, K_pad / 16] uint8, rows padded to 16; `rows` = N); global_scale fp32 [E, N_pad] (per row) or
+    [E, 1]; ids [P] int32/int64 local expert indices, P a multiple of T (the picks of each token in order).
+    An id outside [0, E) (another rank's expert) gives a zero row, read no weights, and needs no host check,
+    so the launch can be captured in a CUDA graph. Each pick is one token through the cp.async kernel
+    (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
+    """
+    if weight.dim() != 3 or weight.dtype != torch.uint8 or not weight.is_contiguous():
+        raise ValueError(
+            f"nvfp4 grouped weight: expected contiguous uint8 [E, N_pad, K_pad/2], got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    n_exp, n_pad, k_pad = weight.shape[0], weight.shape[1], weight.shape[2] * 2
+    if tuple(scale_u8.shape) != (n_exp, n_pad, k_pad // 16) or scale_u8.dtype != torch.uint8:
+        raise ValueError(
+            f"nvfp4 grouped weight_scale: expected uint8 {(n_exp, n_pad, k_pad // 16)}, got {scale_u8.dtype} "
+            f"{tuple(scale_u8.shape)}"
+        )
+    if not scale_u8.is_contiguous():
+        raise ValueError("nvfp4 grouped weight_scale: must be contiguous")
+    if global_scale.dtype != torch.float32 or tuple(global_scale.shape) not in ((n_exp, n_pad), (n_exp, 1)):
+        raise ValueError(
+            f"nvfp4 grouped global scale: expected fp32 [{n_exp}, {n_pad}] or [{n_exp}, 1], got "
+            f"{global_scale.dtype} {tuple(global_scale.shape)}"
+        )
+    if not global_scale.is_contiguous():
+        raise ValueError("nvfp4 grouped global scale: must be contiguous")
+    if n_pad % 16 or not n_pad - 16 < rows <= n_pad:
+        raise ValueError(f"nvfp4 grouped: a tiled weight has rows padded to 16: {n_pad} rows for N={rows}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or x.stride(1) != 1:
+        raise ValueError(
+            f"nvfp4 grouped input: expected bf16/fp16 [T, K] on CUDA with unit stride along K, got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    k = x.shape[1]
+    if k % 16 or not k_pad - CHUNK < k <= k_pad:
+        raise ValueError(f"nvfp4 grouped: input K={k} does not round up to the weight's width {k_pad}")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
+        raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
+    picks, t = ids.shape[0], x.shape[0]
+    if t == 0 or picks % t:
+        raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap < (8, 9):
+        raise ValueError("nvfp4 grouped: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
+    if pdl is None:
+        pdl = cap >= (9, 0)
+    y = torch.empty((picks, rows), dtype=x.dtype, device=x.device)
+    if picks == 0:
+        return y
+    from k3run.kernels.nvfp4_gemm.triton import largest_divisor
+
+    split_k = largest_divisor(k_pad // CHUNK, split_k)
+    grid_n = n_pad // 16
+    bt = 8
+    if split_k > 1:
+        ws = torch.empty((picks, split_k, grid_n * 16, bt), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, picks * grid_n)
+    else:
+        ws = cnt = y
+    bf16 = x.dtype == torch.bfloat16
+    mma, la, lw4, lb, lcw, lcs, smem = async_layouts(1, bt)
+    _nvfp4_gemv_async_kernel[(grid_n, split_k, picks)](
+        x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale, y, ws, cnt,
+        decode_tables(x.device, "bf16" if bf16 else "fp16"), 1, rows, x.stride(0), y.stride(0),
+        K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=global_scale.shape[1] != 1, HAS_BIAS=False,
+        EVEN_N=rows == n_pad, BN=16, BT=bt, STAGES=2,
+        ASM=_TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16,
+        SCALE_ASM=_SCALE_WORD_ASM_BF16 if bf16 else _SCALE_WORD_ASM_FP16, MMA=mma, LA=la, LW4=lw4, LB=lb,
+        LCW=lcw, LCS=lcs, SMEM=smem, TILED=True, ACC2=False, OUT_SCALE=SHIFT_OUT_SCALE, PDL=pdl,
+        LSW=scale_word_layout(1, bt), ids_ptr=ids, n_experts=n_exp, slot_div=picks // t,
+        w_estride=n_pad * k_pad // 8, s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1],
+        GROUPED=True, num_warps=1, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
+    )  # fmt: skip
     return y
