@@ -358,8 +358,8 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
 
     M <= 32: the Gluon decode kernel's cp.async variant: 1-warp programs (16 rows), 128-wide K tiles staged
     through 2 shared-memory slots, split_k programs per row block.
-    - M <= 16: `one_wave_split` (runs 31-35: 7-18% faster than the earlier fixed rule on 12288x7168 and
-      7168x12288, equal elsewhere).
+    - M <= 16: `one_wave_split` (run 36 against the earlier fixed rule: 8-20% faster on 12288x7168 at
+      M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
     - M = 17..32: 2 (N > 4096) or 4 (run 15: the best or within 3% of the best of 2/4/8 on the K3 shapes).
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: dequantize to bf16 + cuBLAS (the Triton kernel stays available
