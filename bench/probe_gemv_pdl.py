@@ -47,9 +47,6 @@ VARIANTS = {
     "sk*2": dict(split_mul=2),
     "st3": dict(stages=3),
     "sk/2st3": dict(split_div=2, stages=3),
-    "d2": dict(stages=3, deep=2),  # one tile in flight, two for a program's last 2 / 3 / 4 tiles
-    "d3": dict(stages=3, deep=3),
-    "d4": dict(stages=3, deep=4),
     "r80": dict(maxnreg=80),  # the 16-token tile at 80 registers: 24 programs per SM instead of 20
     "r80sk*2": dict(maxnreg=80, split_mul=2),
     "wave": dict(wave=True),  # one_wave_split (choose_config's rule since session 11)

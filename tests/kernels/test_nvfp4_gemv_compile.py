@@ -19,7 +19,6 @@ triton = pytest.importorskip("triton")
 def _compile(
     num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
     stages: int = 0, tiled: bool = False, pdl: bool = False, stamp: bool = False, grouped: bool = False,
-    deep: int = 0,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -49,7 +48,6 @@ def _compile(
             LSW=gemv.scale_word_layout(num_warps, bt),
             STAMP=stamp,
             GROUPED=grouped,
-            DEEP=deep,
         )
         if not stamp:
             consts["stamp_ptr"] = None
@@ -170,15 +168,6 @@ def test_grouped_gemv_compiles_for_sm90_without_spills():
     ck = _compile(1, 128, 8, 7, 1, 3584, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=True)
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
-
-
-def test_deep_tail_gemv_compiles_for_sm90():
-    """The deep-tail schedule (one tile in flight, two for the last `deep`), 7 tiles per program. Static
-    copy sites: the prologue, the one-ahead loop (empty when deep = 6), the step that requests two tiles, the
-    two-ahead loop (empty when deep = 2); waits: one per step kind."""
-    for deep, commits in ((2, 4), (3, 5), (6, 4)):
-        ptx = _compile(1, 128, 8, 8, 1, 7168, "bf16", gemv.MAXNREG[8], 3, True, True, deep=deep).asm["ptx"]
-        assert ptx.count("cp.async.commit_group") == commits, deep
 
 
 def test_stamped_gemv_compiles_for_sm90():

@@ -597,30 +597,17 @@ def _async_step(
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
     DT: gl.constexpr, SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
-    WAIT: gl.constexpr = -1, AHEAD: gl.constexpr = -1, ISSUE2: gl.constexpr = False,
 ):  # fmt: skip
     """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
-    the caller's loop only runs while that tile exists), decode, two mma. The deep-tail schedule sets the
-    wait (groups left pending) and the lookahead itself: WAIT >= 0, AHEAD (0: no refill), ISSUE2 (refill the
-    tile after that one too)."""
+    the caller's loop only runs while that tile exists), decode, two mma."""
     kt = i * BK
     x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
-    if WAIT >= 0:
-        async_copy.wait_group(WAIT)
-    elif ISSUE:
+    if ISSUE:
         async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
     else:
         async_copy.wait_group(0)  # no newer group follows: all of this thread's copies
     _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
-    if AHEAD > 0:
-        nxt = i + AHEAD
-        _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
-                    N_TILES, BK, TILED, True)  # fmt: skip
-        if ISSUE2:
-            nx2 = nxt + 1
-            _issue_tile(smem_w.index(nx2 % STAGES), smem_s.index(nx2 % STAGES), w_src, s_src, ok_w, ok_s,
-                        nx2, N_TILES, BK, TILED, True)  # fmt: skip
-    elif AHEAD < 0 and ISSUE:
+    if ISSUE:
         nxt = i + STAGES - 1
         _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
                     N_TILES, BK, TILED, True)  # fmt: skip
@@ -656,8 +643,8 @@ def _nvfp4_gemv_async_kernel(
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
-    stamp_ptr=None, STAMP: gl.constexpr = False, DEEP: gl.constexpr = 0, ids_ptr=None, n_experts=0,
-    slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False,
+    stamp_ptr=None, STAMP: gl.constexpr = False, ids_ptr=None, n_experts=0, slot_div=1, w_estride=0,
+    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -735,9 +722,7 @@ def _nvfp4_gemv_async_kernel(
     x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
 
-    # DEEP > 0 (STAGES 3): one tile in flight until the last DEEP tiles, which are requested one tile earlier
-    PRO: gl.constexpr = 1 if DEEP > 0 else STAGES - 1
-    for st in gl.static_range(PRO):
+    for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
     if PDL and not GROUPED:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
         _gdc("griddepcontrol.wait;")
@@ -747,48 +732,16 @@ def _nvfp4_gemv_async_kernel(
     acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
     # the loop is split where the refills stop, so neither part tests whether a tile exists
     MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
-    if DEEP > 0:
-        S_: gl.constexpr = N_TILES - DEEP - 1  # the iteration that requests two tiles
-        for i in range(S_):
-            acc, acc2 = _async_step(
-                acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K,
-                K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM,
-                LSW, True, 0, 1, False,
-            )  # fmt: skip
+    for i in range(MAIN):
         acc, acc2 = _async_step(
-            acc, acc2, S_, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            0, 1, True,
         )  # fmt: skip
-        for i in range(S_ + 1, N_TILES - 2):
-            acc, acc2 = _async_step(
-                acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K,
-                K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM,
-                LSW, True, 1, 2, False,
-            )  # fmt: skip
+    for i in range(MAIN, N_TILES):
         acc, acc2 = _async_step(
-            acc, acc2, N_TILES - 2, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
-            K, K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW,
-            False, 1, 0, False,
+            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
         )  # fmt: skip
-        acc, acc2 = _async_step(
-            acc, acc2, N_TILES - 1, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
-            K, K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW,
-            False, 0, 0, False,
-        )  # fmt: skip
-    else:
-        for i in range(MAIN):
-            acc, acc2 = _async_step(
-                acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K,
-                K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM,
-                LSW, True,
-            )  # fmt: skip
-        for i in range(MAIN, N_TILES):
-            acc, acc2 = _async_step(
-                acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K,
-                K_PAD, N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM,
-                LSW, False,
-            )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
     if STAMP:
@@ -895,7 +848,6 @@ def nvfp4_gemv(
     acc2: bool = False,
     pdl: bool | None = None,
     stamps: torch.Tensor | None = None,
-    deep: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -917,8 +869,6 @@ def nvfp4_gemv(
     stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
     row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
     then its SM id (bench/probe_gemv_timeline.py).
-    deep (experiment, stages=3, >= 2): one K tile in flight per program until its last `deep` tiles, which
-    are requested one tile earlier (two in flight while few programs are left).
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
@@ -972,10 +922,6 @@ def nvfp4_gemv(
     common = (x, weight.view(torch.int32), scales, global_scale, bias if bias is not None else global_scale)
     if stages:
         mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
-        if deep and (stages != 3 or deep < 2 or per_split < deep + 1):
-            raise ValueError(
-                f"nvfp4_gemv: deep={deep} needs stages=3, deep >= 2 and > {deep} K tiles per program"
-            )
         if stamps is not None and (stamps.dtype != torch.int64 or stamps.numel() < 5 * grid_n * split_k):
             raise ValueError(f"nvfp4_gemv: stamps must be int64 with >= {5 * grid_n * split_k} elements")
         bf16 = x.dtype == torch.bfloat16
@@ -991,7 +937,7 @@ def nvfp4_gemv(
             EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
             ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
             TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
-            stamp_ptr=stamps, STAMP=stamps is not None, DEEP=deep,
+            stamp_ptr=stamps, STAMP=stamps is not None,
             num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
         )  # fmt: skip
         return y
