@@ -163,7 +163,7 @@ def _local_accesses_in_loops(sass: str) -> list[str]:
     return found
 
 
-def test_grouped_gemv_compiles_for_sm90_without_spills():
+def test_grouped_gemv_compiles_for_sm90():
     """The routed-expert launch (nvfp4_gemv_grouped): expert id per pick, the wait before reading the ids."""
     ck = _compile(1, 128, 8, 7, 1, 3584, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=True)
     ptx = ck.asm["ptx"]
