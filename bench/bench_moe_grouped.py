@@ -16,7 +16,9 @@ and the weight bytes the grouped launches read per call (every pick reads its ex
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 
 import torch
 
@@ -24,6 +26,9 @@ from k3run.distributed import TPInfo
 from k3run.layers.activation import GatedActivation
 from k3run.layers.moe import FusedExperts, fused_experts, route
 from k3run.quant.algo import QuantAlgo
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_linear import graph_ms  # noqa: E402
 
 D, INTER, E, TOP_K = 3584, 3072, 64, 16
 BYTES_PER_EXPERT = 3 * D * INTER * (0.5 + 1 / 16)
@@ -61,31 +66,6 @@ def eager_us(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
-
-
 def main() -> None:
     torch.manual_seed(0)
     ex = experts()
@@ -99,7 +79,7 @@ def main() -> None:
         assert err < 2.0**-7, f"grouped vs loop: relative error {err:.2e}"
         t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False))
         t_eager = eager_us(lambda: fused_experts(ex, x, ids, weights))
-        t_graph = graph_us(lambda: fused_experts(ex, x, ids, weights))
+        t_graph = graph_ms([lambda: fused_experts(ex, x, ids, weights)], t_eager * 1e-3) * 1e3
         picks = t * TOP_K
         tbs = picks * BYTES_PER_EXPERT / (t_graph * 1e-6) / 1e12
         rows.append(
