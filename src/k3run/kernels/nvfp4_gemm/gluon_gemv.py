@@ -917,30 +917,24 @@ def nvfp4_gemv(
         cnt = _counters(x.device, grid_n)
     else:
         ws = cnt = y
-    tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
-    scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
-    common = (x, weight.view(torch.int32), scales, global_scale, bias if bias is not None else global_scale)
     if stages:
-        mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
+        scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
+        common = (
+            x,
+            weight.view(torch.int32),
+            scales,
+            global_scale,
+            bias if bias is not None else global_scale,
+        )
         if stamps is not None and (stamps.dtype != torch.int64 or stamps.numel() < 5 * grid_n * split_k):
             raise ValueError(f"nvfp4_gemv: stamps must be int64 with >= {5 * grid_n * split_k} elements")
-        bf16 = x.dtype == torch.bfloat16
-        if tiled:
-            asm = _TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16
-            scale_asm, out_scale = (_SCALE_WORD_ASM_BF16 if bf16 else _SCALE_WORD_ASM_FP16), SHIFT_OUT_SCALE
-        else:
-            asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
-            scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
-        _nvfp4_gemv_async_kernel[(grid_n, split_k)](
-            *common, y, ws, cnt, tab, m, n, x.stride(0), y.stride(0),
-            K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=bias is not None,
-            EVEN_N=n % bn == 0, BN=bn, BT=bt, STAGES=stages,
-            ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs, SMEM=smem,
-            TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
-            stamp_ptr=stamps, STAMP=stamps is not None,
-            num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
+        _launch_async(
+            (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled,
+            sm89, pdl, maxnreg, per_col, bias is not None, acc2=acc2, stamp_ptr=stamps,
+            STAMP=stamps is not None,
         )  # fmt: skip
         return y
+    tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
     mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
     _nvfp4_gemv_kernel[(grid_n, split_k)](
         x,
@@ -1052,18 +1046,39 @@ def nvfp4_gemv_grouped(
         cnt = _counters(x.device, picks * grid_n)
     else:
         ws = cnt = y
-    bf16 = x.dtype == torch.bfloat16
-    mma, la, lw4, lb, lcw, lcs, smem = async_layouts(1, bt)
-    _nvfp4_gemv_async_kernel[(grid_n, split_k, picks)](
-        x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale, y, ws, cnt,
-        decode_tables(x.device, "bf16" if bf16 else "fp16"), 1, rows, x.stride(0), y.stride(0),
-        K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=global_scale.shape[1] != 1, HAS_BIAS=False,
-        EVEN_N=rows == n_pad, BN=16, BT=bt, STAGES=2,
-        ASM=_TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16,
-        SCALE_ASM=_SCALE_WORD_ASM_BF16 if bf16 else _SCALE_WORD_ASM_FP16, MMA=mma, LA=la, LW4=lw4, LB=lb,
-        LCW=lcw, LCS=lcs, SMEM=smem, TILED=True, ACC2=False, OUT_SCALE=SHIFT_OUT_SCALE, PDL=pdl,
-        LSW=scale_word_layout(1, bt), ids_ptr=ids, n_experts=n_exp, slot_div=picks // t,
+    common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)
+    _launch_async(
+        (grid_n, split_k, picks), common, y, ws, cnt, 1, rows, k, k_pad, split_k, 1, bt, 2, True, True, pdl,
+        maxnreg, global_scale.shape[1] != 1, False, ids_ptr=ids, n_experts=n_exp, slot_div=picks // t,
         w_estride=n_pad * k_pad // 8, s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1],
-        GROUPED=True, num_warps=1, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl,
+        GROUPED=True,
     )  # fmt: skip
     return y
+
+
+def _launch_async(
+    grid: tuple[int, ...], common: tuple, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor, m: int,
+    n: int, k: int, k_pad: int, split_k: int, num_warps: int, bt: int, stages: int, tiled: bool, sm89: bool,
+    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, acc2: bool = False, **extra,
+) -> None:  # fmt: skip
+    """Launch the cp.async kernel: the decoder (tiled128 shifts or split128 byte permutes) and its scale
+    conversion for x's dtype, the layouts of the program shape; `extra`: the stamps or the grouped
+    arguments."""
+    x = common[0]
+    bf16 = x.dtype == torch.bfloat16
+    if tiled:
+        asm = _TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16
+        scale_asm, out_scale = (_SCALE_WORD_ASM_BF16 if bf16 else _SCALE_WORD_ASM_FP16), SHIFT_OUT_SCALE
+    else:
+        asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
+        scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
+    mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
+    bn = 16 * num_warps
+    _nvfp4_gemv_async_kernel[grid](
+        *common, y, ws, cnt, decode_tables(x.device, "bf16" if bf16 else "fp16"), m, n, x.stride(0),
+        y.stride(0),
+        K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=has_bias, EVEN_N=n % bn == 0, BN=bn,
+        BT=bt, STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs,
+        SMEM=smem, TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
+        num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl, **extra,
+    )  # fmt: skip
