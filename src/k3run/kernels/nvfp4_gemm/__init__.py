@@ -329,6 +329,7 @@ GEMV_REGS_T16_CAPPED = 80
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
 
+@functools.cache  # on every eager nvfp4_linear call (choose_config) and twice per grouped MoE call
 def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     """(split_k, maxnreg or None) for M <= 16: the largest split_k <= 8 dividing the 128-wide chunk count
     whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of programs starts only
