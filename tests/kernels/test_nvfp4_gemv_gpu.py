@@ -178,6 +178,8 @@ def test_gemv_stamps_keep_the_result(num_warps: int):
     assert bool((used[:, :4].diff(dim=1) >= 0).all()), "stamps out of order"
     assert int(used[:, 4].max()) < torch.cuda.get_device_properties(0).multi_processor_count
     assert_close("stamped", nvfp4_linear_ref(x.float(), w, s, gs), got, rtol=BF16_RTOL)
+    with pytest.raises(ValueError, match="stamps"):
+        nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, stamps=stamps, split_k=4)  # register kernel
 
 
 @pytest.mark.parametrize("per_row", [False, True])

@@ -895,6 +895,8 @@ def nvfp4_gemv(
         raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
     if m > 32:
         raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
+    if stamps is not None and not stages:
+        raise ValueError("nvfp4_gemv: stamps are written by the cp.async kernel only (stages >= 2)")
     if stages == 1 or stages < 0:
         raise ValueError(f"nvfp4_gemv: stages={stages}, expected 0 (register prefetch) or >= 2")
     if depth not in (1, 2, 3):
