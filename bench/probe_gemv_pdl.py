@@ -9,8 +9,7 @@
    programs: 2x / 4x fewer programs to dispatch), split_k halved / doubled or fixed (sk4 / sk6 / sk8),
    stages (st3), register caps (r80), `wave` / `old` (choose_config's split rule since / before session 11).
    Results must match the base launch bit for bit (same split_k) or to fp32 summation order (split_k
-   changed). A variant that does not apply to a shape prints n/a. Session 12: `pf` (each program prefetches
-   its whole weight + scale range into L2 at entry), `E` (the next launch released at entry), `pfE` (both).
+   changed). A variant that does not apply to a shape prints n/a.
 
 Same timing method as bench_gemv.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
 
@@ -57,9 +56,6 @@ VARIANTS = {
     "sk8": dict(split=8),
     "sk6r80": dict(split=6, maxnreg=80),
     "sk8r80": dict(split=8, maxnreg=80),
-    "pf": dict(prefetch=True),  # each program's weight + scale range into L2 at entry (session 12)
-    "pfE": dict(prefetch=True, pdl_early=True),  # ... and the next launch released at entry
-    "E": dict(pdl_early=True),
 }
 
 

@@ -368,19 +368,6 @@ def _gdc(ASM: gl.constexpr):
 
 
 @gluon.jit
-def _l2_prefetch(ptr, pred, NBYTES: gl.constexpr):
-    """Where pred: ask the TMA unit to bring NBYTES (a multiple of 16) from the 16-byte aligned global
-    address ptr into L2 (cp.async.bulk.prefetch.L2, sm_90+): one instruction, no registers held, no
-    completion to wait for."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-        "mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(gl.int64, bitcast=True), pred.to(gl.int32) * NBYTES], dtype=gl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _globaltimer():
     """The GPU's global nanosecond timer (32 ns steps on the H200: bench/probe_gemv_timeline.py)."""
     return gl.inline_asm_elementwise(
@@ -657,8 +644,7 @@ def _nvfp4_gemv_async_kernel(
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
     stamp_ptr=None, STAMP: gl.constexpr = False, ids_ptr=None, n_experts=0, slot_div=1, w_estride=0,
-    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-    EARLY: gl.constexpr = False,
+    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -724,12 +710,6 @@ def _nvfp4_gemv_async_kernel(
     if GROUPED:  # a missed pick copies nothing: zero codes decode to 0 whatever the scale
         ok_w = ok_w & hit
         ok_s = ok_s & hit
-    if PREFETCH:  # tiled128: each 16-row block's K range is N_TILES KB of words + N_TILES * 128 B of scales,
-        # contiguous; 16 (words) and 2 (scales) lanes each prefetch a 64 * N_TILES byte piece of it into L2
-        _l2_prefetch(w_src + gl.expand_dims(cw, 0) * (N_TILES * 16 - 1), ok_w & (rw2 % 16 == 0), N_TILES * 64)
-        _l2_prefetch(s_src + gl.expand_dims(cs, 0) * (N_TILES * 16 - 1), ok_s & (rs2 % 16 == 0), N_TILES * 64)
-    if PDL and EARLY:  # the next launch may start as soon as every program of this one has started
-        _gdc("griddepcontrol.launch_dependents;")
     smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
     smem_s = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BN, SW], SMEM)
 
@@ -762,7 +742,7 @@ def _nvfp4_gemv_async_kernel(
             acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
         )  # fmt: skip
-    if PDL and not EARLY:  # the next launch may start now (its prologue overlaps this split-K reduction)
+    if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
     if STAMP:
         gl.store(stamp_ptr + 2, _globaltimer())
@@ -868,8 +848,6 @@ def nvfp4_gemv(
     acc2: bool = False,
     pdl: bool | None = None,
     stamps: torch.Tensor | None = None,
-    prefetch: bool = False,
-    pdl_early: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -891,10 +869,6 @@ def nvfp4_gemv(
     stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
     row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
     then its SM id (bench/probe_gemv_timeline.py).
-    prefetch (tiled, sm_90+): each program first asks for its whole weight and scale range to be brought into
-    L2 (cp.async.bulk.prefetch.L2, before any PDL wait), so that every byte is requested at once however the
-    warp schedulers order the K loops. pdl_early (with pdl): the next launch may start once every program of
-    this one has started, instead of once all have left their K loops.
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
@@ -923,10 +897,6 @@ def nvfp4_gemv(
         raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
     if stamps is not None and not stages:
         raise ValueError("nvfp4_gemv: stamps are written by the cp.async kernel only (stages >= 2)")
-    if prefetch and not (tiled and cap >= (9, 0)):
-        raise ValueError("nvfp4_gemv: prefetch needs the tiled layout on sm_90+ (cp.async.bulk.prefetch.L2)")
-    if pdl_early and not pdl:
-        raise ValueError("nvfp4_gemv: pdl_early needs pdl")
     if stages == 1 or stages < 0:
         raise ValueError(f"nvfp4_gemv: stages={stages}, expected 0 (register prefetch) or >= 2")
     if depth not in (1, 2, 3):
@@ -963,7 +933,7 @@ def nvfp4_gemv(
         _launch_async(
             (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled,
             sm89, pdl, maxnreg, per_col, bias is not None, acc2=acc2, stamp_ptr=stamps,
-            STAMP=stamps is not None, PREFETCH=prefetch, EARLY=pdl_early,
+            STAMP=stamps is not None,
         )  # fmt: skip
         return y
     tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
