@@ -143,6 +143,7 @@ def _load_llm(
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
         cache_bytes=args.cache_mib << 20 if args.cache_mib else None,
         tp_size=tp.size,
+        cuda_graphs=not getattr(args, "eager", False),
     )
     from k3run.api import load_model
     from k3run.tokenizer import load_tokenizer
@@ -381,6 +382,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         while engine.has_unfinished():
             engine.step()
             bar.update(1)
+        if engine.runner.graphs is not None:  # capture the decode graphs the runs below will replay
+            with torch.inference_mode():
+                engine.runner.graphs.warm_up(max_bs, args.prompt_len + args.decode_tokens)
         for bs in args.batch_sizes:
             for _ in range(bs):
                 engine.add_request(
@@ -439,6 +443,11 @@ def _add_nvfp4_as_fp8(p: argparse.ArgumentParser) -> None:
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-mib", type=_positive_int, default=None, help="cache budget in MiB (checked at start)"
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs",
     )
 
 

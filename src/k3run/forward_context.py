@@ -49,8 +49,20 @@ class ForwardContext:
     # host copies so layers can loop over sequences without device syncs
     seqlens_list: list[int] = field(default_factory=list)
     context_lens_list: list[int] = field(default_factory=list)
+    # static decode (a step that a CUDA graph captures once and replays): every sequence feeds one token,
+    # the device tensors above change between replays but their host copies do not, so layers must not read
+    # context_lens_list; MLA attends over the first attn_window cached positions of each slot, masked by
+    # context_lens (every context_lens[b] < attn_window). None: an ordinary step.
+    attn_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.attn_window is not None:
+            if self.attn_window < 1:
+                raise ValueError(f"ForwardContext: attn_window must be >= 1, got {self.attn_window}")
+            if not self.seqlens_list or any(n != 1 for n in self.seqlens_list):
+                raise ValueError("ForwardContext: a static decode step needs seqlens_list = [1] * B")
+            self.context_lens_list = []  # never read in a static step
+            return
         if not self.seqlens_list:
             self.seqlens_list = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
         if not self.context_lens_list:
@@ -59,6 +71,11 @@ class ForwardContext:
     @property
     def num_seqs(self) -> int:
         return len(self.seqlens_list)
+
+    @property
+    def is_static(self) -> bool:
+        """A static decode step (see attn_window): device-only paths, no host reads of per-step values."""
+        return self.attn_window is not None
 
     @property
     def is_decode(self) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3run.kernels.kda import causal_conv1d, chunk_kda, kda_gate, l2norm, recurrent_kda
+from k3run.kernels.kda import causal_conv1d, causal_conv1d_decode, chunk_kda, kda_gate, l2norm, recurrent_kda
 from k3run.testing import assert_close
 
 # fp32 everywhere below: a few hundred accumulated roundings of O(1) values stay far below 1e-5 relative.
@@ -213,6 +213,25 @@ def test_conv_matches_conv1d_and_continues_from_state() -> None:
         ref = _conv_ref(full, weight)[lens[b] :]
         assert_close(f"conv continued {b}", ref, y2[int(cu2[b]) : int(cu2[b + 1])], rtol=FP32_RTOL)
         assert torch.equal(st2[b], full[-3:].t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_decode_is_the_varlen_conv(dtype: torch.dtype) -> None:
+    """The batched one-token-per-sequence conv (decode steps, no host read of cu_seqlens) does the same fp32
+    products and sums per element as the varlen reference; only SiLU may differ in the last bit (torch's
+    vectorised and scalar exp), so the outputs agree to 2^-22 relative in fp32, to one bf16 rounding
+    (2^-8) in bf16; the states are copies: equal. None means fresh states."""
+    C, W, B = 13, 4, 5
+    weight = torch.randn(C, W)
+    x = torch.randn(B, C).to(dtype)
+    state = torch.randn(B, C, W - 1).to(dtype)
+    for init in (state, None):
+        want = causal_conv1d(x, weight, cu_seqlens=torch.arange(B + 1), initial_state=init)
+        got = causal_conv1d_decode(x, weight, initial_state=init)
+        assert_close("conv decode", want[0], got[0], rtol=2**-22 if dtype == torch.float32 else 2**-8)
+        assert torch.equal(want[1], got[1])
+    with pytest.raises(ValueError, match="initial_state"):
+        causal_conv1d_decode(x, weight, initial_state=state[:, :, :2])
 
 
 def test_conv_bf16_keeps_dtype() -> None:

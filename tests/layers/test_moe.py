@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from k3run.distributed import TPInfo
+from k3run.distributed import NO_TP, TPInfo
 from k3run.formats import (
     dequantize_fp8_block,
     dequantize_nvfp4,
@@ -465,6 +465,34 @@ def test_fused_experts_dispatch_is_the_plain_per_expert_loop():
     got = fused_experts(ex, x, ids, weights)
     assert torch.equal(got, want)
     assert (local < 0).any() and ((local >= 0) & (local < ex.num_local)).any()  # both kinds of picks present
+
+
+def test_dense_experts_match_the_per_expert_loop():
+    """The host-sync-free dense path (what a CUDA graph captures when the grouped launches do not apply):
+    every local expert over every token, times its routing weight or 0, in expert order. fp32: equal to
+    the loop up to the order in which one token's two slots on the same expert are added (~1e-7)."""
+    from k3run.layers.moe import DENSE_MAX_EXPERTS, fused_experts, sync_free_experts
+
+    ex = FusedExperts(
+        8, D, INTER, ACTS["situ"], QuantAlgo.NONE, ep=TPInfo(rank=1, size=2), params_dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        ex.w13_weight.copy_(torch.randn(ex.w13_weight.shape, generator=g) * 0.2)
+        ex.w2_weight.copy_(torch.randn(ex.w2_weight.shape, generator=g) * 0.2)
+    x = torch.randn(T, D, generator=g)
+    weights, ids = route(torch.randn(T, 8, generator=g), torch.zeros(8), 3)
+    ids[0, :2] = 5  # one token's two slots on one expert
+    loop = fused_experts(ex, x, ids, weights)
+    assert_close("dense experts", loop, fused_experts(ex, x, ids, weights, dense=True), rtol=1e-6)
+    with sync_free_experts():
+        assert_close("dense experts (context)", loop, fused_experts(ex, x, ids, weights), rtol=1e-6)
+    assert not bool(fused_experts(ex, x, torch.zeros_like(ids), weights, dense=True).any())  # all remote
+    big = FusedExperts(
+        DENSE_MAX_EXPERTS + 1, D, INTER, ACTS["situ"], QuantAlgo.NONE, ep=NO_TP, params_dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match="17 local experts"):
+        fused_experts(big, x, ids, weights, dense=True)
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ TP=1, and the checkpoint-name table on both namings."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -84,6 +85,55 @@ def test_prefill_then_decode_equals_full_forward(checkpoints, variant):
         # fp32 throughout: the chunked vs recurrent KDA forms and the absorbed vs expanded MLA forms agree
         # to ~1e-7 relative per layer; 1e-5 leaves room for the layers to compound it
         assert_close(f"{variant} seq {b} cached vs full", full[b], torch.cat(got[b]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["kimi_linear", "k3", "k3_mixed"])
+def test_static_decode_step_equals_the_eager_step(checkpoints, variant):
+    """The decode step a CUDA graph captures (ForwardContext.attn_window: MLA attends over a fixed window of
+    each slot, masked by context_lens; KDA zeroes fresh rows with a device mask; the MoE takes its
+    host-sync-free dense path) gives the eager step's logits and leaves the same cache, on CPU, including
+    a fresh sequence whose slot still holds a previous owner's state."""
+    from k3run.layers.moe import sync_free_experts
+
+    model = load_model(checkpoints[variant])
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (9, 4)]
+    cache = model.make_cache(num_slots=4, max_len=24)
+    for layer in cache.layers:  # slot 3 holds stale state of an earlier sequence
+        for t in vars(layer).values():
+            t[3] = torch.randn(t[3].shape, generator=g).to(t.dtype)
+    _step(model, prompts, [0, 0], [2, 0], cache)
+    static_cache = copy.deepcopy(cache)
+    new = [torch.randint(0, VOCAB, (1,), generator=g) for _ in range(3)]
+    context, slots = [9, 4, 0], [2, 0, 3]  # the third sequence feeds its first token
+    want = torch.cat(_step(model, new, context, slots, cache))
+    ctx = ForwardContext(
+        cu_seqlens=torch.arange(4),
+        context_lens=torch.tensor(context),
+        slots=torch.tensor(slots),
+        cache=static_cache,
+        seqlens_list=[1, 1, 1],
+        attn_window=16,  # < max_len: the window, not the whole slot
+    )
+    with torch.no_grad(), sync_free_experts():
+        got = model.compute_logits(model(torch.cat(new), ctx))
+    # fp32: the masked window sums the same terms as the per-sequence attention in another order (~1e-7)
+    assert_close(f"{variant} static vs eager decode", want, got, rtol=1e-5)
+    for i, (a, b) in enumerate(zip(cache.layers, static_cache.layers, strict=True)):
+        for name in vars(a):
+            want_c, got_c = getattr(a, name)[:3].float(), getattr(b, name)[:3].float()
+            assert_close(f"layer {i} cache {name}", want_c, got_c, rtol=1e-5)
+
+
+def test_static_context_checks():
+    with pytest.raises(ValueError, match="attn_window"):
+        ForwardContext(
+            cu_seqlens=torch.arange(2), context_lens=torch.zeros(1), seqlens_list=[1], attn_window=0
+        )
+    with pytest.raises(ValueError, match=r"\[1\] \* B"):
+        ForwardContext(
+            cu_seqlens=torch.tensor([0, 2]), context_lens=torch.zeros(1), seqlens_list=[2], attn_window=8
+        )
 
 
 def _tp_logits(tp: TPInfo, ckpt_dirs: list[str], ids: torch.Tensor) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from k3run.config import ModelConfig
 from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_for
-from k3run.engine.runner import CausalLM, ModelRunner
+from k3run.engine.runner import GRAPH_BATCH_SIZES, CausalLM, GraphDecoder, ModelRunner
 from k3run.engine.sampler import Sampler
 from k3run.engine.scheduler import Scheduler, SchedulerConfig
 from k3run.engine.sequence import (
@@ -42,6 +42,7 @@ class EngineConfig:
     cache_bytes: int | None = None
     seed: int = 0  # generator for requests without their own seed
     tp_size: int = 1  # ranks of the (world) process group sharing the model; every rank runs the engine
+    cuda_graphs: bool = True  # on CUDA: replay decode steps from CUDA graphs where the model allows it
 
 
 class Detokenizer:
@@ -129,25 +130,52 @@ class LLMEngine:
             )
         device, act_dtype = _model_device_dtype(model)  # type: ignore[arg-type]
         layout = cache_layout_for(model.config, act_dtype, self.config.tp_size)
+        graph_batch, self.graph_blocker = self._graph_plan(model, device)
+        graphs = self.graph_blocker is None
         self.cache: CacheManager = build_cache_manager(
             layout,
             device=device,
             max_len=self.config.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.max_num_seqs + graphs,  # + the graph decoder's scratch slot
             cache_bytes=self.config.cache_bytes,
         )
+        decoder = None
+        if graphs and self.cache.num_slots < 2:
+            self.graph_blocker = "the cache holds one sequence, and the graph decoder needs a scratch slot"
+        elif graphs:
+            decoder = GraphDecoder(model, self.cache, graph_batch)
+        if self.graph_blocker is not None and device.type == "cuda":
+            log.info("decode runs eagerly: %s", self.graph_blocker)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=min(self.config.max_num_seqs, self.cache.num_slots),
+                max_num_seqs=min(self.config.max_num_seqs, self.cache.num_free),
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 max_model_len=self.config.max_model_len,
             ),
             self.cache,
         )
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, decoder)
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(self.config.seed))
         self.detokenizer = Detokenizer(tokenizer)
         self._ids = SequenceIds()
+
+    def _graph_plan(self, model: EngineModel, device: torch.device) -> tuple[int, str | None]:
+        """(the largest decode batch replayed from a CUDA graph, None) or (0, why decode runs eagerly).
+        Larger batches than the first run eagerly (the grouped NVFP4 experts have a pick limit, say)."""
+        if not self.config.cuda_graphs:
+            return 0, "CUDA graphs are off (EngineConfig.cuda_graphs / --eager)"
+        if device.type != "cuda":
+            return 0, f"the model is on {device}"
+        check = getattr(model, "static_decode_blocker", None)
+        if check is None:
+            return 0, f"{type(model).__name__} has no static decode step"
+        why = None
+        for b in reversed(GRAPH_BATCH_SIZES):
+            if b < 2 * self.config.max_num_seqs:  # the smallest bucket holding max_num_seqs and below
+                why = check(b)
+                if why is None:
+                    return min(b, self.config.max_num_seqs), None
+        return 0, why
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()

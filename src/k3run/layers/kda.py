@@ -24,7 +24,7 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache
-from k3run.kernels.kda import causal_conv1d, kda_forward
+from k3run.kernels.kda import causal_conv1d, causal_conv1d_decode, kda_forward
 from k3run.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -205,6 +205,9 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"{self.prefix}: recurrent state must be fp32, got {cache.recurrent.dtype}")
         conv0 = cache.conv[ctx.slots].to(dtype)  # [B, 3P, W-1]
         rec0 = cache.recurrent[ctx.slots]  # [B, H, K, V]
+        if ctx.is_static:  # no host copy of context_lens: zero the fresh rows with a device mask
+            old = (ctx.context_lens != 0)[:, None, None]
+            return torch.where(old, conv0, 0), torch.where(old[..., None], rec0, 0)
         fresh = [b for b, c in enumerate(ctx.context_lens_list) if c == 0]
         if fresh:
             # a reused slot still holds its previous owner's state
@@ -232,7 +235,12 @@ class KimiDeltaAttention(nn.Module):
             q, k, v, b, f_a = parts
             gate = self.g_b_proj(self.g_a_proj(x))  # [T, P]
         qkv = torch.cat([q, k, v], dim=-1)  # [T, 3P]
-        qkv, conv_final = causal_conv1d(qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0)
+        if ctx.is_decode:  # one token per sequence: batched, no host read of cu_seqlens
+            qkv, conv_final = causal_conv1d_decode(qkv, self.conv_weight, initial_state=conv0)
+        else:
+            qkv, conv_final = causal_conv1d(
+                qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0
+            )
         q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
         f = self.f_b_proj(f_a).reshape(T, H, K)  # raw forget-gate projection
         # gate, beta sigmoid and q/k L2 norm happen inside kda_forward (in-kernel on the fla GPU path)

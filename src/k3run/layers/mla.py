@@ -217,6 +217,36 @@ class KimiMLA(nn.Module):
             outs.append(torch.einsum("thl,hvl->thv", o_lat, self.w_uv))  # [n, H, d_v]
         return outs
 
+    def _attend_static(
+        self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
+    ) -> torch.Tensor:
+        """A static decode step (ctx.attn_window, one token per sequence, T = B): store each sequence's new
+        latent at position context_lens[b] of its slot, then absorbed attention over the first attn_window
+        positions of the slot with the positions after context_lens[b] masked. Device tensors only, so a
+        CUDA graph can capture it. q [B, H, d_q], latent [B, L + R] -> [B, H, d_v] fp32."""
+        if cache is None or ctx.slots is None:
+            raise ValueError(f"{self.prefix}: a static decode step needs the MLA cache and ctx.slots")
+        if self.w_uk is None or self.w_uv is None:
+            raise RuntimeError(f"{self.prefix}: call process_after_loading() before absorbed attention")
+        store, W = cache.latent, ctx.attn_window
+        assert W is not None
+        if store.dim() != 3 or store.shape[2] != latent.shape[1] or W > store.shape[1]:
+            raise ValueError(
+                f"{self.prefix}: latent cache must be [S, >= {W}, {latent.shape[1]}] for a static step of "
+                f"window {W}, got {tuple(store.shape)}"
+            )
+        dn, L = self.qk_nope_head_dim, self.kv_lora_rank
+        store[ctx.slots, ctx.context_lens] = latent.to(store.dtype)
+        lat = store[:, :W][ctx.slots].float()  # [B, W, L + R]
+        c, k_pe = lat[..., :L], lat[..., L:]
+        qf = q.float()
+        q_lat = torch.einsum("bhd,hdl->bhl", qf[..., :dn], self.w_uk)  # [B, H, L]
+        scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", qf[..., dn:], k_pe)
+        visible = torch.arange(W, device=q.device)[None, :] <= ctx.context_lens[:, None]  # [B, W]
+        p = torch.softmax((scores * self.scale).masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        o_lat = torch.einsum("bhs,bsl->bhl", p, c)  # [B, H, L]
+        return torch.einsum("bhl,hvl->bhv", o_lat, self.w_uv)  # [B, H, d_v]
+
     @staticmethod
     def _causal_softmax(scores: torch.Tensor, offset: int) -> torch.Tensor:
         """scores [H, n, N] fp32 for queries at positions offset..offset+n-1 over keys 0..N-1."""
@@ -242,11 +272,13 @@ class KimiMLA(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
         latent = torch.cat([c, kv_a[:, self.kv_lora_rank :]], dim=-1)  # [T, L + R]
-        lats = self._sequence_latents(latent, ctx, layer_cache)
-
-        absorbed = self.absorb == "always" or (self.absorb == "decode" and ctx.is_decode)
-        attend = self._attend_absorbed if absorbed else self._attend_expanded
-        o = torch.cat(attend(q, lats, ctx))  # [T, H, d_v] fp32
+        if ctx.is_static:
+            o = self._attend_static(q, latent, ctx, layer_cache)  # [T, H, d_v] fp32
+        else:
+            lats = self._sequence_latents(latent, ctx, layer_cache)
+            absorbed = self.absorb == "always" or (self.absorb == "decode" and ctx.is_decode)
+            attend = self._attend_absorbed if absorbed else self._attend_expanded
+            o = torch.cat(attend(q, lats, ctx))  # [T, H, d_v] fp32
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float().reshape(T, H, self.v_head_dim))
         return self.o_proj(o.to(x.dtype).reshape(T, H * self.v_head_dim))

@@ -19,6 +19,9 @@ these alphas. W4A16 mode (Hopper/Marlin) keeps activations 16-bit: a13 = a2 = 1 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -504,11 +507,15 @@ def fused_experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     grouped: bool | None = None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
     """The one dispatch point for the routed-expert computation.
 
     Decode on NVFP4 kernels (`experts.grouped_ok`; grouped=False forces the loop): two grouped launches
-    over all picks, no host synchronisation (`_fused_experts_grouped`). Otherwise a loop over the local
+    over all picks, no host synchronisation (`_fused_experts_grouped`). While a CUDA graph is being captured
+    (or dense=True) and the grouped path does not apply: every local expert over every token, weighted by
+    its routing weight (0 where not picked), also without a host synchronisation (`_fused_experts_dense`;
+    up to DENSE_MAX_EXPERTS local experts). Otherwise a loop over the local
     experts that were hit: the (token, slot) picks are grouped by expert with one stable sort, and the
     per-expert counts are read back once: one host synchronisation per call (a nonzero() per expert would
     cost one each). Within an expert the picks stay in (token, slot) order, so the fp32 accumulation order
@@ -516,6 +523,10 @@ def fused_experts(
     """
     if grouped is not False and experts.grouped_ok(x, ids):
         return _fused_experts_grouped(experts, x, ids, weights)
+    if dense is None:
+        dense = _SYNC_FREE.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if dense:
+        return _fused_experts_dense(experts, x, ids, weights)
     out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
     picks = ids.shape[1]
     local = (ids - experts.first).reshape(-1)
@@ -532,6 +543,56 @@ def fused_experts(
         tok, slot = sel // picks, sel % picks
         y = experts.expert(e, x[tok])
         out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
+    return out
+
+
+DENSE_MAX_EXPERTS = 16  # the dense path computes every local expert for every token
+_SYNC_FREE: contextvars.ContextVar[bool] = contextvars.ContextVar("k3run_moe_sync_free", default=False)
+
+
+@contextlib.contextmanager
+def sync_free_experts() -> Iterator[None]:
+    """Within: fused_experts never reads back from the device (the grouped or the dense path). The CUDA-graph
+    runner wraps its warm-up step in it, so the warm-up compiles the kernels that the capture records."""
+    token = _SYNC_FREE.set(True)
+    try:
+        yield
+    finally:
+        _SYNC_FREE.reset(token)
+
+
+def experts_sync_free(
+    experts: FusedExperts, tokens: int, top_k: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """None when fused_experts can run `tokens` decode tokens (top_k picks each) of `dtype` on `device`
+    without a host read-back, else why not (for the CUDA-graph runner's start-up check)."""
+    x = torch.empty(tokens, experts.hidden_size, dtype=dtype, device=device)
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64, device=device)
+    if experts.grouped_ok(x, ids) or experts.num_local <= DENSE_MAX_EXPERTS:
+        return None
+    return (
+        f"{experts.prefix}: {experts.num_local} local experts need the grouped NVFP4 path for "
+        f"{tokens} tokens (the dense fallback takes <= {DENSE_MAX_EXPERTS})"
+    )
+
+
+def _fused_experts_dense(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """fused_experts without a host synchronisation for any expert kind: each local expert runs over all T
+    tokens and adds its output times the token's routing weight for it (0 where not picked: an exact +0
+    for finite outputs). The contributions are added in expert order, as in the loop. Costs num_local / A
+    times the loop's expert work: for small expert counts (the bundled model) under a CUDA graph."""
+    if experts.num_local > DENSE_MAX_EXPERTS:
+        raise ValueError(
+            f"{experts.prefix}: the dense expert path runs every local expert on every token; "
+            f"{experts.num_local} local experts is over its limit of {DENSE_MAX_EXPERTS}"
+        )
+    local = ids - experts.first  # [T, A]
+    out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
+    for e in range(experts.num_local):
+        coef = (weights.float() * (local == e)).sum(1, keepdim=True)  # [T, 1]
+        out += experts.expert(e, x).float() * coef
     return out
 
 

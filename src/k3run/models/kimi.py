@@ -32,7 +32,7 @@ from k3run.layers.kda import KimiDeltaAttention
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from k3run.layers.mla import KimiMLA
 from k3run.layers.mlp import GatedMLP
-from k3run.layers.moe import KimiMoE, NvFp4ActMode, RouterConfig
+from k3run.layers.moe import KimiMoE, NvFp4ActMode, RouterConfig, experts_sync_free
 from k3run.layers.norm import RMSNorm, norm_weight_loader
 from k3run.loader import IGNORE, Target
 from k3run.quant.algo import QuantAlgo
@@ -223,9 +223,9 @@ class KimiForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids: expected a 1-D [T] tensor, got shape {tuple(input_ids.shape)}")
-        if int(ctx.cu_seqlens[-1]) != input_ids.shape[0]:
+        if sum(ctx.seqlens_list) != input_ids.shape[0]:  # the host copy: no device sync
             raise ValueError(
-                f"input_ids: {input_ids.shape[0]} tokens but ctx.cu_seqlens ends at {int(ctx.cu_seqlens[-1])}"
+                f"input_ids: {input_ids.shape[0]} tokens but ctx's sequences hold {sum(ctx.seqlens_list)}"
             )
         caches: Sequence[KDALayerCache | MLALayerCache | None]
         caches = ctx.cache.layers if ctx.cache is not None else [None] * len(self.layers)
@@ -238,6 +238,30 @@ class KimiForCausalLM(nn.Module):
         if isinstance(h, AttnResState):
             h = self.output_attn_res(h.candidates())
         return self.norm(h)
+
+    def static_decode_blocker(self, batch_size: int) -> str | None:
+        """None when a decode step of `batch_size` sequences can run as a static step (ForwardContext
+        attn_window) that a CUDA graph captures, else the first reason it cannot, naming the layer."""
+        device = self.embed_tokens.weight.device
+        if device.type != "cuda":
+            return f"the model is on {device}, CUDA graphs need a CUDA device"
+        if self.tp.size > 1:
+            return f"tensor parallel over {self.tp.size} ranks (collectives are not captured yet)"
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                from k3run.kernels.kda import kda_backend
+
+                if kda_backend(device) != "fla":
+                    return f"{attn.prefix}: KDA runs the reference (fla-core is not installed)"
+            elif attn.w_uk is None:
+                return f"{attn.prefix}: no absorbed kv_b factors (process_after_loading not called)"
+            if isinstance(layer.mlp, KimiMoE):
+                top_k = self.config.num_experts_per_token
+                why = experts_sync_free(layer.mlp.experts, batch_size, top_k, self.params_dtype, device)
+                if why is not None:
+                    return why
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

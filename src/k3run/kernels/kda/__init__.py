@@ -19,6 +19,7 @@ import torch
 from k3run.kernels.kda.ref import (
     CHUNK_SIZE,
     L2NORM_EPS,
+    causal_conv1d_decode_ref,
     causal_conv1d_ref,
     chunk_kda_ref,
     kda_gate,
@@ -30,6 +31,7 @@ __all__ = [
     "CHUNK_SIZE",
     "L2NORM_EPS",
     "causal_conv1d",
+    "causal_conv1d_decode",
     "chunk_kda",
     "kda_backend",
     "kda_forward",
@@ -156,3 +158,10 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU with conv states; x [T, C], weight [C, W], states [B, C, W-1]."""
     return causal_conv1d_ref(x, weight, cu_seqlens, initial_state)
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d for one token per sequence (x [B, C], states [B, C, W-1]), batched, device-only."""
+    return causal_conv1d_decode_ref(x, weight, initial_state)

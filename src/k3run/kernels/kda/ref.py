@@ -240,3 +240,27 @@ def causal_conv1d_ref(
         y[s:e] = F.silu(acc).transpose(0, 1).to(x.dtype)
         final[b] = window[:, window.shape[1] - (W - 1) :]
     return y, final
+
+
+def causal_conv1d_decode_ref(
+    x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d_ref when every sequence feeds one token (B = T), batched: no host read of cu_seqlens,
+    the same fp32 operations per element (so the same bits). x [B, C]; weight [C, W]; initial_state
+    [B, C, W-1] or None (all fresh). Returns y [B, C] in x.dtype and the new states [B, C, W-1]."""
+    B, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"causal_conv1d: weight must be [C={C}, W], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if initial_state is None:
+        initial_state = x.new_zeros(B, C, W - 1)
+    elif tuple(initial_state.shape) != (B, C, W - 1):
+        raise ValueError(
+            f"causal_conv1d: initial_state must be {(B, C, W - 1)}, got {tuple(initial_state.shape)}"
+        )
+    window = torch.cat([initial_state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, W]
+    wf = weight.float()
+    acc = torch.zeros(B, C, dtype=torch.float32, device=x.device)
+    for j in range(W):
+        acc += wf[:, j] * window[:, :, j].float()
+    return F.silu(acc).to(x.dtype), window[:, :, 1:]
