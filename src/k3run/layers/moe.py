@@ -219,6 +219,7 @@ class FusedExperts(nn.Module):
         # process_after_loading (CUDA, w4a16, D and I multiples of 128); True/False force it (tests)
         self.nvfp4_kernels: bool | None = None
         self._kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # gs13 [E_l, 2I], gs2 [E_l, 1]
+        self._ref_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cache_reference_weights
         self._split128 = False  # expert weights repacked in place to the kernel layout (CUDA)
         self._tiled = False  # ... and that layout is tiled128 (where the cp.async decode kernel runs)
         self._filled: set[tuple[str, int, str]] = set()
@@ -467,20 +468,40 @@ class FusedExperts(nn.Module):
             h = self.activation.on_halves(gu[:, :i], gu[:, i:])
         return nvfp4_linear(h.to(x.dtype), w2)
 
+    def _nvfp4_block_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference expert e's codes times block scales, fp32 (w13 [2I, D], w2 [D, I]); the global scales
+        live in the alphas, as in the kernel. From the cache `cache_reference_weights` fills, else decoded
+        now (the decode validates its scales on the host: no CUDA-graph capture)."""
+        if self._ref_weights is not None:
+            return self._ref_weights[e]
+        if self.w13_weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{self.prefix}: the NVFP4 reference experts decode their weights on the host side; call "
+                "cache_reference_weights() before capturing a CUDA graph"
+            )
+        w13_codes, w13_scale, w2_codes, w2_scale = self.nvfp4_expert_tensors(e)
+        return dequantize_nvfp4(w13_codes, w13_scale, 1.0), dequantize_nvfp4(w2_codes, w2_scale, 1.0)
+
+    def cache_reference_weights(self) -> None:
+        """Keep every local NVFP4 reference expert's decoded weights (fp32) so the dense path needs no host
+        work: for CUDA graphs of models whose experts cannot take the kernels (D or I not multiples of 128).
+        Costs 8x the NVFP4 bytes of the local experts; the dense path allows at most DENSE_MAX_EXPERTS."""
+        if self.algo != QuantAlgo.NVFP4 or self.nvfp4_kernels or self._ref_weights is not None:
+            return
+        self._ref_weights = [self._nvfp4_block_weights(e) for e in range(self.num_local)]
+
     def _nvfp4_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         s = self.scales
         if s is None:
             raise RuntimeError(f"{self.prefix}: process_after_loading() was not called")
         if self.nvfp4_kernels:
             return self._nvfp4_expert_kernels(e, x)
-        w13_codes, w13_scale, w2_codes, w2_scale = self.nvfp4_expert_tensors(e)
+        w13, w2 = self._nvfp4_block_weights(e)
         i = self.intermediate_size
         w4a4 = self.nvfp4_act_mode == "w4a4"
         xin = x.float() * s.a1_gscale
         if w4a4:
             xin = nvfp4_qdq(xin, 1.0)
-        # Codes times block scales only; the global scales live in the alphas, as in the kernel.
-        w13 = dequantize_nvfp4(w13_codes, w13_scale, 1.0)  # [2I, D]
         acc = xin @ w13.t()  # [n, 2I] fp32 GEMM1 accumulator
         gate = acc[:, :i] * s.g1_alphas[e, 0]
         if self.activation.kind == "silu":
@@ -490,7 +511,6 @@ class FusedExperts(nn.Module):
             h = self.activation.on_halves(gate, up).float() * s.g1_scale_c[e]
         # h is already in GEMM2's encoded input domain (times a2_gscale)
         h = nvfp4_qdq(h, 1.0) if w4a4 else h.to(x.dtype).float()
-        w2 = dequantize_nvfp4(w2_codes, w2_scale, 1.0)  # [D, I]
         return ((h @ w2.t()) * s.g2_alphas[e]).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -588,6 +608,8 @@ def _fused_experts_dense(
             f"{experts.prefix}: the dense expert path runs every local expert on every token; "
             f"{experts.num_local} local experts is over its limit of {DENSE_MAX_EXPERTS}"
         )
+    if x.is_cuda:  # the NVFP4 reference experts decode on the host side: decode once, outside any capture
+        experts.cache_reference_weights()
     local = ids - experts.first  # [T, A]
     out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
     for e in range(experts.num_local):
