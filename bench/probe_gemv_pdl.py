@@ -9,8 +9,7 @@
    programs: 2x / 4x fewer programs to dispatch), split_k halved / doubled or fixed (sk4 / sk6 / sk8),
    stages (st3), register caps (r80), `wave` / `old` (choose_config's split rule since / before session 11).
    Results must match the base launch bit for bit (same split_k) or to fp32 summation order (split_k
-   changed). A variant that does not apply to a shape prints n/a. Session 12: pf1 / pf2 / pf3 (the lines of
-   K tile i + d + 1 prefetched into L2 while tile i is decoded), pf2r64 (the same at a 64-register cap).
+   changed). A variant that does not apply to a shape prints n/a.
 
 Same timing method as bench_gemv.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
 
@@ -57,11 +56,6 @@ VARIANTS = {
     "sk8": dict(split=8),
     "sk6r80": dict(split=6, maxnreg=80),
     "sk8r80": dict(split=8, maxnreg=80),
-    # session 12: prefetch.global.L2 of K tile i + d + 1 while tile i is decoded (d = 1, 2), and at 64 regs
-    "pf1": dict(l2_prefetch=1),
-    "pf2": dict(l2_prefetch=2),
-    "pf3": dict(l2_prefetch=3),
-    "pf2r64": dict(l2_prefetch=2, maxnreg=64),
 }
 
 

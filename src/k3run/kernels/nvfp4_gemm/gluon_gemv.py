@@ -368,16 +368,6 @@ def _gdc(ASM: gl.constexpr):
 
 
 @gluon.jit
-def _l2_prefetch_lines(ptr, ok):
-    """Where ok: prefetch.global.L2 of the 128-byte line at ptr (no destination register, nothing to wait
-    for: the line is in L2 when a later cp.async asks for it)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(gl.int64, bitcast=True), ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _globaltimer():
     """The GPU's global nanosecond timer (32 ns steps on the H200: bench/probe_gemv_timeline.py)."""
     return gl.inline_asm_elementwise(
@@ -606,13 +596,10 @@ def _async_step(
     K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
-    DT: gl.constexpr, SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True, pf_ptr=None,
-    pf_step=None, pf_ok=None, PF: gl.constexpr = 0,
+    DT: gl.constexpr, SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
 ):  # fmt: skip
     """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
-    the caller's loop only runs while that tile exists), decode, two mma. PF > 0 (with ISSUE): also ask L2
-    for the lines of tile i + STAGES - 1 + PF (pf_ptr / pf_step / pf_ok: one line per lane, see the
-    kernel)."""
+    the caller's loop only runs while that tile exists), decode, two mma."""
     kt = i * BK
     x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
     if ISSUE:
@@ -624,9 +611,6 @@ def _async_step(
         nxt = i + STAGES - 1
         _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
                     N_TILES, BK, TILED, True)  # fmt: skip
-        if PF > 0:
-            far = nxt + PF
-            _l2_prefetch_lines(pf_ptr + far * pf_step, pf_ok & (far < N_TILES))
     slot = i % STAGES
     p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
     sw = smem_s.index(slot)
@@ -660,7 +644,7 @@ def _nvfp4_gemv_async_kernel(
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
     stamp_ptr=None, STAMP: gl.constexpr = False, ids_ptr=None, n_experts=0, slot_div=1, w_estride=0,
-    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, PF: gl.constexpr = 0,
+    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
@@ -740,23 +724,6 @@ def _nvfp4_gemv_async_kernel(
 
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
-    pf_ptr = w_ptr
-    pf_step = 0
-    pf_ok = False
-    if PF > 0:  # tiled128, one 16-row block per program: a K tile is 8 lines of words + 1 line of scales;
-        # lane l < 8 prefetches word line l of a tile, lane 8 its scale line (int32 pointers: 32 per line)
-        L1: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        lane = gl.arange(0, 32, layout=L1)
-        rb0 = (pid_n * BN // 16).to(gl.int64) * CH + k_start // 128  # the program's first tile
-        w_line = w_ptr + (rb0 * 256 + lane * 32)
-        s_line = s_ptr + rb0 * 32 + lane * 0
-        pf_ptr = gl.where(lane < 8, w_line, s_line)
-        pf_step = gl.where(lane < 8, 256, 32)
-        pf_ok = lane <= 8
-        if GROUPED:
-            pf_ok = pf_ok & hit
-        for d in gl.static_range(PF):  # the tiles between the staged ones and the loop's first prefetch
-            _l2_prefetch_lines(pf_ptr + (STAGES - 1 + d) * pf_step, pf_ok & (STAGES - 1 + d < N_TILES))
     if PDL and not GROUPED:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
         _gdc("griddepcontrol.wait;")
     if STAMP:
@@ -769,7 +736,6 @@ def _nvfp4_gemv_async_kernel(
         acc, acc2 = _async_step(
             acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            pf_ptr, pf_step, pf_ok, PF,
         )  # fmt: skip
     for i in range(MAIN, N_TILES):
         acc, acc2 = _async_step(
@@ -882,7 +848,6 @@ def nvfp4_gemv(
     acc2: bool = False,
     pdl: bool | None = None,
     stamps: torch.Tensor | None = None,
-    l2_prefetch: int = 0,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -904,8 +869,6 @@ def nvfp4_gemv(
     stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
     row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
     then its SM id (bench/probe_gemv_timeline.py).
-    l2_prefetch (tiled, one warp, sm_80+): d > 0 asks L2 for the lines of K tile i + d + stages - 1 while
-    tile i is decoded (prefetch.global.L2: no registers or shared memory held), a deeper pipeline for free.
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
@@ -934,8 +897,6 @@ def nvfp4_gemv(
         raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
     if stamps is not None and not stages:
         raise ValueError("nvfp4_gemv: stamps are written by the cp.async kernel only (stages >= 2)")
-    if l2_prefetch and not (tiled and num_warps == 1):
-        raise ValueError("nvfp4_gemv: l2_prefetch needs the tiled layout and one-warp programs")
     if stages == 1 or stages < 0:
         raise ValueError(f"nvfp4_gemv: stages={stages}, expected 0 (register prefetch) or >= 2")
     if depth not in (1, 2, 3):
@@ -972,7 +933,7 @@ def nvfp4_gemv(
         _launch_async(
             (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled,
             sm89, pdl, maxnreg, per_col, bias is not None, acc2=acc2, stamp_ptr=stamps,
-            STAMP=stamps is not None, PF=l2_prefetch,
+            STAMP=stamps is not None,
         )  # fmt: skip
         return y
     tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
