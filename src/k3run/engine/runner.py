@@ -129,7 +129,7 @@ class GraphDecoder:
         )
         self.inputs[:, :b].copy_(host)
         graph.replay()
-        return out[:n]
+        return out[:n].clone()  # the next replay overwrites `out`
 
 
 class ModelRunner:
