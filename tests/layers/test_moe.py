@@ -495,6 +495,26 @@ def test_dense_experts_match_the_per_expert_loop():
         fused_experts(big, x, ids, weights, dense=True)
 
 
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_nvfp4_reference_experts_batched_match_the_loop(act_name, dtype):
+    """NVFP4 reference experts (no kernels) with their decoded weights cached (what the CUDA-graph path
+    does): the dense path runs all experts as batched matmuls with the per-expert alphas broadcast. fp32:
+    the loop's operations in another summation order (~1e-6); bf16: GEMM1's h and each expert's output are
+    rounded to bf16 in both, one bf16 ulp apart where the fp32 sums round differently: 2^-8."""
+    from k3run.layers.moe import fused_experts
+
+    ex, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False, dtype=dtype)
+    loop = fused_experts(ex, x, ids, weights)
+    ex.cache_reference_weights()
+    assert ex._ref_stack is not None and ex._ref_stack[0].shape == (4, 256, 128)
+    assert_close(
+        f"dense nvfp4 {act_name}", loop, fused_experts(ex, x, ids, weights, dense=True),
+        rtol=1e-6 if dtype == torch.float32 else 2**-8,
+    )  # fmt: skip
+    assert_close(f"cached loop {act_name}", loop, fused_experts(ex, x, ids, weights), rtol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
 def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):

@@ -220,6 +220,7 @@ class FusedExperts(nn.Module):
         self.nvfp4_kernels: bool | None = None
         self._kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # gs13 [E_l, 2I], gs2 [E_l, 1]
         self._ref_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cache_reference_weights
+        self._ref_stack: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, stacked over experts
         self._split128 = False  # expert weights repacked in place to the kernel layout (CUDA)
         self._tiled = False  # ... and that layout is tiled128 (where the cp.async decode kernel runs)
         self._filled: set[tuple[str, int, str]] = set()
@@ -489,6 +490,10 @@ class FusedExperts(nn.Module):
         if self.algo != QuantAlgo.NVFP4 or self.nvfp4_kernels or self._ref_weights is not None:
             return
         self._ref_weights = [self._nvfp4_block_weights(e) for e in range(self.num_local)]
+        self._ref_stack = (
+            torch.stack([w13 for w13, _ in self._ref_weights]),
+            torch.stack([w2 for _, w2 in self._ref_weights]),
+        )
 
     def _nvfp4_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         s = self.scales
@@ -599,10 +604,11 @@ def experts_sync_free(
 def _fused_experts_dense(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """fused_experts without a host synchronisation for any expert kind: each local expert runs over all T
-    tokens and adds its output times the token's routing weight for it (0 where not picked: an exact +0
-    for finite outputs). The contributions are added in expert order, as in the loop. Costs num_local / A
-    times the loop's expert work: for small expert counts (the bundled model) under a CUDA graph."""
+    """fused_experts without a host synchronisation for any expert kind: every local expert runs over all T
+    tokens and its output is added times the token's routing weight for it (0 where not picked: an exact +0
+    for finite outputs). Costs num_local / A times the loop's expert work: for small expert counts (the
+    bundled model) under a CUDA graph. bf16 and NVFP4 reference experts run as a handful of batched
+    operations over all experts (`_all_experts`, a graph of few kernels); FP8_PB_WO experts one by one."""
     if experts.num_local > DENSE_MAX_EXPERTS:
         raise ValueError(
             f"{experts.prefix}: the dense expert path runs every local expert on every token; "
@@ -610,12 +616,46 @@ def _fused_experts_dense(
         )
     if x.is_cuda:  # the NVFP4 reference experts decode on the host side: decode once, outside any capture
         experts.cache_reference_weights()
+    t, el = x.shape[0], experts.num_local
     local = ids - experts.first  # [T, A]
-    out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
-    for e in range(experts.num_local):
-        coef = (weights.float() * (local == e)).sum(1, keepdim=True)  # [T, 1]
-        out += experts.expert(e, x).float() * coef
+    hit = (local >= 0) & (local < el)
+    coef = torch.zeros(t, el + 1, dtype=torch.float32, device=x.device)  # column el collects the misses
+    coef.scatter_add_(1, torch.where(hit, local, el), weights.float())
+    coef = coef[:, :el].t()  # [E_l, T]: each expert's routing weight per token
+    y = _all_experts(experts, x)  # [E_l, T, D] or None
+    if y is not None:
+        return (y.float() * coef.unsqueeze(-1)).sum(0)
+    out = torch.zeros(t, experts.hidden_size, dtype=torch.float32, device=x.device)
+    for e in range(el):
+        out += experts.expert(e, x).float() * coef[e].unsqueeze(-1)
     return out
+
+
+def _all_experts(experts: FusedExperts, x: torch.Tensor) -> torch.Tensor | None:
+    """Every local expert on every row of x [T, D] at once -> [E_l, T, D] in x's dtype, with the same
+    operations as `FusedExperts.expert` per expert (batched matmuls); None for the kinds it does not batch."""
+    if experts.algo == QuantAlgo.NONE:
+        h = experts.activation(torch.matmul(x, experts.w13_weight.to(x.dtype).transpose(1, 2)))  # [E, T, 2I]
+        return torch.matmul(h, experts.w2_weight.to(x.dtype).transpose(1, 2))
+    if experts.algo != QuantAlgo.NVFP4 or experts.nvfp4_kernels or experts._ref_stack is None:
+        return None
+    s = experts.scales
+    assert s is not None
+    w13, w2 = experts._ref_stack  # fp32 [E, 2I, D], [E, D, I]: codes times block scales
+    i = experts.intermediate_size
+    w4a4 = experts.nvfp4_act_mode == "w4a4"
+    xin = x.float() * s.a1_gscale
+    if w4a4:
+        xin = nvfp4_qdq(xin, 1.0)
+    acc = torch.matmul(xin, w13.transpose(1, 2))  # [E, T, 2I] fp32 GEMM1 accumulators
+    gate = acc[..., :i] * s.g1_alphas[:, 0, None, None]
+    if experts.activation.kind == "silu":
+        h = torch.nn.functional.silu(gate) * acc[..., i:] * s.g1_scale_c[:, None, None]
+    else:
+        up = acc[..., i:] * s.g1_alphas[:, 1, None, None]
+        h = experts.activation.on_halves(gate, up).float() * s.g1_scale_c[:, None, None]
+    h = nvfp4_qdq(h, 1.0) if w4a4 else h.to(x.dtype).float()
+    return (torch.matmul(h, w2.transpose(1, 2)) * s.g2_alphas[:, None, None]).to(x.dtype)
 
 
 def _fused_experts_grouped(
