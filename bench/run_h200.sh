@@ -35,8 +35,12 @@ for stage in "${stages[@]}"; do
         | tee "$OUT/bench_linear_stdout.txt" | grep -v '^{' ;;
     probe) python3 bench/probe_scaled_mm.py >"$OUT/probe_scaled_mm.txt" 2>&1; tail -5 "$OUT/probe_scaled_mm.txt" ;;
     host) timeout 200 python3 bench/probe_host_overhead.py 2>&1 | tee "$OUT/probe_host.txt" | tail -8 ;;
-    model) timeout 200 python3 -m k3run.cli bench assets/default-model-k3-mixed --device cuda --dtype bf16 \
-        --batch-sizes 1,8 --prompt-len 64 --decode-tokens 64 --no-progress 2>&1 | tee "$OUT/model_bench.txt" | tail -4 ;;
+    model) for mode in "" --eager; do  # decode from CUDA graphs, then eagerly
+            timeout 200 python3 -m k3run.cli bench assets/default-model-k3-mixed --device cuda --dtype bf16 \
+                --batch-sizes 1,8 --prompt-len 64 --decode-tokens 64 --no-progress $mode 2>&1 \
+                | tee "$OUT/model_bench$mode.txt" | tail -4
+        done
+        timeout 120 python3 bench/probe_graph_step.py --batch-sizes 1,8 2>&1 | tee "$OUT/graph_step.txt" | tail -4 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
     esac
     [ $? -ne 0 ] && rc=1
