@@ -223,6 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"k3run serve needs the serve extra (pip install 'k3run[serve]'): {e}") from e
     model_dir = _model_dir(args.model)
     llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
+    llm.engine.runner.warm_up_graphs(args.max_num_seqs, 1)  # the shortest window's graphs before serving
     from k3run.serve import OpenAIServer, build_app, follow
 
     if _rank() != 0:  # tensor parallel: rank 0 serves HTTP, the other ranks mirror its engine
@@ -382,9 +383,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         while engine.has_unfinished():
             engine.step()
             bar.update(1)
-        if engine.runner.graphs is not None:  # capture the decode graphs the runs below will replay
-            with torch.inference_mode():
-                engine.runner.graphs.warm_up(max_bs, args.prompt_len + args.decode_tokens)
+        # capture the decode graphs the runs below will replay
+        engine.runner.warm_up_graphs(max_bs, args.prompt_len + args.decode_tokens)
         for bs in args.batch_sizes:
             for _ in range(bs):
                 engine.add_request(

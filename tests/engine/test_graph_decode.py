@@ -8,12 +8,14 @@ windows (a context that crosses 256 tokens captures the 512 window), with inputs
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
 from k3run.engine import LLM, EngineConfig, SamplingParams
+from k3run.engine.runner import GraphCaptureError
 from k3run.forward_context import ForwardContext, KDALayerCache, MLALayerCache, ModelCache
 from k3run.testing import assert_close
 
@@ -28,6 +30,40 @@ def test_cpu_engine_runs_eagerly_and_says_why(toy_llm) -> None:
     assert "off" in (off.engine.graph_blocker or "")
     # no scratch slot is taken when there are no graphs: every slot serves a sequence
     assert off.engine.cache.num_free == off.engine.cache.num_slots
+
+
+class _FailingDecoder:
+    """Stands in for a GraphDecoder whose capture fails (a host sync the capture refuses, say)."""
+
+    max_batch = 8
+
+    def bucket(self, n: int) -> int:
+        return 8
+
+    def warm_up(self, max_batch: int, longest: int) -> int:
+        raise GraphCaptureError("capturing the decode step (batch 8, attention window 256) failed: warm-up")
+
+    def run(self, ids: list[int], slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
+        raise GraphCaptureError("capturing the decode step (batch 8, attention window 256) failed: step")
+
+
+def test_a_failed_capture_falls_back_to_eager_decoding(toy_llm, caplog) -> None:
+    """A capture failure is logged with its reason and the engine decodes eagerly from then on: the same
+    tokens as an engine without graphs; at warm-up (bench, serve) likewise."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["ab", "hello", "x"]
+    want = [o.token_ids for o in toy_llm().generate(prompts, params)]
+    llm = toy_llm()
+    runner = llm.engine.runner
+    runner.graphs = _FailingDecoder()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="k3run.engine.runner"):
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert runner.graphs is None and "failed: step" in (runner.graph_error or "")
+    assert "decode runs eagerly from now on" in caplog.text
+    runner.graphs = _FailingDecoder()  # type: ignore[assignment]
+    runner.warm_up_graphs(4, 64)
+    assert runner.graphs is None and "failed: warm-up" in (runner.graph_error or "")
 
 
 def test_eager_flag_reaches_the_engine_config() -> None:

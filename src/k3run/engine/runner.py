@@ -29,6 +29,11 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode step failed (an operation that cannot be captured, say); the runner then decodes
+    eagerly from that step on."""
+
+
 class GraphDecoder:
     """Decode steps captured as CUDA graphs, one per (batch bucket, attention window).
 
@@ -92,8 +97,13 @@ class GraphDecoder:
             self._step(b, w)  # compiles every kernel the capture will record
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with sync_free_experts(), torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(b, w)
+        try:
+            with sync_free_experts(), torch.cuda.graph(graph, pool=self.pool):
+                out = self._step(b, w)
+        except Exception as e:  # what a capture refuses: host syncs, pageable copies, ...
+            raise GraphCaptureError(
+                f"capturing the decode step (batch {b}, attention window {w}) failed: {type(e).__name__}: {e}"
+            ) from e
         log.info("captured the decode step for batch %d, attention window %d", b, w)
         return graph, out
 
@@ -138,6 +148,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.graphs = graphs
+        self.graph_error: str | None = None  # why graphs were turned off after a failed capture
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         ids: list[int] = []
@@ -170,6 +181,23 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx  # [T]
 
+    def disable_graphs(self, why: str) -> None:
+        """Decode eagerly from now on (the graphs' scratch slot stays reserved)."""
+        log.warning("decode runs eagerly from now on: %s", why)
+        self.graphs = None
+        self.graph_error = why
+
+    def warm_up_graphs(self, max_batch: int, longest: int) -> None:
+        """Capture the decode graphs for batches of up to max_batch and contexts of up to `longest` tokens
+        now (no-op without graphs; a capture failure turns them off, as in `run`)."""
+        if self.graphs is None:
+            return
+        try:
+            with torch.inference_mode():
+                self.graphs.warm_up(max_batch, longest)
+        except GraphCaptureError as e:
+            self.disable_graphs(str(e))
+
     def _graph_step(self, batch: Batch) -> bool:
         """Whether this step replays a decode graph: graphs on, every sequence one token (a slot, room in the
         cache), no prompt log-probabilities wanted, and a bucket that holds the batch."""
@@ -190,12 +218,16 @@ class ModelRunner:
         of every position they feed in `self.prompt_logits[b]` ([n_b, vocab] fp32, set by each call)."""
         if self._graph_step(batch):
             assert self.graphs is not None
-            self.prompt_logits = {}
             seqs = batch.seqs
-            logits = self.graphs.run(
-                [s.all_token_ids[s.num_cached] for s in seqs], [s.slot for s in seqs],  # type: ignore[misc]
-                [s.num_cached for s in seqs],
-            )  # fmt: skip
+            try:
+                logits = self.graphs.run(
+                    [s.all_token_ids[s.num_cached] for s in seqs], [s.slot for s in seqs],  # type: ignore[misc]
+                    [s.num_cached for s in seqs],
+                )  # fmt: skip
+            except GraphCaptureError as e:
+                self.disable_graphs(str(e))
+                return self.run(batch)
+            self.prompt_logits = {}
             rows = [b for b in range(len(seqs)) if batch.samples(b)]
             if not rows:
                 return rows, None
