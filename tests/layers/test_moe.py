@@ -441,20 +441,27 @@ def test_gpu_nvfp4_experts_use_the_kernels(act_name):
     assert_close(f"gpu experts {act_name}", ex_ref(x.float(), ids, weights), out, rtol=2.0**-7)
 
 
-def test_fused_experts_dispatch_is_the_plain_per_expert_loop():
-    """The sort-based dispatch (one host sync) gives bit for bit what a loop over experts with nonzero() does,
-    including picks that land on other EP ranks' experts."""
-    from k3run.layers.moe import fused_experts
-
+def _bf16_ep_case(seed: int):
+    """Unquantized experts on EP rank 1 of 2 (local experts 4..7 of 8), fp32, and T tokens routed top-3 over
+    all 8 (so some picks are other ranks' experts)."""
     ex = FusedExperts(
         8, D, INTER, ACTS["situ"], QuantAlgo.NONE, ep=TPInfo(rank=1, size=2), params_dtype=torch.float32
     )
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         ex.w13_weight.copy_(torch.randn(ex.w13_weight.shape, generator=g) * 0.2)
         ex.w2_weight.copy_(torch.randn(ex.w2_weight.shape, generator=g) * 0.2)
     x = torch.randn(T, D, generator=g)
     weights, ids = route(torch.randn(T, 8, generator=g), torch.zeros(8), 3)
+    return ex, x, weights, ids
+
+
+def test_fused_experts_dispatch_is_the_plain_per_expert_loop():
+    """The sort-based dispatch (one host sync) gives bit for bit what a loop over experts with nonzero() does,
+    including picks that land on other EP ranks' experts."""
+    from k3run.layers.moe import fused_experts
+
+    ex, x, weights, ids = _bf16_ep_case(seed=5)
     ids[0, 0], ids[1, 2] = 4, 4  # a repeated expert
     want = torch.zeros(T, D)
     local = ids - ex.first
@@ -473,15 +480,7 @@ def test_dense_experts_match_the_per_expert_loop():
     the loop up to the order in which one token's two slots on the same expert are added (~1e-7)."""
     from k3run.layers.moe import DENSE_MAX_EXPERTS, fused_experts, sync_free_experts
 
-    ex = FusedExperts(
-        8, D, INTER, ACTS["situ"], QuantAlgo.NONE, ep=TPInfo(rank=1, size=2), params_dtype=torch.float32
-    )
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        ex.w13_weight.copy_(torch.randn(ex.w13_weight.shape, generator=g) * 0.2)
-        ex.w2_weight.copy_(torch.randn(ex.w2_weight.shape, generator=g) * 0.2)
-    x = torch.randn(T, D, generator=g)
-    weights, ids = route(torch.randn(T, 8, generator=g), torch.zeros(8), 3)
+    ex, x, weights, ids = _bf16_ep_case(seed=6)
     ids[0, :2] = 5  # one token's two slots on one expert
     loop = fused_experts(ex, x, ids, weights)
     assert_close("dense experts", loop, fused_experts(ex, x, ids, weights, dense=True), rtol=1e-6)
