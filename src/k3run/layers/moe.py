@@ -219,8 +219,8 @@ class FusedExperts(nn.Module):
         # process_after_loading (CUDA, w4a16, D and I multiples of 128); True/False force it (tests)
         self.nvfp4_kernels: bool | None = None
         self._kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # gs13 [E_l, 2I], gs2 [E_l, 1]
-        self._ref_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # cache_reference_weights
-        self._ref_stack: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, stacked over experts
+        # cache_reference_weights: every local reference expert's decoded w13 [E_l, 2I, D], w2 [E_l, D, I]
+        self._ref_stack: tuple[torch.Tensor, torch.Tensor] | None = None
         self._split128 = False  # expert weights repacked in place to the kernel layout (CUDA)
         self._tiled = False  # ... and that layout is tiled128 (where the cp.async decode kernel runs)
         self._filled: set[tuple[str, int, str]] = set()
@@ -473,8 +473,8 @@ class FusedExperts(nn.Module):
         """Reference expert e's codes times block scales, fp32 (w13 [2I, D], w2 [D, I]); the global scales
         live in the alphas, as in the kernel. From the cache `cache_reference_weights` fills, else decoded
         now (the decode validates its scales on the host: no CUDA-graph capture)."""
-        if self._ref_weights is not None:
-            return self._ref_weights[e]
+        if self._ref_stack is not None:
+            return self._ref_stack[0][e], self._ref_stack[1][e]
         if self.w13_weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"{self.prefix}: the NVFP4 reference experts decode their weights on the host side; call "
@@ -487,13 +487,10 @@ class FusedExperts(nn.Module):
         """Keep every local NVFP4 reference expert's decoded weights (fp32) so the dense path needs no host
         work: for CUDA graphs of models whose experts cannot take the kernels (D or I not multiples of 128).
         Costs 8x the NVFP4 bytes of the local experts; the dense path allows at most DENSE_MAX_EXPERTS."""
-        if self.algo != QuantAlgo.NVFP4 or self.nvfp4_kernels or self._ref_weights is not None:
+        if self.algo != QuantAlgo.NVFP4 or self.nvfp4_kernels or self._ref_stack is not None:
             return
-        self._ref_weights = [self._nvfp4_block_weights(e) for e in range(self.num_local)]
-        self._ref_stack = (
-            torch.stack([w13 for w13, _ in self._ref_weights]),
-            torch.stack([w2 for _, w2 in self._ref_weights]),
-        )
+        decoded = [self._nvfp4_block_weights(e) for e in range(self.num_local)]
+        self._ref_stack = (torch.stack([w13 for w13, _ in decoded]), torch.stack([w2 for _, w2 in decoded]))
 
     def _nvfp4_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         s = self.scales
@@ -502,21 +499,34 @@ class FusedExperts(nn.Module):
         if self.nvfp4_kernels:
             return self._nvfp4_expert_kernels(e, x)
         w13, w2 = self._nvfp4_block_weights(e)
+        return self.nvfp4_reference(
+            x, w13, w2, s.g1_alphas[e, 0], s.g1_alphas[e, 1], s.g1_scale_c[e], s.g2_alphas[e]
+        )
+
+    def nvfp4_reference(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, g1_gate: torch.Tensor,
+        g1_up: torch.Tensor, g1_c: torch.Tensor, g2: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The NVFP4 expert in the kernel's form: GEMM accumulators over codes times block scales (w13
+        [..., 2I, D], w2 [..., D, I] fp32), times the alphas. One expert (0-dim alphas; x [n, D] -> [n, D])
+        or a stack of E (alphas [E, 1, 1]; -> [E, n, D]), in x's dtype."""
+        s = self.scales
+        assert s is not None
         i = self.intermediate_size
         w4a4 = self.nvfp4_act_mode == "w4a4"
         xin = x.float() * s.a1_gscale
         if w4a4:
             xin = nvfp4_qdq(xin, 1.0)
-        acc = xin @ w13.t()  # [n, 2I] fp32 GEMM1 accumulator
-        gate = acc[:, :i] * s.g1_alphas[e, 0]
+        acc = torch.matmul(xin, w13.transpose(-1, -2))  # [..., n, 2I] fp32 GEMM1 accumulator
+        gate = acc[..., :i] * g1_gate
         if self.activation.kind == "silu":
-            h = torch.nn.functional.silu(gate) * acc[:, i:] * s.g1_scale_c[e]
+            h = torch.nn.functional.silu(gate) * acc[..., i:] * g1_c
         else:
-            up = acc[:, i:] * s.g1_alphas[e, 1]
-            h = self.activation.on_halves(gate, up).float() * s.g1_scale_c[e]
+            up = acc[..., i:] * g1_up
+            h = self.activation.on_halves(gate, up).float() * g1_c
         # h is already in GEMM2's encoded input domain (times a2_gscale)
         h = nvfp4_qdq(h, 1.0) if w4a4 else h.to(x.dtype).float()
-        return ((h @ w2.t()) * s.g2_alphas[e]).to(x.dtype)
+        return (torch.matmul(h, w2.transpose(-1, -2)) * g2).to(x.dtype)
 
     def extra_repr(self) -> str:
         mode = f", nvfp4 {self.nvfp4_act_mode}" if self.algo == QuantAlgo.NVFP4 else ""
@@ -641,21 +651,8 @@ def _all_experts(experts: FusedExperts, x: torch.Tensor) -> torch.Tensor | None:
         return None
     s = experts.scales
     assert s is not None
-    w13, w2 = experts._ref_stack  # fp32 [E, 2I, D], [E, D, I]: codes times block scales
-    i = experts.intermediate_size
-    w4a4 = experts.nvfp4_act_mode == "w4a4"
-    xin = x.float() * s.a1_gscale
-    if w4a4:
-        xin = nvfp4_qdq(xin, 1.0)
-    acc = torch.matmul(xin, w13.transpose(1, 2))  # [E, T, 2I] fp32 GEMM1 accumulators
-    gate = acc[..., :i] * s.g1_alphas[:, 0, None, None]
-    if experts.activation.kind == "silu":
-        h = torch.nn.functional.silu(gate) * acc[..., i:] * s.g1_scale_c[:, None, None]
-    else:
-        up = acc[..., i:] * s.g1_alphas[:, 1, None, None]
-        h = experts.activation.on_halves(gate, up).float() * s.g1_scale_c[:, None, None]
-    h = nvfp4_qdq(h, 1.0) if w4a4 else h.to(x.dtype).float()
-    return (torch.matmul(h, w2.transpose(1, 2)) * s.g2_alphas[:, None, None]).to(x.dtype)
+    per_expert = (s.g1_alphas[:, 0], s.g1_alphas[:, 1], s.g1_scale_c, s.g2_alphas)  # [E_l] each
+    return experts.nvfp4_reference(x, *experts._ref_stack, *(a[:, None, None] for a in per_expert))
 
 
 def _fused_experts_grouped(
