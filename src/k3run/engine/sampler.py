@@ -26,11 +26,29 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
 
 
-class Sampler:
-    """Turns the last-position logits of a batch into one token per sequence.
+def _cdf(probs: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Inclusive cumulative sums [B, V] float64 of probs [B, V]. A scan over one long row runs on few GPU
+    blocks (~200 us for 8 rows of K3's 163840 tokens on an H200), so the row is scanned in chunks of
+    `chunk` (many rows, in parallel) and each chunk's offset added after."""
+    b, v = probs.shape
+    p = probs.double()
+    if v <= chunk:
+        return p.cumsum(-1)
+    n = -(-v // chunk)
+    p = torch.nn.functional.pad(p, (0, n * chunk - v)).view(b, n, chunk)
+    local = p.cumsum(-1)  # [B, n, chunk]
+    offsets = local[:, :, -1].cumsum(-1) - local[:, :, -1]  # exclusive prefix of the chunk totals
+    return (local + offsets.unsqueeze(-1)).view(b, n * chunk)[:, :v]
 
-    Sequences with a seed draw from their own CPU generator, so a seeded request produces the same tokens
-    whatever else shares its batch; unseeded ones share `default_generator`.
+
+class Sampler:
+    """Turns the last-position logits of a batch into one token per sequence, on the logits' device.
+
+    Each sampled row draws one uniform number u from its own CPU generator and takes the first token whose
+    cumulative probability exceeds u (inverse CDF, the cumulative sums in float64 on the device). So a seeded
+    request produces the same tokens whatever else shares its batch, unseeded rows share
+    `default_generator`, and only the chosen token ids come back to the host: no [B, V] copy, and no
+    per-row host pass over the vocabulary (a CPU multinomial over K3's 163840 tokens took ~5 ms a row).
     """
 
     def __init__(self, default_generator: torch.Generator | None = None) -> None:
@@ -45,17 +63,22 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits must be [B, V] with B = {len(params)}, got {tuple(logits.shape)}")
         logits = logits.float()
-        out = logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1)
         rows = [b for b, p in enumerate(params) if not p.greedy]
         if not rows:
-            return out
-        sel = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[b].temperature for b in rows], device=logits.device)
-        top_k = torch.tensor([params[b].top_k for b in rows], dtype=torch.int64, device=logits.device)
-        top_p = torch.tensor([params[b].top_p for b in rows], dtype=torch.float32, device=logits.device)
-        scaled = logits.index_select(0, sel) / temps.unsqueeze(-1)
-        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1).cpu()  # [B', V]
-        for i, b in enumerate(rows):
-            gen = generators[b] or self.default_generator
-            out[b] = int(torch.multinomial(probs[i], 1, generator=gen).item())
-        return out
+            return out.tolist()
+        # per row: index, temperature, top_k, top_p, u; one host-to-device copy
+        u = [float(torch.rand((), generator=generators[b] or self.default_generator)) for b in rows]
+        spec = torch.tensor(
+            [[b, params[b].temperature, params[b].top_k, params[b].top_p, ub] for b, ub in zip(rows, u)],
+            dtype=torch.float64,
+        ).to(logits.device)
+        sel = spec[:, 0].long()
+        scaled = logits.index_select(0, sel) / spec[:, 1:2].float()
+        if any(params[b].top_k > 0 or params[b].top_p < 1.0 for b in rows):
+            scaled = apply_top_k_top_p(scaled, spec[:, 2].long(), spec[:, 3].float())
+        cdf = _cdf(scaled.softmax(dim=-1))  # [B', V]
+        target = spec[:, 4:5] * cdf[:, -1:]  # u times the row's total mass (1 up to rounding)
+        tok = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
+        out[sel] = tok[:, 0]
+        return out.tolist()
