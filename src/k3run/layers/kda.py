@@ -24,7 +24,7 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache
-from k3run.kernels.kda import causal_conv1d, causal_conv1d_decode, kda_forward
+from k3run.kernels.kda import causal_conv1d, causal_conv1d_decode, kda_decode_in_place, kda_forward
 from k3run.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -186,9 +186,15 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def _initial_states(
-        self, ctx: ForwardContext, cache: KDALayerCache | None, dtype: torch.dtype, device: torch.device
+        self,
+        ctx: ForwardContext,
+        cache: KDALayerCache | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        recurrent: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Each sequence's conv and recurrent state before this step; zeros for a fresh sequence."""
+        """Each sequence's conv and recurrent state before this step; zeros for a fresh sequence.
+        recurrent=False: the recurrent states stay in the cache (None; a decode step updates them there)."""
         if cache is None:
             if any(c != 0 for c in ctx.context_lens_list):
                 raise ValueError(f"{self.prefix}: context_lens {ctx.context_lens_list} need a KDA cache")
@@ -204,16 +210,17 @@ class KimiDeltaAttention(nn.Module):
         if cache.recurrent.dtype != torch.float32:
             raise ValueError(f"{self.prefix}: recurrent state must be fp32, got {cache.recurrent.dtype}")
         conv0 = cache.conv[ctx.slots].to(dtype)  # [B, 3P, W-1]
-        rec0 = cache.recurrent[ctx.slots]  # [B, H, K, V]
+        rec0 = cache.recurrent[ctx.slots] if recurrent else None  # [B, H, K, V]
         if ctx.is_static:  # no host copy of context_lens: zero the fresh rows with a device mask
             old = (ctx.context_lens != 0)[:, None, None]
-            return torch.where(old, conv0, 0), torch.where(old[..., None], rec0, 0)
+            return torch.where(old, conv0, 0), None if rec0 is None else torch.where(old[..., None], rec0, 0)
         fresh = [b for b, c in enumerate(ctx.context_lens_list) if c == 0]
         if fresh:
             # a reused slot still holds its previous owner's state
             idx = torch.tensor(fresh, device=device)
             conv0[idx] = 0
-            rec0[idx] = 0
+            if rec0 is not None:
+                rec0[idx] = 0
         return conv0, rec0
 
     # forward
@@ -226,7 +233,9 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
         T = x.shape[0]
         H, K, Pl = self.local_heads, self.head_dim, self.local_proj
-        conv0, rec0 = self._initial_states(ctx, layer_cache, x.dtype, x.device)
+        # decode with a cache: the kernel reads and writes the recurrent states in the cache pool
+        in_place = ctx.is_decode and layer_cache is not None
+        conv0, rec0 = self._initial_states(ctx, layer_cache, x.dtype, x.device, recurrent=not in_place)
 
         parts = self.in_proj.split(self.in_proj(x))
         if self.use_full_rank_gate:
@@ -244,13 +253,24 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
         f = self.f_b_proj(f_a).reshape(T, H, K)  # raw forget-gate projection
         # gate, beta sigmoid and q/k L2 norm happen inside kda_forward (in-kernel on the fla GPU path)
-        o, rec_final = kda_forward(
-            q, k, v, f, b, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound,
-            scale=self.scale, initial_state=rec0, cu_seqlens=ctx.cu_seqlens, decode=ctx.is_decode,
-        )  # fmt: skip
+        gate_args = dict(
+            A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound, scale=self.scale
+        )
+        if in_place:
+            assert layer_cache is not None and ctx.slots is not None
+            o = kda_decode_in_place(
+                q, k, v, f, b, **gate_args, state_pool=layer_cache.recurrent, slots=ctx.slots,
+                context_lens=ctx.context_lens,
+            )  # fmt: skip
+        else:
+            o, rec_final = kda_forward(
+                q, k, v, f, b, **gate_args, initial_state=rec0, cu_seqlens=ctx.cu_seqlens,
+                decode=ctx.is_decode,
+            )  # fmt: skip
+            if layer_cache is not None:
+                layer_cache.recurrent[ctx.slots] = rec_final
         if layer_cache is not None:
             layer_cache.conv[ctx.slots] = conv_final.to(layer_cache.conv.dtype)
-            layer_cache.recurrent[ctx.slots] = rec_final
 
         o = self.o_norm(o, gate.reshape(T, H, K)).to(x.dtype)  # fp32 math, [T, H, V]
         return self.o_proj(o.reshape(T, Pl))

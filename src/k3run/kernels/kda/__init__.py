@@ -34,6 +34,7 @@ __all__ = [
     "causal_conv1d_decode",
     "chunk_kda",
     "kda_backend",
+    "kda_decode_in_place",
     "kda_forward",
     "kda_gate",
     "l2norm",
@@ -100,6 +101,57 @@ def kda_forward(
     beta = torch.sigmoid(b.float())  # [T, H]
     ref = recurrent_kda_ref if decode else chunk_kda_ref
     return ref(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
+
+
+def zero_fresh_states(pool: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """pool[slots[b]] = 0 where context_lens[b] == 0, in place: on CUDA a Triton kernel without host reads."""
+    from k3run.kernels.kda.state import zero_fresh_states_ref, zero_fresh_states_triton
+
+    (zero_fresh_states_triton if pool.is_cuda else zero_fresh_states_ref)(pool, slots, context_lens)
+
+
+def kda_decode_in_place(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """kda_forward for one token per sequence with the recurrent states kept in the cache pool: sequence i
+    starts from state_pool[slots[i]] (zero when context_lens[i] == 0) and its final state is written back
+    there. state_pool [S, H, K, V] fp32; q, k, f [B, H, K]; v [B, H, V]; b [B, H]. Returns o [B, H, V] fp32.
+
+    On CUDA with fla-core the kernel reads and writes the pool in place (no gather / scatter of the states:
+    at K3's 96 heads a state is 6.3 MB per sequence); elsewhere the reference runs on gathered states.
+    """
+    if state_pool.dtype != torch.float32:
+        raise ValueError(f"kda_decode_in_place: state_pool must be float32, got {state_pool.dtype}")
+    n = q.shape[0]
+    zero_fresh_states(state_pool, slots, context_lens)
+    cu = torch.arange(n + 1, device=q.device)
+    if _backend(q) == "fla":
+        from k3run.kernels.kda.fla import kda_fla_raw_decode_in_place
+
+        o = kda_fla_raw_decode_in_place(
+            q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+            state_pool=state_pool, slots=slots, cu_seqlens=cu,
+        )  # fmt: skip
+        if o is not None:
+            return o
+    o, final = kda_forward(
+        q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=state_pool[slots], cu_seqlens=cu, decode=True,
+    )  # fmt: skip
+    state_pool[slots] = final
+    return o
 
 
 def chunk_kda(

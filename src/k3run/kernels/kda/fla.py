@@ -205,3 +205,60 @@ def kda_fla(
         cu_seqlens=cu_seqlens,
         gate={},
     )
+
+
+@functools.cache
+def _fused_recurrent_fwd():
+    """fla's `fused_recurrent_kda_fwd` when it can read and write states in a pool in place (the public
+    `fused_recurrent_kda` always copies them out); None otherwise (logged once)."""
+    import inspect
+
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        return None
+    params = inspect.signature(fused_recurrent_kda_fwd).parameters
+    if not {"ssm_state_indices", "inplace_final_state", "initial_state"} <= set(params):
+        log.info("fla-core's fused_recurrent_kda_fwd has no in-place state pool: KDA decode gathers states")
+        return None
+    return fused_recurrent_kda_fwd
+
+
+def kda_fla_raw_decode_in_place(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor | None:
+    """kda_fla_raw for one token per sequence, the states read from and written back to state_pool[slots]
+    ([S, H, K, V] fp32) by the kernel itself. Returns o [B, H, V] fp32, or None when this fla-core cannot."""
+    fwd = _fused_recurrent_fwd()
+    if fwd is None:
+        return None
+    B, H, K = q.shape
+    V = v.shape[-1]
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (H, K, V) or not state_pool.is_contiguous():
+        raise ValueError(
+            f"kda (fla): state_pool must be a contiguous [S, {H}, {K}, {V}], got {tuple(state_pool.shape)}"
+        )
+    if state_pool.dtype != torch.float32:
+        raise ValueError(f"kda (fla): state_pool must be float32, got {state_pool.dtype}")
+    if slots.shape != (B,):
+        raise ValueError(f"kda (fla): slots must be [{B}], got {tuple(slots.shape)}")
+    dtype = v.dtype
+    q1, k1, v1, g1, b1 = (t.contiguous() for t in _batch1(q.to(dtype), k.to(dtype), v, f, b))
+    o, _ = fwd(
+        q1, k1, v1, g1, b1, scale=scale, initial_state=state_pool, inplace_final_state=True,
+        output_final_state=False, state_v_first=False, cu_seqlens=cu_seqlens.to(torch.long),
+        ssm_state_indices=slots, **_gate_options(A_log, dt_bias, lower_bound, decode=True),
+    )  # fmt: skip
+    return o.reshape(B, H, V).float()

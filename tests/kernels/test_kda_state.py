@@ -1,0 +1,127 @@
+"""In-place KDA decode: the fresh-state zeroing kernel against its torch oracle, and kda_decode_in_place
+(states read and written in the cache pool) against kda_forward on gathered states.
+
+The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
+`test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3run.kernels.kda import kda_backend, kda_decode_in_place, kda_forward
+from k3run.kernels.kda.state import zero_fresh_states_ref
+from k3run.testing import assert_close
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
+
+FLA_RTOL = 5e-3  # fla's own bound for bf16 inputs (see test_kda_gpu.py)
+
+
+def _pool_case(device: str, S: int = 9, row: tuple[int, ...] = (3, 5, 11)):
+    pool = torch.randn(S, *row, device=device)
+    slots = torch.tensor([7, 2, 4, 0, 8], device=device)
+    ctx = torch.tensor([3, 0, 12, 0, 1], device=device)
+    return pool, slots, ctx
+
+
+def _check_zeroed(pool: torch.Tensor, before: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor) -> None:
+    fresh = set(slots[ctx == 0].tolist())
+    for s in range(pool.shape[0]):
+        if s in fresh:
+            assert torch.count_nonzero(pool[s]) == 0, f"slot {s} (fresh) was not zeroed"
+        else:
+            assert torch.equal(pool[s], before[s]), f"slot {s} changed"
+
+
+def test_zero_fresh_states_ref_zeroes_exactly_the_fresh_slots() -> None:
+    pool, slots, ctx = _pool_case("cpu")
+    before = pool.clone()
+    zero_fresh_states_ref(pool, slots, ctx)
+    _check_zeroed(pool, before, slots, ctx)
+
+
+def test_zero_fresh_states_rejects_mismatched_inputs() -> None:
+    pool, slots, ctx = _pool_case("cpu")
+    with pytest.raises(ValueError, match="slots and context_lens"):
+        zero_fresh_states_ref(pool, slots, ctx[:3])
+
+
+def test_triton_kernels_in_interpreter():
+    """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
+    run_interp_tests_in_child(__file__, expected_passed=2)
+
+
+@interp_only
+@pytest.mark.parametrize("block", [16, 64])
+def test_interp_zero_fresh_states_kernel(block: int) -> None:
+    # row of 165 elements: the last block of each row is partly masked at both block sizes
+    from k3run.kernels.kda.state import zero_fresh_states_triton
+
+    pool, slots, ctx = _pool_case("cpu")
+    before = pool.clone()
+    zero_fresh_states_triton(pool, slots, ctx, block=block)
+    _check_zeroed(pool, before, slots, ctx)
+
+
+def _decode_inputs(
+    B: int, H: int, K: int, V: int, dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
+    return {
+        "q": torch.randn(B, H, K).to(dtype).to(device),
+        "k": torch.randn(B, H, K).to(dtype).to(device),
+        "v": torch.randn(B, H, V).to(dtype).to(device),
+        "f": (torch.randn(B, H, K) * 2).to(dtype).to(device),
+        "b": torch.randn(B, H).to(dtype).to(device),
+        "A_log": (torch.randn(H) * 0.5).to(device),
+        "dt_bias": torch.randn(H * K).to(device),
+    }
+
+
+def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: int):
+    """kda_decode_in_place on a pool with stale slots vs kda_forward on the gathered (fresh: zero) states."""
+    B, S = 5, 9
+    x = _decode_inputs(B, H, K, V, dtype, device)
+    pool = torch.randn(S, H, K, V, device=device) * 0.5
+    slots = torch.tensor([7, 2, 4, 0, 8], device=device)
+    ctx = torch.tensor([3, 0, 12, 0, 1], device=device)  # rows 1 and 3 start fresh in stale slots
+    h0 = torch.where((ctx != 0)[:, None, None, None], pool[slots], 0)
+    gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0, scale=K**-0.5)
+    qkvfb = (x["q"], x["k"], x["v"], x["f"], x["b"])
+    o_ref, ht_ref = kda_forward(
+        *qkvfb, **gate, initial_state=h0, cu_seqlens=torch.arange(B + 1, device=device), decode=True
+    )
+    untouched = [s for s in range(S) if s not in slots.tolist()]
+    before = pool[untouched].clone()
+    o = kda_decode_in_place(*qkvfb, **gate, state_pool=pool, slots=slots, context_lens=ctx)
+    return o, o_ref, pool[slots], ht_ref, pool[untouched], before
+
+
+def test_cpu_in_place_decode_equals_gathered_states_bit_for_bit() -> None:
+    o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cpu", torch.bfloat16, H=2, K=16, V=8)
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and torch.equal(untouched, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_zero_fresh_states_kernel() -> None:
+    from k3run.kernels.kda.state import zero_fresh_states_triton
+
+    pool, slots, ctx = _pool_case("cuda", S=11, row=(3, 129, 7))
+    before = pool.clone()
+    zero_fresh_states_triton(pool, slots, ctx)
+    _check_zeroed(pool, before, slots, ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_in_place_decode_matches_gathered_states() -> None:
+    # fla in place vs fla on gathered states: same kernel arithmetic, so equal up to fla's bf16 bound
+    assert kda_backend("cuda") == "fla", "fla-core must be installed on the GPU machine (the gpu extra)"
+    from k3run.kernels.kda.fla import _fused_recurrent_fwd
+
+    assert _fused_recurrent_fwd() is not None, "this fla-core has no in-place decode"
+    o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cuda", torch.bfloat16, H=3, K=128, V=128)
+    assert_close("o", o_ref, o, FLA_RTOL)
+    assert_close("final state", ht_ref, ht, FLA_RTOL)
+    assert torch.equal(untouched, before)
