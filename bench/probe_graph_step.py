@@ -1,8 +1,15 @@
 """Where a replayed decode step's time goes: the GPU time of graph.replay() (CUDA events around it) against
-the wall time of the whole engine step (scheduler, input copy, replay, logits copy, sampler, detokenizer).
+the wall time of the whole engine step (scheduler, input copy, replay, logits copy, sampler, detokenizer),
+with graphs on and off, and which kernels fill the replay (torch profiler).
 
     PYTHONPATH=src python bench/probe_graph_step.py [MODEL_DIR] [--batch-sizes 1,8] [--steps 48]
+        [--k3-shaped LAYERS,EXPERTS] [--eager] [--profile STEPS]
 
+--k3-shaped builds a random model at K3's real layer shapes instead of loading MODEL_DIR (bench/k3_shaped.py:
+KDA x3 + MLA per 4 layers, latent MoE in every layer, EXPERTS local routed experts, top-16, k3-mixed
+quantization); the tokenizer still comes from MODEL_DIR. --eager also times the same steps with graphs off.
+--profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
+kernels of the static step (run eagerly) to the model's modules.
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
 decode tokens/s. Needs CUDA (and fla-core for KDA models).
 """
@@ -11,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,22 +32,195 @@ from k3run.tokenizer import load_tokenizer
 DEFAULT = Path(__file__).parents[1] / "assets" / "default-model-k3-mixed"
 
 
+def _engine(model, tokenizer, sizes: list[int], max_len: int, graphs: bool):
+    cfg = EngineConfig(max_num_seqs=max(sizes), max_model_len=max_len, cuda_graphs=graphs)
+    return LLM.from_model(model, tokenizer, cfg).engine
+
+
+def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list[float]) -> list[tuple]:
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.8, ignore_eos=True)
+    rows = []
+    for b in sizes:
+        for _ in range(b):
+            engine.add_request(torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), params)
+        engine.step()  # prefill
+        torch.cuda.synchronize()
+        gpu_ms.clear()
+        walls = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        gpu = statistics.median(gpu_ms) if gpu_ms else float("nan")
+        rows.append((b, statistics.median(walls), gpu))
+    return rows
+
+
+def _family(name: str) -> str:
+    n = name.lower()
+    if "gemv" in n or "nvfp4" in n:
+        return "nvfp4 gemv (Gluon)"
+    if "e4m3" in n or "fp8" in n or "scaled_mm" in n or "act_quant" in n:
+        return "fp8 (quant + gemm)"
+    if "gemm" in n or "cutlass" in n or "xmma" in n or "cublas" in n:
+        return "cuBLAS bf16/fp32 gemm"
+    if "triton" in n or "kda" in n or "fwd_kernel" in n:
+        return "triton (fla, conv, other)"
+    if "reduce" in n:
+        return "reductions"
+    return "elementwise / copies / other"
+
+
+def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.8, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), params)
+    engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name[e.name].append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in by_name.values()) / steps
+    fam: dict[str, float] = defaultdict(float)
+    for name, ts in by_name.items():
+        fam[_family(name)] += sum(ts) / steps
+    print(f"\nprofile, batch {batch}, {steps} steps: {total:.0f} us of kernels per step")
+    print(f"{'family':<32} {'us/step':>9} {'share':>6}")
+    for f, t in sorted(fam.items(), key=lambda kv: -kv[1]):
+        print(f"{f:<32} {t:>9.1f} {t / total:>6.1%}")
+    print(f"{'kernel':<70} {'n/step':>6} {'us/step':>9} {'share':>6}")
+    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:18]:
+        t = sum(ts) / steps
+        print(f"{name[:70]:<70} {len(ts) / steps:>6.1f} {t:>9.1f} {t / total:>6.1%}")
+
+
+def _label(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str | None:
+    """The module family a static step's time is charged to (nested labels each get their own row)."""
+    parts = name.split(".")
+    if name == "lm_head":
+        return "lm_head"
+    if len(parts) < 3 or parts[0] != "layers":
+        return None
+    layer = model.layers[int(parts[1])]
+    kind = type(layer.self_attn).__name__
+    rest = ".".join(parts[2:])
+    if rest == "self_attn":
+        return f"{kind}"
+    if rest.startswith("self_attn.") and len(parts) == 4:
+        return f"{kind}.{parts[3]}"
+    if rest == "mlp":
+        return "moe"
+    if rest.startswith("mlp.") and len(parts) == 4:
+        return f"moe.{parts[3]}"
+    if rest.endswith("_res") and len(parts) == 3:
+        return "attn_res"
+    return None
+
+
+def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: int) -> None:
+    """The static step run eagerly (the kernels a replay runs) under the profiler, with each module's
+    kernels charged to its family: GPU us per step, summed over the layers."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3run.layers.moe import sync_free_experts
+
+    labels: dict[str, int] = defaultdict(int)
+    handles = []
+    for name, module in model.named_modules():
+        label = _label(name, module, model)
+        if label is None:
+            continue
+        labels[label] += 1
+        ranges: list = []
+
+        def pre(mod, args, label=label, ranges=ranges):
+            r = record_function(label)
+            r.__enter__()
+            ranges.append(r)
+
+        def post(mod, args, out, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    dec.inputs[2].fill_(ctx_len)
+    with torch.inference_mode(), sync_free_experts():
+        dec._step(batch, window)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                dec._step(batch, window)
+            torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    dec.inputs[2].zero_()
+    from torch.autograd import DeviceType
+
+    # a label's CPU-side range sums the kernels its ops launched; its GPU-side range (same name) spans the
+    # wall time between them, so only the CPU-side events count
+    per_label: dict[str, float] = defaultdict(float)
+    kernels = 0.0
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name in labels:
+            per_label[e.name] += e.device_time_total / steps
+        elif e.device_type == DeviceType.CUDA and e.name not in labels:
+            kernels += e.time_range.elapsed_us() / steps
+    print(f"\nmodules, static step run eagerly, batch {batch}, window {window}: {kernels:.0f} us of kernels")
+    print(f"{'module family':<40} {'count':>5} {'us/step':>9} {'share':>6}")
+    for label in sorted(labels, key=lambda k: -per_label.get(k, 0.0)):
+        t = per_label.get(label, float("nan"))
+        print(f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / kernels:>6.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=str(DEFAULT))
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--k3-shaped", default=None, metavar="LAYERS,EXPERTS")
+    ap.add_argument("--eager", action="store_true", help="also time the steps with graphs off")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS")
+    ap.add_argument("--modules", action="store_true", help="per-module GPU time of the static step")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    model = load_model(args.model, dtype=torch.bfloat16, device="cuda")
-    cfg = EngineConfig(max_num_seqs=max(sizes), max_model_len=args.prompt_len + args.steps + 2)
-    engine = LLM.from_model(model, load_tokenizer(args.model), cfg).engine
+    if args.k3_shaped:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from k3_shaped import random_k3_model
+
+        layers, experts = (int(v) for v in args.k3_shaped.split(","))
+        t0 = time.perf_counter()
+        model = random_k3_model(layers, experts, device="cuda")
+        built = time.perf_counter() - t0
+        what = f"K3-shaped random model, {layers} layers, {experts} local experts (built in {built:.0f} s)"
+    else:
+        model = load_model(args.model, dtype=torch.bfloat16, device="cuda")
+        what = args.model
+    tokenizer = load_tokenizer(args.model)
+    max_len = args.prompt_len + args.steps + 8
+    print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    head = f"{'mode':>6} {'batch':>5} {'wall ms/step':>13} {'replay GPU ms':>14} {'GPU busy':>9}"
+    print(f"{head} {'decode tok/s':>13}")
+    engine = _engine(model, tokenizer, sizes, max_len, graphs=True)
     dec = engine.runner.graphs
     if dec is None:
         raise SystemExit(f"decode runs eagerly: {engine.graph_blocker}")
     with torch.inference_mode():
-        dec.warm_up(max(sizes), args.prompt_len + args.steps + 1)
+        dec.warm_up(max(sizes), max_len - 1)
     gpu_ms: list[float] = []
     replay = dec.run
 
@@ -52,22 +234,22 @@ def main() -> None:
         return out
 
     dec.run = timed  # type: ignore[method-assign]
-    g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.8, ignore_eos=True)
-    print(f"{torch.cuda.get_device_name()}, {args.model}")
-    print(f"{'batch':>5} {'wall ms/step':>13} {'replay GPU ms':>14} {'GPU busy':>9} {'decode tok/s':>13}")
-    for b in sizes:
-        for _ in range(b):
-            engine.add_request(torch.randint(0, 2000, (args.prompt_len,), generator=g).tolist(), params)
-        engine.step()  # prefill
-        gpu_ms.clear()
-        walls = []
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            engine.step()
-            walls.append((time.perf_counter() - t0) * 1e3)
-        wall, gpu = statistics.median(walls), statistics.median(gpu_ms)
-        print(f"{b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {b / wall * 1e3:>13.1f}")
+    for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms):
+        print(f"{'graphs':>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {b / wall * 1e3:>13.1f}")
+    dec.run = replay  # type: ignore[method-assign]
+    if args.profile:
+        for b in sizes:
+            _profile(engine, b, args.profile, args.prompt_len)
+    if args.modules:
+        for b in sizes:
+            _module_profile(dec, model, dec.bucket(b), dec.window(args.prompt_len + 1), args.prompt_len, 4)
+    if args.eager:
+        del engine, dec
+        torch.cuda.empty_cache()
+        engine = _engine(model, tokenizer, sizes, max_len, graphs=False)
+        _run(engine, [1], 4, args.prompt_len, [])  # warm-up
+        for b, wall, _ in _run(engine, sizes, args.steps, args.prompt_len, []):
+            print(f"{'eager':>6} {b:>5} {wall:>13.3f} {'':>14} {'':>9} {b / wall * 1e3:>13.1f}")
 
 
 if __name__ == "__main__":
