@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from k3run.kernels.norm import attn_res_mix as kernel_attn_res_mix
 from k3run.layers.norm import norm_weight_loader
 
 
@@ -34,12 +35,8 @@ def attn_res_mix(
             f"attn_res_mix: weights must have {d} elements, got norm {tuple(norm_weight.shape)}, "
             f"proj {tuple(proj_weight.shape)}"
         )
-    v = torch.stack([c.float() for c in cands])  # [n, T, D]
-    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     query = norm_weight.float().reshape(d) * proj_weight.float().reshape(d)  # [D]
-    p = torch.softmax(k @ query, dim=0)  # [n, T]
-    out = (p.unsqueeze(-1) * v).sum(0)  # [T, D]
-    return out.to(cands[0].dtype)
+    return kernel_attn_res_mix(cands, query, eps)  # one Triton launch (plus the stack) on CUDA
 
 
 class AttnResWeights(nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3run.kernels.norm import rms_norm as kernel_rms_norm
 from k3run.loader import TensorSource, as_source
 
 
@@ -25,20 +26,15 @@ def norm_weight_loader(
     param.data.copy_(src.read().to(param.dtype))
 
 
-def _normalized_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (weight and gate not yet applied)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x.dtype."""
-    return (_normalized_fp32(x, eps) * weight.float()).to(x.dtype)
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32, returned in x.dtype (one Triton
+    launch on CUDA: kernels/norm)."""
+    return kernel_rms_norm(x, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = rms_norm(x) * weight * sigmoid(gate) over the last dim, in fp32, returned in x.dtype."""
-    return (_normalized_fp32(x, eps) * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+    return kernel_rms_norm(x, weight, eps, gate)
 
 
 class _NormBase(nn.Module):

@@ -1,0 +1,110 @@
+"""Triton kernels of kernels/norm: one program per row (token), the whole row in registers (D <= 16384)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_D = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    g_ptr,
+    out_ptr,
+    R,
+    D,
+    eps,
+    HAS_GATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # BLOCK_R rows per program (several for short rows such as o_norm's 128), the whole row in registers
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = x * r[:, None] * w[None, :]
+    if HAS_GATE:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    d = x.shape[-1]
+    if weight.numel() != d:
+        raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x's last dim is {d}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"rms_norm: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+    if d > MAX_D:
+        raise ValueError(f"rms_norm: last dim {d} is over the kernel's {MAX_D}")
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    rows = xc.numel() // d if d else 0
+    if rows == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    block_r = max(1, 2048 // block)
+    gc = gate.contiguous() if gate is not None else xc
+    _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+        xc, weight.contiguous(), gc, out, rows, d, eps, HAS_GATE=gate is not None, BLOCK_R=block_r,
+        BLOCK_D=block, num_warps=_warps(block_r * block),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _attn_res_mix_kernel(v_ptr, q_ptr, out_ptr, N, T, D, eps, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    n_idx = tl.arange(0, BLOCK_N)
+    scores = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for n in range(N):
+        v = tl.load(v_ptr + (n * T + t) * D + offs, mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+        s = tl.sum(v * q, axis=0) * r
+        scores = tl.where(n_idx == n, s, scores)
+    p = tl.exp(scores - tl.max(scores, axis=0))
+    p = p / tl.sum(p, axis=0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n in range(N):
+        pn = tl.sum(tl.where(n_idx == n, p, 0.0), axis=0)
+        v = tl.load(v_ptr + (n * T + t) * D + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += pn * v
+    tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def attn_res_mix_triton(cands: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    if not cands:
+        raise ValueError("attn_res_mix: needs at least one candidate")
+    t, d = cands[0].shape
+    if d > MAX_D:
+        raise ValueError(f"attn_res_mix: hidden size {d} is over the kernel's {MAX_D}")
+    if query.numel() != d:
+        raise ValueError(f"attn_res_mix: query has {query.numel()} elements, the candidates {d}")
+    v = torch.stack(cands)  # [n, T, D] in the activation dtype: one copy launch
+    out = torch.empty_like(cands[0])
+    if t == 0:
+        return out
+    n = v.shape[0]
+    block = triton.next_power_of_2(d)
+    _attn_res_mix_kernel[(t,)](
+        v, query.float().contiguous(), out, n, t, d, eps, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block,
+        num_warps=_warps(block),
+    )  # fmt: skip
+    return out
