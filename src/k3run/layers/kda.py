@@ -24,7 +24,13 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache
-from k3run.kernels.kda import causal_conv1d, causal_conv1d_decode, kda_decode_in_place, kda_forward
+from k3run.kernels.kda import (
+    causal_conv1d,
+    causal_conv1d_decode,
+    causal_conv1d_decode_in_place,
+    kda_decode_in_place,
+    kda_forward,
+)
 from k3run.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -38,6 +44,21 @@ if TYPE_CHECKING:
     from k3run.quant.modelopt import ModelOptConfig
 
 CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def _adjacent_columns(*parts: torch.Tensor) -> torch.Tensor:
+    """torch.cat(parts, -1) of 2-D tensors; a view without a copy when they are adjacent column slices of one
+    tensor (as the merged in_proj's q | k | v outputs are)."""
+    first = parts[0]
+    offset = first.storage_offset()
+    same = first.stride(-1) == 1
+    for p in parts:
+        same = same and p.stride() == first.stride() and p.storage_offset() == offset
+        same = same and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        offset += p.shape[-1]
+    if same:
+        return first.as_strided((first.shape[0], sum(p.shape[-1] for p in parts)), first.stride())
+    return torch.cat(parts, dim=-1)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -191,10 +212,10 @@ class KimiDeltaAttention(nn.Module):
         cache: KDALayerCache | None,
         dtype: torch.dtype,
         device: torch.device,
-        recurrent: bool = True,
+        gather: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each sequence's conv and recurrent state before this step; zeros for a fresh sequence.
-        recurrent=False: the recurrent states stay in the cache (None; a decode step updates them there)."""
+        gather=False: only check the cache (a decode step reads and updates the states in the cache)."""
         if cache is None:
             if any(c != 0 for c in ctx.context_lens_list):
                 raise ValueError(f"{self.prefix}: context_lens {ctx.context_lens_list} need a KDA cache")
@@ -209,18 +230,19 @@ class KimiDeltaAttention(nn.Module):
             )
         if cache.recurrent.dtype != torch.float32:
             raise ValueError(f"{self.prefix}: recurrent state must be fp32, got {cache.recurrent.dtype}")
+        if not gather:
+            return None, None
         conv0 = cache.conv[ctx.slots].to(dtype)  # [B, 3P, W-1]
-        rec0 = cache.recurrent[ctx.slots] if recurrent else None  # [B, H, K, V]
+        rec0 = cache.recurrent[ctx.slots]  # [B, H, K, V]
         if ctx.is_static:  # no host copy of context_lens: zero the fresh rows with a device mask
             old = (ctx.context_lens != 0)[:, None, None]
-            return torch.where(old, conv0, 0), None if rec0 is None else torch.where(old[..., None], rec0, 0)
+            return torch.where(old, conv0, 0), torch.where(old[..., None], rec0, 0)
         fresh = [b for b, c in enumerate(ctx.context_lens_list) if c == 0]
         if fresh:
             # a reused slot still holds its previous owner's state
             idx = torch.tensor(fresh, device=device)
             conv0[idx] = 0
-            if rec0 is not None:
-                rec0[idx] = 0
+            rec0[idx] = 0
         return conv0, rec0
 
     # forward
@@ -233,9 +255,9 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
         T = x.shape[0]
         H, K, Pl = self.local_heads, self.head_dim, self.local_proj
-        # decode with a cache: the kernel reads and writes the recurrent states in the cache pool
-        in_place = ctx.is_decode and layer_cache is not None
-        conv0, rec0 = self._initial_states(ctx, layer_cache, x.dtype, x.device, recurrent=not in_place)
+        # decode with a cache: the conv and the recurrence read and update their states in the cache
+        in_place = ctx.is_decode and layer_cache is not None and layer_cache.conv.dtype == x.dtype
+        conv0, rec0 = self._initial_states(ctx, layer_cache, x.dtype, x.device, gather=not in_place)
 
         parts = self.in_proj.split(self.in_proj(x))
         if self.use_full_rank_gate:
@@ -243,14 +265,22 @@ class KimiDeltaAttention(nn.Module):
         else:
             q, k, v, b, f_a = parts
             gate = self.g_b_proj(self.g_a_proj(x))  # [T, P]
-        qkv = torch.cat([q, k, v], dim=-1)  # [T, 3P]
-        if ctx.is_decode:  # one token per sequence: batched, no host read of cu_seqlens
-            qkv, conv_final = causal_conv1d_decode(qkv, self.conv_weight, initial_state=conv0)
+        conv_final = None
+        if in_place:  # one launch on CUDA: states in the cache, q | k | v read in place, planar output
+            assert layer_cache is not None and ctx.slots is not None
+            q, k, v = causal_conv1d_decode_in_place(
+                _adjacent_columns(q, k, v), self.conv_weight, conv_pool=layer_cache.conv, slots=ctx.slots,
+                context_lens=ctx.context_lens, groups=3,
+            ).reshape(3, T, H, K)  # fmt: skip
         else:
-            qkv, conv_final = causal_conv1d(
-                qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0
-            )
-        q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
+            qkv = torch.cat([q, k, v], dim=-1)  # [T, 3P]
+            if ctx.is_decode:  # one token per sequence: batched, no host read of cu_seqlens
+                qkv, conv_final = causal_conv1d_decode(qkv, self.conv_weight, initial_state=conv0)
+            else:
+                qkv, conv_final = causal_conv1d(
+                    qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0
+                )
+            q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
         f = self.f_b_proj(f_a).reshape(T, H, K)  # raw forget-gate projection
         # gate, beta sigmoid and q/k L2 norm happen inside kda_forward (in-kernel on the fla GPU path)
         gate_args = dict(
@@ -268,9 +298,9 @@ class KimiDeltaAttention(nn.Module):
                 decode=ctx.is_decode,
             )  # fmt: skip
             if layer_cache is not None:
+                assert conv_final is not None
                 layer_cache.recurrent[ctx.slots] = rec_final
-        if layer_cache is not None:
-            layer_cache.conv[ctx.slots] = conv_final.to(layer_cache.conv.dtype)
+                layer_cache.conv[ctx.slots] = conv_final.to(layer_cache.conv.dtype)
 
         o = self.o_norm(o, gate.reshape(T, H, K)).to(x.dtype)  # fp32 math, [T, H, V]
         return self.o_proj(o.reshape(T, Pl))

@@ -32,6 +32,7 @@ __all__ = [
     "L2NORM_EPS",
     "causal_conv1d",
     "causal_conv1d_decode",
+    "causal_conv1d_decode_in_place",
     "chunk_kda",
     "kda_backend",
     "kda_decode_in_place",
@@ -217,3 +218,30 @@ def causal_conv1d_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """causal_conv1d for one token per sequence (x [B, C], states [B, C, W-1]), batched, device-only."""
     return causal_conv1d_decode_ref(x, weight, initial_state)
+
+
+def causal_conv1d_decode_in_place(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    groups: int = 1,
+) -> torch.Tensor:
+    """causal_conv1d_decode with the states kept in the cache: sequence i's window is conv_pool[slots[i]]
+    (zeros when context_lens[i] == 0) and its new window is written back there. x [B, C] (a column slice
+    of a wider tensor is fine); weight [C, W]; conv_pool [S, C, W-1] in x's dtype. Returns y [groups, B,
+    C / groups] (planar: each group contiguous). One Triton launch on CUDA; gather, reference and scatter
+    elsewhere."""
+    if x.is_cuda:
+        from k3run.kernels.kda.conv import causal_conv1d_decode_in_place_triton
+
+        return causal_conv1d_decode_in_place_triton(x, weight, conv_pool, slots, context_lens, groups)
+    B, C = x.shape
+    if C % groups:
+        raise ValueError(f"causal_conv1d_decode_in_place: {C} channels do not split into {groups} groups")
+    state = torch.where((context_lens != 0)[:, None, None], conv_pool[slots], 0)
+    y, final = causal_conv1d_decode_ref(x, weight, state)
+    conv_pool[slots] = final.to(conv_pool.dtype)
+    return y.reshape(B, groups, C // groups).transpose(0, 1).contiguous()

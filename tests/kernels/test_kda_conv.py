@@ -1,0 +1,96 @@
+"""KDA's decode conv with the states in the cache: the Triton kernel against the torch reference path
+(gather the windows, causal_conv1d_decode_ref, scatter), fresh and stale slots, a strided input, planar
+output.
+
+Error bound: both compute the same fp32 multiply-adds in the same order; the kernel may contract a multiply
+and an add into one FMA and writes SiLU as acc / (1 + exp(-acc)), so fp32 outputs differ by a few fp32
+roundings (relative RMS <= 1e-6) and 16-bit outputs by at most one output ulp where the fp32 value sits
+next to a rounding midpoint (<= 2^-11 for fp16, 2^-8 for bf16). The new states are copies of inputs: exact.
+
+The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
+`test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3run.kernels.kda import causal_conv1d_decode_in_place
+from k3run.kernels.kda.ref import causal_conv1d_decode_ref
+from k3run.testing import assert_close
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
+
+RTOL = {torch.float32: 1e-6, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+S, W = 7, 4
+
+
+def _case(dtype: torch.dtype, device: str, P: int = 37, B: int = 5):
+    C = 3 * P
+    wide = torch.randn(B, C + 29).to(dtype).to(device)  # q | k | v are the first 3P columns of a wider row
+    x = wide[:, :C]
+    weight = torch.randn(C, W).to(device)
+    pool = torch.randn(S, C, W - 1).to(dtype).to(device)
+    slots = torch.tensor([4, 0, 6, 2, 5][:B], device=device)
+    ctx = torch.tensor([3, 0, 9, 1, 0][:B], device=device)  # rows 1 and 4 start fresh in stale slots
+    return x, weight, pool, slots, ctx
+
+
+def _expected(x, weight, pool, slots, ctx, groups: int):
+    """The pre-kernel layer path: gather, zero the fresh rows, the batched reference, scatter."""
+    B, C = x.shape
+    state = torch.where((ctx != 0)[:, None, None], pool[slots], 0)
+    y, final = causal_conv1d_decode_ref(x, weight, state)
+    new_pool = pool.clone()
+    new_pool[slots] = final
+    return y.reshape(B, groups, C // groups).transpose(0, 1), new_pool
+
+
+def _check(dtype: torch.dtype, device: str, triton_kernel: bool, block_c: int = 64) -> None:
+    x, weight, pool, slots, ctx = _case(dtype, device)
+    y_ref, pool_ref = _expected(x, weight, pool, slots, ctx, groups=3)
+    if triton_kernel:
+        from k3run.kernels.kda.conv import causal_conv1d_decode_in_place_triton
+
+        y = causal_conv1d_decode_in_place_triton(x, weight, pool, slots, ctx, groups=3, block_c=block_c)
+    else:
+        y = causal_conv1d_decode_in_place(x, weight, conv_pool=pool, slots=slots, context_lens=ctx, groups=3)
+    assert y.shape == (3, x.shape[0], x.shape[1] // 3) and y.dtype == dtype and y[1].is_contiguous()
+    assert_close("conv decode y", y_ref.float(), y.float(), RTOL[dtype])
+    assert torch.equal(pool, pool_ref), "new windows (and untouched slots) must be exact"
+
+
+def test_cpu_dispatch_is_the_reference_bit_for_bit() -> None:
+    x, weight, pool, slots, ctx = _case(torch.bfloat16, "cpu")
+    y_ref, pool_ref = _expected(x, weight, pool, slots, ctx, groups=3)
+    y = causal_conv1d_decode_in_place(x, weight, conv_pool=pool, slots=slots, context_lens=ctx, groups=3)
+    assert torch.equal(y, y_ref) and torch.equal(pool, pool_ref)
+
+
+def test_triton_kernels_in_interpreter():
+    """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
+    run_interp_tests_in_child(__file__, expected_passed=2)
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_conv_decode_in_place(dtype: torch.dtype) -> None:
+    _check(dtype, "cpu", triton_kernel=True)  # 111 channels in blocks of 64: the second block is masked
+
+
+def test_adjacent_columns_is_a_view_of_the_merged_projection() -> None:
+    from k3run.layers.kda import _adjacent_columns
+
+    y = torch.randn(3, 20)
+    q, k, v, rest = torch.split(y, [4, 4, 4, 8], dim=-1)
+    qkv = _adjacent_columns(q, k, v)
+    assert qkv.data_ptr() == y.data_ptr() and torch.equal(qkv, y[:, :12])
+    swapped = _adjacent_columns(k, q, v)  # not in storage order: a copy with the right values
+    assert torch.equal(swapped, torch.cat([k, q, v], dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_conv_decode_in_place(dtype: torch.dtype) -> None:
+    _check(dtype, "cuda", triton_kernel=False)  # the dispatcher picks the kernel on CUDA
