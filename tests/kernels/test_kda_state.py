@@ -14,6 +14,7 @@ from k3run.kernels.kda import kda_backend, kda_decode_in_place, kda_forward
 from k3run.kernels.kda.state import zero_fresh_states_ref
 from k3run.testing import assert_close
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
+from tests.kernels.test_kda_gpu import _raw_inputs
 
 FLA_RTOL = 5e-3  # fla's own bound for bf16 inputs (see test_kda_gpu.py)
 
@@ -64,24 +65,10 @@ def test_interp_zero_fresh_states_kernel(block: int) -> None:
     _check_zeroed(pool, before, slots, ctx)
 
 
-def _decode_inputs(
-    B: int, H: int, K: int, V: int, dtype: torch.dtype, device: str
-) -> dict[str, torch.Tensor]:
-    return {
-        "q": torch.randn(B, H, K).to(dtype).to(device),
-        "k": torch.randn(B, H, K).to(dtype).to(device),
-        "v": torch.randn(B, H, V).to(dtype).to(device),
-        "f": (torch.randn(B, H, K) * 2).to(dtype).to(device),
-        "b": torch.randn(B, H).to(dtype).to(device),
-        "A_log": (torch.randn(H) * 0.5).to(device),
-        "dt_bias": torch.randn(H * K).to(device),
-    }
-
-
 def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: int):
     """kda_decode_in_place on a pool with stale slots vs kda_forward on the gathered (fresh: zero) states."""
     B, S = 5, 9
-    x = _decode_inputs(B, H, K, V, dtype, device)
+    x = _raw_inputs(list(range(B + 1)), H, K, V, dtype, device)  # one token per sequence
     pool = torch.randn(S, H, K, V, device=device) * 0.5
     slots = torch.tensor([7, 2, 4, 0, 8], device=device)
     ctx = torch.tensor([3, 0, 12, 0, 1], device=device)  # rows 1 and 3 start fresh in stale slots
