@@ -83,8 +83,13 @@ def test_chunked_cdf_equals_one_cumsum() -> None:
     for v in (1, 511, 512, 513, 3001):
         probs = torch.rand(3, v).softmax(-1)
         ref = probs.double().cumsum(-1)
-        torch.testing.assert_close(_cdf(probs, chunk=512), ref, rtol=0, atol=1e-12)
-        torch.testing.assert_close(_cdf(probs, chunk=7), ref, rtol=0, atol=1e-12)
+        for chunk in (512, 7):
+            cdf = _cdf(probs, chunk=chunk)
+            assert cdf.is_contiguous() and cdf.shape[1] >= v
+            torch.testing.assert_close(cdf[:, :v], ref, rtol=0, atol=1e-12)
+            assert torch.equal(
+                cdf[:, v:], cdf[:, v - 1 : v].expand(-1, cdf.shape[1] - v)
+            )  # padding: the total
 
 
 def test_inverse_cdf_never_picks_a_masked_token() -> None:

@@ -27,9 +27,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def _cdf(probs: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Inclusive cumulative sums [B, V] float64 of probs [B, V]. A scan over one long row runs on few GPU
-    blocks (~200 us for 8 rows of K3's 163840 tokens on an H200), so the row is scanned in chunks of
-    `chunk` (many rows, in parallel) and each chunk's offset added after."""
+    """Inclusive cumulative sums float64 of probs [B, V], contiguous, [B, >= V]: columns past V (zero padding)
+    repeat the total. A scan over one long row runs on few GPU blocks (~200 us for 8 rows of K3's 163840
+    tokens on an H200), so the row is scanned in chunks of `chunk` (many rows, in parallel) and each chunk's
+    offset added after."""
     b, v = probs.shape
     p = probs.double()
     if v <= chunk:
@@ -38,7 +39,7 @@ def _cdf(probs: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     p = torch.nn.functional.pad(p, (0, n * chunk - v)).view(b, n, chunk)
     local = p.cumsum(-1)  # [B, n, chunk]
     offsets = local[:, :, -1].cumsum(-1) - local[:, :, -1]  # exclusive prefix of the chunk totals
-    return (local + offsets.unsqueeze(-1)).view(b, n * chunk)[:, :v]
+    return (local + offsets.unsqueeze(-1)).view(b, n * chunk)
 
 
 class Sampler:
@@ -77,8 +78,9 @@ class Sampler:
         scaled = logits.index_select(0, sel) / spec[:, 1:2].float()
         if any(params[b].top_k > 0 or params[b].top_p < 1.0 for b in rows):
             scaled = apply_top_k_top_p(scaled, spec[:, 2].long(), spec[:, 3].float())
-        cdf = _cdf(scaled.softmax(dim=-1))  # [B', V]
-        target = spec[:, 4:5] * cdf[:, -1:]  # u times the row's total mass (1 up to rounding)
-        tok = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
+        vocab = logits.shape[-1]
+        cdf = _cdf(scaled.softmax(dim=-1))  # [B', >= V]
+        target = spec[:, 4:5] * cdf[:, vocab - 1 : vocab]  # u times the row's total mass (1 up to rounding)
+        tok = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
         out[sel] = tok[:, 0]
         return out.tolist()
