@@ -8,7 +8,9 @@
 #   linear  bench/bench_linear.py (NVFP4, FP8_PB_WO, NVFP4->FP8; LINEAR_ARGS adds options, e.g. --sweep)
 #   probe   bench/probe_scaled_mm.py (which K block-wise torch._scaled_mm gets right)
 #   host    bench/probe_host_overhead.py (eager vs CUDA-graph time of small calls: KDA decode, NVFP4 M=1)
-#   model   the bundled model through `k3run bench` on CUDA
+#   model   the bundled model through `k3run bench` on CUDA (graphs, then --eager) and bench/probe_graph_step.py
+#   engine  bench/probe_graph_step.py on a K3-shaped model (bench/k3_shaped.py: 4 layers, 128 local experts)
+#           with the replay's kernels by name, and bench/bench_norm.py (fused norms vs torch)
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,9 @@ for stage in "${stages[@]}"; do
                 | tee "$OUT/model_bench$mode.txt" | tail -4
         done
         timeout 120 python3 bench/probe_graph_step.py --batch-sizes 1,8 2>&1 | tee "$OUT/graph_step.txt" | tail -4 ;;
+    engine) timeout 300 python3 bench/probe_graph_step.py --k3-shaped 4,128 --batch-sizes 1,8 --steps 32 --profile 8 \
+            --eager 2>&1 | tee "$OUT/graph_step_k3.txt" | grep -v -i warn | head -60
+        timeout 100 python3 bench/bench_norm.py 2>&1 | tee "$OUT/bench_norm.txt" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
     esac
     [ $? -ne 0 ] && rc=1

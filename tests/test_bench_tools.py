@@ -1,0 +1,35 @@
+"""The benchmark tooling that builds models stays runnable: bench/k3_shaped.py's random K3-shaped model (at
+tiny widths here) quantizes as the k3-mixed recipe does and decodes through the engine on CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from k3run.engine import LLM, EngineConfig, SamplingParams
+from k3run.quant.algo import QuantAlgo
+from k3run.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).parents[1]
+TINY = dict(vocab_size=2048, hidden_size=256, num_heads=2, q_lora_rank=128, moe_intermediate_size=128,
+            routed_expert_hidden_size=128, top_k=2)  # fmt: skip
+
+
+def test_random_k3_shaped_model_is_k3_mixed_and_decodes() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from k3_shaped import random_k3_model
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    model = random_k3_model(layers=4, experts=8, device="cpu", dims=TINY)
+    kinds = [type(layer.self_attn).__name__ for layer in model.layers]
+    assert kinds == ["KimiDeltaAttention"] * 3 + ["KimiMLA"]
+    assert model.layers[0].self_attn.in_proj.scheme.algo is QuantAlgo.FP8_PB_WO
+    assert model.layers[3].mlp.experts.algo is QuantAlgo.NVFP4
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters() if p.dtype != torch.uint8)
+    llm = LLM.from_model(model, load_tokenizer(ROOT / "assets" / "default-model-k3-mixed"),
+                         EngineConfig(max_num_seqs=2, max_model_len=32))  # fmt: skip
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [4, 4]
