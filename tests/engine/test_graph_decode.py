@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3run.api import load_model
 from k3run.engine import LLM, EngineConfig, SamplingParams
 from k3run.engine.runner import GraphCaptureError
 from k3run.forward_context import ForwardContext, KDALayerCache, MLALayerCache, ModelCache
@@ -39,6 +40,9 @@ class _FailingDecoder:
 
     def bucket(self, n: int) -> int:
         return 8
+
+    def accepts(self, batch: int, longest: int) -> bool:
+        return True
 
     def warm_up(self, max_batch: int, longest: int) -> int:
         raise GraphCaptureError("capturing the decode step (batch 8, attention window 256) failed: warm-up")
@@ -66,6 +70,52 @@ def test_a_failed_capture_falls_back_to_eager_decoding(toy_llm, caplog) -> None:
     assert runner.graphs is None and "failed: warm-up" in (runner.graph_error or "")
 
 
+class _WindowLimitedDecoder:
+    """Accepts only steps whose longest context is at most `limit`; records what it was asked."""
+
+    max_batch = 8
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.asked, self.ran = limit, [], 0
+
+    def accepts(self, batch: int, longest: int) -> bool:
+        self.asked.append((batch, longest))
+        return longest <= self.limit
+
+    def run(self, ids: list[int], slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
+        self.ran += 1
+        raise AssertionError("a step over the window limit must not replay")
+
+
+def test_steps_over_the_graph_window_limit_decode_eagerly(toy_llm) -> None:
+    """Steps the decoder does not accept (contexts whose window would hold too many temporaries) run the
+    eager step, with the same tokens; the decoder is asked with the batch and its longest context."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = ["abcdef", "xy"]
+    want = [o.token_ids for o in toy_llm().generate(prompts, params)]
+    llm = toy_llm()
+    dec = _WindowLimitedDecoder(limit=3)  # every decode step has a 6-token prompt in it: never accepted
+    llm.engine.runner.graphs = dec  # type: ignore[assignment]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert dec.ran == 0 and dec.asked and llm.engine.runner.graphs is dec  # still on, only not used
+    assert dec.asked[0] == (2, 7) and dec.asked[-1] == (2, 10)  # contexts 6 + 1 .. 6 + 4, new token included
+
+
+def test_graph_step_memory_estimate_and_limit() -> None:
+    from k3run.engine.runner import step_fits
+
+    model = load_model(BUNDLED, dtype=torch.bfloat16)
+    mla = [layer.self_attn for layer in model.layers if type(layer.self_attn).__name__ == "KimiMLA"]
+    width, heads = mla[0].kv_lora_rank + mla[0].qk_rope_head_dim, mla[0].local_heads
+    per_row = width * (2 + 4) + 16 * heads  # bf16 window, its fp32 copy, four fp32 score tensors
+    assert model.static_step_bytes(1, 256) == 256 * per_row
+    assert model.static_step_bytes(8, 4096) == 8 * 4096 * per_row
+    budget = 8 * 4096 * per_row
+    assert step_fits(model, 8, 4096, budget) and not step_fits(model, 8, 8192, budget)
+    assert step_fits(model, 32, 1 << 20, None)  # no limit
+    assert step_fits(object(), 32, 1 << 20, 1)  # a model without an estimate always fits
+
+
 def test_eager_flag_reaches_the_engine_config() -> None:
     from k3run.cli import build_parser
 
@@ -90,7 +140,6 @@ def _clone_cache(cache: ModelCache) -> ModelCache:
 def test_gpu_graph_decode_steps_match_eager_steps() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from k3run.api import load_model
     from k3run.kernels.kda import kda_backend
     from k3run.tokenizer import load_tokenizer
 

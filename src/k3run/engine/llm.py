@@ -12,7 +12,13 @@ import torch
 
 from k3run.config import ModelConfig
 from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_for
-from k3run.engine.runner import GRAPH_BATCH_SIZES, CausalLM, GraphDecoder, ModelRunner
+from k3run.engine.runner import (
+    DEFAULT_GRAPH_STEP_BYTES,
+    GRAPH_BATCH_SIZES,
+    CausalLM,
+    GraphDecoder,
+    ModelRunner,
+)
 from k3run.engine.sampler import Sampler
 from k3run.engine.scheduler import Scheduler, SchedulerConfig
 from k3run.engine.sequence import (
@@ -43,6 +49,9 @@ class EngineConfig:
     seed: int = 0  # generator for requests without their own seed
     tp_size: int = 1  # ranks of the (world) process group sharing the model; every rank runs the engine
     cuda_graphs: bool = True  # on CUDA: replay decode steps from CUDA graphs where the model allows it
+    # the most temporaries a captured decode step may hold (its MLA attention window's copies grow with
+    # batch x window); steps over it decode eagerly. None: no limit
+    graph_step_bytes: int | None = DEFAULT_GRAPH_STEP_BYTES
 
 
 class Detokenizer:
@@ -143,7 +152,7 @@ class LLMEngine:
         if graphs and self.cache.num_slots < 2:
             self.graph_blocker = "the cache holds one sequence, and the graph decoder needs a scratch slot"
         elif graphs:
-            decoder = GraphDecoder(model, self.cache, graph_batch)
+            decoder = GraphDecoder(model, self.cache, graph_batch, self.config.graph_step_bytes)
         if self.graph_blocker is not None and device.type == "cuda":
             log.info("decode runs eagerly: %s", self.graph_blocker)
         self.scheduler = Scheduler(

@@ -21,12 +21,21 @@ log = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch buckets (a batch pads up to the next one)
 MIN_GRAPH_WINDOW = 256  # the smallest attention window; windows double from here up to max_len
+DEFAULT_GRAPH_STEP_BYTES = 1 << 30  # a captured step's largest temporaries (the MLA window's copies)
 
 
 class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def step_fits(model: object, batch: int, window: int, max_bytes: int | None) -> bool:
+    """Whether a static decode step of `batch` rows and attention window `window` keeps its temporaries
+    within `max_bytes` (None: no limit), by the model's own `static_step_bytes` estimate (models without
+    one always fit)."""
+    estimate = getattr(model, "static_step_bytes", None)
+    return max_bytes is None or estimate is None or estimate(batch, window) <= max_bytes
 
 
 class GraphCaptureError(RuntimeError):
@@ -41,13 +50,23 @@ class GraphDecoder:
     overwrites with one copy; a batch of B sequences pads to the next bucket with rows that feed token 0 at
     position 0 of a scratch slot the decoder holds for its lifetime (so padding never touches a sequence's
     cache). The MLA attention window (ForwardContext.attn_window) is the smallest of 256, 512, ... max_len
-    above every sequence's context: a graph attends over at most twice the longest context.
+    above every sequence's context: a graph attends over at most twice the longest context. A (bucket,
+    window) whose step would hold more than `max_step_bytes` of temporaries (the window's fp32 copies grow
+    with batch x window) is never captured: such steps run eagerly, over each sequence's real context
+    (`accepts`).
     Each graph is captured after one eager warm-up of the same step on a side stream (Triton compiles
     there), with fused_experts held to its host-sync-free paths (`sync_free_experts`).
     """
 
-    def __init__(self, model: CausalLM, cache: CacheManager, max_batch: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: CacheManager,
+        max_batch: int,
+        max_step_bytes: int | None = DEFAULT_GRAPH_STEP_BYTES,
+    ) -> None:
         self.model = model
+        self.max_step_bytes = max_step_bytes
         self.cache = cache
         self.device = torch.device(cache.device)
         self.sizes = [b for b in GRAPH_BATCH_SIZES if b < max_batch] + [
@@ -63,6 +82,12 @@ class GraphDecoder:
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.sizes if b >= batch), None)
+
+    def accepts(self, batch: int, longest: int) -> bool:
+        """Whether a decode step of `batch` sequences whose longest context (the new token included) is
+        `longest` replays a graph: a bucket holds the batch and the step's temporaries fit."""
+        b = self.bucket(batch)
+        return b is not None and step_fits(self.model, b, self.window(longest), self.max_step_bytes)
 
     def window(self, longest: int) -> int:
         """The attention window for a step whose longest context (the new token included) is `longest`."""
@@ -115,7 +140,7 @@ class GraphDecoder:
             windows.append(self.window(2 * windows[-1]))
         for b in self.sizes:
             for w in windows:
-                if (b, w) not in self.graphs:
+                if (b, w) not in self.graphs and step_fits(self.model, b, w, self.max_step_bytes):
                     self.graphs[(b, w)] = self._capture(b, w)
             if b >= max_batch:
                 break
@@ -200,15 +225,16 @@ class ModelRunner:
 
     def _graph_step(self, batch: Batch) -> bool:
         """Whether this step replays a decode graph: graphs on, every sequence one token (a slot, room in the
-        cache), no prompt log-probabilities wanted, and a bucket that holds the batch."""
-        if self.graphs is None or not batch.seqs or self.graphs.bucket(len(batch.seqs)) is None:
+        cache), no prompt log-probabilities wanted, and a step the decoder accepts for this batch and
+        context length (a bucket holds the batch, the temporaries fit its limit)."""
+        if self.graphs is None or not batch.seqs:
             return False
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if n != 1 or seq.slot is None or seq.num_cached + 1 > self.cache.max_len:
                 return False
             if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_token_ids):
                 return False
-        return True
+        return self.graphs.accepts(len(batch.seqs), max(s.num_cached for s in batch.seqs) + 1)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:

@@ -217,6 +217,15 @@ class KimiMLA(nn.Module):
             outs.append(torch.einsum("thl,hvl->thv", o_lat, self.w_uv))  # [n, H, d_v]
         return outs
 
+    def static_attention_bytes(self, batch: int, window: int) -> int:
+        """An upper estimate of the temporaries `_attend_static` holds for `batch` sequences and an attention
+        window of `window` positions: the gathered window in the activation dtype and its fp32 copy
+        [B, W, L + R], and up to four fp32 score-sized tensors [B, H, W] (two score terms, their sum, the
+        masked and softmaxed probabilities). At K3's widths: ~5 KB per (sequence, position)."""
+        act = torch.empty((), dtype=self.params_dtype).element_size()
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        return batch * window * (width * (act + 4) + 4 * 4 * self.local_heads)
+
     def _attend_static(
         self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
     ) -> torch.Tensor:

@@ -263,6 +263,19 @@ class KimiForCausalLM(nn.Module):
                     return why
         return None
 
+    def static_step_bytes(self, batch_size: int, window: int) -> int:
+        """The largest temporaries of one static decode step of `batch_size` sequences with MLA attention
+        window `window` (the layers run one after another, so the largest layer's): what a captured graph of
+        that step keeps in its memory pool."""
+        return max(
+            (
+                layer.self_attn.static_attention_bytes(batch_size, window)
+                for layer in self.layers
+                if isinstance(layer.self_attn, KimiMLA)
+            ),
+            default=0,
+        )
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return (hidden @ self.embed_tokens.weight.t()).float()
