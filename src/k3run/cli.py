@@ -144,6 +144,7 @@ def _load_llm(
         cache_bytes=args.cache_mib << 20 if args.cache_mib else None,
         tp_size=tp.size,
         cuda_graphs=not getattr(args, "eager", False),
+        graph_step_bytes=args.graph_step_mib << 20,
     )
     from k3run.api import load_model
     from k3run.tokenizer import load_tokenizer
@@ -448,6 +449,13 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         "--eager",
         action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--graph-step-mib",
+        type=_positive_int,
+        default=1024,
+        help="the most temporary memory a captured decode step may hold (its attention window grows with "
+        "batch x context); longer-context steps decode eagerly (default: %(default)s)",
     )
 
 

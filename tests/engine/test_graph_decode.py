@@ -119,9 +119,10 @@ def test_graph_step_memory_estimate_and_limit() -> None:
 def test_eager_flag_reaches_the_engine_config() -> None:
     from k3run.cli import build_parser
 
-    args = build_parser().parse_args(["bench", str(BUNDLED), "--eager"])
-    assert args.eager
-    assert not build_parser().parse_args(["bench", str(BUNDLED)]).eager
+    args = build_parser().parse_args(["bench", str(BUNDLED), "--eager", "--graph-step-mib", "64"])
+    assert args.eager and args.graph_step_mib == 64
+    default = build_parser().parse_args(["bench", str(BUNDLED)])
+    assert not default.eager and default.graph_step_mib << 20 == EngineConfig().graph_step_bytes
 
 
 def _clone_cache(cache: ModelCache) -> ModelCache:
