@@ -84,7 +84,7 @@ def test_chunked_cdf_equals_one_cumsum() -> None:
         probs = torch.rand(3, v).softmax(-1)
         ref = probs.double().cumsum(-1)
         for chunk in (512, 7):
-            cdf = _cdf(probs, chunk=chunk)
+            cdf = _cdf(probs, chunk=chunk, chunked=True)  # the CUDA path's chunked scan
             assert cdf.is_contiguous() and cdf.shape[1] >= v
             torch.testing.assert_close(cdf[:, :v], ref, rtol=0, atol=1e-12)
             assert torch.equal(

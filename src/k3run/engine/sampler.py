@@ -26,14 +26,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
 
 
-def _cdf(probs: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+def _cdf(probs: torch.Tensor, chunk: int = 512, chunked: bool | None = None) -> torch.Tensor:
     """Inclusive cumulative sums float64 of probs [B, V], contiguous, [B, >= V]: columns past V (zero padding)
     repeat the total. A scan over one long row runs on few GPU blocks (~200 us for 8 rows of K3's 163840
-    tokens on an H200), so the row is scanned in chunks of `chunk` (many rows, in parallel) and each chunk's
-    offset added after."""
+    tokens on an H200), so on CUDA the row is scanned in chunks of `chunk` (many rows, in parallel) and each
+    chunk's offset added after."""
     b, v = probs.shape
     p = probs.double()
-    if v <= chunk:
+    if chunked is None:
+        chunked = p.is_cuda  # CPU threads scan long rows well: one cumsum there
+    if v <= chunk or not chunked:
         return p.cumsum(-1)
     n = -(-v // chunk)
     p = torch.nn.functional.pad(p, (0, n * chunk - v)).view(b, n, chunk)

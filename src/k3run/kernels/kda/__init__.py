@@ -136,9 +136,9 @@ def kda_decode_in_place(
     if state_pool.dtype != torch.float32:
         raise ValueError(f"kda_decode_in_place: state_pool must be float32, got {state_pool.dtype}")
     n = q.shape[0]
-    zero_fresh_states(state_pool, slots, context_lens)
     cu = torch.arange(n + 1, device=q.device)
     if _backend(q) == "fla":
+        zero_fresh_states(state_pool, slots, context_lens)
         from k3run.kernels.kda.fla import kda_fla_raw_decode_in_place
 
         o = kda_fla_raw_decode_in_place(
@@ -147,9 +147,11 @@ def kda_decode_in_place(
         )  # fmt: skip
         if o is not None:
             return o
+    # the reference on gathered states (fresh rows start from zero; the scatter below overwrites their slots)
+    h0 = torch.where((context_lens != 0)[:, None, None, None], state_pool[slots], 0)
     o, final = kda_forward(
         q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=state_pool[slots], cu_seqlens=cu, decode=True,
+        initial_state=h0, cu_seqlens=cu, decode=True,
     )  # fmt: skip
     state_pool[slots] = final
     return o
