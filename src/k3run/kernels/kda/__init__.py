@@ -9,7 +9,9 @@ Two levels of entry:
   reference; on CUDA it hands the raw tensors to fla with the gate, beta sigmoid and q/k norm fused in the
   kernels, the way the official K3 code calls chunk_kda / fused_recurrent_kda.
 - `chunk_kda` / `recurrent_kda` take the activated inputs (g, post-sigmoid beta, normalised q, k).
-The causal conv runs the reference everywhere (fla's causal-conv kernel is not wired up yet).
+The causal conv runs the reference for prefill (fla's causal-conv kernel is not wired up yet); decode steps
+with a cache run `causal_conv1d_decode_in_place` and `kda_decode_in_place`, which keep the conv and recurrent
+states in the cache pool (one Triton launch for the conv and fla's in-place recurrence on CUDA).
 """
 
 from __future__ import annotations
