@@ -25,6 +25,7 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, MLALayerCache
+from k3run.kernels.mla import decode_kernel_enabled, mla_decode_attention
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from k3run.layers.norm import RMSNorm
 from k3run.quant.algo import QuantAlgo
@@ -224,6 +225,9 @@ class KimiMLA(nn.Module):
         masked and softmaxed probabilities). At K3's widths: ~5 KB per (sequence, position)."""
         act = torch.empty((), dtype=self.params_dtype).element_size()
         width = self.kv_lora_rank + self.qk_rope_head_dim
+        if decode_kernel_enabled(self.w_uk.device if self.w_uk is not None else torch.device("cpu")):
+            # the split kernel's partial outputs: at most one split per 64 positions, [B, splits, H, L + 1]
+            return batch * -(-window // 64) * self.local_heads * (self.kv_lora_rank + 1) * 4
         return batch * window * (width * (act + 4) + 4 * 4 * self.local_heads)
 
     def _attend_static(
@@ -244,16 +248,11 @@ class KimiMLA(nn.Module):
                 f"{self.prefix}: latent cache must be [S, >= {W}, {latent.shape[1]}] for a static step of "
                 f"window {W}, got {tuple(store.shape)}"
             )
-        dn, L = self.qk_nope_head_dim, self.kv_lora_rank
+        dn = self.qk_nope_head_dim
         store[ctx.slots, ctx.context_lens] = latent.to(store.dtype)
-        lat = store[:, :W][ctx.slots].float()  # [B, W, L + R]
-        c, k_pe = lat[..., :L], lat[..., L:]
         qf = q.float()
         q_lat = torch.einsum("bhd,hdl->bhl", qf[..., :dn], self.w_uk)  # [B, H, L]
-        scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", qf[..., dn:], k_pe)
-        visible = torch.arange(W, device=q.device)[None, :] <= ctx.context_lens[:, None]  # [B, W]
-        p = torch.softmax((scores * self.scale).masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
-        o_lat = torch.einsum("bhs,bsl->bhl", p, c)  # [B, H, L]
+        o_lat = mla_decode_attention(q_lat, qf[..., dn:], store, ctx.slots, ctx.context_lens, W, self.scale)
         return torch.einsum("bhl,hvl->bhv", o_lat, self.w_uv)  # [B, H, d_v]
 
     @staticmethod

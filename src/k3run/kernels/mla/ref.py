@@ -1,0 +1,27 @@
+"""fp32 torch reference of absorbed MLA decode attention over a window of each sequence's cached latents."""
+
+from __future__ import annotations
+
+import torch
+
+
+def mla_decode_ref(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    store: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """q_lat [B, H, L] fp32 (the NoPE query absorbed into latent space), q_pe [B, H, R]; store [S, >= window,
+    L + R] the latent cache; sequence b attends positions 0 .. context_lens[b] of slot slots[b] (its new
+    latent already stored at context_lens[b] < window). Returns o_lat [B, H, L] fp32 (softmax-weighted
+    latents, before W_UV)."""
+    L = q_lat.shape[-1]
+    lat = store[:, :window][slots].float()  # [B, W, L + R]
+    c, k_pe = lat[..., :L], lat[..., L:]
+    scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)
+    visible = torch.arange(window, device=q_lat.device)[None, :] <= context_lens[:, None]  # [B, W]
+    p = torch.softmax((scores * scale).masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bsl->bhl", p, c)  # [B, H, L]

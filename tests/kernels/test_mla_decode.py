@@ -1,0 +1,119 @@
+"""Absorbed MLA decode attention: the split-context Triton kernel against the fp32 windowed reference.
+
+Error bounds. fp32 caches: the kernel's dots run in fp32 (`ieee`), so only the summation order differs:
+relative RMS <= 1e-5. 16-bit caches: the queries and the probabilities are rounded to the cache dtype
+before the dots (the latents are exact in it). Rounding q by 2^-p relative moves a score by about
+2^-p * |q| |c| * scale, ~1.5 * 2^-p for the unit-variance data here, and each probability by as much in
+relative terms; rounding p adds 2^-p. fp16 (p = 11): ~2.5 * 2^-11 ~ 1.2e-3, bound 4e-3; bf16 (p = 8, 2^-9
+per rounding): ~5e-3, bound 1.5e-2.
+
+The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
+`test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules. The
+interpreter's dots take fp32 and fp16 only, so bf16 runs on the GPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3run.kernels.mla import mla_decode_attention, mla_decode_ref
+from k3run.testing import assert_close
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
+
+RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.5e-2}
+
+
+def _case(dtype: torch.dtype, device: str, H: int, L: int, R: int, contexts: list[int], window: int):
+    B, S = len(contexts), len(contexts) + 2
+    store = torch.randn(S, window + 5, L + R).to(dtype).to(device)
+    slots = torch.randperm(S)[:B].to(device)
+    ctx = torch.tensor(contexts, device=device)
+    q_lat = torch.randn(B, H, L, device=device)
+    q_pe = torch.randn(B, H, R, device=device)
+    scale = (128 + R) ** -0.5
+    return q_lat, q_pe, store, slots, ctx, window, scale
+
+
+def _check(dtype: torch.dtype, device: str, **kw) -> None:
+    from k3run.kernels.mla.triton import mla_decode_triton
+
+    H, L, R = kw.pop("H"), kw.pop("L"), kw.pop("R")
+    contexts, window = kw.pop("contexts"), kw.pop("window")
+    args = _case(dtype, device, H, L, R, contexts, window)
+    ref = mla_decode_ref(*args)
+    out = mla_decode_triton(*args, **kw)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert_close("mla decode o_lat", ref, out, RTOL[dtype])
+
+
+def test_cpu_dispatch_is_the_reference() -> None:
+    args = _case(torch.bfloat16, "cpu", H=3, L=16, R=8, contexts=[0, 5, 9], window=12)
+    assert torch.equal(mla_decode_attention(*args), mla_decode_ref(*args))
+
+
+def test_choose_splits_fills_the_machine_within_the_window() -> None:
+    from k3run.kernels.mla.triton import choose_splits
+
+    assert choose_splits(batch=1, window=4096, head_blocks=6, sms=132) == 44  # ~2 programs per SM
+    assert choose_splits(batch=1, window=256, head_blocks=6, sms=132) == 4  # >= 64 positions a split
+    assert choose_splits(batch=64, window=4096, head_blocks=6, sms=132) == 1
+
+
+def test_triton_kernels_in_interpreter():
+    """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
+    run_interp_tests_in_child(__file__, expected_passed=2)
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_mla_decode_kernel(dtype: torch.dtype) -> None:
+    # 5 heads in blocks of 16 (masked), 3 splits of 8 positions in blocks of 16 (masked): the first
+    # sequence sees one position (two empty splits), the last reaches into the third split
+    _check(dtype, "cpu", H=5, L=32, R=16, contexts=[0, 7, 20], window=24, splits=3, block_n=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_mla_decode_kernel_at_k3_widths(dtype: torch.dtype) -> None:
+    _check(dtype, "cuda", H=96, L=512, R=64, contexts=[0, 100, 1000, 4095], window=4096)
+
+
+def test_kernel_compiles_for_sm90_at_k3_widths_without_spills() -> None:
+    """The launch mla_decode_triton makes for a bf16 cache at K3's widths, compiled for sm_90 on the CPU:
+    it must build, use the tensor cores (mma), and keep its accumulators in registers (no local memory)."""
+    import inspect
+    import os
+    import re
+    import subprocess
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3run.kernels.mla.triton import _mla_decode_split_kernel as kernel
+
+    params = list(inspect.signature(kernel.fn).parameters)
+    consts = dict(L=512, R=64, BLOCK_H=16, BLOCK_N=32, IEEE=False)
+    types = dict(q_ptr="*fp32", store_ptr="*bf16", slots_ptr="*i64", ctx_ptr="*i64", o_ptr="*fp32",
+                 lse_ptr="*fp32", H="i32", SPLITS="i32", chunk="i32", stride_slot="i64", stride_pos="i32",
+                 scale="fp32")  # fmt: skip
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params) if n.endswith("_ptr")}
+    src = ASTSource(kernel, sig, {(params.index(c),): v for c, v in consts.items()}, attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert "mma" in ck.asm["ptx"]
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("no cuobjdump in this Triton build to read the resource use")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_mla_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(ck.asm["cubin"])
+    try:
+        res = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True)
+    finally:
+        os.remove(path)
+    use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res.stdout)
+    assert use is not None, res.stdout
+    assert int(use.group(2)) == 0 and int(use.group(4)) == 0, f"spills: {use.group(0)}"
