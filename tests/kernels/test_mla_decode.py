@@ -62,22 +62,36 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=2)
+    run_interp_tests_in_child(__file__, expected_passed=6)
 
 
 @interp_only
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interp_mla_decode_kernel(dtype: torch.dtype) -> None:
+def test_interp_mla_decode_kernel(dtype: torch.dtype, transposed: bool) -> None:
     # 5 heads in blocks of 16 (masked), 3 splits of 8 positions in blocks of 16 (masked): the first
     # sequence sees one position (two empty splits), the last reaches into the third split
-    _check(dtype, "cpu", H=5, L=32, R=16, contexts=[0, 7, 20], window=24, splits=3, block_n=16)
+    kw = dict(splits=3, block_n=16, transposed=transposed)
+    _check(dtype, "cpu", H=5, L=32, R=16, contexts=[0, 7, 20], window=24, **kw)
+
+
+@interp_only
+@pytest.mark.parametrize("transposed", [False, True])
+def test_interp_mla_decode_kernel_never_reads_past_the_window(transposed: bool) -> None:
+    # a context length past the window (a corrupt length) attends the whole window, as the reference's mask
+    # does, instead of reading positions beyond it
+    kw = dict(splits=2, block_n=16, transposed=transposed)
+    _check(torch.float32, "cpu", H=3, L=16, R=8, contexts=[2, 10_000], window=16, **kw)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_mla_decode_kernel_at_k3_widths(dtype: torch.dtype) -> None:
-    _check(dtype, "cuda", H=96, L=512, R=64, contexts=[0, 100, 1000, 4095], window=4096)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gpu_mla_decode_kernel_at_k3_widths(dtype: torch.dtype, transposed: bool) -> None:
+    kw = dict(transposed=transposed, block_h=64 if transposed else 32, block_n=32 if transposed else 64)
+    kw.update(num_warps=8, num_stages=2)
+    _check(dtype, "cuda", H=96, L=512, R=64, contexts=[0, 100, 1000, 4095], window=4096, **kw)
 
 
 def test_kernel_compiles_for_sm90_at_k3_widths_without_spills() -> None:
@@ -97,8 +111,8 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills() -> None:
     params = list(inspect.signature(kernel.fn).parameters)
     consts = dict(L=512, R=64, BLOCK_H=16, BLOCK_N=32, IEEE=False)
     types = dict(q_ptr="*fp32", store_ptr="*bf16", slots_ptr="*i64", ctx_ptr="*i64", o_ptr="*fp32",
-                 lse_ptr="*fp32", H="i32", SPLITS="i32", chunk="i32", stride_slot="i64", stride_pos="i32",
-                 scale="fp32")  # fmt: skip
+                 lse_ptr="*fp32", H="i32", SPLITS="i32", chunk="i32", window="i32", stride_slot="i64",
+                 stride_pos="i32", scale="fp32")  # fmt: skip
     sig = {n: ("constexpr" if n in consts else types[n]) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params) if n.endswith("_ptr")}
     src = ASTSource(kernel, sig, {(params.index(c),): v for c, v in consts.items()}, attrs)

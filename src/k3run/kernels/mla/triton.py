@@ -21,14 +21,15 @@ import triton.language as tl
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, stride_slot, stride_pos, scale,
-    L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
+    scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     sp = tl.program_id(1)
     hb = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    n_ctx = tl.load(ctx_ptr + b) + 1  # positions 0 .. context_lens[b]
+    # positions 0 .. context_lens[b], never past the window (a corrupt length must not read out of bounds)
+    n_ctx = tl.minimum(tl.load(ctx_ptr + b) + 1, window)
     start = sp * chunk
     end = tl.minimum(start + chunk, n_ctx)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -46,7 +47,7 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        rows = base + pos.to(tl.int64)[:, None] * stride_pos
+        rows = base + pos[:, None] * stride_pos  # int32 offsets: the wrapper checks window * stride < 2^31
         c = tl.load(rows + cl[None, :], mask=pmask[:, None], other=0.0)  # [BN, L]
         kr = tl.load(rows + L + cr[None, :], mask=pmask[:, None], other=0.0)  # [BN, R]
         if IEEE:
@@ -65,19 +66,53 @@ def _mla_decode_split_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), c)
         m = m_new
-    empty = s_sum == 0.0  # a split past the sequence's end
-    o = acc / tl.where(empty, 1.0, s_sum)[:, None]
+    # a split past the sequence's end writes only lse = -inf: the merge never reads its o
+    empty = s_sum == 0.0
     lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, s_sum)))
     part = (b * SPLITS + sp) * H + heads
-    tl.store(o_ptr + part.to(tl.int64)[:, None] * L + cl[None, :], o, mask=hmask[:, None])
     tl.store(lse_ptr + part, lse, mask=hmask)
+    if start < end:
+        o = acc / tl.where(empty, 1.0, s_sum)[:, None]
+        tl.store(o_ptr + part.to(tl.int64)[:, None] * L + cl[None, :], o, mask=hmask[:, None])
 
 
-def choose_splits(batch: int, window: int, head_blocks: int, sms: int = 132, min_chunk: int = 64) -> int:
-    """Splits of the window so that batch x splits x head blocks fills ~2 programs per SM, with at least
-    `min_chunk` positions per split."""
-    want = max(1, -(-2 * sms // max(1, batch * head_blocks)))
+@triton.jit
+def _mla_merge_kernel(o_ptr, lse_ptr, out_ptr, H, SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[b, h] = sum over splits s of softmax_s(lse[b, s, h]) * o[b, s, h]; splits with lse = -inf (empty)
+    weigh 0 and their o (never written) is not read."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ss = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_ptr + (b * SPLITS + ss) * H + h, mask=ss < SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.exp(lse - top)
+    w = w / tl.sum(w, axis=0)
+    cl = tl.arange(0, L)
+    acc = tl.zeros([L], dtype=tl.float32)
+    for sp in range(0, SPLITS):
+        wt = tl.sum(tl.where(ss == sp, w, 0.0), axis=0)
+        if wt > 0.0:
+            acc += wt * tl.load(o_ptr + ((b * SPLITS + sp) * H + h).to(tl.int64) * L + cl)
+    tl.store(out_ptr + (b * H + h).to(tl.int64) * L + cl, acc)
+
+
+def choose_splits(
+    batch: int, window: int, head_blocks: int, sms: int = 132, min_chunk: int = 64, per_sm: int = 2
+) -> int:
+    """Splits of the window so that batch x splits x head blocks fills ~`per_sm` programs per SM, with at
+    least `min_chunk` positions per split."""
+    want = max(1, -(-per_sm * sms // max(1, batch * head_blocks)))
     return max(1, min(want, -(-window // min_chunk)))
+
+
+def decode_config(batch: int, window: int) -> dict:
+    """Launch options by the step's size, from the H200 sweep (bench/RESULTS.md run 57): the 32-head mma
+    kernel (3 head blocks at 96 heads, 64 positions per step) in general; the transposed wgmma kernel with
+    64-head blocks and ~4 programs per SM once batch x window reaches 2^19 positions (8 x 64K, 32 x 16K),
+    where it was 5-18% faster."""
+    if batch * window >= 1 << 19:
+        return dict(block_h=64, block_n=32, num_warps=8, num_stages=2, transposed=True, per_sm=4)
+    return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, transposed=False, per_sm=2)
 
 
 def mla_decode_triton(
@@ -92,8 +127,14 @@ def mla_decode_triton(
     splits: int | None = None,
     block_h: int = 16,
     block_n: int = 32,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    transposed: bool = False,
+    per_sm: int = 2,
 ) -> torch.Tensor:
-    """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies."""
+    """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies. `transposed` runs the
+    positions-as-rows form (scores^T = latents . q^T, o^T = latents^T . p^T: the tensor-core M dimension is
+    the block of positions, so Hopper's wgmma applies at any head block)."""
     B, H, L = q_lat.shape
     R = q_pe.shape[-1]
     if store.dim() != 3 or store.shape[2] != L + R or window > store.shape[1]:
@@ -102,18 +143,70 @@ def mla_decode_triton(
         raise ValueError(f"mla_decode: store needs a unit last stride, got {store.stride()}")
     if L & (L - 1) or R & (R - 1):
         raise ValueError(f"mla_decode: L = {L} and R = {R} must be powers of two")
+    if window * store.stride(1) >= 2**31:
+        raise ValueError(f"mla_decode: window {window} x row stride {store.stride(1)} overflows int32")
     q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()  # [B, H, L + R]
     head_blocks = triton.cdiv(H, block_h)
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(B, window, head_blocks, sms)
+        splits = choose_splits(B, window, head_blocks, sms, per_sm=per_sm)
     chunk = triton.cdiv(window, splits)
     o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
-    _mla_decode_split_kernel[(B, splits, head_blocks)](
-        q, store, slots, context_lens, o, lse, H, splits, chunk, store.stride(0), store.stride(1), scale,
-        L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, IEEE=store.dtype == torch.float32,
-        num_warps=8 if L >= 256 else 4,
+    kernel = _mla_decode_split_kernel_t if transposed else _mla_decode_split_kernel
+    kernel[(B, splits, head_blocks)](
+        q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
+        scale, L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, IEEE=store.dtype == torch.float32,
+        num_warps=num_warps or (8 if L >= 256 else 4), **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
-    w = torch.softmax(lse, dim=1)  # [B, splits, H]: empty splits weigh 0
-    return (w.unsqueeze(-1) * o).sum(1)
+    out = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    block_s = triton.next_power_of_2(splits)
+    _mla_merge_kernel[(B, H)](o, lse, out, H, splits, L=L, BLOCK_S=block_s, num_warps=4)
+    return out
+
+
+@triton.jit
+def _mla_decode_split_kernel_t(
+    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
+    scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    hb = tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    n_ctx = tl.minimum(tl.load(ctx_ptr + b) + 1, window)
+    start = sp * chunk
+    end = tl.minimum(start + chunk, n_ctx)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    cl = tl.arange(0, L)
+    cr = tl.arange(0, R)
+    q_cols = q_ptr + (b * H + heads).to(tl.int64)[None, :] * (L + R)
+    dt = store_ptr.dtype.element_ty
+    q_ct = tl.load(q_cols + cl[:, None], mask=hmask[None, :], other=0.0).to(dt)  # [L, BH]
+    q_rt = tl.load(q_cols + L + cr[:, None], mask=hmask[None, :], other=0.0).to(dt)  # [R, BH]
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    s_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([L, BLOCK_H], dtype=tl.float32)
+    base = store_ptr + slot * stride_slot
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        rows = base + pos[:, None] * stride_pos  # int32 offsets: the wrapper checks window * stride < 2^31
+        c = tl.load(rows + cl[None, :], mask=pmask[:, None], other=0.0)  # [BN, L]
+        kr = tl.load(rows + L + cr[None, :], mask=pmask[:, None], other=0.0)  # [BN, R]
+        s = tl.dot(c, q_ct) + tl.dot(kr, q_rt)  # [BN, BH]
+        s = tl.where(pmask[:, None], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[None, :])
+        s_sum = s_sum * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(dt))  # [L, BH]
+        m = m_new
+    empty = s_sum == 0.0
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, s_sum)))
+    part = (b * SPLITS + sp) * H + heads
+    tl.store(lse_ptr + part, lse, mask=hmask)
+    if start < end:
+        o = acc / tl.where(empty, 1.0, s_sum)[None, :]
+        tl.store(o_ptr + part.to(tl.int64)[None, :] * L + cl[:, None], o, mask=hmask[None, :])

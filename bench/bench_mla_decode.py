@@ -1,0 +1,117 @@
+"""Absorbed MLA decode attention (kernels/mla): the split-context Triton kernel against the fp32 windowed
+reference it replaces in a static (CUDA-graph) decode step, at K3's widths (96 heads, latent 512, rope 64,
+bf16 latent cache), on one GPU.
+
+Per (batch, context): the window the graph decoder would use (the next power of two above the context, at
+least 256); the time of the launch the engine makes (`decode_config`); its bytes (each sequence's cached
+latents read once + queries + output) as TB/s and % of the device copy bandwidth, and its FLOPs as TFLOP/s
+and % of a cuBLAS bf16 matmul, both ceilings measured in the same run (at 96 heads the tensor cores bind
+first); the reference's time (the baseline), the speed-up and the relative RMS error against the reference.
+Every sequence of a batch has the same context (no empty splits). --variants times other launch options.
+Timing: triton.testing.do_bench_cudagraph (a graph of back-to-back calls; median).
+
+    PYTHONPATH=src python bench/bench_mla_decode.py [--contexts 1024,8192,32768] [--batches 1,8,32]
+"""
+
+# every lambda below is timed immediately inside its loop iteration, so late binding is harmless
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_kda import copy_bandwidth
+from triton.testing import do_bench_cudagraph
+
+from k3run.kernels.mla import mla_decode_ref
+from k3run.kernels.mla.triton import decode_config, mla_decode_triton
+from k3run.testing import rel_rms_error
+
+H, L, R = 96, 512, 64  # K3 MLA: heads, kv_lora_rank, qk_rope_head_dim
+REF_MAX_BYTES = 24 << 30  # skip the reference where its fp32 window copies would exceed this
+
+
+def _time(fn) -> float:
+    torch.cuda.synchronize()  # the inputs were made on the default stream; fn runs on a side stream
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3  # us
+
+
+def _mm_tflops(n: int = 8192) -> float:
+    """cuBLAS bf16 n^3 matmul rate: the tensor-core ceiling."""
+    mat = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / _time(lambda: torch.mm(mat, mat)) / 1e6
+
+
+def _window(ctx: int) -> int:
+    w = 256
+    while w <= ctx:
+        w *= 2
+    return w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="[t]block_h/block_n/warps/stages[/programs per SM] (t: transposed kernel), e.g. t32/64/8/2/1",
+    )
+    args = ap.parse_args()
+    copy_tbs = copy_bandwidth() / 1e12
+    mm_tflops = _mm_tflops()
+    print(
+        f"{torch.cuda.get_device_name()}: copy bandwidth (read + write) {copy_tbs:.2f} TB/s, "
+        f"cuBLAS bf16 8192^3 {mm_tflops:.0f} TFLOP/s (the two ceilings; at 96 heads the kernel does "
+        f"{H * (2 * L + R) * 2 / ((L + R) * 2):.0f} FLOP per cache byte, so the tensor cores bind first)"
+    )
+    variants = [s for s in args.variants.split(",") if s]
+    head = f"{'B':>3} {'ctx':>6} {'window':>6} {'kernel us':>9} {'TB/s':>6} {'%copy':>6}"
+    head += f" {'TFLOP/s':>7} {'%mm':>5}"
+    head += f" {'ref us':>9} {'speed-up':>8} {'rel err':>8}"
+    print(head + "".join(f" {v + ' us':>14}" for v in variants))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b in (int(v) for v in args.batches.split(",")):
+        for ctx in (int(v) for v in args.contexts.split(",")):
+            window = _window(ctx)
+            store = torch.randn(b, window, L + R, device="cuda", generator=g).to(torch.bfloat16)
+            slots = torch.randperm(b, device="cuda", generator=g)
+            lens = torch.full((b,), ctx, dtype=torch.int64, device="cuda")
+            q_lat = torch.randn(b, H, L, device="cuda", generator=g) / L**0.5
+            q_pe = torch.randn(b, H, R, device="cuda", generator=g) / R**0.5
+            scale = 1.0 / (128 + R) ** 0.5
+
+            def kern(spec: str = ""):
+                args = (q_lat, q_pe, store, slots, lens, window, scale)
+                if not spec:  # what the engine launches
+                    return mla_decode_triton(*args, **decode_config(b, window))
+                nums = [int(v) for v in spec.lstrip("t").split("/")]
+                kw = dict(block_h=nums[0], block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
+                kw.update(transposed=spec.startswith("t"), per_sm=nums[4] if len(nums) > 4 else 2)
+                return mla_decode_triton(*args, **kw)
+
+            t = _time(kern)
+            nbytes = b * (ctx + 1) * (L + R) * 2 + b * H * (L + R) * 4 + b * H * L * 4
+            tbs = nbytes / t / 1e6
+            tflops = b * H * (ctx + 1) * (2 * L + R) * 2 / t / 1e6
+            ref_bytes = b * window * (L + R) * 6 + 4 * b * H * window * 4
+            if ref_bytes <= REF_MAX_BYTES:
+                want = mla_decode_ref(q_lat, q_pe, store, slots, lens, window, scale)
+                err = rel_rms_error(want, kern())
+                t_ref = _time(lambda: mla_decode_ref(q_lat, q_pe, store, slots, lens, window, scale))
+                tail = f" {t_ref:>9.1f} {t_ref / t:>7.1f}x {err:>8.1e}"
+                del want
+            else:
+                tail = f" {'(skip)':>9} {'':>8} {'':>8}"
+            row = f"{b:>3} {ctx:>6} {window:>6} {t:>9.1f} {tbs:>6.2f} {100 * tbs / copy_tbs:>5.1f}%"
+            row += f" {tflops:>7.0f} {100 * tflops / mm_tflops:>4.0f}%" + tail
+            row += "".join(f" {_time(lambda: kern(v)):>14.1f}" for v in variants)
+            print(row, flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
