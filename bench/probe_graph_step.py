@@ -3,13 +3,14 @@ the wall time of the whole engine step (scheduler, input copy, replay, logits co
 with graphs on and off, and which kernels fill the replay (torch profiler).
 
     PYTHONPATH=src python bench/probe_graph_step.py [MODEL_DIR] [--batch-sizes 1,8] [--steps 48]
-        [--k3-shaped LAYERS,EXPERTS] [--eager] [--profile STEPS]
+        [--k3-shaped LAYERS,EXPERTS] [--eager] [--profile STEPS] [--host N]
 
 --k3-shaped builds a random model at K3's real layer shapes instead of loading MODEL_DIR (bench/k3_shaped.py:
 KDA x3 + MLA per 4 layers, latent MoE in every layer, EXPERTS local routed experts, top-16, k3-mixed
 quantization); the tokenizer still comes from MODEL_DIR. --eager also times the same steps with graphs off.
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
-kernels of the static step (run eagerly) to the model's modules.
+kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
+the graph steps by their own time (cProfile; prefills included).
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
 decode tokens/s. Needs CUDA (and fla-core for KDA models).
 """
@@ -56,6 +57,22 @@ def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list[flo
         gpu = statistics.median(gpu_ms) if gpu_ms else float("nan")
         rows.append((b, statistics.median(walls), gpu))
     return rows
+
+
+def _host_profile(engine, sizes: list[int], steps: int, prompt_len: int, top: int) -> None:
+    """Where the host's time goes in graph decode steps (cProfile; the GPU waits show up in the calls that
+    block on it, e.g. the input copy or .tolist())."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _run(engine, sizes, steps, prompt_len, [])
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
 
 
 def _family(name: str) -> str:
@@ -196,6 +213,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also time the steps with graphs off")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS")
     ap.add_argument("--modules", action="store_true", help="per-module GPU time of the static step")
+    ap.add_argument("--host", type=int, default=0, metavar="N", help="cProfile of the graph steps (top N)")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.k3_shaped:
@@ -237,6 +255,8 @@ def main() -> None:
     for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms):
         print(f"{'graphs':>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {b / wall * 1e3:>13.1f}")
     dec.run = replay  # type: ignore[method-assign]
+    if args.host:
+        _host_profile(engine, sizes, args.steps, args.prompt_len, args.host)
     if args.profile:
         for b in sizes:
             _profile(engine, b, args.profile, args.prompt_len)

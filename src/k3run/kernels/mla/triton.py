@@ -106,12 +106,13 @@ def choose_splits(
 
 
 def decode_config(batch: int, window: int) -> dict:
-    """Launch options by the step's size, from the H200 sweep (bench/RESULTS.md run 57): the 32-head mma
-    kernel (3 head blocks at 96 heads, 64 positions per step) in general; the transposed wgmma kernel with
-    64-head blocks and ~4 programs per SM once batch x window reaches 2^19 positions (8 x 64K, 32 x 16K),
-    where it was 5-18% faster."""
-    if batch * window >= 1 << 19:
-        return dict(block_h=64, block_n=32, num_warps=8, num_stages=2, transposed=True, per_sm=4)
+    """Launch options by the step's size, from the H200 sweeps (bench/RESULTS.md runs 57-58): 32-head blocks
+    (3 at 96 heads) of 64 positions in the mma form; from 8 sequences on, 4-warp programs at ~4 per SM
+    (1.3-2x faster there than 8 warps), below that 8-warp programs at ~2 per SM (4 warps at 4 per SM split
+    one sequence's window into too many short chunks). The transposed wgmma form never won by more than
+    the noise once these were tuned."""
+    if batch >= 8:
+        return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, transposed=False, per_sm=4)
     return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, transposed=False, per_sm=2)
 
 
@@ -195,13 +196,19 @@ def _mla_decode_split_kernel_t(
         rows = base + pos[:, None] * stride_pos  # int32 offsets: the wrapper checks window * stride < 2^31
         c = tl.load(rows + cl[None, :], mask=pmask[:, None], other=0.0)  # [BN, L]
         kr = tl.load(rows + L + cr[None, :], mask=pmask[:, None], other=0.0)  # [BN, R]
-        s = tl.dot(c, q_ct) + tl.dot(kr, q_rt)  # [BN, BH]
+        if IEEE:
+            s = tl.dot(c, q_ct, input_precision="ieee") + tl.dot(kr, q_rt, input_precision="ieee")
+        else:
+            s = tl.dot(c, q_ct) + tl.dot(kr, q_rt)  # [BN, BH]
         s = tl.where(pmask[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[None, :])
         s_sum = s_sum * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(dt))  # [L, BH]
+        if IEEE:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(dt), input_precision="ieee")
+        else:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(dt))  # [L, BH]
         m = m_new
     empty = s_sum == 0.0
     lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, s_sum)))
