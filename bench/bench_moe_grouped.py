@@ -2,12 +2,15 @@
 session 11).
 
 K3's latent experts (D = 3584, I = 3072, SiTU, top-16) with 64 local experts of random NVFP4 weights (1.2 GB,
-so the picks' weights stream from DRAM), T = 1 / 4 / 8 tokens routed by random logits. Per T:
+so the picks' weights stream from DRAM), T = 1 / 4 / 8 / 16 tokens routed by random logits. Per T:
 - loop: fused_experts(grouped=False): sort, one counts read-back, two nvfp4_linear per hit expert (eager:
   it cannot be captured in a CUDA graph);
-- grouped: two nvfp4_gemv_grouped launches over all picks, the activation and the weighted sum, eager and
-  captured in a CUDA graph (the decode step's form);
-and the weight bytes the grouped launches read per call (every pick reads its expert: 18.6 MB) per second.
+- per pick: two nvfp4_gemv_grouped launches (every pick reads its expert's weights), the activation and the
+  weighted sum, captured in a CUDA graph (the decode step's form);
+- by expert: expert_groups + two nvfp4_gemv_by_expert launches (each picked expert read once for all its
+  tokens; what fused_experts runs for 2..16 tokens), in a CUDA graph;
+with the bytes each form must read (per pick: 18.6 MB per pick; by expert: 18.6 MB per distinct expert) per
+second and as % of the device copy bandwidth measured in the same run (the ceiling).
 
     PYTHONPATH=src python bench/bench_moe_grouped.py
 """
@@ -24,11 +27,11 @@ import torch
 
 from k3run.distributed import TPInfo
 from k3run.layers.activation import GatedActivation
-from k3run.layers.moe import FusedExperts, fused_experts, route
+from k3run.layers.moe import FusedExperts, _fused_experts_grouped, fused_experts, route
 from k3run.quant.algo import QuantAlgo
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import graph_ms  # noqa: E402
+from bench_linear import copy_bandwidth, graph_ms  # noqa: E402
 
 D, INTER, E, TOP_K = 3584, 3072, 64, 16
 BYTES_PER_EXPERT = 3 * D * INTER * (0.5 + 1 / 16)
@@ -66,29 +69,45 @@ def eager_us(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def _grouped(ex: FusedExperts, x, ids, weights, by_expert: bool) -> torch.Tensor:
+    os.environ["K3RUN_MOE_BY_EXPERT"] = "1" if by_expert else "0"  # read when the launches are made
+    try:
+        return _fused_experts_grouped(ex, x, ids, weights)
+    finally:
+        os.environ.pop("K3RUN_MOE_BY_EXPERT")
+
+
 def main() -> None:
     torch.manual_seed(0)
+    copy_tbs = copy_bandwidth() / 1e12
     ex = experts()
     rows = []
-    for t in (1, 4, 8):
+    for t in (1, 4, 8, 16):
         x = torch.randn(t, D, device="cuda").bfloat16()
         weights, ids = route(torch.randn(t, E, device="cuda"), torch.zeros(E, device="cuda"), TOP_K)
         loop = fused_experts(ex, x, ids, weights, grouped=False)
-        got = fused_experts(ex, x, ids, weights)
-        err = float((got - loop).norm() / loop.norm())
-        assert err < 2.0**-7, f"grouped vs loop: relative error {err:.2e}"
+        per_pick = _grouped(ex, x, ids, weights, False)
+        by_exp = _grouped(ex, x, ids, weights, True)
+        err = float((by_exp - loop).norm() / loop.norm())
+        assert err < 2.0**-7, f"by expert vs loop: relative error {err:.2e}"
+        err_pp = float((by_exp - per_pick).norm() / per_pick.norm())
         t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False))
-        t_eager = eager_us(lambda: fused_experts(ex, x, ids, weights))
-        t_graph = graph_ms([lambda: fused_experts(ex, x, ids, weights)], t_eager * 1e-3) * 1e3
-        picks = t * TOP_K
-        tbs = picks * BYTES_PER_EXPERT / (t_graph * 1e-6) / 1e12
+        t_pick = graph_ms([lambda: _grouped(ex, x, ids, weights, False)], 1e-3) * 1e3
+        t_exp = graph_ms([lambda: _grouped(ex, x, ids, weights, True)], 1e-3) * 1e3
+        picks, distinct = t * TOP_K, int(ids.unique().numel())
+        tbs_pick = picks * BYTES_PER_EXPERT / (t_pick * 1e-6) / 1e12
+        tbs_exp = distinct * BYTES_PER_EXPERT / (t_exp * 1e-6) / 1e12
+        pick_pct, exp_pct = 100 * tbs_pick / copy_tbs, 100 * tbs_exp / copy_tbs
         rows.append(
-            f"T={t:<2} picks {picks:4d} | loop {t_loop:8.1f} us | grouped eager {t_eager:7.1f} us "
-            f"({t_loop / t_eager:4.1f}x) | grouped graph {t_graph:7.1f} us ({t_loop / t_graph:4.1f}x), "
-            f"{tbs:4.2f} TB/s of pick weights | err {err:.1e}"
+            f"T={t:<2} picks {picks:4d} experts {distinct:3d} | loop {t_loop:8.1f} us "
+            f"| per pick {t_pick:7.1f} us {tbs_pick:4.2f} TB/s {pick_pct:3.0f}% "
+            f"| by expert {t_exp:7.1f} us {tbs_exp:4.2f} TB/s {exp_pct:3.0f}% "
+            f"| {t_pick / t_exp:4.2f}x per pick, {t_loop / t_exp:5.1f}x loop "
+            f"| err vs loop {err:.1e}, vs per pick {err_pp:.1e}"
         )
         print(rows[-1], flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, K3 experts D={D} I={INTER}, {E} local, top-{TOP_K}")
+    name = torch.cuda.get_device_name()
+    print(f"\n{name}, copy {copy_tbs:.2f} TB/s, K3 experts D={D} I={INTER}, {E} local, top-{TOP_K}")
     print("\n".join(rows))
 
 

@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 def _compile(
     num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
     stages: int = 0, tiled: bool = False, pdl: bool = False, stamp: bool = False, grouped: bool = False,
+    byexp: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -47,12 +48,15 @@ def _compile(
             PDL=pdl,
             LSW=gemv.scale_word_layout(num_warps, bt),
             STAMP=stamp,
-            GROUPED=grouped,
+            GROUPED=grouped or byexp,
+            BYEXP=byexp,
         )
         if not stamp:
             consts["stamp_ptr"] = None
-        if not grouped:
+        if not grouped and not byexp:
             consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
+        if not byexp:
+            consts["grp_ptr"] = None
     else:
         kernel = gemv._nvfp4_gemv_kernel
         mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
@@ -61,7 +65,7 @@ def _compile(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32" if tiled else "*u8", gs_ptr="*fp32",
         b_ptr=f"*{dtype}", y_ptr=f"*{dtype}", ws_ptr="*fp32", cnt_ptr="*i32", tab_ptr="*i32", M="i32",
         N="i32", stride_xm="i32", stride_ym="i32", stamp_ptr="*i64", ids_ptr="*i64", n_experts="i32",
-        slot_div="i32", w_estride="i64", s_estride="i64", gs_estride="i32",
+        slot_div="i32", w_estride="i64", s_estride="i64", gs_estride="i32", grp_ptr="*i32",
     )  # fmt: skip
     params = inspect.signature(kernel.fn).parameters
     order = list(params)
@@ -168,6 +172,32 @@ def test_grouped_gemv_compiles_for_sm90():
     ck = _compile(1, 128, 8, 7, 1, 3584, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=True)
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
+
+
+@pytest.mark.parametrize("bt", [8, 16])
+def test_by_expert_gemv_compiles_for_sm90(bt: int):
+    """The expert-major routed-expert launch (nvfp4_gemv_by_expert): the group table read after the PDL wait,
+    token rows gathered per column, unused groups returning before any copy; no spills in the loop."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import MAXNREG
+
+    ck = _compile(1, 128, bt, 7, 1, 3584, "bf16", MAXNREG[bt], 2, True, True, byexp=True)
+    ptx = ck.asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
+    _assert_no_loop_spills(ck)
+
+
+def _assert_no_loop_spills(ck) -> None:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("no cuobjdump in this Triton build")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_gemv_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(ck.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+    assert not _local_accesses_in_loops(sass)
 
 
 def test_stamped_gemv_compiles_for_sm90():

@@ -217,3 +217,38 @@ def test_gemv_grouped_matches_single_launches(per_row: bool):
         nvfp4_gemv_grouped(x, w, s, gs, ids[:10], rows=n)
     with pytest.raises(ValueError, match="global scale"):
         nvfp4_gemv_grouped(x, w, s, gs.new_ones(n_exp, 3), ids, rows=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t, bt", [(3, 8), (8, 8), (12, 16)])
+def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int):
+    """nvfp4_gemv_by_expert (expert-major groups from expert_groups) gives the bits of nvfp4_gemv_grouped
+    (one pick per program) for every pick, zero rows for other ranks' experts, at split_k 1 and 4: a column
+    of the token tile is computed exactly as a one-token launch computes it. Token rows as x (slot_div = A,
+    GEMM1) and pick rows as x (slot_div = 1, GEMM2). E = 5, N = 520, K = 3504, A = 4 distinct picks per token
+    drawn from 7 ids (two of them outside [0, E))."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
+    from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
+
+    n_exp, n, k, a = 5, 520, 3504, 4
+    ps = [prepare_nvfp4_weight(*_random_nvfp4(n, k, device="cuda"), layout="tiled128") for _ in range(n_exp)]
+    w = torch.stack([p.weight for p in ps])
+    s = torch.stack([p.scale_bits for p in ps])
+    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(n_exp + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1)
+    ids = ids.to(torch.int32).cuda()
+    grp = expert_groups(ids, n_exp, bt)
+    assert torch.equal(grp.cpu(), expert_groups_ref(ids.cpu(), n_exp, bt))
+    x = torch.randn(t, k, device="cuda").bfloat16()
+    xp = torch.randn(t * a, k, device="cuda").bfloat16()
+    for split in (1, 4):
+        want = nvfp4_gemv_grouped(x, w, s, gs, ids, rows=n, split_k=split)
+        got = nvfp4_gemv_by_expert(x, w, s, gs, grp, picks=t * a, slot_div=a, rows=n, split_k=split)
+        assert torch.equal(got, want), split
+        want = nvfp4_gemv_grouped(xp, w, s, gs, ids, rows=n, split_k=split)
+        got = nvfp4_gemv_by_expert(xp, w, s, gs, grp, picks=t * a, slot_div=1, rows=n, split_k=split)
+        assert torch.equal(got, want), split
+    with pytest.raises(ValueError, match="groups"):
+        nvfp4_gemv_by_expert(x, w, s, gs, grp[:, :5], picks=t * a, slot_div=a, rows=n)

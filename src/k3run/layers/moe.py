@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -175,6 +176,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 # picks (tokens x top-k) up to which the NVFP4 experts run as two grouped launches (decode); not yet tuned
 GROUPED_MAX_PICKS = 128
+# tokens up to which the grouped launches are expert-major (each picked expert read once for all its tokens:
+# nvfp4_gemv_by_expert); above this the per-pick launch (or the loop) runs. K3RUN_MOE_BY_EXPERT=0 turns the
+# expert-major launch off (for comparisons).
+BY_EXPERT_MAX_TOKENS = 16
 
 
 class FusedExperts(nn.Module):
@@ -279,7 +284,7 @@ class FusedExperts(nn.Module):
             and self._tiled
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
-            and ids.numel() <= GROUPED_MAX_PICKS
+            and (ids.numel() <= GROUPED_MAX_PICKS or _by_expert(ids.shape[0]))
         )
 
     def is_local(self, expert_id: int) -> bool:
@@ -655,15 +660,23 @@ def _all_experts(experts: FusedExperts, x: torch.Tensor) -> torch.Tensor | None:
     return experts.nvfp4_reference(x, *experts._ref_stack, *(a[:, None, None] for a in per_expert))
 
 
+def _by_expert(tokens: int) -> bool:
+    return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and os.environ.get("K3RUN_MOE_BY_EXPERT", "1") != "0"
+
+
 def _fused_experts_grouped(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """fused_experts through two grouped NVFP4 launches (kernels/nvfp4_gemm nvfp4_gemv_grouped): every
-    (token, slot) pick runs its expert's GEMM1, the activation, GEMM2; picks of other ranks' experts give
-    zero rows. No host synchronisation, so a decode step can be captured in a CUDA graph. Sum over a token's
-    picks in slot order, fp32."""
+    """fused_experts through two grouped NVFP4 launches: GEMM1, the activation, GEMM2 for every (token, slot)
+    pick; picks of other ranks' experts give zero rows. For 2..BY_EXPERT_MAX_TOKENS tokens the launches are
+    expert-major (`expert_groups` + `nvfp4_gemv_by_expert`: one program group per picked expert over all
+    its tokens), otherwise one program group per pick (`nvfp4_gemv_grouped`; at equal split_k the two give
+    the same bits).
+    No host synchronisation, so a decode step can be captured in a CUDA graph. Sum over a token's picks in
+    slot order, fp32."""
     from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
-    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_grouped
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
+    from k3run.kernels.nvfp4_gemm.groups import expert_groups
 
     assert experts._kernel_scales is not None
     gs13, gs2 = experts._kernel_scales
@@ -673,14 +686,28 @@ def _fused_experts_grouped(
     sms = sm_count(x.device.index or 0)
     w13, s13 = experts.w13_weight, experts.w13_weight_scale.view(torch.uint8)
     w2, s2 = experts.w2_weight, experts.w2_weight_scale.view(torch.uint8)
-    split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)  # every pick's rows count towards one wave
-    gu = nvfp4_gemv_grouped(x.contiguous(), w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1)
+    x = x.contiguous()
+    by_expert = _by_expert(t)
+    if by_expert:  # each picked expert's weights read once for all the tokens that picked it
+        bt = 8 if t <= 8 else 16
+        grp = expert_groups(local, experts.num_local, bt)
+        split1, reg1 = one_wave_split(bt, 2 * i * grp.shape[0], d, sms)
+        kw1 = dict(picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1)
+        gu = nvfp4_gemv_by_expert(x, w13, s13, gs13, grp, **kw1)
+    else:
+        split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)  # every pick's rows count towards one wave
+        gu = nvfp4_gemv_grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1)
     if experts.activation.kind == "silu":
         h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
     else:
         h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
-    split2, reg2 = one_wave_split(1, d * t * a, i, sms)
-    y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
+    if by_expert:
+        split2, reg2 = one_wave_split(bt, d * grp.shape[0], i, sms)
+        kw2 = dict(picks=t * a, slot_div=1, rows=d, split_k=split2, maxnreg=reg2)
+        y = nvfp4_gemv_by_expert(h.to(x.dtype), w2, s2, gs2, grp, **kw2)
+    else:
+        split2, reg2 = one_wave_split(1, d * t * a, i, sms)
+        y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
     return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
 
 

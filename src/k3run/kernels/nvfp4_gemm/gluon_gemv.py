@@ -644,14 +644,18 @@ def _nvfp4_gemv_async_kernel(
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
     stamp_ptr=None, STAMP: gl.constexpr = False, ids_ptr=None, n_experts=0, slot_div=1, w_estride=0,
-    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False,
+    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None, BYEXP: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
     keeps one tile in flight; deeper register rings cost occupancy).
     GROUPED (`nvfp4_gemv_grouped`): grid axis 2 is the pick s: one token row x[s // slot_div] times expert
     ids[s]'s weights (w / s / gs_ptr + ids[s] * their expert strides) into y row s; an id outside
-    [0, n_experts) copies no weights (zero-filled: y row s = 0)."""
+    [0, n_experts) copies no weights (zero-filled: y row s = 0).
+    BYEXP (`nvfp4_gemv_by_expert`, with GROUPED): grid axis 2 is a group g of the table grp [G, 1 + BT]
+    (`expert_groups`): expert grp[g, 0] (-1: an unused group, whose programs return at once) times the
+    token rows x[grp[g, 1 + t] // slot_div] of its picks (-1 pads the columns past the group's count) into
+    y rows grp[g, 1 + t]: each expert's weights are read once for all its tokens."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
@@ -667,14 +671,24 @@ def _nvfp4_gemv_async_kernel(
         if PDL:  # the ids are the previous kernel's output (routing): wait before reading them
             _gdc("griddepcontrol.wait;")
         pid_s = gl.program_id(2)
-        e = gl.load(ids_ptr + pid_s).to(gl.int32)
-        hit = (e >= 0) & (e < n_experts)
-        e = gl.where(hit, e, 0).to(gl.int64)
+        if BYEXP:
+            grp_ptr += pid_s * (BT + 1)
+            e = gl.load(grp_ptr).to(gl.int32)
+            if e < 0:  # an unused group: nothing to read or write
+                return
+            # the group's token count: its picks fill columns 0 .. M - 1
+            cols = gl.arange(0, BT, layout=gl.SliceLayout(0, LB))
+            M = gl.sum((gl.load(grp_ptr + 1 + cols) >= 0).to(gl.int32), axis=0)
+        else:
+            e = gl.load(ids_ptr + pid_s).to(gl.int32)
+            hit = (e >= 0) & (e < n_experts)
+            e = gl.where(hit, e, 0)
+            x_ptr += (pid_s // slot_div).to(gl.int64) * stride_xm
+            y_ptr += pid_s.to(gl.int64) * stride_ym
+        e = e.to(gl.int64)
         w_ptr += e * w_estride
         s_ptr += e * s_estride
         gs_ptr += e * gs_estride
-        x_ptr += (pid_s // slot_div).to(gl.int64) * stride_xm
-        y_ptr += pid_s.to(gl.int64) * stride_ym
         ws_ptr += pid_s.to(gl.int64) * (SPLIT_K * gl.num_programs(0) * BN * BT)
         cnt_ptr += pid_s * gl.num_programs(0)
     k_start = pid_k * K_SPLIT
@@ -719,7 +733,11 @@ def _nvfp4_gemv_async_kernel(
     kx = gl.expand_dims(j, 1)  # [HALF, 1]
     t2 = gl.expand_dims(t, 0)  # [1, BT]
     # token columns >= M re-read row M - 1 (never stored): no token mask, no zero-fill of the B operand
-    x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
+    if BYEXP:  # column t is the token of the group's pick t
+        xrow = gl.load(grp_ptr + 1 + gl.minimum(t2, M - 1)) // slot_div
+        x_off = xrow.to(gl.int64) * stride_xm + k_start + kx
+    else:
+        x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
 
     for st in gl.static_range(STAGES - 1):
@@ -753,7 +771,7 @@ def _nvfp4_gemv_async_kernel(
         acc = acc * OUT_SCALE
 
     _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
-              HAS_BIAS, BN, BT, MMA)  # fmt: skip
+              HAS_BIAS, BN, BT, MMA, grp_ptr, BYEXP)  # fmt: skip
     if STAMP:
         _cta_barrier()
         gl.store(stamp_ptr + 3, _globaltimer())
@@ -767,13 +785,18 @@ def _nvfp4_gemv_async_kernel(
 def _epilogue(
     acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K: gl.constexpr,
     PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, MMA: gl.constexpr,
+    grp_ptr=None, BYEXP: gl.constexpr = False,
 ):  # fmt: skip
-    """acc[n, t] -> y[t, n]; with split-K the last program of the row block to arrive sums the partials."""
+    """acc[n, t] -> y[t, n] (BYEXP: y[grp[1 + t], n]); with split-K the last program of the row block to
+    arrive sums the partials."""
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     t_idx = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
     n2 = gl.expand_dims(n_idx, 1)
     te = gl.expand_dims(t_idx, 0)
     out_ok = (n2 < N) & (te < M)
+    yrow = te
+    if BYEXP:
+        yrow = gl.load(grp_ptr + 1 + gl.minimum(te, M - 1))
     if SPLIT_K > 1:
         ws_off = (pid_k * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
         gl.store(ws_ptr + ws_off, acc, mask=te < M)  # only the real tokens' partials travel
@@ -785,9 +808,9 @@ def _epilogue(
                 part_off = (sk * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
                 acc += gl.load(ws_ptr + part_off, mask=te < M, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, te, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
+            _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, yrow, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
     else:
-        _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, te, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
+        _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, yrow, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
 
 
 @gluon.jit
@@ -798,7 +821,7 @@ def _finish(
     y_ptr,
     n_idx,
     n2,
-    te,
+    yrow,
     out_ok,
     stride_ym,
     PER_COL_GS: gl.constexpr,
@@ -812,7 +835,7 @@ def _finish(
         acc = acc * gl.load(gs_ptr)
     if HAS_BIAS:
         acc += gl.expand_dims(gl.load(b_ptr + n_idx, mask=n_ok, other=0.0).to(gl.float32), 1)
-    gl.store(y_ptr + te.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+    gl.store(y_ptr + yrow.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
@@ -973,27 +996,11 @@ def nvfp4_gemv(
     return y
 
 
-def nvfp4_gemv_grouped(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale_u8: torch.Tensor,
-    global_scale: torch.Tensor,
-    ids: torch.Tensor,
-    *,
-    rows: int,
-    split_k: int = 1,
-    maxnreg: int | None = None,
-    pdl: bool | None = None,
-) -> torch.Tensor:
-    """Routed experts in one launch: y [P, N], row s = x[s // (P / T)] @ W[ids[s]]^T * global_scale[ids[s]].
-
-    x [T, K] bf16/fp16; weight / scale_u8: E experts in the tiled128 layout ([E, N_pad, K_pad / 2] and
-    [E, N_pad, K_pad / 16] uint8, rows padded to 16; `rows` = N); global_scale fp32 [E, N_pad] (per row) or
-    [E, 1]; ids [P] int32/int64 local expert indices, P a multiple of T (the picks of each token in order).
-    An id outside [0, E) (another rank's expert) gives a zero row, read no weights, and needs no host check,
-    so the launch can be captured in a CUDA graph. Each pick is one token through the cp.async kernel
-    (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
-    """
+def _check_grouped_operands(
+    x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor, rows: int
+) -> tuple[int, int, int, int]:
+    """The stacked tiled128 experts and the input of a grouped launch: (E, N_pad, K_pad, K), or a ValueError
+    naming the operand, what was expected and what came."""
     if weight.dim() != 3 or weight.dtype != torch.uint8 or not weight.is_contiguous():
         raise ValueError(
             f"nvfp4 grouped weight: expected contiguous uint8 [E, N_pad, K_pad/2], got {weight.dtype} "
@@ -1024,6 +1031,31 @@ def nvfp4_gemv_grouped(
     k = x.shape[1]
     if k % 16 or not k_pad - CHUNK < k <= k_pad:
         raise ValueError(f"nvfp4 grouped: input K={k} does not round up to the weight's width {k_pad}")
+    return n_exp, n_pad, k_pad, k
+
+
+def nvfp4_gemv_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    rows: int,
+    split_k: int = 1,
+    maxnreg: int | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """Routed experts in one launch: y [P, N], row s = x[s // (P / T)] @ W[ids[s]]^T * global_scale[ids[s]].
+
+    x [T, K] bf16/fp16; weight / scale_u8: E experts in the tiled128 layout ([E, N_pad, K_pad / 2] and
+    [E, N_pad, K_pad / 16] uint8, rows padded to 16; `rows` = N); global_scale fp32 [E, N_pad] (per row) or
+    [E, 1]; ids [P] int32/int64 local expert indices, P a multiple of T (the picks of each token in order).
+    An id outside [0, E) (another rank's expert) gives a zero row, read no weights, and needs no host check,
+    so the launch can be captured in a CUDA graph. Each pick is one token through the cp.async kernel
+    (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
+    """
+    n_exp, n_pad, k_pad, k = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
         raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
                          f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
@@ -1054,6 +1086,67 @@ def nvfp4_gemv_grouped(
         maxnreg, global_scale.shape[1] != 1, False, ids_ptr=ids, n_experts=n_exp, slot_div=picks // t,
         w_estride=n_pad * k_pad // 8, s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1],
         GROUPED=True,
+    )  # fmt: skip
+    return y
+
+
+def nvfp4_gemv_by_expert(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    groups: torch.Tensor,
+    *,
+    picks: int,
+    slot_div: int,
+    rows: int,
+    split_k: int = 1,
+    maxnreg: int | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """Routed experts in one launch, expert-major: y [picks, N], row s = x[s // slot_div] @ W[e(s)]^T *
+    global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from
+    `expert_groups`, BT = 8 or 16: expert per group, then its picks), zero for the picks in no group (other
+    ranks' experts). One program per (16 rows, K split, group) runs the BT-token tile over the group's tokens,
+    so each picked expert's weights are read once per launch however many tokens picked it (the per-pick
+    `nvfp4_gemv_grouped` reads them once per pick). Each column of the tile is computed exactly as the
+    one-token launch computes it, so the two agree bit for bit. Unused groups return at once; no host
+    synchronisation (graph-capturable); PDL (default on sm_90+) waits before reading the table.
+    x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
+    n_exp, n_pad, k_pad, k = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
+    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16):
+        raise ValueError(
+            f"nvfp4 by-expert groups: expected int32 [G, 9] or [G, 17] (expert_groups), got {groups.dtype} "
+            f"{tuple(groups.shape)}"
+        )
+    if not groups.is_contiguous() or groups.device != x.device:
+        raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
+    if slot_div < 1 or picks > x.shape[0] * slot_div:
+        raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap < (8, 9):
+        raise ValueError("nvfp4 by-expert: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
+    if pdl is None:
+        pdl = cap >= (9, 0)
+    y = torch.zeros((picks, rows), dtype=x.dtype, device=x.device)  # rows of missed picks stay zero
+    n_groups, bt = groups.shape[0], groups.shape[1] - 1
+    if picks == 0 or n_groups == 0:
+        return y
+    from k3run.kernels.nvfp4_gemm.triton import largest_divisor
+
+    split_k = largest_divisor(k_pad // CHUNK, split_k)
+    grid_n = n_pad // 16
+    if split_k > 1:
+        ws = torch.empty((n_groups, split_k, grid_n * 16, bt), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, n_groups * grid_n)
+    else:
+        ws = cnt = y
+    common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)
+    _launch_async(
+        (grid_n, split_k, n_groups), common, y, ws, cnt, bt, rows, k, k_pad, split_k, 1, bt, 2, True, True,
+        pdl, maxnreg, global_scale.shape[1] != 1, False, ids_ptr=groups, n_experts=n_exp, slot_div=slot_div,
+        w_estride=n_pad * k_pad // 8, s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1],
+        GROUPED=True, grp_ptr=groups, BYEXP=True,
     )  # fmt: skip
     return y
 
