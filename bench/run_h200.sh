@@ -11,6 +11,8 @@
 #   model   the bundled model through `k3run bench` on CUDA (graphs, then --eager) and bench/probe_graph_step.py
 #   engine  bench/probe_graph_step.py on a K3-shaped model (bench/k3_shaped.py: 4 layers, 128 local experts)
 #           with the replay's kernels by name, and bench/bench_norm.py (fused norms vs torch)
+#   attn    bench/bench_mla_decode.py (MLA decode kernel vs the fp32 reference at K3 widths)
+#   moe     bench/bench_moe_grouped.py (routed experts: expert-major vs per-pick launches vs the loop)
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +48,8 @@ for stage in "${stages[@]}"; do
     engine) timeout 300 python3 bench/probe_graph_step.py --k3-shaped 4,128 --batch-sizes 1,8 --steps 32 --profile 8 \
             --eager 2>&1 | tee "$OUT/graph_step_k3.txt" | grep -v -i warn | head -60
         timeout 100 python3 bench/bench_norm.py 2>&1 | tee "$OUT/bench_norm.txt" ;;
+    attn) timeout 300 python3 bench/bench_mla_decode.py 2>&1 | tee "$OUT/bench_mla_decode.txt" | grep -v -i warn ;;
+    moe) timeout 300 python3 bench/bench_moe_grouped.py 2>&1 | tee "$OUT/bench_moe_grouped.txt" | tail -6 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
     esac
     [ $? -ne 0 ] && rc=1
