@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="[t]block_h/block_n/warps/stages[/programs per SM] (t: transposed kernel), e.g. t32/64/8/2/1",
+        help="block_h/block_n/warps/stages[/programs per SM], e.g. 32/64/4/2/4",
     )
     args = ap.parse_args()
     copy_tbs = copy_bandwidth() / 1e12
@@ -88,9 +88,9 @@ def main() -> None:
                 args = (q_lat, q_pe, store, slots, lens, window, scale)
                 if not spec:  # what the engine launches
                     return mla_decode_triton(*args, **decode_config(b, window))
-                nums = [int(v) for v in spec.lstrip("t").split("/")]
+                nums = [int(v) for v in spec.split("/")]
                 kw = dict(block_h=nums[0], block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
-                kw.update(transposed=spec.startswith("t"), per_sm=nums[4] if len(nums) > 4 else 2)
+                kw.update(per_sm=nums[4] if len(nums) > 4 else 2)
                 return mla_decode_triton(*args, **kw)
 
             t = _time(kern)

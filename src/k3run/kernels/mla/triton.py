@@ -109,11 +109,11 @@ def decode_config(batch: int, window: int) -> dict:
     """Launch options by the step's size, from the H200 sweeps (bench/RESULTS.md runs 57-58): 32-head blocks
     (3 at 96 heads) of 64 positions in the mma form; from 8 sequences on, 4-warp programs at ~4 per SM
     (1.3-2x faster there than 8 warps), below that 8-warp programs at ~2 per SM (4 warps at 4 per SM split
-    one sequence's window into too many short chunks). The transposed wgmma form never won by more than
-    the noise once these were tuned."""
+    one sequence's window into too many short chunks). A positions-as-rows form on wgmma (runs 57-58,
+    commit ef5fb6c) lost to these once they were tuned and was removed."""
     if batch >= 8:
-        return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, transposed=False, per_sm=4)
-    return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, transposed=False, per_sm=2)
+        return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, per_sm=4)
+    return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, per_sm=2)
 
 
 def mla_decode_triton(
@@ -130,12 +130,10 @@ def mla_decode_triton(
     block_n: int = 32,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    transposed: bool = False,
     per_sm: int = 2,
 ) -> torch.Tensor:
-    """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies. `transposed` runs the
-    positions-as-rows form (scores^T = latents . q^T, o^T = latents^T . p^T: the tensor-core M dimension is
-    the block of positions, so Hopper's wgmma applies at any head block)."""
+    """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies; the launch options as
+    `decode_config` returns them."""
     B, H, L = q_lat.shape
     R = q_pe.shape[-1]
     if store.dim() != 3 or store.shape[2] != L + R or window > store.shape[1]:
@@ -154,8 +152,7 @@ def mla_decode_triton(
     chunk = triton.cdiv(window, splits)
     o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
-    kernel = _mla_decode_split_kernel_t if transposed else _mla_decode_split_kernel
-    kernel[(B, splits, head_blocks)](
+    _mla_decode_split_kernel[(B, splits, head_blocks)](
         q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
         scale, L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, IEEE=store.dtype == torch.float32,
         num_warps=num_warps or (8 if L >= 256 else 4), **({"num_stages": num_stages} if num_stages else {}),
@@ -164,56 +161,3 @@ def mla_decode_triton(
     block_s = triton.next_power_of_2(splits)
     _mla_merge_kernel[(B, H)](o, lse, out, H, splits, L=L, BLOCK_S=block_s, num_warps=4)
     return out
-
-
-@triton.jit
-def _mla_decode_split_kernel_t(
-    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
-    scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    sp = tl.program_id(1)
-    hb = tl.program_id(2)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    n_ctx = tl.minimum(tl.load(ctx_ptr + b) + 1, window)
-    start = sp * chunk
-    end = tl.minimum(start + chunk, n_ctx)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    cl = tl.arange(0, L)
-    cr = tl.arange(0, R)
-    q_cols = q_ptr + (b * H + heads).to(tl.int64)[None, :] * (L + R)
-    dt = store_ptr.dtype.element_ty
-    q_ct = tl.load(q_cols + cl[:, None], mask=hmask[None, :], other=0.0).to(dt)  # [L, BH]
-    q_rt = tl.load(q_cols + L + cr[:, None], mask=hmask[None, :], other=0.0).to(dt)  # [R, BH]
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    s_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([L, BLOCK_H], dtype=tl.float32)
-    base = store_ptr + slot * stride_slot
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pmask = pos < end
-        rows = base + pos[:, None] * stride_pos  # int32 offsets: the wrapper checks window * stride < 2^31
-        c = tl.load(rows + cl[None, :], mask=pmask[:, None], other=0.0)  # [BN, L]
-        kr = tl.load(rows + L + cr[None, :], mask=pmask[:, None], other=0.0)  # [BN, R]
-        if IEEE:
-            s = tl.dot(c, q_ct, input_precision="ieee") + tl.dot(kr, q_rt, input_precision="ieee")
-        else:
-            s = tl.dot(c, q_ct) + tl.dot(kr, q_rt)  # [BN, BH]
-        s = tl.where(pmask[:, None], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[None, :])
-        s_sum = s_sum * alpha + tl.sum(p, axis=0)
-        if IEEE:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(dt), input_precision="ieee")
-        else:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(dt))  # [L, BH]
-        m = m_new
-    empty = s_sum == 0.0
-    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, s_sum)))
-    part = (b * SPLITS + sp) * H + heads
-    tl.store(lse_ptr + part, lse, mask=hmask)
-    if start < end:
-        o = acc / tl.where(empty, 1.0, s_sum)[None, :]
-        tl.store(o_ptr + part.to(tl.int64)[None, :] * L + cl[:, None], o, mask=hmask[None, :])

@@ -998,9 +998,9 @@ def nvfp4_gemv(
 
 def _check_grouped_operands(
     x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor, rows: int
-) -> tuple[int, int, int, int]:
-    """The stacked tiled128 experts and the input of a grouped launch: (E, N_pad, K_pad, K), or a ValueError
-    naming the operand, what was expected and what came."""
+) -> int:
+    """Checks the stacked tiled128 experts and the input of a grouped launch (a ValueError naming the
+    operand, what was expected and what came); returns the number of experts E."""
     if weight.dim() != 3 or weight.dtype != torch.uint8 or not weight.is_contiguous():
         raise ValueError(
             f"nvfp4 grouped weight: expected contiguous uint8 [E, N_pad, K_pad/2], got {weight.dtype} "
@@ -1031,7 +1031,7 @@ def _check_grouped_operands(
     k = x.shape[1]
     if k % 16 or not k_pad - CHUNK < k <= k_pad:
         raise ValueError(f"nvfp4 grouped: input K={k} does not round up to the weight's width {k_pad}")
-    return n_exp, n_pad, k_pad, k
+    return n_exp
 
 
 def nvfp4_gemv_grouped(
@@ -1055,7 +1055,7 @@ def nvfp4_gemv_grouped(
     so the launch can be captured in a CUDA graph. Each pick is one token through the cp.async kernel
     (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
     """
-    n_exp, n_pad, k_pad, k = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
+    n_exp = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
         raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
                          f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
@@ -1070,23 +1070,8 @@ def nvfp4_gemv_grouped(
     y = torch.empty((picks, rows), dtype=x.dtype, device=x.device)
     if picks == 0:
         return y
-    from k3run.kernels.nvfp4_gemm.triton import largest_divisor
-
-    split_k = largest_divisor(k_pad // CHUNK, split_k)
-    grid_n = n_pad // 16
-    bt = 8
-    if split_k > 1:
-        ws = torch.empty((picks, split_k, grid_n * 16, bt), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, picks * grid_n)
-    else:
-        ws = cnt = y
-    common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)
-    _launch_async(
-        (grid_n, split_k, picks), common, y, ws, cnt, 1, rows, k, k_pad, split_k, 1, bt, 2, True, True, pdl,
-        maxnreg, global_scale.shape[1] != 1, False, ids_ptr=ids, n_experts=n_exp, slot_div=picks // t,
-        w_estride=n_pad * k_pad // 8, s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1],
-        GROUPED=True,
-    )  # fmt: skip
+    _launch_grouped(x, weight, scale_u8, global_scale, y, picks, 8, 1, split_k, maxnreg, pdl, ids_ptr=ids,
+                    n_experts=n_exp, slot_div=picks // t)  # fmt: skip
     return y
 
 
@@ -1113,7 +1098,7 @@ def nvfp4_gemv_by_expert(
     one-token launch computes it, so the two agree bit for bit. Unused groups return at once; no host
     synchronisation (graph-capturable); PDL (default on sm_90+) waits before reading the table.
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
-    n_exp, n_pad, k_pad, k = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
+    n_exp = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
     if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16):
         raise ValueError(
             f"nvfp4 by-expert groups: expected int32 [G, 9] or [G, 17] (expert_groups), got {groups.dtype} "
@@ -1132,23 +1117,33 @@ def nvfp4_gemv_by_expert(
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
     if picks == 0 or n_groups == 0:
         return y
+    kw = dict(ids_ptr=groups, n_experts=n_exp, slot_div=slot_div, grp_ptr=groups, BYEXP=True)
+    _launch_grouped(x, weight, scale_u8, global_scale, y, n_groups, bt, bt, split_k, maxnreg, pdl, **kw)
+    return y
+
+
+def _launch_grouped(
+    x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
+    y: torch.Tensor, items: int, bt: int, m: int, split_k: int, maxnreg: int | None, pdl: bool, **extra,
+) -> None:  # fmt: skip
+    """The cp.async kernel over stacked tiled128 experts with grid axis 2 = `items` (picks, or groups for the
+    expert-major form), split-K workspace and counters per item; `extra`: the mode's kernel arguments."""
     from k3run.kernels.nvfp4_gemm.triton import largest_divisor
 
+    n_pad, k_pad, k = weight.shape[1], weight.shape[2] * 2, x.shape[1]
     split_k = largest_divisor(k_pad // CHUNK, split_k)
     grid_n = n_pad // 16
     if split_k > 1:
-        ws = torch.empty((n_groups, split_k, grid_n * 16, bt), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, n_groups * grid_n)
+        ws = torch.empty((items, split_k, grid_n * 16, bt), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, items * grid_n)
     else:
         ws = cnt = y
     common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)
     _launch_async(
-        (grid_n, split_k, n_groups), common, y, ws, cnt, bt, rows, k, k_pad, split_k, 1, bt, 2, True, True,
-        pdl, maxnreg, global_scale.shape[1] != 1, False, ids_ptr=groups, n_experts=n_exp, slot_div=slot_div,
-        w_estride=n_pad * k_pad // 8, s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1],
-        GROUPED=True, grp_ptr=groups, BYEXP=True,
+        (grid_n, split_k, items), common, y, ws, cnt, m, y.shape[1], k, k_pad, split_k, 1, bt, 2, True, True,
+        pdl, maxnreg, global_scale.shape[1] != 1, False, w_estride=n_pad * k_pad // 8,
+        s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1], GROUPED=True, **extra,
     )  # fmt: skip
-    return y
 
 
 def _launch_async(
