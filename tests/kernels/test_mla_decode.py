@@ -103,16 +103,14 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
     Triton 3.6 (the H200 image, where it was the fastest, runs 57-58) spills 16 bytes, Triton 3.9 (CI) 144
     bytes inside the loop, so for it only the build is checked here; its speed is the benchmark's job."""
     import inspect
-    import os
     import re
-    import subprocess
 
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from k3run.kernels.mla.triton import _mla_decode_split_kernel, decode_config
-    from tests.kernels.test_nvfp4_gemv_compile import _local_accesses_in_loops
+    from tests.kernels.test_nvfp4_gemv_compile import _local_accesses_in_loops, cubin_usage_and_sass
 
     cfg = decode_config(batch, 16384)
     kernel = _mla_decode_split_kernel
@@ -130,19 +128,9 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
     ptx = ck.asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx
     assert ck.metadata.shared <= 232448, f"{ck.metadata.shared} bytes of shared memory (sm_90: 227 KB)"
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("no cuobjdump in this Triton build to read the resource use")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_mla_{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(ck.asm["cubin"])
-    try:
-        res = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True)
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
-    use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res.stdout)
-    assert use is not None, res.stdout
+    res, sass = cubin_usage_and_sass(ck)
+    use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    assert use is not None, res
     assert int(use.group(4)) == 0, f"local memory: {use.group(0)}"
     in_loop = _local_accesses_in_loops(sass)
     if cfg["num_warps"] == 8:

@@ -128,19 +128,7 @@ def _check_compiled(
     assert "mma.sync.aligned.m16n8k16" in ptx
     # no shared-memory staging of the decoded tile: at most the split-K counter's broadcast touches smem
     assert len(re.findall(r"\bst\.shared", ptx)) <= 2, "the decoded weights went through shared memory"
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("no cuobjdump in this Triton build to read the register use")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_gemv_{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(ck.asm["cubin"])
-    try:
-        res = subprocess.run(
-            [cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
+    res, sass = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res
     regs, stack = int(use.group(1)), int(use.group(2))
@@ -187,17 +175,23 @@ def test_by_expert_gemv_compiles_for_sm90(bt: int):
 
 
 def _assert_no_loop_spills(ck) -> None:
+    assert not _local_accesses_in_loops(cubin_usage_and_sass(ck)[1])
+
+
+def cubin_usage_and_sass(ck) -> tuple[str, str]:
+    """(cuobjdump -res-usage, cuobjdump -sass) of a compiled kernel; skips where Triton ships no cuobjdump."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
-        pytest.skip("no cuobjdump in this Triton build")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_gemv_{os.getpid()}.cubin")
+        pytest.skip("no cuobjdump in this Triton build to read the resource use")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k3run_cubin_{os.getpid()}.cubin")
     with open(path, "wb") as f:
         f.write(ck.asm["cubin"])
     try:
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True)
     finally:
         os.remove(path)
-    assert not _local_accesses_in_loops(sass)
+    return res.stdout, sass.stdout
 
 
 def test_stamped_gemv_compiles_for_sm90():

@@ -997,10 +997,16 @@ def nvfp4_gemv(
 
 
 def _check_grouped_operands(
-    x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor, rows: int
-) -> int:
-    """Checks the stacked tiled128 experts and the input of a grouped launch (a ValueError naming the
-    operand, what was expected and what came); returns the number of experts E."""
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    rows: int,
+    pdl: bool | None,
+) -> tuple[int, bool]:
+    """Checks the stacked tiled128 experts, the input and the GPU of a grouped launch (a ValueError naming
+    the operand, what was expected and what came); returns the number of experts E and whether to use
+    programmatic dependent launch (`pdl`, or by default on sm_90+)."""
     if weight.dim() != 3 or weight.dtype != torch.uint8 or not weight.is_contiguous():
         raise ValueError(
             f"nvfp4 grouped weight: expected contiguous uint8 [E, N_pad, K_pad/2], got {weight.dtype} "
@@ -1031,7 +1037,10 @@ def _check_grouped_operands(
     k = x.shape[1]
     if k % 16 or not k_pad - CHUNK < k <= k_pad:
         raise ValueError(f"nvfp4 grouped: input K={k} does not round up to the weight's width {k_pad}")
-    return n_exp
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap < (8, 9):
+        raise ValueError("nvfp4 grouped: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
+    return n_exp, cap >= (9, 0) if pdl is None else pdl
 
 
 def nvfp4_gemv_grouped(
@@ -1055,18 +1064,13 @@ def nvfp4_gemv_grouped(
     so the launch can be captured in a CUDA graph. Each pick is one token through the cp.async kernel
     (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
     """
-    n_exp = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
+    n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
         raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
                          f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
     picks, t = ids.shape[0], x.shape[0]
     if t == 0 or picks % t:
         raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
-    cap = torch.cuda.get_device_capability(x.device)
-    if cap < (8, 9):
-        raise ValueError("nvfp4 grouped: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
-    if pdl is None:
-        pdl = cap >= (9, 0)
     y = torch.empty((picks, rows), dtype=x.dtype, device=x.device)
     if picks == 0:
         return y
@@ -1098,7 +1102,7 @@ def nvfp4_gemv_by_expert(
     one-token launch computes it, so the two agree bit for bit. Unused groups return at once; no host
     synchronisation (graph-capturable); PDL (default on sm_90+) waits before reading the table.
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
-    n_exp = _check_grouped_operands(x, weight, scale_u8, global_scale, rows)
+    n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
     if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16):
         raise ValueError(
             f"nvfp4 by-expert groups: expected int32 [G, 9] or [G, 17] (expert_groups), got {groups.dtype} "
@@ -1108,11 +1112,6 @@ def nvfp4_gemv_by_expert(
         raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
     if slot_div < 1 or picks > x.shape[0] * slot_div:
         raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
-    cap = torch.cuda.get_device_capability(x.device)
-    if cap < (8, 9):
-        raise ValueError("nvfp4 by-expert: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
-    if pdl is None:
-        pdl = cap >= (9, 0)
     y = torch.zeros((picks, rows), dtype=x.dtype, device=x.device)  # rows of missed picks stay zero
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
     if picks == 0 or n_groups == 0:
