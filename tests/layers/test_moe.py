@@ -360,10 +360,13 @@ def test_k3_latent_moe_block_matches_formula():
     assert_close("K3 latent MoE block", ref, moe(x), rtol=1e-5)
 
 
-def _kernel_case(act_name: str, device: str, kernels: bool | None, dtype=torch.float32, seed: int = 3):
+def _kernel_case(
+    act_name: str, device: str, kernels: bool | None, dtype=torch.float32, seed: int = 3, d: int = 128,
+    i: int = 128, tokens: int = 9,
+):  # fmt: skip
     """NVFP4 experts with D = I = 128 (the kernel path's multiple of 128) loaded from a ModelOpt-style
     checkpoint, and a batch routed over them."""
-    e, d, i = 4, 128, 128
+    e = 4
     g = torch.Generator().manual_seed(seed)
     w1, w3, w2 = (
         torch.randn(e, *shape, generator=g) * s for shape, s in (((i, d), 0.2), ((i, d), 3.0), ((d, i), 0.2))
@@ -379,9 +382,21 @@ def _kernel_case(act_name: str, device: str, kernels: bool | None, dtype=torch.f
         )
     ex.nvfp4_kernels = kernels
     _load_nvfp4(ex, ckpt)
-    x = (torch.randn(9, d, generator=g) * 2).to(device=device, dtype=dtype)
-    weights, ids = route(torch.randn(9, e, generator=g).to(device), torch.zeros(e, device=device), 2)
+    x = (torch.randn(tokens, d, generator=g) * 2).to(device=device, dtype=dtype)
+    weights, ids = route(torch.randn(tokens, e, generator=g).to(device), torch.zeros(e, device=device), 2)
     return ex, x, ids, weights
+
+
+def test_large_cpu_experts_take_the_fused_cpu_gemv() -> None:
+    """On the CPU, experts of at least CPU_FUSED_MIN_WEIGHTS weights default to the kernel path, whose
+    nvfp4_linear runs the fused compiled GEMV (kernels/nvfp4_gemm/cpu.py); it agrees with the reference
+    experts up to fp32 summation order (relative 1e-5 at K = 1024); small experts keep the reference."""
+    ex_k, x, ids, weights = _kernel_case("situ", "cpu", kernels=None, d=1024, i=1024, tokens=3)
+    ex_ref, *_ = _kernel_case("situ", "cpu", kernels=False, d=1024, i=1024, tokens=3)
+    assert ex_k.nvfp4_kernels and not ex_ref.nvfp4_kernels
+    assert_close("cpu fused experts", ex_ref(x, ids, weights), ex_k(x, ids, weights), rtol=1e-5)
+    small, *_ = _kernel_case("situ", "cpu", kernels=None)
+    assert not small.nvfp4_kernels
 
 
 @pytest.mark.parametrize("act_name", ["silu", "situ"])

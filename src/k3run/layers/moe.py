@@ -221,7 +221,9 @@ class FusedExperts(nn.Module):
         self.nvfp4_act_mode: NvFp4ActMode = nvfp4_act_mode
         self.scales: NvFp4MoeScales | None = None
         # NVFP4 experts through the W4A16 linear kernels (kernels/nvfp4_gemm): None = decide at
-        # process_after_loading (CUDA, w4a16, D and I multiples of 128); True/False force it (tests)
+        # process_after_loading (w4a16, D and I multiples of 128; on CUDA always, on the CPU for experts of
+        # at least cpu_fused.MIN_WEIGHTS weights, where the compiled CPU loops beat the reference); True/False
+        # force it (tests)
         self.nvfp4_kernels: bool | None = None
         self._kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # gs13 [E_l, 2I], gs2 [E_l, 1]
         # cache_reference_weights: every local reference expert's decoded w13 [E_l, 2I, D], w2 [E_l, D, I]
@@ -365,7 +367,14 @@ class FusedExperts(nn.Module):
             and self.hidden_size % 128 == 0
             and self.intermediate_size % 128 == 0
         )
-        use = self.nvfp4_kernels if self.nvfp4_kernels is not None else eligible and self.w13_weight.is_cuda
+        if self.nvfp4_kernels is not None:
+            use = self.nvfp4_kernels
+        elif self.w13_weight.is_cuda:
+            use = eligible
+        else:  # CPU: the compiled loops (kernels/nvfp4_gemm/cpu.py) where they apply, else the reference
+            from k3run.kernels import cpu_fused
+
+            use = eligible and cpu_fused.applies(self.intermediate_size, self.hidden_size)
         if use and not eligible:
             raise ValueError(
                 f"{self.prefix}: NVFP4 expert kernels need w4a16 mode and D, I multiples of 128, got "

@@ -268,12 +268,20 @@ def fp8_block_gemm(
     """The FP8_PB_WO GEMM over the whole physical weight: [M, K] x fp8 [N_phys, K] -> [M, N_phys].
 
     The one place a device kernel is chosen: CUDA runs k3run.kernels.fp8_gemm (block-wise cuBLAS on sm90,
-    else Triton), everything else the k3run.formats reference below.
+    else Triton); the CPU its compiled loops on large matrices (kernels/fp8_gemm/cpu.py); everything else
+    the k3run.formats reference below.
     """
     if x.is_cuda:
         from k3run.kernels.fp8_gemm import fp8_pb_wo_linear
 
         return fp8_pb_wo_linear(x, weight, weight_scale, weight.shape[0], bias)
+    if x.device.type == "cpu":
+        from k3run.kernels import cpu_fused
+
+        if cpu_fused.applies(weight.shape[0], weight.shape[1]):
+            from k3run.kernels.fp8_gemm.cpu import fp8_pb_wo_linear_cpu
+
+            return fp8_pb_wo_linear_cpu(x, weight, weight_scale, weight.shape[0], bias)
     return fp8_block_gemm_reference(x, weight, weight_scale, bias)
 
 

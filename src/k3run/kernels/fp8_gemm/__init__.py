@@ -95,7 +95,10 @@ def fp8_pb_wo_linear(
         x2 = x2.contiguous()
     m = x2.shape[0]
     if backend == "ref":
-        return fp8_pb_wo_linear_ref(x2, weight_padded, scale_2d, n_logical, bias).reshape(*lead, n_logical)
+        ref = fp8_pb_wo_linear_ref
+        if x2.device.type == "cpu":  # compiled on large matrices (kernels/fp8_gemm/cpu.py)
+            from .cpu import fp8_pb_wo_linear_cpu as ref
+        return ref(x2, weight_padded, scale_2d, n_logical, bias).reshape(*lead, n_logical)
     if backend == "triton":
         from .triton import fp8_block_gemm
 

@@ -432,8 +432,10 @@ def nvfp4_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if not x2.is_cuda:
+        from .cpu import nvfp4_linear_cpu
+
         weight, scale = w.checkpoint_tensors()
-        return nvfp4_linear_ref(x2, weight, scale, w.row_global_scale, bias).reshape(*lead, w.n)
+        return nvfp4_linear_cpu(x2, weight, scale, w.row_global_scale, bias).reshape(*lead, w.n)
     if w.layout not in ("split128", "tiled128"):
         raise ValueError(f"nvfp4 linear: CUDA inputs need a split128 or tiled128 weight, got {w.layout!r}")
     from .triton import nvfp4_dequantize, nvfp4_gemm

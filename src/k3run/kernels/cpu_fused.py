@@ -1,0 +1,56 @@
+"""Compiled CPU loops for the quantized linears (kernels/nvfp4_gemm/cpu.py, kernels/fp8_gemm/cpu.py).
+
+The CPU references dequantize a whole weight to fp32 and then multiply, which writes and reads ~8 bytes of
+temporaries per weight: at decode that is tens of times slower than the matmul itself. The fused forms
+decode inside the dot products; torch.compile (Inductor's C++ backend, vectorised) turns each into one loop
+that reads every quantized byte once. This module holds what they share:
+- when they apply: at most MAX_M rows for the fused GEMVs (each row decodes the weight again; above that a
+  compiled dequantization in row blocks + matmul), on matrices of at least MIN_WEIGHTS weights (below that
+  the reference's temporaries stay in cache and a compiled call's fixed cost dominates);
+- one compile per function for every shape (dynamic shapes: a model's many layer shapes never exhaust
+  torch.compile's per-function recompile limit);
+- the fallback: if Inductor cannot build (no C++ compiler, say), the reference runs from then on and the
+  reason is logged once (`disabled`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_M = 8
+MIN_WEIGHTS = 1 << 20
+DEQUANT_BLOCK_FLOATS = 1 << 21  # fp32 elements per dequantized row block (~8 MB) above MAX_M rows
+
+disabled: str | None = None
+_compiled: dict[Callable, Callable] = {}
+
+
+def applies(n: int, k: int) -> bool:
+    """Whether an [N, K] weight takes a compiled path."""
+    return disabled is None and n * k >= MIN_WEIGHTS
+
+
+def block_rows(k: int, align: int) -> int:
+    """Rows per dequantized block: ~DEQUANT_BLOCK_FLOATS elements, a multiple of `align` (>= align)."""
+    return max(align, DEQUANT_BLOCK_FLOATS // k // align * align)
+
+
+def run(fn: Callable, *args) -> torch.Tensor | None:
+    """fn(*args) compiled (once per function); None if compiling fails (then for good: the caller runs its
+    reference)."""
+    global disabled
+    if disabled is not None:
+        return None
+    try:
+        if fn not in _compiled:
+            _compiled[fn] = torch.compile(fn, dynamic=True)
+        return _compiled[fn](*args)
+    except Exception as e:  # no compiler, an Inductor limitation: the references from now on
+        disabled = f"{type(e).__name__}: {e}"
+        log.warning("the fused CPU kernels could not be compiled; using the references: %s", disabled)
+        return None

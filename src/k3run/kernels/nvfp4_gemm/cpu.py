@@ -1,0 +1,101 @@
+"""NVFP4 W4A16 linear on the CPU, compiled (kernels/cpu_fused.py: when it applies, the fallback).
+
+Decode-sized M (<= cpu_fused.MAX_M): the weights are decoded inside the dot products, one loop that reads
+each packed byte once and never materialises the weight:
+
+    y[m, n] = 0.25 * gs[n] * sum_g s[n, g] * sum_{j < 8} (c_lo(w[n, 8g + j]) x[m, 16g + 2j]
+                                                       + c_hi(w[n, 8g + j]) x[m, 16g + 2j + 1])
+
+where c = 4 * e2m1(code) is built by integer operations (sign, exponent and mantissa bits of the 4-bit code;
+no table lookups, which Inductor would turn into scalar gathers with bounds checks), and x's even and odd
+columns are split once per call so every load is contiguous. fp32 throughout; it differs from the reference
+(`ref.py`) only in summation order. Larger M (prefill) decodes the weight once, in row blocks of ~8 MB
+(reused memory: a whole-matrix fp32 temporary costs more in page faults than in decoding), with a compiled
+one-pass dequantization, and multiplies block by block. Measured: bench/bench_cpu_gemv.py, RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3run.kernels import cpu_fused
+
+from .ref import nvfp4_linear_ref
+
+
+def _e2m1_times4(code: torch.Tensor) -> torch.Tensor:
+    """4 * e2m1(code) for int32 codes 0..15, exactly, as fp32: magnitudes 0, 2, 4, 6, 8, 12, 16, 24."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    value = torch.where(e == 0, m * 2, (m + 2) << e)
+    return torch.where((code & 8) != 0, -value, value).to(torch.float32)
+
+
+def nvfp4_gemv_fused(
+    x_even: torch.Tensor,
+    x_odd: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+) -> torch.Tensor:
+    """y [M, N] fp32 from x's even / odd columns (fp32 [M, K/2], contiguous), weight uint8 [N, K/2] (low
+    nibble = even column), scale float8_e4m3fn [N, K/16], global_scale fp32 [N] or [1]. Eager torch
+    materialises [M, N, K/2] temporaries; `nvfp4_linear_cpu` runs it compiled."""
+    n = weight.shape[0]
+    codes = weight.view(1, n, -1, 8).to(torch.int32)
+    x_lo = x_even.view(x_even.shape[0], 1, -1, 8)
+    x_hi = x_odd.view(x_odd.shape[0], 1, -1, 8)
+    v = _e2m1_times4(codes & 15) * x_lo + _e2m1_times4(codes >> 4) * x_hi
+    return (v * scale.to(torch.float32)[None, :, :, None]).sum((-1, -2)) * (global_scale * 0.25)
+
+
+def nvfp4_dequantize_fused(
+    weight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """The fp32 weight [N, K] (e2m1 * E4M3 scale * global scale, exact), in one pass over the packed bytes
+    when compiled: for M > cpu_fused.MAX_M, where decoding once and multiplying beats decoding per row."""
+    n = weight.shape[0]
+    codes = weight.view(n, -1, 8).to(torch.int32)
+    pairs = torch.stack([_e2m1_times4(codes & 15), _e2m1_times4(codes >> 4)], dim=-1)  # [N, K/16, 8, 2]
+    w = pairs * (scale.to(torch.float32) * (global_scale.reshape(-1, 1) * 0.25))[:, :, None, None]
+    return w.reshape(n, -1)
+
+
+def nvfp4_linear_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nvfp4_linear_ref's contract (x [M, K], weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], global
+    scale one element or one per row), compiled on large matrices, else the reference."""
+    m, k = x.shape
+    n = weight.shape[0]
+
+    def reference() -> torch.Tensor:
+        return nvfp4_linear_ref(x, weight, weight_scale, global_scale, bias)
+
+    if not cpu_fused.applies(n, k):
+        return reference()
+    xf = x.to(torch.float32)
+    gs = global_scale.to(torch.float32).reshape(-1)
+    if m <= cpu_fused.MAX_M:
+        y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,
+                          weight_scale, gs)  # fmt: skip
+    else:
+        rows, per_row = cpu_fused.block_rows(k, 16), gs.numel() > 1
+        parts = []
+        for i in range(0, n, rows):
+            block = (weight[i : i + rows], weight_scale[i : i + rows], gs[i : i + rows] if per_row else gs)
+            w = cpu_fused.run(nvfp4_dequantize_fused, *block)
+            if w is None:
+                break
+            parts.append(xf @ w.t())
+        y = torch.cat(parts, dim=1) if len(parts) == -(-n // rows) else None
+    if y is None:  # the compile failed: the reference, now and from then on
+        return reference()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)

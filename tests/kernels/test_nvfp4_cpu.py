@@ -1,0 +1,108 @@
+"""The fused CPU NVFP4 GEMV (kernels/nvfp4_gemm/cpu.py) against the fp32 reference (dequantize, then matmul).
+
+Error bound: both compute the same exact products (4 * e2m1 codes are small integers, E4M3 scales and the
+fp32 inputs are exact in fp32) and differ only in the order of the fp32 sums over K. With the unit-scale
+random data here the relative RMS difference is ~sqrt(K) * 2^-24 ~ 4e-6 at K = 4096; bound 1e-5. On too small
+a matrix the reference itself runs: bit-equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3run.kernels.nvfp4_gemm.cpu as cpu
+from k3run.formats import E2M1_VALUES, dequantize_nvfp4
+from k3run.kernels import cpu_fused
+from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
+from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
+from k3run.testing import assert_close
+from tests.kernels.test_nvfp4_gemm import _random_nvfp4
+
+RTOL = 1e-5
+
+
+def test_codes_decode_to_four_times_e2m1() -> None:
+    got = cpu._e2m1_times4(torch.arange(16, dtype=torch.int32))
+    assert torch.equal(got, 4 * E2M1_VALUES.float())
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 37, 160), (3, 64, 4096), (8, 19, 48)])
+def test_eager_formula_matches_reference(m: int, n: int, k: int) -> None:
+    w, s, gs = _random_nvfp4(n, k, per_row_global=True)
+    x = torch.randn(m, k)
+    got = cpu.nvfp4_gemv_fused(x[:, 0::2].contiguous(), x[:, 1::2].contiguous(), w, s, gs)
+    assert_close("fused formula", nvfp4_linear_ref(x, w, s, gs), got, rtol=RTOL)
+
+
+@pytest.fixture
+def fused_everywhere(monkeypatch):
+    """The fused path at any size (the default threshold keeps test-sized matrices on the reference)."""
+    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(cpu_fused, "disabled", None)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_compiled_gemv_matches_reference(fused_everywhere, per_row: bool) -> None:
+    """The torch.compile'd loop (one dynamic-shape compile) at several shapes and row counts, bf16 and fp32
+    inputs, with a bias; nvfp4_linear's CPU branch takes it."""
+    for m, n, k in [(1, 96, 512), (5, 33, 272), (2, 128, 1024)]:
+        w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
+        bias = torch.randn(n)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = nvfp4_linear_ref(x, w, s, gs, bias)
+            got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
+            assert got.dtype == dtype
+            # bf16 outputs: both round the same fp32 value; one bf16 ulp (2^-8) where they straddle a tie
+            assert_close(
+                f"compiled {m}x{n}x{k} {dtype}", want, got, rtol=RTOL if dtype == torch.float32 else 4e-3
+            )
+    assert cpu_fused.disabled is None, cpu_fused.disabled
+    w, s, gs = _random_nvfp4(40, 256)
+    x = torch.randn(2, 3, 256)
+    want = nvfp4_linear_ref(x.reshape(6, 256), w, s, gs).reshape(2, 3, 40)
+    weight = NvFp4Weight(w, s.view(torch.uint8), gs, 256, "checkpoint")
+    assert_close("nvfp4_linear cpu", want, nvfp4_linear(x, weight), RTOL)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_prefill_rows_take_the_compiled_dequantization(fused_everywhere, monkeypatch, per_row: bool) -> None:
+    """M > CPU_FUSED_MAX_M: the weight decoded once by the compiled one-pass dequantization (the scale
+    products round in another order than the reference's: within an fp32 ulp per weight), in row blocks
+    (here 3 of 16 rows, each with its rows' global scales), then fp32 matmuls."""
+    monkeypatch.setattr(cpu_fused, "DEQUANT_BLOCK_FLOATS", 16 * 320)
+    w, s, gs = _random_nvfp4(48, 320, per_row_global=per_row)
+    x = torch.randn(cpu_fused.MAX_M + 3, 320).bfloat16()
+    want = nvfp4_linear_ref(x, w, s, gs)
+    got = cpu.nvfp4_linear_cpu(x, w, s, gs)
+    assert_close("prefill rows", want.float(), got.float(), rtol=4e-3)  # bf16 outputs: one ulp at ties
+    wd = cpu.nvfp4_dequantize_fused(w, s, gs)
+    # (e2m1 * s) * gs rounds once; (4 e2m1) * (s * gs / 4) at most twice: ~1 fp32 ulp apart
+    assert_close("one-pass dequantization", dequantize_nvfp4(w, s, 1.0) * gs.reshape(-1, 1), wd, rtol=1e-6)
+    assert cpu_fused.disabled is None, cpu_fused.disabled
+
+
+def test_small_matrices_keep_the_reference() -> None:
+    w, s, gs = _random_nvfp4(24, 64)
+    x = torch.randn(1, 64)
+    assert not cpu_fused.applies(24, 64)
+    assert torch.equal(cpu.nvfp4_linear_cpu(x, w, s, gs), nvfp4_linear_ref(x, w, s, gs))
+
+
+@pytest.mark.parametrize("m", [1, 12])
+def test_a_failed_compile_falls_back_to_the_reference_for_good(
+    fused_everywhere, monkeypatch, caplog, m
+) -> None:
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_fused, "_compiled", {})
+    monkeypatch.setattr(cpu_fused.torch, "compile", no_compiler)
+    w, s, gs = _random_nvfp4(24, 64)
+    x, bias = torch.randn(m, 64), torch.randn(24)
+    with caplog.at_level("WARNING"):
+        got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
+    assert torch.equal(got, nvfp4_linear_ref(x, w, s, gs, bias))
+    assert "no C++ compiler" in (cpu_fused.disabled or "") and "could not be compiled" in caplog.text
+    assert not cpu_fused.applies(4096, 4096)  # off for the rest of the process
