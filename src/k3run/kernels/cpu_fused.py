@@ -7,8 +7,10 @@ that reads every quantized byte once. This module holds what they share:
 - when they apply: at most MAX_M rows for the fused GEMVs (each row decodes the weight again; above that a
   compiled dequantization in row blocks + matmul), on matrices of at least MIN_WEIGHTS weights (below that
   the reference's temporaries stay in cache and a compiled call's fixed cost dominates);
-- one compile per function for every shape (dynamic shapes: a model's many layer shapes never exhaust
-  torch.compile's per-function recompile limit);
+- one compile per function for every shape (dynamic shapes, parameters passed as plain tensors), so a
+  model's many layer shapes do not each compile; the few variants the guards still tell apart stay under a
+  raised recompile limit (past it torch.compile would run these loops eagerly); callers pass every scale at
+  its full size (never a broadcast [1]), which would be one more variant;
 - the fallback: if Inductor cannot build (no C++ compiler, say), the reference runs from then on and the
   reason is logged once (`disabled`).
 """
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 MAX_M = 8
 MIN_WEIGHTS = 1 << 20
 DEQUANT_BLOCK_FLOATS = 1 << 21  # fp32 elements per dequantized row block (~8 MB) above MAX_M rows
+RECOMPILE_LIMIT = 64
 
 disabled: str | None = None
 _compiled: dict[Callable, Callable] = {}
@@ -46,10 +49,17 @@ def run(fn: Callable, *args) -> torch.Tensor | None:
     global disabled
     if disabled is not None:
         return None
+    # parameters as plain tensors: torch.compile keeps an nn.Parameter's shape static even with dynamic=True,
+    # so every weight shape would compile again, and past its recompile limit (8) the loop would run eagerly
+    args = tuple(a.detach() if isinstance(a, torch.nn.Parameter) else a for a in args)
     try:
         if fn not in _compiled:
             _compiled[fn] = torch.compile(fn, dynamic=True)
-        return _compiled[fn](*args)
+        # one grad mode for every caller (it is part of the compiled code's guards); a higher recompile limit
+        # for the few variants guards still tell apart (one row or several, a sliced weight's storage
+        # offset, inference-mode tensors or not): past the limit torch.compile would run the loops eagerly
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return _compiled[fn](*args)
     except Exception as e:  # no compiler, an Inductor limitation: the references from now on
         disabled = f"{type(e).__name__}: {e}"
         log.warning("the fused CPU kernels could not be compiled; using the references: %s", disabled)

@@ -40,7 +40,7 @@ def nvfp4_gemv_fused(
     global_scale: torch.Tensor,
 ) -> torch.Tensor:
     """y [M, N] fp32 from x's even / odd columns (fp32 [M, K/2], contiguous), weight uint8 [N, K/2] (low
-    nibble = even column), scale float8_e4m3fn [N, K/16], global_scale fp32 [N] or [1]. Eager torch
+    nibble = even column), scale float8_e4m3fn [N, K/16], global_scale fp32 [N]. Eager torch
     materialises [M, N, K/2] temporaries; `nvfp4_linear_cpu` runs it compiled."""
     n = weight.shape[0]
     codes = weight.view(1, n, -1, 8).to(torch.int32)
@@ -80,15 +80,15 @@ def nvfp4_linear_cpu(
     if not cpu_fused.applies(n, k):
         return reference()
     xf = x.to(torch.float32)
-    gs = global_scale.to(torch.float32).reshape(-1)
+    gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()  # [N]: see cpu_fused
     if m <= cpu_fused.MAX_M:
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,
                           weight_scale, gs)  # fmt: skip
     else:
-        rows, per_row = cpu_fused.block_rows(k, 16), gs.numel() > 1
+        rows = cpu_fused.block_rows(k, 16)
         parts = []
         for i in range(0, n, rows):
-            block = (weight[i : i + rows], weight_scale[i : i + rows], gs[i : i + rows] if per_row else gs)
+            block = (weight[i : i + rows], weight_scale[i : i + rows], gs[i : i + rows])
             w = cpu_fused.run(nvfp4_dequantize_fused, *block)
             if w is None:
                 break
