@@ -64,3 +64,25 @@ def run(fn: Callable, *args) -> torch.Tensor | None:
         disabled = f"{type(e).__name__}: {e}"
         log.warning("the fused CPU kernels could not be compiled; using the references: %s", disabled)
         return None
+
+
+def dequantized_matmul(
+    x: torch.Tensor, n: int, rows: int, fn: Callable, block: Callable[[int, int], tuple]
+) -> torch.Tensor | None:
+    """x [M, K] fp32 @ W^T for M above MAX_M: W's rows [i, i + rows) decoded by the compiled fn(*block(i,
+    i + rows)) into fp32 (~DEQUANT_BLOCK_FLOATS at a time, so the memory is reused instead of faulted in for
+    a whole-matrix temporary), each multiplied at once; None if compiling fails."""
+    parts = []
+    for i in range(0, n, rows):
+        w = run(fn, *block(i, i + rows))
+        if w is None:
+            return None
+        parts.append(x @ w.t())
+    return torch.cat(parts, dim=1)
+
+
+def finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 y (+ bias in fp32), in the caller's dtype: the references' epilogue."""
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(dtype)

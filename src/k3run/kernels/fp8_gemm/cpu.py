@@ -75,17 +75,10 @@ def fp8_pb_wo_linear_cpu(
         y = cpu_fused.run(fp8_block_gemv_fused, e4m3_to_float(q_x), scale_x, weight, scale_2d)
     else:
         xf = dequantize_fp8_act_1x128(q_x, scale_x)
-        rows = cpu_fused.block_rows(k, 128)
-        parts = []
-        for i in range(0, n_logical, rows):
-            tiles = scale_2d[i // 128 : (i + rows) // 128]
-            w = cpu_fused.run(fp8_dequantize_fused, weight[i : i + rows], tiles)
-            if w is None:
-                break
-            parts.append(xf @ w.t())
-        y = torch.cat(parts, dim=1) if len(parts) == -(-n_logical // rows) else None
+        y = cpu_fused.dequantized_matmul(
+            xf, n_logical, cpu_fused.block_rows(k, 128), fp8_dequantize_fused,
+            lambda i, j: (weight[i:j], scale_2d[i // 128 : j // 128]),
+        )  # fmt: skip
     if y is None:  # the compile failed: the reference, now and from then on
         return reference()
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype)
+    return cpu_fused.finish(y, bias, x.dtype)

@@ -85,17 +85,10 @@ def nvfp4_linear_cpu(
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,
                           weight_scale, gs)  # fmt: skip
     else:
-        rows = cpu_fused.block_rows(k, 16)
-        parts = []
-        for i in range(0, n, rows):
-            block = (weight[i : i + rows], weight_scale[i : i + rows], gs[i : i + rows])
-            w = cpu_fused.run(nvfp4_dequantize_fused, *block)
-            if w is None:
-                break
-            parts.append(xf @ w.t())
-        y = torch.cat(parts, dim=1) if len(parts) == -(-n // rows) else None
+        y = cpu_fused.dequantized_matmul(
+            xf, n, cpu_fused.block_rows(k, 16), nvfp4_dequantize_fused,
+            lambda i, j: (weight[i:j], weight_scale[i:j], gs[i:j]),
+        )  # fmt: skip
     if y is None:  # the compile failed: the reference, now and from then on
         return reference()
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype)
+    return cpu_fused.finish(y, bias, x.dtype)
