@@ -114,3 +114,24 @@ def test_a_failed_compile_falls_back_to_the_reference_for_good(
     assert torch.equal(got, nvfp4_linear_ref(x, w, s, gs, bias))
     assert "no C++ compiler" in (cpu_fused.disabled or "") and "could not be compiled" in caplog.text
     assert not cpu_fused.applies(4096, 4096)  # off for the rest of the process
+
+
+@needs_cxx
+def test_many_layer_shapes_never_fall_back_to_eager(fused_everywhere) -> None:
+    """What a model throws at the compiled loops (ten weight shapes held as parameters, one row and several,
+    inference-mode inputs and not, weight slices at a storage offset) must not exhaust torch.compile's
+    recompile limit: past it the loops would silently run eagerly, materialising [M, N, K/2] temporaries."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for n, k in [(32, 128), (48, 256), (64, 512), (80, 128), (96, 384), (112, 640), (128, 256), (144, 768)]:
+        w, s, gs = _random_nvfp4(n, k)
+        w, s = torch.nn.Parameter(w, requires_grad=False), torch.nn.Parameter(s, requires_grad=False)
+        for m in (1, 3, cpu_fused.MAX_M + 2):
+            for inference in (False, True):
+                with torch.inference_mode(inference):
+                    x = torch.randn(m, k)
+                    got = cpu.nvfp4_linear_cpu(x, w[16:], s[16:], gs)
+                assert_close(f"{n}x{k} m={m}", nvfp4_linear_ref(x, w[16:], s[16:], gs), got, rtol=RTOL)
+    limits = [key for key in counters["unimplemented"] if "recompile" in key.lower()]
+    assert not limits, limits[0][:300]
