@@ -25,7 +25,7 @@ from bench_kda import copy_bandwidth
 from triton.testing import do_bench_cudagraph
 
 from k3run.kernels.mla import mla_decode_ref
-from k3run.kernels.mla.triton import decode_config, mla_decode_triton
+from k3run.kernels.mla.triton import mla_decode_triton
 from k3run.testing import rel_rms_error
 
 H, L, R = 96, 512, 64  # K3 MLA: heads, kv_lora_rank, qk_rope_head_dim
@@ -86,8 +86,8 @@ def main() -> None:
 
             def kern(spec: str = ""):
                 args = (q_lat, q_pe, store, slots, lens, window, scale)
-                if not spec:  # what the engine launches
-                    return mla_decode_triton(*args, **decode_config(b, window))
+                if not spec:  # what the engine launches (decode_config)
+                    return mla_decode_triton(*args)
                 nums = [int(v) for v in spec.split("/")]
                 kw = dict(block_h=nums[0], block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
                 kw.update(per_sm=nums[4] if len(nums) > 4 else 2)

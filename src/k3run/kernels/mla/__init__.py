@@ -33,10 +33,9 @@ def mla_decode_attention(
 ) -> torch.Tensor:
     """o_lat [B, H, L] fp32; see mla_decode_ref for the contract."""
     if decode_kernel_enabled(q_lat.device):
-        from .triton import decode_config, mla_decode_triton
+        from .triton import mla_decode_triton
 
-        cfg = decode_config(q_lat.shape[0], window)
-        return mla_decode_triton(q_lat, q_pe, store, slots, context_lens, window, scale, **cfg)
+        return mla_decode_triton(q_lat, q_pe, store, slots, context_lens, window, scale)
     return mla_decode_ref(q_lat, q_pe, store, slots, context_lens, window, scale)
 
 

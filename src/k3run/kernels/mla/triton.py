@@ -126,14 +126,11 @@ def mla_decode_triton(
     scale: float,
     *,
     splits: int | None = None,
-    block_h: int = 16,
-    block_n: int = 32,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    per_sm: int = 2,
+    **launch,
 ) -> torch.Tensor:
-    """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies; the launch options as
-    `decode_config` returns them."""
+    """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies. Launch options
+    (block_h, block_n, num_warps, num_stages, per_sm) default to `decode_config(B, window)`; `launch`
+    overrides some of them (benchmarks, tests)."""
     B, H, L = q_lat.shape
     R = q_pe.shape[-1]
     if store.dim() != 3 or store.shape[2] != L + R or window > store.shape[1]:
@@ -144,18 +141,23 @@ def mla_decode_triton(
         raise ValueError(f"mla_decode: L = {L} and R = {R} must be powers of two")
     if window * store.stride(1) >= 2**31:
         raise ValueError(f"mla_decode: window {window} x row stride {store.stride(1)} overflows int32")
+    cfg = decode_config(B, window)
+    unknown = set(launch) - set(cfg)
+    if unknown:
+        raise ValueError(f"mla_decode: unknown launch options {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update({key: v for key, v in launch.items() if v is not None})
     q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()  # [B, H, L + R]
-    head_blocks = triton.cdiv(H, block_h)
+    head_blocks = triton.cdiv(H, cfg["block_h"])
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(B, window, head_blocks, sms, per_sm=per_sm)
+        splits = choose_splits(B, window, head_blocks, sms, per_sm=cfg["per_sm"])
     chunk = triton.cdiv(window, splits)
     o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     _mla_decode_split_kernel[(B, splits, head_blocks)](
         q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
-        scale, L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, IEEE=store.dtype == torch.float32,
-        num_warps=num_warps or (8 if L >= 256 else 4), **({"num_stages": num_stages} if num_stages else {}),
+        scale, L=L, R=R, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=store.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     out = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     block_s = triton.next_power_of_2(splits)

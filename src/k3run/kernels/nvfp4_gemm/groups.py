@@ -72,9 +72,9 @@ def expert_groups_ref(ids: torch.Tensor, n_experts: int, bt: int) -> torch.Tenso
     picks = ids.shape[0]
     groups = max(1, min(picks, n_experts))
     grp = torch.full((groups, bt + 1), -1, dtype=torch.int32)
-    g = 0
+    host, g = ids.cpu(), 0
     for e in range(n_experts):
-        where = (ids.cpu() == e).nonzero().flatten().tolist()
+        where = (host == e).nonzero().flatten().tolist()
         if where:
             grp[g, 0] = e
             for j, s in enumerate(where[:bt]):
