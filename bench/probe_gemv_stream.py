@@ -3,7 +3,8 @@ decode launch (choose_config: the cp.async kernel) and cuBLAS bf16, in the same 
 
 Same timing method as bench_linear.py (CUDA graphs over L2-busting weight copies, back-to-back calls). Prints per
 shape and M: cuBLAS bf16, the default launch and every streaming variant (programs per SM : ring slots :
-tiles per slot : register cap, 0 = default), each as us, weight TB/s, % of the copy bandwidth measured in the same run and x cuBLAS.
+tiles per slot : register cap, 0 = default :
+1 = cp.async instead of TMA), each as us, weight TB/s, % of the copy bandwidth measured in the same run and x cuBLAS.
 
     PYTHONPATH=src python bench/probe_gemv_stream.py [--variants 16:6:1,8:8:1] [--ms 1,16] [--shapes 7168x7168]
 """
@@ -31,14 +32,14 @@ from k3run.testing import rel_rms_error  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="16:2:4,20:2:4,16:3:4,12:3:4,16:4:2,20:3:2")
+    ap.add_argument("--variants", default="24:2:4:80:1,20:2:4:80:1,16:2:4:96:1,24:3:2:80:1,24:2:4:80:0")
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--shapes", default="", help="N x K list (default: the five NVFP4 shapes)")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_tbs = copy_bandwidth()
     print(f"copy bandwidth {copy_tbs:.2f} TB/s", flush=True)
-    variants = [tuple(int(v) for v in (s + ":0").split(":")[:4]) for s in args.variants.split(",")]
+    variants = [tuple(int(v) for v in (s + ":0:0").split(":")[:5]) for s in args.variants.split(",")]
     shapes = (
         [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else NVFP4_SHAPES
     )
@@ -57,24 +58,24 @@ def main() -> None:
             t_cub = graph_ms([lambda w=w: F.linear(x, w) for w in w_bf16], 0.05)
             t_def = graph_ms([lambda p=p: nvfp4_linear(x, p) for p in pws], t_cub / 3)
             row = [f"{n}x{k}", m, t_cub * 1e3, t_def * 1e3]
-            for ps, st, gr, reg in variants:
+            for ps, st, gr, reg, cp in variants:
 
-                def call(p, ps=ps, st=st, gr=gr, reg=reg):
+                def call(p, ps=ps, st=st, gr=gr, reg=reg, cp=cp):
                     return nvfp4_gemv_stream(
                         x, p.weight, p.scale_bits, p.global_scale, rows=n, per_sm=ps, stages=st,
-                        group=gr, maxnreg=reg or None,
+                        group=gr, maxnreg=reg or None, cp_async=bool(cp),
                     )  # fmt: skip
 
                 try:
                     err = rel_rms_error(exact, call(pws[0]).float())
                     t = graph_ms([lambda p=p: call(p) for p in pws], t_cub / 3)
                 except Exception as e:  # a variant that does not build or launch: say so, go on
-                    print(f"  {n}x{k} m={m} {ps}:{st}:{gr}:{reg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(f"  {n}x{k} m={m} {ps}:{st}:{gr}:{reg}:{cp}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     row.append(float("nan"))
                     continue
                 row.append(t * 1e3)
                 print(
-                    f"  {n}x{k} m={m} stream {ps}:{st}:{gr}:{reg} {t * 1e3:7.2f} us {wbytes / t / 1e9:5.2f} TB/s "
+                    f"  {n}x{k} m={m} stream {ps}:{st}:{gr}:{reg}:{cp} {t * 1e3:7.2f} us {wbytes / t / 1e9:5.2f} TB/s "
                     f"x cuBLAS {t_cub / t:4.2f} (default {t_def * 1e3:.2f} us) err {err:.1e}",
                     flush=True,
                 )
@@ -84,8 +85,8 @@ def main() -> None:
         f"torch {torch.__version__}, copy {copy_tbs:.2f} TB/s, cmd: {' '.join(sys.argv)}"
     )
     head = f"{'N x K':>11} {'M':>2} {'cuBLAS':>7} {'default':>15}"
-    for ps, st, gr, reg in variants:
-        head += f" {f'{ps}:{st}:{gr}:{reg}':>15}"
+    for ps, st, gr, reg, cp in variants:
+        head += f" {f'{ps}:{st}:{gr}:{reg}:{cp}':>15}"
     print(head + "   (us, TB/s, x cuBLAS per cell)")
     for row, wbytes in table:
         line = f"{row[0]:>11} {row[1]:>2} {row[2]:7.2f}"

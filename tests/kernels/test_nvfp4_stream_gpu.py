@@ -36,17 +36,18 @@ def _sm90() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize(
-    "k, programs, stages, group",
+    "k, programs, stages, group, cp",
     [
-        (3600, None, 6, 1), (3600, 7, 2, 1), (3600, 1000, 3, 1), (3600, 13, 9, 1), (3000, None, 2, 4),
-        (3000, 61, 4, 2), (3000, 13, 2, 8), (3000, 5, 3, 4), (3000, 500, 2, 4),
+        (3600, None, 6, 1, 0), (3600, 7, 2, 1, 1), (3600, 1000, 3, 1, 0), (3600, 13, 9, 1, 0),
+        (2992, None, 2, 4, 0), (2992, None, 2, 4, 1), (2992, 61, 4, 2, 0), (2992, 13, 2, 8, 1),
+        (2992, 5, 3, 4, 0), (2992, 500, 2, 4, 1),
     ],
 )  # fmt: skip
 def test_stream_odd_shapes_bf16(
-    poison_empty, m: int, k: int, programs: int | None, stages: int, group: int
+    poison_empty, m: int, k: int, programs: int | None, stages: int, group: int, cp: int
 ):  # fmt: skip
-    """N = 520 (33 row blocks, the last one partial); K = 3600 (29 tiles, a partial last one) or 3000 (24
-    tiles, units of 2 / 4 / 8 tiles per TMA copy); bias, per-row global scales; program counts giving row
+    """N = 520 (33 row blocks, the last one partial); K = 3600 (29 tiles, a partial last one) or 2992 (24
+    tiles, the last one partial; units of 2 / 4 / 8 tiles per copy); TMA or cp.async copies; bias, per-row global scales; program counts giving row
     blocks inside one program, shared by 2..several programs, and more programs than row blocks; bf16 output
     rounding bounds the relative RMS error (BF16_RTOL). A second launch gives the same bits (counters reset,
     fixed summation order)."""
@@ -59,15 +60,15 @@ def test_stream_odd_shapes_bf16(
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     ref = nvfp4_linear_ref(x.float(), w, s, gs, bias.float())
-    kw = dict(rows=n, programs=programs, stages=stages, group=group)
+    kw = dict(rows=n, programs=programs, stages=stages, group=group, cp_async=bool(cp))
     y = nvfp4_gemv_stream(x, pw.weight, pw.scale_bits, pw.global_scale, bias, **kw)
-    assert_close(f"stream m={m} k={k} programs={programs} stages={stages} group={group}", ref, y, rtol=BF16_RTOL)
+    assert_close(f"stream m={m} k={k} programs={programs} stages={stages} group={group} cp={cp}", ref, y, rtol=BF16_RTOL)
     assert torch.equal(y, nvfp4_gemv_stream(x, pw.weight, pw.scale_bits, pw.global_scale, bias, **kw))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, group", [(1, 1), (5, 4), (16, 2)])
-def test_stream_fp16_exact_k(poison_empty, m: int, group: int):
+@pytest.mark.parametrize("m, group, cp", [(1, 1, 0), (5, 4, 1), (16, 2, 0), (16, 4, 1)])
+def test_stream_fp16_exact_k(poison_empty, m: int, group: int, cp: int):
     """fp16, K a multiple of 128 (the unmasked x path), per-tensor global scale, no bias."""
     _sm90()
     from k3run.kernels.nvfp4_gemm.gluon_stream import nvfp4_gemv_stream
@@ -76,7 +77,7 @@ def test_stream_fp16_exact_k(poison_empty, m: int, group: int):
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
     x = torch.randn(m, k, device="cuda").half()
-    y = nvfp4_gemv_stream(x, pw.weight, pw.scale_bits, pw.global_scale, rows=n, group=group)
+    y = nvfp4_gemv_stream(x, pw.weight, pw.scale_bits, pw.global_scale, rows=n, group=group, cp_async=bool(cp))
     assert_close(f"stream fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: F401
 
 from k3run.kernels.nvfp4_gemm import gluon_gemv as G
@@ -45,6 +45,14 @@ def _issue(desc_w, desc_s, bufs_w, bufs_s, bars, slot, tile, pred, GROUP: gl.con
     mbarrier.expect(bar, 1152 * GROUP, pred=pred)
     tma.async_copy_global_to_shared(desc_w, [tile, 0], bar, bufs_w.index(slot), pred=pred)
     tma.async_copy_global_to_shared(desc_s, [tile, 0], bar, bufs_s.index(slot), pred=pred)
+
+
+@gluon.jit
+def _issue_cp(w_ptr, s_ptr, w_offs, s_offs, bufs_w, bufs_s, slot, tile, pred):
+    """cp.async the words and scales of the unit starting at tile `tile` into ring slot `slot` (one group)."""
+    G._async_load(bufs_w.index(slot), w_ptr + (tile.to(gl.int64) * 256 + w_offs), mask=(w_offs >= 0) & pred)
+    G._async_load(bufs_s.index(slot), s_ptr + (tile.to(gl.int64) * 32 + s_offs), mask=(s_offs >= 0) & pred)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -87,11 +95,11 @@ def _flush(
 
 @gluon.jit
 def _nvfp4_stream_kernel(
-    x_ptr, desc_w, desc_s, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, tab_ptr, M, N, stride_xm, stride_ym, T,
+    x_ptr, desc_w, desc_s, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, tab_ptr, M, N, stride_xm, stride_ym, T,
     K: gl.constexpr, K_PAD: gl.constexpr, MAXC: gl.constexpr, PER_COL_GS: gl.constexpr,
     HAS_BIAS: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
     SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, LB: gl.constexpr,
-    LSW: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr, GROUP: gl.constexpr = 1,
+    LSW: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr, GROUP: gl.constexpr = 1, CPASYNC: gl.constexpr = False,
 ):  # fmt: skip
     HALF: gl.constexpr = 64
     KT: gl.constexpr = K_PAD // 128
@@ -105,15 +113,29 @@ def _nvfp4_stream_kernel(
 
     TMA_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    bufs_w = gl.allocate_shared_memory(gl.int32, [STAGES, GROUP, 256], TMA_L)
-    bufs_s = gl.allocate_shared_memory(gl.int32, [STAGES, GROUP, 32], TMA_L)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
-    # the weights never depend on the previous kernel: fill the ring before waiting for it
-    for s in gl.static_range(STAGES):
-        _issue(desc_w, desc_s, bufs_w, bufs_s, bars, s, (u0 + s) * GROUP, s < n_mine, GROUP)
+    if CPASYNC:  # per-thread 16-byte cp.async copies instead of TMA (same ring, same units)
+        bufs_w = gl.allocate_shared_memory(gl.int32, [STAGES, GROUP * 16, 16], PLAIN)
+        bufs_s = gl.allocate_shared_memory(gl.int32, [STAGES, GROUP * 16, 2], PLAIN)
+        LCW: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
+        LCS: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [1, 1], [1, 0])
+        rw = gl.arange(0, GROUP * 16, layout=gl.SliceLayout(1, LCW))
+        cw = gl.arange(0, 16, layout=gl.SliceLayout(0, LCW))
+        w_offs = gl.expand_dims(rw, 1) * 16 + gl.expand_dims(cw, 0)
+        rs = gl.arange(0, GROUP * 16, layout=gl.SliceLayout(1, LCS))
+        cs = gl.arange(0, 2, layout=gl.SliceLayout(0, LCS))
+        s_offs = gl.expand_dims(rs, 1) * 2 + gl.expand_dims(cs, 0)
+        for s in gl.static_range(STAGES):
+            _issue_cp(w_ptr, s_ptr, w_offs, s_offs, bufs_w, bufs_s, s, (u0 + s) * GROUP, s < n_mine)
+    else:
+        bufs_w = gl.allocate_shared_memory(gl.int32, [STAGES, GROUP, 256], TMA_L)
+        bufs_s = gl.allocate_shared_memory(gl.int32, [STAGES, GROUP, 32], TMA_L)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        fence_async_shared()
+        # the weights never depend on the previous kernel: fill the ring before waiting for it
+        for s in gl.static_range(STAGES):
+            _issue(desc_w, desc_s, bufs_w, bufs_s, bars, s, (u0 + s) * GROUP, s < n_mine, GROUP)
     tab = G._load_tables(tab_ptr)
     if PDL:  # x (and ws, the counters, y) may be the previous launch's
         G._gdc("griddepcontrol.wait;")
@@ -137,13 +159,20 @@ def _nvfp4_stream_kernel(
             slot = i % STAGES
             if i > 0:
                 # refill the previous unit's slot: its words were consumed (decoded, multiplied) last
-                # iteration, so the proxy fence Triton puts before the copy waits for no load in flight
+                # iteration, so the proxy fence Triton puts before a TMA copy waits for no load in flight
                 prev = (i - 1) % STAGES
                 nxt = i - 1 + STAGES
-                _issue(desc_w, desc_s, bufs_w, bufs_s, bars, prev, (u0 + nxt) * GROUP, nxt < n_mine, GROUP)
+                if CPASYNC:
+                    _issue_cp(w_ptr, s_ptr, w_offs, s_offs, bufs_w, bufs_s, prev, (u0 + nxt) * GROUP, nxt < n_mine)
+                else:
+                    _issue(desc_w, desc_s, bufs_w, bufs_s, bars, prev, (u0 + nxt) * GROUP, nxt < n_mine, GROUP)
             k0 = (u - rb * KU) * (GROUP * 128)
             x_lo, x_hi = G._x_tile_clamped(x_ptr, x_off, kx, 0, k0, K, K_PAD)  # before the wait: overlaps it
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            if CPASYNC:
+                async_copy.wait_group(STAGES - 1)  # this thread's copies of unit i have landed
+                _cta_barrier()  # ... and everyone's
+            else:
+                mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
             for sub in gl.static_range(GROUP):
                 if sub > 0:
                     x_lo, x_hi = G._x_tile_clamped(x_ptr, x_off, kx, 0, k0 + sub * 128, K, K_PAD)
@@ -168,8 +197,11 @@ def _nvfp4_stream_kernel(
             acc = acc * OUT_SCALE
         _flush(acc, rb, pid, nprog, T, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, KU, MAXC, BT,
                PER_COL_GS, HAS_BIAS, MMA)  # fmt: skip
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+    if CPASYNC:
+        async_copy.wait_group(0)
+    else:
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
 
 
 @functools.cache
@@ -220,6 +252,7 @@ def nvfp4_gemv_stream(
     maxnreg: int | None = None,
     pdl: bool | None = None,
     group: int | None = None,
+    cp_async: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias), M <= 16, bf16/fp16 x, tiled128 weights, sm_90+.
 
@@ -265,12 +298,12 @@ def nvfp4_gemv_stream(
     mma, la, lw4, lb, _, _, _ = G.async_layouts(1, bt)
     desc_w, desc_s = _descriptors(weight, scale_u8, tiles, group)
     _nvfp4_stream_kernel[(nprog,)](
-        x, desc_w, desc_s, global_scale, bias if bias is not None else global_scale, y, ws, cnt,
+        x, desc_w, desc_s, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, bias if bias is not None else global_scale, y, ws, cnt,
         G.decode_tables(x.device, "bf16" if bf16 else "fp16"), m, rows, x.stride(0), y.stride(0), units,
         K=k, K_PAD=k_pad, MAXC=maxc, PER_COL_GS=global_scale.numel() != 1, HAS_BIAS=bias is not None, BT=bt,
         STAGES=stages, ASM=G._TILED_ASM_BF16 if bf16 else G._TILED_ASM_FP16,
         SCALE_ASM=G._SCALE_WORD_ASM_BF16 if bf16 else G._SCALE_WORD_ASM_FP16, MMA=mma, LA=la, LW4=lw4, LB=lb,
-        LSW=G.scale_word_layout(1, bt), OUT_SCALE=G.SHIFT_OUT_SCALE, PDL=pdl, GROUP=group,
+        LSW=G.scale_word_layout(1, bt), OUT_SCALE=G.SHIFT_OUT_SCALE, PDL=pdl, GROUP=group, CPASYNC=cp_async,
         num_warps=1, maxnreg=maxnreg or G.MAXNREG[bt], launch_pdl=pdl,
     )  # fmt: skip
     return y
