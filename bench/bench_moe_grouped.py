@@ -2,14 +2,15 @@
 session 11).
 
 K3's latent experts (D = 3584, I = 3072, SiTU, top-16) with 64 local experts of random NVFP4 weights (1.2 GB,
-so the picks' weights stream from DRAM), T = 1 / 4 / 8 / 16 tokens routed by random logits. Per T:
+so the picks' weights stream from DRAM), T = 1 / 4 / 8 / 16 / 32 / 64 / 128 tokens routed by random logits.
+Per T:
 - loop: fused_experts(grouped=False): sort, one counts read-back, two nvfp4_linear per hit expert (eager:
   it cannot be captured in a CUDA graph);
-- per pick: two nvfp4_gemv_grouped launches (every pick reads its expert's weights), the activation and the
-  weighted sum, captured in a CUDA graph (the decode step's form);
-- by expert: expert_groups + two nvfp4_gemv_by_expert launches (each picked expert read once for all its
-  tokens; what fused_experts runs for 2..16 tokens), in a CUDA graph;
-with the bytes each form must read (per pick: 18.6 MB per pick; by expert: 18.6 MB per distinct expert) per
+- per pick (T <= 16): two nvfp4_gemv_grouped launches (every pick reads its expert's weights), the activation
+  and the weighted sum, captured in a CUDA graph (the decode step's form);
+- by expert: expert_groups + two nvfp4_gemv_by_expert launches (each picked expert read once per group of up
+  to 16 of its tokens; what fused_experts runs for 2..BY_EXPERT_MAX_TOKENS tokens), in a CUDA graph;
+with the bytes each form must read (per pick: 18.6 MB per pick; by expert: 18.6 MB per group) per
 second and as % of the device copy bandwidth measured in the same run (the ceiling).
 
     PYTHONPATH=src python bench/bench_moe_grouped.py
@@ -82,28 +83,34 @@ def main() -> None:
     copy_tbs = copy_bandwidth()  # TB/s
     ex = experts()
     rows = []
-    for t in (1, 4, 8, 16):
+    for t in (1, 4, 8, 16, 32, 64, 128):
         x = torch.randn(t, D, device="cuda").bfloat16()
         weights, ids = route(torch.randn(t, E, device="cuda"), torch.zeros(E, device="cuda"), TOP_K)
         loop = fused_experts(ex, x, ids, weights, grouped=False)
-        per_pick = _grouped(ex, x, ids, weights, False)
         by_exp = _grouped(ex, x, ids, weights, True)
         err = float((by_exp - loop).norm() / loop.norm())
         assert err < 2.0**-7, f"by expert vs loop: relative error {err:.2e}"
-        err_pp = float((by_exp - per_pick).norm() / per_pick.norm())
-        t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False))
-        t_pick = graph_ms([lambda: _grouped(ex, x, ids, weights, False)], 1e-3) * 1e3
+        reps = 20 if t <= 16 else 4
+        t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False), reps=reps)
         t_exp = graph_ms([lambda: _grouped(ex, x, ids, weights, True)], 1e-3) * 1e3
         picks, distinct = t * TOP_K, int(ids.unique().numel())
-        tbs_pick = picks * BYTES_PER_EXPERT / (t_pick * 1e-6) / 1e12
-        tbs_exp = distinct * BYTES_PER_EXPERT / (t_exp * 1e-6) / 1e12
-        pick_pct, exp_pct = 100 * tbs_pick / copy_tbs, 100 * tbs_exp / copy_tbs
+        bt = 8 if t <= 8 else 16
+        groups = sum(-(-int(c) // bt) for c in torch.bincount(ids.flatten(), minlength=E))
+        tbs_exp = groups * BYTES_PER_EXPERT / (t_exp * 1e-6) / 1e12
+        exp_pct = 100 * tbs_exp / copy_tbs
+        if t <= 16:
+            per_pick = _grouped(ex, x, ids, weights, False)
+            err_pp = f"{float((by_exp - per_pick).norm() / per_pick.norm()):.1e}"
+            t_pick = graph_ms([lambda: _grouped(ex, x, ids, weights, False)], 1e-3) * 1e3
+            tbs_pick = picks * BYTES_PER_EXPERT / (t_pick * 1e-6) / 1e12
+            pick = f"per pick {t_pick:7.1f} us {tbs_pick:4.2f} TB/s {100 * tbs_pick / copy_tbs:3.0f}%"
+            vs_pick = f"{t_pick / t_exp:4.2f}x per pick"
+        else:
+            err_pp, pick, vs_pick = "-", f"{'per pick -':>30}", f"{'-':>14}"
         rows.append(
-            f"T={t:<2} picks {picks:4d} experts {distinct:3d} | loop {t_loop:8.1f} us "
-            f"| per pick {t_pick:7.1f} us {tbs_pick:4.2f} TB/s {pick_pct:3.0f}% "
-            f"| by expert {t_exp:7.1f} us {tbs_exp:4.2f} TB/s {exp_pct:3.0f}% "
-            f"| {t_pick / t_exp:4.2f}x per pick, {t_loop / t_exp:5.1f}x loop "
-            f"| err vs loop {err:.1e}, vs per pick {err_pp:.1e}"
+            f"T={t:<3} picks {picks:4d} experts {distinct:3d} groups {groups:3d} | loop {t_loop:8.1f} us "
+            f"| {pick} | by expert {t_exp:7.1f} us {tbs_exp:4.2f} TB/s {exp_pct:3.0f}% "
+            f"| {vs_pick}, {t_loop / t_exp:5.1f}x loop | err vs loop {err:.1e}, vs per pick {err_pp}"
         )
         print(rows[-1], flush=True)
     name = torch.cuda.get_device_name()

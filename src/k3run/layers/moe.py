@@ -176,10 +176,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 # picks (tokens x top-k) up to which the NVFP4 experts run as two grouped launches (decode); not yet tuned
 GROUPED_MAX_PICKS = 128
-# tokens up to which the grouped launches are expert-major (each picked expert read once for all its tokens:
-# nvfp4_gemv_by_expert); above this the per-pick launch (or the loop) runs. K3RUN_MOE_BY_EXPERT=0 turns the
-# expert-major launch off (for comparisons).
-BY_EXPERT_MAX_TOKENS = 16
+# tokens up to which the grouped launches are expert-major (each picked expert read once per group of up to 16
+# of its tokens: expert_groups + nvfp4_gemv_by_expert); above this the per-expert loop runs (prefill sizes).
+# K3RUN_MOE_BY_EXPERT=0 turns the expert-major launch off (for comparisons).
+BY_EXPERT_MAX_TOKENS = 128
 
 
 class FusedExperts(nn.Module):
