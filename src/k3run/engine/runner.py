@@ -19,7 +19,7 @@ from k3run.forward_context import ForwardContext
 
 log = logging.getLogger(__name__)
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch buckets (a batch pads up to the next one)
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # decode batch buckets (a batch pads up to the next one)
 MIN_GRAPH_WINDOW = 256  # the smallest attention window; windows double from here up to max_len
 DEFAULT_GRAPH_STEP_BYTES = 1 << 30  # a captured step's largest temporaries (the MLA window's copies)
 

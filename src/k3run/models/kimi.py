@@ -245,8 +245,10 @@ class KimiForCausalLM(nn.Module):
         device = self.embed_tokens.weight.device
         if device.type != "cuda":
             return f"the model is on {device}, CUDA graphs need a CUDA device"
-        if self.tp.size > 1:
-            return f"tensor parallel over {self.tp.size} ranks (collectives are not captured yet)"
+        if self.tp.size > 1:  # NCCL collectives are captured with the step; gloo ones run on the host
+            backend = torch.distributed.get_backend(self.tp.group)
+            if backend != "nccl":
+                return f"tensor parallel over {self.tp.size} ranks on {backend} (graphs capture NCCL only)"
         for layer in self.layers:
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):
