@@ -1,14 +1,16 @@
-"""The compiled CPU linears (kernels/cpu_fused.py) against the references they replace (dequantize the whole
-weight to fp32, then matmul), on this machine's cores: NVFP4 W4A16 (kernels/nvfp4_gemm/cpu.py) and FP8_PB_WO
-(kernels/fp8_gemm/cpu.py); up to cpu_fused.MAX_M rows the fused GEMV, above it the compiled dequantization in
-row blocks + matmul. --decode also times whole decode steps of a reduced K3-shaped model (bench/k3_shaped.py,
-k3-mixed: NVFP4 experts, FP8_PB_WO attention) with the compiled paths on and off.
+"""The fast CPU linears against the references they replace (dequantize the whole weight to fp32, then
+matmul), on this machine's cores: NVFP4 W4A16 (kernels/nvfp4_gemm/cpu.py) and FP8_PB_WO
+(kernels/fp8_gemm/cpu.py); up to cpu_fused.MAX_M rows the AVX-512 extension (kernels/nvfp4_gemm/cpu_avx512.py)
+where the CPU has it, else the compiled fused GEMV (kernels/cpu_fused.py; timed too, as "loop ms"), above
+MAX_M the compiled dequantization in row blocks + matmul. --decode also times whole decode steps of a reduced
+K3-shaped model (bench/k3_shaped.py, k3-mixed: NVFP4 experts, FP8_PB_WO attention): the default paths in fp32
+and bf16, the compiled loops alone, and the references.
 
-Per format, shape and M: the compiled time, its weight bytes (NVFP4: codes + E4M3 scales; FP8: bytes +
+Per format, shape and M: the default path's time, its weight bytes (NVFP4: codes + E4M3 scales; FP8: bytes +
 tile scales) per second and as % of the memory copy rate measured in the same run (the ceiling for a kernel
 that only streams its weights), the reference's time (the baseline) and the speed-up; for scale, the time of
 a dense fp32 and a bf16 GEMV of the same shape (weights kept decoded). Median of 7 calls after a warm-up (the
-first call compiles).
+first call compiles / builds).
 
     PYTHONPATH=src python bench/bench_cpu_gemv.py [--shapes 7168x7168,3072x3584,4096x1024] [--ms 1,4,64]
         [--decode]
@@ -19,6 +21,7 @@ first call compiles).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -28,6 +31,7 @@ from k3run.formats import quantize_fp8_block, quantize_nvfp4
 from k3run.kernels import cpu_fused
 from k3run.kernels.fp8_gemm.cpu import fp8_pb_wo_linear_cpu
 from k3run.kernels.fp8_gemm.ref import fp8_pb_wo_linear_ref
+from k3run.kernels.nvfp4_gemm import cpu_avx512
 from k3run.kernels.nvfp4_gemm.cpu import nvfp4_linear_cpu
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
 
@@ -50,8 +54,8 @@ def copy_gbs() -> float:
 
 
 def _decode(steps: int = 12) -> None:
-    """ms per decode step of a reduced K3-shaped model, compiled paths on and off."""
-    import os
+    """ms per decode step of a reduced K3-shaped model: the default paths (AVX-512 extension where the CPU
+    has it, else the compiled loops) in fp32 and bf16, the compiled loops alone, and the references (fp32)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -63,12 +67,15 @@ def _decode(steps: int = 12) -> None:
     dims = {"vocab_size": 32000, "hidden_size": 2048, "num_heads": 16, "q_lora_rank": 512, "top_k": 4,
             "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024}  # fmt: skip
     tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "..", "assets", "default-model-k3-mixed"))
-    print("reduced K3-shaped model: 4 layers (3 KDA + 1 MLA), hidden 2048, 16 experts of 1024x1024, fp32")
-    for on in (True, False):
+    print("reduced K3-shaped model: 4 layers (3 KDA + 1 MLA), hidden 2048, 16 experts of 1024x1024")
+    modes = [("fast", torch.float32, "1"), ("fast", torch.bfloat16, "1"), ("loop", torch.bfloat16, "0"),
+             ("reference", torch.float32, "1")]  # fmt: skip
+    for what, dtype, avx in modes:
         saved = cpu_fused.MIN_WEIGHTS
-        cpu_fused.MIN_WEIGHTS = saved if on else 1 << 62  # also decides the experts' path at load
+        cpu_fused.MIN_WEIGHTS = 1 << 62 if what == "reference" else saved  # also decides the experts' path
+        os.environ["K3RUN_CPU_AVX512"] = avx
         try:
-            model = random_k3_model(layers=4, experts=16, device="cpu", dtype=torch.float32, dims=dims)
+            model = random_k3_model(layers=4, experts=16, device="cpu", dtype=dtype, dims=dims)
             eng = LLM.from_model(model, tok, EngineConfig(max_num_seqs=4, max_model_len=256)).engine
             for b in (1, 4):
                 for _ in range(b):
@@ -80,10 +87,11 @@ def _decode(steps: int = 12) -> None:
                     t0 = time.perf_counter()
                     eng.step()
                     walls.append((time.perf_counter() - t0) * 1e3)
-                what = "compiled" if on else "reference"
-                print(f"  {what:>9} batch {b}: {statistics.median(walls[1:]):7.1f} ms per step", flush=True)
+                name = f"{what} {str(dtype).removeprefix('torch.')}"
+                print(f"  {name:>16} batch {b}: {statistics.median(walls[1:]):7.1f} ms per step", flush=True)
         finally:
             cpu_fused.MIN_WEIGHTS = saved
+            os.environ.pop("K3RUN_CPU_AVX512")
 
 
 def main() -> None:
@@ -97,7 +105,10 @@ def main() -> None:
     saved, cpu_fused.MIN_WEIGHTS = cpu_fused.MIN_WEIGHTS, 0  # the compiled loops at every size asked for
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"{torch.get_num_threads()} threads, {isa}, copy {copy:.1f} GB/s")
-    head = f"{'fmt':>5} {'shape':>11} {'M':>2} {'fused ms':>9} {'GB/s':>6} {'%copy':>6} {'ref ms':>8}"
+    avx = cpu_avx512.available()
+    print(f"AVX-512 extension: {'on' if avx else 'off'} {cpu_avx512._error or ''}")
+    head = f"{'fmt':>5} {'shape':>11} {'M':>2} {'fast ms':>8} {'GB/s':>6} {'%copy':>6} {'loop ms':>8}"
+    head += f" {'ref ms':>8}"
     print(f"{head} {'speed-up':>8} {'fp32 ms':>8} {'bf16 ms':>8} {'rel err':>8}")
     # every lambda below is timed inside its own loop iteration
     for shape in args.shapes.split(","):
@@ -120,11 +131,15 @@ def main() -> None:
             t16 = _ms(lambda: x.bfloat16() @ dense_bf16.t())
             for fmt, nbytes, fast, ref in cases:
                 t_fast = _ms(lambda: fast(x))
+                os.environ["K3RUN_CPU_AVX512"] = "0"  # the compiled loop (what runs without AVX-512)
+                t_loop = _ms(lambda: fast(x))
+                os.environ.pop("K3RUN_CPU_AVX512")
                 t_ref = _ms(lambda: ref(x), reps=3)
                 want = ref(x)
                 err = float((fast(x) - want).norm() / want.norm())
                 gbs = nbytes / t_fast / 1e6
-                row = f"{fmt:>5} {shape:>11} {m:>2} {t_fast:>9.2f} {gbs:>6.2f} {100 * gbs / copy:>5.1f}%"
+                row = f"{fmt:>5} {shape:>11} {m:>2} {t_fast:>8.2f} {gbs:>6.2f} {100 * gbs / copy:>5.1f}%"
+                row += f" {t_loop:>8.2f}"
                 row += f" {t_ref:>8.2f} {t_ref / t_fast:>7.1f}x {t32:>8.2f} {t16:>8.2f} {err:>8.1e}"
                 print(row, flush=True)
     cpu_fused.MIN_WEIGHTS = saved

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import k3run.kernels.fp8_gemm.cpu as cpu
+import k3run.kernels.nvfp4_gemm.cpu_avx512 as cpu_avx512
 from k3run.formats import quantize_fp8_act_1x128
 from k3run.kernels import cpu_fused
 from k3run.kernels.fp8_gemm import fp8_pb_wo_linear
@@ -44,8 +45,53 @@ def test_eager_formula_matches_reference() -> None:
 
 @pytest.fixture
 def fused_everywhere(monkeypatch):
+    """The compiled loop at any size; the AVX-512 extension (its own tests below) off."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(cpu_fused, "disabled", None)
+    monkeypatch.setenv("K3RUN_CPU_AVX512", "0")
+
+
+needs_avx512 = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++")) or not cpu_avx512.cpu_supported(),
+    reason="the AVX-512 extension needs an AVX-512 CPU and a C++ compiler",
+)
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_avx512_linear_matches_reference(monkeypatch, m: int) -> None:
+    """The AVX-512 extension through fp8_pb_wo_linear on the CPU: N = 300 real rows of 384 (the padding never
+    computed; the last tile scale row shared by 44 rows), K = 640 (5 blocks), bias, fp32 and bf16."""
+    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
+    assert cpu_avx512.available(), cpu_avx512._error
+    n, k = 300, 640
+    w_pad, s_w = _padded_block_weight(n, k)
+    bias = torch.randn(n)
+    for dtype, rtol in ((torch.float32, RTOL), (torch.bfloat16, 4e-3)):
+        x = torch.randn(m, k).to(dtype)
+        want = fp8_pb_wo_linear_ref(x, w_pad, s_w, n, bias)
+        got = fp8_pb_wo_linear(x, w_pad, s_w, n, bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert_close(f"avx512 fp8 m={m} {dtype}", want, got, rtol=rtol)
+
+
+@needs_avx512
+def test_avx512_every_e4m3_code_exact() -> None:
+    """Every E4M3 weight byte but NaN (subnormals and -0 included) read back through one-hot activations
+    with unit scales: exact."""
+    assert cpu_avx512.available(), cpu_avx512._error
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254
+    n, k = codes.numel(), 128
+    w = codes.reshape(n, 1).expand(n, k).contiguous()
+    s_w = torch.ones(-(-n // 128), 1)
+    q_x = torch.zeros(2, k)
+    q_x[0, 5] = 1.0
+    q_x[1, 127] = -2.0
+    got = cpu_avx512.fp8_block_gemv_avx512(q_x, torch.ones(2, 1), w, s_w)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got[0], want) and torch.equal(got[1], -2.0 * want)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        cpu_avx512.fp8_block_gemv_avx512(torch.zeros(1, 96), torch.ones(1, 1), w[:, :96], s_w)
 
 
 @needs_cxx

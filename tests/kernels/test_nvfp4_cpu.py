@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import k3run.kernels.nvfp4_gemm.cpu as cpu
+import k3run.kernels.nvfp4_gemm.cpu_avx512 as cpu_avx512
 from k3run.formats import E2M1_VALUES, dequantize_nvfp4
 from k3run.kernels import cpu_fused
 from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
@@ -43,9 +44,69 @@ def test_eager_formula_matches_reference(m: int, n: int, k: int) -> None:
 
 @pytest.fixture
 def fused_everywhere(monkeypatch):
-    """The fused path at any size (the default threshold keeps test-sized matrices on the reference)."""
+    """The compiled loop at any size (the default threshold keeps test-sized matrices on the reference; the
+    AVX-512 extension, which would take the decode rows first, is off: it has its own tests)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(cpu_fused, "disabled", None)
+    monkeypatch.setenv("K3RUN_CPU_AVX512", "0")
+
+
+needs_avx512 = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++")) or not cpu_avx512.cpu_supported(),
+    reason="the AVX-512 extension needs an AVX-512 CPU and a C++ compiler",
+)
+
+
+@needs_avx512
+@pytest.mark.parametrize("per_row", [False, True])
+def test_avx512_gemv_matches_reference(monkeypatch, per_row: bool) -> None:
+    """The AVX-512 extension: 1..8 rows, K with a last half chunk (K / 2 = 1800 bytes: 8 past a multiple of
+    16) and without, N not a multiple of the thread grain, bf16 and fp32 inputs, a bias; nvfp4_linear_cpu
+    takes it for decode rows on matrices of MIN_WEIGHTS and up. Same products as the reference, other sum
+    order (RTOL)."""
+    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
+    assert cpu_avx512.available(), cpu_avx512._error
+    for m, n, k in [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32)]:
+        w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
+        bias = torch.randn(n)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = nvfp4_linear_ref(x, w, s, gs, bias)
+            got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
+            assert got.dtype == dtype
+            assert_close(
+                f"avx512 {m}x{n}x{k} {dtype}", want, got, rtol=RTOL if dtype == torch.float32 else 4e-3
+            )
+
+
+@needs_avx512
+def test_avx512_gemv_every_code_and_scale_exact() -> None:
+    """Each of the 16 codes in both nibbles under every finite E4M3 scale (subnormals and -0 included), read
+    back through one-hot inputs: exact (one product per output, no sums)."""
+    assert cpu_avx512.available(), cpu_avx512._error
+    scales = torch.arange(0x7F, dtype=torch.uint8)  # 0x00..0x7E: every finite non-negative E4M3 value
+    n, k = 16 * scales.numel(), 32
+    codes = torch.arange(16, dtype=torch.uint8).repeat(scales.numel())  # row r holds code r % 16
+    w = (codes | (codes << 4)).reshape(n, 1).expand(n, k // 2).contiguous()  # both nibbles = the code
+    s = scales.repeat_interleave(16).reshape(n, 1).expand(n, k // 16).contiguous().view(torch.float8_e4m3fn)
+    gs = torch.tensor([0.75])
+    x = torch.zeros(2, k)
+    x[0, 2] = 1.0  # an even column: low nibbles
+    x[1, 21] = 1.0  # an odd column in the second scale group: high nibbles
+    want = nvfp4_linear_ref(x, w, s, gs)
+    got = cpu_avx512.nvfp4_gemv_avx512(x, w, s, gs)
+    assert torch.equal(got, want)
+    assert torch.equal(got[0], (E2M1_VALUES.float().repeat(scales.numel()) * s[:, 0].float() * 0.75))
+
+
+@needs_avx512
+def test_avx512_gemv_rejects_bad_operands() -> None:
+    assert cpu_avx512.available(), cpu_avx512._error
+    w, s, gs = _random_nvfp4(8, 64)
+    with pytest.raises(ValueError, match="weight uint8"):
+        cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 96), w, s, gs)
+    with pytest.raises(ValueError, match="weight_scale"):
+        cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 64), w, s[:, :2], gs)
 
 
 @needs_cxx

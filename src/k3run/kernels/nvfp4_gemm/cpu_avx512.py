@@ -1,0 +1,221 @@
+"""NVFP4 and FP8_PB_WO GEMVs on x86 CPUs with AVX-512: a small C++ extension, built once at first use.
+
+The torch.compile'd loop of cpu.py decodes each 4-bit code with ~6 vector integer operations (Inductor cannot
+turn a 16-entry table into a register permute). AVX-512 decodes 16 codes with one `vpermps` from a register
+holding the 16 E2M1 values, so a 16-byte chunk of packed weights (32 weights, two scale groups) costs: one
+widening load, an AND and a shift for the two nibbles, two permutes, two multiplies by the chunk's two group
+scales (E4M3 through a 256-entry fp32 table), and one FMA per nibble half and token row. Rows of W are
+spread over torch's intra-op threads.
+
+    y[m, n] = gs[n] * sum_j (e2m1(lo_j) * s[n, j // 8] * x[m, 2j] + e2m1(hi_j) * s[n, j // 8] * x[m, 2j + 1])
+
+over the packed bytes j of row n: the reference's products (e2m1 * E4M3 is exact in fp32) in another
+summation order. `fp8_block_gemv` does the same for FP8_PB_WO (E4M3 bytes to fp32 by shifts, one
+multiply and a blend for the subnormal codes; per-128 block sums scaled by the two tile scales).
+Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` for M <= cpu_fused.MAX_M when the CPU has AVX-512 (F, BW,
+VL) and a C++ compiler builds the extension (`available()`); otherwise the compiled loops run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+// y [M, N] fp32 = x [M, K] @ W^T: x_even / x_odd fp32 [M, K/2] (x's even and odd columns), w uint8 [N, K/2]
+// (low nibble = even column), s uint8 [N, K/16] (E4M3 bytes), gs fp32 [N], s_table fp32 [256] (E4M3 -> fp32).
+torch::Tensor nvfp4_gemv(torch::Tensor x_even, torch::Tensor x_odd, torch::Tensor w, torch::Tensor s,
+                         torch::Tensor gs, torch::Tensor s_table) {
+  const int64_t M = x_even.size(0), H = x_even.size(1), N = w.size(0);  // H = K / 2 bytes per row
+  TORCH_CHECK(M >= 1 && M <= 8, "nvfp4_gemv (avx512): 1..8 rows, got ", M);
+  TORCH_CHECK(H % 8 == 0, "nvfp4_gemv (avx512): K must be a multiple of 16");
+  auto y = torch::empty({M, N}, x_even.options());
+  const float* xe = x_even.data_ptr<float>();
+  const float* xo = x_odd.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* gp = gs.data_ptr<float>();
+  const float* st = s_table.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t G = H / 8;  // scale groups per row
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                        -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = wp + n * H;
+      const uint8_t* srow = sp + n * G;
+      __m512 acc[8];
+      for (int m = 0; m < 8; ++m) acc[m] = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= H; j += 16) {  // 32 weights: scale groups j / 8 and j / 8 + 1
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+        __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(st[srow[j >> 3]]),
+                                         _mm512_set1_ps(st[srow[(j >> 3) + 1]]));
+        __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+        __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+        for (int m = 0; m < M; ++m) {
+          acc[m] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xe + m * H + j), acc[m]);
+          acc[m] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xo + m * H + j), acc[m]);
+        }
+      }
+      if (j < H) {  // the last 8 bytes (one scale group)
+        const __mmask16 k8 = 0x00FF;
+        __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x00FF, row + j));
+        __m512 sc = _mm512_set1_ps(st[srow[j >> 3]]);
+        __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+        __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+        for (int m = 0; m < M; ++m) {
+          acc[m] = _mm512_fmadd_ps(wl, _mm512_maskz_loadu_ps(k8, xe + m * H + j), acc[m]);
+          acc[m] = _mm512_fmadd_ps(wh, _mm512_maskz_loadu_ps(k8, xo + m * H + j), acc[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m]) * gp[n];
+    }
+  });
+  return y;
+}
+
+// FP8_PB_WO: y [M, N] fp32 = sum_kb sx[m, kb] * sw[n / 128, kb] * sum_j qx[m, 128 kb + j] * w[n, 128 kb + j]
+// qx fp32 [M, K] (the activation codes' values), sx fp32 [M, K/128], w uint8 [N, K] (E4M3 bytes), sw fp32
+// [>= ceil(N/128), K/128]. E4M3 -> fp32 exactly: the bits shifted into an fp32 times 2^120 for normal codes,
+// mantissa * 2^-9 for the subnormal ones (no reliance on denormal arithmetic), the sign xor-ed in.
+torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w, torch::Tensor sw) {
+  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0), KB = K / 128;
+  TORCH_CHECK(M >= 1 && M <= 8, "fp8_block_gemv (avx512): 1..8 rows, got ", M);
+  TORCH_CHECK(K % 128 == 0, "fp8_block_gemv (avx512): K must be a multiple of 128");
+  auto y = torch::empty({M, N}, qx.options());
+  const float* xp = qx.data_ptr<float>();
+  const float* sxp = sx.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* swp = sw.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const __m512i m7f = _mm512_set1_epi32(0x7F), m80 = _mm512_set1_epi32(0x80), eight = _mm512_set1_epi32(8);
+    const __m512 p120 = _mm512_set1_ps(1.329227995784916e36f), pm9 = _mm512_set1_ps(1.953125e-3f);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = wp + n * K;
+      const float* swr = swp + (n / 128) * KB;
+      __m512 acc[8];
+      for (int m = 0; m < 8; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        __m512 blk[8];
+        for (int m = 0; m < 8; ++m) blk[m] = _mm512_setzero_ps();
+        for (int64_t j = kb * 128; j < kb * 128 + 128; j += 16) {
+          __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+          __m512i mag = _mm512_and_si512(b, m7f);
+          __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), p120);
+          __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), pm9);
+          __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, sub);
+          v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
+                                                   _mm512_slli_epi32(_mm512_and_si512(b, m80), 24)));
+          for (int m = 0; m < M; ++m) blk[m] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xp + m * K + j), blk[m]);
+        }
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(blk[m], _mm512_set1_ps(sxp[m * KB + kb] * swr[kb]), acc[m]);
+      }
+      for (int m = 0; m < M; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+    }
+  });
+  return y;
+}
+"""
+
+_module = None
+_error: str | None = None
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs AVX-512 F / BW / VL code (torch's own dispatch level says so)."""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older torch
+        return False
+    return cap in ("AVX512", "AMX") or cap.startswith("AVX512")
+
+
+def available() -> bool:
+    """The extension is built (building it now on first call) and the CPU runs it. K3RUN_CPU_AVX512=0 turns
+    it off (the compiled loop of cpu.py runs instead)."""
+    global _module, _error
+    if os.environ.get("K3RUN_CPU_AVX512", "1") == "0" or _error is not None or not cpu_supported():
+        return False
+    if _module is None:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            log.info("building the AVX-512 CPU kernels (once per machine, ~30 s; cached after)")
+            flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+            _module = load_inline(
+                name="k3run_cpu_avx512", cpp_sources=_SOURCE, functions=["nvfp4_gemv", "fp8_block_gemv"],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+            )  # fmt: skip
+        except Exception as e:  # no compiler, no ninja, an old toolchain: the compiled loop instead
+            _error = f"{type(e).__name__}: {e}"
+            log.warning("the AVX-512 CPU kernels could not be built; using the compiled loops: %s", _error)
+            return False
+    return True
+
+
+_S_TABLE: torch.Tensor | None = None
+
+
+def _scale_table() -> torch.Tensor:
+    global _S_TABLE
+    if _S_TABLE is None:
+        _S_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    return _S_TABLE
+
+
+def nvfp4_gemv_avx512(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] @ dequant(W)^T for M <= 8 (module docstring); weight uint8 [N, K/2],
+    weight_scale float8_e4m3fn / uint8 [N, K/16], global_scale fp32 with one element or one per row.
+    Call `available()` first."""
+    assert _module is not None, "nvfp4_gemv_avx512: call available() first"
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != (n, k // 2) or k % 16:
+        raise ValueError(f"nvfp4_gemv_avx512: weight uint8 [N, K/2] for K={k} (a multiple of 16), got "
+                         f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    if tuple(weight_scale.shape) != (n, k // 16) or weight_scale.element_size() != 1:
+        raise ValueError(f"nvfp4_gemv_avx512: weight_scale [N, K/16] = {(n, k // 16)} of 1-byte E4M3, got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")  # fmt: skip
+    xf = x.detach().to(torch.float32)
+    gs = global_scale.detach().to(torch.float32).reshape(-1).expand(n).contiguous()
+    return _module.nvfp4_gemv(
+        xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight.detach().contiguous(),
+        weight_scale.detach().contiguous().view(torch.uint8), gs, _scale_table(),
+    )  # fmt: skip
+
+
+def fp8_block_gemv_avx512(
+    q_x: torch.Tensor, scale_x: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor
+) -> torch.Tensor:
+    """FP8_PB_WO for M <= 8: y [M, N] fp32 from the activation codes' values q_x fp32 [M, K] and their scales
+    [M, K/128] (quantize_fp8_act_1x128), the weight's E4M3 bytes [N, K] (float8_e4m3fn or uint8) and its
+    tile scales fp32 [>= ceil(N/128), K/128]. Call `available()` first."""
+    assert _module is not None, "fp8_block_gemv_avx512: call available() first"
+    m, k = q_x.shape
+    n = weight.shape[0]
+    if k % 128 or weight.element_size() != 1 or tuple(weight.shape) != (n, k):
+        raise ValueError(f"fp8_block_gemv_avx512: weight of 1-byte E4M3 [N, K] with K={k} a multiple of 128, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    kb, nb = k // 128, -(-n // 128)
+    bad_w = scale_w.dim() != 2 or scale_w.shape[0] < nb or scale_w.shape[1] != kb
+    if bad_w or tuple(scale_x.shape) != (m, kb):
+        raise ValueError(f"fp8_block_gemv_avx512: scales [>= {nb}, {kb}] and [{m}, {kb}], got "
+                         f"{tuple(scale_w.shape)} and {tuple(scale_x.shape)}")  # fmt: skip
+    return _module.fp8_block_gemv(
+        q_x.detach().to(torch.float32).contiguous(), scale_x.detach().to(torch.float32).contiguous(),
+        weight.detach().contiguous().view(torch.uint8), scale_w.detach().to(torch.float32).contiguous(),
+    )  # fmt: skip
