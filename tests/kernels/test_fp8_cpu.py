@@ -58,10 +58,11 @@ needs_avx512 = pytest.mark.skipif(
 
 
 @needs_avx512
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 21])
 def test_avx512_linear_matches_reference(monkeypatch, m: int) -> None:
     """The AVX-512 extension through fp8_pb_wo_linear on the CPU: N = 300 real rows of 384 (the padding never
-    computed; the last tile scale row shared by 44 rows), K = 640 (5 blocks), bias, fp32 and bf16."""
+    computed; the last tile scale row shared by 44 rows), K = 640 (5 blocks), bias, fp32 and bf16; 21 rows in
+    three kernel calls."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     assert cpu_avx512.available(), cpu_avx512._error
     n, k = 300, 640

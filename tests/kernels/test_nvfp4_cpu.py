@@ -60,13 +60,13 @@ needs_avx512 = pytest.mark.skipif(
 @needs_avx512
 @pytest.mark.parametrize("per_row", [False, True])
 def test_avx512_gemv_matches_reference(monkeypatch, per_row: bool) -> None:
-    """The AVX-512 extension: 1..8 rows, K with a last half chunk (K / 2 = 1800 bytes: 8 past a multiple of
-    16) and without, N not a multiple of the thread grain, bf16 and fp32 inputs, a bias; nvfp4_linear_cpu
-    takes it for decode rows on matrices of MIN_WEIGHTS and up. Same products as the reference, other sum
-    order (RTOL)."""
+    """The AVX-512 extension: 1..8 rows and 19 (three kernel calls of <= 8 rows), K with a last half chunk
+    (K / 2 = 1800 bytes: 8 past a multiple of 16) and without, N not a multiple of the thread grain, bf16 and
+    fp32 inputs, a bias; nvfp4_linear_cpu takes it for up to cpu_avx512.MAX_M rows on matrices of
+    MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     assert cpu_avx512.available(), cpu_avx512._error
-    for m, n, k in [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32)]:
+    for m, n, k in [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32), (19, 40, 272)]:
         w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
         bias = torch.randn(n)
         for dtype in (torch.float32, torch.bfloat16):
@@ -107,6 +107,8 @@ def test_avx512_gemv_rejects_bad_operands() -> None:
         cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 96), w, s, gs)
     with pytest.raises(ValueError, match="weight_scale"):
         cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 64), w, s[:, :2], gs)
+    with pytest.raises(ValueError, match="rows"):
+        cpu_avx512.nvfp4_gemv_avx512(torch.randn(cpu_avx512.MAX_M + 1, 64), w, s, gs)
 
 
 @needs_cxx

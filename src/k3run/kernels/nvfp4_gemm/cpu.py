@@ -1,8 +1,9 @@
 """NVFP4 W4A16 linear on the CPU, compiled (kernels/cpu_fused.py: when it applies, the fallback).
 
-Decode-sized M (<= cpu_fused.MAX_M): on x86 CPUs with AVX-512 the C++ extension of cpu_avx512.py (16 codes
-decoded by one register permute; 4.8x this loop at 7168 x 7168). Elsewhere the weights are decoded inside
-the dot products, one compiled loop that reads each packed byte once and never materialises the weight:
+On x86 CPUs with AVX-512, up to cpu_avx512.MAX_M rows: the C++ extension of cpu_avx512.py (16 codes decoded
+by one register permute; 4.7x this loop at 7168 x 7168 and one token). Elsewhere, decode-sized M (<=
+cpu_fused.MAX_M): the weights are decoded inside the dot products, one compiled loop that reads each packed
+byte once and never materialises the weight:
 
     y[m, n] = 0.25 * gs[n] * sum_g s[n, g] * sum_{j < 8} (c_lo(w[n, 8g + j]) x[m, 16g + 2j]
                                                        + c_hi(w[n, 8g + j]) x[m, 16g + 2j + 1])
@@ -83,7 +84,7 @@ def nvfp4_linear_cpu(
         return reference()
     xf = x.to(torch.float32)
     gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()  # [N]: see cpu_fused
-    if m <= cpu_fused.MAX_M and cpu_avx512.available():  # x86 with AVX-512: the permute-decode extension
+    if m <= cpu_avx512.MAX_M and cpu_avx512.available():  # x86 with AVX-512: the permute-decode extension
         y = cpu_avx512.nvfp4_gemv_avx512(x, weight, weight_scale, gs)
     elif m <= cpu_fused.MAX_M:
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,

@@ -12,8 +12,8 @@ spread over torch's intra-op threads.
 over the packed bytes j of row n: the reference's products (e2m1 * E4M3 is exact in fp32) in another
 summation order. `fp8_block_gemv` does the same for FP8_PB_WO (E4M3 bytes to fp32 by shifts, one
 multiply and a blend for the subnormal codes; per-128 block sums scaled by the two tile scales).
-Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` for M <= cpu_fused.MAX_M when the CPU has AVX-512 (F, BW,
-VL) and a C++ compiler builds the extension (`available()`); otherwise the compiled loops run.
+Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` for M <= MAX_M (64: chunks of 8 rows) when the CPU has
+AVX-512 (F, BW, VL) and a C++ compiler builds the extension (`available()`); otherwise the compiled loops run.
 """
 
 from __future__ import annotations
@@ -129,6 +129,11 @@ torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w
 }
 """
 
+# rows up to which the extension runs (in chunks of 8, each decoding the weight again); above, the compiled
+# dequantization + matmul (bench/RESULTS.md run C2: chunks win 2.3x at 16 rows, 1.5x at 32, ~1.05x at 64, and
+# lose at 128)
+MAX_M = 64
+_CHUNK = 8
 _module = None
 _error: str | None = None
 
@@ -178,7 +183,8 @@ def _scale_table() -> torch.Tensor:
 def nvfp4_gemv_avx512(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor
 ) -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] @ dequant(W)^T for M <= 8 (module docstring); weight uint8 [N, K/2],
+    """y [M, N] fp32 = x [M, K] @ dequant(W)^T for M <= MAX_M (module docstring; 8 rows per kernel call);
+    weight uint8 [N, K/2],
     weight_scale float8_e4m3fn / uint8 [N, K/16], global_scale fp32 with one element or one per row.
     Call `available()` first."""
     assert _module is not None, "nvfp4_gemv_avx512: call available() first"
@@ -190,20 +196,25 @@ def nvfp4_gemv_avx512(
     if tuple(weight_scale.shape) != (n, k // 16) or weight_scale.element_size() != 1:
         raise ValueError(f"nvfp4_gemv_avx512: weight_scale [N, K/16] = {(n, k // 16)} of 1-byte E4M3, got "
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")  # fmt: skip
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"nvfp4_gemv_avx512: 1..{MAX_M} rows, got {m}")
     xf = x.detach().to(torch.float32)
     gs = global_scale.detach().to(torch.float32).reshape(-1).expand(n).contiguous()
-    return _module.nvfp4_gemv(
-        xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight.detach().contiguous(),
-        weight_scale.detach().contiguous().view(torch.uint8), gs, _scale_table(),
-    )  # fmt: skip
+    w, s = weight.detach().contiguous(), weight_scale.detach().contiguous().view(torch.uint8)
+    xe, xo = xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous()
+    parts = [
+        _module.nvfp4_gemv(xe[i : i + _CHUNK], xo[i : i + _CHUNK], w, s, gs, _scale_table())
+        for i in range(0, m, _CHUNK)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def fp8_block_gemv_avx512(
     q_x: torch.Tensor, scale_x: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor
 ) -> torch.Tensor:
-    """FP8_PB_WO for M <= 8: y [M, N] fp32 from the activation codes' values q_x fp32 [M, K] and their scales
-    [M, K/128] (quantize_fp8_act_1x128), the weight's E4M3 bytes [N, K] (float8_e4m3fn or uint8) and its
-    tile scales fp32 [>= ceil(N/128), K/128]. Call `available()` first."""
+    """FP8_PB_WO for M <= MAX_M (8 rows per kernel call): y [M, N] fp32 from the activation codes' values
+    q_x fp32 [M, K] and their scales [M, K/128] (quantize_fp8_act_1x128), the weight's E4M3 bytes [N, K]
+    (float8_e4m3fn or uint8) and its tile scales fp32 [>= ceil(N/128), K/128]. Call `available()` first."""
     assert _module is not None, "fp8_block_gemv_avx512: call available() first"
     m, k = q_x.shape
     n = weight.shape[0]
@@ -215,7 +226,10 @@ def fp8_block_gemv_avx512(
     if bad_w or tuple(scale_x.shape) != (m, kb):
         raise ValueError(f"fp8_block_gemv_avx512: scales [>= {nb}, {kb}] and [{m}, {kb}], got "
                          f"{tuple(scale_w.shape)} and {tuple(scale_x.shape)}")  # fmt: skip
-    return _module.fp8_block_gemv(
-        q_x.detach().to(torch.float32).contiguous(), scale_x.detach().to(torch.float32).contiguous(),
-        weight.detach().contiguous().view(torch.uint8), scale_w.detach().to(torch.float32).contiguous(),
-    )  # fmt: skip
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"fp8_block_gemv_avx512: 1..{MAX_M} rows, got {m}")
+    qx, sx = q_x.detach().to(torch.float32).contiguous(), scale_x.detach().to(torch.float32).contiguous()
+    w, sw = weight.detach().contiguous().view(torch.uint8), scale_w.detach().to(torch.float32).contiguous()
+    chunks = range(0, m, _CHUNK)
+    parts = [_module.fp8_block_gemv(qx[i : i + _CHUNK], sx[i : i + _CHUNK], w, sw) for i in chunks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
