@@ -80,3 +80,19 @@ def test_cli_generate_under_torchrun_env():
         assert p.returncode == 0, err[-2000:]
     assert outs[0][0] == out1 and out1.startswith("def ")
     assert outs[1][0] == ""
+
+
+def _agree(tp: TPInfo) -> list[bool]:
+    from k3run.engine.runner import all_ranks_ok
+
+    return [all_ranks_ok(True, tp, torch.device("cpu")), all_ranks_ok(tp.rank != 1, tp, torch.device("cpu"))]
+
+
+def test_graph_capture_outcome_is_agreed_by_every_rank():
+    """A decode graph is kept only if every TP rank captured it (all_ranks_ok, a MIN all-reduce): a failure
+    on rank 1 turns graphs off on rank 0 too. Single process: its own answer."""
+    from k3run.engine.runner import all_ranks_ok
+
+    assert spawn_gloo(_agree, 2) == [[True, False], [True, False]]
+    assert all_ranks_ok(False, TPInfo(), torch.device("cpu")) is False
+    assert all_ranks_ok(True, None, torch.device("cpu")) is True

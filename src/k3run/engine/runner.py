@@ -43,6 +43,20 @@ class GraphCaptureError(RuntimeError):
     eagerly from that step on."""
 
 
+def all_ranks_ok(ok: bool, tp: object, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank of the model's tensor-parallel group (`tp`: a TPInfo; True at once
+    without one). Ranks must take the same graph-or-eager decision for every step: a rank that replays a
+    graph while another decodes eagerly would pair different collectives and hang."""
+    size = getattr(tp, "size", 1)
+    if size == 1:
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=getattr(tp, "group", None))
+    return bool(flag.item())
+
+
 class GraphDecoder:
     """Decode steps captured as CUDA graphs, one per (batch bucket, attention window).
 
@@ -122,13 +136,19 @@ class GraphDecoder:
             self._step(b, w)  # compiles every kernel the capture will record
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        error: Exception | None = None
         try:
             with sync_free_experts(), torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(b, w)
         except Exception as e:  # what a capture refuses: host syncs, pageable copies, ...
+            error = e
+        # under tensor parallelism every rank keeps the graph or none does (a capture records the
+        # collectives without running them, so a rank whose capture failed has not left the others waiting)
+        if not all_ranks_ok(error is None, getattr(self.model, "tp", None), self.device):
+            what = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
             raise GraphCaptureError(
-                f"capturing the decode step (batch {b}, attention window {w}) failed: {type(e).__name__}: {e}"
-            ) from e
+                f"capturing the decode step (batch {b}, attention window {w}) failed: {what}"
+            ) from error
         log.info("captured the decode step for batch %d, attention window %d", b, w)
         return graph, out
 
