@@ -42,6 +42,21 @@ def test_eager_formula_matches_reference(m: int, n: int, k: int) -> None:
     assert_close("fused formula", nvfp4_linear_ref(x, w, s, gs), got, rtol=RTOL)
 
 
+def _linear_matches_reference(what: str, shapes: list[tuple[int, int, int]], per_row: bool) -> None:
+    """nvfp4_linear_cpu against the reference at each (M, N, K), with a bias, fp32 and bf16 inputs: RTOL for
+    fp32; bf16 outputs round the same fp32 value, one bf16 ulp (2^-8) apart where they straddle a tie."""
+    for m, n, k in shapes:
+        w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
+        bias = torch.randn(n)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            want = nvfp4_linear_ref(x, w, s, gs, bias)
+            got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
+            assert got.dtype == dtype
+            rtol = RTOL if dtype == torch.float32 else 4e-3
+            assert_close(f"{what} {m}x{n}x{k} {dtype}", want, got, rtol=rtol)
+
+
 @pytest.fixture
 def fused_everywhere(monkeypatch):
     """The compiled loop at any size (the default threshold keeps test-sized matrices on the reference; the
@@ -66,17 +81,8 @@ def test_avx512_gemv_matches_reference(monkeypatch, per_row: bool) -> None:
     MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     assert cpu_avx512.available(), cpu_avx512._error
-    for m, n, k in [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32), (19, 40, 272)]:
-        w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
-        bias = torch.randn(n)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(m, k).to(dtype)
-            want = nvfp4_linear_ref(x, w, s, gs, bias)
-            got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
-            assert got.dtype == dtype
-            assert_close(
-                f"avx512 {m}x{n}x{k} {dtype}", want, got, rtol=RTOL if dtype == torch.float32 else 4e-3
-            )
+    shapes = [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32), (19, 40, 272)]
+    _linear_matches_reference("avx512", shapes, per_row)
 
 
 @needs_avx512
@@ -116,18 +122,7 @@ def test_avx512_gemv_rejects_bad_operands() -> None:
 def test_compiled_gemv_matches_reference(fused_everywhere, per_row: bool) -> None:
     """The torch.compile'd loop (one dynamic-shape compile) at several shapes and row counts, bf16 and fp32
     inputs, with a bias; nvfp4_linear's CPU branch takes it."""
-    for m, n, k in [(1, 96, 512), (5, 33, 272), (2, 128, 1024)]:
-        w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
-        bias = torch.randn(n)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(m, k).to(dtype)
-            want = nvfp4_linear_ref(x, w, s, gs, bias)
-            got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
-            assert got.dtype == dtype
-            # bf16 outputs: both round the same fp32 value; one bf16 ulp (2^-8) where they straddle a tie
-            assert_close(
-                f"compiled {m}x{n}x{k} {dtype}", want, got, rtol=RTOL if dtype == torch.float32 else 4e-3
-            )
+    _linear_matches_reference("compiled", [(1, 96, 512), (5, 33, 272), (2, 128, 1024)], per_row)
     assert cpu_fused.disabled is None, cpu_fused.disabled
     w, s, gs = _random_nvfp4(40, 256)
     x = torch.randn(2, 3, 256)
