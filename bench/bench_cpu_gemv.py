@@ -13,7 +13,7 @@ a dense fp32 and a bf16 GEMV of the same shape (weights kept decoded). Median of
 first call compiles / builds).
 
     PYTHONPATH=src python bench/bench_cpu_gemv.py [--shapes 7168x7168,3072x3584,4096x1024] [--ms 1,4,64]
-        [--decode]
+        [--dtype bfloat16] [--decode]
 """
 
 # ruff: noqa: B023
@@ -99,12 +99,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="7168x7168,3072x3584,4096x1024")
     ap.add_argument("--ms", default="1,4,64")
     ap.add_argument("--decode", action="store_true", help="decode steps of a reduced K3-shaped model too")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the inputs' dtype")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy = copy_gbs()
     saved, cpu_fused.MIN_WEIGHTS = cpu_fused.MIN_WEIGHTS, 0  # the compiled loops at every size asked for
     isa = torch.backends.cpu.get_cpu_capability()
-    print(f"{torch.get_num_threads()} threads, {isa}, copy {copy:.1f} GB/s")
+    print(f"{torch.get_num_threads()} threads, {isa}, copy {copy:.1f} GB/s, {args.dtype} inputs")
     avx = cpu_avx512.available()
     print(f"AVX-512 extension: {'on' if avx else 'off'} {cpu_avx512._error or ''}")
     head = f"{'fmt':>5} {'shape':>11} {'M':>2} {'fast ms':>8} {'GB/s':>6} {'%copy':>6} {'loop ms':>8}"
@@ -126,8 +127,8 @@ def main() -> None:
              lambda x: fp8_pb_wo_linear_ref(x, q8, s8, n)),
         ]  # fmt: skip
         for m in (int(v) for v in args.ms.split(",")):
-            x = torch.randn(m, k)
-            t32 = _ms(lambda: x @ dense.t())
+            x = torch.randn(m, k).to(getattr(torch, args.dtype))
+            t32 = _ms(lambda: x.float() @ dense.t())
             t16 = _ms(lambda: x.bfloat16() @ dense_bf16.t())
             for fmt, nbytes, fast, ref in cases:
                 t_fast = _ms(lambda: fast(x))
@@ -136,7 +137,7 @@ def main() -> None:
                 os.environ.pop("K3RUN_CPU_AVX512")
                 t_ref = _ms(lambda: ref(x), reps=3)
                 want = ref(x)
-                err = float((fast(x) - want).norm() / want.norm())
+                err = float((fast(x).float() - want.float()).norm() / want.float().norm())
                 gbs = nbytes / t_fast / 1e6
                 row = f"{fmt:>5} {shape:>11} {m:>2} {t_fast:>8.2f} {gbs:>6.2f} {100 * gbs / copy:>5.1f}%"
                 row += f" {t_loop:>8.2f}"

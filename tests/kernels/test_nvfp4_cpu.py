@@ -86,6 +86,39 @@ def test_avx512_gemv_matches_reference(monkeypatch, per_row: bool) -> None:
 
 
 @needs_avx512
+def test_avx512_bf16_weights_are_exact_in_permuted_order() -> None:
+    """nvfp4_dequant_bf16_perm: codes times block scales in bf16 bit for bit, each 32-column chunk as its
+    even then its odd columns, which nvfp4_x_perm reproduces on any matrix; shapes not a multiple of 32
+    refused."""
+    assert cpu_avx512.available(), cpu_avx512._error
+    w, s, _ = _random_nvfp4(37, 320)
+    got = cpu_avx512.nvfp4_dequant_bf16_perm(w, s)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), cpu_avx512.nvfp4_x_perm(dequantize_nvfp4(w, s, 1.0)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_avx512.nvfp4_dequant_bf16_perm(*_random_nvfp4(4, 48)[:2])
+
+
+@needs_avx512
+@pytest.mark.parametrize("per_row", [False, True])
+def test_avx512_bf16_prefill_within_one_ulp(monkeypatch, per_row: bool) -> None:
+    """bf16 inputs above cpu_fused.MAX_M rows on an AVX-512 CPU: exact bf16 weights, a bf16 matmul, then the
+    global scale and the bias: the output rounds to bf16 twice (after the matmul, after the scale), so each
+    element is within one bf16 ulp (2^-8 relative) of the reference's single rounding; bound 2^-8 on the
+    relative RMS. Row blocks of 16 rows (3 blocks and a partial one for N = 56)."""
+    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(cpu_fused, "DEQUANT_BLOCK_FLOATS", 16 * 640)
+    assert cpu_avx512.available(), cpu_avx512._error
+    for m, n, k in [(9, 56, 640), (40, 37, 4096)]:
+        w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
+        bias = torch.randn(n)
+        x = torch.randn(m, k).bfloat16()
+        got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
+        assert got.dtype == torch.bfloat16
+        assert_close(f"bf16 prefill {m}x{n}x{k}", nvfp4_linear_ref(x, w, s, gs, bias), got, rtol=2.0**-8)
+
+
+@needs_avx512
 def test_avx512_gemv_every_code_and_scale_exact() -> None:
     """Each of the 16 codes in both nibbles under every finite E4M3 scale (subnormals and -0 included), read
     back through one-hot inputs: exact (one product per output, no sums)."""

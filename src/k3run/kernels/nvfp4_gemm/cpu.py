@@ -1,7 +1,10 @@
 """NVFP4 W4A16 linear on the CPU, compiled (kernels/cpu_fused.py: when it applies, the fallback).
 
 On x86 CPUs with AVX-512, up to cpu_avx512.MAX_M rows: the C++ extension of cpu_avx512.py (16 codes decoded
-by one register permute; 4.7x this loop at 7168 x 7168 and one token). Elsewhere, decode-sized M (<=
+by one register permute; 4.7x this loop at 7168 x 7168 and one token); and for bf16 inputs above
+cpu_fused.MAX_M rows (prefill in a bf16 model), the extension decodes the weight exactly to bf16 in row
+blocks for a bf16 matmul (`_bf16_prefill`: 2-4x the fp32 path at 16-256 rows, outputs within one bf16 ulp of
+the reference). Elsewhere, decode-sized M (<=
 cpu_fused.MAX_M): the weights are decoded inside the dot products, one compiled loop that reads each packed
 byte once and never materialises the weight:
 
@@ -65,6 +68,23 @@ def nvfp4_dequantize_fused(
     return w.reshape(n, -1)
 
 
+def _bf16_prefill(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, gs: torch.Tensor
+) -> torch.Tensor:
+    """bf16 x, more than cpu_fused.MAX_M rows, AVX-512: the codes times block scales decoded exactly to bf16
+    in row blocks (~4 MB, reused) by the extension, x's columns permuted to their order, a bf16 matmul
+    (oneDNN, fp32 accumulation), then the global scale in fp32. The matmul rounds its output to bf16 before
+    the global scale: each output is within one bf16 ulp of the reference's single rounding. fp32 [M, N]."""
+    n, k = weight.shape[0], x.shape[1]
+    rows = cpu_fused.block_rows(k, 16)
+    xp = cpu_avx512.nvfp4_x_perm(x)
+    parts = []
+    for i in range(0, n, rows):
+        w = cpu_avx512.nvfp4_dequant_bf16_perm(weight[i : i + rows], weight_scale[i : i + rows])
+        parts.append((xp @ w.t()).float() * gs[i : i + rows])
+    return torch.cat(parts, dim=1)
+
+
 def nvfp4_linear_cpu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -84,7 +104,10 @@ def nvfp4_linear_cpu(
         return reference()
     xf = x.to(torch.float32)
     gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()  # [N]: see cpu_fused
-    if m <= cpu_avx512.MAX_M and cpu_avx512.available():  # x86 with AVX-512: the permute-decode extension
+    avx = cpu_avx512.available()
+    if avx and m > cpu_fused.MAX_M and x.dtype == torch.bfloat16 and k % 32 == 0:
+        y = _bf16_prefill(x, weight, weight_scale, gs)
+    elif avx and m <= cpu_avx512.MAX_M:  # x86 with AVX-512: the permute-decode extension
         y = cpu_avx512.nvfp4_gemv_avx512(x, weight, weight_scale, gs)
     elif m <= cpu_fused.MAX_M:
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,

@@ -84,6 +84,41 @@ torch::Tensor nvfp4_gemv(torch::Tensor x_even, torch::Tensor x_odd, torch::Tenso
   return y;
 }
 
+// The weight's codes times their block scales [N, K] as bf16, exactly (<= 6 significant bits, so the upper 16
+// bits of the fp32 value), with each 32-column chunk stored as its 16 even columns then its 16 odd ones: the
+// caller permutes x's columns the same way (`nvfp4_x_perm`). Needs K % 32 == 0.
+torch::Tensor nvfp4_dequant_bf16_perm(torch::Tensor w, torch::Tensor s, torch::Tensor s_table) {
+  const int64_t N = w.size(0), H = w.size(1), G = H / 8;
+  TORCH_CHECK(H % 16 == 0, "nvfp4_dequant_bf16_perm (avx512): K must be a multiple of 32");
+  auto out = torch::empty({N, 2 * H}, w.options().dtype(torch::kBFloat16));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* st = s_table.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                        -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = wp + n * H;
+      const uint8_t* srow = sp + n * G;
+      uint16_t* orow = op + n * 2 * H;
+      for (int64_t j = 0; j < H; j += 16) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+        __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(st[srow[j >> 3]]),
+                                         _mm512_set1_ps(st[srow[(j >> 3) + 1]]));
+        __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+        __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+        __m256i bl = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(wl), 16));
+        __m256i bh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(wh), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 2 * j), bl);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 2 * j + 16), bh);
+      }
+    }
+  });
+  return out;
+}
+
 // FP8_PB_WO: y [M, N] fp32 = sum_kb sx[m, kb] * sw[n / 128, kb] * sum_j qx[m, 128 kb + j] * w[n, 128 kb + j]
 // qx fp32 [M, K] (the activation codes' values), sx fp32 [M, K/128], w uint8 [N, K] (E4M3 bytes), sw fp32
 // [>= ceil(N/128), K/128]. E4M3 -> fp32 exactly: the bits shifted into an fp32 times 2^120 for normal codes,
@@ -159,9 +194,10 @@ def available() -> bool:
 
             log.info("building the AVX-512 CPU kernels (once per machine, ~30 s; cached after)")
             flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+            names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm"]
             _module = load_inline(
-                name="k3run_cpu_avx512", cpp_sources=_SOURCE, functions=["nvfp4_gemv", "fp8_block_gemv"],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+                name="k3run_cpu_avx512", cpp_sources=_SOURCE, functions=names, extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], verbose=False,
             )  # fmt: skip
         except Exception as e:  # no compiler, no ninja, an old toolchain: the compiled loop instead
             _error = f"{type(e).__name__}: {e}"
@@ -233,3 +269,25 @@ def fp8_block_gemv_avx512(
     chunks = range(0, m, _CHUNK)
     parts = [_module.fp8_block_gemv(qx[i : i + _CHUNK], sx[i : i + _CHUNK], w, sw) for i in chunks]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def nvfp4_x_perm(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 32-column chunk reordered as its 16 even columns then its 16 odd ones (the column
+    order of `nvfp4_dequant_bf16_perm`); K % 32 == 0."""
+    m, k = x.shape
+    return x.reshape(m, k // 32, 16, 2).transpose(-1, -2).reshape(m, k)
+
+
+def nvfp4_dequant_bf16_perm(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """weight uint8 [N, K/2] and E4M3 block scales [N, K/16] -> bf16 [N, K]: codes times block scales,
+    exactly, columns in `nvfp4_x_perm` order (no global scale). Call `available()` first."""
+    assert _module is not None, "nvfp4_dequant_bf16_perm: call available() first"
+    n, h = weight.shape
+    if weight.dtype != torch.uint8 or h % 16 or tuple(weight_scale.shape) != (n, h // 8):
+        raise ValueError(
+            f"nvfp4_dequant_bf16_perm: weight uint8 [N, K/2] with K a multiple of 32 and scales [N, K/16], "
+            f"got {weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}"
+        )
+    return _module.nvfp4_dequant_bf16_perm(
+        weight.detach().contiguous(), weight_scale.detach().contiguous().view(torch.uint8), _scale_table()
+    )
