@@ -74,4 +74,21 @@ def load_model(
     if nvfp4_as_fp8:
         converted = enable_nvfp4_fp8_blocks(model)
         log.info("nvfp4_as_fp8: %d NVFP4 linear layers also hold FP8 128x128 blocks", len(converted))
+    if torch.device(device).type == "cpu":
+        _prepare_cpu_kernels(model)
     return model.eval()
+
+
+def _prepare_cpu_kernels(model: torch.nn.Module) -> None:
+    """Build (or load from its cache) the AVX-512 CPU extension now if any quantized matrix will use it, so
+    the ~20 s first build lands in loading, not in the first request."""
+    from k3run.kernels import cpu_fused
+    from k3run.kernels.nvfp4_gemm import cpu_avx512
+
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or p.element_size() != 1 or not name.endswith("weight"):  # NVFP4 codes / FP8 bytes
+            continue
+        weights = p.shape[-2] * p.shape[-1] * (2 if p.dtype == torch.uint8 else 1)  # two codes per byte
+        if weights >= cpu_fused.MIN_WEIGHTS:
+            cpu_avx512.available()
+            return

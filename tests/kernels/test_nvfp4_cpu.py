@@ -226,3 +226,22 @@ def test_many_layer_shapes_never_fall_back_to_eager(fused_everywhere) -> None:
                 assert_close(f"{n}x{k} m={m}", nvfp4_linear_ref(x, w[16:], s[16:], gs), got, rtol=RTOL)
     limits = [key for key in counters["unimplemented"] if "recompile" in key.lower()]
     assert not limits, limits[0][:300]
+
+
+def test_cpu_load_prepares_the_extension_only_for_large_quantized_matrices(monkeypatch) -> None:
+    """load_model on the CPU builds (or loads) the AVX-512 extension up front when a quantized matrix of at
+    least MIN_WEIGHTS weights will use it (NVFP4 codes count two weights per byte), and not otherwise."""
+    from k3run.api import _prepare_cpu_kernels
+
+    calls = []
+    monkeypatch.setattr(cpu_avx512, "available", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 1 << 12)
+    small = torch.nn.Module()
+    small.register_parameter("weight", torch.nn.Parameter(torch.zeros(32, 32, dtype=torch.uint8), False))
+    small.register_parameter("dense", torch.nn.Parameter(torch.zeros(512, 512)))
+    _prepare_cpu_kernels(small)
+    assert calls == []
+    big = torch.nn.Module()
+    big.register_parameter("weight", torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.uint8), False))
+    _prepare_cpu_kernels(big)  # 64 x 32 bytes = 4096 NVFP4 weights
+    assert calls == [1]
