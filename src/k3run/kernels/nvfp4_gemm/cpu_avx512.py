@@ -30,8 +30,72 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-// y [M, N] fp32 = x [M, K] @ W^T: x_even / x_odd fp32 [M, K/2] (x's even and odd columns), w uint8 [N, K/2]
-// (low nibble = even column), s uint8 [N, K/16] (E4M3 bytes), gs fp32 [N], s_table fp32 [256] (E4M3 -> fp32).
+// R consecutive rows n .. n + R - 1 of y [M, N] fp32 = x [M, K] @ W^T (M, R compile-time): each 16-byte chunk
+// of the R weight rows is decoded once, each x load serves the R rows (x sits in L2 at several token rows),
+// and R rows stream at once (more memory requests in flight: 1.8-2.3x at one token, bench/RESULTS.md C4).
+// x_even / x_odd fp32 [M, K/2] (x's even and odd columns), w uint8
+// [N, K/2] (low nibble = even column), s uint8 [N, K/16] (E4M3 bytes), gs fp32 [N], st fp32 [256] (E4M3).
+template <int M, int R>
+static void nvfp4_rows(int64_t n, int64_t H, int64_t N, const float* xe, const float* xo, const uint8_t* wp,
+                       const uint8_t* sp, const float* gp, const float* st, float* yp) {
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const int64_t G = H / 8;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= H; j += 16) {  // 32 weights per row: scale groups j / 8 and j / 8 + 1
+    __m512 wl[R], wh[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = wp + (n + r) * H;
+      const uint8_t* srow = sp + (n + r) * G;
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+      __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(st[srow[j >> 3]]),
+                                       _mm512_set1_ps(st[srow[(j >> 3) + 1]]));
+      wl[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+      wh[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 a = _mm512_loadu_ps(xe + m * H + j), c = _mm512_loadu_ps(xo + m * H + j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][m] = _mm512_fmadd_ps(wl[r], a, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(wh[r], c, acc[r][m]);
+      }
+    }
+  }
+  if (j < H) {  // the last 8 bytes (one scale group)
+    const __mmask16 k8 = 0x00FF;
+    __m512 wl[R], wh[R];
+    for (int r = 0; r < R; ++r) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x00FF, wp + (n + r) * H + j));
+      __m512 sc = _mm512_set1_ps(st[sp[(n + r) * G + (j >> 3)]]);
+      wl[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+      wh[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 a = _mm512_maskz_loadu_ps(k8, xe + m * H + j), c = _mm512_maskz_loadu_ps(k8, xo + m * H + j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][m] = _mm512_fmadd_ps(wl[r], a, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(wh[r], c, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) * gp[n + r];
+}
+
+// rows [n0, n1): blocks of R rows (R * M <= 16 accumulators), then the rest one by one
+template <int M>
+static void nvfp4_range(int64_t n0, int64_t n1, int64_t H, int64_t N, const float* xe, const float* xo,
+                        const uint8_t* wp, const uint8_t* sp, const float* gp, const float* st, float* yp) {
+  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) nvfp4_rows<M, R>(n, H, N, xe, xo, wp, sp, gp, st, yp);
+  for (; n < n1; ++n) nvfp4_rows<M, 1>(n, H, N, xe, xo, wp, sp, gp, st, yp);
+}
+
 torch::Tensor nvfp4_gemv(torch::Tensor x_even, torch::Tensor x_odd, torch::Tensor w, torch::Tensor s,
                          torch::Tensor gs, torch::Tensor s_table) {
   const int64_t M = x_even.size(0), H = x_even.size(1), N = w.size(0);  // H = K / 2 bytes per row
@@ -45,42 +109,12 @@ torch::Tensor nvfp4_gemv(torch::Tensor x_even, torch::Tensor x_odd, torch::Tenso
   const float* gp = gs.data_ptr<float>();
   const float* st = s_table.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t G = H / 8;  // scale groups per row
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                        -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
-    const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = wp + n * H;
-      const uint8_t* srow = sp + n * G;
-      __m512 acc[8];
-      for (int m = 0; m < 8; ++m) acc[m] = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + 16 <= H; j += 16) {  // 32 weights: scale groups j / 8 and j / 8 + 1
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
-        __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(st[srow[j >> 3]]),
-                                         _mm512_set1_ps(st[srow[(j >> 3) + 1]]));
-        __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
-        __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
-        for (int m = 0; m < M; ++m) {
-          acc[m] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xe + m * H + j), acc[m]);
-          acc[m] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xo + m * H + j), acc[m]);
-        }
-      }
-      if (j < H) {  // the last 8 bytes (one scale group)
-        const __mmask16 k8 = 0x00FF;
-        __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x00FF, row + j));
-        __m512 sc = _mm512_set1_ps(st[srow[j >> 3]]);
-        __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
-        __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
-        for (int m = 0; m < M; ++m) {
-          acc[m] = _mm512_fmadd_ps(wl, _mm512_maskz_loadu_ps(k8, xe + m * H + j), acc[m]);
-          acc[m] = _mm512_fmadd_ps(wh, _mm512_maskz_loadu_ps(k8, xo + m * H + j), acc[m]);
-        }
-      }
-      for (int m = 0; m < M; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m]) * gp[n];
-    }
-  });
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, const float*, const float*, const uint8_t*,
+                      const uint8_t*, const float*, const float*, float*);
+  static const Fn fns[8] = {nvfp4_range<1>, nvfp4_range<2>, nvfp4_range<3>, nvfp4_range<4>,
+                            nvfp4_range<5>, nvfp4_range<6>, nvfp4_range<7>, nvfp4_range<8>};
+  const Fn fn = fns[M - 1];
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(n0, n1, H, N, xe, xo, wp, sp, gp, st, yp); });
   return y;
 }
 
@@ -123,8 +157,57 @@ torch::Tensor nvfp4_dequant_bf16_perm(torch::Tensor w, torch::Tensor s, torch::T
 // qx fp32 [M, K] (the activation codes' values), sx fp32 [M, K/128], w uint8 [N, K] (E4M3 bytes), sw fp32
 // [>= ceil(N/128), K/128]. E4M3 -> fp32 exactly: the bits shifted into an fp32 times 2^120 for normal codes,
 // mantissa * 2^-9 for the subnormal ones (no reliance on denormal arithmetic), the sign xor-ed in.
+template <int M, int R>
+static void fp8_rows(int64_t n, int64_t K, int64_t N, const float* xp, const float* sxp, const uint8_t* wp,
+                     const float* swp, float* yp) {
+  const int64_t KB = K / 128;
+  const __m512i m7f = _mm512_set1_epi32(0x7F), m80 = _mm512_set1_epi32(0x80), eight = _mm512_set1_epi32(8);
+  const __m512 p120 = _mm512_set1_ps(1.329227995784916e36f), pm9 = _mm512_set1_ps(1.953125e-3f);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m512 blk[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) blk[r][m] = _mm512_setzero_ps();
+    for (int64_t j = kb * 128; j < kb * 128 + 128; j += 16) {
+      __m512 v[R];
+      for (int r = 0; r < R; ++r) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * K + j);
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
+        __m512i mag = _mm512_and_si512(b, m7f);
+        __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), p120);
+        __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), pm9);
+        __m512 e = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, sub);
+        v[r] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(e),
+                                                    _mm512_slli_epi32(_mm512_and_si512(b, m80), 24)));
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512 a = _mm512_loadu_ps(xp + m * K + j);
+        for (int r = 0; r < R; ++r) blk[r][m] = _mm512_fmadd_ps(v[r], a, blk[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        acc[r][m] = _mm512_fmadd_ps(
+            blk[r][m], _mm512_set1_ps(sxp[m * KB + kb] * swp[((n + r) / 128) * KB + kb]), acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int M>
+static void fp8_range(int64_t n0, int64_t n1, int64_t K, int64_t N, const float* xp, const float* sxp,
+                      const uint8_t* wp, const float* swp, float* yp) {
+  constexpr int R = M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));  // 2 * R * M <= 16 accumulators
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) fp8_rows<M, R>(n, K, N, xp, sxp, wp, swp, yp);
+  for (; n < n1; ++n) fp8_rows<M, 1>(n, K, N, xp, sxp, wp, swp, yp);
+}
+
+// FP8_PB_WO rows: blocks of R rows share each x load (see nvfp4_rows).
 torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w, torch::Tensor sw) {
-  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0), KB = K / 128;
+  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= 8, "fp8_block_gemv (avx512): 1..8 rows, got ", M);
   TORCH_CHECK(K % 128 == 0, "fp8_block_gemv (avx512): K must be a multiple of 128");
   auto y = torch::empty({M, N}, qx.options());
@@ -133,33 +216,12 @@ torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    const __m512i m7f = _mm512_set1_epi32(0x7F), m80 = _mm512_set1_epi32(0x80), eight = _mm512_set1_epi32(8);
-    const __m512 p120 = _mm512_set1_ps(1.329227995784916e36f), pm9 = _mm512_set1_ps(1.953125e-3f);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = wp + n * K;
-      const float* swr = swp + (n / 128) * KB;
-      __m512 acc[8];
-      for (int m = 0; m < 8; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        __m512 blk[8];
-        for (int m = 0; m < 8; ++m) blk[m] = _mm512_setzero_ps();
-        for (int64_t j = kb * 128; j < kb * 128 + 128; j += 16) {
-          __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
-          __m512i mag = _mm512_and_si512(b, m7f);
-          __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), p120);
-          __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), pm9);
-          __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, sub);
-          v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
-                                                   _mm512_slli_epi32(_mm512_and_si512(b, m80), 24)));
-          for (int m = 0; m < M; ++m) blk[m] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xp + m * K + j), blk[m]);
-        }
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_fmadd_ps(blk[m], _mm512_set1_ps(sxp[m * KB + kb] * swr[kb]), acc[m]);
-      }
-      for (int m = 0; m < M; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m]);
-    }
-  });
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, const float*, const float*, const uint8_t*,
+                      const float*, float*);
+  static const Fn fns[8] = {fp8_range<1>, fp8_range<2>, fp8_range<3>, fp8_range<4>,
+                            fp8_range<5>, fp8_range<6>, fp8_range<7>, fp8_range<8>};
+  const Fn fn = fns[M - 1];
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(n0, n1, K, N, xp, sxp, wp, swp, yp); });
   return y;
 }
 """
@@ -196,7 +258,7 @@ def available() -> bool:
             flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm"]
             _module = load_inline(
-                name="k3run_cpu_avx512", cpp_sources=_SOURCE, functions=names, extra_cflags=flags,
+                name="k3run_cpu_avx512_v6", cpp_sources=_SOURCE, functions=names, extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=False,
             )  # fmt: skip
         except Exception as e:  # no compiler, no ninja, an old toolchain: the compiled loop instead
