@@ -77,7 +77,7 @@ needs_avx512 = pytest.mark.skipif(
 def test_avx512_gemv_matches_reference(monkeypatch, per_row: bool) -> None:
     """The AVX-512 extension: 1..8 rows and 19 (three kernel calls of <= 8 rows), K with a last half chunk
     (K / 2 = 1800 bytes: 8 past a multiple of 16) and without, N not a multiple of the thread grain, bf16 and
-    fp32 inputs, a bias; nvfp4_linear_cpu takes it for up to cpu_avx512.MAX_M rows on matrices of
+    fp32 inputs, a bias; nvfp4_linear_cpu takes it for up to cpu_avx512.NVFP4_MAX_M rows on matrices of
     MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     assert cpu_avx512.available(), cpu_avx512._error
@@ -147,7 +147,7 @@ def test_avx512_gemv_rejects_bad_operands() -> None:
     with pytest.raises(ValueError, match="weight_scale"):
         cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 64), w, s[:, :2], gs)
     with pytest.raises(ValueError, match="rows"):
-        cpu_avx512.nvfp4_gemv_avx512(torch.randn(cpu_avx512.MAX_M + 1, 64), w, s, gs)
+        cpu_avx512.nvfp4_gemv_avx512(torch.randn(cpu_avx512.NVFP4_MAX_M + 1, 64), w, s, gs)
 
 
 @needs_cxx

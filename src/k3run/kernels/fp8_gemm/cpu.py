@@ -73,7 +73,7 @@ def fp8_pb_wo_linear_cpu(
         return reference()
     q_x, scale_x = quantize_fp8_act_1x128(x)
     weight = weight_padded[:n_logical]
-    if m <= cpu_avx512.MAX_M and k % 128 == 0 and cpu_avx512.available():  # x86 with AVX-512
+    if m <= cpu_avx512.FP8_MAX_M and k % 128 == 0 and cpu_avx512.available():  # x86 with AVX-512
         y = cpu_avx512.fp8_block_gemv_avx512(e4m3_to_float(q_x), scale_x, weight, scale_2d)
     elif m <= cpu_fused.MAX_M:
         y = cpu_fused.run(fp8_block_gemv_fused, e4m3_to_float(q_x), scale_x, weight, scale_2d)

@@ -1,10 +1,11 @@
 """NVFP4 W4A16 linear on the CPU, compiled (kernels/cpu_fused.py: when it applies, the fallback).
 
-On x86 CPUs with AVX-512, up to cpu_avx512.MAX_M rows: the C++ extension of cpu_avx512.py (16 codes decoded
-by one register permute; 4.7x this loop at 7168 x 7168 and one token); and for bf16 inputs above
-cpu_fused.MAX_M rows (prefill in a bf16 model), the extension decodes the weight exactly to bf16 in row
-blocks for a bf16 matmul (`_bf16_prefill`: 2-4x the fp32 path at 16-256 rows, outputs within one bf16 ulp of
-the reference). Elsewhere, decode-sized M (<=
+On x86 CPUs with AVX-512, up to cpu_avx512.NVFP4_MAX_M rows: the C++ extension of cpu_avx512.py (16 codes
+decoded by one register permute; ~9x this loop at 7168 x 7168 and one token, RESULTS.md C4); and for bf16
+inputs above cpu_fused.MAX_M rows (prefill in a bf16 model), the extension decodes the weight exactly to bf16
+in row blocks for a bf16 matmul (`_bf16_prefill`: 2-4x the fp32 path at 16-256 rows, outputs within one bf16
+ulp of the reference).
+Elsewhere, decode-sized M (<=
 cpu_fused.MAX_M): the weights are decoded inside the dot products, one compiled loop that reads each packed
 byte once and never materialises the weight:
 
@@ -107,7 +108,7 @@ def nvfp4_linear_cpu(
     avx = cpu_avx512.available()
     if avx and m > cpu_fused.MAX_M and x.dtype == torch.bfloat16 and k % 32 == 0:
         y = _bf16_prefill(x, weight, weight_scale, gs)
-    elif avx and m <= cpu_avx512.MAX_M:  # x86 with AVX-512: the permute-decode extension
+    elif avx and m <= cpu_avx512.NVFP4_MAX_M:  # x86 with AVX-512: the permute-decode extension
         y = cpu_avx512.nvfp4_gemv_avx512(x, weight, weight_scale, gs)
     elif m <= cpu_fused.MAX_M:
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,

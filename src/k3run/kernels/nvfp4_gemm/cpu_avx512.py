@@ -12,8 +12,9 @@ spread over torch's intra-op threads.
 over the packed bytes j of row n: the reference's products (e2m1 * E4M3 is exact in fp32) in another
 summation order. `fp8_block_gemv` does the same for FP8_PB_WO (E4M3 bytes to fp32 by shifts, one
 multiply and a blend for the subnormal codes; per-128 block sums scaled by the two tile scales).
-Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` for M <= MAX_M (64: chunks of 8 rows) when the CPU has
-AVX-512 (F, BW, VL) and a C++ compiler builds the extension (`available()`); otherwise the compiled loops run.
+Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` up to NVFP4_MAX_M / FP8_MAX_M rows (calls of 8 rows)
+when the CPU has AVX-512 (F, BW, VL) and a C++ compiler builds the extension (`available()`); otherwise the
+compiled loops run.
 """
 
 from __future__ import annotations
@@ -226,10 +227,12 @@ torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w
 }
 """
 
-# rows up to which the extension runs (in chunks of 8, each decoding the weight again); above, the compiled
-# dequantization + matmul (bench/RESULTS.md run C2: chunks win 2.3x at 16 rows, 1.5x at 32, ~1.05x at 64, and
-# lose at 128)
-MAX_M = 64
+# rows up to which the extension runs (in calls of 8 rows, each decoding the weight again); above, the
+# compiled dequantization + matmul. Measured on 7168^2 with fp32 inputs after the row blocks (bench/NOTES.md,
+# session 15): NVFP4 calls of 8 rows 28 / 56 / 109 ms at 64 / 128 / 256 rows against 56 / 84 / 151 for
+# dequantization + matmul; FP8 8.4 ms at 8 rows (compiled loop 30.5), 60 against 49 at 64 rows.
+NVFP4_MAX_M = 256
+FP8_MAX_M = 32
 _CHUNK = 8
 _module = None
 _error: str | None = None
@@ -258,7 +261,7 @@ def available() -> bool:
             flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm"]
             _module = load_inline(
-                name="k3run_cpu_avx512_v6", cpp_sources=_SOURCE, functions=names, extra_cflags=flags,
+                name="k3run_cpu_avx512", cpp_sources=_SOURCE, functions=names, extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=False,
             )  # fmt: skip
         except Exception as e:  # no compiler, no ninja, an old toolchain: the compiled loop instead
@@ -281,7 +284,7 @@ def _scale_table() -> torch.Tensor:
 def nvfp4_gemv_avx512(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor
 ) -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] @ dequant(W)^T for M <= MAX_M (module docstring; 8 rows per kernel call);
+    """y [M, N] fp32 = x [M, K] @ dequant(W)^T for M <= NVFP4_MAX_M (module docstring; 8 rows per call);
     weight uint8 [N, K/2],
     weight_scale float8_e4m3fn / uint8 [N, K/16], global_scale fp32 with one element or one per row.
     Call `available()` first."""
@@ -294,8 +297,8 @@ def nvfp4_gemv_avx512(
     if tuple(weight_scale.shape) != (n, k // 16) or weight_scale.element_size() != 1:
         raise ValueError(f"nvfp4_gemv_avx512: weight_scale [N, K/16] = {(n, k // 16)} of 1-byte E4M3, got "
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")  # fmt: skip
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"nvfp4_gemv_avx512: 1..{MAX_M} rows, got {m}")
+    if not 1 <= m <= NVFP4_MAX_M:
+        raise ValueError(f"nvfp4_gemv_avx512: 1..{NVFP4_MAX_M} rows, got {m}")
     xf = x.detach().to(torch.float32)
     gs = global_scale.detach().to(torch.float32).reshape(-1).expand(n).contiguous()
     w, s = weight.detach().contiguous(), weight_scale.detach().contiguous().view(torch.uint8)
@@ -310,7 +313,7 @@ def nvfp4_gemv_avx512(
 def fp8_block_gemv_avx512(
     q_x: torch.Tensor, scale_x: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor
 ) -> torch.Tensor:
-    """FP8_PB_WO for M <= MAX_M (8 rows per kernel call): y [M, N] fp32 from the activation codes' values
+    """FP8_PB_WO for M <= FP8_MAX_M (8 rows per kernel call): y [M, N] fp32 from the activation codes' values
     q_x fp32 [M, K] and their scales [M, K/128] (quantize_fp8_act_1x128), the weight's E4M3 bytes [N, K]
     (float8_e4m3fn or uint8) and its tile scales fp32 [>= ceil(N/128), K/128]. Call `available()` first."""
     assert _module is not None, "fp8_block_gemv_avx512: call available() first"
@@ -324,8 +327,8 @@ def fp8_block_gemv_avx512(
     if bad_w or tuple(scale_x.shape) != (m, kb):
         raise ValueError(f"fp8_block_gemv_avx512: scales [>= {nb}, {kb}] and [{m}, {kb}], got "
                          f"{tuple(scale_w.shape)} and {tuple(scale_x.shape)}")  # fmt: skip
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"fp8_block_gemv_avx512: 1..{MAX_M} rows, got {m}")
+    if not 1 <= m <= FP8_MAX_M:
+        raise ValueError(f"fp8_block_gemv_avx512: 1..{FP8_MAX_M} rows, got {m}")
     qx, sx = q_x.detach().to(torch.float32).contiguous(), scale_x.detach().to(torch.float32).contiguous()
     w, sw = weight.detach().contiguous().view(torch.uint8), scale_w.detach().to(torch.float32).contiguous()
     chunks = range(0, m, _CHUNK)
