@@ -3,11 +3,9 @@
 On x86 CPUs with AVX-512, up to cpu_avx512.NVFP4_MAX_M rows: the C++ extension of cpu_avx512.py (16 codes
 decoded by one register permute; ~9x this loop at 7168 x 7168 and one token, RESULTS.md C4); and for bf16
 inputs above cpu_fused.MAX_M rows (prefill in a bf16 model), the extension decodes the weight exactly to bf16
-in row blocks for a bf16 matmul (`_bf16_prefill`: 2-4x the fp32 path at 16-256 rows, outputs within one bf16
-ulp of the reference).
-Elsewhere, decode-sized M (<=
-cpu_fused.MAX_M): the weights are decoded inside the dot products, one compiled loop that reads each packed
-byte once and never materialises the weight:
+in row blocks for a bf16 matmul (`_bf16_prefill`: 3.4-11x the fp32 path at 16-256 rows, RESULTS.md C3, outputs
+within one bf16 ulp of the reference). Elsewhere, decode-sized M (<= cpu_fused.MAX_M): the weights are decoded
+inside the dot products, one compiled loop that reads each packed byte once and never materialises the weight:
 
     y[m, n] = 0.25 * gs[n] * sum_g s[n, g] * sum_{j < 8} (c_lo(w[n, 8g + j]) x[m, 16g + 2j]
                                                        + c_hi(w[n, 8g + j]) x[m, 16g + 2j + 1])
