@@ -10,8 +10,8 @@ spread over torch's intra-op threads.
     y[m, n] = gs[n] * sum_j (e2m1(lo_j) * s[n, j // 8] * x[m, 2j] + e2m1(hi_j) * s[n, j // 8] * x[m, 2j + 1])
 
 over the packed bytes j of row n: the reference's products (e2m1 * E4M3 is exact in fp32) in another
-summation order. `fp8_block_gemv` does the same for FP8_PB_WO (E4M3 bytes to fp32 by shifts, one
-multiply and a blend for the subnormal codes; per-128 block sums scaled by the two tile scales).
+summation order. `fp8_block_gemv` does the same for FP8_PB_WO (E4M3 bytes to fp16 bits by two masks and
+shifts, then the hardware fp16 -> fp32 conversion; per-128 block sums scaled by the two tile scales).
 Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` up to NVFP4_MAX_M / FP8_MAX_M rows (calls of 8 rows)
 when the CPU has AVX-512 (F, BW, VL) and a C++ compiler builds the extension (`available()`); otherwise the
 compiled loops run.
@@ -156,14 +156,14 @@ torch::Tensor nvfp4_dequant_bf16_perm(torch::Tensor w, torch::Tensor s, torch::T
 
 // FP8_PB_WO: y [M, N] fp32 = sum_kb sx[m, kb] * sw[n / 128, kb] * sum_j qx[m, 128 kb + j] * w[n, 128 kb + j]
 // qx fp32 [M, K] (the activation codes' values), sx fp32 [M, K/128], w uint8 [N, K] (E4M3 bytes), sw fp32
-// [>= ceil(N/128), K/128]. E4M3 -> fp32 exactly: the bits shifted into an fp32 times 2^120 for normal codes,
-// mantissa * 2^-9 for the subnormal ones (no reliance on denormal arithmetic), the sign xor-ed in.
+// [>= ceil(N/128), K/128]. E4M3 -> fp32 exactly through fp16: the sign moved to bit 15 and the exponent and
+// mantissa bits to bits 13..7 make the fp16 of value * 2^-8 (subnormal codes as fp16 subnormals, which the
+// conversion to fp32 keeps exactly); the 2^8 rides in the block's scale product (a power of two: exact).
 template <int M, int R>
 static void fp8_rows(int64_t n, int64_t K, int64_t N, const float* xp, const float* sxp, const uint8_t* wp,
                      const float* swp, float* yp) {
   const int64_t KB = K / 128;
-  const __m512i m7f = _mm512_set1_epi32(0x7F), m80 = _mm512_set1_epi32(0x80), eight = _mm512_set1_epi32(8);
-  const __m512 p120 = _mm512_set1_ps(1.329227995784916e36f), pm9 = _mm512_set1_ps(1.953125e-3f);
+  const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -175,13 +175,10 @@ static void fp8_rows(int64_t n, int64_t K, int64_t N, const float* xp, const flo
       __m512 v[R];
       for (int r = 0; r < R; ++r) {
         const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * K + j);
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
-        __m512i mag = _mm512_and_si512(b, m7f);
-        __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), p120);
-        __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), pm9);
-        __m512 e = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, sub);
-        v[r] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(e),
-                                                    _mm512_slli_epi32(_mm512_and_si512(b, m80), 24)));
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(src));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m7f), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, m80), 8));
+        v[r] = _mm512_cvtph_ps(h);
       }
       for (int m = 0; m < M; ++m) {
         __m512 a = _mm512_loadu_ps(xp + m * K + j);
@@ -191,7 +188,7 @@ static void fp8_rows(int64_t n, int64_t K, int64_t N, const float* xp, const flo
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m)
         acc[r][m] = _mm512_fmadd_ps(
-            blk[r][m], _mm512_set1_ps(sxp[m * KB + kb] * swp[((n + r) / 128) * KB + kb]), acc[r][m]);
+            blk[r][m], _mm512_set1_ps(sxp[m * KB + kb] * swp[((n + r) / 128) * KB + kb] * 256.f), acc[r][m]);
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
