@@ -31,9 +31,14 @@ LAYER_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_sca
 _EMBEDDING_NAMES = frozenset({"embed_tokens", "word_embeddings", "wte"})
 _FLOAT_CODES = ("BF16", "F16", "F32")
 
-_CPU_QUANT = "reference: dequantize + matmul (formats)"
+# CPU: kernels/nvfp4_gemm/cpu_avx512.py where the CPU has AVX-512, else kernels/cpu_fused.py's compiled loops
+_CPU_QUANT = "AVX-512 extension or compiled loop if >= 1M weights, else dequantize + matmul"
 _NVFP4_CUDA = "kernels/nvfp4_gemm: Gluon W4A16 decode kernel (M <= 32), dequantize + cuBLAS above"
-_EXPERTS = "layers/moe fused_experts: per-expert loop, dequantize + matmul"
+_EXPERTS_CPU = "layers/moe fused_experts: per-expert loop (the CPU linear paths)"
+_EXPERTS_CUDA = (
+    "layers/moe fused_experts: NVFP4 on sm_89+: two grouped decode launches (expert-major for 2..128 tokens, "
+    "no host sync); otherwise (prefill sizes, other schemes) a per-expert loop"
+)
 # The kernel each (layer kind, device type, scheme) runs; the one place `k3run inspect` reads it from.
 _IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
     {
@@ -46,12 +51,8 @@ _IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
         "(block-scaled _scaled_mm on sm90, else Triton)",
         ("linear", "cuda", QuantAlgo.NVFP4): _NVFP4_CUDA,
         ("linear", "cuda", QuantAlgo.W4A16_NVFP4): _NVFP4_CUDA,
-        **{
-            ("expert", dev, a): _EXPERTS
-            for dev in ("cpu", "cuda")
-            for a in QuantAlgo
-            if a is not QuantAlgo.FP8
-        },
+        **{("expert", "cpu", a): _EXPERTS_CPU for a in QuantAlgo if a is not QuantAlgo.FP8},
+        **{("expert", "cuda", a): _EXPERTS_CUDA for a in QuantAlgo if a is not QuantAlgo.FP8},
     }
 )
 
