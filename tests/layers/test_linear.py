@@ -269,3 +269,26 @@ def test_dequantized_weight_is_the_logical_rank_local_weight(kind: str) -> None:
     assert torch.equal(layer.dequantized_weight(), ref)
     layer.process_after_loading()
     assert torch.equal(layer.dequantized_weight(), ref)
+
+
+def test_small_cpu_fp8_layer_keeps_its_dequantized_weight() -> None:
+    """A small FP8_PB_WO layer on the CPU decodes its weight once (kept on the layer) and gives the same bits
+    as the reference decoding at every call; an in-place change of the weight is seen at the next call."""
+    from k3run.quant.schemes import fp8_block_gemm_reference
+
+    layer = MergedColumnParallelLinear(256, [160, 96], scheme=make_scheme("fp8"), params_dtype=torch.float32)
+    load_shards(layer, [checkpoint_tensors("fp8", torch.randn(160, 256)),
+                        checkpoint_tensors("fp8", torch.randn(96, 256))], merged=True)  # fmt: skip
+    layer.process_after_loading()
+    x = torch.randn(3, 256)
+
+    def uncached() -> torch.Tensor:
+        full = fp8_block_gemm_reference(x, layer.weight, layer.weight_scale)
+        return torch.cat([full[:, :160], full[:, 256 : 256 + 96]], dim=-1)
+
+    first = layer(x)
+    assert "_cpu_dequantized" in layer.__dict__
+    assert torch.equal(first, uncached()) and torch.equal(layer(x), first)
+    with torch.no_grad():
+        layer.weight.view(torch.uint8)[:, :128] = 0x38  # every code of the first 128 columns becomes 1.0
+    assert torch.equal(layer(x), uncached()) and not torch.equal(layer(x), first)

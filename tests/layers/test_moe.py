@@ -551,3 +551,20 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
         assert float(got.abs().max()) > 0
     only_misses = torch.full_like(ids, 4)
     assert not bool(fused_experts(ex, x, only_misses, weights).any())
+
+
+def test_small_cpu_nvfp4_experts_decode_once():
+    """NVFP4 experts on the CPU's reference path keep their decoded weights after loading (below
+    CPU_REFERENCE_CACHE_BYTES) and compute the same bits as decoding at every call."""
+    from k3run.layers.moe import CPU_REFERENCE_CACHE_BYTES
+
+    act = ACTS["situ"]
+    experts = FusedExperts(E, D, INTER, act, QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.float32)
+    _load_nvfp4(experts, _nvfp4_checkpoint(*_random_experts(0)))
+    assert not experts.nvfp4_kernels and experts._ref_stack is not None
+    assert experts._reference_bytes() <= CPU_REFERENCE_CACHE_BYTES
+    x = torch.randn(T, D)
+    weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
+    kept = experts(x, ids, weights)
+    experts._ref_stack = None  # decode at every call again
+    assert torch.equal(experts(x, ids, weights), kept)

@@ -180,6 +180,9 @@ GROUPED_MAX_PICKS = 128
 # of its tokens: expert_groups + nvfp4_gemv_by_expert); above this the per-expert loop runs (prefill sizes).
 # K3RUN_MOE_BY_EXPERT=0 turns the expert-major launch off (for comparisons).
 BY_EXPERT_MAX_TOKENS = 128
+# CPU NVFP4 experts on the reference path (below the compiled / AVX-512 paths' size) keep their decoded fp32
+# weights when all of a layer's local experts take at most this much (the same values, decoded once)
+CPU_REFERENCE_CACHE_BYTES = 64 << 20
 
 
 class FusedExperts(nn.Module):
@@ -382,6 +385,8 @@ class FusedExperts(nn.Module):
             )
         self.nvfp4_kernels = bool(use)
         if not use:
+            if not self.w13_weight.is_cuda and self._reference_bytes() <= CPU_REFERENCE_CACHE_BYTES:
+                self.cache_reference_weights()  # small CPU experts: decode once, not at every call
             return
         s, i = self.scales, self.intermediate_size
         # GEMM1 rows: gate scaled by a1 * g1_alpha_gate; up by a1 * g1_alpha_up for SiTU (its nonlinear up is
@@ -496,6 +501,10 @@ class FusedExperts(nn.Module):
             )
         w13_codes, w13_scale, w2_codes, w2_scale = self.nvfp4_expert_tensors(e)
         return dequantize_nvfp4(w13_codes, w13_scale, 1.0), dequantize_nvfp4(w2_codes, w2_scale, 1.0)
+
+    def _reference_bytes(self) -> int:
+        """The bytes `cache_reference_weights` would keep: fp32 w13 and w2 of every local expert."""
+        return 4 * self.num_local * 3 * self.hidden_size * self.intermediate_size
 
     def cache_reference_weights(self) -> None:
         """Keep every local NVFP4 reference expert's decoded weights (fp32) so the dense path needs no host

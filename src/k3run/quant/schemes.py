@@ -23,6 +23,7 @@ k3run.formats (the oracles the kernels are tested against):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -286,21 +287,49 @@ def fp8_block_gemm(
 
 
 def fp8_block_gemm_reference(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dequantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = dq(q_x) @ dq(W)^T (+ bias) with dynamic per-token 1x128 fp8 activations; fp32 math, x.dtype out.
 
-    x: [M, K]; weight: fp8 [N, K]; weight_scale: fp32 [ceil(N/128), K/128]. Returns [M, N].
+    x: [M, K]; weight: fp8 [N, K]; weight_scale: fp32 [ceil(N/128), K/128]. Returns [M, N]. dequantized:
+    dq(W) already made (fp32 [N, K], the same values), as `_cpu_dequantized` keeps for small CPU layers.
     """
     from k3run.formats import dequantize_fp8_act_1x128, dequantize_fp8_block, quantize_fp8_act_1x128
 
     xq, xs = quantize_fp8_act_1x128(x)
     xd = dequantize_fp8_act_1x128(xq, xs).float()
-    wd = dequantize_fp8_block(weight, weight_scale).float()
+    wd = dequantize_fp8_block(weight, weight_scale).float() if dequantized is None else dequantized
     y = xd @ wd.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def _cpu_fast_path(weight: torch.Tensor) -> bool:
+    """Whether a CPU FP8_PB_WO GEMM over `weight` takes kernels/fp8_gemm/cpu.py (large matrices)."""
+    from k3run.kernels import cpu_fused
+
+    return cpu_fused.applies(weight.shape[0], weight.shape[1])
+
+
+def _cpu_dequantized(layer: torch.nn.Module) -> torch.Tensor:
+    """The fp32 dequantized weight of a small CPU FP8_PB_WO layer, made once and kept on the layer while its
+    weight and scale tensors are the same objects, unchanged (their storage and in-place version counters):
+    the reference GEMM then gives the same bits without decoding the weight at every call (a small model's
+    decode step is otherwise mostly these decodes)."""
+    from k3run.formats import dequantize_fp8_block
+
+    w, s = layer.weight, layer.weight_scale
+    key = (w.data_ptr(), w._version, tuple(w.shape), s.data_ptr(), s._version, tuple(s.shape))
+    kept = layer.__dict__.get("_cpu_dequantized")
+    if kept is None or kept[0] != key:
+        kept = (key, dequantize_fp8_block(w.detach(), s.detach()).float())
+        layer.__dict__["_cpu_dequantized"] = kept
+    return kept[1]
 
 
 class Fp8PbWoScheme:
@@ -369,10 +398,13 @@ class Fp8PbWoScheme:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         direct = layout.contiguous and layout.rows == layer.weight.shape[0]
+        gemm = self.gemm
+        if gemm is fp8_block_gemm and x2.device.type == "cpu" and not _cpu_fast_path(layer.weight):
+            gemm = functools.partial(fp8_block_gemm_reference, dequantized=_cpu_dequantized(layer))
         if direct:
-            y = self.gemm(x2, layer.weight, layer.weight_scale, bias)
+            y = gemm(x2, layer.weight, layer.weight_scale, bias)
         else:
-            y = _crop(layer, self.gemm(x2, layer.weight, layer.weight_scale, None))
+            y = _crop(layer, gemm(x2, layer.weight, layer.weight_scale, None))
             if bias is not None:
                 y.add_(bias)
         return y.reshape(*lead, y.shape[-1])
