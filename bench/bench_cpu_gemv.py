@@ -1,6 +1,6 @@
 """The fast CPU linears against the references they replace (dequantize the whole weight to fp32, then
 matmul), on this machine's cores: NVFP4 W4A16 (kernels/nvfp4_gemm/cpu.py) and FP8_PB_WO
-(kernels/fp8_gemm/cpu.py); up to cpu_fused.MAX_M rows the AVX-512 extension (kernels/nvfp4_gemm/cpu_avx512.py)
+(kernels/fp8_gemm/cpu.py); up to cpu_fused.MAX_M rows the AVX-512 extension (kernels/cpu_avx512.py)
 where the CPU has it, else the compiled fused GEMV (kernels/cpu_fused.py; timed too, as "loop ms"), above
 MAX_M the compiled dequantization in row blocks + matmul. --decode also times whole decode steps of a reduced
 K3-shaped model (bench/k3_shaped.py, k3-mixed: NVFP4 experts, FP8_PB_WO attention): the default paths in fp32
@@ -28,10 +28,9 @@ import time
 import torch
 
 from k3run.formats import quantize_fp8_block, quantize_nvfp4
-from k3run.kernels import cpu_fused
+from k3run.kernels import cpu_avx512, cpu_fused
 from k3run.kernels.fp8_gemm.cpu import fp8_pb_wo_linear_cpu
 from k3run.kernels.fp8_gemm.ref import fp8_pb_wo_linear_ref
-from k3run.kernels.nvfp4_gemm import cpu_avx512
 from k3run.kernels.nvfp4_gemm.cpu import nvfp4_linear_cpu
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
 

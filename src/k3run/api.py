@@ -82,8 +82,7 @@ def load_model(
 def _prepare_cpu_kernels(model: torch.nn.Module) -> None:
     """Build (or load from its cache) the AVX-512 CPU extension now if any quantized matrix will use it, so
     the ~20 s first build lands in loading, not in the first request."""
-    from k3run.kernels import cpu_fused
-    from k3run.kernels.nvfp4_gemm import cpu_avx512
+    from k3run.kernels import cpu_avx512, cpu_fused
 
     for name, p in model.named_parameters():
         if p.dim() < 2 or p.element_size() != 1 or not name.endswith("weight"):  # NVFP4 codes / FP8 bytes

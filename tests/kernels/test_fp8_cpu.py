@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
+import k3run.kernels.cpu_avx512 as cpu_avx512
 import k3run.kernels.fp8_gemm.cpu as cpu
-import k3run.kernels.nvfp4_gemm.cpu_avx512 as cpu_avx512
 from k3run.formats import quantize_fp8_act_1x128
 from k3run.kernels import cpu_fused
 from k3run.kernels.fp8_gemm import fp8_pb_wo_linear

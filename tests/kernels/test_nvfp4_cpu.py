@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
+import k3run.kernels.cpu_avx512 as cpu_avx512
 import k3run.kernels.nvfp4_gemm.cpu as cpu
-import k3run.kernels.nvfp4_gemm.cpu_avx512 as cpu_avx512
 from k3run.formats import E2M1_VALUES, dequantize_nvfp4
 from k3run.kernels import cpu_fused
 from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear

@@ -2,7 +2,7 @@
 
 The activations are quantized per token and 128 columns exactly as the reference does (they are small);
 the weight is decoded inside the dot products for decode-sized M (<= cpu_fused.MAX_M), by the AVX-512
-extension of kernels/nvfp4_gemm/cpu_avx512.py where the CPU has it, else by this compiled loop:
+extension of kernels/cpu_avx512.py where the CPU has it, else by this compiled loop:
 
     y[m, n] = sum_kb s_x[m, kb] * s_w[n // 128, kb] * sum_{j < 128} q_x[m, 128 kb + j] * q_w[n, 128 kb + j]
 
@@ -20,8 +20,7 @@ import torch
 
 from k3run.formats import dequantize_fp8_act_1x128, quantize_fp8_act_1x128
 from k3run.formats.fp8_block import e4m3_to_float
-from k3run.kernels import cpu_fused
-from k3run.kernels.nvfp4_gemm import cpu_avx512
+from k3run.kernels import cpu_avx512, cpu_fused
 
 from .ref import fp8_pb_wo_linear_ref
 

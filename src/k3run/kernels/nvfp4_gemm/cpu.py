@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from k3run.kernels import cpu_fused
+from k3run.kernels import cpu_avx512, cpu_fused
 
-from . import cpu_avx512
 from .ref import nvfp4_linear_ref
 
 
