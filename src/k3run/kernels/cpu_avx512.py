@@ -1,11 +1,11 @@
 """NVFP4 and FP8_PB_WO GEMVs on x86 CPUs with AVX-512: a small C++ extension, built once at first use.
 
-The torch.compile'd loop of cpu.py decodes each 4-bit code with ~6 vector integer operations (Inductor cannot
-turn a 16-entry table into a register permute). AVX-512 decodes 16 codes with one `vpermps` from a register
-holding the 16 E2M1 values, so a 16-byte chunk of packed weights (32 weights, two scale groups) costs: one
-widening load, an AND and a shift for the two nibbles, two permutes, two multiplies by the chunk's two group
-scales (E4M3 through a 256-entry fp32 table), and one FMA per nibble half and token row. Rows of W are
-spread over torch's intra-op threads.
+The torch.compile'd loop of nvfp4_gemm/cpu.py decodes each 4-bit code with ~6 vector integer operations
+(Inductor cannot turn a 16-entry table into a register permute). AVX-512 decodes 16 codes with one `vpermps`
+from a register holding the 16 E2M1 values, so a 16-byte chunk of packed weights (32 weights, two scale
+groups) costs: one widening load, an AND and a shift for the two nibbles, two permutes, two multiplies by the
+chunk's two group scales (E4M3 through a 256-entry fp32 table), and one FMA per nibble half and token row.
+Rows of W are spread over torch's intra-op threads.
 
     y[m, n] = gs[n] * sum_j (e2m1(lo_j) * s[n, j // 8] * x[m, 2j] + e2m1(hi_j) * s[n, j // 8] * x[m, 2j + 1])
 
