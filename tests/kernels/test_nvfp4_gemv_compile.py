@@ -162,7 +162,7 @@ def test_grouped_gemv_compiles_for_sm90():
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
 
 
-@pytest.mark.parametrize("bt", [8, 16])
+@pytest.mark.parametrize("bt", [8, 16, 32])
 def test_by_expert_gemv_compiles_for_sm90(bt: int):
     """The expert-major routed-expert launch (nvfp4_gemv_by_expert): the group table read after the PDL wait,
     token rows gathered per column, unused groups returning before any copy; no spills in the loop."""

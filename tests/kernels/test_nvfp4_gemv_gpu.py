@@ -221,14 +221,14 @@ def test_gemv_grouped_matches_single_launches(per_row: bool):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t, bt", [(3, 8), (8, 8), (12, 16), (20, 8), (40, 16)])
+@pytest.mark.parametrize("t, bt", [(3, 8), (8, 8), (12, 16), (20, 8), (40, 16), (40, 32), (75, 32)])
 def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int):
     """nvfp4_gemv_by_expert (expert-major groups from expert_groups) gives the bits of nvfp4_gemv_grouped
     (one pick per program) for every pick, zero rows for other ranks' experts, at split_k 1 and 4: a column
     of the token tile is computed exactly as a one-token launch computes it. Token rows as x (slot_div = A,
     GEMM1) and pick rows as x (slot_div = 1, GEMM2). E = 5, N = 520, K = 3504, A = 4 distinct picks per token
-    drawn from 7 ids (two of them outside [0, E)); T = 20 / 40 put more than bt picks on an expert (several
-    groups per expert)."""
+    drawn from 7 ids (two of them outside [0, E)); T = 20 / 40 / 75 put more than bt picks on an expert
+    (several groups per expert); bt = 32 is the 32-token tile."""
     from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
     from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
 

@@ -1094,19 +1094,19 @@ def nvfp4_gemv_by_expert(
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """Routed experts in one launch, expert-major: y [picks, N], row s = x[s // slot_div] @ W[e(s)]^T *
-    global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from
-    `expert_groups`, BT = 8 or 16: expert per group, then its picks), zero for the picks in no group (other
-    ranks' experts). One program per (16 rows, K split, group) runs the BT-token tile over the group's tokens,
-    so each picked expert's weights are read once per launch however many tokens picked it (the per-pick
-    `nvfp4_gemv_grouped` reads them once per pick). Each column of the tile is computed exactly as the
-    one-token launch computes it, so the two agree bit for bit. Unused groups return at once; no host
-    synchronisation (graph-capturable); PDL (default on sm_90+) waits before reading the table.
+    global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from `expert_groups`, BT
+    is 8, 16 or 32: expert per group, then its picks), zero for the picks in no group (other ranks' experts).
+    One program per (16 rows, K split, group) runs the BT-token tile over the group's tokens, so each picked
+    expert's weights are read once per launch however many tokens picked it (the per-pick `nvfp4_gemv_grouped`
+    reads them once per pick). Each column of the tile is computed exactly as the one-token launch computes
+    it, so the two agree bit for bit. Unused groups return at once; no host synchronisation
+    (graph-capturable); PDL (default on sm_90+) waits before reading the table.
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
-    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16):
+    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
         raise ValueError(
-            f"nvfp4 by-expert groups: expected int32 [G, 9] or [G, 17] (expert_groups), got {groups.dtype} "
-            f"{tuple(groups.shape)}"
+            f"nvfp4 by-expert groups: expected int32 [G, 9], [G, 17] or [G, 33] (expert_groups), got "
+            f"{groups.dtype} {tuple(groups.shape)}"
         )
     if not groups.is_contiguous() or groups.device != x.device:
         raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
