@@ -132,7 +132,7 @@ def test_chunk_matches_fla_naive_chunk(fla_naive: ModuleType, lower_bound: float
 
 def test_chunk_equals_recurrent_odd_lengths_strong_decay() -> None:
     H, K, V = 2, 12, 10
-    lens = [130, 1, 64, 5]  # partial last chunk, single token, exactly one chunk
+    lens = [130, 1, 64, 5]  # a partial last chunk, a single token, whole chunks (CHUNK_SIZE 16 or 64)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     q, k, v, _, beta = _inputs(int(cu[-1]), H, K, V, None)
     # decays near the K3 bound: the cumulative log decay over a chunk reaches about -320, where exp(-G)

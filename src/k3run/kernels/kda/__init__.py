@@ -170,7 +170,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen KDA for prefill (chunks of 64).
+    """Varlen KDA for prefill (fla's chunked kernels on CUDA, elsewhere the reference in CHUNK_SIZE chunks).
 
     q, k [T, H, K] L2-normalised; v [T, H, V]; g [T, H, K] fp32 log decay; beta [T, H] post-sigmoid;
     initial_state [B, H, K, V] fp32 or None; cu_seqlens [B+1]. Returns o [T, H, V] fp32 and final states

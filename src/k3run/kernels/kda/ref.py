@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_SIZE = 64
+# Tokens per chunk of the chunked reference (the CPU's KDA prefill). The result is the same for any size (up
+# to fp32 rounding: the error against the token-by-token recurrence was 3.2e-7 at 16 and 4.0e-7 at 64), but
+# the pairwise decays cost H * C^2 * K per chunk: at H = 16, K = V = 128 and 512 tokens, 54 ms at 16 against
+# 619 ms at 64 (fla's GPU kernels choose their own chunking).
+CHUNK_SIZE = 16
 L2NORM_EPS = 1e-6
 
 
@@ -197,7 +201,7 @@ def chunk_kda_ref(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen chunked KDA (chunk 64); same contract as recurrent_kda_ref."""
+    """Varlen chunked KDA (chunks of CHUNK_SIZE); same contract as recurrent_kda_ref."""
     return _varlen(chunk_kda_seq, q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 
