@@ -100,7 +100,6 @@ def nvfp4_linear_cpu(
 
     if not cpu_fused.applies(n, k):
         return reference()
-    xf = x.to(torch.float32)
     gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()  # [N]: see cpu_fused
     avx = cpu_avx512.available()
     if avx and m > cpu_fused.MAX_M and x.dtype == torch.bfloat16 and k % 32 == 0:
@@ -108,11 +107,12 @@ def nvfp4_linear_cpu(
     elif avx and m <= cpu_avx512.NVFP4_MAX_M:  # x86 with AVX-512: the permute-decode extension
         y = cpu_avx512.nvfp4_gemv_avx512(x, weight, weight_scale, gs)
     elif m <= cpu_fused.MAX_M:
+        xf = x.to(torch.float32)
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,
                           weight_scale, gs)  # fmt: skip
     else:
         y = cpu_fused.dequantized_matmul(
-            xf, n, cpu_fused.block_rows(k, 16), nvfp4_dequantize_fused,
+            x.to(torch.float32), n, cpu_fused.block_rows(k, 16), nvfp4_dequantize_fused,
             lambda i, j: (weight[i:j], weight_scale[i:j], gs[i:j]),
         )  # fmt: skip
     if y is None:  # the compile failed: the reference, now and from then on
