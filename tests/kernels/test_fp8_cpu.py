@@ -8,8 +8,6 @@ bound 1e-5 for fp32 outputs; bf16 outputs round the same fp32 value, one bf16 ul
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -20,13 +18,10 @@ from k3run.kernels import cpu_fused
 from k3run.kernels.fp8_gemm import fp8_pb_wo_linear
 from k3run.kernels.fp8_gemm.ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
 from k3run.testing import assert_close
+from tests.kernels.cpu_paths import needs_avx512, needs_cxx
 from tests.kernels.test_fp8_gemm import _padded_block_weight
 
 RTOL = 1e-5
-# torch.compile's CPU backend builds C++: without a compiler the references run (tested by faking the failure)
-needs_cxx = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler for torch.compile"
-)
 
 
 def test_e4m3_bytes_decode_exactly() -> None:
@@ -41,20 +36,6 @@ def test_eager_formula_matches_reference() -> None:
     want = fp8_block_gemm_ref(q_x, s_x, w_pad, s_w)[:, :200]
     got = cpu.fp8_block_gemv_fused(q_x.float(), s_x, w_pad[:200], s_w)
     assert_close("fp8 fused formula", want, got, rtol=RTOL)
-
-
-@pytest.fixture
-def fused_everywhere(monkeypatch):
-    """The compiled loop at any size; the AVX-512 extension (its own tests below) off."""
-    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
-    monkeypatch.setattr(cpu_fused, "disabled", None)
-    monkeypatch.setenv("K3RUN_CPU_AVX512", "0")
-
-
-needs_avx512 = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++")) or not cpu_avx512.cpu_supported(),
-    reason="the AVX-512 extension needs an AVX-512 CPU and a C++ compiler",
-)
 
 
 @needs_avx512

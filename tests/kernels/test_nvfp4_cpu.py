@@ -8,8 +8,6 @@ a matrix the reference itself runs: bit-equal.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -20,13 +18,10 @@ from k3run.kernels import cpu_fused
 from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
 from k3run.testing import assert_close
+from tests.kernels.cpu_paths import needs_avx512, needs_cxx
 from tests.kernels.test_nvfp4_gemm import _random_nvfp4
 
 RTOL = 1e-5
-# torch.compile's CPU backend builds C++: without a compiler the references run (tested by faking the failure)
-needs_cxx = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler for torch.compile"
-)
 
 
 def test_codes_decode_to_four_times_e2m1() -> None:
@@ -55,21 +50,6 @@ def _linear_matches_reference(what: str, shapes: list[tuple[int, int, int]], per
             assert got.dtype == dtype
             rtol = RTOL if dtype == torch.float32 else 4e-3
             assert_close(f"{what} {m}x{n}x{k} {dtype}", want, got, rtol=rtol)
-
-
-@pytest.fixture
-def fused_everywhere(monkeypatch):
-    """The compiled loop at any size (the default threshold keeps test-sized matrices on the reference; the
-    AVX-512 extension, which would take the decode rows first, is off: it has its own tests)."""
-    monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
-    monkeypatch.setattr(cpu_fused, "disabled", None)
-    monkeypatch.setenv("K3RUN_CPU_AVX512", "0")
-
-
-needs_avx512 = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++")) or not cpu_avx512.cpu_supported(),
-    reason="the AVX-512 extension needs an AVX-512 CPU and a C++ compiler",
-)
 
 
 @needs_avx512
