@@ -9,7 +9,8 @@ Per T:
 - per pick (T <= 16): two nvfp4_gemv_grouped launches (every pick reads its expert's weights), the activation
   and the weighted sum, captured in a CUDA graph (the decode step's form);
 - by expert: expert_groups + two nvfp4_gemv_by_expert launches (each picked expert read once per group of up
-  to 16 of its tokens; what fused_experts runs for 2..BY_EXPERT_MAX_TOKENS tokens), in a CUDA graph;
+  to `tile` of its tokens; what fused_experts runs for 2..BY_EXPERT_MAX_TOKENS tokens), in a CUDA graph,
+  above 16 tokens with both the 16- and the 32-token tile;
 with the bytes each form must read (per pick: 18.6 MB per pick; by expert: 18.6 MB per group) per
 second and as % of the device copy bandwidth measured in the same run (the ceiling).
 
@@ -28,7 +29,7 @@ import torch
 
 from k3run.distributed import TPInfo
 from k3run.layers.activation import GatedActivation
-from k3run.layers.moe import FusedExperts, _fused_experts_grouped, fused_experts, route
+from k3run.layers.moe import FusedExperts, _fused_experts_grouped, by_expert_tile, fused_experts, route
 from k3run.quant.algo import QuantAlgo
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -87,34 +88,42 @@ def main() -> None:
         x = torch.randn(t, D, device="cuda").bfloat16()
         weights, ids = route(torch.randn(t, E, device="cuda"), torch.zeros(E, device="cuda"), TOP_K)
         loop = fused_experts(ex, x, ids, weights, grouped=False)
-        by_exp = _grouped(ex, x, ids, weights, True)
-        err = float((by_exp - loop).norm() / loop.norm())
-        assert err < 2.0**-7, f"by expert vs loop: relative error {err:.2e}"
         reps = 20 if t <= 16 else 4
         t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False), reps=reps)
-        t_exp = graph_ms([lambda: _grouped(ex, x, ids, weights, True)], 1e-3) * 1e3
         picks, distinct = t * TOP_K, int(ids.unique().numel())
-        bt = 8 if t <= 8 else 16
-        groups = sum(-(-int(c) // bt) for c in torch.bincount(ids.flatten(), minlength=E))
-        tbs_exp = groups * BYTES_PER_EXPERT / (t_exp * 1e-6) / 1e12
-        exp_pct = 100 * tbs_exp / copy_tbs
-        if t <= 16:
-            per_pick = _grouped(ex, x, ids, weights, False)
-            err_pp = f"{float((by_exp - per_pick).norm() / per_pick.norm()):.1e}"
-            t_pick = graph_ms([lambda: _grouped(ex, x, ids, weights, False)], 1e-3) * 1e3
-            tbs_pick = picks * BYTES_PER_EXPERT / (t_pick * 1e-6) / 1e12
-            pick = f"per pick {t_pick:7.1f} us {tbs_pick:4.2f} TB/s {100 * tbs_pick / copy_tbs:3.0f}%"
-            vs_pick = f"{t_pick / t_exp:4.2f}x per pick"
-        else:
-            err_pp, pick, vs_pick = "-", f"{'per pick -':>30}", f"{'-':>14}"
-        rows.append(
-            f"T={t:<3} picks {picks:4d} experts {distinct:3d} groups {groups:3d} | loop {t_loop:8.1f} us "
-            f"| {pick} | by expert {t_exp:7.1f} us {tbs_exp:4.2f} TB/s {exp_pct:3.0f}% "
-            f"| {vs_pick}, {t_loop / t_exp:5.1f}x loop | err vs loop {err:.1e}, vs per pick {err_pp}"
-        )
-        print(rows[-1], flush=True)
+        # the default tile, and above 16 tokens both the 16- and the 32-token tile (BY_EXPERT_T32_FROM)
+        for bt in sorted({by_expert_tile(t)} | ({16, 32} if t > 16 else set())):
+            os.environ["K3RUN_MOE_BY_EXPERT_TILE"] = str(bt)
+            try:
+                by_exp = _grouped(ex, x, ids, weights, True)
+                err = float((by_exp - loop).norm() / loop.norm())
+                assert err < 2.0**-7, f"by expert (tile {bt}) vs loop: relative error {err:.2e}"
+                t_exp = graph_ms([lambda: _grouped(ex, x, ids, weights, True)], 1e-3) * 1e3
+            finally:
+                os.environ.pop("K3RUN_MOE_BY_EXPERT_TILE")
+            groups = sum(-(-int(c) // bt) for c in torch.bincount(ids.flatten(), minlength=E))
+            tbs_exp = groups * BYTES_PER_EXPERT / (t_exp * 1e-6) / 1e12
+            exp_pct = 100 * tbs_exp / copy_tbs
+            if t <= 16:
+                per_pick = _grouped(ex, x, ids, weights, False)
+                err_pp = f"{float((by_exp - per_pick).norm() / per_pick.norm()):.1e}"
+                t_pick = graph_ms([lambda: _grouped(ex, x, ids, weights, False)], 1e-3) * 1e3
+                tbs_pick = picks * BYTES_PER_EXPERT / (t_pick * 1e-6) / 1e12
+                pick = f"per pick {t_pick:7.1f} us {tbs_pick:4.2f} TB/s {100 * tbs_pick / copy_tbs:3.0f}%"
+                vs_pick = f"{t_pick / t_exp:4.2f}x per pick"
+            else:
+                err_pp, pick, vs_pick = "-", f"{'per pick -':>30}", f"{'-':>14}"
+            default = "*" if bt == by_expert_tile(t) else " "
+            rows.append(
+                f"T={t:<3} picks {picks:4d} experts {distinct:3d} | loop {t_loop:8.1f} us | {pick} "
+                f"| tile {bt:2d}{default} "
+                f"groups {groups:3d} by expert {t_exp:7.1f} us {tbs_exp:4.2f} TB/s {exp_pct:3.0f}% "
+                f"| {vs_pick}, {t_loop / t_exp:5.1f}x loop | err vs loop {err:.1e}, vs per pick {err_pp}"
+            )
+            print(rows[-1], flush=True)
     name = torch.cuda.get_device_name()
     print(f"\n{name}, copy {copy_tbs:.2f} TB/s, K3 experts D={D} I={INTER}, {E} local, top-{TOP_K}")
+    print("(tile: the expert-major token tile, * = the default for that T)")
     print("\n".join(rows))
 
 

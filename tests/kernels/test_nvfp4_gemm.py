@@ -281,6 +281,11 @@ def test_one_wave_split_keeps_every_program_resident():
     # fill 1.45 waves unsplit (73% of two), 2.91 at split_k 2 (97% of three): 2
     assert one_wave_split(1, 16 * 6144, 3584, 132) == (2, None)
     assert one_wave_split(1, 64 * 6144, 3584, 132) == (1, None)  # 5.8 waves unsplit: 97% already
+    # the 32-token tile (141 registers: 12 programs per SM), never capped: 448 blocks on 1584 slots admit 3 of
+    # 12288 / 128 = 96 chunks' divisors (4 would need 1792 slots)
+    assert programs_per_sm(141) == 12
+    assert one_wave_split(32, 7168, 12288, 132) == (3, None)
+    assert one_wave_split(17, 7168, 12288, 132) == (3, None)
 
 
 @pytest.mark.gpu

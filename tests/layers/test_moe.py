@@ -553,6 +553,39 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
     assert not bool(fused_experts(ex, x, only_misses, weights).any())
 
 
+def test_by_expert_tile_choice(monkeypatch):
+    """The expert-major token tile: 8 up to 8 tokens, 16 below BY_EXPERT_T32_FROM, then 32; the environment
+    override takes only 8 / 16 / 32 and names the variable otherwise."""
+    from k3run.layers import moe
+
+    assert [moe.by_expert_tile(t) for t in (2, 8, 9)] == [8, 8, 16]
+    assert moe.by_expert_tile(moe.BY_EXPERT_T32_FROM - 1) == 16
+    assert moe.by_expert_tile(moe.BY_EXPERT_T32_FROM) == 32
+    monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "32")
+    assert moe.by_expert_tile(4) == 32
+    monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "24")
+    with pytest.raises(ValueError, match="K3RUN_MOE_BY_EXPERT_TILE.*'24'"):
+        moe.by_expert_tile(4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tile", ["16", "32"])
+def test_gpu_by_expert_tiles_match_the_per_expert_loop(monkeypatch, tile):
+    """40 tokens top-2 over 4 experts (~20 picks per expert: two 16-token groups or one 32-token group per
+    expert) through the expert-major launches with each tile against the per-expert loop: the bound of the
+    grouped test (bf16 gate/up and h, other summation orders: 2^-7)."""
+    from k3run.layers.moe import fused_experts
+
+    ex, x, ids, weights = _kernel_case("situ", "cuda", kernels=None, dtype=torch.bfloat16, tokens=40)
+    if not ex._tiled:
+        pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
+    loop = fused_experts(ex, x, ids, weights, grouped=False)
+    monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", tile)
+    got = fused_experts(ex, x, ids, weights)
+    assert_close(f"by expert tile {tile}", loop, got, rtol=2.0**-7)
+    assert float(got.abs().max()) > 0
+
+
 def test_small_cpu_nvfp4_experts_decode_once():
     """NVFP4 experts on the CPU's reference path keep their decoded weights after loading (below
     CPU_REFERENCE_CACHE_BYTES) and compute the same bits as decoding at every call."""

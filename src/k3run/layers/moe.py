@@ -180,6 +180,9 @@ GROUPED_MAX_PICKS = 128
 # of its tokens: expert_groups + nvfp4_gemv_by_expert); above this the per-expert loop runs (prefill sizes).
 # K3RUN_MOE_BY_EXPERT=0 turns the expert-major launch off (for comparisons).
 BY_EXPERT_MAX_TOKENS = 128
+# the expert-major token tile: 8 up to 8 tokens, 16 up to BY_EXPERT_T32_FROM - 1, then 32 (an expert picked c
+# times runs ceil(c / tile) tiles). K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons).
+BY_EXPERT_T32_FROM = 1 << 30
 # CPU NVFP4 experts on the reference path (below the compiled / AVX-512 paths' size) keep their decoded fp32
 # weights when all of a layer's local experts take at most this much (the same values, decoded once)
 CPU_REFERENCE_CACHE_BYTES = 64 << 20
@@ -682,6 +685,16 @@ def _by_expert(tokens: int) -> bool:
     return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and os.environ.get("K3RUN_MOE_BY_EXPERT", "1") != "0"
 
 
+def by_expert_tile(tokens: int) -> int:
+    """The expert-major launch's token tile for a decode batch of `tokens` (BY_EXPERT_T32_FROM)."""
+    forced = os.environ.get("K3RUN_MOE_BY_EXPERT_TILE")
+    if forced:
+        if forced not in ("8", "16", "32"):
+            raise ValueError(f"K3RUN_MOE_BY_EXPERT_TILE: expected 8, 16 or 32, got {forced!r}")
+        return int(forced)
+    return 8 if tokens <= 8 else 16 if tokens < BY_EXPERT_T32_FROM else 32
+
+
 def _fused_experts_grouped(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -707,7 +720,7 @@ def _fused_experts_grouped(
     x = x.contiguous()
     by_expert = _by_expert(t)
     if by_expert:  # each picked expert's weights read once for all the tokens that picked it
-        bt = 8 if t <= 8 else 16
+        bt = by_expert_tile(t)
         grp = expert_groups(local, experts.num_local, bt)
         split1, reg1 = one_wave_split(bt, 2 * i * grp.shape[0], d, sms)
         kw1 = dict(picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1)

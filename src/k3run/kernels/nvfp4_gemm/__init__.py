@@ -326,17 +326,20 @@ def programs_per_sm(regs: int) -> int:
 # 20 such programs per SM), 80 with no spills when capped at 80 (72 spills); the 8-token tile takes 62-64
 GEMV_REGS_T16 = 90
 GEMV_REGS_T16_CAPPED = 80
+# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; CPU compile of session 16), 12 per SM
+GEMV_REGS_T32 = 141
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
 
 @functools.cache  # on every eager nvfp4_linear call (choose_config) and twice per grouped MoE call
 def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
-    """(split_k, maxnreg or None) for M <= 16: the largest split_k <= 8 dividing the 128-wide chunk count
-    whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of programs starts only
-    as the first drains (bench/NOTES.md session 11: 12288x7168 at M = 1 ran 6144 programs on 132 x 32 slots).
-    For the 16-token tile, the register cap of 80 is taken where it lets more programs in. Where even split_k
-    1 takes more than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8
-    whose waves are on average >= 90% full (else the fullest)."""
+    """(split_k, maxnreg or None) for M <= 32 (the token tile's rows): the largest split_k <= 8 dividing the
+    128-wide chunk count whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of
+    programs starts only as the first drains (bench/NOTES.md session 11: 12288x7168 at M = 1 ran 6144 programs
+    on 132 x 32 slots). For the 16-token tile, the register cap of 80 is taken where it lets more programs in;
+    the 32-token tile runs uncapped. Where even split_k 1 takes more than one wave (the grouped expert
+    launches: rows of every pick), the smallest split_k <= 8 whose waves are on average >= 90% full (else the
+    fullest)."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
@@ -350,6 +353,8 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
 
     if m <= 8:
         return split(programs_per_sm(64)), None
+    if m > 16:  # the 32-token tile: no register cap (capping it spills)
+        return split(programs_per_sm(GEMV_REGS_T32)), None
     free, capped = split(programs_per_sm(GEMV_REGS_T16)), split(programs_per_sm(GEMV_REGS_T16_CAPPED))
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
