@@ -18,6 +18,7 @@ import math
 import torch
 
 from k3run.config import ModelConfig
+from k3run.distributed import NO_TP, TPInfo
 from k3run.loader import PostLoad
 from k3run.models.kimi import KimiForCausalLM
 from k3run.quant.algo import QuantAlgo
@@ -139,12 +140,16 @@ def random_k3_model(
     dtype: torch.dtype = torch.bfloat16,
     dims: dict | None = None,
     seed: int = 0,
+    tp: TPInfo = NO_TP,
 ) -> KimiForCausalLM:
+    """The model on `device`; with `tp` (an initialised group) this rank's shard. Every rank draws the same
+    sequence (the shards have equal shapes), so the replicated parameters (norms, router)
+    agree across ranks."""
     text = k3_text_config(layers, experts, dims)
     cfg = ModelConfig.from_hf({"model_type": "kimi_k3", "text_config": text})
     qcfg = load_quant_config({"quantization_config": k3_mixed_quant_config(text)})
     with torch.device(device):
-        model = KimiForCausalLM(cfg, qcfg=qcfg, params_dtype=dtype)
+        model = KimiForCausalLM(cfg, qcfg=qcfg, tp=tp, params_dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         _fill(name, p, gen, text["hidden_size"])

@@ -4,6 +4,10 @@ with graphs on and off, and which kernels fill the replay (torch profiler).
 
     PYTHONPATH=src python bench/probe_graph_step.py [MODEL_DIR] [--batch-sizes 1,8] [--steps 48]
         [--k3-shaped LAYERS,EXPERTS] [--eager] [--profile STEPS] [--host N]
+    PYTHONPATH=src torchrun --nproc-per-node 2 bench/probe_graph_step.py ...   (tensor parallel, NCCL)
+
+Under torchrun (WORLD_SIZE > 1) every rank builds its shard and runs the engine with tp_size = WORLD_SIZE;
+rank 0 prints.
 
 --k3-shaped builds a random model at K3's real layer shapes instead of loading MODEL_DIR (bench/k3_shaped.py:
 KDA x3 + MLA per 4 layers, latent MoE in every layer, EXPERTS local routed experts, top-16, k3-mixed
@@ -18,6 +22,7 @@ decode tokens/s. Needs CUDA (and fla-core for KDA models).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -27,14 +32,15 @@ from pathlib import Path
 import torch
 
 from k3run.api import load_model
+from k3run.distributed import init_distributed, shutdown_distributed
 from k3run.engine import LLM, EngineConfig, SamplingParams
 from k3run.tokenizer import load_tokenizer
 
 DEFAULT = Path(__file__).parents[1] / "assets" / "default-model-k3-mixed"
 
 
-def _engine(model, tokenizer, sizes: list[int], max_len: int, graphs: bool):
-    cfg = EngineConfig(max_num_seqs=max(sizes), max_model_len=max_len, cuda_graphs=graphs)
+def _engine(model, tokenizer, sizes: list[int], max_len: int, graphs: bool, tp_size: int = 1):
+    cfg = EngineConfig(max_num_seqs=max(sizes), max_model_len=max_len, cuda_graphs=graphs, tp_size=tp_size)
     return LLM.from_model(model, tokenizer, cfg).engine
 
 
@@ -216,24 +222,29 @@ def main() -> None:
     ap.add_argument("--host", type=int, default=0, metavar="N", help="cProfile of the graph steps (top N)")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    tp = init_distributed()  # TPInfo() without torchrun
+    if tp.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (rank 0 prints; the others run the same steps)
     if args.k3_shaped:
         sys.path.insert(0, str(Path(__file__).parent))
         from k3_shaped import random_k3_model
 
         layers, experts = (int(v) for v in args.k3_shaped.split(","))
         t0 = time.perf_counter()
-        model = random_k3_model(layers, experts, device="cuda")
+        model = random_k3_model(layers, experts, device="cuda", tp=tp)
         built = time.perf_counter() - t0
         what = f"K3-shaped random model, {layers} layers, {experts} local experts (built in {built:.0f} s)"
     else:
-        model = load_model(args.model, dtype=torch.bfloat16, device="cuda")
+        model = load_model(args.model, dtype=torch.bfloat16, device="cuda", tp_rank=tp.rank, tp_size=tp.size)
         what = args.model
+    if tp.size > 1:
+        what += f", tensor parallel over {tp.size} ranks ({torch.distributed.get_backend()})"
     tokenizer = load_tokenizer(args.model)
     max_len = args.prompt_len + args.steps + 8
     print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     head = f"{'mode':>6} {'batch':>5} {'wall ms/step':>13} {'replay GPU ms':>14} {'GPU busy':>9}"
     print(f"{head} {'decode tok/s':>13}")
-    engine = _engine(model, tokenizer, sizes, max_len, graphs=True)
+    engine = _engine(model, tokenizer, sizes, max_len, graphs=True, tp_size=tp.size)
     dec = engine.runner.graphs
     if dec is None:
         raise SystemExit(f"decode runs eagerly: {engine.graph_blocker}")
@@ -266,10 +277,11 @@ def main() -> None:
     if args.eager:
         del engine, dec
         torch.cuda.empty_cache()
-        engine = _engine(model, tokenizer, sizes, max_len, graphs=False)
+        engine = _engine(model, tokenizer, sizes, max_len, graphs=False, tp_size=tp.size)
         _run(engine, [1], 4, args.prompt_len, [])  # warm-up
         for b, wall, _ in _run(engine, sizes, args.steps, args.prompt_len, []):
             print(f"{'eager':>6} {b:>5} {wall:>13.3f} {'':>14} {'':>9} {b / wall * 1e3:>13.1f}")
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -33,3 +33,24 @@ def test_random_k3_shaped_model_is_k3_mixed_and_decodes() -> None:
                          EngineConfig(max_num_seqs=2, max_model_len=32))  # fmt: skip
     out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in out] == [4, 4]
+
+
+def _tp_decode(tp, root: str) -> list[list[int]]:
+    sys.path.insert(0, str(Path(root) / "bench"))
+    from k3_shaped import random_k3_model
+
+    model = random_k3_model(layers=4, experts=8, device="cpu", dims=TINY, tp=tp)
+    assert model.layers[0].self_attn.tp.size == 2
+    llm = LLM.from_model(model, load_tokenizer(Path(root) / "assets" / "default-model-k3-mixed"),
+                         EngineConfig(max_num_seqs=2, max_model_len=32, tp_size=2))  # fmt: skip
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return [o.token_ids for o in out]
+
+
+def test_random_k3_shaped_model_shards_over_tensor_parallel_ranks() -> None:
+    """The K3-shaped model built as one rank's shard (probe_graph_step.py under torchrun): two gloo ranks
+    build and decode it through the engine with tp_size 2 and emit the same tokens."""
+    from k3run.distributed import spawn_gloo
+
+    ranks = spawn_gloo(_tp_decode, 2, str(ROOT))
+    assert ranks[0] == ranks[1] and [len(t) for t in ranks[0]] == [4, 4]
