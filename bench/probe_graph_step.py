@@ -15,6 +15,8 @@ quantization); the tokenizer still comes from MODEL_DIR. --eager also times the 
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
+--compare-overlap also times the graph steps with decode overlap off (EngineConfig.overlap_decode=False;
+mode "no-ovl"; "graphs" rows have it on, the default).
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
 decode tokens/s. Needs CUDA (and fla-core for KDA models).
 """
@@ -39,12 +41,28 @@ from k3run.tokenizer import load_tokenizer
 DEFAULT = Path(__file__).parents[1] / "assets" / "default-model-k3-mixed"
 
 
-def _engine(model, tokenizer, sizes: list[int], max_len: int, graphs: bool, tp_size: int = 1):
-    cfg = EngineConfig(max_num_seqs=max(sizes), max_model_len=max_len, cuda_graphs=graphs, tp_size=tp_size)
+def _engine(
+    model,
+    tokenizer,
+    sizes: list[int],
+    max_len: int,
+    graphs: bool,
+    tp_size: int = 1,
+    overlap: bool | None = None,
+):
+    cfg = EngineConfig(
+        max_num_seqs=max(sizes),
+        max_model_len=max_len,
+        cuda_graphs=graphs,
+        tp_size=tp_size,
+        overlap_decode=overlap,
+    )
     return LLM.from_model(model, tokenizer, cfg).engine
 
 
-def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list[float]) -> list[tuple]:
+def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list) -> list[tuple]:
+    """Per batch size: (batch, median wall ms per decode step, median GPU ms per replay). `gpu_ms` collects
+    (start, end) CUDA event pairs around each replay (read after the steps: no sync inside them)."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.8, ignore_eos=True)
     rows = []
@@ -60,7 +78,7 @@ def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list[flo
             engine.step()
             walls.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-        gpu = statistics.median(gpu_ms) if gpu_ms else float("nan")
+        gpu = statistics.median(a.elapsed_time(b) for a, b in gpu_ms) if gpu_ms else float("nan")
         rows.append((b, statistics.median(walls), gpu))
     return rows
 
@@ -217,6 +235,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--k3-shaped", default=None, metavar="LAYERS,EXPERTS")
     ap.add_argument("--eager", action="store_true", help="also time the steps with graphs off")
+    ap.add_argument(
+        "--compare-overlap", action="store_true", help="also time graph steps without decode overlap (no-ovl)"
+    )
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS")
     ap.add_argument("--modules", action="store_true", help="per-module GPU time of the static step")
     ap.add_argument("--host", type=int, default=0, metavar="N", help="cProfile of the graph steps (top N)")
@@ -244,28 +265,33 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     head = f"{'mode':>6} {'batch':>5} {'wall ms/step':>13} {'replay GPU ms':>14} {'GPU busy':>9}"
     print(f"{head} {'decode tok/s':>13}")
-    engine = _engine(model, tokenizer, sizes, max_len, graphs=True, tp_size=tp.size)
-    dec = engine.runner.graphs
-    if dec is None:
-        raise SystemExit(f"decode runs eagerly: {engine.graph_blocker}")
-    with torch.inference_mode():
-        dec.warm_up(max(sizes), max_len - 1)
-    gpu_ms: list[float] = []
-    replay = dec.run
+    engine = dec = None
+    for overlap in (None, False) if args.compare_overlap else (None,):
+        if overlap is False:  # free the first engine's graphs and cache first
+            engine = dec = None
+            torch.cuda.empty_cache()
+        engine = _engine(model, tokenizer, sizes, max_len, graphs=True, tp_size=tp.size, overlap=overlap)
+        dec = engine.runner.graphs
+        if dec is None:
+            raise SystemExit(f"decode runs eagerly: {engine.graph_blocker}")
+        with torch.inference_mode():
+            dec.warm_up(max(sizes), max_len - 1)
+        gpu_ms: list = []
+        replay = dec.run
 
-    def timed(ids: list[int], slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = replay(ids, slots, ctx_lens)
-        end.record()
-        end.synchronize()
-        gpu_ms.append(start.elapsed_time(end))
-        return out
+        def timed(ids, slots: list[int], ctx_lens: list[int], replay=replay, gpu_ms=gpu_ms) -> torch.Tensor:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay(ids, slots, ctx_lens)
+            end.record()
+            gpu_ms.append((start, end))
+            return out
 
-    dec.run = timed  # type: ignore[method-assign]
-    for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms):
-        print(f"{'graphs':>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {b / wall * 1e3:>13.1f}")
-    dec.run = replay  # type: ignore[method-assign]
+        dec.run = timed  # type: ignore[method-assign]
+        mode = "graphs" if engine.overlap else "no-ovl"
+        for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms):
+            print(f"{mode:>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {b / wall * 1e3:>13.1f}")
+        dec.run = replay  # type: ignore[method-assign]
     if args.host:
         _host_profile(engine, sizes, args.steps, args.prompt_len, args.host)
     if args.profile:

@@ -145,6 +145,7 @@ def _load_llm(
         tp_size=tp.size,
         cuda_graphs=not getattr(args, "eager", False),
         graph_step_bytes=args.graph_step_mib << 20,
+        overlap_decode=False if getattr(args, "no_overlap", False) else None,
     )
     from k3run.api import load_model
     from k3run.tokenizer import load_tokenizer
@@ -449,6 +450,12 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         "--eager",
         action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="with graph decode, wait for each step's tokens before launching the next (by default the next "
+        "step is launched from the sampled tokens on the GPU while the host records the previous one)",
     )
     p.add_argument(
         "--graph-step-mib",

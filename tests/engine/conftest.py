@@ -147,10 +147,16 @@ def char_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return load_tokenizer(d)
 
 
-@pytest.fixture
-def toy_llm(char_tokenizer: Tokenizer):
-    def make(**kw: int) -> LLM:
-        cfg = EngineConfig(**{"max_num_seqs": 8, "max_model_len": 96, "max_num_batched_tokens": 256, **kw})
+@pytest.fixture(params=[None, True], ids=["sync", "overlap"])
+def toy_llm(char_tokenizer: Tokenizer, request: pytest.FixtureRequest):
+    """An LLM over the toy model; every test runs twice: plain steps (overlap_decode None is off on the CPU)
+    and with decode overlap forced on (each decode step launched before the previous one is recorded)."""
+
+    def make(**kw) -> LLM:
+        cfg = EngineConfig(
+            **{"max_num_seqs": 8, "max_model_len": 96, "max_num_batched_tokens": 256,
+               "overlap_decode": request.param, **kw}
+        )  # fmt: skip
         return LLM.from_model(ToyModel(), char_tokenizer, cfg)
 
     return make

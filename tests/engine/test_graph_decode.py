@@ -119,10 +119,13 @@ def test_graph_step_memory_estimate_and_limit() -> None:
 def test_eager_flag_reaches_the_engine_config() -> None:
     from k3run.cli import build_parser
 
-    args = build_parser().parse_args(["bench", str(BUNDLED), "--eager", "--graph-step-mib", "64"])
-    assert args.eager and args.graph_step_mib == 64
+    args = build_parser().parse_args(
+        ["bench", str(BUNDLED), "--eager", "--graph-step-mib", "64", "--no-overlap"]
+    )
+    assert args.eager and args.graph_step_mib == 64 and args.no_overlap
     default = build_parser().parse_args(["bench", str(BUNDLED)])
     assert not default.eager and default.graph_step_mib << 20 == EngineConfig().graph_step_bytes
+    assert not default.no_overlap and EngineConfig().overlap_decode is None
 
 
 def _clone_cache(cache: ModelCache) -> ModelCache:
@@ -204,3 +207,39 @@ def test_gpu_graph_and_eager_engines_agree_on_greedy_text() -> None:
         assert (llm.engine.runner.graphs is not None) == graphs
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_gpu_decode_overlap_gives_the_same_tokens() -> None:
+    """Graph decode with overlap (automatic: on with graphs) against overlap off: the same batches replay
+    the same graphs, so greedy and seeded tokens are equal; the decode steps after each run's first were
+    launched ahead of the host's reading of the previous tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from k3run.api import load_model
+    from k3run.tokenizer import load_tokenizer
+
+    model = load_model(BUNDLED, dtype=torch.bfloat16, device="cuda")
+    tok = load_tokenizer(BUNDLED)
+    prompts = ["The history of the", "In 1905, the", "Water is"]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    ]
+    runs, ahead = [], []
+    for overlap in (None, False):
+        cfg = EngineConfig(max_num_seqs=4, max_model_len=256, overlap_decode=overlap)
+        llm = LLM.from_model(model, tok, cfg)
+        assert llm.engine.runner.graphs is not None and llm.engine.overlap == (overlap is None)
+        launch, count = llm.engine._launch, [0]
+
+        def counted(batch, prev, launch=launch, count=count):
+            count[0] += prev is not None
+            return launch(batch, prev)
+
+        llm.engine._launch = counted
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        ahead.append(count[0])
+    assert runs[0] == runs[1]
+    assert ahead[0] >= 10 and ahead[1] == 0

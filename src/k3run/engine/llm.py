@@ -20,7 +20,7 @@ from k3run.engine.runner import (
     ModelRunner,
 )
 from k3run.engine.sampler import Sampler
-from k3run.engine.scheduler import Scheduler, SchedulerConfig
+from k3run.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from k3run.engine.sequence import (
     FinishReason,
     RequestOutput,
@@ -52,6 +52,10 @@ class EngineConfig:
     # the most temporaries a captured decode step may hold (its MLA attention window's copies grow with
     # batch x window); steps over it decode eagerly. None: no limit
     graph_step_bytes: int | None = DEFAULT_GRAPH_STEP_BYTES
+    # launch decode step k + 1 (fed by step k's sampled tokens on the device) before the host reads and
+    # records step k's tokens, so the host's per-step work overlaps the GPU's. None: on where decode steps
+    # replay CUDA graphs; True: wherever a step is a plain decode (the CPU too: for tests, no gain there)
+    overlap_decode: bool | None = None
 
 
 class Detokenizer:
@@ -125,8 +129,30 @@ def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
         )
 
 
+@dataclass
+class _InFlight:
+    """A decode step launched but not yet recorded: its sampled tokens on the device and a pinned host copy
+    that is valid once `ready` has passed (None on the CPU, where the copy is done on return)."""
+
+    batch: Batch
+    tokens: torch.Tensor  # [B] int64 on the model's device (rank 0's under tensor parallelism)
+    host: torch.Tensor  # [B] int64
+    ready: torch.cuda.Event | None
+
+
 class LLMEngine:
-    """Requests in, tokens and text out, one `step()` at a time."""
+    """Requests in, tokens and text out, one `step()` at a time.
+
+    Decode overlap (EngineConfig.overlap_decode): while only decode steps run (nothing waits for a prefill
+    and no running sequence wants log-probabilities), `step()` launches the next decode step, fed by this
+    step's sampled tokens still on the device, before it reads and records this step's tokens. The host's
+    work (reading the tokens, stop checks, detokenising, scheduling, building the next inputs) then runs
+    while the GPU computes, instead of between steps. A sequence that turns out to have finished (an EOS or
+    stop string in the tokens just read) has computed one extra row in the step already launched; that row
+    is dropped (its slot is freed, and whatever takes the slot next starts after that step in stream
+    order). Greedy and seeded requests produce the same tokens with and without overlap; an unseeded
+    request's draws come from the shared generator, so a dropped row's draw shifts the later ones.
+    """
 
     def __init__(self, model: EngineModel, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -167,6 +193,9 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(self.config.seed))
         self.detokenizer = Detokenizer(tokenizer)
         self._ids = SequenceIds()
+        overlap = self.config.overlap_decode
+        self.overlap = decoder is not None if overlap is None else overlap
+        self._inflight: _InFlight | None = None
 
     def _graph_plan(self, model: EngineModel, device: torch.device) -> tuple[int, str | None]:
         """(the largest decode batch replayed from a CUDA graph, None) or (0, why decode runs eagerly).
@@ -209,10 +238,25 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One model step. Returns an output (with the newly streamable text in `delta`) for every sequence
-        that produced a token; a finished sequence appears once, with `finished` set."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        that produced a token; a finished sequence appears once, with `finished` set. With decode overlap
+        the outputs are those of the step launched by the previous call (see the class)."""
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            if not self._overlaps(batch.seqs, batch, ahead=0):
+                return self._step_sync(batch)
+            cur = self._launch(batch, prev=None)
+        nxt = self._lookahead(cur)
+        if nxt is not None:
+            self._inflight = self._launch(nxt, prev=cur)
+        outputs = self._record(cur)
+        if self._inflight is not None and all(s.is_finished for s in self._inflight.batch.seqs):
+            self._inflight = None  # every row of the launched step belongs to a finished sequence
+        return outputs
+
+    def _step_sync(self, batch: Batch) -> list[RequestOutput]:
         rows, logits = self.runner.run(batch)
         for b, plogits in self.runner.prompt_logits.items():
             _record_prompt_logprobs(batch.seqs[b], plogits)
@@ -227,11 +271,98 @@ class LLMEngine:
             for b, t in zip(rows, tokens):
                 sampled[b] = t
         self.scheduler.update(batch, sampled, self.tokenizer.eos_token_ids)
+        return self._outputs(batch, rows)
+
+    def _outputs(self, batch: Batch, rows: list[int]) -> list[RequestOutput]:
         outputs = []
         for b in rows:
             seq = batch.seqs[b]
             outputs.append(RequestOutput.from_sequence(seq, delta=self._postprocess(seq)))
         return outputs
+
+    def _overlaps(self, seqs: list[Sequence], batch: Batch | None, ahead: int) -> bool:
+        """Whether a decode step of `seqs` (`ahead` tokens past their recorded state) may be launched
+        without waiting: overlap on, a plain one-token decode of every sequence, no log-probabilities
+        wanted, and (where overlap is automatic) a step that replays a graph."""
+        if not self.overlap or not seqs:
+            return False
+        if batch is not None and (batch.is_prefill or any(n != 1 for n in batch.num_new_tokens)):
+            return False
+        for seq in seqs:
+            if seq.slot is None or seq.params.logprobs is not None or seq.params.prompt_logprobs is not None:
+                return False
+            if seq.num_cached != seq.num_tokens - 1:  # exactly one token not in the cache (before `ahead`)
+                return False
+        if self.config.overlap_decode is None:
+            return self.runner.graph_decodes(seqs, ahead)
+        return all(s.num_cached + ahead + 1 <= self.cache.max_len for s in seqs)
+
+    def _lookahead(self, cur: _InFlight) -> Batch | None:
+        """The decode step to launch before `cur` is recorded: the sequences of `cur` that may continue,
+        when the scheduler would run exactly them next (nothing waits for a prefill, no other sequence is
+        running). None to drain instead."""
+        if not self.overlap or self.scheduler.waiting:
+            return None
+        live = [s for s in cur.batch.seqs if not s.is_finished]
+        if live != self.scheduler.running:
+            return None
+        limit = self.scheduler.config.max_model_len
+        # the sequences that cur's token will certainly end (length limits); EOS and stops are seen later
+        seqs = [
+            s for s in live if len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < limit
+        ]
+        if not self._overlaps(seqs, None, ahead=1):
+            return None
+        return Batch(seqs=seqs, num_new_tokens=[1] * len(seqs), is_prefill=False)
+
+    def _launch(self, batch: Batch, prev: _InFlight | None) -> _InFlight:
+        """Enqueue a decode step and its sampling; nothing waits for the GPU. Without `prev` the fed tokens
+        are the sequences' last recorded ones; with it, `prev`'s sampled tokens (not yet recorded) on the
+        device, at positions one further on."""
+        seqs = batch.seqs
+        if prev is None:
+            ids: list[int] | torch.Tensor = [s.all_token_ids[s.num_cached] for s in seqs]
+            ctx_lens = [s.num_cached for s in seqs]
+        else:
+            row = {id(s): i for i, s in enumerate(prev.batch.seqs)}
+            idx = [row[id(s)] for s in seqs]
+            if idx == list(range(len(idx))):
+                ids = prev.tokens[: len(idx)]
+            else:
+                ids = prev.tokens.index_select(0, self._to_device(idx, prev.tokens.device))
+            ctx_lens = [s.num_cached + 1 for s in seqs]
+        logits = self.runner.decode(seqs, ids, ctx_lens)
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        if self.config.tp_size > 1:  # rank 0's tokens, on the device, before anything reads them
+            import torch.distributed as dist
+
+            dist.broadcast(tokens, src=0)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return _InFlight(batch, tokens, host, ready)
+        return _InFlight(batch, tokens, tokens, None)
+
+    @staticmethod
+    def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    def _record(self, cur: _InFlight) -> list[RequestOutput]:
+        """Wait for `cur`'s tokens, record them and return the outputs; rows of sequences that finished
+        (or were aborted) after `cur` was launched are dropped."""
+        if cur.ready is not None:
+            cur.ready.synchronize()
+        tokens = cur.host.tolist()
+        rows = [b for b, s in enumerate(cur.batch.seqs) if not s.is_finished]
+        batch = Batch([cur.batch.seqs[b] for b in rows], [1] * len(rows), is_prefill=False)
+        sampled: list[int | None] = [tokens[b] for b in rows]
+        self.scheduler.update(batch, sampled, self.tokenizer.eos_token_ids)
+        return self._outputs(batch, list(range(len(rows))))
 
     @staticmethod
     def _agree(tokens: list[int], device: torch.device) -> list[int]:

@@ -166,10 +166,13 @@ class GraphDecoder:
                 break
         return len(self.graphs)
 
-    def run(self, ids: list[int], slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
+    def run(self, ids: list[int] | torch.Tensor, slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
         """Logits [B, V] fp32 of one decode step: sequence i feeds ids[i] at position ctx_lens[i] of slot
-        slots[i]."""
-        n = len(ids)
+        slots[i]. `ids` may be a device tensor (the previous step's sampled tokens, for a step launched
+        before the host has read them). Nothing here waits for the GPU: the inputs go up by one
+        non-blocking copy from pinned memory (CUDA's caching host allocator keeps that buffer until the copy
+        has run), so the host can prepare the next step while this one runs."""
+        n = len(slots)
         b = self.bucket(n)
         if b is None:
             raise ValueError(f"GraphDecoder: batch of {n} is over the largest bucket {self.max_batch}")
@@ -179,10 +182,14 @@ class GraphDecoder:
             self.graphs[key] = self._capture(b, w)
         graph, out = self.graphs[key]
         pad = b - n
-        host = torch.tensor(
-            [ids + [0] * pad, slots + [self.scratch] * pad, ctx_lens + [0] * pad], dtype=torch.int64
-        )
-        self.inputs[:, :b].copy_(host)
+        on_device = isinstance(ids, torch.Tensor)
+        host_ids = [0] * b if on_device else list(ids) + [0] * pad  # type: ignore[arg-type]
+        host = torch.tensor([host_ids, slots + [self.scratch] * pad, ctx_lens + [0] * pad], dtype=torch.int64)
+        if self.inputs.is_cuda:
+            host = host.pin_memory()
+        self.inputs[:, :b].copy_(host, non_blocking=True)
+        if on_device:
+            self.inputs[0, :n].copy_(ids)  # type: ignore[arg-type]
         graph.replay()
         return out[:n].clone()  # the next replay overwrites `out`
 
@@ -247,14 +254,48 @@ class ModelRunner:
         """Whether this step replays a decode graph: graphs on, every sequence one token (a slot, room in the
         cache), no prompt log-probabilities wanted, and a step the decoder accepts for this batch and
         context length (a bucket holds the batch, the temporaries fit its limit)."""
-        if self.graphs is None or not batch.seqs:
+        if any(n != 1 for n in batch.num_new_tokens):
             return False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if n != 1 or seq.slot is None or seq.num_cached + 1 > self.cache.max_len:
-                return False
+        for seq in batch.seqs:
             if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_token_ids):
                 return False
-        return self.graphs.accepts(len(batch.seqs), max(s.num_cached for s in batch.seqs) + 1)
+        return self.graph_decodes(batch.seqs)
+
+    def graph_decodes(self, seqs: list, ahead: int = 0) -> bool:
+        """Whether a one-token decode step of `seqs`, `ahead` tokens past their recorded state (a step
+        launched before the previous one's tokens are recorded: ahead = 1), replays a graph."""
+        if self.graphs is None or not seqs:
+            return False
+        for seq in seqs:
+            if seq.slot is None or seq.num_cached + ahead + 1 > self.cache.max_len:
+                return False
+        return self.graphs.accepts(len(seqs), max(s.num_cached for s in seqs) + ahead + 1)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list, ids: list[int] | torch.Tensor, ctx_lens: list[int]) -> torch.Tensor:
+        """Logits [B, V] fp32 of a one-token decode step of `seqs` feeding ids[i] (a host list or a device
+        tensor) at position ctx_lens[i]: a graph replay where one applies (the caller checks
+        `graph_decodes`), else one eager forward. A failed capture turns graphs off and runs eagerly."""
+        slots = [s.slot for s in seqs]
+        if self.graphs is not None and self.graphs.accepts(len(seqs), max(ctx_lens) + 1):
+            try:
+                return self.graphs.run(ids, slots, ctx_lens)
+            except GraphCaptureError as e:
+                self.disable_graphs(str(e))
+        dev = self.device
+        n = len(seqs)
+        input_ids = (
+            ids.to(dev) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=dev)
+        )
+        ctx = ForwardContext(
+            cu_seqlens=torch.arange(n + 1, dtype=torch.int64, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=dev),
+            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            cache=self.cache.cache,
+            seqlens_list=[1] * n,
+            context_lens_list=list(ctx_lens),
+        )
+        return self.model.compute_logits(self.model.forward(input_ids, ctx)).float()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:

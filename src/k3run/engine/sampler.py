@@ -63,19 +63,32 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> list[int]:
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """The tokens [B] int64 on the logits' device, without waiting for the GPU (the per-row parameters go
+        up by a non-blocking copy from pinned memory)."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits must be [B, V] with B = {len(params)}, got {tuple(logits.shape)}")
         logits = logits.float()
         out = logits.argmax(dim=-1)
         rows = [b for b, p in enumerate(params) if not p.greedy]
         if not rows:
-            return out.tolist()
+            return out
         # per row: index, temperature, top_k, top_p, u; one host-to-device copy
         u = [float(torch.rand((), generator=generators[b] or self.default_generator)) for b in rows]
         spec = torch.tensor(
             [[b, params[b].temperature, params[b].top_k, params[b].top_p, ub] for b, ub in zip(rows, u)],
             dtype=torch.float64,
-        ).to(logits.device)
+        )
+        if logits.is_cuda:
+            spec = spec.pin_memory()
+        spec = spec.to(logits.device, non_blocking=True)
         sel = spec[:, 0].long()
         scaled = logits.index_select(0, sel) / spec[:, 1:2].float()
         if any(params[b].top_k > 0 or params[b].top_p < 1.0 for b in rows):
@@ -85,4 +98,4 @@ class Sampler:
         target = spec[:, 4:5] * cdf[:, vocab - 1 : vocab]  # u times the row's total mass (1 up to rounding)
         tok = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
         out[sel] = tok[:, 0]
-        return out.tolist()
+        return out
