@@ -44,7 +44,7 @@ def _padded_block_weight(n: int, k: int, device: str = "cpu"):
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=2)
+    run_interp_tests_in_child(__file__, expected_passed=3)
 
 
 @interp_only
@@ -67,6 +67,24 @@ def test_interp_linear_triton_backend(poison_empty):
     x = torch.randn(m, k)
     y = fp8_pb_wo_linear(x, w_pad, s_w, n, backend="triton")
     assert_close("fp8_pb_wo triton", fp8_pb_wo_linear_ref(x, w_pad, s_w, n), y, rtol=FP32_RTOL)
+
+
+@interp_only
+def test_interp_decode_gemv_fused_quant(poison_empty):
+    """The decode GEMV (quantization fused, split-K, crop, bias) at M = 1 / 5 / 16, odd N (pad rows), three
+    K groups split 1 and 3 ways, block_n 32 and 64: fp32 output, so only the summation order differs from
+    the reference (the in-kernel quantization is the reference's, bit for bit)."""
+    from k3run.kernels.fp8_gemm.gemv import fp8_gemv
+
+    n, k = 130, 384
+    w_pad, s_w = _padded_block_weight(n, k)
+    bias = torch.randn(n)
+    for m, split, bn in ((1, 3, 64), (5, 1, 32), (16, 3, 64)):
+        x = torch.randn(m, k) * 3
+        y = fp8_gemv(x, w_pad, s_w, n, bias, block_n=bn, split_k=split)
+        ref = fp8_pb_wo_linear_ref(x, w_pad, s_w, n, bias)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert_close(f"fp8_gemv m={m} split={split} bn={bn}", ref, y, rtol=FP32_RTOL)
 
 
 def test_ref_identity_input_returns_dequantized_weight():
@@ -130,6 +148,53 @@ def test_gpu_backends(poison_empty, backend: str, m: int, n: int):
         assert y.shape == (m, n) and y.is_contiguous() and y.dtype == torch.bfloat16
         ref = fp8_pb_wo_linear_ref(x.float().cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else b.cpu())
         assert_close(f"fp8_pb_wo {backend} m={m} n={n}", ref, y, rtol=BF16_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n, k", [(300, 640), (2112, 7168), (333, 512)])
+def test_gpu_decode_gemv(poison_empty, m: int, n: int, k: int):
+    """The decode GEMV against the fp32 reference on odd shapes (crop, pad rows, K / 128 = 5 / 56 / 4), bf16
+    in and out, with and without bias (bound: one bf16 output rounding, BF16_RTOL), and in fp32 (only the
+    summation order: FP32_RTOL); fp8_pb_wo_linear takes it for these M on CUDA."""
+    from k3run.kernels.fp8_gemm.gemv import fp8_gemv
+
+    w_pad, s_w = _padded_block_weight(n, k, device="cuda")
+    x = torch.randn(m, k, device="cuda") * 2
+    bias = torch.randn(n, device="cuda")
+    for b in (None, bias):
+        ref = fp8_pb_wo_linear_ref(x.cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else b.cpu())
+        assert_close(f"fp8_gemv fp32 m={m} n={n}", ref, fp8_gemv(x, w_pad, s_w, n, b), rtol=FP32_RTOL)
+        xb, bb = x.bfloat16(), None if b is None else b.bfloat16()
+        refb = fp8_pb_wo_linear_ref(
+            xb.float().cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else bb.cpu()
+        )
+        y = fp8_pb_wo_linear(xb, w_pad, s_w, n, bb)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+        assert_close(f"fp8_pb_wo decode m={m} n={n}", refb, y, rtol=BF16_RTOL)
+        for bn, split in ((32, 1), (128, k // 128)):
+            got = fp8_gemv(xb, w_pad, s_w, n, bb, block_n=bn, split_k=split)
+            assert_close(f"fp8_gemv bn={bn} split={split}", refb, got, rtol=BF16_RTOL)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_gemv_in_a_graph():
+    """Captured in a CUDA graph and replayed with new inputs: the same as eager calls (no host sync)."""
+    from k3run.kernels.fp8_gemm.gemv import fp8_gemv
+
+    n, k = 520, 1024
+    w_pad, s_w = _padded_block_weight(n, k, device="cuda")
+    x = torch.randn(4, k, device="cuda").bfloat16()
+    fp8_gemv(x, w_pad, s_w, n)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, w_pad, s_w, n)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fp8_gemv(x, w_pad, s_w, n))
 
 
 @pytest.mark.gpu

@@ -48,7 +48,8 @@ _IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
         ("linear", "cpu", QuantAlgo.W4A16_NVFP4): _CPU_QUANT,
         ("linear", "cuda", QuantAlgo.NONE): "torch F.linear (cuBLAS)",
         ("linear", "cuda", QuantAlgo.FP8_PB_WO): "kernels/fp8_gemm: 1x128 fp8 activations x 128x128 blocks "
-        "(block-scaled _scaled_mm on sm90, else Triton)",
+        "(block-scaled _scaled_mm on sm90, else Triton; calls of <= 16 rows: one Triton GEMV with the "
+        "quantization fused)",
         ("linear", "cuda", QuantAlgo.NVFP4): _NVFP4_CUDA,
         ("linear", "cuda", QuantAlgo.W4A16_NVFP4): _NVFP4_CUDA,
         **{("expert", "cpu", a): _EXPERTS_CPU for a in QuantAlgo if a is not QuantAlgo.FP8},

@@ -17,7 +17,10 @@ from k3run.kernels.fp8_act_quant import quantize_act_1x128
 
 from .ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
 
-BACKENDS = ("scaled_mm", "triton", "ref")
+BACKENDS = ("scaled_mm", "triton", "gemv", "ref")
+# decode sizes: on CUDA, calls of up to this many rows take the fused quantize + split-K GEMV (fp8_gemm.gemv)
+# whatever the layer's backend; K3RUN_FP8_GEMV=0 turns it off (for comparisons)
+GEMV_MAX_M = 16
 
 
 def scaled_mm_shape_ok(k: int) -> bool:
@@ -33,6 +36,12 @@ def blockwise_scaled_mm_supported(device: torch.device) -> bool:
         return False
     major, minor = (int(v) for v in torch.version.cuda.split(".")[:2])
     return torch.cuda.get_device_capability(device) == (9, 0) and (major, minor) >= (12, 9)
+
+
+def _gemv_on() -> bool:
+    import os
+
+    return os.environ.get("K3RUN_FP8_GEMV", "1") != "0"
 
 
 def default_backend(device: torch.device, k: int) -> str:
@@ -80,6 +89,8 @@ def fp8_pb_wo_linear(
 
     weight_padded: fp8 [N_pad, K], N_pad = n_logical rounded up to 128 with zero pad rows;
     scale_2d: fp32 [N_pad/128, K/128] weight tile scales. backend None means default_backend(x.device, K).
+    On CUDA, up to GEMV_MAX_M rows run the decode GEMV (quantization fused, one weight pass) instead of the
+    backend's GEMM; backend "gemv" asks for it explicitly.
     """
     _check(x, weight_padded, scale_2d, n_logical, bias)
     backend = backend or default_backend(x.device, x.shape[-1])
@@ -94,6 +105,10 @@ def fp8_pb_wo_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if backend == "gemv" or (backend != "ref" and x2.is_cuda and 0 < m <= GEMV_MAX_M and _gemv_on()):
+        from .gemv import fp8_gemv
+
+        return fp8_gemv(x2, weight_padded, scale_2d, n_logical, bias).reshape(*lead, n_logical)
     if backend == "ref":
         ref = fp8_pb_wo_linear_ref
         if x2.device.type == "cpu":  # compiled on large matrices (kernels/fp8_gemm/cpu.py)
@@ -131,6 +146,7 @@ def fp8_pb_wo_linear(
 
 __all__ = [
     "BACKENDS",
+    "GEMV_MAX_M",
     "blockwise_scaled_mm_supported",
     "default_backend",
     "fp8_block_gemm_ref",

@@ -1,0 +1,146 @@
+"""FP8_PB_WO at decode sizes (M <= 16): the 1x128 activation quantization fused into a split-K GEMV.
+
+Why: at M = 1..16 the layer is a weight stream. Block-wise torch._scaled_mm reads 7168x7168 FP8 weights at
+~2.35 TB/s on an H200 and the whole layer (quantize launch + GEMM + crop / bias) at ~1.9 TB/s effective
+(bench/RESULTS.md run 3). Here one launch reads each weight once and quantizes x itself, and a second, tiny
+one sums the K splits, adds the bias and writes only the logical columns.
+
+Program (n block of BN rows, K split s) walks its 128-column groups kb: it quantizes the x group exactly as
+`quantize_fp8_act_1x128` does (scale = max(amax, 1e-10) / 448 with IEEE division, q = RNE_e4m3(clamp(x /
+scale, +-448)); every program of the group recomputes the same values), takes the group's partial product
+q [16, 128] x w[BN, 128]^T on the tensor cores in fp16 (E4M3 values are exact in fp16 and their products
+exact in the fp32 accumulator), and adds partial * s_x[m, kb] * s_w[n // 128, kb] to its fp32 accumulator.
+So the result is the reference's sum of (q_x s_x)(q_w s_w) up to fp32 summation order. The K splits go to
+an fp32 workspace [split, M, N_pad] summed in split order by `_reduce_kernel` (deterministic).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from k3run.kernels.fp8_act_quant.triton import _e4m3_rne_bits
+
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-10)
+MAX_M = 16  # the token tile (one mma row block)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    sw_ptr,
+    ws_ptr,
+    M,
+    N_PAD,
+    stride_xm,
+    stride_wn,
+    stride_swn,
+    KB_PER_SPLIT,
+    BN: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, 16)
+    offs_k = tl.arange(0, 128)
+    row_ok = offs_m < M
+    sw_row = sw_ptr + (pid_n * BN // 128) * stride_swn
+    acc = tl.zeros((16, BN), dtype=tl.float32)
+    kb0 = pid_s * KB_PER_SPLIT
+    for i in range(KB_PER_SPLIT):
+        kb = kb0 + i
+        cols = kb * 128 + offs_k
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :])  # [BN, 128] e4m3
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)  # [16]
+        q = tl.div_rn(x, scale[:, None])
+        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+        if EXACT_ROUND:  # the interpreter's fp32 -> fp8 cast does not round like the hardware
+            q8 = _e4m3_rne_bits(q).to(tl.float8e4nv, bitcast=True)
+        else:
+            q8 = q.to(tl.float8e4nv)
+        part = tl.dot(q8.to(tl.float16), tl.trans(w.to(tl.float16)))  # [16, BN] fp32, exact products
+        s_w = tl.load(sw_row + kb)
+        acc += part * (scale[:, None] * s_w)
+    ws = ws_ptr + (pid_s * M + offs_m[:, None]) * N_PAD + offs_n[None, :]
+    tl.store(ws, acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_kernel(
+    ws_ptr, b_ptr, y_ptr, M, N, N_PAD, stride_ym, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):  # in split order: the same bits for the same split
+        acc += tl.load(ws_ptr + (s * M + m) * N_PAD + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gemv_split(n_pad: int, k: int, block_n: int, sms: int, per_sm: int = 6) -> int:
+    """The K split: the largest divisor of the 128-column group count K / 128 (at most 16) that keeps the
+    grid (N_pad / block_n row blocks x split) within ~`per_sm` programs per SM."""
+    groups, blocks = k // 128, n_pad // block_n
+    fit = max(1, min(16, (sms * per_sm) // max(blocks, 1)))
+    return max(d for d in range(1, fit + 1) if groups % d == 0)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight_padded: torch.Tensor,
+    scale_2d: torch.Tensor,
+    n_logical: int,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int = 64,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """y [M, n_logical] = quant_1x128(x) @ weight_padded[:n_logical]^T (+ bias) in x's dtype, for M <= 16.
+
+    x [M, K] bf16 / fp16 / fp32 (unit stride along K, K % 128 == 0); weight_padded fp8 e4m3 [N_pad, K]
+    (N_pad % 128 == 0); scale_2d fp32 [N_pad / 128, K / 128]. Operands are checked by the caller
+    (`fp8_pb_wo_linear`). No host synchronisation: graph-capturable."""
+    m, k = x.shape
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"fp8_gemv: M={m} rows; the decode kernel takes 1..{MAX_M}")
+    if 128 % block_n or block_n < 16:
+        raise ValueError(f"fp8_gemv: block_n={block_n} must divide 128 (and be >= 16)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n_pad = weight_padded.shape[0]
+    if split_k is None:
+        sms = _sm_count(x.device.index or 0) if x.is_cuda else 1
+        split_k = gemv_split(n_pad, k, block_n, sms)
+    if (k // 128) % split_k:
+        raise ValueError(f"fp8_gemv: split_k={split_k} must divide K / 128 = {k // 128}")
+    ws = torch.empty((split_k, m, n_pad), dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(n_pad // block_n, split_k)](
+        x, weight_padded, scale_2d, ws, m, n_pad,
+        x.stride(0), weight_padded.stride(0), scale_2d.stride(0), (k // 128) // split_k,
+        BN=block_n, EXACT_ROUND=not x.is_cuda, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    y = torch.empty((m, n_logical), dtype=x.dtype, device=x.device)
+    block = 1024
+    _reduce_kernel[(m, triton.cdiv(n_logical, block))](
+        ws, bias if bias is not None else ws, y, m, n_logical, n_pad, y.stride(0), split_k,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return y
