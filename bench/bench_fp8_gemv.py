@@ -74,28 +74,36 @@ def main() -> None:
                 graph_ms([lambda w=w, s=s: fp8_pb_wo_linear(x, w, s, n, bias) for w, s in wsp], 0.03) * 1e3
             )
             t_gemv = graph_ms([lambda w=w, s=s: fp8_gemv(x, w, s, n, bias) for w, s in wsp], 0.03) * 1e3
+            t_pre = (
+                graph_ms([lambda w=w, s=s: fp8_gemv(x, w, s, n, bias, prequant=True) for w, s in wsp], 0.03)
+                * 1e3
+            )
             err = rel_rms_error(ref, fp8_gemv(x, wsp[0][0], wsp[0][1], n, bias).float())
             err_sm = rel_rms_error(ref, fp8_pb_wo_linear(x, wsp[0][0], wsp[0][1], n, bias).float())
             best = ""
             if args.sweep and m in (1, 16):
-                auto = gemv_split(n_pad, k, 64, sms)
+                auto = gemv_split(n_pad, k, 128, sms)
                 splits = sorted(
                     {auto, max(1, auto // 2), auto * 2} & {d for d in range(1, 17) if (k // 128) % d == 0}
                 )
                 trials = {}
-                for bn, nw, st, sp in itertools.product((32, 64, 128), (4, 8), (3, 4), splits):
-                    fns = [lambda w=w, s=s: fp8_gemv(x, w, s, n, bias, block_n=bn, split_k=sp, num_warps=nw,
-                                                     num_stages=st) for w, s in wsp]  # fmt: skip
+                for pre, bn, nw, st, sp in itertools.product(
+                    (False, True), (64, 128), (4, 8), (3, 4), splits
+                ):
+                    kw = dict(block_n=bn, split_k=sp, num_warps=nw, num_stages=st, prequant=pre)
+                    fns = [lambda w=w, s=s: fp8_gemv(x, w, s, n, bias, **kw) for w, s in wsp]
+                    name = f"{'pre' if pre else 'fused'} bn{bn} w{nw} s{st} sk{sp}"
                     try:
-                        trials[f"bn{bn} w{nw} s{st} sk{sp}"] = graph_ms(fns, 0.03) * 1e3
+                        trials[name] = graph_ms(fns, 0.03) * 1e3
                     except Exception as e:  # a variant that does not compile / fit
-                        trials[f"bn{bn} w{nw} s{st} sk{sp} ({type(e).__name__})"] = float("inf")
+                        trials[f"{name} ({type(e).__name__})"] = float("inf")
                 name, t_best = min(trials.items(), key=lambda kv: kv[1])
                 best = f" | best {t_best:6.1f} us ({name}) {nbytes / t_best / 1e6:4.2f} TB/s"
             tbs = nbytes / t_gemv / 1e6
             rows.append(
                 f"{n:>5}x{k:<5} M={m:<2} | bare {t_bare:6.1f} | layer {t_layer:6.1f} | gemv {t_gemv:6.1f} us "
-                f"{tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% | x layer {t_layer / t_gemv:4.2f} "
+                f"{tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% | pre {t_pre:6.1f} "
+                f"| x layer {t_layer / t_gemv:4.2f} "
                 f"x bare {t_bare / t_gemv:4.2f} | err gemv {err:.1e} sm {err_sm:.1e}{best}"
             )
             print(rows[-1], flush=True)

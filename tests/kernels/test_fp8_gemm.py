@@ -79,12 +79,12 @@ def test_interp_decode_gemv_fused_quant(poison_empty):
     n, k = 130, 384
     w_pad, s_w = _padded_block_weight(n, k)
     bias = torch.randn(n)
-    for m, split, bn in ((1, 3, 64), (5, 1, 32), (16, 3, 64)):
+    for m, split, bn, pre in ((1, 3, 64, False), (5, 1, 32, True), (16, 3, 128, False)):
         x = torch.randn(m, k) * 3
-        y = fp8_gemv(x, w_pad, s_w, n, bias, block_n=bn, split_k=split)
+        y = fp8_gemv(x, w_pad, s_w, n, bias, block_n=bn, split_k=split, prequant=pre)
         ref = fp8_pb_wo_linear_ref(x, w_pad, s_w, n, bias)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        assert_close(f"fp8_gemv m={m} split={split} bn={bn}", ref, y, rtol=FP32_RTOL)
+        assert_close(f"fp8_gemv m={m} split={split} bn={bn} prequant={pre}", ref, y, rtol=FP32_RTOL)
 
 
 def test_ref_identity_input_returns_dequantized_weight():
@@ -172,9 +172,9 @@ def test_gpu_decode_gemv(poison_empty, m: int, n: int, k: int):
         y = fp8_pb_wo_linear(xb, w_pad, s_w, n, bb)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
         assert_close(f"fp8_pb_wo decode m={m} n={n}", refb, y, rtol=BF16_RTOL)
-        for bn, split in ((32, 1), (128, k // 128)):
-            got = fp8_gemv(xb, w_pad, s_w, n, bb, block_n=bn, split_k=split)
-            assert_close(f"fp8_gemv bn={bn} split={split}", refb, got, rtol=BF16_RTOL)
+        for bn, split, pre in ((32, 1, False), (128, k // 128, False), (64, 1, True)):
+            got = fp8_gemv(xb, w_pad, s_w, n, bb, block_n=bn, split_k=split, prequant=pre)
+            assert_close(f"fp8_gemv bn={bn} split={split} prequant={pre}", refb, got, rtol=BF16_RTOL)
 
 
 @pytest.mark.gpu

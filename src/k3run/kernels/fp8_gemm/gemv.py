@@ -32,16 +32,19 @@ MAX_M = 16  # the token tile (one mma row block)
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
+    sx_ptr,
     w_ptr,
     sw_ptr,
     ws_ptr,
     M,
     N_PAD,
     stride_xm,
+    stride_sxm,
     stride_wn,
     stride_swn,
     KB_PER_SPLIT,
     BN: tl.constexpr,
+    PREQUANT: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -57,15 +60,21 @@ def _fp8_gemv_kernel(
         kb = kb0 + i
         cols = kb * 128 + offs_k
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :])  # [BN, 128] e4m3
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
-        x = x.to(tl.float32)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)  # [16]
-        q = tl.div_rn(x, scale[:, None])
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-        if EXACT_ROUND:  # the interpreter's fp32 -> fp8 cast does not round like the hardware
-            q8 = _e4m3_rne_bits(q).to(tl.float8e4nv, bitcast=True)
+        if PREQUANT:  # x quantized by fp8_act_quant: q [M, K] e4m3, scale [M, K / 128]
+            q8 = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=0.0)
+            scale = tl.load(sx_ptr + offs_m * stride_sxm + kb, mask=row_ok, other=0.0)
         else:
-            q8 = q.to(tl.float8e4nv)
+            # rows past M read 1.0, not 0: IEEE division takes a slow path for a zero numerator over the
+            # tiny floor scale (2^-43), which made M = 1 twice as slow as M = 16 (run 73); never stored
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=1.0)
+            x = x.to(tl.float32)
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)  # [16]
+            q = tl.div_rn(x, scale[:, None])
+            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+            if EXACT_ROUND:  # the interpreter's fp32 -> fp8 cast does not round like the hardware
+                q8 = _e4m3_rne_bits(q).to(tl.float8e4nv, bitcast=True)
+            else:
+                q8 = q.to(tl.float8e4nv)
         part = tl.dot(q8.to(tl.float16), tl.trans(w.to(tl.float16)))  # [16, BN] fp32, exact products
         s_w = tl.load(sw_row + kb)
         acc += part * (scale[:, None] * s_w)
@@ -93,7 +102,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def gemv_split(n_pad: int, k: int, block_n: int, sms: int, per_sm: int = 6) -> int:
+def gemv_split(n_pad: int, k: int, block_n: int, sms: int, per_sm: int = 3) -> int:
     """The K split: the largest divisor of the 128-column group count K / 128 (at most 16) that keeps the
     grid (N_pad / block_n row blocks x split) within ~`per_sm` programs per SM."""
     groups, blocks = k // 128, n_pad // block_n
@@ -108,16 +117,19 @@ def fp8_gemv(
     n_logical: int,
     bias: torch.Tensor | None = None,
     *,
-    block_n: int = 64,
+    block_n: int = 128,
     split_k: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 4,
+    num_stages: int = 3,
+    prequant: bool = False,
 ) -> torch.Tensor:
     """y [M, n_logical] = quant_1x128(x) @ weight_padded[:n_logical]^T (+ bias) in x's dtype, for M <= 16.
 
     x [M, K] bf16 / fp16 / fp32 (unit stride along K, K % 128 == 0); weight_padded fp8 e4m3 [N_pad, K]
     (N_pad % 128 == 0); scale_2d fp32 [N_pad / 128, K / 128]. Operands are checked by the caller
-    (`fp8_pb_wo_linear`). No host synchronisation: graph-capturable."""
+    (`fp8_pb_wo_linear`). prequant: quantize x first with the 1x128 kernel (fp8_act_quant) and let the GEMV
+    read q and the scales instead of quantizing every 128-column group in every program. No host
+    synchronisation: graph-capturable."""
     m, k = x.shape
     if not 1 <= m <= MAX_M:
         raise ValueError(f"fp8_gemv: M={m} rows; the decode kernel takes 1..{MAX_M}")
@@ -132,10 +144,16 @@ def fp8_gemv(
     if (k // 128) % split_k:
         raise ValueError(f"fp8_gemv: split_k={split_k} must divide K / 128 = {k // 128}")
     ws = torch.empty((split_k, m, n_pad), dtype=torch.float32, device=x.device)
+    if prequant:
+        from k3run.kernels.fp8_act_quant import quantize_act_1x128
+
+        xin, sx = quantize_act_1x128(x)
+    else:
+        xin, sx = x, scale_2d  # sx unused
     _fp8_gemv_kernel[(n_pad // block_n, split_k)](
-        x, weight_padded, scale_2d, ws, m, n_pad,
-        x.stride(0), weight_padded.stride(0), scale_2d.stride(0), (k // 128) // split_k,
-        BN=block_n, EXACT_ROUND=not x.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        xin, sx, weight_padded, scale_2d, ws, m, n_pad, xin.stride(0), sx.stride(0),
+        weight_padded.stride(0), scale_2d.stride(0), (k // 128) // split_k,
+        BN=block_n, PREQUANT=prequant, EXACT_ROUND=not x.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     y = torch.empty((m, n_logical), dtype=x.dtype, device=x.device)
     block = 1024
