@@ -1,4 +1,4 @@
-"""FP8_PB_WO at decode sizes (M <= 16): the 1x128 activation quantization fused into a split-K GEMV.
+"""FP8_PB_WO at decode sizes (M <= 16): a split-K GEMV with the 1x128 activation quantization fused in.
 
 Why: at M = 1..16 the layer is a weight stream. Block-wise torch._scaled_mm reads 7168x7168 FP8 weights at
 ~2.35 TB/s on an H200 and the whole layer (quantize launch + GEMM + crop / bias) at ~1.9 TB/s effective
@@ -11,7 +11,11 @@ scale, +-448)); every program of the group recomputes the same values), takes th
 q [16, 128] x w[BN, 128]^T on the tensor cores in fp16 (E4M3 values are exact in fp16 and their products
 exact in the fp32 accumulator), and adds partial * s_x[m, kb] * s_w[n // 128, kb] to its fp32 accumulator.
 So the result is the reference's sum of (q_x s_x)(q_w s_w) up to fp32 summation order. The K splits go to
-an fp32 workspace [split, M, N_pad] summed in split order by `_reduce_kernel` (deterministic).
+an fp32 workspace [split, M, N_pad] summed in split order by `_reduce_kernel` (deterministic). Above two rows
+x is quantized once by the 1x128 kernel instead (`prequant`), which the measurements favour there.
+
+Measured on an H200 (bench/RESULTS.md run 74, bf16, against quantize + _scaled_mm + crop / bias): 1.15-1.68x
+faster at M = 1 on the K3 shapes (7168^2: 19.8 against 25.6 us, 2.6 TB/s), 1.03-1.43x at M = 2..16.
 """
 
 from __future__ import annotations
@@ -121,15 +125,16 @@ def fp8_gemv(
     split_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    prequant: bool = False,
+    prequant: bool | None = None,
 ) -> torch.Tensor:
     """y [M, n_logical] = quant_1x128(x) @ weight_padded[:n_logical]^T (+ bias) in x's dtype, for M <= 16.
 
     x [M, K] bf16 / fp16 / fp32 (unit stride along K, K % 128 == 0); weight_padded fp8 e4m3 [N_pad, K]
     (N_pad % 128 == 0); scale_2d fp32 [N_pad / 128, K / 128]. Operands are checked by the caller
     (`fp8_pb_wo_linear`). prequant: quantize x first with the 1x128 kernel (fp8_act_quant) and let the GEMV
-    read q and the scales instead of quantizing every 128-column group in every program. No host
-    synchronisation: graph-capturable."""
+    read q and the scales instead of quantizing every 128-column group in every program; None: for M > 2
+    (bench/RESULTS.md run 74: fused is faster at M = 1 on every K3 shape, prequant at M = 4..16 on all but
+    one). No host synchronisation: graph-capturable."""
     m, k = x.shape
     if not 1 <= m <= MAX_M:
         raise ValueError(f"fp8_gemv: M={m} rows; the decode kernel takes 1..{MAX_M}")
@@ -144,6 +149,8 @@ def fp8_gemv(
     if (k // 128) % split_k:
         raise ValueError(f"fp8_gemv: split_k={split_k} must divide K / 128 = {k // 128}")
     ws = torch.empty((split_k, m, n_pad), dtype=torch.float32, device=x.device)
+    if prequant is None:
+        prequant = m > 2
     if prequant:
         from k3run.kernels.fp8_act_quant import quantize_act_1x128
 
