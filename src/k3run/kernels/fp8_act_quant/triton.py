@@ -37,6 +37,22 @@ def _e4m3_rne_bits(q):
 
 
 @triton.jit
+def quantize_groups(x, AXIS: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """fp32 x with its 128-column groups along AXIS -> (E4M3 bits uint8 like x, scale fp32 with AXIS
+    reduced): scale = max(amax, 1e-10) / 448 and q = RNE_e4m3(clamp(x / scale, +-448)), both divisions IEEE
+    (tl.div_rn), so the bits equal formats.quantize_fp8_act_1x128's. EXACT_ROUND: integer rounding (the
+    interpreter), else the hardware cvt (RNE, satfinite). Also used by the FP8 decode GEMV (fp8_gemm.gemv)."""
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), AMAX_FLOOR), FP8_MAX)
+    q = tl.div_rn(x, tl.expand_dims(scale, AXIS))
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if EXACT_ROUND:
+        qb = _e4m3_rne_bits(q)
+    else:
+        qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return qb, scale
+
+
+@triton.jit
 def _fp8_act_quant_kernel(
     x_ptr,
     q_ptr,
@@ -62,14 +78,7 @@ def _fp8_act_quant_kernel(
     in_x = (offs_m < M)[:, None, None] & (cols < K)[None, :, :]
     x = tl.load(x_ptr + rows * stride_xm + cols[None, :, :], mask=in_x, other=0.0).to(tl.float32)
 
-    amax = tl.max(tl.abs(x), axis=2)  # [BM, G]
-    scale = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    q = tl.div_rn(x, scale[:, :, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    if EXACT_ROUND:
-        qb = _e4m3_rne_bits(q)
-    else:
-        qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    qb, scale = quantize_groups(x, 2, EXACT_ROUND)  # [BM, G, 128] bits, [BM, G]
 
     in_out = (offs_m < M_OUT)[:, None, None] & (cols < K)[None, :, :]
     tl.store(q_ptr + rows * stride_qm + cols[None, :, :], qb, mask=in_out)

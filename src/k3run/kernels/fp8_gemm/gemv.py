@@ -26,10 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3run.kernels.fp8_act_quant.triton import _e4m3_rne_bits
+from k3run.kernels.fp8_act_quant.triton import quantize_groups
 
-FP8_MAX = tl.constexpr(448.0)
-AMAX_FLOOR = tl.constexpr(1e-10)
 MAX_M = 16  # the token tile (one mma row block)
 
 
@@ -71,14 +69,8 @@ def _fp8_gemv_kernel(
             # rows past M read 1.0, not 0: IEEE division takes a slow path for a zero numerator over the
             # tiny floor scale (2^-43), which made M = 1 twice as slow as M = 16 (run 73); never stored
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=1.0)
-            x = x.to(tl.float32)
-            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR), FP8_MAX)  # [16]
-            q = tl.div_rn(x, scale[:, None])
-            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-            if EXACT_ROUND:  # the interpreter's fp32 -> fp8 cast does not round like the hardware
-                q8 = _e4m3_rne_bits(q).to(tl.float8e4nv, bitcast=True)
-            else:
-                q8 = q.to(tl.float8e4nv)
+            qb, scale = quantize_groups(x.to(tl.float32), 1, EXACT_ROUND)  # [16, 128] bits, [16]
+            q8 = qb.to(tl.float8e4nv, bitcast=True)
         part = tl.dot(q8.to(tl.float16), tl.trans(w.to(tl.float16)))  # [16, BN] fp32, exact products
         s_w = tl.load(sw_row + kb)
         acc += part * (scale[:, None] * s_w)
