@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -31,9 +32,12 @@ def model():
     return load_model(MODEL_DIR, dtype=torch.float32)
 
 
-@pytest.fixture
-def server(model):
-    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), CONFIG), "k3")
+@pytest.fixture(params=[None, True], ids=["sync", "overlap"])
+def server(model, request):
+    """Every server test runs with plain steps and with decode overlap forced on (each decode step launched
+    before the previous one is recorded; on the CPU only the bookkeeping differs): the same responses."""
+    cfg = dataclasses.replace(CONFIG, overlap_decode=request.param)
+    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), cfg), "k3")
     yield srv
     srv.async_engine.shutdown()
 
