@@ -18,6 +18,7 @@ from k3run.engine.runner import (
     CausalLM,
     GraphDecoder,
     ModelRunner,
+    staged,
 )
 from k3run.engine.sampler import Sampler
 from k3run.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -329,7 +330,9 @@ class LLMEngine:
             if idx == list(range(len(idx))):
                 ids = prev.tokens[: len(idx)]
             else:
-                ids = prev.tokens.index_select(0, self._to_device(idx, prev.tokens.device))
+                dev = prev.tokens.device
+                rows = staged(torch.tensor(idx, dtype=torch.int64), dev).to(dev, non_blocking=True)
+                ids = prev.tokens.index_select(0, rows)
             ctx_lens = [s.num_cached + 1 for s in seqs]
         logits = self.runner.decode(seqs, ids, ctx_lens)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -344,13 +347,6 @@ class LLMEngine:
             ready.record()
             return _InFlight(batch, tokens, host, ready)
         return _InFlight(batch, tokens, tokens, None)
-
-    @staticmethod
-    def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.int64)
-        if device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(device, non_blocking=True)
 
     def _record(self, cur: _InFlight) -> list[RequestOutput]:
         """Wait for `cur`'s tokens, record them and return the outputs; rows of sequences that finished

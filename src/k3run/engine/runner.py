@@ -24,6 +24,12 @@ MIN_GRAPH_WINDOW = 256  # the smallest attention window; windows double from her
 DEFAULT_GRAPH_STEP_BYTES = 1 << 30  # a captured step's largest temporaries (the MLA window's copies)
 
 
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` ready for a non-blocking copy to `device`: in pinned memory when that is a GPU (a pageable
+    copy would wait for the GPU; CUDA's caching host allocator keeps the pinned block until the copy ran)."""
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
 
@@ -185,9 +191,7 @@ class GraphDecoder:
         on_device = isinstance(ids, torch.Tensor)
         host_ids = [0] * b if on_device else list(ids) + [0] * pad  # type: ignore[arg-type]
         host = torch.tensor([host_ids, slots + [self.scratch] * pad, ctx_lens + [0] * pad], dtype=torch.int64)
-        if self.inputs.is_cuda:
-            host = host.pin_memory()
-        self.inputs[:, :b].copy_(host, non_blocking=True)
+        self.inputs[:, :b].copy_(staged(host, self.inputs.device), non_blocking=True)
         if on_device:
             self.inputs[0, :n].copy_(ids)  # type: ignore[arg-type]
         graph.replay()
@@ -219,11 +223,16 @@ class ModelRunner:
             seqlens.append(n)
             ctx_lens.append(seq.num_cached)
             slots.append(seq.slot)
+        return torch.tensor(ids, dtype=torch.int64, device=self.device), self._context(
+            seqlens, ctx_lens, slots
+        )
+
+    def _context(self, seqlens: list[int], ctx_lens: list[int], slots: list[int]) -> ForwardContext:
         cu = [0]
         for n in seqlens:
             cu.append(cu[-1] + n)
         dev = self.device
-        ctx = ForwardContext(
+        return ForwardContext(
             cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=dev),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=dev),
             slots=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -231,7 +240,6 @@ class ModelRunner:
             seqlens_list=seqlens,
             context_lens_list=ctx_lens,
         )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), ctx  # [T]
 
     def disable_graphs(self, why: str) -> None:
         """Decode eagerly from now on (the graphs' scratch slot stays reserved)."""
@@ -282,19 +290,11 @@ class ModelRunner:
                 return self.graphs.run(ids, slots, ctx_lens)
             except GraphCaptureError as e:
                 self.disable_graphs(str(e))
-        dev = self.device
-        n = len(seqs)
-        input_ids = (
-            ids.to(dev) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=dev)
-        )
-        ctx = ForwardContext(
-            cu_seqlens=torch.arange(n + 1, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=dev),
-            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cache=self.cache.cache,
-            seqlens_list=[1] * n,
-            context_lens_list=list(ctx_lens),
-        )
+        if isinstance(ids, torch.Tensor):
+            input_ids = ids.to(self.device)
+        else:
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        ctx = self._context([1] * len(seqs), list(ctx_lens), slots)  # type: ignore[arg-type]
         return self.model.compute_logits(self.model.forward(input_ids, ctx)).float()
 
     @torch.inference_mode()

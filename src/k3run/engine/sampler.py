@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from k3run.engine.runner import staged
 from k3run.engine.sequence import SamplingParams
 
 
@@ -86,9 +87,7 @@ class Sampler:
             [[b, params[b].temperature, params[b].top_k, params[b].top_p, ub] for b, ub in zip(rows, u)],
             dtype=torch.float64,
         )
-        if logits.is_cuda:
-            spec = spec.pin_memory()
-        spec = spec.to(logits.device, non_blocking=True)
+        spec = staged(spec, logits.device).to(logits.device, non_blocking=True)
         sel = spec[:, 0].long()
         scaled = logits.index_select(0, sel) / spec[:, 1:2].float()
         if any(params[b].top_k > 0 or params[b].top_p < 1.0 for b in rows):
