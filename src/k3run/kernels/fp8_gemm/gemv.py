@@ -20,8 +20,6 @@ faster at M = 1 on the K3 shapes (7168^2: 19.8 against 25.6 us, 2.6 TB/s), 1.03-
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -93,11 +91,6 @@ def _reduce_kernel(
     tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def gemv_split(n_pad: int, k: int, block_n: int, sms: int, per_sm: int = 3) -> int:
     """The K split: the largest divisor of the 128-column group count K / 128 (at most 16) that keeps the
     grid (N_pad / block_n row blocks x split) within ~`per_sm` programs per SM."""
@@ -136,7 +129,9 @@ def fp8_gemv(
         x = x.contiguous()
     n_pad = weight_padded.shape[0]
     if split_k is None:
-        sms = _sm_count(x.device.index or 0) if x.is_cuda else 1
+        from k3run.kernels.nvfp4_gemm import sm_count
+
+        sms = sm_count(x.device.index or 0) if x.is_cuda else 1
         split_k = gemv_split(n_pad, k, block_n, sms)
     if (k // 128) % split_k:
         raise ValueError(f"fp8_gemv: split_k={split_k} must divide K / 128 = {k // 128}")
