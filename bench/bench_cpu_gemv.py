@@ -1,6 +1,6 @@
 """The fast CPU linears against the references they replace (dequantize the whole weight to fp32, then
 matmul), on this machine's cores: NVFP4 W4A16 (kernels/nvfp4_gemm/cpu.py) and FP8_PB_WO
-(kernels/fp8_gemm/cpu.py); up to cpu_fused.MAX_M rows the AVX-512 extension (kernels/cpu_avx512.py)
+(kernels/fp8_gemm/cpu.py); up to cpu_fused.MAX_M rows the AVX-512 extension (kernels/cpu_simd.py)
 where the CPU has it, else the compiled fused GEMV (kernels/cpu_fused.py; timed too, as "loop ms"), above
 MAX_M the compiled dequantization in row blocks + matmul. --decode also times whole decode steps of a reduced
 K3-shaped model (bench/k3_shaped.py, k3-mixed: NVFP4 experts, FP8_PB_WO attention): the default paths in fp32
@@ -28,7 +28,7 @@ import time
 import torch
 
 from k3run.formats import quantize_fp8_block, quantize_nvfp4
-from k3run.kernels import cpu_avx512, cpu_fused
+from k3run.kernels import cpu_fused, cpu_simd
 from k3run.kernels.fp8_gemm.cpu import fp8_pb_wo_linear_cpu
 from k3run.kernels.fp8_gemm.ref import fp8_pb_wo_linear_ref
 from k3run.kernels.nvfp4_gemm.cpu import nvfp4_linear_cpu
@@ -67,12 +67,14 @@ def _decode(steps: int = 12) -> None:
             "moe_intermediate_size": 1024, "routed_expert_hidden_size": 1024}  # fmt: skip
     tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "..", "assets", "default-model-k3-mixed"))
     print("reduced K3-shaped model: 4 layers (3 KDA + 1 MLA), hidden 2048, 16 experts of 1024x1024")
-    modes = [("fast", torch.float32, "1"), ("fast", torch.bfloat16, "1"), ("loop", torch.bfloat16, "0"),
-             ("reference", torch.float32, "1")]  # fmt: skip
+    modes = [("fast", torch.float32, ""), ("fast", torch.bfloat16, ""), ("loop", torch.bfloat16, "0"),
+             ("reference", torch.float32, "")]  # fmt: skip
+    if cpu_simd.cpu_level() == "avx512":
+        modes.insert(2, ("avx2", torch.bfloat16, "avx2"))
     for what, dtype, avx in modes:
         saved = cpu_fused.MIN_WEIGHTS
         cpu_fused.MIN_WEIGHTS = 1 << 62 if what == "reference" else saved  # also decides the experts' path
-        os.environ["K3RUN_CPU_AVX512"] = avx
+        os.environ["K3RUN_CPU_SIMD"] = avx
         try:
             model = random_k3_model(layers=4, experts=16, device="cpu", dtype=dtype, dims=dims)
             eng = LLM.from_model(model, tok, EngineConfig(max_num_seqs=4, max_model_len=256)).engine
@@ -90,7 +92,7 @@ def _decode(steps: int = 12) -> None:
                 print(f"  {name:>16} batch {b}: {statistics.median(walls[1:]):7.1f} ms per step", flush=True)
         finally:
             cpu_fused.MIN_WEIGHTS = saved
-            os.environ.pop("K3RUN_CPU_AVX512")
+            os.environ.pop("K3RUN_CPU_SIMD")
 
 
 def main() -> None:
@@ -105,9 +107,11 @@ def main() -> None:
     saved, cpu_fused.MIN_WEIGHTS = cpu_fused.MIN_WEIGHTS, 0  # the compiled loops at every size asked for
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"{torch.get_num_threads()} threads, {isa}, copy {copy:.1f} GB/s, {args.dtype} inputs")
-    avx = cpu_avx512.available()
-    print(f"AVX-512 extension: {'on' if avx else 'off'} {cpu_avx512._error or ''}")
-    head = f"{'fmt':>5} {'shape':>11} {'M':>2} {'fast ms':>8} {'GB/s':>6} {'%copy':>6} {'loop ms':>8}"
+    avx = cpu_simd.available()
+    level = cpu_simd.cpu_level()
+    print(f"SIMD extension: {level if avx else 'off'} {cpu_simd._error or ''}")
+    head = f"{'fmt':>5} {'shape':>11} {'M':>2} {'fast ms':>8} {'GB/s':>6} {'%copy':>6} {'avx2 ms':>8}"
+    head += f" {'loop ms':>8}"
     head += f" {'ref ms':>8}"
     print(f"{head} {'speed-up':>8} {'fp32 ms':>8} {'bf16 ms':>8} {'rel err':>8}")
     # every lambda below is timed inside its own loop iteration
@@ -131,15 +135,19 @@ def main() -> None:
             t16 = _ms(lambda: x.bfloat16() @ dense_bf16.t())
             for fmt, nbytes, fast, ref in cases:
                 t_fast = _ms(lambda: fast(x))
-                os.environ["K3RUN_CPU_AVX512"] = "0"  # the compiled loop (what runs without AVX-512)
+                t_avx2 = float("nan")
+                if level == "avx512":  # the AVX2 kernels on the same CPU (what AVX2-only CPUs run)
+                    os.environ["K3RUN_CPU_SIMD"] = "avx2"
+                    t_avx2 = _ms(lambda: fast(x))
+                os.environ["K3RUN_CPU_SIMD"] = "0"  # the compiled loop (what runs without the extension)
                 t_loop = _ms(lambda: fast(x))
-                os.environ.pop("K3RUN_CPU_AVX512")
+                os.environ.pop("K3RUN_CPU_SIMD")
                 t_ref = _ms(lambda: ref(x), reps=3)
                 want = ref(x)
                 err = float((fast(x).float() - want.float()).norm() / want.float().norm())
                 gbs = nbytes / t_fast / 1e6
                 row = f"{fmt:>5} {shape:>11} {m:>2} {t_fast:>8.2f} {gbs:>6.2f} {100 * gbs / copy:>5.1f}%"
-                row += f" {t_loop:>8.2f}"
+                row += f" {t_avx2:>8.2f} {t_loop:>8.2f}"
                 row += f" {t_ref:>8.2f} {t_ref / t_fast:>7.1f}x {t32:>8.2f} {t16:>8.2f} {err:>8.1e}"
                 print(row, flush=True)
     cpu_fused.MIN_WEIGHTS = saved

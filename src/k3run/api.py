@@ -80,14 +80,14 @@ def load_model(
 
 
 def _prepare_cpu_kernels(model: torch.nn.Module) -> None:
-    """Build (or load from its cache) the AVX-512 CPU extension now if any quantized matrix will use it, so
-    the ~20 s first build lands in loading, not in the first request."""
-    from k3run.kernels import cpu_avx512, cpu_fused
+    """Build (or load from its cache) the AVX-512 / AVX2 CPU extension now if any quantized matrix will use
+    it, so the ~20 s first build lands in loading, not in the first request."""
+    from k3run.kernels import cpu_fused, cpu_simd
 
     for name, p in model.named_parameters():
         if p.dim() < 2 or p.element_size() != 1 or not name.endswith("weight"):  # NVFP4 codes / FP8 bytes
             continue
         weights = p.shape[-2] * p.shape[-1] * (2 if p.dtype == torch.uint8 else 1)  # two codes per byte
         if weights >= cpu_fused.MIN_WEIGHTS:
-            cpu_avx512.available()
+            cpu_simd.available()
             return

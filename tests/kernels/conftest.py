@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from k3run.kernels import cpu_fused
+from k3run.kernels import cpu_fused, cpu_simd
 
 
 @pytest.fixture
 def fused_everywhere(monkeypatch):
     """The CPU's compiled loops at any size (the default threshold keeps test-sized matrices on the
-    references; the AVX-512 extension, which would take the decode rows first, is off: it has its own
+    references; the SIMD extension, which would take the decode rows first, is off: it has its own
     tests)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(cpu_fused, "disabled", None)
-    monkeypatch.setenv("K3RUN_CPU_AVX512", "0")
+    monkeypatch.setenv("K3RUN_CPU_SIMD", "0")
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def simd_level(request, monkeypatch) -> str:
+    """The SIMD extension at one instruction set: AVX-512 where the CPU has it, and AVX2 on any AVX2 or
+    AVX-512 CPU (K3RUN_CPU_SIMD=avx2), so an AVX-512 machine tests both."""
+    monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    native = cpu_simd.cpu_level()
+    if native is None or (request.param == "avx512" and native != "avx512"):
+        pytest.skip(f"this CPU runs {native or 'neither AVX2 nor AVX-512'}")
+    if request.param == "avx2":
+        monkeypatch.setenv("K3RUN_CPU_SIMD", "avx2")
+    assert cpu_simd.cpu_level() == request.param
+    return request.param

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import k3run.kernels.cpu_avx512 as cpu_avx512
+import k3run.kernels.cpu_simd as cpu_simd
 import k3run.kernels.fp8_gemm.cpu as cpu
 from k3run.formats import quantize_fp8_act_1x128
 from k3run.kernels import cpu_fused
 from k3run.kernels.fp8_gemm import fp8_pb_wo_linear
 from k3run.kernels.fp8_gemm.ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
 from k3run.testing import assert_close
-from tests.kernels.cpu_paths import needs_avx512, needs_cxx
+from tests.kernels.cpu_paths import needs_cxx, needs_simd
 from tests.kernels.test_fp8_gemm import _padded_block_weight
 
 RTOL = 1e-5
@@ -38,14 +38,14 @@ def test_eager_formula_matches_reference() -> None:
     assert_close("fp8 fused formula", want, got, rtol=RTOL)
 
 
-@needs_avx512
+@needs_simd
 @pytest.mark.parametrize("m", [1, 3, 8, 21])
-def test_avx512_linear_matches_reference(monkeypatch, m: int) -> None:
-    """The AVX-512 extension through fp8_pb_wo_linear on the CPU: N = 300 real rows of 384 (the padding never
-    computed; the last tile scale row shared by 44 rows), K = 640 (5 blocks), bias, fp32 and bf16; 21 rows in
-    three kernel calls."""
+def test_simd_linear_matches_reference(monkeypatch, simd_level, m: int) -> None:
+    """The SIMD extension (AVX-512 and AVX2) through fp8_pb_wo_linear on the CPU: N = 300 real rows of 384
+    (the padding never computed; the last tile scale row shared by 44 rows), K = 640 (5 blocks), bias, fp32
+    and bf16; 21 rows in several kernel calls."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
-    assert cpu_avx512.available(), cpu_avx512._error
+    assert cpu_simd.available(), cpu_simd._error
     n, k = 300, 640
     w_pad, s_w = _padded_block_weight(n, k)
     bias = torch.randn(n)
@@ -54,14 +54,14 @@ def test_avx512_linear_matches_reference(monkeypatch, m: int) -> None:
         want = fp8_pb_wo_linear_ref(x, w_pad, s_w, n, bias)
         got = fp8_pb_wo_linear(x, w_pad, s_w, n, bias)
         assert got.dtype == dtype and got.shape == (m, n)
-        assert_close(f"avx512 fp8 m={m} {dtype}", want, got, rtol=rtol)
+        assert_close(f"{simd_level} fp8 m={m} {dtype}", want, got, rtol=rtol)
 
 
-@needs_avx512
-def test_avx512_every_e4m3_code_exact() -> None:
+@needs_simd
+def test_simd_every_e4m3_code_exact(simd_level) -> None:
     """Every E4M3 weight byte but NaN (subnormals and -0 included) read back through one-hot activations
     with unit scales: exact."""
-    assert cpu_avx512.available(), cpu_avx512._error
+    assert cpu_simd.available(), cpu_simd._error
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254
     n, k = codes.numel(), 128
     w = codes.reshape(n, 1).expand(n, k).contiguous()
@@ -69,11 +69,11 @@ def test_avx512_every_e4m3_code_exact() -> None:
     q_x = torch.zeros(2, k)
     q_x[0, 5] = 1.0
     q_x[1, 127] = -2.0
-    got = cpu_avx512.fp8_block_gemv_avx512(q_x, torch.ones(2, 1), w, s_w)
+    got = cpu_simd.fp8_block_gemv_simd(q_x, torch.ones(2, 1), w, s_w)
     want = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(got[0], want) and torch.equal(got[1], -2.0 * want)
     with pytest.raises(ValueError, match="multiple of 128"):
-        cpu_avx512.fp8_block_gemv_avx512(torch.zeros(1, 96), torch.ones(1, 1), w[:, :96], s_w)
+        cpu_simd.fp8_block_gemv_simd(torch.zeros(1, 96), torch.ones(1, 1), w[:, :96], s_w)
 
 
 @needs_cxx

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import k3run.kernels.cpu_avx512 as cpu_avx512
+import k3run.kernels.cpu_simd as cpu_simd
 import k3run.kernels.nvfp4_gemm.cpu as cpu
 from k3run.formats import E2M1_VALUES, dequantize_nvfp4
 from k3run.kernels import cpu_fused
 from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
 from k3run.testing import assert_close
-from tests.kernels.cpu_paths import needs_avx512, needs_cxx
+from tests.kernels.cpu_paths import needs_cxx, needs_simd
 from tests.kernels.test_nvfp4_gemm import _random_nvfp4
 
 RTOL = 1e-5
@@ -52,43 +52,43 @@ def _linear_matches_reference(what: str, shapes: list[tuple[int, int, int]], per
             assert_close(f"{what} {m}x{n}x{k} {dtype}", want, got, rtol=rtol)
 
 
-@needs_avx512
+@needs_simd
 @pytest.mark.parametrize("per_row", [False, True])
-def test_avx512_gemv_matches_reference(monkeypatch, per_row: bool) -> None:
-    """The AVX-512 extension: 1..8 rows and 19 (three kernel calls of <= 8 rows), K with a last half chunk
-    (K / 2 = 1800 bytes: 8 past a multiple of 16) and without, N not a multiple of the thread grain, bf16 and
-    fp32 inputs, a bias; nvfp4_linear_cpu takes it for up to cpu_avx512.NVFP4_MAX_M rows on matrices of
-    MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL)."""
+def test_simd_gemv_matches_reference(monkeypatch, simd_level, per_row: bool) -> None:
+    """The SIMD extension (AVX-512 and AVX2): 1..8 rows and 19 (calls of <= 8 / 4 rows), K with a last half
+    chunk (K / 2 = 1800 bytes: 8 past a multiple of 16) and without, N not a multiple of the thread grain,
+    bf16 and fp32 inputs, a bias; nvfp4_linear_cpu takes it for up to cpu_simd.NVFP4_MAX_M rows on matrices
+    of MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
-    assert cpu_avx512.available(), cpu_avx512._error
+    assert cpu_simd.available(), cpu_simd._error
     shapes = [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32), (19, 40, 272)]
-    _linear_matches_reference("avx512", shapes, per_row)
+    _linear_matches_reference(simd_level, shapes, per_row)
 
 
-@needs_avx512
-def test_avx512_bf16_weights_are_exact_in_permuted_order() -> None:
+@needs_simd
+def test_simd_bf16_weights_are_exact_in_permuted_order(simd_level) -> None:
     """nvfp4_dequant_bf16_perm: codes times block scales in bf16 bit for bit, each 32-column chunk as its
     even then its odd columns, which nvfp4_x_perm reproduces on any matrix; shapes not a multiple of 32
     refused."""
-    assert cpu_avx512.available(), cpu_avx512._error
+    assert cpu_simd.available(), cpu_simd._error
     w, s, _ = _random_nvfp4(37, 320)
-    got = cpu_avx512.nvfp4_dequant_bf16_perm(w, s)
+    got = cpu_simd.nvfp4_dequant_bf16_perm(w, s)
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got.float(), cpu_avx512.nvfp4_x_perm(dequantize_nvfp4(w, s, 1.0)))
+    assert torch.equal(got.float(), cpu_simd.nvfp4_x_perm(dequantize_nvfp4(w, s, 1.0)))
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_avx512.nvfp4_dequant_bf16_perm(*_random_nvfp4(4, 48)[:2])
+        cpu_simd.nvfp4_dequant_bf16_perm(*_random_nvfp4(4, 48)[:2])
 
 
-@needs_avx512
+@needs_simd
 @pytest.mark.parametrize("per_row", [False, True])
-def test_avx512_bf16_prefill_within_one_ulp(monkeypatch, per_row: bool) -> None:
-    """bf16 inputs above cpu_fused.MAX_M rows on an AVX-512 CPU: exact bf16 weights, a bf16 matmul, then the
-    global scale and the bias: the output rounds to bf16 twice (after the matmul, after the scale), so each
-    element is within one bf16 ulp (2^-8 relative) of the reference's single rounding; bound 2^-8 on the
-    relative RMS. Row blocks of 16 rows (3 blocks and a partial one for N = 56)."""
+def test_simd_bf16_prefill_within_one_ulp(monkeypatch, simd_level, per_row: bool) -> None:
+    """bf16 inputs above cpu_fused.MAX_M rows with the SIMD extension: exact bf16 weights, a bf16 matmul, then
+    the global scale and the bias: the output rounds to bf16 twice (after the matmul, after the scale), so
+    each element is within one bf16 ulp (2^-8 relative) of the reference's single rounding; bound 2^-8 on
+    the relative RMS. Row blocks of 16 rows (3 blocks and a partial one for N = 56)."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(cpu_fused, "DEQUANT_BLOCK_FLOATS", 16 * 640)
-    assert cpu_avx512.available(), cpu_avx512._error
+    assert cpu_simd.available(), cpu_simd._error
     for m, n, k in [(9, 56, 640), (40, 37, 4096)]:
         w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
         bias = torch.randn(n)
@@ -98,11 +98,11 @@ def test_avx512_bf16_prefill_within_one_ulp(monkeypatch, per_row: bool) -> None:
         assert_close(f"bf16 prefill {m}x{n}x{k}", nvfp4_linear_ref(x, w, s, gs, bias), got, rtol=2.0**-8)
 
 
-@needs_avx512
-def test_avx512_gemv_every_code_and_scale_exact() -> None:
+@needs_simd
+def test_simd_gemv_every_code_and_scale_exact(simd_level) -> None:
     """Each of the 16 codes in both nibbles under every finite E4M3 scale (subnormals and -0 included), read
     back through one-hot inputs: exact (one product per output, no sums)."""
-    assert cpu_avx512.available(), cpu_avx512._error
+    assert cpu_simd.available(), cpu_simd._error
     scales = torch.arange(0x7F, dtype=torch.uint8)  # 0x00..0x7E: every finite non-negative E4M3 value
     n, k = 16 * scales.numel(), 32
     codes = torch.arange(16, dtype=torch.uint8).repeat(scales.numel())  # row r holds code r % 16
@@ -113,21 +113,21 @@ def test_avx512_gemv_every_code_and_scale_exact() -> None:
     x[0, 2] = 1.0  # an even column: low nibbles
     x[1, 21] = 1.0  # an odd column in the second scale group: high nibbles
     want = nvfp4_linear_ref(x, w, s, gs)
-    got = cpu_avx512.nvfp4_gemv_avx512(x, w, s, gs)
+    got = cpu_simd.nvfp4_gemv_simd(x, w, s, gs)
     assert torch.equal(got, want)
     assert torch.equal(got[0], (E2M1_VALUES.float().repeat(scales.numel()) * s[:, 0].float() * 0.75))
 
 
-@needs_avx512
-def test_avx512_gemv_rejects_bad_operands() -> None:
-    assert cpu_avx512.available(), cpu_avx512._error
+@needs_simd
+def test_simd_gemv_rejects_bad_operands(simd_level) -> None:
+    assert cpu_simd.available(), cpu_simd._error
     w, s, gs = _random_nvfp4(8, 64)
     with pytest.raises(ValueError, match="weight uint8"):
-        cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 96), w, s, gs)
+        cpu_simd.nvfp4_gemv_simd(torch.randn(1, 96), w, s, gs)
     with pytest.raises(ValueError, match="weight_scale"):
-        cpu_avx512.nvfp4_gemv_avx512(torch.randn(1, 64), w, s[:, :2], gs)
+        cpu_simd.nvfp4_gemv_simd(torch.randn(1, 64), w, s[:, :2], gs)
     with pytest.raises(ValueError, match="rows"):
-        cpu_avx512.nvfp4_gemv_avx512(torch.randn(cpu_avx512.NVFP4_MAX_M + 1, 64), w, s, gs)
+        cpu_simd.nvfp4_gemv_simd(torch.randn(cpu_simd.NVFP4_MAX_M + 1, 64), w, s, gs)
 
 
 @needs_cxx
@@ -214,7 +214,7 @@ def test_cpu_load_prepares_the_extension_only_for_large_quantized_matrices(monke
     from k3run.api import _prepare_cpu_kernels
 
     calls = []
-    monkeypatch.setattr(cpu_avx512, "available", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cpu_simd, "available", lambda: calls.append(1) or True)
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 1 << 12)
     small = torch.nn.Module()
     small.register_parameter("weight", torch.nn.Parameter(torch.zeros(32, 32, dtype=torch.uint8), False))

@@ -183,7 +183,7 @@ BY_EXPERT_MAX_TOKENS = 128
 # the expert-major token tile: 8 up to 8 tokens, 16 up to BY_EXPERT_T32_FROM - 1, then 32 (an expert picked c
 # times runs ceil(c / tile) tiles). K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons).
 BY_EXPERT_T32_FROM = 1 << 30
-# CPU NVFP4 experts on the reference path (below the compiled / AVX-512 paths' size) keep their decoded fp32
+# CPU NVFP4 experts on the reference path (below the compiled / SIMD paths' size) keep their decoded fp32
 # weights when all of a layer's local experts take at most this much (the same values, decoded once)
 CPU_REFERENCE_CACHE_BYTES = 64 << 20
 

@@ -31,8 +31,8 @@ LAYER_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_sca
 _EMBEDDING_NAMES = frozenset({"embed_tokens", "word_embeddings", "wte"})
 _FLOAT_CODES = ("BF16", "F16", "F32")
 
-# CPU: kernels/cpu_avx512.py where the CPU has AVX-512, else kernels/cpu_fused.py's compiled loops
-_CPU_QUANT = "AVX-512 extension or compiled loop if >= 1M weights, else dequantize + matmul"
+# CPU: kernels/cpu_simd.py where the CPU has AVX-512 or AVX2, else kernels/cpu_fused.py's compiled loops
+_CPU_QUANT = "AVX-512 / AVX2 extension or compiled loop if >= 1M weights, else dequantize + matmul"
 _NVFP4_CUDA = "kernels/nvfp4_gemm: Gluon W4A16 decode kernel (M <= 32), dequantize + cuBLAS above"
 _EXPERTS_CPU = "layers/moe fused_experts: per-expert loop (the CPU linear paths)"
 _EXPERTS_CUDA = (

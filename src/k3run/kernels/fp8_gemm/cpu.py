@@ -1,8 +1,8 @@
 """FP8_PB_WO linear on the CPU, compiled (kernels/cpu_fused.py: when it applies, the fallback).
 
 The activations are quantized per token and 128 columns exactly as the reference does (they are small);
-the weight is decoded inside the dot products for decode-sized M (<= cpu_fused.MAX_M), by the AVX-512
-extension of kernels/cpu_avx512.py where the CPU has it, else by this compiled loop:
+the weight is decoded inside the dot products for decode-sized M (<= cpu_fused.MAX_M), by the AVX-512 /
+AVX2 extension of kernels/cpu_simd.py where the CPU has one, else by this compiled loop:
 
     y[m, n] = sum_kb s_x[m, kb] * s_w[n // 128, kb] * sum_{j < 128} q_x[m, 128 kb + j] * q_w[n, 128 kb + j]
 
@@ -20,7 +20,7 @@ import torch
 
 from k3run.formats import dequantize_fp8_act_1x128, quantize_fp8_act_1x128
 from k3run.formats.fp8_block import e4m3_to_float
-from k3run.kernels import cpu_avx512, cpu_fused
+from k3run.kernels import cpu_fused, cpu_simd
 
 from .ref import fp8_pb_wo_linear_ref
 
@@ -72,8 +72,8 @@ def fp8_pb_wo_linear_cpu(
         return reference()
     q_x, scale_x = quantize_fp8_act_1x128(x)
     weight = weight_padded[:n_logical]
-    if m <= cpu_avx512.FP8_MAX_M and k % 128 == 0 and cpu_avx512.available():  # x86 with AVX-512
-        y = cpu_avx512.fp8_block_gemv_avx512(e4m3_to_float(q_x), scale_x, weight, scale_2d)
+    if m <= cpu_simd.FP8_MAX_M and k % 128 == 0 and cpu_simd.available():  # x86 with AVX-512 / AVX2
+        y = cpu_simd.fp8_block_gemv_simd(e4m3_to_float(q_x), scale_x, weight, scale_2d)
     elif m <= cpu_fused.MAX_M:
         y = cpu_fused.run(fp8_block_gemv_fused, e4m3_to_float(q_x), scale_x, weight, scale_2d)
     else:

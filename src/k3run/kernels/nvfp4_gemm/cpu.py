@@ -1,7 +1,8 @@
 """NVFP4 W4A16 linear on the CPU, compiled (kernels/cpu_fused.py: when it applies, the fallback).
 
-On x86 CPUs with AVX-512, up to cpu_avx512.NVFP4_MAX_M rows: the C++ extension of cpu_avx512.py (16 codes
-decoded by one register permute; ~9x this loop at 7168 x 7168 and one token, RESULTS.md C4); and for bf16
+On x86 CPUs with AVX-512 or AVX2, up to cpu_simd.NVFP4_MAX_M rows: the C++ extension of cpu_simd.py (codes
+decoded by register permutes; at 7168 x 7168 and one token ~9x this loop with AVX-512 and ~4.6x with AVX2,
+RESULTS.md C4 / C6); and for bf16
 inputs above cpu_fused.MAX_M rows (prefill in a bf16 model), the extension decodes the weight exactly to bf16
 in row blocks for a bf16 matmul (`_bf16_prefill`: 3.4-11x the fp32 path at 16-256 rows, RESULTS.md C3, outputs
 within one bf16 ulp of the reference). Elsewhere, decode-sized M (<= cpu_fused.MAX_M): the weights are decoded
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from k3run.kernels import cpu_avx512, cpu_fused
+from k3run.kernels import cpu_fused, cpu_simd
 
 from .ref import nvfp4_linear_ref
 
@@ -69,16 +70,17 @@ def nvfp4_dequantize_fused(
 def _bf16_prefill(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, gs: torch.Tensor
 ) -> torch.Tensor:
-    """bf16 x, more than cpu_fused.MAX_M rows, AVX-512: the codes times block scales decoded exactly to bf16
-    in row blocks (~4 MB, reused) by the extension, x's columns permuted to their order, a bf16 matmul
-    (oneDNN, fp32 accumulation), then the global scale in fp32. The matmul rounds its output to bf16 before
-    the global scale: each output is within one bf16 ulp of the reference's single rounding. fp32 [M, N]."""
+    """bf16 x, more than cpu_fused.MAX_M rows, the SIMD extension: the codes times block scales decoded
+    exactly to bf16 in row blocks (~4 MB, reused) by the extension, x's columns permuted to their order, a
+    bf16 matmul (oneDNN, fp32 accumulation), then the global scale in fp32. The matmul rounds its output to
+    bf16 before the global scale: each output is within one bf16 ulp of the reference's single rounding.
+    fp32 [M, N]."""
     n, k = weight.shape[0], x.shape[1]
     rows = cpu_fused.block_rows(k, 16)
-    xp = cpu_avx512.nvfp4_x_perm(x)
+    xp = cpu_simd.nvfp4_x_perm(x)
     parts = []
     for i in range(0, n, rows):
-        w = cpu_avx512.nvfp4_dequant_bf16_perm(weight[i : i + rows], weight_scale[i : i + rows])
+        w = cpu_simd.nvfp4_dequant_bf16_perm(weight[i : i + rows], weight_scale[i : i + rows])
         parts.append((xp @ w.t()).float() * gs[i : i + rows])
     return torch.cat(parts, dim=1)
 
@@ -101,11 +103,11 @@ def nvfp4_linear_cpu(
     if not cpu_fused.applies(n, k):
         return reference()
     gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()  # [N]: see cpu_fused
-    avx = cpu_avx512.available()
+    avx = cpu_simd.available()
     if avx and m > cpu_fused.MAX_M and x.dtype == torch.bfloat16 and k % 32 == 0:
         y = _bf16_prefill(x, weight, weight_scale, gs)
-    elif avx and m <= cpu_avx512.NVFP4_MAX_M:  # x86 with AVX-512: the permute-decode extension
-        y = cpu_avx512.nvfp4_gemv_avx512(x, weight, weight_scale, gs)
+    elif avx and m <= cpu_simd.NVFP4_MAX_M:  # x86 with AVX-512 / AVX2: the permute-decode extension
+        y = cpu_simd.nvfp4_gemv_simd(x, weight, weight_scale, gs)
     elif m <= cpu_fused.MAX_M:
         xf = x.to(torch.float32)
         y = cpu_fused.run(nvfp4_gemv_fused, xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous(), weight,

@@ -1,0 +1,523 @@
+"""NVFP4 and FP8_PB_WO GEMVs on x86 CPUs with AVX-512 or AVX2: a small C++ extension, built once at first use.
+
+The torch.compile'd loop of nvfp4_gemm/cpu.py decodes each 4-bit code with ~6 vector integer operations
+(Inductor cannot turn a 16-entry table into a register permute). AVX-512 decodes 16 codes with one `vpermps`
+from a register holding the 16 E2M1 values, so a 16-byte chunk of packed weights (32 weights, two scale
+groups) costs: one widening load, an AND and a shift for the two nibbles, two permutes, two multiplies by the
+chunk's two group scales (E4M3 through a 256-entry fp32 table), and one FMA per nibble half and token row.
+AVX2's 8-lane `vpermps` holds the 8 magnitudes, and the sign bit is moved into place by a shift and a mask:
+an 8-byte chunk (16 weights, one scale group) costs a widening load, a shift, two permutes, two sign
+shifts + masks + XORs, two multiplies and the FMAs. Rows of W are spread over torch's intra-op threads.
+
+    y[m, n] = gs[n] * sum_j (e2m1(lo_j) * s[n, j // 8] * x[m, 2j] + e2m1(hi_j) * s[n, j // 8] * x[m, 2j + 1])
+
+over the packed bytes j of row n: the reference's products (e2m1 * E4M3 is exact in fp32) in another
+summation order. `fp8_block_gemv` does the same for FP8_PB_WO (E4M3 bytes to fp16 bits by two masks and
+shifts, then the hardware fp16 -> fp32 conversion (F16C on AVX2 machines); per-128 block sums scaled by the
+two tile scales). Both instruction sets live in one source (per-function target attributes) and the level is
+chosen per call: AVX-512 where torch reports it, else AVX2 (`cpu_level`; K3RUN_CPU_SIMD=avx2 forces AVX2,
+K3RUN_CPU_SIMD=0 turns the extension off). Used by `nvfp4_linear_cpu` / `fp8_pb_wo_linear_cpu` up to
+NVFP4_MAX_M / FP8_MAX_M rows (calls of `_chunk()` rows) when a C++ compiler builds the extension
+(`available()`); otherwise the compiled loops run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+// one source, two instruction sets: each kernel function carries its target, the wrappers pick one per call
+#define K3_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+#define K3_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static inline K3_AVX2 float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R consecutive rows n .. n + R - 1 of y [M, N] fp32 = x [M, K] @ W^T (M, R compile-time): each 16-byte chunk
+// of the R weight rows is decoded once, each x load serves the R rows (x sits in L2 at several token rows),
+// and R rows stream at once (more memory requests in flight: 1.8-2.3x at one token, bench/RESULTS.md C4).
+// x_even / x_odd fp32 [M, K/2] (x's even and odd columns), w uint8
+// [N, K/2] (low nibble = even column), s uint8 [N, K/16] (E4M3 bytes), gs fp32 [N], st fp32 [256] (E4M3).
+template <int M, int R>
+static K3_AVX512 void nvfp4_rows(int64_t n, int64_t H, int64_t N, const float* xe, const float* xo,
+                                 const uint8_t* wp, const uint8_t* sp, const float* gp, const float* st,
+                                 float* yp) {
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const int64_t G = H / 8;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= H; j += 16) {  // 32 weights per row: scale groups j / 8 and j / 8 + 1
+    __m512 wl[R], wh[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = wp + (n + r) * H;
+      const uint8_t* srow = sp + (n + r) * G;
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+      __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(st[srow[j >> 3]]),
+                                       _mm512_set1_ps(st[srow[(j >> 3) + 1]]));
+      wl[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+      wh[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 a = _mm512_loadu_ps(xe + m * H + j), c = _mm512_loadu_ps(xo + m * H + j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][m] = _mm512_fmadd_ps(wl[r], a, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(wh[r], c, acc[r][m]);
+      }
+    }
+  }
+  if (j < H) {  // the last 8 bytes (one scale group)
+    const __mmask16 k8 = 0x00FF;
+    __m512 wl[R], wh[R];
+    for (int r = 0; r < R; ++r) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(0x00FF, wp + (n + r) * H + j));
+      __m512 sc = _mm512_set1_ps(st[sp[(n + r) * G + (j >> 3)]]);
+      wl[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+      wh[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 a = _mm512_maskz_loadu_ps(k8, xe + m * H + j), c = _mm512_maskz_loadu_ps(k8, xo + m * H + j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][m] = _mm512_fmadd_ps(wl[r], a, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(wh[r], c, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) * gp[n + r];
+}
+
+// rows [n0, n1): blocks of R rows (R * M <= 16 accumulators), then the rest one by one
+template <int M>
+static K3_AVX512 void nvfp4_range(int64_t n0, int64_t n1, int64_t H, int64_t N, const float* xe,
+                                  const float* xo, const uint8_t* wp, const uint8_t* sp, const float* gp,
+                                  const float* st, float* yp) {
+  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) nvfp4_rows<M, R>(n, H, N, xe, xo, wp, sp, gp, st, yp);
+  for (; n < n1; ++n) nvfp4_rows<M, 1>(n, H, N, xe, xo, wp, sp, gp, st, yp);
+}
+
+// AVX2: 8 bytes (16 weights, one scale group) per step. vpermps on 8 lanes reads the low 3 bits of each
+// code (the magnitude); the sign (bit 3 of the low nibble, bit 7 of the byte for the high one) is shifted
+// to bit 31 and XORed in. R * M <= 8 accumulators of the 16 ymm registers.
+template <int M, int R>
+static K3_AVX2 void nvfp4_rows2(int64_t n, int64_t H, int64_t N, const float* xe, const float* xo,
+                                const uint8_t* wp, const uint8_t* sp, const float* gp, const float* st,
+                                float* yp) {
+  const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const int64_t G = H / 8;
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < H; j += 8) {
+    __m256 wl[R], wh[R];
+    for (int r = 0; r < R; ++r) {
+      const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * H + j);
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src));
+      __m256 sc = _mm256_set1_ps(st[sp[(n + r) * G + (j >> 3)]]);
+      __m256 sl = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign));
+      __m256 sh = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign));
+      wl[r] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(table, b), sl), sc);
+      wh[r] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 4)), sh), sc);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m256 a = _mm256_loadu_ps(xe + m * H + j), c = _mm256_loadu_ps(xo + m * H + j);
+      for (int r = 0; r < R; ++r) {
+        acc[r][m] = _mm256_fmadd_ps(wl[r], a, acc[r][m]);
+        acc[r][m] = _mm256_fmadd_ps(wh[r], c, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = hsum256(acc[r][m]) * gp[n + r];
+}
+
+template <int M>
+static K3_AVX2 void nvfp4_range2(int64_t n0, int64_t n1, int64_t H, int64_t N, const float* xe,
+                                 const float* xo, const uint8_t* wp, const uint8_t* sp, const float* gp,
+                                 const float* st, float* yp) {
+  constexpr int R = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) nvfp4_rows2<M, R>(n, H, N, xe, xo, wp, sp, gp, st, yp);
+  for (; n < n1; ++n) nvfp4_rows2<M, 1>(n, H, N, xe, xo, wp, sp, gp, st, yp);
+}
+
+torch::Tensor nvfp4_gemv(torch::Tensor x_even, torch::Tensor x_odd, torch::Tensor w, torch::Tensor s,
+                         torch::Tensor gs, torch::Tensor s_table, bool avx2) {
+  const int64_t M = x_even.size(0), H = x_even.size(1), N = w.size(0);  // H = K / 2 bytes per row
+  TORCH_CHECK(M >= 1 && M <= (avx2 ? 4 : 8), "nvfp4_gemv: 1..", avx2 ? 4 : 8, " rows, got ", M);
+  TORCH_CHECK(H % 8 == 0, "nvfp4_gemv: K must be a multiple of 16");
+  auto y = torch::empty({M, N}, x_even.options());
+  const float* xe = x_even.data_ptr<float>();
+  const float* xo = x_odd.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* gp = gs.data_ptr<float>();
+  const float* st = s_table.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, const float*, const float*, const uint8_t*,
+                      const uint8_t*, const float*, const float*, float*);
+  static const Fn fns[8] = {nvfp4_range<1>, nvfp4_range<2>, nvfp4_range<3>, nvfp4_range<4>,
+                            nvfp4_range<5>, nvfp4_range<6>, nvfp4_range<7>, nvfp4_range<8>};
+  static const Fn fns2[4] = {nvfp4_range2<1>, nvfp4_range2<2>, nvfp4_range2<3>, nvfp4_range2<4>};
+  const Fn fn = avx2 ? fns2[M - 1] : fns[M - 1];
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(n0, n1, H, N, xe, xo, wp, sp, gp, st, yp); });
+  return y;
+}
+
+// The weight's codes times their block scales [N, K] as bf16, exactly (<= 6 significant bits, so the upper 16
+// bits of the fp32 value), with each 32-column chunk stored as its 16 even columns then its 16 odd ones: the
+// caller permutes x's columns the same way (`nvfp4_x_perm`). Needs K % 32 == 0.
+static K3_AVX512 void dequant_rows(int64_t n0, int64_t n1, int64_t H, const uint8_t* wp, const uint8_t* sp,
+                                   const float* st, uint16_t* op) {
+  const int64_t G = H / 8;
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wp + n * H;
+    const uint8_t* srow = sp + n * G;
+    uint16_t* orow = op + n * 2 * H;
+    for (int64_t j = 0; j < H; j += 16) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+      __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(st[srow[j >> 3]]),
+                                       _mm512_set1_ps(st[srow[(j >> 3) + 1]]));
+      __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, low4), table), sc);
+      __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+      __m256i bl = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(wl), 16));
+      __m256i bh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(wh), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 2 * j), bl);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 2 * j + 16), bh);
+    }
+  }
+}
+
+// AVX2: 8 bytes at a time; a 32-column chunk's even columns are its two 8-byte halves' low nibbles
+static K3_AVX2 void dequant_rows2(int64_t n0, int64_t n1, int64_t H, const uint8_t* wp, const uint8_t* sp,
+                                  const float* st, uint16_t* op) {
+  const int64_t G = H / 8;
+  const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = wp + n * H;
+    const uint8_t* srow = sp + n * G;
+    uint16_t* orow = op + n * 2 * H;
+    for (int64_t j = 0; j < H; j += 16) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j + 8 * h)));
+        __m256 sc = _mm256_set1_ps(st[srow[(j >> 3) + h]]);
+        __m256 sl = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign));
+        __m256 sh = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign));
+        __m256 wl = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(table, b), sl), sc);
+        __m256 mh = _mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 4));
+        __m256 wh = _mm256_mul_ps(_mm256_xor_ps(mh, sh), sc);
+        lo[h] = _mm256_srli_epi32(_mm256_castps_si256(wl), 16);
+        hi[h] = _mm256_srli_epi32(_mm256_castps_si256(wh), 16);
+      }
+      // packus interleaves 128-bit lanes: [a0..3 b0..3 a4..7 b4..7] -> permute to [a0..7 b0..7]
+      __m256i bl = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo[0], lo[1]), 0xD8);
+      __m256i bh = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi[0], hi[1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 2 * j), bl);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 2 * j + 16), bh);
+    }
+  }
+}
+
+torch::Tensor nvfp4_dequant_bf16_perm(torch::Tensor w, torch::Tensor s, torch::Tensor s_table, bool avx2) {
+  const int64_t N = w.size(0), H = w.size(1);
+  TORCH_CHECK(H % 16 == 0, "nvfp4_dequant_bf16_perm: K must be a multiple of 32");
+  auto out = torch::empty({N, 2 * H}, w.options().dtype(torch::kBFloat16));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* st = s_table.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto fn = avx2 ? dequant_rows2 : dequant_rows;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(n0, n1, H, wp, sp, st, op); });
+  return out;
+}
+
+// FP8_PB_WO: y [M, N] fp32 = sum_kb sx[m, kb] * sw[n / 128, kb] * sum_j qx[m, 128 kb + j] * w[n, 128 kb + j]
+// qx fp32 [M, K] (the activation codes' values), sx fp32 [M, K/128], w uint8 [N, K] (E4M3 bytes), sw fp32
+// [>= ceil(N/128), K/128]. E4M3 -> fp32 exactly through fp16: the sign moved to bit 15 and the exponent and
+// mantissa bits to bits 13..7 make the fp16 of value * 2^-8 (subnormal codes as fp16 subnormals, which the
+// conversion to fp32 keeps exactly); the 2^8 rides in the block's scale product (a power of two: exact).
+template <int M, int R>
+static K3_AVX512 void fp8_rows(int64_t n, int64_t K, int64_t N, const float* xp, const float* sxp,
+                               const uint8_t* wp, const float* swp, float* yp) {
+  const int64_t KB = K / 128;
+  const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m512 blk[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) blk[r][m] = _mm512_setzero_ps();
+    for (int64_t j = kb * 128; j < kb * 128 + 128; j += 16) {
+      __m512 v[R];
+      for (int r = 0; r < R; ++r) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * K + j);
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(src));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m7f), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, m80), 8));
+        v[r] = _mm512_cvtph_ps(h);
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512 a = _mm512_loadu_ps(xp + m * K + j);
+        for (int r = 0; r < R; ++r) blk[r][m] = _mm512_fmadd_ps(v[r], a, blk[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        acc[r][m] = _mm512_fmadd_ps(
+            blk[r][m], _mm512_set1_ps(sxp[m * KB + kb] * swp[((n + r) / 128) * KB + kb] * 256.f), acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int M>
+static K3_AVX512 void fp8_range(int64_t n0, int64_t n1, int64_t K, int64_t N, const float* xp,
+                                const float* sxp, const uint8_t* wp, const float* swp, float* yp) {
+  constexpr int R = M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));  // 2 * R * M <= 16 accumulators
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) fp8_rows<M, R>(n, K, N, xp, sxp, wp, swp, yp);
+  for (; n < n1; ++n) fp8_rows<M, 1>(n, K, N, xp, sxp, wp, swp, yp);
+}
+
+// AVX2: the same per-block sums with 16 bytes decoded into two 8-lane halves (F16C conversions)
+template <int M, int R>
+static K3_AVX2 void fp8_rows2(int64_t n, int64_t K, int64_t N, const float* xp, const float* sxp,
+                              const uint8_t* wp, const float* swp, float* yp) {
+  const int64_t KB = K / 128;
+  const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m256 blk[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) blk[r][m] = _mm256_setzero_ps();
+    for (int64_t j = kb * 128; j < kb * 128 + 128; j += 16) {
+      __m256 v0[R], v1[R];
+      for (int r = 0; r < R; ++r) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * K + j);
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(src));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m7f), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, m80), 8));
+        v0[r] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        v1[r] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+      }
+      for (int m = 0; m < M; ++m) {
+        __m256 a0 = _mm256_loadu_ps(xp + m * K + j), a1 = _mm256_loadu_ps(xp + m * K + j + 8);
+        for (int r = 0; r < R; ++r) {
+          blk[r][m] = _mm256_fmadd_ps(v0[r], a0, blk[r][m]);
+          blk[r][m] = _mm256_fmadd_ps(v1[r], a1, blk[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        acc[r][m] = _mm256_fmadd_ps(
+            blk[r][m], _mm256_set1_ps(sxp[m * KB + kb] * swp[((n + r) / 128) * KB + kb] * 256.f), acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = hsum256(acc[r][m]);
+}
+
+template <int M>
+static K3_AVX2 void fp8_range2(int64_t n0, int64_t n1, int64_t K, int64_t N, const float* xp,
+                               const float* sxp, const uint8_t* wp, const float* swp, float* yp) {
+  constexpr int R = M == 1 ? 2 : 1;  // 2 * R * M <= 8 accumulators
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) fp8_rows2<M, R>(n, K, N, xp, sxp, wp, swp, yp);
+  for (; n < n1; ++n) fp8_rows2<M, 1>(n, K, N, xp, sxp, wp, swp, yp);
+}
+
+// FP8_PB_WO rows: blocks of R rows share each x load (see nvfp4_rows).
+torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w, torch::Tensor sw,
+                             bool avx2) {
+  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= (avx2 ? 4 : 8), "fp8_block_gemv: 1..", avx2 ? 4 : 8, " rows, got ", M);
+  TORCH_CHECK(K % 128 == 0, "fp8_block_gemv: K must be a multiple of 128");
+  auto y = torch::empty({M, N}, qx.options());
+  const float* xp = qx.data_ptr<float>();
+  const float* sxp = sx.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* swp = sw.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, const float*, const float*, const uint8_t*,
+                      const float*, float*);
+  static const Fn fns[8] = {fp8_range<1>, fp8_range<2>, fp8_range<3>, fp8_range<4>,
+                            fp8_range<5>, fp8_range<6>, fp8_range<7>, fp8_range<8>};
+  static const Fn fns2[4] = {fp8_range2<1>, fp8_range2<2>, fp8_range2<3>, fp8_range2<4>};
+  const Fn fn = avx2 ? fns2[M - 1] : fns[M - 1];
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(n0, n1, K, N, xp, sxp, wp, swp, yp); });
+  return y;
+}
+"""
+
+# rows up to which the extension runs (in calls of 8 rows, each decoding the weight again); above, the
+# compiled dequantization + matmul. Measured on 7168^2 with fp32 inputs after the row blocks (bench/NOTES.md,
+# session 15): NVFP4 calls of 8 rows 28 / 56 / 109 ms at 64 / 128 / 256 rows against 56 / 84 / 151 for
+# dequantization + matmul; FP8 8.4 ms at 8 rows (compiled loop 30.5), 60 against 49 at 64 rows.
+NVFP4_MAX_M = 256
+FP8_MAX_M = 32
+_module = None
+_error: str | None = None
+
+
+def cpu_level() -> str | None:
+    """The instruction set the kernels run with on this CPU: "avx512" where torch's own dispatch level is
+    AVX-512 (F / BW / VL) or AMX, "avx2" where it is AVX2 (AVX2 + FMA; F16C comes with every such CPU), else
+    None. K3RUN_CPU_SIMD=avx2 takes the AVX2 kernels on an AVX-512 CPU; K3RUN_CPU_SIMD=0 turns both off."""
+    forced = os.environ.get("K3RUN_CPU_SIMD", "")
+    if forced in ("0", "off"):
+        return None
+    if forced not in ("", "avx2"):
+        raise ValueError(f"K3RUN_CPU_SIMD: expected avx2, 0 or off, got {forced!r}")
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older torch
+        return None
+    if cap in ("AVX512", "AMX") or cap.startswith("AVX512"):
+        return "avx2" if forced == "avx2" else "avx512"
+    return "avx2" if cap == "AVX2" else None
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs one of the extension's instruction sets (`cpu_level`)."""
+    return cpu_level() is not None
+
+
+def _chunk() -> int:
+    """Rows per kernel call: 8 with AVX-512's 32 registers, 4 with AVX2's 16."""
+    return 8 if cpu_level() == "avx512" else 4
+
+
+def available() -> bool:
+    """The extension is built (building it now on first call) and the CPU runs it (`cpu_level`)."""
+    global _module, _error
+    if _error is not None or not cpu_supported():
+        return False
+    if _module is None:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            log.info("building the AVX-512 / AVX2 CPU kernels (once per machine, ~30 s; cached after)")
+            names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm"]
+            _module = load_inline(
+                name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False,
+            )  # fmt: skip
+        except Exception as e:  # no compiler, no ninja, an old toolchain: the compiled loop instead
+            _error = f"{type(e).__name__}: {e}"
+            log.warning("the SIMD CPU kernels could not be built; using the compiled loops: %s", _error)
+            return False
+    return True
+
+
+_S_TABLE: torch.Tensor | None = None
+
+
+def _scale_table() -> torch.Tensor:
+    global _S_TABLE
+    if _S_TABLE is None:
+        _S_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    return _S_TABLE
+
+
+def nvfp4_gemv_simd(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] @ dequant(W)^T for M <= NVFP4_MAX_M (module docstring; `_chunk()` rows per
+    call); weight uint8 [N, K/2],
+    weight_scale float8_e4m3fn / uint8 [N, K/16], global_scale fp32 with one element or one per row.
+    Call `available()` first."""
+    assert _module is not None, "nvfp4_gemv_simd: call available() first"
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != (n, k // 2) or k % 16:
+        raise ValueError(f"nvfp4_gemv_simd: weight uint8 [N, K/2] for K={k} (a multiple of 16), got "
+                         f"{weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    if tuple(weight_scale.shape) != (n, k // 16) or weight_scale.element_size() != 1:
+        raise ValueError(f"nvfp4_gemv_simd: weight_scale [N, K/16] = {(n, k // 16)} of 1-byte E4M3, got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")  # fmt: skip
+    if not 1 <= m <= NVFP4_MAX_M:
+        raise ValueError(f"nvfp4_gemv_simd: 1..{NVFP4_MAX_M} rows, got {m}")
+    xf = x.detach().to(torch.float32)
+    gs = global_scale.detach().to(torch.float32).reshape(-1).expand(n).contiguous()
+    w, s = weight.detach().contiguous(), weight_scale.detach().contiguous().view(torch.uint8)
+    xe, xo = xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous()
+    c, avx2 = _chunk(), cpu_level() == "avx2"
+    parts = [
+        _module.nvfp4_gemv(xe[i : i + c], xo[i : i + c], w, s, gs, _scale_table(), avx2)
+        for i in range(0, m, c)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def fp8_block_gemv_simd(
+    q_x: torch.Tensor, scale_x: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor
+) -> torch.Tensor:
+    """FP8_PB_WO for M <= FP8_MAX_M (`_chunk()` rows per kernel call): y [M, N] fp32 from the activation
+    codes' values q_x fp32 [M, K] and their scales [M, K/128] (quantize_fp8_act_1x128), the weight's E4M3
+    bytes [N, K] (float8_e4m3fn or uint8) and its tile scales fp32 [>= ceil(N/128), K/128]. Call
+    `available()` first."""
+    assert _module is not None, "fp8_block_gemv_simd: call available() first"
+    m, k = q_x.shape
+    n = weight.shape[0]
+    if k % 128 or weight.element_size() != 1 or tuple(weight.shape) != (n, k):
+        raise ValueError(f"fp8_block_gemv_simd: weight of 1-byte E4M3 [N, K] with K={k} a multiple of 128, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    kb, nb = k // 128, -(-n // 128)
+    bad_w = scale_w.dim() != 2 or scale_w.shape[0] < nb or scale_w.shape[1] != kb
+    if bad_w or tuple(scale_x.shape) != (m, kb):
+        raise ValueError(f"fp8_block_gemv_simd: scales [>= {nb}, {kb}] and [{m}, {kb}], got "
+                         f"{tuple(scale_w.shape)} and {tuple(scale_x.shape)}")  # fmt: skip
+    if not 1 <= m <= FP8_MAX_M:
+        raise ValueError(f"fp8_block_gemv_simd: 1..{FP8_MAX_M} rows, got {m}")
+    qx, sx = q_x.detach().to(torch.float32).contiguous(), scale_x.detach().to(torch.float32).contiguous()
+    w, sw = weight.detach().contiguous().view(torch.uint8), scale_w.detach().to(torch.float32).contiguous()
+    c, avx2 = _chunk(), cpu_level() == "avx2"
+    parts = [_module.fp8_block_gemv(qx[i : i + c], sx[i : i + c], w, sw, avx2) for i in range(0, m, c)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def nvfp4_x_perm(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 32-column chunk reordered as its 16 even columns then its 16 odd ones (the column
+    order of `nvfp4_dequant_bf16_perm`); K % 32 == 0."""
+    m, k = x.shape
+    return x.reshape(m, k // 32, 16, 2).transpose(-1, -2).reshape(m, k)
+
+
+def nvfp4_dequant_bf16_perm(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """weight uint8 [N, K/2] and E4M3 block scales [N, K/16] -> bf16 [N, K]: codes times block scales,
+    exactly, columns in `nvfp4_x_perm` order (no global scale). Call `available()` first."""
+    assert _module is not None, "nvfp4_dequant_bf16_perm: call available() first"
+    n, h = weight.shape
+    if weight.dtype != torch.uint8 or h % 16 or tuple(weight_scale.shape) != (n, h // 8):
+        raise ValueError(
+            f"nvfp4_dequant_bf16_perm: weight uint8 [N, K/2] with K a multiple of 32 and scales [N, K/16], "
+            f"got {weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}"
+        )
+    w, s = weight.detach().contiguous(), weight_scale.detach().contiguous().view(torch.uint8)
+    return _module.nvfp4_dequant_bf16_perm(w, s, _scale_table(), cpu_level() == "avx2")
