@@ -11,6 +11,8 @@ in the cuBLAS epilogue) takes 1.14x the time of bare _scaled_mm at M = 1 and 1.1
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from k3run.kernels.fp8_act_quant import quantize_act_1x128
@@ -18,8 +20,8 @@ from k3run.kernels.fp8_act_quant import quantize_act_1x128
 from .ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
 
 BACKENDS = ("scaled_mm", "triton", "gemv", "ref")
-# decode sizes: on CUDA, calls of up to this many rows take the fused quantize + split-K GEMV (fp8_gemm.gemv)
-# whatever the layer's backend; K3RUN_FP8_GEMV=0 turns it off (for comparisons)
+# decode sizes: on CUDA sm_89+, calls of up to this many rows take the split-K GEMV with the quantization
+# fused (fp8_gemm.gemv) whatever the layer's backend; K3RUN_FP8_GEMV=0 turns it off (for comparisons)
 GEMV_MAX_M = 16
 
 
@@ -38,10 +40,16 @@ def blockwise_scaled_mm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and (major, minor) >= (12, 9)
 
 
-def _gemv_on() -> bool:
+def _gemv_on(device: torch.device) -> bool:
+    """The decode GEMV's E4M3 conversions need sm_89+ (Ada, Hopper); K3RUN_FP8_GEMV=0 turns it off."""
     import os
 
-    return os.environ.get("K3RUN_FP8_GEMV", "1") != "0"
+    return os.environ.get("K3RUN_FP8_GEMV", "1") != "0" and _fp8_capable(device.index or 0)
+
+
+@functools.cache
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def default_backend(device: torch.device, k: int) -> str:
@@ -105,7 +113,7 @@ def fp8_pb_wo_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if backend == "gemv" or (backend != "ref" and x2.is_cuda and 0 < m <= GEMV_MAX_M and _gemv_on()):
+    if backend == "gemv" or (backend != "ref" and x2.is_cuda and 0 < m <= GEMV_MAX_M and _gemv_on(x2.device)):
         from .gemv import fp8_gemv
 
         return fp8_gemv(x2, weight_padded, scale_2d, n_logical, bias).reshape(*lead, n_logical)
