@@ -127,21 +127,23 @@ static K3_AVX2 void nvfp4_rows2(int64_t n, int64_t H, int64_t N, const float* xe
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t j = 0; j < H; j += 8) {
-    __m256 wl[R], wh[R];
+    __m256 a[M], c[M];  // x first, then one weight row at a time: fewer live registers
+    for (int m = 0; m < M; ++m) {
+      a[m] = _mm256_loadu_ps(xe + m * H + j);
+      c[m] = _mm256_loadu_ps(xo + m * H + j);
+    }
     for (int r = 0; r < R; ++r) {
       const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * H + j);
       __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src));
       __m256 sc = _mm256_set1_ps(st[sp[(n + r) * G + (j >> 3)]]);
       __m256 sl = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign));
       __m256 sh = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign));
-      wl[r] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(table, b), sl), sc);
-      wh[r] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 4)), sh), sc);
-    }
-    for (int m = 0; m < M; ++m) {
-      __m256 a = _mm256_loadu_ps(xe + m * H + j), c = _mm256_loadu_ps(xo + m * H + j);
-      for (int r = 0; r < R; ++r) {
-        acc[r][m] = _mm256_fmadd_ps(wl[r], a, acc[r][m]);
-        acc[r][m] = _mm256_fmadd_ps(wh[r], c, acc[r][m]);
+      __m256 wl = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(table, b), sl), sc);
+      __m256 mh = _mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 4));
+      __m256 wh = _mm256_mul_ps(_mm256_xor_ps(mh, sh), sc);
+      for (int m = 0; m < M; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(wl, a[m], acc[r][m]);
+        acc[r][m] = _mm256_fmadd_ps(wh, c[m], acc[r][m]);
       }
     }
   }
@@ -317,20 +319,21 @@ static K3_AVX2 void fp8_rows2(int64_t n, int64_t K, int64_t N, const float* xp, 
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) blk[r][m] = _mm256_setzero_ps();
     for (int64_t j = kb * 128; j < kb * 128 + 128; j += 16) {
-      __m256 v0[R], v1[R];
+      __m256 a0[M], a1[M];  // x first, then one weight row at a time: fewer live registers
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm256_loadu_ps(xp + m * K + j);
+        a1[m] = _mm256_loadu_ps(xp + m * K + j + 8);
+      }
       for (int r = 0; r < R; ++r) {
         const __m128i* src = reinterpret_cast<const __m128i*>(wp + (n + r) * K + j);
         __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(src));
         __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, m7f), 7),
                                     _mm256_slli_epi16(_mm256_and_si256(b, m80), 8));
-        v0[r] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-        v1[r] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-      }
-      for (int m = 0; m < M; ++m) {
-        __m256 a0 = _mm256_loadu_ps(xp + m * K + j), a1 = _mm256_loadu_ps(xp + m * K + j + 8);
-        for (int r = 0; r < R; ++r) {
-          blk[r][m] = _mm256_fmadd_ps(v0[r], a0, blk[r][m]);
-          blk[r][m] = _mm256_fmadd_ps(v1[r], a1, blk[r][m]);
+        __m256 v0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        __m256 v1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        for (int m = 0; m < M; ++m) {
+          blk[r][m] = _mm256_fmadd_ps(v0, a0[m], blk[r][m]);
+          blk[r][m] = _mm256_fmadd_ps(v1, a1[m], blk[r][m]);
         }
       }
     }
@@ -346,7 +349,7 @@ static K3_AVX2 void fp8_rows2(int64_t n, int64_t K, int64_t N, const float* xp, 
 template <int M>
 static K3_AVX2 void fp8_range2(int64_t n0, int64_t n1, int64_t K, int64_t N, const float* xp,
                                const float* sxp, const uint8_t* wp, const float* swp, float* yp) {
-  constexpr int R = M == 1 ? 2 : 1;  // 2 * R * M <= 8 accumulators
+  constexpr int R = M == 1 ? 4 : (M == 2 ? 2 : 1);  // 2 * R * M <= 8 accumulators
   int64_t n = n0;
   for (; n + R <= n1; n += R) fp8_rows2<M, R>(n, K, N, xp, sxp, wp, swp, yp);
   for (; n < n1; ++n) fp8_rows2<M, 1>(n, K, N, xp, sxp, wp, swp, yp);
