@@ -209,6 +209,7 @@ def test_bench_prints_a_row_per_batch_size(
     rows = [line.split() for line in lines[-2:]]
     assert [r[0] for r in rows] == ["1", "3"]
     assert all(float(x) > 0 for r in rows for x in r[1:])
+    assert lines[-4].endswith("decode steps: eager")  # the CPU: no graphs, so no overlap either
 
 
 def test_quantize_then_inspect_then_generate(

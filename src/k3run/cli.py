@@ -411,9 +411,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if _rank() != 0:
         return 0
     tp = f", tensor parallel over {engine.config.tp_size} ranks" if engine.config.tp_size > 1 else ""
+    decode = (
+        "eager"
+        if engine.runner.graphs is None
+        else "CUDA graphs" + (", overlapped" if engine.overlap else "")
+    )
     print(
         f"{model_dir}{tp}: prompt {args.prompt_len} tokens, "
-        f"{args.decode_tokens} generated tokens per sequence"
+        f"{args.decode_tokens} generated tokens per sequence; decode steps: {decode}"
     )
     print(f"{'batch':>6}  {'prefill tok/s':>14}  {'decode tok/s':>13}")
     for bs, pre, dec in results:
