@@ -9,10 +9,12 @@
 #   probe   bench/probe_scaled_mm.py (which K block-wise torch._scaled_mm gets right)
 #   host    bench/probe_host_overhead.py (eager vs CUDA-graph time of small calls: KDA decode, NVFP4 M=1)
 #   model   the bundled model through `k3run bench` on CUDA (graphs, then --eager) and bench/probe_graph_step.py
-#   engine  bench/probe_graph_step.py on a K3-shaped model (bench/k3_shaped.py: 4 layers, 128 local experts)
+#   engine  bench/probe_graph_step.py on a K3-shaped model (bench/k3_shaped.py: 4 layers, 128 local experts,
+#           decode overlap on; run the script itself with --compare-overlap for off vs on)
 #           with the replay's kernels by name, and bench/bench_norm.py (fused norms vs torch)
 #   attn    bench/bench_mla_decode.py (MLA decode kernel vs the fp32 reference at K3 widths)
 #   moe     bench/bench_moe_grouped.py (routed experts: expert-major vs per-pick launches vs the loop)
+#   fp8gemv bench/bench_fp8_gemv.py (the FP8_PB_WO decode GEMV vs the _scaled_mm layer; FP8GEMV_ARGS, e.g. --sweep)
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,7 @@ for stage in "${stages[@]}"; do
         timeout 100 python3 bench/bench_norm.py 2>&1 | tee "$OUT/bench_norm.txt" ;;
     attn) timeout 300 python3 bench/bench_mla_decode.py 2>&1 | tee "$OUT/bench_mla_decode.txt" | grep -v -i warn ;;
     moe) timeout 300 python3 bench/bench_moe_grouped.py 2>&1 | tee "$OUT/bench_moe_grouped.txt" | tail -6 ;;
+    fp8gemv) timeout 400 python3 bench/bench_fp8_gemv.py ${FP8GEMV_ARGS:-} 2>&1 | tee "$OUT/bench_fp8_gemv.txt" | tail -32 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
     esac
     [ $? -ne 0 ] && rc=1
