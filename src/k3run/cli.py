@@ -158,7 +158,17 @@ def _load_llm(
         tp_size=tp.size,
         nvfp4_as_fp8=args.nvfp4_as_fp8,
     )
+    _cpu_threads(args, model)
     return LLM.from_model(model, load_tokenizer(model_dir), cfg)
+
+
+def _cpu_threads(args: argparse.Namespace, model: torch.nn.Module) -> None:
+    """On the CPU, the intra-op threads chosen by the model's work (k3run.cpu_threads), logged once."""
+    if next(model.parameters()).device.type != "cpu":
+        return
+    from k3run.cpu_threads import set_cpu_threads
+
+    logging.getLogger("k3run.cli").info(set_cpu_threads(model, getattr(args, "threads", None)))
 
 
 def _rank() -> int:
@@ -312,6 +322,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device, dtype = _device(args.device), _dtype(args.dtype)
     model = load_model(model_dir, dtype=dtype, device=device, nvfp4_as_fp8=args.nvfp4_as_fp8)
+    _cpu_threads(args, model)
     ref = load_model(ref_dir, dtype=dtype, device=device) if ref_dir else None
     if ref is not None and ref.config.vocab_size != model.config.vocab_size:
         raise UserError(
@@ -436,6 +447,13 @@ def cmd_run_default(args: argparse.Namespace) -> int:
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="activation dtype")
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU intra-op threads (default: 1 for a model of small matrices, else every core; "
+        "$K3RUN_CPU_THREADS also sets it)",
+    )
 
 
 def _add_nvfp4_as_fp8(p: argparse.ArgumentParser) -> None:
