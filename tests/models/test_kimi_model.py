@@ -435,3 +435,38 @@ def test_tied_word_embeddings(tmp_path):
     hidden = model(ids, ForwardContext.single(len(ids)))
     emb = tensors["model.embed_tokens.weight"].float()
     assert_close("tied head", hidden.detach() @ emb.t(), model.logits(ids), rtol=1e-6)
+
+
+def test_float32_tensors_are_held_without_rounding(tmp_path, caplog):
+    """K3 stores o_norm.weight, A_log, dt_bias, the convs and the router bias F32: a bf16 model holds them in
+    fp32 (never rounded), says so at load and in inspect, and warns about a tensor it does round."""
+    from k3run.quant.plan import build_quant_plan
+
+    hf = copy.deepcopy(K3) | {"dtype": "bfloat16"}
+    tensors = random_checkpoint(hf, 3)
+    f32 = ("o_norm.weight", "A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+    for name in list(tensors):
+        if name.endswith(f32):
+            # (1 + 2^-12) puts bits below bf16's 8-bit mantissa into every nonzero value
+            tensors[name] = tensors[name].float() * (1 + 2**-12)
+    norm = "language_model.model.layers.0.input_layernorm.weight"
+    tensors[norm] = tensors[norm].float() * (1 + 2**-12)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with caplog.at_level("INFO", logger="k3run.api"):
+        model = load_model(tmp_path)
+    o_norm = model.layers[0].self_attn.o_norm.weight
+    assert o_norm.dtype == torch.float32
+    assert torch.equal(o_norm, tensors["language_model.model.layers.0.self_attn.o_norm.weight"])
+    log = caplog.text
+    assert "language_model.model.layers.N.self_attn.o_norm.weight (F32 [32] x3) -> float32" in log
+    assert "language_model.model.layers.N.self_attn.A_log (F32 [2] x3) -> float32" in log
+    rounded = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in rounded] == [
+        "checkpoint tensors rounded at load: "
+        "language_model.model.layers.N.input_layernorm.weight (F32 [64]) -> bfloat16 (rounded)"
+    ]
+    table = build_quant_plan(tmp_path).format_table()
+    assert "tensors held in another dtype than the model's bfloat16:" in table
+    assert "layers.N.self_attn.o_norm.weight (F32 [32] x3) -> float32" in table
+    assert "layers.N.input_layernorm.weight (F32 [64]) -> bfloat16 (rounded)" in table

@@ -128,9 +128,12 @@ def test_mixed_plan_table(tmp_path: Path) -> None:
         "model.layers.1.block_sparse_moe.experts.[0..3].w3",
     ]
     assert all(" x4 " in line for line in folded)
-    summary = lines[lines.index("parameter bytes by scheme:") + 1 :]
+    start = lines.index("parameter bytes by scheme:") + 1
+    summary = lines[start : lines.index("", start)]
     assert any(s.split()[0] == "NVFP4" and "(12 layers" in s for s in summary)
     assert summary[-1].split()[0] == "total"
+    # this partial config.json cannot build the model, and the table says so instead of leaving it out
+    assert lines[-1].startswith("  not computed: the model cannot be built from")
 
 
 def test_cuda_implementation_names_are_kernels() -> None:

@@ -122,7 +122,8 @@ class KimiDeltaAttention(nn.Module):
         if not use_full_rank_gate:
             self.g_a_proj = ReplicatedLinear(hidden_size, K, prefix=f"{prefix}.g_a_proj", **lin)
             self.g_b_proj = ColumnParallelLinear(K, P, prefix=f"{prefix}.g_b_proj", **lin)
-        self.o_norm = GatedRMSNorm(K, eps=rms_norm_eps, params_dtype=params_dtype)
+        # fp32 like the norm's math: K3 stores o_norm.weight F32, which a 16-bit weight would round
+        self.o_norm = GatedRMSNorm(K, eps=rms_norm_eps, params_dtype=torch.float32)
         self.o_proj = RowParallelLinear(P, hidden_size, prefix=f"{prefix}.o_proj", **lin)
 
         # fp32 like the upstream kernels: the gate parameters feed exp() and the conv accumulates in fp32

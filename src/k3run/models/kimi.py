@@ -16,7 +16,8 @@ every checkpoint tensor of both namings onto (parameter, shard id):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from k3run.quant.algo import QuantAlgo
 
 if TYPE_CHECKING:
     from k3run.quant.modelopt import ModelOptConfig
+    from k3run.safetensors_io import TensorInfo
 
 # The MLA latent norms use Kimi's RMSNorm default (official code and HF), not rms_norm_eps.
 MLA_LATENT_NORM_EPS = 1e-6
@@ -319,6 +321,66 @@ class KimiForCausalLM(nn.Module):
     @cached_property
     def _param_names(self) -> frozenset[str]:
         return frozenset(n for n, _ in self.named_parameters())
+
+    def held_dtypes(self, tensors: Mapping[str, TensorInfo]) -> list[HeldDtype]:
+        """The dtype each floating-point checkpoint tensor is held in once loaded (the parameter it goes to),
+        folded over layer and expert numbers. A quantized scheme's tensors (codes, FP8 weights, scales) are
+        left out: the plan rows describe those."""
+        params = dict(self.named_parameters())
+        groups: dict[tuple[str, str, tuple[int, ...]], list] = {}
+        for name, info in tensors.items():
+            if info.dtype not in _FLOAT_CODES or name.endswith(_SCALE_SUFFIXES):
+                continue
+            key = (_NUMBER.sub("N", name), info.dtype, info.shape)
+            if key in groups:
+                groups[key][1] += 1
+                continue
+            held = None
+            for t in self.checkpoint_mapping(name) or ():
+                p = params.get(t.param)
+                if p is not None and p.dtype.is_floating_point and p.element_size() > 1:
+                    held = p.dtype
+            groups[key] = [held, 1]
+        return [
+            HeldDtype(pattern, code, shape, held, n)
+            for (pattern, code, shape), (held, n) in groups.items()
+            if held is not None
+        ]
+
+
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+@dataclass(frozen=True)
+class HeldDtype:
+    """Checkpoint tensors of one kind (layer and expert numbers folded to N) and the dtype held after load."""
+
+    pattern: str
+    stored: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    held: torch.dtype
+    count: int
+
+    @property
+    def rounded(self) -> bool:
+        """Whether holding the values in `held` can change them (a narrower or different 16-bit format)."""
+        src = _FLOAT_CODES[self.stored]
+        if src == self.held:
+            return False
+        return not (self.held in (torch.float32, torch.float64) and src.itemsize < self.held.itemsize)
+
+    def describe(self) -> str:
+        what = (
+            f"{self.pattern} ({self.stored} {list(self.shape)}{f' x{self.count}' if self.count > 1 else ''})"
+        )
+        return f"{what} -> {str(self.held).removeprefix('torch.')}{' (rounded)' if self.rounded else ''}"
+
+
+def held_dtype_notes(groups: Sequence[HeldDtype], model_dtype: torch.dtype) -> list[str]:
+    """The groups worth saying: rounded ones, and those held in a dtype other than the model's."""
+    return [g.describe() for g in groups if g.rounded or g.held != model_dtype]
 
 
 def _strip_root(name: str) -> str | None:

@@ -122,6 +122,10 @@ class QuantPlan:
     layers: tuple[LayerPlan, ...]
     other_tensors: int
     other_bytes: int
+    # Kimi checkpoints: the float tensors held in a dtype other than the model's, or rounded at load
+    # (models/kimi.py `held_dtypes`), as "pattern (stored dtype [shape] xN) -> held dtype"
+    model_dtype: str | None = None
+    held_dtype_notes: tuple[str, ...] = ()
 
     def layer(self, prefix: str) -> LayerPlan:
         for lp in self.layers:
@@ -183,6 +187,9 @@ class QuantPlan:
             share = 100.0 * nbytes / total if total else 0.0
             lines.append(f"  {key:<12} {_human(nbytes):>11}  {share:5.1f}%  ({what}{extra})")
         lines.append(f"  {'total':<12} {_human(total):>11}")
+        if self.held_dtype_notes:
+            lines += ["", f"tensors held in another dtype than the model's {self.model_dtype}:"]
+            lines += [f"  {note}" for note in self.held_dtype_notes]
         return "\n".join(lines)
 
 
@@ -398,6 +405,7 @@ def build_quant_plan(
             )
         )
     others = [t for n, t in tensors.items() if n not in owned]
+    model_dtype, notes = _held_dtypes(model_dir, qc, tensors)
     return QuantPlan(
         model_dir=model_dir,
         device=device_name,
@@ -405,4 +413,30 @@ def build_quant_plan(
         layers=tuple(layers),
         other_tensors=len(others),
         other_bytes=sum(t.nbytes for t in others),
+        model_dtype=model_dtype,
+        held_dtype_notes=notes,
     )
+
+
+def _held_dtypes(
+    model_dir: Path, qc: ModelOptConfig | None, tensors: dict[str, TensorInfo]
+) -> tuple[str | None, tuple[str, ...]]:
+    """For a Kimi checkpoint, the model built on the meta device (no memory) says which dtype each float
+    tensor is held in, exactly as load_model holds it; other model types have no notes."""
+    import json
+
+    from k3run.api import checkpoint_dtype
+    from k3run.config import ModelConfig
+    from k3run.models.kimi import KimiForCausalLM, held_dtype_notes
+
+    path = model_dir / "config.json"
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    if hf.get("model_type") not in ("kimi_linear", "kimi_k3"):
+        return None, ()
+    try:
+        dtype = checkpoint_dtype(hf, model_dir)
+        with torch.device("meta"):
+            model = KimiForCausalLM(ModelConfig.from_hf(hf), qcfg=qc, params_dtype=dtype)
+    except ValueError as e:  # the plan is still useful; the table says why this part is missing
+        return "(unknown)", (f"not computed: the model cannot be built from {path}: {e}",)
+    return str(dtype).removeprefix("torch."), tuple(held_dtype_notes(model.held_dtypes(tensors), dtype))
