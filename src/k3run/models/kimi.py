@@ -152,7 +152,8 @@ def _make_moe(
         shared = GatedMLP(
             cfg.hidden_size, cfg.shared_intermediate_size, act, prefix=f"{prefix}.shared_experts", **lin
         )
-    experts_algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(f"{prefix}.experts")
+    bank = f"{prefix}.experts"
+    experts_algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(bank, num_experts=cfg.num_experts)
     return KimiMoE(
         num_experts=cfg.num_experts,
         router=RouterConfig(
@@ -400,7 +401,12 @@ _SUFFIX = r"(?P<s>weight|weight_scale|weight_scale_2|input_scale|bias)"
 _L = r"layers\.(?P<i>\d+)\."
 
 _KDA_IN_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj")
-_EXPERT_SHARD = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# transformers 5 nests the KDA forget-gate modules one level down: self_attn.forget_gate.<part>
+_FORGET_GATE_PARTS = ("f_a_proj", "f_b_proj", "A_log", "dt_bias")
+_FORGET = r"(?:forget_gate\.(?=(?:" + "|".join(_FORGET_GATE_PARTS) + r")\b))?"
+# routed-expert projections: original name -> transformers-5 name (gate, down, up)
+_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_EXPERT_SHARD = {**{w: w for w in _EXPERT_NAMES}, **{v: k for k, v in _EXPERT_NAMES.items()}}
 
 
 def _layer(model: KimiForCausalLM, m: re.Match[str]) -> KimiDecoderLayer | None:
@@ -474,16 +480,13 @@ CHECKPOINT_TABLE: tuple[tuple[re.Pattern[str], Rule], ...] = tuple(
         (r"embed_tokens\.weight|norm\.weight|lm_head\." + _SUFFIX, _same),
         (_L + r"(input_layernorm|post_attention_layernorm)\.weight", _same),
         # KDA: projections fused into in_proj (shard ids from the layer), forget-gate under either spelling
+        (_L + r"self_attn\." + _FORGET + r"(?P<p>" + "|".join(_KDA_IN_PROJ) + r")\." + _SUFFIX, _kda_in_proj),
         (
-            _L + r"self_attn\.(?:forget_gate\.)?(?P<p>" + "|".join(_KDA_IN_PROJ) + r")\." + _SUFFIX,
-            _kda_in_proj,
-        ),
-        (
-            _L + r"self_attn\.(?:forget_gate\.)?f_b_proj\." + _SUFFIX,
+            _L + r"self_attn\." + _FORGET + r"f_b_proj\." + _SUFFIX,
             _kda_only("layers.{i}.self_attn.f_b_proj.{s}"),
         ),
-        (_L + r"self_attn\.(?:forget_gate\.)?A_log", _kda_only("layers.{i}.self_attn.A_log")),
-        (_L + r"self_attn\.(?:forget_gate\.)?dt_bias", _kda_only("layers.{i}.self_attn.dt_bias")),
+        (_L + r"self_attn\." + _FORGET + r"A_log", _kda_only("layers.{i}.self_attn.A_log")),
+        (_L + r"self_attn\." + _FORGET + r"dt_bias", _kda_only("layers.{i}.self_attn.dt_bias")),
         (_L + r"self_attn\.(?:(?P<qkv>[qkv])_)?conv1d\.weight", _kda_conv),
         (_L + r"self_attn\.(g_a_proj|g_b_proj|o_proj)\." + _SUFFIX, _same),
         (_L + r"self_attn\.o_norm\.weight", _same),
@@ -511,6 +514,43 @@ _MOE_RENAME = re.compile(r"(?<=\.)block_sparse_moe(?=\.)")
 _IGNORED = re.compile(
     r"(vision_tower|mm_projector|multi_modal_projector|vision_model)\.|.*rotary_emb\.inv_freq$"
 )
+
+
+# Quantization configs name modules under these roots too (the K3 converter lists "layers.N..." keys).
+_CONFIG_ROOTS = (*_ROOTS, "language_model.", "")
+_MOE_PART = re.compile(r"(?<![^.])(block_sparse_moe|mlp)(?=\.|$)")
+_FORGET_PART = re.compile(r"(?<=\.self_attn\.)(forget_gate\.)?(" + "|".join(_FORGET_GATE_PARTS) + r")$")
+_EXPERT_PART = re.compile(r"(?<=\.experts\.)(\d+)\.(" + "|".join(_EXPERT_SHARD) + r")$")
+
+
+def module_spellings(prefix: str) -> tuple[str, ...]:
+    """Every name of the module `prefix` (a tensor name without its last component) that the table above
+    accepts for the same parameter, in both namings and under every root a checkpoint or a quantization
+    config uses; `prefix` itself first. Quantization configs are resolved through this, so a config key
+    written in either naming finds the layer (tests/models/test_kimi_model.py checks that every spelling
+    maps to the same target)."""
+    core = prefix
+    roots: tuple[str, ...] = _CONFIG_ROOTS
+    for root in _CONFIG_ROOTS[:-1]:
+        if prefix.startswith(root):
+            core = prefix[len(root) :]
+            break
+    if core == "lm_head" or core.startswith("lm_head."):
+        roots = ("language_model.", "")
+    cores = [core]
+    swapped = _MOE_PART.sub(lambda m: "mlp" if m[1] == "block_sparse_moe" else "block_sparse_moe", core)
+    cores.append(swapped)
+    for c in list(cores):
+        cores.append(_FORGET_PART.sub(lambda m: ("" if m[1] else "forget_gate.") + m[2], c))
+        cores.append(
+            _EXPERT_PART.sub(lambda m: f"{m[1]}." + (_EXPERT_NAMES.get(m[2]) or _EXPERT_SHARD[m[2]]), c)
+        )
+    out = [prefix]
+    for c in cores:
+        for root in roots:
+            if root + c not in out:
+                out.append(root + c)
+    return tuple(out)
 
 
 def map_checkpoint_name(name: str, model: KimiForCausalLM) -> list[Target] | tuple[Target, ...] | None:

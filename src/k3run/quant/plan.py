@@ -21,7 +21,7 @@ from types import MappingProxyType
 import torch
 
 from k3run.quant.algo import QuantAlgo
-from k3run.quant.modelopt import ModelOptConfig, load_quant_config
+from k3run.quant.modelopt import ModelOptConfig, expert_bank, load_quant_config
 from k3run.safetensors_io import TensorInfo, read_checkpoint_headers
 
 FP8_BLOCK = 128
@@ -341,11 +341,11 @@ def _check_layer(c: _Checker) -> tuple[tuple[int, int], tuple[int, int]]:
     raise c.fail("weight", "a supported scheme", algo.value)
 
 
-def _why(qc: ModelOptConfig | None, algo: QuantAlgo, prefix: str) -> str:
+def _why(qc: ModelOptConfig | None, algo: QuantAlgo, prefix: str, num_experts: int | None) -> str:
     if qc is None:
         return "the checkpoint has no ModelOpt quantization config"
     if algo is QuantAlgo.NONE:
-        if qc.is_excluded(prefix):
+        if qc.is_excluded(prefix, num_experts=num_experts):
             return "matched by the exclude list"
         return "not listed in quantized_layers" if qc.is_mixed else "unquantized by the config"
     return f"from the {qc.quant_algo} config"
@@ -369,20 +369,30 @@ def build_quant_plan(
         (n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2),
         key=_model_order,
     )
+    # each bank's expert count, as its expert ids in the headers show it
+    experts: dict[str, int] = defaultdict(int)
+    for prefix in prefixes:
+        m = _EXPERT.match(prefix)
+        if m is not None:
+            bank = m.group(1)[:-1]
+            experts[bank] = max(experts[bank], int(m.group(2)) + 1)
     owned: set[str] = set()
     layers: list[LayerPlan] = []
     for prefix in prefixes:
         names = tuple(f"{prefix}.{s}" for s in LAYER_SUFFIXES if f"{prefix}.{s}" in tensors)
         owned.update(names)
         is_embedding = prefix.rpartition(".")[2] in _EMBEDDING_NAMES
+        bank = expert_bank(prefix)
+        n_experts = experts.get(bank) if bank is not None else None
         if is_embedding or qc is None:
             algo = QuantAlgo.NONE
         else:
-            algo = qc.resolve(prefix)
+            # the resolution load_model uses: a routed expert resolves as its bank
+            algo = qc.resolve(prefix, num_experts=n_experts)
         if is_embedding:
             why: Callable[[], str] = lambda: "embeddings are never quantized"
         else:
-            why = functools.partial(_why, qc, algo, prefix)
+            why = functools.partial(_why, qc, algo, prefix, n_experts)
         logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
         kind = "embedding" if is_embedding else ("expert" if _EXPERT.match(prefix) else "linear")
         if is_embedding:
