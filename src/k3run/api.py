@@ -1,5 +1,5 @@
-"""The small public API: `load_model(path)` returns a ready KimiForCausalLM (bf16 or ModelOpt-quantized,
-original or transformers-5 tensor naming)."""
+"""The small public API: `load_model(path)` returns a ready KimiForCausalLM (bf16, ModelOpt-quantized, or
+moonshotai/Kimi-K3's compressed-tensors MXFP4 experts; original or transformers-5 tensor naming)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from k3run.distributed import TPInfo
 from k3run.layers.moe import NvFp4ActMode
 from k3run.loader import load_checkpoint
 from k3run.models.kimi import KimiForCausalLM
+from k3run.quant.compressed_tensors import CompressedTensorsConfig
 from k3run.quant.modelopt import load_quant_config
 from k3run.quant.schemes import enable_nvfp4_fp8_blocks
 from k3run.safetensors_io import read_checkpoint_headers
@@ -73,6 +74,10 @@ def load_model(
     dtype = dtype or checkpoint_dtype(hf, path)
     with torch.device(device):
         model = KimiForCausalLM(cfg, qcfg=qcfg, tp=tp, params_dtype=dtype, nvfp4_moe_act=nvfp4_moe_act)
+    if isinstance(qcfg, CompressedTensorsConfig):
+        log.info("%s", qcfg.summary())
+        for note in qcfg.notes():
+            log.info("%s", note)
     load_checkpoint(model, path, model.checkpoint_mapping, tp=tp, progress=progress)
     _log_held_dtypes(model, path, dtype)
     if nvfp4_as_fp8:

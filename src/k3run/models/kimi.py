@@ -399,6 +399,8 @@ def _strip_root(name: str) -> str | None:
 Rule = Callable[[re.Match[str], "KimiForCausalLM"], list[Target] | tuple[Target, ...] | None]
 _SUFFIX = r"(?P<s>weight|weight_scale|weight_scale_2|input_scale|bias)"
 _L = r"layers\.(?P<i>\d+)\."
+# routed experts may also be compressed-tensors MXFP4: codes in weight_packed, E8M0 weight_scale
+_EXPERT_SUFFIX = r"(?P<s>weight|weight_packed|weight_scale|weight_scale_2|input_scale|bias)"
 
 _KDA_IN_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj")
 # transformers 5 nests the KDA forget-gate modules one level down: self_attn.forget_gate.<part>
@@ -460,6 +462,8 @@ def _expert(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
     layer = _layer(model, m)
     if layer is None or not layer.is_moe:
         return None
+    if m["s"] == "weight_packed":  # the codes: FusedExperts checks the bank is MXFP4
+        return [Target(f"layers.{m['i']}.mlp.experts.{group}_weight", (int(m["e"]), which, "packed"))]
     return [Target(f"layers.{m['i']}.mlp.experts.{group}_{m['s']}", (int(m["e"]), which))]
 
 
@@ -476,7 +480,10 @@ CHECKPOINT_TABLE: tuple[tuple[re.Pattern[str], Rule], ...] = tuple(
     (re.compile(p), r)
     for p, r in (
         # routed experts first: they are nearly all of a K3 checkpoint's ~1M tensors
-        (_L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _SUFFIX, _expert),
+        (
+            _L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _EXPERT_SUFFIX,
+            _expert,
+        ),
         (r"embed_tokens\.weight|norm\.weight|lm_head\." + _SUFFIX, _same),
         (_L + r"(input_layernorm|post_attention_layernorm)\.weight", _same),
         # KDA: projections fused into in_proj (shard ids from the layer), forget-gate under either spelling

@@ -137,6 +137,13 @@ class ModelOptConfig:
     def is_mixed(self) -> bool:
         return self.quant_algo == MIXED_PRECISION
 
+    def summary(self) -> str:
+        """One line for `k3run inspect`: algorithm, producer, kv cache."""
+        prod = dict(self.producer or {})
+        by = f" by {prod.get('name')} {prod.get('version', '')}".rstrip() if prod else ""
+        kv = f", kv cache {self.kv_cache_quant_algo}" if self.kv_cache_quant_algo else ""
+        return f"ModelOpt {self.quant_algo}{by}{kv}"
+
     @property
     def algos(self) -> frozenset[QuantAlgo]:
         """Every algorithm some layer of this checkpoint may use."""
@@ -370,7 +377,8 @@ def parse_quant_config(qc: Mapping[str, Any], *, source: str = "quantization_con
         method = qc.get("quant_method")
         if not _nonempty_str(method) or not str(method).lower().startswith("modelopt"):
             raise ValueError(
-                f"{where}.quant_method: expected modelopt, modelopt_fp4 or modelopt_mixed, got {method!r}"
+                f"{where}.quant_method: expected modelopt, modelopt_fp4, modelopt_mixed or "
+                f"compressed-tensors, got {method!r}"
             )
         body = qc
         algo = _parse_algo(qc.get("quant_algo"), f"{where}.quant_algo")
@@ -458,13 +466,19 @@ def _is_mixed_without_layers(qc: Mapping[str, Any]) -> bool:
     return (method == "modelopt_mixed" or algo == MIXED_PRECISION) and not body.get("quantized_layers")
 
 
+def _method(qc: object) -> object:
+    return qc.get("quant_method") if isinstance(qc, Mapping) else qc
+
+
 def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig | None:
     """The ModelOpt config of a checkpoint directory (or of a parsed config.json dict); None if unquantized.
 
     Looks at config.json `quantization_config`, then `text_config.quantization_config`, then
-    hf_quant_config.json (accepted only from producer "modelopt"). A modelopt_mixed quantization_config
-    without quantized_layers defers to hf_quant_config.json, as vLLM does. A non-ModelOpt quant_method is an
-    error rather than "unquantized".
+    hf_quant_config.json (accepted only from producer "modelopt"); both config.json places given and different
+    is an error. A modelopt_mixed quantization_config without quantized_layers defers to hf_quant_config.json,
+    as vLLM does. quant_method "compressed-tensors" (moonshotai/Kimi-K3's MXFP4 experts) returns a
+    quant/compressed_tensors.py `CompressedTensorsConfig`, which resolves layers the same way. Any other
+    quant_method is an error rather than "unquantized".
     """
     if isinstance(source, Mapping):
         model_dir, hf_config, where = None, dict(source), "config"
@@ -476,12 +490,21 @@ def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig 
     qc = hf_config.get("quantization_config")
     key = "quantization_config"
     text_config = hf_config.get("text_config")
-    if qc is None and isinstance(text_config, Mapping):
-        qc = text_config.get("quantization_config")
-        key = "text_config.quantization_config"
+    inner = text_config.get("quantization_config") if isinstance(text_config, Mapping) else None
+    if qc is not None and inner is not None and inner != qc:
+        raise ValueError(
+            f"{where}: quantization_config (quant_method {_method(qc)!r}) and "
+            f"text_config.quantization_config (quant_method {_method(inner)!r}) contradict each other"
+        )
+    if qc is None and inner is not None:
+        qc, key = inner, "text_config.quantization_config"
     if qc is not None:
         if not isinstance(qc, Mapping):
             raise ValueError(f"{where}: {key} must be an object, got {qc!r}")
+        if qc.get("quant_method") == "compressed-tensors":
+            from k3run.quant.compressed_tensors import load_compressed_tensors
+
+            return load_compressed_tensors(qc, f"{where}: {key}", model_dir)  # type: ignore[return-value]
         if _is_mixed_without_layers(qc):
             if model_dir is None:
                 raise ValueError(
