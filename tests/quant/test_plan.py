@@ -161,7 +161,7 @@ def test_single_algo_plan_and_unquantized(tmp_path: Path) -> None:
     (plain / "config.json").write_text("{}")
     p = build_quant_plan(plain)
     assert p.quant_config is None and p.layers[0].algo is QuantAlgo.NONE
-    assert "unquantized (no ModelOpt config)" in p.format_table()
+    assert "unquantized (no quantization config)" in p.format_table()
 
 
 def _rewrite(d: Path, t: dict[str, torch.Tensor]) -> None:
@@ -239,7 +239,7 @@ def test_unlisted_quantized_layer_and_missing_config(tmp_path: Path) -> None:
     ):
         build_quant_plan(tmp_path)
     (tmp_path / "hf_quant_config.json").unlink()
-    with pytest.raises(ValueError, match="got F8_E4M3.*has no ModelOpt quantization config"):
+    with pytest.raises(ValueError, match="got F8_E4M3.*has no quantization config"):
         build_quant_plan(tmp_path)
 
 
