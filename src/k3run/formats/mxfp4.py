@@ -85,26 +85,45 @@ class Mxfp4Scales(NamedTuple):
 
     weight_scale: torch.Tensor  # float8_e4m3fn [N, K/16]
     weight_scale_2: torch.Tensor  # fp32 0-dim, a power of two
-    exponent: torch.Tensor  # int32 [N, K/32]: each 32-block's unbiased E8M0 exponent k_j
-    shift: torch.Tensor  # int32 [N, K/32]: s > 0 where the block's values must be divided by 2^s
-    check: torch.Tensor  # bool [N, K/32]: blocks whose codes `mxfp4_codes_to_nvfp4` must look at
+    # None when every block keeps its codes (the case of real weights); else int32 [N, K/32] tensors: each
+    # block's unbiased exponent k_j, its shift s (> 0 where its values must be divided by 2^s) and the mask
+    # of blocks `mxfp4_codes_to_nvfp4` must look at (shifted, or large enough to overflow fp32)
+    exponent: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    check: torch.Tensor | None = None
 
     @property
     def codes_unchanged(self) -> bool:
         """True when the codes carry over as they are (no block needs its codes checked)."""
-        return not bool(self.check.any())
+        return self.check is None
+
+
+def _pow2_e4m3_bytes(m: int, device: torch.device) -> torch.Tensor:
+    """uint8 [256]: for each E8M0 byte e, the E4M3 byte of 2^clamp(e - 127 - m, -9, 8). Normal E4M3 2^x is
+    (x + 7) << 3 for x >= -6; 2^-7, 2^-8, 2^-9 are the subnormals 4, 2, 1."""
+    x = (torch.arange(256, dtype=torch.int32, device=device) - E8M0_BIAS - m).clamp(
+        _MIN_BLOCK_EXP, _MAX_BLOCK_EXP
+    )
+    normal = (x + 7) << 3
+    sub = torch.ones_like(x) << (x - _MIN_BLOCK_EXP).clamp(min=0, max=2)
+    return torch.where(x >= -6, normal, sub).to(torch.uint8)
 
 
 def mxfp4_scales_to_nvfp4(scale_e8m0: torch.Tensor, k_max: int | None = None) -> Mxfp4Scales:
     """E8M0 scales [N, K/32] -> the NVFP4 block scales and global scale of the same values (module doc).
 
     k_max: the exponent defining weight_scale_2 = 2^max(k_max - 8, -126); None uses this tensor's largest
-    (pass a larger one to share one global scale between tensors, e.g. w1 and w3).
+    (pass a larger one to share one global scale between tensors, e.g. w1 and w3). One pass for the range,
+    one table lookup per block; the per-block exponent tensors only where some block needs its codes.
     """
     check_dtype("mxfp4 scale_e8m0", scale_e8m0, (torch.uint8,))
     check_min_dims("mxfp4 scale_e8m0", scale_e8m0, 2)
-    e8m0_to_float(scale_e8m0)  # rejects the NaN exponent
-    own_max = mxfp4_k_max(scale_e8m0)
+    if scale_e8m0.numel() == 0:
+        raise ValueError("mxfp4 scale_e8m0: expected a non-empty tensor, got 0 elements")
+    lo, hi = (int(v) for v in torch.aminmax(scale_e8m0))
+    if hi == E8M0_NAN:
+        raise ValueError("e8m0 scale: expected exponents 0..254, got 255 (the E8M0 NaN encoding)")
+    own_max = hi - E8M0_BIAS
     if k_max is None:
         k_max = own_max
     elif k_max < own_max:
@@ -113,14 +132,16 @@ def mxfp4_scales_to_nvfp4(scale_e8m0: torch.Tensor, k_max: int | None = None) ->
         raise ValueError(f"mxfp4 k_max: expected <= 127 (the largest E8M0 exponent), got {k_max}")
     m = max(k_max - _MAX_BLOCK_EXP, _MIN_GLOBAL_EXP)
     wsc2 = torch.tensor(math.ldexp(1.0, m), dtype=torch.float32, device=scale_e8m0.device)
-    k = scale_e8m0.to(torch.int32) - E8M0_BIAS  # [N, K/32]
-    exp = k - m  # <= 8
-    shift = (_MIN_BLOCK_EXP - exp).clamp(min=0)
-    exp16 = exp.clamp(min=_MIN_BLOCK_EXP).repeat_interleave(2, dim=-1)  # [N, K/16]
-    block_scale = torch.ldexp(torch.ones_like(exp16, dtype=torch.float32), exp16).to(torch.float8_e4m3fn)
-    # blocks whose codes must be checked: shifted ones, and those whose large codes would overflow fp32
-    check = (shift > 0) | (k >= 126)
-    return Mxfp4Scales(block_scale, wsc2, exponent=k, shift=shift, check=check)
+    table = _pow2_e4m3_bytes(m, scale_e8m0.device)
+    blocks = torch.take(table, scale_e8m0.long())  # [N, K/32] E4M3 bytes
+    block_scale = blocks.unsqueeze(-1).expand(*blocks.shape, 2).reshape(*blocks.shape[:-1], -1)
+    block_scale = block_scale.view(torch.float8_e4m3fn)  # [N, K/16]: both 16-halves of a 32-block
+    # codes need a look only below 2^-9 * 2^m, or at exponents 126 and 127 (large codes overflow fp32)
+    if lo - E8M0_BIAS - m >= _MIN_BLOCK_EXP and hi - E8M0_BIAS < 126:
+        return Mxfp4Scales(block_scale, wsc2)
+    k = scale_e8m0.to(torch.int32) - E8M0_BIAS
+    shift = (_MIN_BLOCK_EXP - (k - m)).clamp(min=0)
+    return Mxfp4Scales(block_scale, wsc2, exponent=k, shift=shift, check=(shift > 0) | (k >= 126))
 
 
 def mxfp4_codes_to_nvfp4(packed: torch.Tensor, scales: Mxfp4Scales, what: str = "mxfp4") -> torch.Tensor:
@@ -130,8 +151,8 @@ def mxfp4_codes_to_nvfp4(packed: torch.Tensor, scales: Mxfp4Scales, what: str = 
     check_dtype(f"{what} packed", packed, (torch.uint8,))
     check_min_dims(f"{what} packed", packed, 2)
     n, k = packed.shape[-2], packed.shape[-1] * 2
-    check_shape(f"{what} shift", scales.shift, (n, k // MXFP4_GROUP))
-    if scales.codes_unchanged:
+    check_shape(f"{what} weight_scale", scales.weight_scale, (n, k // NVFP4_GROUP))
+    if scales.check is None or scales.exponent is None or scales.shift is None:
         return packed
     rows, blocks = scales.check.nonzero(as_tuple=True)
     codes = unpack_e2m1(packed).reshape(n, k // MXFP4_GROUP, MXFP4_GROUP)
@@ -177,5 +198,4 @@ def mxfp4_to_nvfp4(packed: torch.Tensor, scale_e8m0: torch.Tensor, k_max: int | 
         raise ValueError(f"mxfp4_to_nvfp4 packed: expected 2 dims [N, K/2], got shape {tuple(packed.shape)}")
     scales = mxfp4_scales_to_nvfp4(scale_e8m0, k_max)
     codes = mxfp4_codes_to_nvfp4(packed, scales, "mxfp4_to_nvfp4")
-    assert scales.weight_scale.shape == (n, k // NVFP4_GROUP)
     return NvFp4Tensor(codes.clone(), scales.weight_scale, scales.weight_scale_2)
