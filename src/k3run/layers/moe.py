@@ -1,4 +1,5 @@
-"""Kimi MoE: fp32 sigmoid router, routed experts (bf16, FP8_PB_WO or NVFP4), shared experts, K3 latent MoE.
+"""Kimi MoE: fp32 sigmoid router, routed experts (bf16, FP8_PB_WO or NVFP4; MXFP4 checkpoints cast to NVFP4 as
+they load), shared experts, K3 latent MoE.
 
 Expert weights are stored per rank as stacked tensors, named as vLLM names them after loading:
 `w13_*` holds w1 (gate) in rows [0, I) and w3 (up) in rows [I, 2I) (gate first), `w2_*` the down projection.

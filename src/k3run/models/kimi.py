@@ -8,7 +8,8 @@ Parameter names are the checkpoint's module names without the root prefix (`mode
 `language_model.model.`), except where layers are fused: `CHECKPOINT_TABLE` / `checkpoint_mapping` map
 every checkpoint tensor of both namings onto (parameter, shard id):
   - original (Moonshot, `save_pretrained`): block_sparse_moe.experts.N.w1/w2/w3, self_attn.{q,k,v}_conv1d,
-    self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}, A_log [H] or legacy [1,1,H,1];
+    self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}, A_log [H], legacy [1,1,H,1] or K3's [K]; moonshotai/Kimi-K3's
+    MXFP4 experts as experts.N.wK.weight_packed + weight_scale;
   - transformers-5 / ModelOpt export: mlp.experts.N.{gate,up,down}_proj, self_attn.conv1d [3P,1,W],
     self_attn.forget_gate.{f_a_proj,f_b_proj,A_log,dt_bias}, mlp.gate, mlp.shared_experts.
 """
