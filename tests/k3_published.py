@@ -39,7 +39,7 @@ LM = "language_model.model."
 # moe_intermediate 3072, dense intermediate 33792, vocab 163840, 93 layers, attn_res_block_size 12
 DIMS = {
     "hidden_size": 256,
-    "kda_heads": 3,  # A_log [128] then holds 3 values and 125 zeros
+    "kda_heads": 4,  # A_log [128] then holds 4 values and 124 zeros; even, for TP = 2
     "head_dim": 128,
     "mla_heads": 2,
     "q_lora_rank": 256,

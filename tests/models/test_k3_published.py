@@ -182,3 +182,19 @@ def test_refusals_name_the_tensor(dirs, tmp_path):
     with pytest.raises(ValueError, match=r"config_groups\.group_0\.format: expected 'mxfp4-pack-quantized'.*"
                        r"got 'nvfp4-pack-quantized'"):  # fmt: skip
         load_model(d)
+
+
+def _tp_worker(tp, d: str, ids: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(1)
+    return load_model(d, dtype=torch.float32, tp_rank=tp.rank, tp_size=tp.size).logits(ids)
+
+
+def test_mxfp4_k3_tp2_equals_tp1(dirs):
+    """Each rank casts only its own experts (EP 2: 4 of 8) and its heads' A_log values."""
+    from k3run.distributed import spawn_gloo
+
+    ranks = spawn_gloo(_tp_worker, 2, str(dirs["mxfp4"]), IDS)
+    ref = load_model(dirs["mxfp4"], dtype=torch.float32).logits(IDS)
+    assert torch.equal(ranks[0], ranks[1])
+    # sharded GEMMs and experts split over ranks change fp32 summation order only
+    assert_close("MXFP4 K3 TP=2 vs TP=1", ref, ranks[0], rtol=1e-5)
