@@ -441,3 +441,70 @@ def test_tied_word_embeddings(tmp_path):
     hidden = model(ids, ForwardContext.single(len(ids)))
     emb = tensors["model.embed_tokens.weight"].float()
     assert_close("tied head", hidden.detach() @ emb.t(), model.logits(ids), rtol=1e-6)
+
+
+def test_float32_tensors_are_held_without_rounding(tmp_path, caplog):
+    """K3 stores o_norm.weight, A_log, dt_bias, the convs and the router bias F32: a bf16 model holds them in
+    fp32 (never rounded), says so at load and in inspect, and warns about a tensor it does round."""
+    from k3run.quant.plan import build_quant_plan
+
+    hf = copy.deepcopy(K3) | {"dtype": "bfloat16"}
+    tensors = random_checkpoint(hf, 3)
+    f32 = ("o_norm.weight", "A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+    for name in list(tensors):
+        if name.endswith(f32):
+            # (1 + 2^-12) puts bits below bf16's 8-bit mantissa into every nonzero value
+            tensors[name] = tensors[name].float() * (1 + 2**-12)
+    norm = "language_model.model.layers.0.input_layernorm.weight"
+    tensors[norm] = tensors[norm].float() * (1 + 2**-12)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with caplog.at_level("INFO", logger="k3run.api"):
+        model = load_model(tmp_path)
+    o_norm = model.layers[0].self_attn.o_norm.weight
+    assert o_norm.dtype == torch.float32
+    assert torch.equal(o_norm, tensors["language_model.model.layers.0.self_attn.o_norm.weight"])
+    log = caplog.text
+    assert "language_model.model.layers.N.self_attn.o_norm.weight (F32 [32] x3) -> float32" in log
+    assert "language_model.model.layers.N.self_attn.A_log (F32 [2] x3) -> float32" in log
+    rounded = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in rounded] == [
+        "checkpoint tensors rounded at load: "
+        "language_model.model.layers.N.input_layernorm.weight (F32 [64]) -> bfloat16 (rounded)"
+    ]
+    table = build_quant_plan(tmp_path).format_table()
+    assert "tensors held in another dtype than the model's bfloat16:" in table
+    assert "layers.N.self_attn.o_norm.weight (F32 [32] x3) -> float32" in table
+    assert "layers.N.input_layernorm.weight (F32 [64]) -> bfloat16 (rounded)" in table
+
+
+def test_module_spellings_map_to_the_same_target():
+    """Every spelling module_spellings gives for a checkpoint module (what quant configs are matched
+    against) is a name the table maps to the same parameter and shard, and the other naming is among them."""
+    from k3run.config import ModelConfig
+    from k3run.models.kimi import KimiForCausalLM, module_spellings
+
+    roots = ("language_model.model.", "model.language_model.", "model.", "language_model.lm_head", "lm_head")
+    for hf in (KIMI_LINEAR, K3):
+        model = KimiForCausalLM(ModelConfig.from_hf(hf), params_dtype=torch.float32)
+        for name in random_checkpoint(hf, 0):
+            prefix, _, last = name.rpartition(".")
+            want = model.checkpoint_mapping(name)
+            assert want, name
+            spellings = module_spellings(prefix)
+            assert spellings[0] == prefix
+            for s in spellings:
+                if s.startswith(roots):  # the other roots are config-only spellings, not tensor names
+                    assert model.checkpoint_mapping(f"{s}.{last}") == want, (name, s)
+    both = module_spellings("model.layers.0.self_attn.f_a_proj")
+    assert (
+        "language_model.model.layers.0.self_attn.forget_gate.f_a_proj" in both
+        and "layers.0.self_attn.f_a_proj" in both
+    )
+    experts = module_spellings("language_model.model.layers.1.block_sparse_moe.experts.7.w3")
+    assert "model.layers.1.mlp.experts.7.up_proj" in experts and "layers.1.mlp.experts.7.w3" in experts
+    assert module_spellings("language_model.lm_head") == ("language_model.lm_head", "lm_head")
+    # forget_gate. is the transformers-5 home of the forget-gate modules only
+    assert "model.layers.0.self_attn.forget_gate.q_proj" not in module_spellings(
+        "model.layers.0.self_attn.q_proj"
+    )
