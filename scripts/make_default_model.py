@@ -5,7 +5,8 @@
                                    FP8_PB_WO attention projections, the rest bf16): the README's model
   assets/heldout.txt               held-out stdlib text (files the tokenizer and the model never saw)
 
-Usage (after scripts/train_default_model.py prepare + train):
+Usage (after scripts/train_default_model.py prepare + train; the shipped model also went through
+prepare-chat + train --chat-data, so its tokenizer files carry the chat template and eos ids):
   python scripts/make_default_model.py --bf16 out/default_model/bf16 --data out/default_model --assets assets
 """
 
@@ -75,6 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     # the quantizer copies every side file; the training log belongs to the original only
     (quant_dir / "train_log.json").unlink(missing_ok=True)
     (assets / "heldout.txt").write_text(heldout_text(Path(args.data)), encoding="utf-8")
+
+    from k3run.tokenizer import load_tokenizer
+
+    for d in (bf16_dir, quant_dir):  # what `k3run serve` reads for /v1/chat/completions
+        tok = load_tokenizer(d)
+        template = "a chat template" if tok.chat_template else "NO chat template"
+        print(f"{d.name}: vocab {tok.vocab_size}, eos ids {sorted(tok.eos_token_ids)}, {template}")
 
     sizes = {str(p.relative_to(assets)): p.stat().st_size for p in sorted(assets.rglob("*")) if p.is_file()}
     total = sum(sizes.values())

@@ -13,7 +13,9 @@ from k3run.quant.algo import QuantAlgo
 from k3run.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).parents[1]
-TINY = dict(vocab_size=2048, hidden_size=256, num_heads=2, q_lora_rank=128, moe_intermediate_size=128,
+# vocab 2056 is the bundled tokenizer's (2048 BPE tokens, the chat markers, reserved ids): the engine checks
+# that the model's vocabulary holds every tokenizer id
+TINY = dict(vocab_size=2056, hidden_size=256, num_heads=2, q_lora_rank=128, moe_intermediate_size=128,
             routed_expert_hidden_size=128, top_k=2)  # fmt: skip
 
 

@@ -207,23 +207,28 @@ def test_heldout_perplexity_beats_unigram_and_survives_quantization(
     unigram_ppl = math.exp(-sum(c / n * math.log(c / n) for c in counts.values()))
     ppl_bf16 = math.exp(_nll(bf16, windows))
     ppl_quant = math.exp(_nll(quant, windows))
-    # measured when the assets were made: bf16 ppl 36.1 against 244 for this text's own unigram distribution,
-    # so the bar unigram / 5 (48.8) leaves a 35% margin. The 150-step H200 checkpoint (ppl 59.8) fails it, and
-    # an untrained model scores about 2000 (uniform over the 2048-token vocabulary).
+    # measured when the assets were made: bf16 ppl 37.4 against 244 for this text's own unigram distribution
+    # (36.1 before the chat fine-tune), so the bar unigram / 5 (48.8) leaves a 30% margin. The 150-step H200
+    # checkpoint (ppl 59.8) fails it, and an untrained model scores about 2000 (uniform over the vocabulary).
     assert ppl_bf16 < unigram_ppl / 5, f"bf16 ppl {ppl_bf16:.1f} vs unigram {unigram_ppl:.1f}"
     # issue 5: the quantized default model is within 5% of its bf16 original on held-out text
     assert abs(ppl_quant / ppl_bf16 - 1) < 0.05, f"k3-mixed ppl {ppl_quant:.2f} vs bf16 {ppl_bf16:.2f}"
 
 
-def test_greedy_generation_looks_like_python(models: tuple[KimiForCausalLM, KimiForCausalLM]) -> None:
+def test_generation_looks_like_python(models: tuple[KimiForCausalLM, KimiForCausalLM]) -> None:
     from tokenizers import Tokenizer
 
+    from k3run.engine import LLM, EngineConfig, SamplingParams
     from k3run.forward_context import ForwardContext
+    from k3run.tokenizer import load_tokenizer
 
     _, model = models
     tok = Tokenizer.from_file(str(QUANT_DIR / "tokenizer.json"))
-    # The README's sample prompt. Greedy decoding of a model this small can still loop on other prompts:
-    # for "def fibonacci(n):\n" the shipped model writes `def _get_frag(s, d, d, d, ...` (assets/README.md).
+    # The README's sample prompt. Greedy decoding of a model this small loops: since the chat fine-tune the
+    # greedy continuation of "def " is a comment line repeated (`# the currently received by the ...`), and
+    # for "def fibonacci(n):\n" it writes `def _get_reader(self, name, name, name, ...` (assets/README.md).
+    # Greedy output must still not collapse onto a few tokens; the Python shape is checked on a seeded
+    # sample at temperature 0.7 (the README's sampled example), which reads the whole distribution.
     prompt = tok.encode("def ").ids
     new_tokens = 48
     cache = model.make_cache(num_slots=1, max_len=len(prompt) + new_tokens)
@@ -244,7 +249,10 @@ def test_greedy_generation_looks_like_python(models: tuple[KimiForCausalLM, Kimi
     counts = Counter(out)
     assert len(counts) >= 12, f"degenerate greedy output ({len(counts)} distinct tokens): {text!r}"
     assert counts.most_common(1)[0][1] <= new_tokens // 3, f"one token dominates: {text!r}"
-    assert "\n" in text and any(k in text for k in ("return", "if ", "for ", "(", "=")), text
+    llm = LLM.from_model(model, load_tokenizer(QUANT_DIR), EngineConfig(max_num_seqs=1, max_model_len=128))
+    sample = llm.generate(["def "], SamplingParams(max_tokens=new_tokens, temperature=0.7, seed=0))[0].text
+    assert "\n" in sample and any(k in sample for k in ("return", "if ", "for ", "=")), sample
+    assert "\n    " in sample, f"no indented block: {sample!r}"
 
 
 def _train_script():  # noqa: ANN202 - a module loaded from scripts/, which is not a package
@@ -281,3 +289,188 @@ def test_init_from_rejects_a_different_config(tmp_path: Path) -> None:
     model = script.build_model(config, "cpu")
     with pytest.raises(ValueError, match="num_hidden_layers"):
         script.load_init_checkpoint(model, config, tmp_path)
+
+
+# ---------------------------------------------------------------- chat: template, tokens, stopping, loss
+
+CHAT_TOKENS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
+BPE_VOCAB = 2048  # the byte-level BPE the model was pre-trained with; the chat tokens come after it
+
+
+def test_chat_tokens_are_special_tokens_after_the_bpe_vocabulary() -> None:
+    from k3run.tokenizer import load_tokenizer
+
+    for d in (BF16_DIR, QUANT_DIR):
+        tok = load_tokenizer(d)
+        vocab = ModelConfig.from_hf(json.loads((d / "config.json").read_text())).vocab_size
+        # padded with reserved tokens to a multiple of 8, so the vocab-parallel lm_head splits evenly
+        assert tok.vocab_size == vocab == 2056, d
+        ids = [tok.token_to_id(t) for t in CHAT_TOKENS]
+        assert ids == list(range(BPE_VOCAB, BPE_VOCAB + len(CHAT_TOKENS))), ids
+        # <|im_end|> ends a chat turn, <|endoftext|> a completion
+        assert tok.eos_token_ids == {tok.token_to_id("<|endoftext|>"), ids[-1]}, d
+        header = tok.encode("<|im_user|>user<|im_middle|>", add_special_tokens=False)
+        assert header == [ids[1], tok.token_to_id("user"), ids[3]]
+        assert tok.decode(header) == "user"  # the markers are special: skipped when decoding
+    # plain text never produces a chat or reserved id: the pre-trained encoding is unchanged
+    assert max(load_tokenizer(QUANT_DIR).encode(HELDOUT.read_text(encoding="utf-8"))) < BPE_VOCAB
+
+
+def test_chat_template_renders_kimi_role_sections() -> None:
+    from k3run.tokenizer import TokenizerError, load_tokenizer
+
+    tok = load_tokenizer(QUANT_DIR)
+    assert tok.chat_template == load_tokenizer(BF16_DIR).chat_template == _train_script().CHAT_TEMPLATE
+    system = {"role": "system", "content": "Answer briefly."}
+    user = {"role": "user", "content": "What does `json.dumps` do?"}
+    answer = {"role": "assistant", "content": "Serialize ``obj`` to a JSON formatted ``str``."}
+    follow_up = {"role": "user", "content": "And `json.loads`?\n"}
+    assert tok.apply_chat_template([user]) == (
+        "<|im_user|>user<|im_middle|>What does `json.dumps` do?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    assert tok.apply_chat_template([system, user]) == (
+        "<|im_system|>system<|im_middle|>Answer briefly.<|im_end|>"
+        "<|im_user|>user<|im_middle|>What does `json.dumps` do?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    # multi-turn, no generation prompt; content is written as given (the trailing newline stays)
+    assert tok.apply_chat_template([system, user, answer, follow_up], add_generation_prompt=False) == (
+        "<|im_system|>system<|im_middle|>Answer briefly.<|im_end|>"
+        "<|im_user|>user<|im_middle|>What does `json.dumps` do?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Serialize ``obj`` to a JSON formatted ``str``.<|im_end|>"
+        "<|im_user|>user<|im_middle|>And `json.loads`?\n<|im_end|>"
+    )
+    # a tool result is a system-kind section named "tool", as in Kimi's template
+    assert tok.apply_chat_template([{"role": "tool", "content": "42"}], add_generation_prompt=False) == (
+        "<|im_system|>tool<|im_middle|>42<|im_end|>"
+    )
+    with pytest.raises(TokenizerError, match="unknown role narrator"):
+        tok.apply_chat_template([{"role": "narrator", "content": "x"}])
+
+
+def test_chat_training_masks_follow_the_template() -> None:
+    """The fine-tune's loss mask: assistant content and its <|im_end|>, in the template's own tokens."""
+    from tokenizers import Tokenizer
+
+    from k3run.tokenizer import load_tokenizer
+
+    script = _train_script()
+    raw, tok = Tokenizer.from_file(str(QUANT_DIR / "tokenizer.json")), load_tokenizer(QUANT_DIR)
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does `abs` do?"},
+        {"role": "assistant", "content": "Absolute value."},
+        {"role": "user", "content": "Show it."},
+        {"role": "assistant", "content": "```python\nabs(-1)\n```"},
+    ]
+    ids, mask = script.encode_conversation(raw, msgs)
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert ids == tok.encode(rendered, add_special_tokens=False)
+    trained = raw.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert trained == "Absolute value.<|im_end|>```python\nabs(-1)\n```<|im_end|>"
+
+
+def test_init_from_grows_a_pre_chat_vocabulary(tmp_path: Path, bf16_tensors: dict[str, torch.Tensor]) -> None:
+    """`train --chat-data --init-from <pre-chat checkpoint>`: old rows kept exactly, new ones by the mean."""
+    from safetensors.torch import save_file
+
+    script = _train_script()
+    config = json.loads((BF16_DIR / "config.json").read_text())
+    old = json.loads(json.dumps(config))
+    old["text_config"]["vocab_size"] = BPE_VOCAB
+    small = {n: t[:BPE_VOCAB] if n in script.VOCAB_ROWS else t for n, t in bf16_tensors.items()}
+    save_file(small, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    model = script.build_model(config, "cpu")
+    script.init_weights(model, config, torch.Generator().manual_seed(5))
+    script.load_init_checkpoint(model, config, tmp_path, torch.Generator().manual_seed(0))
+    state = script.export_state(model, config, script.probe_checkpoint_map(config))
+    for name, t in bf16_tensors.items():
+        if name not in script.VOCAB_ROWS:
+            assert torch.equal(state[name], t), name
+            continue
+        assert torch.equal(state[name][:BPE_VOCAB], t[:BPE_VOCAB]), name
+        w, new = t[:BPE_VOCAB].float(), state[name][BPE_VOCAB:].float()
+        spread = float((w - w.mean(0)).pow(2).mean().sqrt())
+        deviation = float((new - w.mean(0)).pow(2).mean().sqrt())
+        assert 0.05 * spread < deviation < 0.2 * spread, (name, deviation, spread)  # 0.1 x spread, drawn
+    # a smaller vocabulary is accepted only with the rest of the config equal
+    old["text_config"]["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        script.load_init_checkpoint(model, config, tmp_path)
+
+
+# Held-out chat turns (from stdlib files the model never saw, in the fine-tune's own question forms): a user
+# question and the answer the chat corpus gives for it (the docstring's first paragraph, or the signature).
+HELDOUT_CHATS = (
+    ("What does `distutils.util.change_root` do?", "Return 'pathname' with 'new_root' prepended."),
+    ("What is `random.Random.expovariate` for?", "Exponential distribution."),
+    ("What does `pydoc.TextDoc.docdata` do?", "Produce text documentation for a data descriptor."),
+    ("What is the signature of `chunk.Chunk.skip`?", "`skip(self)`"),
+    (
+        "What does `ast.NodeVisitor.generic_visit` do?",
+        "Called if no explicit visitor function exists for a node.",
+    ),
+    (
+        "Explain `distutils.util.strtobool`.",
+        "Convert a string representation of truth to true (1) or false (0).",
+    ),
+    (
+        "Explain `http.server.BaseHTTPRequestHandler.send_header`.",
+        "Send a MIME header to the headers buffer.",
+    ),
+    ("What is `pydoc.render_doc` for?", "Render text documentation, given an object or a path to an object."),
+    ("Explain `lib2to3.main.diff_texts`.", "Return a unified diff of two strings."),
+)
+
+
+def test_heldout_chat_answers_are_learned(models: tuple[KimiForCausalLM, KimiForCausalLM]) -> None:
+    from tokenizers import Tokenizer
+
+    script = _train_script()
+    _, quant = models
+    tok = Tokenizer.from_file(str(QUANT_DIR / "tokenizer.json"))
+    total, count = 0.0, 0
+    for ask, answer in HELDOUT_CHATS:
+        msgs = [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+        ids, mask = script.encode_conversation(tok, msgs)
+        ids_t, keep = torch.tensor(ids), torch.tensor(mask[1:], dtype=torch.bool)
+        nll = torch.nn.functional.cross_entropy(quant.logits(ids_t[:-1]), ids_t[1:], reduction="none")
+        total, count = total + float(nll[keep].sum()), count + int(keep.sum())
+    # the 130 answer tokens with their <|im_end|>s: 3.72 nats per token for the shipped model (bf16 and
+    # k3-mixed alike); the pre-chat model with its vocabulary grown, where the fine-tune started, scores 5.34
+    assert total / count < 4.5, f"held-out chat answers: {total / count:.3f} nats/token"
+
+
+def test_chat_answers_stop_at_im_end(models: tuple[KimiForCausalLM, KimiForCausalLM]) -> None:
+    """Greedy chat turns on the shipped model end with <|im_end|> (an eos), and no other chat marker is
+    generated, so none can leak into the assistant's text. Answers that are code can still loop greedily
+    until the token limit: "Write a function that returns the square of a number." does (assets/README.md)."""
+    from k3run.engine import LLM, EngineConfig, SamplingParams
+    from k3run.engine.sequence import FinishReason
+    from k3run.tokenizer import load_tokenizer
+
+    _, quant = models
+    tok = load_tokenizer(QUANT_DIR)
+    llm = LLM.from_model(quant, tok, EngineConfig(max_num_seqs=8, max_model_len=256))
+    markers = {tok.token_to_id(t) for t in CHAT_TOKENS}
+    im_end = tok.token_to_id("<|im_end|>")
+    chats = [
+        [{"role": "user", "content": "What does `json.dumps` do?"}],
+        [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello"}],
+        [{"role": "user", "content": "What arguments does `os.path.join` take?"}],
+        [{"role": "user", "content": "Show me the source of `os.path.basename`."}],
+        [
+            {"role": "user", "content": "What does `json.dumps` do?"},
+            {"role": "assistant", "content": "Serialize ``obj`` to a JSON formatted ``str``."},
+            {"role": "user", "content": "What arguments does `json.dumps` take?"},
+        ],
+    ]
+    prompts = [tok.encode(tok.apply_chat_template(m), add_special_tokens=False) for m in chats]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=128, temperature=0.0))
+    for msgs, out in zip(chats, outs, strict=True):
+        assert out.finish_reason == FinishReason.STOP and out.token_ids[-1] == im_end, (msgs, out.text)
+        assert not markers & set(out.token_ids[:-1]), (msgs, out.token_ids)
+        assert out.text.strip() and "<|" not in out.text, (msgs, out.text)

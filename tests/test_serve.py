@@ -110,10 +110,32 @@ def test_concurrent_requests_are_batched_and_each_matches_its_single_run(server,
     assert max(steps) > 1  # at least one step decoded several requests together
 
 
+def test_chat_completion_works_out_of_the_box(client, server):
+    """The bundled model ships a chat template and stops at <|im_end|>: the README's request answers 200 with
+    an assistant message, and no role marker leaks into it."""
+    msgs = [{"role": "user", "content": "What does `json.dumps` do?"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 64, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    content = choice["message"]["content"]
+    assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert content.strip() and "<|" not in content, content
+    # ended by <|im_end|> (an eos, not counted in the text), not by the token limit
+    assert choice["finish_reason"] == "stop" and body["usage"]["completion_tokens"] < 64, body
+    rendered = server.tokenizer.apply_chat_template(msgs)
+    assert rendered.startswith("<|im_user|>user<|im_middle|>") and rendered.endswith("<|im_middle|>")
+    # without a template the endpoint says so (a checkpoint that ships none)
+    saved, server.tokenizer.chat_template = server.tokenizer.chat_template, None
+    try:
+        r = client.post("/v1/chat/completions", json={"messages": msgs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    finally:
+        server.tokenizer.chat_template = saved
+
+
 def test_chat_completion_uses_the_template(client, server, model):
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # the bundled model has none
-    server.tokenizer.chat_template = TEMPLATE
+    saved, server.tokenizer.chat_template = server.tokenizer.chat_template, TEMPLATE
     try:
         msgs = [
             {"role": "system", "content": "be brief"},
@@ -138,7 +160,7 @@ def test_chat_completion_uses_the_template(client, server, model):
             == body["choices"][0]["message"]["content"]
         )
     finally:
-        server.tokenizer.chat_template = None
+        server.tokenizer.chat_template = saved
 
 
 @pytest.mark.parametrize(
@@ -270,7 +292,7 @@ def test_completion_logprobs(client, server, model):
 
 
 def test_chat_logprobs(client, server):
-    server.tokenizer.chat_template = TEMPLATE
+    saved, server.tokenizer.chat_template = server.tokenizer.chat_template, TEMPLATE
     try:
         msgs = [{"role": "user", "content": "x ="}]
         r = client.post(
@@ -288,7 +310,7 @@ def test_chat_logprobs(client, server):
             )
             assert e["top_logprobs"][0]["logprob"] == e["logprob"]  # greedy: the chosen token is the top one
     finally:
-        server.tokenizer.chat_template = None
+        server.tokenizer.chat_template = saved
 
 
 def test_echo_scores_the_prompt(client, model):
