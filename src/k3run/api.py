@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from k3run.checks import check_headers
 from k3run.config import ModelConfig
 from k3run.distributed import TPInfo
 from k3run.layers.moe import NvFp4ActMode
@@ -61,6 +62,9 @@ def load_model(
     hf = json.loads(cfg_path.read_text())
     cfg = ModelConfig.from_hf(hf)
     qcfg = load_quant_config(path)
+    # the headers against the config and the quant schemes, before the model is built (k3run.checks);
+    # the scale values and the weights are checked by load_checkpoint
+    check_headers(path, hf=hf, cfg=cfg)
     if tp_size > 1 and not torch.distributed.is_initialized():
         raise ValueError(
             f"load_model: tp_size={tp_size} needs an initialised torch.distributed process group "

@@ -345,18 +345,27 @@ def _why(qc: ModelOptConfig | None, algo: QuantAlgo, prefix: str) -> str:
 
 
 def build_quant_plan(
-    model_dir: str | Path, device: str | torch.device = "cpu", *, nvfp4_as_fp8: bool = False
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    nvfp4_as_fp8: bool = False,
+    tensors: dict[str, TensorInfo] | None = None,
+    problems: list[tuple[str, str]] | None = None,
 ) -> QuantPlan:
     """The plan of a checkpoint directory from config.json and the safetensors headers (no tensor data).
 
     nvfp4_as_fp8: report NVFP4 linears as load_model(nvfp4_as_fp8=True) runs them on CUDA (the FP8 copy
     where quant/schemes.py's rule picks it; CPU always runs the reference).
+    tensors: the headers, when the caller has read them already.
 
-    Raises ValueError naming the tensor, expected and actual when the config and the tensors disagree.
+    Raises ValueError naming the tensor, expected and actual when the config and the tensors disagree; with
+    `problems` given, every such layer's (prefix, error) is appended there instead and the layer left out of
+    the plan (k3run.checks lists them all).
     """
     model_dir = Path(model_dir)
     qc = load_quant_config(model_dir)
-    tensors = read_checkpoint_headers(model_dir)
+    if tensors is None:
+        tensors = read_checkpoint_headers(model_dir)
     device_name = str(torch.device(device))
     prefixes = sorted(
         (n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2),
@@ -376,7 +385,13 @@ def build_quant_plan(
             why: Callable[[], str] = lambda: "embeddings are never quantized"
         else:
             why = functools.partial(_why, qc, algo, prefix)
-        logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
+        try:
+            logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
+        except ValueError as e:
+            if problems is None:
+                raise
+            problems.append((prefix, str(e)))
+            continue
         kind = "embedding" if is_embedding else ("expert" if _EXPERT.match(prefix) else "linear")
         if is_embedding:
             impl = "embedding lookup"
