@@ -405,3 +405,21 @@ def test_dry_run_reads_nothing_and_collects_every_loader_error(tmp_path: Path) -
     assert "no destination in the model (not consumed): ['z.weight']" in found
     assert "2 parameters were not filled by the checkpoint: ['x.weight', 'w.weight']" in found
     assert m.y.weight.device.type == "meta"
+
+
+def test_compressed_tensors_packed_expert_weights_count_as_the_weight() -> None:
+    """MXFP4 experts in compressed-tensors form (moonshotai/Kimi-K3: `weight_packed` U8 [N, K/2], E8M0
+    `weight_scale` stored as U8) are the layer's weight for the config checks, not unused tensors."""
+    import dataclasses
+
+    from k3run.checks import config_problems
+    from k3run.config import ModelConfig
+    from k3run.safetensors_io import read_checkpoint_headers
+
+    hf = json.loads((BUNDLED / "config.json").read_text())
+    tensors = {}
+    for name, info in read_checkpoint_headers(BUNDLED).items():
+        if ".experts." in name and name.endswith(".weight"):
+            name += "_packed"
+        tensors[name] = dataclasses.replace(info, name=name)
+    assert config_problems(hf, ModelConfig.from_hf(hf), tensors) == []

@@ -130,11 +130,15 @@ class Dim:
         def par(s: str) -> str:
             return f"({s})" if " + " in s else s
 
-        field = f"{par(self.field)} * {par(other.field)}"
+        field = f"{par(self.name)} * {par(other.name)}"
         return Dim(self.size * other.size, field, f"{par(self.value)} * {par(other.value)}")
 
     def __add__(self, other: Dim) -> Dim:
-        return Dim(self.size + other.size, f"{self.field} + {other.field}", f"{self.value} + {other.value}")
+        return Dim(self.size + other.size, f"{self.name} + {other.name}", f"{self.value} + {other.value}")
+
+    @property
+    def name(self) -> str:
+        return self.field or str(self.size)  # a constant stands for itself in a composite
 
     @property
     def value(self) -> str:
@@ -435,6 +439,8 @@ def config_problems(
         base, _, suffix = key.rpartition(".")
         if key.startswith("lm_head.") and cfg.tie_word_embeddings:
             continue  # tied: the logits use embed_tokens, a saved copy of it is not read
+        if suffix == "weight_packed":  # compressed-tensors (MXFP4 experts): the packed codes are the weight
+            key = base + ".weight"
         exp = expected.get(key)
         if exp is None and suffix in SCALE_SUFFIXES:
             owner = expected.get(base + ".weight")
@@ -683,13 +689,19 @@ def value_problem(name: str, t: torch.Tensor) -> Problem | None:
 def scale_value_problems(
     tensors: Mapping[str, TensorInfo], *, block_scales: bool, stats: dict[str, int] | None = None
 ) -> list[Problem]:
-    """Stage 2: every scale tensor among `tensors` read on the CPU and checked; the E4M3 / E8M0 block
-    scales only with `block_scales` (loading checks those on the device instead). `stats["bytes"]` counts
-    the bytes read."""
+    """Stage 2: every floating scale tensor among `tensors` read on the CPU and checked; the E4M3 / E8M0
+    block scales only with `block_scales` (loading checks those on the device instead). Integer-typed
+    scales (compressed-tensors stores E8M0 as U8) have no rule here and are not read. `stats["bytes"]`
+    counts the bytes read."""
     chosen = [
         info
         for name, info in tensors.items()
-        if is_scale(name) and (block_scales or info.dtype not in BLOCK_SCALE_CODES)
+        if is_scale(name)
+        and (
+            info.dtype in _FLOAT_CODES
+            or info.dtype == "F64"
+            or (block_scales and info.dtype in BLOCK_SCALE_CODES)
+        )
     ]
     problems = []
     for info, t in read_tensors(chosen):
