@@ -54,6 +54,9 @@ def load_model(
     nvfp4_as_fp8: also convert NVFP4 linear weights to FP8 128x128 blocks at load and run them on FP8
     tensor cores for the shapes where that is measured faster (quant/schemes.py `nvfp4_fp8_faster`; sm90
     only, a no-op on CPU). Lossy: ~3e-2 relative weight error on top of NVFP4. Routed experts keep NVFP4.
+
+    A checkpoint that does not fit its config, or holds invalid values, raises k3run.checks.CheckpointInvalid
+    (a ValueError) listing every problem found, in checkpoint tensor and config field names.
     """
     path = Path(path)
     cfg_path = path / "config.json"

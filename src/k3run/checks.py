@@ -803,6 +803,8 @@ def validate_checkpoint(
     from k3run.safetensors_io import read_checkpoint_headers
 
     model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
     hf = json.loads((model_dir / "config.json").read_text())
     cfg = ModelConfig.from_hf(hf)
     tensors = read_checkpoint_headers(model_dir)
