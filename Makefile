@@ -10,20 +10,21 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# torch first: on a machine without a GPU take the CPU wheel (torch==2.13.0 is a local file on the
-# project's CPU machines); on a GPU machine the default build is the right one.
-$(VENV)/.torch: | $(PY)
-	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch present"; \
-	elif command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install "torch>=2.11"; \
-	else $(PY) -m pip install torch==2.13.0; fi
+# Without a GPU every install is pinned by constraints-cpu.txt (torch 2.13.0 there is the CPU wheel, a local
+# file on the project's CPU machines); on a GPU machine the default torch build and pyproject's ranges.
+CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
+
+# torch first, so that the CPU wheel is the one the later installs see
+$(VENV)/.torch: constraints-cpu.txt | $(PY)
+	$(PY) -m pip install -q $(CONSTRAINTS) "torch>=2.11"
 	touch $@
 
-$(STAMP): pyproject.toml $(VENV)/.torch
-	$(PY) -m pip install -q -e .
+$(STAMP): pyproject.toml constraints-cpu.txt $(VENV)/.torch
+	$(PY) -m pip install -q $(CONSTRAINTS) -e .
 	touch $@
 
-$(DEV_STAMP): pyproject.toml $(VENV)/.torch
-	$(PY) -m pip install -q -e ".[dev,serve]"
+$(DEV_STAMP): pyproject.toml constraints-cpu.txt $(VENV)/.torch
+	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[dev,serve]"
 	touch $@
 
 install: $(STAMP)

@@ -44,6 +44,7 @@ def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]
         (["generate", "{tmp}"], "the following arguments are required: --prompt"),
         (["quantize", "a", "b", "--recipe", "int3"], "invalid choice: 'int3'"),
         (["bench", "{tmp}", "--batch-sizes", "1,0"], "expected a positive integer, got 0"),
+        (["generate", "{tmp}", "--prompt", "x", "--threads", "0"], "expected a positive integer, got 0"),
         (["generate", "{kimi}", "--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
         (["eval", "{kimi}", "--text", "{tmp}/none.txt"], "--text {tmp}/none.txt: no such file"),
         (["quantize", "{kimi}", "{tmp}", "--recipe", "nvfp4"], "exists and is not empty"),

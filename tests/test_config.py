@@ -9,6 +9,7 @@ import pytest
 from k3run.config import ModelConfig
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+REAL = FIXTURES / "real_checkpoints"
 
 # Moonshot's original Kimi Linear 48B-A3B config.json fields (kimi-architecture.md §1)
 KIMI_LINEAR_48B = {
@@ -106,6 +107,34 @@ def test_kimi_k3_config():
     assert c.use_full_rank_gate and c.gate_lower_bound == -5.0 and c.mla_use_output_gate
     assert c.q_lora_rank == 1536 and c.expert_hidden_size == 3584 and c.latent_moe_use_norm
     assert c.attn_res_block_size == 12 and c.shared_intermediate_size == 6144
+
+
+@pytest.mark.parametrize("name", ["nvidia-Kimi-K3-NVFP4", "moonshotai-Kimi-K3"])
+def test_published_k3_configs(name):
+    """The config.json files of the published K3 checkpoints (fixtures/real_checkpoints): the gate fields
+    sit in text_config.linear_attn_config and must reach the model."""
+    hf = json.loads((REAL / f"{name}.config.json").read_text())
+    c = ModelConfig.from_hf(hf)
+    assert c.is_k3 and c.num_hidden_layers == 93 and c.num_experts == 896
+    assert c.use_full_rank_gate and c.gate_lower_bound == -5.0
+    assert [i for i in range(93) if not c.is_kda_layer(i)] == [*range(3, 92, 4), 92]
+    assert (c.kda_num_heads, c.kda_head_dim, c.conv_kernel_size) == (96, 128, 4)
+    assert sum(c.layer_is_moe) == 92 and not c.is_moe_layer(0) and c.num_experts_per_token == 16
+    assert c.expert_hidden_size == 3584 and c.shared_intermediate_size == 6144 and c.q_lora_rank == 1536
+    assert c.attn_res_block_size == 12 and c.mla_use_output_gate and c.latent_moe_use_norm
+    # the same values spelled at the text-config top level as well: accepted when they agree
+    text = hf["text_config"]
+    both = _with(hf, text | {"use_full_rank_gate": True, "gate_lower_bound": -5}, "text_config")
+    assert ModelConfig.from_hf(both) == c
+    for field, value, shown in (
+        ("use_full_rank_gate", False, "True != False"),
+        ("gate_lower_bound", -2.0, "-5.0 != -2.0"),
+    ):
+        bad = _with(hf, text | {field: value}, "text_config")
+        with pytest.raises(
+            ValueError, match=rf"'linear_attn_config.{field}' and '{field}' contradict each other: {shown}"
+        ):
+            ModelConfig.from_hf(bad)
 
 
 def test_transformers5_and_modelopt_fixture_configs():

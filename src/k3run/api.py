@@ -1,5 +1,5 @@
-"""The small public API: `load_model(path)` returns a ready KimiForCausalLM (bf16 or ModelOpt-quantized,
-original or transformers-5 tensor naming)."""
+"""The small public API: `load_model(path)` returns a ready KimiForCausalLM (bf16, ModelOpt-quantized, or
+moonshotai/Kimi-K3's compressed-tensors MXFP4 experts; original or transformers-5 tensor naming)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ from k3run.distributed import TPInfo
 from k3run.layers.moe import NvFp4ActMode
 from k3run.loader import load_checkpoint
 from k3run.models.kimi import KimiForCausalLM
+from k3run.quant.compressed_tensors import CompressedTensorsConfig
 from k3run.quant.modelopt import load_quant_config
 from k3run.quant.schemes import enable_nvfp4_fp8_blocks
+from k3run.safetensors_io import read_checkpoint_headers
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
+def checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
+    """The activation dtype a checkpoint's config.json names (`dtype` / `torch_dtype`, also under
+    text_config), bf16 when it names none."""
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
     name = (
         hf.get("dtype") or hf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "bfloat16"
@@ -74,16 +78,37 @@ def load_model(
             "(k3run.distributed.init_distributed() under torchrun, or spawn_gloo on CPU)"
         )
     tp = TPInfo(tp_rank, tp_size, tp_group)
-    dtype = dtype or _checkpoint_dtype(hf, path)
+    dtype = dtype or checkpoint_dtype(hf, path)
     with torch.device(device):
         model = KimiForCausalLM(cfg, qcfg=qcfg, tp=tp, params_dtype=dtype, nvfp4_moe_act=nvfp4_moe_act)
+    if isinstance(qcfg, CompressedTensorsConfig):
+        log.info("%s", qcfg.summary())
+        for note in qcfg.notes():
+            log.info("%s", note)
     load_checkpoint(model, path, model.checkpoint_mapping, tp=tp, progress=progress)
+    _log_held_dtypes(model, path, dtype)
     if nvfp4_as_fp8:
         converted = enable_nvfp4_fp8_blocks(model)
         log.info("nvfp4_as_fp8: %d NVFP4 linear layers also hold FP8 128x128 blocks", len(converted))
     if torch.device(device).type == "cpu":
         _prepare_cpu_kernels(model)
     return model.eval()
+
+
+def _log_held_dtypes(model: KimiForCausalLM, path: Path, dtype: torch.dtype) -> None:
+    """Say which checkpoint tensors are held in a dtype other than the model's (e.g. K3's F32 o_norm, A_log,
+    conv weights: fp32) and warn about any that loading rounded."""
+    groups = model.held_dtypes(read_checkpoint_headers(path))
+    for g in groups:
+        if g.rounded:
+            log.warning("checkpoint tensors rounded at load: %s", g.describe())
+    kept = [g.describe() for g in groups if not g.rounded and g.held != dtype]
+    if kept:
+        log.info(
+            "held in another dtype than the model's %s: %s",
+            str(dtype).removeprefix("torch."),
+            "; ".join(kept),
+        )
 
 
 def _prepare_cpu_kernels(model: torch.nn.Module) -> None:

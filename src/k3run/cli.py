@@ -158,7 +158,17 @@ def _load_llm(
         tp_size=tp.size,
         nvfp4_as_fp8=args.nvfp4_as_fp8,
     )
+    _cpu_threads(args, model)
     return LLM.from_model(model, load_tokenizer(model_dir), cfg)
+
+
+def _cpu_threads(args: argparse.Namespace, model: torch.nn.Module) -> None:
+    """On the CPU, the intra-op threads chosen by the model's work (k3run.cpu_threads), logged once."""
+    if next(model.parameters()).device.type != "cpu":
+        return
+    from k3run.cpu_threads import set_cpu_threads
+
+    logging.getLogger("k3run.cli").info(set_cpu_threads(model, getattr(args, "threads", None)))
 
 
 def _rank() -> int:
@@ -187,6 +197,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # the template writes its own special tokens (BOS included), so none are added when encoding
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+    n_prompt = len(prompt) if isinstance(prompt, list) else len(llm.tokenizer.encode(prompt))
+    if n_prompt + args.max_tokens > args.max_model_len:
+        raise UserError(
+            f"--max-tokens {args.max_tokens} with a {n_prompt}-token prompt is over --max-model-len "
+            f"{args.max_model_len}: raise --max-model-len or lower --max-tokens"
+        )
     # under tensor parallelism every rank runs the engine; rank 0 alone writes
     out = sys.stdout if _rank() == 0 else open(os.devnull, "w")  # noqa: SIM115
     if not args.chat:
@@ -232,14 +248,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         follow(llm.engine)
         return 0
 
-    server = OpenAIServer(llm.engine, args.served_model_name or model_dir.name)
+    server = OpenAIServer(
+        llm.engine,
+        args.served_model_name or model_dir.name,
+        max_body_bytes=args.max_body_kib << 10,
+        stall_s=args.stall_timeout,
+    )
     tp = f", tensor parallel over {llm.engine.config.tp_size} ranks" if llm.engine.config.tp_size > 1 else ""
     print(
         f"[k3run] serving {model_dir} as '{server.model_name}' on http://{args.host}:{args.port}/v1 "
         f"(max {args.max_num_seqs} sequences of {args.max_model_len} tokens{tp})",
         file=sys.stderr,
     )
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    # SIGTERM / Ctrl-C: stop accepting, let the requests in flight finish for up to --drain-timeout seconds,
+    # then cancel the rest (their sequences are aborted) and stop the engine thread
+    uvicorn.run(
+        build_app(server),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.drain_timeout,
+    )
     return 0
 
 
@@ -317,6 +346,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device, dtype = _device(args.device), _dtype(args.dtype)
     model = load_model(model_dir, dtype=dtype, device=device, nvfp4_as_fp8=args.nvfp4_as_fp8)
+    _cpu_threads(args, model)
     ref = load_model(ref_dir, dtype=dtype, device=device) if ref_dir else None
     if ref is not None and ref.config.vocab_size != model.config.vocab_size:
         raise UserError(
@@ -441,6 +471,13 @@ def cmd_run_default(args: argparse.Namespace) -> int:
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="activation dtype")
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU intra-op threads (default: 1 for a model of small matrices, else every core; "
+        "$K3RUN_CPU_THREADS also sets it)",
+    )
 
 
 def _add_nvfp4_as_fp8(p: argparse.ArgumentParser) -> None:
@@ -529,6 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=_positive_int, default=8, help="sequences batched at once")
     p.add_argument("--max-model-len", type=_positive_int, default=2048, help="prompt + generated tokens")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="tokens per step")
+    p.add_argument(
+        "--max-body-kib", type=_positive_int, default=4096, help="largest request body, KiB (413 above)"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=_positive_int,
+        default=30,
+        help="on SIGTERM, seconds to let requests in flight finish before cancelling them (default: 30)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=_positive_int,
+        default=120,
+        help="/health answers 503 when one engine step runs longer than this many seconds (default: 120)",
+    )
     _add_device_args(p)
     _add_nvfp4_as_fp8(p)
     _add_cache_args(p)

@@ -2,7 +2,8 @@
 
 `ModelConfig.from_hf(config_dict)` accepts three spellings a user meets:
 - Moonshot's original `config.json` (`model_type: kimi_linear`, `linear_attn_config` with 1-indexed
-  `kda_layers` / `full_attn_layers`, `num_experts`, `first_k_dense_replace`, ...);
+  `kda_layers` / `full_attn_layers` and, for K3, `use_full_rank_gate` / `gate_lower_bound`, `num_experts`,
+  `first_k_dense_replace`, ...);
 - the form transformers >= 5.24 writes on save and ModelOpt writes on export (`layer_types`,
   `mlp_layer_types`, `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`, ...);
 - a `kimi_k3` wrapper whose text model sits in `text_config` (vision keys are ignored).
@@ -173,7 +174,13 @@ class ModelConfig:
         kda_head_dim = _int(geometry, "linear_head_dim", default=kda_default)
         conv_kernel_size = _int(geometry, "linear_conv_kernel_dim", default=4)
 
-        gate_lower_bound = _float(cfg, "gate_lower_bound", default=None)
+        # K3 nests the gate fields in linear_attn_config (the official code reads them there); a top-level
+        # spelling is accepted too, and both must agree where both are written
+        gate = {
+            "gate_lower_bound": _agree(lin, "gate_lower_bound", cfg, "gate_lower_bound"),
+            "use_full_rank_gate": _agree(lin, "use_full_rank_gate", cfg, "use_full_rank_gate"),
+        }
+        gate_lower_bound = _float(gate, "gate_lower_bound", default=None)
         if gate_lower_bound is not None and gate_lower_bound >= 0:
             raise _fail("gate_lower_bound", "a negative number or null", gate_lower_bound)
 
@@ -221,7 +228,7 @@ class ModelConfig:
             kda_num_heads=kda_num_heads or 0,
             kda_head_dim=kda_head_dim or 0,
             conv_kernel_size=conv_kernel_size,
-            use_full_rank_gate=_bool(cfg, "use_full_rank_gate", default=False),
+            use_full_rank_gate=_bool(gate, "use_full_rank_gate", default=False),
             gate_lower_bound=gate_lower_bound,
             num_attention_heads=_int(cfg, "num_attention_heads", default=mla_default) or 0,
             q_lora_rank=_int(cfg, "q_lora_rank", default=None),

@@ -1,15 +1,19 @@
 """An OpenAI-compatible HTTP server over one LLMEngine: `/v1/models`, `/v1/completions` and
-`/v1/chat/completions`, with server-sent-event streaming (`"stream": true`).
+`/v1/chat/completions`, with server-sent-event streaming (`"stream": true`), `/health` and `/metrics`.
 
 Every client shares the engine, so concurrent requests are batched by its scheduler (continuous batching):
 a background thread takes new requests and aborts from thread-safe queues, steps the engine while anything is
-unfinished and hands each output to its request's asyncio queue. HTTP handlers never wait on a model step.
+unfinished and hands each output to its request's asyncio queue. HTTP handlers never wait on a model step,
+and request bodies are parsed and tokenized on worker threads, so one large body does not stall the others.
 
 Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (the
-field is named), 404 for an unknown model name, 500 if a model step fails (every request then in flight gets
-it). A client that disconnects mid-stream has its request aborted and its cache slot freed.
+field is named: a field the server does not implement, or does not know, is refused rather than ignored),
+404 for an unknown model name, 413 for a body over the size limit, 500 if adding a request or a model step
+fails (a failed add fails that request; a failed step every request then in flight; the loop goes on). A
+client that disconnects, streaming or not, has its request aborted and its cache slot freed. `/health`
+answers 503 when the engine thread has died or one step has run longer than `stall_s`.
 
-Needs the `serve` extra (fastapi, uvicorn): `k3run serve [MODEL] --port 8000`.
+Needs the `serve` extra (fastapi, uvicorn, prometheus-client): `k3run serve [MODEL] --port 8000`.
 """
 
 import asyncio
@@ -31,6 +35,8 @@ from k3run.engine.sequence import MAX_LOGPROBS, FinishReason, RequestOutput, Tok
 
 log = logging.getLogger(__name__)
 MAX_CHOICES = 64  # prompts x n per request
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128K-token prompt is ~0.5 MB as text, ~0.8 MB as a JSON id list
+DEFAULT_STALL_S = 120.0  # far above any one step's time, even a long prefill chunk on a CPU
 
 
 class ServeError(Exception):
@@ -57,6 +63,19 @@ class _Request:
 
 
 @dataclass
+class _Parsed:
+    """A validated, tokenized request, before it reaches the engine."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    echoes: list[str] | None  # per prompt: its text for echo, or None without echo
+    stream: bool
+    include_usage: bool
+    score_only: bool
+
+
+@dataclass
 class _Plan:
     reqs: list[_Request]
     echoes: list[str | None]  # per choice: the prompt text to put before the completion (echo), or None
@@ -69,15 +88,17 @@ class _Plan:
 Command = tuple[list[tuple[int, list[int], SamplingParams]], list[int], bool]  # (adds, aborts, stop)
 
 
-def apply_command(engine: LLMEngine, rids: dict[int, int], cmd: Command) -> dict[int, ValueError]:
+def apply_command(engine: LLMEngine, rids: dict[int, int], cmd: Command) -> dict[int, Exception]:
     """Apply one step's new requests and aborts to `engine` (the same on every tensor-parallel rank, so all
     ranks keep identical schedules); `rids` maps request keys to engine ids. Returns the adds that failed."""
     adds, aborts, _ = cmd
-    errors = {}
+    errors: dict[int, Exception] = {}
     for key, ids, params in adds:
         try:
             rids[key] = engine.add_request(ids, params)
-        except ValueError as e:
+        except Exception as e:  # whatever one request's add raises concerns that request alone
+            if not isinstance(e, ValueError):
+                log.exception("adding request %d failed", key)
             errors[key] = e
     for key in aborts:
         rid = rids.pop(key, None)
@@ -128,8 +149,24 @@ class AsyncEngine:
         self._rids: dict[int, int] = {}  # key -> engine id
         self._wake = threading.Event()
         self._stop = False
+        self._step_started: float | None = None  # time.monotonic() of the step running now, if any
+        self.metrics: Metrics | None = None
         self._thread = threading.Thread(target=self._run, name="k3run-engine", daemon=True)
         self._thread.start()
+
+    def health(self, stall_s: float) -> str | None:
+        """None when the engine thread is alive and no step has run longer than `stall_s`; else why not."""
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > stall_s:
+            return f"one engine step has run for {time.monotonic() - started:.0f} s (limit {stall_s:g} s)"
+        return None
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences of the engine's scheduler."""
+        sched = self.engine.scheduler
+        return len(sched.running), len(sched.waiting)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
         req = _Request(next(self._keys), prompt_ids, params, asyncio.get_running_loop())
@@ -164,8 +201,12 @@ class AsyncEngine:
             try:
                 if self._iteration():
                     return
-            except Exception:  # the engine thread must outlive any one request's failure
+            except Exception as e:  # the engine thread must outlive any one request's failure
                 log.exception("k3run serve: engine loop error")
+                self._step_started = None
+                for req in list(self._live.values()):
+                    self._deliver(req, ServeError(500, f"engine error: {e}", kind="server_error"))
+                    self._aborts.append(req.key)
 
     def _iteration(self) -> bool:
         """Take new requests and aborts, then one engine step (or a short wait when idle). True: stopped."""
@@ -179,7 +220,12 @@ class AsyncEngine:
         errors = apply_command(self.engine, self._rids, cmd)
         for req in adds:
             if req.key in errors:
-                self._deliver(req, ServeError(400, str(errors[req.key]), "prompt"))
+                e = errors[req.key]
+                if isinstance(e, ValueError):
+                    self._deliver(req, ServeError(400, str(e), "prompt" if "prompt" in str(e) else None))
+                else:
+                    err = ServeError(500, f"adding the request failed: {e}", kind="server_error")
+                    self._deliver(req, err)
                 continue
             req.rid = self._rids[req.key]
             self._live[req.key] = req
@@ -192,14 +238,19 @@ class AsyncEngine:
             self._wake.wait(timeout=1.0)
             self._wake.clear()
             return False
+        self._step_started = time.monotonic()
         try:
             outs = self.engine.step()
         except Exception as e:  # a failed step fails every request in flight; the server stays up
             log.exception("model step failed")
+            if self.metrics is not None:
+                self.metrics.step_failures.inc()
             for req in list(self._live.values()):
                 self._deliver(req, ServeError(500, f"model step failed: {e}", kind="server_error"))
                 self._aborts.append(req.key)  # through the next command, so every rank drops it
             return False
+        finally:
+            self._step_started = None
         for out in outs:
             req = self._by_rid.get(out.request_id)
             if req is None:
@@ -232,7 +283,39 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any)
     return v
 
 
-_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, "")}
+_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {})}
+# the fields each endpoint reads; `user` (an end-user id for the caller's own records) has no effect on the
+# output, as in OpenAI's API
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "top_k", "ignore_eos",
+    "stop_token_ids",
+}  # fmt: skip
+_FIELDS = {
+    False: _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
+    True: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+}
+# OpenAI fields this server does not implement: refused by name, never ignored
+_NOT_IMPLEMENTED = (
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+    "reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "store", "metadata",
+    "service_tier", "min_p", "repetition_penalty",
+)  # fmt: skip
+_ROLES = ("system", "user", "assistant")
+
+
+def check_fields(body: dict[str, Any], chat: bool) -> None:
+    """A 400 naming the first field that this endpoint does not read."""
+    for name in body:
+        if name in _FIELDS[chat]:
+            continue
+        if name == "echo" and chat:
+            raise ServeError(400, "'echo' is a /v1/completions field", "echo")
+        if name in _NOT_IMPLEMENTED:
+            raise ServeError(400, f"'{name}' is not supported by this server", name)
+        other = "/v1/completions" if name in _FIELDS[False] else "/v1/chat/completions"
+        where = f"; it is a {other} field" if name in _FIELDS[not chat] else ""
+        raise ServeError(400, f"unknown field '{name}'{where}", name)
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -253,7 +336,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return k
 
 
-def sampling_params(body: dict[str, Any], max_tokens_default: int, chat: bool = False) -> SamplingParams:
+def sampling_params(
+    body: dict[str, Any], max_tokens_default: int, chat: bool = False, vocab_size: int | None = None
+) -> SamplingParams:
     """SamplingParams from an OpenAI request body (top_k, ignore_eos and stop_token_ids are extensions)."""
     for name, ok in _UNSUPPORTED.items():
         if body.get(name) not in ok:
@@ -272,6 +357,11 @@ def sampling_params(body: dict[str, Any], max_tokens_default: int, chat: bool = 
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ServeError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
+        bad = [t for t in stop_ids if not 0 <= t < vocab_size][:5]
+        raise ServeError(
+            400, f"'stop_token_ids' {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+        )
     values = {
         "max_tokens": max_tokens,
         "temperature": float(_get(body, "temperature", (int, float), 1.0)),
@@ -346,15 +436,65 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class OpenAIServer:
-    """The request handling, independent of the web framework (`build_app` wires it to FastAPI)."""
+class Metrics:
+    """Prometheus metrics of one server (its own registry, so several servers in one process stay apart)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, async_engine: "AsyncEngine") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "k3run_requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("k3run_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("k3run_generation_tokens", "tokens generated", registry=r)
+        self.step_failures = Counter("k3run_engine_step_failures", "engine steps that raised", registry=r)
+        latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.ttft = Histogram(
+            "k3run_time_to_first_token_seconds", "from admission to the first token", buckets=latency,
+            registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "k3run_inter_token_latency_seconds", "between a request's successive outputs", buckets=latency,
+            registry=r,
+        )  # fmt: skip
+        running = Gauge("k3run_requests_running", "sequences in the running batch", registry=r)
+        waiting = Gauge("k3run_requests_waiting", "sequences queued for admission", registry=r)
+        running.set_function(lambda: async_engine.counts()[0])
+        waiting.set_function(lambda: async_engine.counts()[1])
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class OpenAIServer:
+    """The request handling, independent of the web framework (`build_app` wires it to FastAPI).
+
+    max_body_bytes: the largest request body read (413 above); stall_s: how long one engine step may run
+    before /health reports the engine as stalled.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        stall_s: float = DEFAULT_STALL_S,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.stall_s = stall_s
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.model.config.vocab_size
         self.async_engine = AsyncEngine(engine, tensor_parallel=engine.config.tp_size > 1)
+        self.metrics = Metrics(self.async_engine)
+        self.async_engine.metrics = self.metrics
         self.created = int(time.time())
 
     def models(self) -> dict[str, Any]:
@@ -372,7 +512,7 @@ class OpenAIServer:
             )
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[list[int]]:
-        """One or several prompts, each a string or a list of token ids."""
+        """One or several prompts, each a string or a list of token ids in [0, vocab)."""
         prompt = body.get("prompt")
 
         def is_ids(p: Any) -> bool:
@@ -383,24 +523,45 @@ class OpenAIServer:
             )
 
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
-        if is_ids(prompt):
-            return [list(prompt)]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-            return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        raise ServeError(
-            400, "'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt"
-        )
+            prompts = [self.tokenizer.encode(prompt)]
+        elif is_ids(prompt):
+            prompts = [list(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        else:
+            raise ServeError(
+                400, "'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt"
+            )
+        for ids in prompts:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ServeError(
+                    400, f"'prompt' token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                    "prompt",
+                )  # fmt: skip
+        return prompts
 
     def _chat_ids(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ServeError(400, "'messages' must be a non-empty list", "messages")
+        messages = list(messages)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ServeError(
                     400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}].role"
                 )
+            if m["role"] not in _ROLES:
+                raise ServeError(
+                    400,
+                    f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m['role']!r}",
+                    f"messages[{i}].role",
+                )
+            for key in m:
+                if key not in ("role", "content"):
+                    raise ServeError(
+                        400, f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}"
+                    )
             content = m.get("content")
             if isinstance(content, list):  # text parts only
                 if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -419,64 +580,88 @@ class OpenAIServer:
         # the template writes its own special tokens (BOS included)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _start(self, body: dict[str, Any], chat: bool) -> "_Plan":
-        """Submit every (prompt, choice) pair, in choice-index order."""
+    def parse(self, body: dict[str, Any], chat: bool) -> "_Parsed":
+        """Validate and tokenize a request body (no engine access: runs on a worker thread)."""
         if not isinstance(body, dict):
             raise ServeError(400, "the request body must be a JSON object")
         self._check_model(body)
-        if chat and body.get("echo") is not None:
-            raise ServeError(400, "'echo' is a /v1/completions field", "echo")
+        check_fields(body, chat)
         prompts = [self._chat_ids(body)] if chat else self._prompt_ids(body)
         n = _get(body, "n", (int,), 1)
         if not 1 <= n <= MAX_CHOICES:
             raise ServeError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
         if len(prompts) * n > MAX_CHOICES:
             raise ServeError(400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices", "n")
-        for ids in prompts:
-            if len(ids) >= self.max_model_len:
-                raise ServeError(
-                    400,
-                    f"the prompt has {len(ids)} tokens; this server's max_model_len is {self.max_model_len}",
-                    "messages" if chat else "prompt",
-                )
+        longest = max(len(ids) for ids in prompts)
+        if longest >= self.max_model_len:
+            raise ServeError(
+                400,
+                f"the prompt has {longest} tokens; this server's max_model_len is {self.max_model_len}",
+                "messages" if chat else "prompt",
+            )
         stream = _get(body, "stream", (bool,), False)
         echo = not chat and _get(body, "echo", (bool,), False)
         if echo and stream:
             raise ServeError(400, "'echo' with 'stream' is not supported", "echo")
         # scoring a prompt: max_tokens 0 with echo (one token is generated and dropped)
         score_only = echo and body.get("max_tokens") == 0
+        room = self.max_model_len - longest
         params = sampling_params(
-            body | {"max_tokens": 1} if score_only else body,
-            (self.max_model_len - len(prompts[0])) if chat else 16,
-            chat,
-        )
+            body | {"max_tokens": 1} if score_only else body, room if chat else min(16, room), chat,
+            self.vocab_size,
+        )  # fmt: skip
+        if params.max_tokens > room:
+            name = "max_completion_tokens" if "max_tokens" not in body else "max_tokens"
+            raise ServeError(
+                400,
+                f"'{name}' is {params.max_tokens}, but the prompt has {longest} tokens and this server's "
+                f"max_model_len is {self.max_model_len}: at most {room} can be generated",
+                name,
+            )
         options = _get(body, "stream_options", (dict,), {})
+        for key in options:
+            if key != "include_usage":
+                raise ServeError(400, f"stream_options.{key} is not supported", f"stream_options.{key}")
         include_usage = _get(options, "include_usage", (bool,), False)
         raw = body.get("prompt")
         texts = []
         if echo:  # the prompt as given (a string), or decoded (token ids)
             items = [raw] if isinstance(raw, str) or (raw and not isinstance(raw[0], (str, list))) else raw
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in items]
+        return _Parsed(prompts, params, n, texts if echo else None, stream, include_usage, score_only)
+
+    def _submit(self, parsed: "_Parsed") -> "_Plan":
+        """Submit every (prompt, choice) pair, in choice-index order (on the event loop)."""
+        params = parsed.params
         reqs, echoes = [], []
-        for p, ids in enumerate(prompts):
-            for j in range(n):
+        for p, ids in enumerate(parsed.prompts):
+            for j in range(parsed.n):
                 # seeded choices of one prompt get distinct seeds, or they would all be the same sample
                 pj = (
                     params
                     if params.seed is None or j == 0
-                    else dataclasses.replace(params, seed=params.seed + j)
+                    else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
                 )
                 reqs.append(self.async_engine.submit(ids, pj))
-                echoes.append(texts[p] if echo else None)
-        return _Plan(reqs, echoes, sum(len(ids) for ids in prompts), stream, include_usage, score_only)
+                echoes.append(parsed.echoes[p] if parsed.echoes is not None else None)
+        prompt_tokens = sum(len(ids) for ids in parsed.prompts)
+        return _Plan(reqs, echoes, prompt_tokens, parsed.stream, parsed.include_usage, parsed.score_only)
 
     async def _outputs(self, req: _Request) -> AsyncIterator[RequestOutput]:
         finished = False
+        t_last = time.monotonic()
+        n_tokens = 0
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         try:
             while not finished:
                 item = await req.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                now = time.monotonic()
+                (self.metrics.itl if n_tokens else self.metrics.ttft).observe(now - t_last)
+                t_last = now
+                self.metrics.generation_tokens.inc(len(item.token_ids) - n_tokens)
+                n_tokens = len(item.token_ids)
                 finished = item.finished
                 yield item
         finally:
@@ -512,7 +697,8 @@ class OpenAIServer:
         self, body: dict[str, Any], chat: bool
     ) -> tuple[dict[str, Any] | None, AsyncIterator[str] | None]:
         """(JSON response, None) or (None, server-sent-event stream)."""
-        plan = self._start(body, chat)
+        parsed = await asyncio.to_thread(self.parse, body, chat)
+        plan = self._submit(parsed)
         reqs, prompt_tokens = plan.reqs, plan.prompt_tokens
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         merged = self._merged(reqs)
@@ -630,7 +816,7 @@ class OpenAIServer:
 def build_app(server: OpenAIServer) -> Any:
     """The FastAPI application around `server`."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -640,20 +826,53 @@ def build_app(server: OpenAIServer) -> Any:
     app = FastAPI(title="k3run", version="1", lifespan=lifespan)
 
     @app.exception_handler(ServeError)
-    async def _serve_error(_: Request, e: ServeError) -> JSONResponse:
+    async def _serve_error(request: Request, e: ServeError) -> JSONResponse:
+        server.metrics.requests.labels(request.url.path, str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
     async def _body(request: Request) -> dict[str, Any]:
+        limit = server.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ServeError(
+                413, f"the request body is {int(declared)} bytes; this server's limit is {limit}"
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a body without a length is counted as it arrives
+            size += len(chunk)
+            if size > limit:
+                raise ServeError(413, f"the request body is over this server's limit of {limit} bytes")
+            chunks.append(chunk)
         try:
-            body = await request.json()
+            body = await asyncio.to_thread(json.loads, b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ServeError(400, f"the request body is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise ServeError(400, "the request body nests too deeply") from e
         if not isinstance(body, dict):
             raise ServeError(400, "the request body must be a JSON object")
         return body
 
+    async def _until_disconnect(request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
     async def _respond(request: Request, chat: bool) -> Any:
-        result, stream = await server.complete(await _body(request), chat)
+        body = await _body(request)
+        work = asyncio.ensure_future(server.complete(body, chat))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():  # the client left before the answer: cancelling aborts its requests
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            server.metrics.requests.labels(request.url.path, "499").inc()
+            return Response(status_code=499)
+        result, stream = work.result()
+        server.metrics.requests.labels(request.url.path, "200").inc()
         if stream is not None:
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(result)
@@ -664,7 +883,16 @@ def build_app(server: OpenAIServer) -> Any:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        problem = server.async_engine.health(server.stall_s)
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

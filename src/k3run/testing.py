@@ -19,6 +19,61 @@ def rel_rms_error(ref: torch.Tensor, out: torch.Tensor) -> float:
     return num / den
 
 
+FP32_U = 2.0**-24  # fp32 unit roundoff: one round-to-nearest moves a value by at most this fraction of it
+
+
+def output_ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at |ref| (fp32 tensor): how far one rounding of an output to `dtype` can flip
+    between neighbours when two fp32 values on either side of a midpoint are rounded. 0 for fp32 outputs."""
+    if dtype == torch.float32:
+        return torch.zeros_like(ref, dtype=torch.float32)
+    a = ref.detach().float().abs().to(dtype)
+    return (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).float()
+
+
+def assert_within(name: str, ref: torch.Tensor, out: torch.Tensor, bound: torch.Tensor) -> None:
+    """Elementwise |out - ref| <= bound, with assert_close's NaN/Inf rules.
+
+    `bound` is a derived error bound (e.g. counted fp32 roundings times the magnitudes they act on),
+    broadcastable to `ref`; the message names the worst element and its ratio to its bound.
+    """
+    if ref.shape != out.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    ref32, out32 = ref.detach().float().cpu(), out.detach().float().cpu()
+    if not torch.equal(torch.isnan(ref32), torch.isnan(out32)):
+        raise AssertionError(f"{name}: NaN positions differ; an unwritten output is NaN")
+    finite = torch.isfinite(ref32)
+    if not torch.equal(torch.isinf(ref32), torch.isinf(out32)) or not torch.equal(
+        ref32[~finite & ~torch.isnan(ref32)], out32[~finite & ~torch.isnan(ref32)]
+    ):
+        raise AssertionError(f"{name}: Inf positions or signs differ")
+    b = torch.broadcast_to(bound.detach().float().cpu(), ref32.shape)
+    diff = torch.where(finite, (out32 - ref32).abs(), torch.zeros_like(ref32))
+    over = diff > b
+    if over.any():
+        ratio = torch.where(b > 0, diff / b, torch.full_like(diff, float("inf")))
+        i = int(ratio.flatten().argmax())
+        idx = list(torch.unravel_index(torch.tensor(i), ref32.shape))
+        raise AssertionError(
+            f"{name}: {int(over.sum())} of {ref32.numel()} elements outside their error bound; worst at "
+            f"{[int(j) for j in idx]}: |{out32.flatten()[i].item():.6e} - {ref32.flatten()[i].item():.6e}| = "
+            f"{diff.flatten()[i].item():.3e} > {b.flatten()[i].item():.3e}"
+        )
+
+
+def noise_floor_rtol(truth: torch.Tensor, low: torch.Tensor, factor: float = 4.0) -> float:
+    """A relative-RMS bound for an implementation under test, from a reference's own rounding noise.
+
+    `truth` is a computation in fp64, `low` the same computation run in the precision under test (fp32). The
+    implementation under test runs the same operations in another order, so its rounding error against
+    `truth` is a sum of the same number of roundings of the same magnitudes: of the reference's size, up to
+    how the orders line up. `factor` (default 4) covers that; a wiring slip is orders of magnitude larger.
+    The same rule as flash-attention's tests (error <= c x the fp32 reference's error against the fp64 one);
+    it holds on any CPU or library version because both errors move together.
+    """
+    return factor * max(rel_rms_error(truth, low), FP32_U)
+
+
 def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, rtol: float, atol: float = 0.0) -> None:
     """Compare `out` with the fp32/fp64 reference `ref`.
 

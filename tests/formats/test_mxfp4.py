@@ -6,6 +6,7 @@ import torch
 from k3run.formats import (
     dequantize_mxfp4,
     dequantize_nvfp4,
+    e2m1_decode,
     e2m1_encode,
     e8m0_to_float,
     mxfp4_k_max,
@@ -64,30 +65,76 @@ def test_shared_k_max_for_w1_w3():
     assert torch.equal(dequantize_nvfp4(*t3), dequantize_mxfp4(w3, s3))
 
 
-def test_fallback_for_blocks_out_of_e4m3_range():
+# every value NVFP4 can hold relative to its global scale: E2M1 magnitude u times an E4M3 power of two 2^s
+_NVFP4_GRID = torch.tensor(
+    [u * 2.0**s for u in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0) for s in range(-9, 9)], dtype=torch.float64
+)
+
+
+def _nvfp4_can_hold(v: torch.Tensor, k: torch.Tensor, m: int) -> torch.Tensor:
+    """Brute force over the grid: is |v| * 2^k (float64, exact here) some u * 2^s * 2^m? An oracle independent
+    of the cast's own rule, for uniform blocks (all 32 values equal). v [C, 1], k [1, E] -> bool [C, E]."""
+    return torch.isin(v.abs() * torch.pow(2.0, k - m), _NVFP4_GRID)
+
+
+def test_every_e8m0_exponent_and_code_is_exact_or_refused():
+    """For each largest exponent the tensor can have (E8M0 0..254) and each block exponent at or below it,
+    each code: the cast is bitwise exact where NVFP4 (E4M3 block scale x fp32 global scale) can hold the
+    value, and refused where it cannot or where the value overflows fp32."""
+    codes_per_row = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 15], dtype=torch.uint8)  # +0..6 and -6
+    vals = e2m1_decode(codes_per_row).double()[:, None]
+    refused = 0
+    for top in range(255):
+        k_max = top - 127
+        m = max(k_max - 8, -126)
+        k = torch.arange(top + 1, dtype=torch.float64)[None, :] - 127
+        ok = _nvfp4_can_hold(vals, k, m) & (vals.abs() * torch.pow(2.0, k) < 2.0**128)
+        scale = torch.arange(top + 1, dtype=torch.uint8).expand(len(vals), -1).contiguous()  # [9, top + 1]
+        codes = codes_per_row[:, None, None].expand(-1, top + 1, 32)
+        kept = torch.where(ok[:, :, None], codes, 0).reshape(len(vals), -1)
+        packed = pack_e2m1(kept)
+        t = mxfp4_to_nvfp4(packed, scale)
+        assert t.weight_scale_2.item() == 2.0**m
+        # bitwise equal (torch.equal: same values, and -0 / +0 and inf agree as floats)
+        assert torch.equal(dequantize_nvfp4(*t), dequantize_mxfp4(packed, scale)), top
+        bad = (~ok).nonzero()
+        if len(bad):
+            c, e = (int(i) for i in bad[len(bad) // 2])
+            one = kept.reshape(len(vals), top + 1, 32).clone()
+            one[c, e] = codes_per_row[c]
+            with pytest.raises(ValueError, match=rf"row {c}, 32-block {e}: MXFP4 value"):
+                mxfp4_to_nvfp4(pack_e2m1(one.reshape(len(vals), -1)), scale)
+            refused += 1
+    # the exact cases are most of them: gaps up to 17 binades for every code, and zero at any gap
+    assert refused == 255 - 18
+
+
+def test_blocks_far_below_the_largest_are_exact_when_their_codes_allow():
     packed, scale = random_mxfp4(6, 96, 120, 127)
-    scale[0, 0] = 127 + 7 - 18  # gap to k_max 7 is 18 > 17
-    scale[1, 2] = 0  # gap 134
-    scale[2, 1] = 127 + 7 - 17  # gap 17: still exact (block scale 2^-9)
-    scale[3, 0] = 134
     codes = unpack_e2m1(packed)
-    codes[1, 64:96] = 7  # the 2^-127 block holds its largest codes
+    scale[0, 0] = 0  # 2^-127, 134 binades below k_max: an all-zero block (how such blocks arise)
+    codes[0, 0:32] = 0
+    scale[1, 2] = 127 + 7 - 18  # one binade below 2^-9 * weight_scale_2: values 2, 4, 6 move to 1, 2, 3
+    codes[1, 64:96] = torch.tensor([4, 6, 7, 12, 14, 15, 0, 8] * 4)  # the rewrite writes -0 as +0
+    scale[2, 1] = 127 + 7 - 17  # gap 17: exact with the codes as they are (block scale 2^-9)
+    scale[3, 0] = 134
     packed = pack_e2m1(codes)
     t = mxfp4_to_nvfp4(packed, scale)
-    ref = dequantize_mxfp4(packed, scale)
-    out = dequantize_nvfp4(*t)
-    exact = torch.ones_like(ref, dtype=torch.bool)
-    exact[0, 0:32] = False
-    exact[1, 64:96] = False
-    assert torch.equal(out[exact], ref[exact])
-    assert t.weight_scale[2, 2].float().item() == 2.0**-9
-    # fallback blocks use the NVFP4 formula against the same global scale: their true values are below
-    # 6 * 2^(k_max - 18), under the smallest representable step, so their scale clamps to 2^-9 (or 1 for
-    # a block that is all zero) and the error is at most half a grid step of 2^-9 * weight_scale_2
-    assert torch.all(t.weight_scale[0, 0:2].float() <= 1.0)
-    assert torch.all((out[~exact] - ref[~exact]).abs() <= 2.0**-9 * t.weight_scale_2 * 0.5)
-    assert torch.equal(t.weight_scale[1, 4:6].float(), torch.tensor([2.0**-9, 2.0**-9]))
-    assert torch.all(out[1, 64:96] == 0)  # 6 * 2^-127 rounds to zero at that scale
+    assert torch.equal(dequantize_nvfp4(*t), dequantize_mxfp4(packed, scale))
+    assert t.weight_scale[2, 2].float().item() == 2.0**-9 and t.weight_scale[1, 4].float().item() == 2.0**-9
+    assert torch.equal(
+        unpack_e2m1(t.weight)[1, 64:72], torch.tensor([2, 4, 5, 10, 12, 13, 0, 0], dtype=torch.uint8)
+    )
+    # only the rewritten block's codes change
+    same = torch.ones(6, 96, dtype=torch.bool)
+    same[1, 64:96] = False
+    assert torch.equal(unpack_e2m1(t.weight)[same], codes[same])
+    # a 1.5 there would need 0.75: refused, naming the block
+    codes[1, 70] = 3
+    with pytest.raises(
+        ValueError, match=r"row 1, 32-block 2: MXFP4 value 1.5 \* 2\^-11 sits 1 binades below"
+    ):
+        mxfp4_to_nvfp4(pack_e2m1(codes), scale)
 
 
 def test_requantized_gaussian_round_trip():

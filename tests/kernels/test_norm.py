@@ -1,9 +1,18 @@
 """Fused RMSNorm (plain and sigmoid-gated) and the K3 AttnRes mix against their fp32 torch references.
 
-Error bounds. The kernels run the references' fp32 operations but sum in another order, so fp32 outputs
-agree to a few fp32 roundings: relative RMS error <= 1e-6. 16-bit outputs are rounded once from those fp32
-values, so an element can land one output ulp away where the fp32 value sits near a rounding midpoint:
-relative RMS error <= one ulp, 2^-8 for bf16 and 2^-11 for fp16 (and in practice far fewer elements flip).
+Error bounds, elementwise, derived by counting fp32 roundings (u = 2^-24 each, first order). The kernel and
+the reference evaluate the same formula in fp32 in different orders (and the GPU's exp, sqrt and division
+are approximate to ~2 u), so each is within B of the exact value and they are within 2B of each other:
+- rms_norm, row length D: the mean of squares is D squarings and D - 1 additions of non-negative terms and
+  one division (relative (D + 1) u), + eps (1 u); the square root halves that, its evaluation and the
+  reciprocal cost 4 u; x * r * w 2 u: B = ((D + 1) / 2 + 7) u |y|. The gate sigmoid(g) = 1 / (1 + exp(-g))
+  adds (|g| + 6) u (exp as 2^(g log2 e): the scaled argument's rounding costs |g| u).
+- attn_res_mix, n candidates: each score s = r sum_j v_j q_j takes D + 2 roundings on sum_j |v_j q_j| r
+  plus r's error: delta <= (D + 2 + eps_r) u A with A = r sum_j |v_j q_j|. The softmax moves each
+  probability by <= 2 max delta relative, plus its own exp (|s - max| + 2), the normaliser's worst exp,
+  n - 1 additions, a subtraction and a division; the weighted sum takes n more roundings of p |v|.
+16-bit outputs are rounded once from those fp32 values: one output ulp more where they straddle a midpoint.
+Every bound is checked to reject a small real slip (eps off by 10x, a query off by 1%) on the same data.
 
 The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
 `test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules. The
@@ -16,16 +25,41 @@ import pytest
 import torch
 
 from k3run.kernels.norm import attn_res_mix_ref, rms_norm_ref
-from k3run.testing import assert_close
+from k3run.testing import FP32_U, assert_within, output_ulp
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
-RTOL = {torch.float32: 1e-6, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+U = FP32_U
 
 
 def _rows(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     # rows of very different scales, so the per-row normalisation matters
     x = torch.randn(*shape) * torch.logspace(-2, 2, shape[0])[(...,) + (None,) * (len(shape) - 1)]
     return x.to(dtype).to(device)
+
+
+def rms_norm_bound(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """2B + one output ulp (module docstring) for rms_norm of these inputs."""
+    d = x.shape[-1]
+    y = rms_norm_ref(x.float(), w.float(), eps, None if g is None else g.float())
+    per = ((d + 1) / 2 + 7) + (0.0 if g is None else g.float().abs() + 6)
+    return 2 * per * U * y.abs() + output_ulp(y, x.dtype)
+
+
+def attn_res_mix_bound(cands: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    """2B + one output ulp (module docstring) for attn_res_mix of these inputs."""
+    v = torch.stack([c.float() for c in cands])  # [n, T, D]
+    n, d = v.shape[0], v.shape[-1]
+    q = query.float()
+    r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # [n, T]
+    eps_r = (d + 1) / 2 + 7
+    a = r * (v.abs() @ q.abs())  # [n, T]
+    delta = (d + 2 + eps_r) * U * a
+    s = r * (v @ q)
+    gap = s.max(0).values - s  # [n, T] >= 0
+    eps_p = 2 * delta.max(0).values + (gap + 2 + (gap.max(0).values + 2) + (n - 1) + 2) * U
+    per_out = ((eps_p + n * U).unsqueeze(-1) * torch.softmax(s, 0).unsqueeze(-1) * v.abs()).sum(0)
+    y = attn_res_mix_ref([c.float() for c in cands], query, eps)
+    return 2 * per_out + output_ulp(y, cands[0].dtype)
 
 
 def _check_rms(dtype: torch.dtype, device: str, shape: tuple[int, ...], gated: bool) -> None:
@@ -37,7 +71,11 @@ def _check_rms(dtype: torch.dtype, device: str, shape: tuple[int, ...], gated: b
     out = rms_norm_triton(x, w, 1e-5, g)
     ref = rms_norm_ref(x, w, 1e-5, g)
     assert out.dtype == dtype and out.shape == x.shape
-    assert_close("rms_norm", ref.float(), out.float(), RTOL[dtype])
+    bound = rms_norm_bound(x.cpu(), w.cpu(), None if g is None else g.cpu(), 1e-5)
+    assert_within("rms_norm", ref.float(), out.float(), bound)
+    # the bound is tight enough to see a slip: eps 10x too large moves the small-scale rows past it
+    with pytest.raises(AssertionError, match="outside their error bound"):
+        assert_within("rms_norm eps slip", rms_norm_ref(x, w, 1e-4, g).float(), out.float(), bound)
 
 
 def _check_mix(dtype: torch.dtype, device: str, n: int, t: int, d: int) -> None:
@@ -48,7 +86,12 @@ def _check_mix(dtype: torch.dtype, device: str, n: int, t: int, d: int) -> None:
     out = attn_res_mix_triton(cands, query, 1e-5)
     ref = attn_res_mix_ref(cands, query, 1e-5)
     assert out.dtype == dtype and out.shape == (t, d)
-    assert_close("attn_res_mix", ref.float(), out.float(), RTOL[dtype])
+    bound = attn_res_mix_bound([c.cpu() for c in cands], query.cpu(), 1e-5)
+    assert_within("attn_res_mix", ref.float(), out.float(), bound)
+    if n > 1:  # one candidate: softmax weight 1 whatever the query
+        slipped = attn_res_mix_ref(cands, query * (1 + 1e-2), 1e-5)
+        with pytest.raises(AssertionError, match="outside their error bound"):
+            assert_within("attn_res_mix query slip", slipped.float(), out.float(), bound)
 
 
 def test_triton_kernels_in_interpreter():

@@ -182,11 +182,37 @@ def test_fused_conv_and_legacy_A_log_load_the_same() -> None:
     assert a.conv_weight.shape == (3 * P, W)
 
 
+def test_A_log_padded_to_head_dim_as_k3_stores_it() -> None:
+    """moonshotai/Kimi-K3 stores A_log F32 [head_dim]: the H per-head values, then zeros."""
+    w = make_weights(True)
+    a = make_layer("k3", w)
+    b = KimiDeltaAttention(
+        D, H, K, use_full_rank_gate=True, gate_lower_bound=-5.0, prefix="L", params_dtype=torch.float32
+    )
+    padded = torch.cat([w["A_log"], torch.zeros(K - H)])
+    load_layer(b, w | {"A_log": padded})
+    assert torch.equal(a.A_log, b.A_log)
+    c = KimiDeltaAttention(
+        D, H, K, use_full_rank_gate=True, gate_lower_bound=-5.0, prefix="L", params_dtype=torch.float32
+    )
+    padded[H + 3] = 0.25
+    with pytest.raises(
+        ValueError,
+        match=r"L.A_log: shape \(12,\) holds 4 per-head values and must be zero "
+        r"after them, found 1 nonzero \(first at index 7: 0.25\)",
+    ):
+        c.A_log.weight_loader(c.A_log, padded)
+    with pytest.raises(ValueError, match=r"L.A_log: expected shape \(4,\) or \(1, 1, 4, 1\) or \(12,\)"):
+        c.A_log.weight_loader(c.A_log, torch.zeros(8))
+
+
 def test_loader_errors_name_the_tensor() -> None:
     layer = KimiDeltaAttention(
         D, H, K, use_full_rank_gate=True, gate_lower_bound=-5.0, prefix="L", params_dtype=torch.float32
     )
-    with pytest.raises(ValueError, match=r"L.A_log: expected shape \(4,\) or \(1, 1, 4, 1\), got \(1, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"L.A_log: expected shape \(4,\) or \(1, 1, 4, 1\) or \(12,\).*, got \(1, 4\)"
+    ):
         layer.A_log.weight_loader(layer.A_log, torch.zeros(1, 4))
     with pytest.raises(ValueError, match=r"L.dt_bias: expected shape \(48,\)"):
         layer.dt_bias.weight_loader(layer.dt_bias, torch.zeros(12))

@@ -355,3 +355,74 @@ def test_substring_rule_matches_naive_search() -> None:
         assert cfg.is_excluded(name) == want, (name, entries)
         hits += want
     assert 60 < hits < 240, hits  # both outcomes well represented
+
+
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real_checkpoints"
+
+
+def test_bank_excluded_by_its_experts_names() -> None:
+    """k3run's exporter lists each kept-bf16 expert projection; the bank resolves from all of them (a bank
+    runs under one scheme), and naming only some of its experts is refused."""
+    bank = "language_model.model.layers.1.block_sparse_moe.experts"
+    every = [f"{bank}.{e}.{w}" for e in range(4) for w in ("w1", "w2", "w3")]
+    cfg = parse_quant_config(FLAT_FP8_PB_WO | {"ignore": every})
+    # the model asks in its own naming; inspect asks per expert projection, in the checkpoint's
+    assert cfg.resolve("model.layers.1.mlp.experts", num_experts=4) == QuantAlgo.NONE
+    assert cfg.resolve(f"{bank}.2.w3", num_experts=4) == QuantAlgo.NONE
+    assert cfg.resolve("model.layers.2.mlp.experts", num_experts=4) == QuantAlgo.FP8_PB_WO
+    # a fifth expert the list does not name
+    with pytest.raises(ValueError, match=r"experts: exclude_modules covers 12 of the 15 .*expert 4 w1"):
+        cfg.resolve("model.layers.1.mlp.experts", num_experts=5)
+    some = parse_quant_config(FLAT_FP8_PB_WO | {"ignore": every[:-1]})
+    with pytest.raises(ValueError, match=r"covers 11 of the 12 routed-expert projections .*expert 3 w3"):
+        some.resolve("model.layers.1.mlp.experts", num_experts=4)
+    # the bank by its own name, or a glob over its experts
+    for ignore in ([bank], ["*block_sparse_moe.experts*"], ["*.experts.*"]):
+        c = parse_quant_config(FLAT_FP8_PB_WO | {"ignore": ignore})
+        assert c.resolve("model.layers.1.mlp.experts", num_experts=4) == QuantAlgo.NONE, ignore
+    # transformers-5 names of the same experts
+    t5 = [
+        f"model.layers.1.mlp.experts.{e}.{w}" for e in range(4) for w in ("gate_proj", "up_proj", "down_proj")
+    ]
+    c = parse_quant_config(FLAT_FP8_PB_WO | {"ignore": t5})
+    assert c.resolve("model.layers.1.mlp.experts", num_experts=4) == QuantAlgo.NONE
+
+
+def test_transformers5_forget_gate_keys_resolve_for_the_model_names() -> None:
+    """transformers 5 nests f_a_proj / f_b_proj under self_attn.forget_gate; the model asks for its fused
+    in_proj with the original shard names."""
+    pb = {"quant_algo": "FP8_PB_WO"}
+    attn = "language_model.model.layers.0.self_attn"
+    layers = {f"{attn}.{p}": pb for p in ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj")}
+    layers |= {f"{attn}.forget_gate.f_a_proj": pb, f"{attn}.forget_gate.f_b_proj": pb}
+    cfg = _mixed(layers)
+    shards = tuple(
+        f"model.layers.0.self_attn.{p}"
+        for p in ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj")
+    )
+    assert cfg.resolve("model.layers.0.self_attn.in_proj", shards) == QuantAlgo.FP8_PB_WO
+    assert cfg.resolve("model.layers.0.self_attn.f_b_proj") == QuantAlgo.FP8_PB_WO
+    ex = parse_quant_config(FLAT_FP8_PB_WO | {"ignore": ["model.layers.0.self_attn.forget_gate.f_b_proj"]})
+    assert ex.resolve("model.layers.0.self_attn.f_b_proj") == QuantAlgo.NONE
+
+
+def test_published_nvfp4_k3_configs_resolve_banks() -> None:
+    """nvidia/Kimi-K3-NVFP4 keys its NVFP4 entries by expert bank; an expert projection (what inspect sees
+    in the headers) and the bank (what the model builds) resolve alike, from either config file."""
+    hf = json.loads((REAL / "nvidia-Kimi-K3-NVFP4.config.json").read_text())
+    flat = load_quant_config(hf)
+    legacy = parse_quant_config(json.loads((REAL / "nvidia-Kimi-K3-NVFP4.hf_quant_config.json").read_text()))
+    lm = "language_model.model.layers"
+    for cfg in (flat, legacy):
+        assert cfg is not None and cfg.quant_algo == "MIXED_PRECISION"
+        for i in (1, 47, 92):
+            assert cfg.resolve(f"model.layers.{i}.mlp.experts", num_experts=896) == QuantAlgo.NVFP4
+            for w in ("w1", "w2", "w3"):
+                assert cfg.resolve(f"{lm}.{i}.block_sparse_moe.experts.895.{w}", num_experts=896) == "NVFP4"
+        for p in ("q_proj", "f_a_proj", "f_b_proj", "g_proj", "o_proj"):
+            assert cfg.resolve(f"{lm}.0.self_attn.{p}") == QuantAlgo.FP8_PB_WO, p
+        assert cfg.resolve(f"{lm}.3.self_attn.kv_b_proj") == QuantAlgo.FP8_PB_WO
+        for p in ("mlp.gate_proj", "block_sparse_moe.gate", "block_sparse_moe.shared_experts.up_proj"):
+            assert cfg.resolve(f"{lm}.{0 if p.startswith('mlp') else 5}.{p}") == QuantAlgo.NONE, p
+        assert cfg.resolve(f"{lm}.5.block_sparse_moe.routed_expert_down_proj") == QuantAlgo.NONE
+        assert cfg.resolve("language_model.lm_head") == QuantAlgo.NONE

@@ -128,9 +128,12 @@ def test_mixed_plan_table(tmp_path: Path) -> None:
         "model.layers.1.block_sparse_moe.experts.[0..3].w3",
     ]
     assert all(" x4 " in line for line in folded)
-    summary = lines[lines.index("parameter bytes by scheme:") + 1 :]
+    start = lines.index("parameter bytes by scheme:") + 1
+    summary = lines[start : lines.index("", start)]
     assert any(s.split()[0] == "NVFP4" and "(12 layers" in s for s in summary)
     assert summary[-1].split()[0] == "total"
+    # this partial config.json cannot build the model, and the table says so instead of leaving it out
+    assert lines[-1].startswith("  not computed: the model cannot be built from")
 
 
 def test_cuda_implementation_names_are_kernels() -> None:
@@ -158,7 +161,7 @@ def test_single_algo_plan_and_unquantized(tmp_path: Path) -> None:
     (plain / "config.json").write_text("{}")
     p = build_quant_plan(plain)
     assert p.quant_config is None and p.layers[0].algo is QuantAlgo.NONE
-    assert "unquantized (no ModelOpt config)" in p.format_table()
+    assert "unquantized (no quantization config)" in p.format_table()
 
 
 def _rewrite(d: Path, t: dict[str, torch.Tensor]) -> None:
@@ -236,7 +239,7 @@ def test_unlisted_quantized_layer_and_missing_config(tmp_path: Path) -> None:
     ):
         build_quant_plan(tmp_path)
     (tmp_path / "hf_quant_config.json").unlink()
-    with pytest.raises(ValueError, match="got F8_E4M3.*has no ModelOpt quantization config"):
+    with pytest.raises(ValueError, match="got F8_E4M3.*has no quantization config"):
         build_quant_plan(tmp_path)
 
 

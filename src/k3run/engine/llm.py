@@ -221,12 +221,15 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = self.tokenizer.decode(prompt), [int(t) for t in prompt]
+            ids = [int(t) for t in prompt]
+        # checked before decoding: the tokenizer's own decode overflows on a negative id
         bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model.config.vocab_size})"
             )
+        if not isinstance(prompt, str):
+            text = self.tokenizer.decode(ids)
         seq = Sequence(seq_id=self._ids.next(), prompt=text, prompt_token_ids=ids, params=params)
         self.scheduler.add(seq)
         return seq.seq_id

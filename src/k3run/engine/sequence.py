@@ -53,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

@@ -13,9 +13,12 @@ from k3run.formats.fp8_block import (
 )
 from k3run.formats.mxfp4 import (
     MXFP4_GROUP,
+    Mxfp4Scales,
     dequantize_mxfp4,
     e8m0_to_float,
+    mxfp4_codes_to_nvfp4,
     mxfp4_k_max,
+    mxfp4_scales_to_nvfp4,
     mxfp4_to_nvfp4,
 )
 from k3run.formats.nvfp4 import (
@@ -34,6 +37,7 @@ __all__ = [
     "FP8_BLOCK",
     "FP8_E4M3_MAX",
     "MXFP4_GROUP",
+    "Mxfp4Scales",
     "NVFP4_GROUP",
     "NvFp4Tensor",
     "dequantize_fp8_act_1x128",
@@ -43,7 +47,9 @@ __all__ = [
     "e2m1_decode",
     "e2m1_encode",
     "e8m0_to_float",
+    "mxfp4_codes_to_nvfp4",
     "mxfp4_k_max",
+    "mxfp4_scales_to_nvfp4",
     "mxfp4_to_nvfp4",
     "nvfp4_global_scale",
     "nvfp4_qdq",

@@ -12,7 +12,8 @@ Rank-local computation for a flat batch x [T, D] of B sequences (kimi-architectu
 
 Checkpoint names -> parameters (model table): {q,k,v}_proj, g_proj, f_a_proj, b_proj -> in_proj shards
 (see `in_proj_shard_ids`); {q,k,v}_conv1d.weight [P, 1, W] -> conv_weight shards 0/1/2, or a fused
-conv1d.weight [3P, 1, W] -> conv_weight with shard None; A_log [H] or [1, 1, H, 1]; dt_bias [H*K].
+conv1d.weight [3P, 1, W] -> conv_weight with shard None; A_log [H], [1, 1, H, 1] or (K3) [K] = H values then
+zeros; dt_bias [H*K].
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class KimiDeltaAttention(nn.Module):
         if not use_full_rank_gate:
             self.g_a_proj = ReplicatedLinear(hidden_size, K, prefix=f"{prefix}.g_a_proj", **lin)
             self.g_b_proj = ColumnParallelLinear(K, P, prefix=f"{prefix}.g_b_proj", **lin)
-        self.o_norm = GatedRMSNorm(K, eps=rms_norm_eps, params_dtype=params_dtype)
+        # fp32 like the norm's math: K3 stores o_norm.weight F32, which a 16-bit weight would round
+        self.o_norm = GatedRMSNorm(K, eps=rms_norm_eps, params_dtype=torch.float32)
         self.o_proj = RowParallelLinear(P, hidden_size, prefix=f"{prefix}.o_proj", **lin)
 
         # fp32 like the upstream kernels: the gate parameters feed exp() and the conv accumulates in fp32
@@ -144,15 +146,27 @@ class KimiDeltaAttention(nn.Module):
         self._filled.add(what)
 
     def _load_A_log(self, param: nn.Parameter, loaded: TensorSource, shard_id: object = None) -> None:
-        H = self.num_heads
+        H, K = self.num_heads, self.head_dim
         if shard_id is not None:
             raise ValueError(f"{self.prefix}.A_log: unexpected shard id {shard_id!r}")
-        # legacy checkpoints store A_log as [1, 1, H, 1]
-        if tuple(loaded.shape) not in ((H,), (1, 1, H, 1)):
+        # legacy checkpoints store A_log as [1, 1, H, 1]; K3 pads it to [K]: H per-head values, then zeros
+        shapes = [(H,), (1, 1, H, 1)] + ([(K,)] if K > H else [])
+        if tuple(loaded.shape) not in shapes:
             raise ValueError(
-                f"{self.prefix}.A_log: expected shape ({H},) or (1, 1, {H}, 1), got {loaded.shape}"
+                f"{self.prefix}.A_log: expected shape {' or '.join(str(s) for s in shapes)} (per-head values"
+                f"{f', or padded with zeros to head_dim {K}' if K > H else ''}), got {tuple(loaded.shape)}"
             )
-        flat = loaded.read().reshape(H)
+        flat = loaded.read().reshape(-1)
+        if flat.numel() == K > H:
+            tail = flat[H:]
+            bad = (tail != 0).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                raise ValueError(
+                    f"{self.prefix}.A_log: shape ({K},) holds {H} per-head values and must be zero after "
+                    f"them, found {int(bad.numel())} nonzero (first at index {H + i}: {float(tail[i])!r})"
+                )
+            flat = flat[:H]
         start = self.tp.rank * self.local_heads
         param.data.copy_(flat[start : start + self.local_heads].float())
         self._mark("A_log")

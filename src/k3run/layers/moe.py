@@ -1,4 +1,5 @@
-"""Kimi MoE: fp32 sigmoid router, routed experts (bf16, FP8_PB_WO or NVFP4), shared experts, K3 latent MoE.
+"""Kimi MoE: fp32 sigmoid router, routed experts (bf16, FP8_PB_WO or NVFP4; MXFP4 checkpoints cast to NVFP4 as
+they load), shared experts, K3 latent MoE.
 
 Expert weights are stored per rank as stacked tensors, named as vLLM names them after loading:
 `w13_*` holds w1 (gate) in rows [0, I) and w3 (up) in rows [I, 2I) (gate first), `w2_*` the down projection.
@@ -30,7 +31,14 @@ import torch
 from torch import nn
 
 from k3run.distributed import TPInfo, all_reduce
-from k3run.formats import dequantize_fp8_block, dequantize_nvfp4, nvfp4_qdq
+from k3run.formats import (
+    Mxfp4Scales,
+    dequantize_fp8_block,
+    dequantize_nvfp4,
+    mxfp4_codes_to_nvfp4,
+    mxfp4_scales_to_nvfp4,
+    nvfp4_qdq,
+)
 from k3run.layers.activation import GatedActivation
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
@@ -219,11 +227,23 @@ class FusedExperts(nn.Module):
         self.activation = activation
         self.prefix = prefix
         self.params_dtype = params_dtype
-        # W4A16_NVFP4 checkpoints carry no input scales: same weights, activations always 16-bit
+        # W4A16_NVFP4 checkpoints carry no input scales: same weights, activations always 16-bit. MXFP4
+        # experts (compressed-tensors weight_packed + E8M0 weight_scale) are cast to NVFP4 as they load
+        # (exact, formats/mxfp4.py) and then run as W4A16 NVFP4 experts
         has_input_scale = algo == QuantAlgo.NVFP4
-        if algo == QuantAlgo.W4A16_NVFP4:
+        self.checkpoint_algo = algo
+        if algo == QuantAlgo.MXFP4:
+            for name, k in (
+                ("D (expert hidden)", hidden_size),
+                ("I (expert intermediate)", intermediate_size),
+            ):
+                if k % 32:
+                    raise ValueError(f"{prefix}: MXFP4 experts need {name} % 32 == 0, got {k}")
+        if algo in (QuantAlgo.W4A16_NVFP4, QuantAlgo.MXFP4):
             algo, nvfp4_act_mode = QuantAlgo.NVFP4, "w4a16"
         self.algo = algo
+        # MXFP4: scales whose codes need a rewrite (formats/mxfp4.py) that arrived before their codes
+        self._mx_pending: dict[tuple[int, str], Mxfp4Scales] = {}
         self.nvfp4_act_mode: NvFp4ActMode = nvfp4_act_mode
         self.scales: NvFp4MoeScales | None = None
         # NVFP4 experts through the W4A16 linear kernels (kernels/nvfp4_gemm): None = decide at
@@ -302,30 +322,98 @@ class FusedExperts(nn.Module):
         """(parameter, expert, shard) triples no checkpoint tensor has filled yet."""
         return [f"{n} (expert {e} {w})" for n, e, w in self._expected if (n, e, w) not in self._filled]
 
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the checkpoint stores these experts as MXFP4 (compressed-tensors), cast at load."""
+        return self.checkpoint_algo == QuantAlgo.MXFP4
+
     def _load(
         self, name: str, kind: str, local: bool, param: nn.Parameter, source: TensorSource, shard_id: object
     ) -> None:
+        # (expert_id, 'w1'|'w2'|'w3'), or with a third item "packed" for a compressed-tensors weight_packed
         if (
             not isinstance(shard_id, tuple)
-            or len(shard_id) != 2
+            or len(shard_id) not in (2, 3)
             or not isinstance(shard_id[0], int)
             or shard_id[1] not in _SHARDS
+            or shard_id[2:] not in ((), ("packed",))
         ):
             raise ValueError(
-                f"{self.prefix}.{name}: shard_id must be (expert_id, 'w1'|'w2'|'w3'), got {shard_id}"
+                f"{self.prefix}.{name}: shard_id must be (expert_id, 'w1'|'w2'|'w3'[, 'packed']), got "
+                f"{shard_id}"
             )
-        eid, which = shard_id
+        eid, which = shard_id[:2]
         what = f"{self.prefix}.{eid}.{which} -> {name}"
         if not 0 <= eid < self.num_experts:
             raise ValueError(f"{what}: expert id {eid} out of range [0, {self.num_experts})")
         if (which == "w2") != name.startswith("w2_"):
             raise ValueError(f"{what}: shard {which} does not belong to {name}")
+        packed = shard_id[2:] == ("packed",)
+        if packed != (self.mxfp4 and kind == "weight"):
+            raise ValueError(
+                f"{what}: MXFP4 (compressed-tensors) experts store codes as weight_packed, got a .weight"
+                if self.mxfp4
+                else f"{what}: a compressed-tensors weight_packed tensor, but these experts are "
+                f"{self.checkpoint_algo.value} (the quantization config does not make them MXFP4)"
+            )
         if local and not self.is_local(eid):
             return  # another EP rank holds this expert: never read its bytes
-        if (name, eid, which) in self._filled:
+        filled = [(name, eid, which)]
+        if self.mxfp4 and kind == "weight_scale":  # the E8M0 scale gives the NVFP4 weight_scale_2 too
+            filled.append((f"{name}_2", eid, which))
+        if any(f in self._filled for f in filled):
             raise ValueError(f"{what}: loaded twice")
-        self._store(what, kind, param, source.read(), eid - self.first if local else eid, which)
-        self._filled.add((name, eid, which))
+        row = eid - self.first if local else eid
+        if self.mxfp4 and kind == "weight_scale":
+            self._store_mxfp4_scale(what, eid, row, which, source.read())
+        else:
+            self._store(what, kind, param, source.read(), row, which)
+        self._filled.update(filled)
+        if self.mxfp4 and kind == "weight" and (row, which) in self._mx_pending:
+            self._mxfp4_codes(what, row, which, self._mx_pending.pop((row, which)))
+
+    def _codes_of(self, row: int, which: str) -> torch.Tensor:
+        """The packed NVFP4 codes [N, K/2] of one local expert projection (a view into the parameter)."""
+        if which == "w2":
+            return self.w2_weight.data[row]
+        i = self.intermediate_size
+        return self.w13_weight.data[row, :i] if which == "w1" else self.w13_weight.data[row, i:]
+
+    def _store_mxfp4_scale(self, what: str, eid: int, row: int, which: str, loaded: torch.Tensor) -> None:
+        """An E8M0 weight_scale [N, K/32] -> this projection's NVFP4 block scales and weight_scale_2."""
+        if loaded.dtype == torch.float8_e8m0fnu:
+            loaded = loaded.view(torch.uint8)
+        _check_dtype(what, loaded, torch.uint8, allow_float_cast=False)
+        n, k = (
+            (self.hidden_size, self.intermediate_size)
+            if which == "w2"
+            else (self.intermediate_size, self.hidden_size)
+        )
+        if tuple(loaded.shape) != (n, k // 32):
+            raise ValueError(
+                f"{what}: expected an E8M0 scale of shape {(n, k // 32)} (one per 32 of K={k}), got "
+                f"{tuple(loaded.shape)}"
+            )
+        scales = mxfp4_scales_to_nvfp4(loaded)
+        if which == "w2":
+            self.w2_weight_scale.data[row].copy_(scales.weight_scale)
+            self.w2_weight_scale_2.data[row] = scales.weight_scale_2
+        else:
+            i = self.intermediate_size
+            dst = self.w13_weight_scale.data[row]
+            (dst[:i] if which == "w1" else dst[i:]).copy_(scales.weight_scale)
+            self.w13_weight_scale_2.data[row, 0 if which == "w1" else 1] = scales.weight_scale_2
+        if scales.codes_unchanged:
+            return
+        name = "w2_weight" if which == "w2" else "w13_weight"
+        if (name, eid, which) in self._filled:
+            self._mxfp4_codes(what, row, which, scales)
+        else:
+            self._mx_pending[(row, which)] = scales
+
+    def _mxfp4_codes(self, what: str, row: int, which: str, scales: Mxfp4Scales) -> None:
+        codes = self._codes_of(row, which)
+        codes.copy_(mxfp4_codes_to_nvfp4(codes, scales, what))
 
     def _store(
         self, what: str, kind: str, param: nn.Parameter, loaded: torch.Tensor, row: int, which: str
@@ -358,6 +446,10 @@ class FusedExperts(nn.Module):
         dst.copy_(loaded.to(param.dtype))
 
     def process_after_loading(self) -> None:
+        if self._mx_pending:  # every code is loaded by now (the loader checked completeness)
+            raise ValueError(
+                f"{self.prefix}: MXFP4 scales without their codes: {sorted(self._mx_pending)[:4]}"
+            )
         if self.algo != QuantAlgo.NVFP4:
             return
         self.scales = nvfp4_moe_scales(
@@ -556,6 +648,8 @@ class FusedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         mode = f", nvfp4 {self.nvfp4_act_mode}" if self.algo == QuantAlgo.NVFP4 else ""
+        if self.mxfp4:
+            mode += " (checkpoint MXFP4, cast to NVFP4 at load)"
         return (
             f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts}, "
             f"{self.hidden_size}->{self.intermediate_size}, {self.activation}, {self.algo.value}{mode}"

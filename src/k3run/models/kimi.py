@@ -8,7 +8,8 @@ Parameter names are the checkpoint's module names without the root prefix (`mode
 `language_model.model.`), except where layers are fused: `CHECKPOINT_TABLE` / `checkpoint_mapping` map
 every checkpoint tensor of both namings onto (parameter, shard id):
   - original (Moonshot, `save_pretrained`): block_sparse_moe.experts.N.w1/w2/w3, self_attn.{q,k,v}_conv1d,
-    self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}, A_log [H] or legacy [1,1,H,1];
+    self_attn.{f_a_proj,f_b_proj,A_log,dt_bias}, A_log [H], legacy [1,1,H,1] or K3's [K]; moonshotai/Kimi-K3's
+    MXFP4 experts as experts.N.wK.weight_packed + weight_scale;
   - transformers-5 / ModelOpt export: mlp.experts.N.{gate,up,down}_proj, self_attn.conv1d [3P,1,W],
     self_attn.forget_gate.{f_a_proj,f_b_proj,A_log,dt_bias}, mlp.gate, mlp.shared_experts.
 """
@@ -16,7 +17,8 @@ every checkpoint tensor of both namings onto (parameter, shard id):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,7 @@ from k3run.quant.algo import QuantAlgo
 
 if TYPE_CHECKING:
     from k3run.quant.modelopt import ModelOptConfig
+    from k3run.safetensors_io import TensorInfo
 
 # The MLA latent norms use Kimi's RMSNorm default (official code and HF), not rms_norm_eps.
 MLA_LATENT_NORM_EPS = 1e-6
@@ -150,7 +153,8 @@ def _make_moe(
         shared = GatedMLP(
             cfg.hidden_size, cfg.shared_intermediate_size, act, prefix=f"{prefix}.shared_experts", **lin
         )
-    experts_algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(f"{prefix}.experts")
+    bank = f"{prefix}.experts"
+    experts_algo = QuantAlgo.NONE if qcfg is None else qcfg.resolve(bank, num_experts=cfg.num_experts)
     return KimiMoE(
         num_experts=cfg.num_experts,
         router=RouterConfig(
@@ -320,6 +324,66 @@ class KimiForCausalLM(nn.Module):
     def _param_names(self) -> frozenset[str]:
         return frozenset(n for n, _ in self.named_parameters())
 
+    def held_dtypes(self, tensors: Mapping[str, TensorInfo]) -> list[HeldDtype]:
+        """The dtype each floating-point checkpoint tensor is held in once loaded (the parameter it goes to),
+        folded over layer and expert numbers. A quantized scheme's tensors (codes, FP8 weights, scales) are
+        left out: the plan rows describe those."""
+        params = dict(self.named_parameters())
+        groups: dict[tuple[str, str, tuple[int, ...]], list] = {}
+        for name, info in tensors.items():
+            if info.dtype not in _FLOAT_CODES or name.endswith(_SCALE_SUFFIXES):
+                continue
+            key = (_NUMBER.sub("N", name), info.dtype, info.shape)
+            if key in groups:
+                groups[key][1] += 1
+                continue
+            held = None
+            for t in self.checkpoint_mapping(name) or ():
+                p = params.get(t.param)
+                if p is not None and p.dtype.is_floating_point and p.element_size() > 1:
+                    held = p.dtype
+            groups[key] = [held, 1]
+        return [
+            HeldDtype(pattern, code, shape, held, n)
+            for (pattern, code, shape), (held, n) in groups.items()
+            if held is not None
+        ]
+
+
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+@dataclass(frozen=True)
+class HeldDtype:
+    """Checkpoint tensors of one kind (layer and expert numbers folded to N) and the dtype held after load."""
+
+    pattern: str
+    stored: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    held: torch.dtype
+    count: int
+
+    @property
+    def rounded(self) -> bool:
+        """Whether holding the values in `held` can change them (a narrower or different 16-bit format)."""
+        src = _FLOAT_CODES[self.stored]
+        if src == self.held:
+            return False
+        return not (self.held in (torch.float32, torch.float64) and src.itemsize < self.held.itemsize)
+
+    def describe(self) -> str:
+        what = (
+            f"{self.pattern} ({self.stored} {list(self.shape)}{f' x{self.count}' if self.count > 1 else ''})"
+        )
+        return f"{what} -> {str(self.held).removeprefix('torch.')}{' (rounded)' if self.rounded else ''}"
+
+
+def held_dtype_notes(groups: Sequence[HeldDtype], model_dtype: torch.dtype) -> list[str]:
+    """The groups worth saying: rounded ones, and those held in a dtype other than the model's."""
+    return [g.describe() for g in groups if g.rounded or g.held != model_dtype]
+
 
 def _strip_root(name: str) -> str | None:
     for head in _LM_HEADS:
@@ -336,9 +400,16 @@ def _strip_root(name: str) -> str | None:
 Rule = Callable[[re.Match[str], "KimiForCausalLM"], list[Target] | tuple[Target, ...] | None]
 _SUFFIX = r"(?P<s>weight|weight_scale|weight_scale_2|input_scale|bias)"
 _L = r"layers\.(?P<i>\d+)\."
+# routed experts may also be compressed-tensors MXFP4: codes in weight_packed, E8M0 weight_scale
+_EXPERT_SUFFIX = r"(?P<s>weight|weight_packed|weight_scale|weight_scale_2|input_scale|bias)"
 
 _KDA_IN_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj")
-_EXPERT_SHARD = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# transformers 5 nests the KDA forget-gate modules one level down: self_attn.forget_gate.<part>
+_FORGET_GATE_PARTS = ("f_a_proj", "f_b_proj", "A_log", "dt_bias")
+_FORGET = r"(?:forget_gate\.(?=(?:" + "|".join(_FORGET_GATE_PARTS) + r")\b))?"
+# routed-expert projections: original name -> transformers-5 name (gate, down, up)
+_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_EXPERT_SHARD = {**{w: w for w in _EXPERT_NAMES}, **{v: k for k, v in _EXPERT_NAMES.items()}}
 
 
 def _layer(model: KimiForCausalLM, m: re.Match[str]) -> KimiDecoderLayer | None:
@@ -392,6 +463,8 @@ def _expert(m: re.Match[str], model: KimiForCausalLM) -> list[Target] | None:
     layer = _layer(model, m)
     if layer is None or not layer.is_moe:
         return None
+    if m["s"] == "weight_packed":  # the codes: FusedExperts checks the bank is MXFP4
+        return [Target(f"layers.{m['i']}.mlp.experts.{group}_weight", (int(m["e"]), which, "packed"))]
     return [Target(f"layers.{m['i']}.mlp.experts.{group}_{m['s']}", (int(m["e"]), which))]
 
 
@@ -408,20 +481,20 @@ CHECKPOINT_TABLE: tuple[tuple[re.Pattern[str], Rule], ...] = tuple(
     (re.compile(p), r)
     for p, r in (
         # routed experts first: they are nearly all of a K3 checkpoint's ~1M tensors
-        (_L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _SUFFIX, _expert),
+        (
+            _L + r"mlp\.experts\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\." + _EXPERT_SUFFIX,
+            _expert,
+        ),
         (r"embed_tokens\.weight|norm\.weight|lm_head\." + _SUFFIX, _same),
         (_L + r"(input_layernorm|post_attention_layernorm)\.weight", _same),
         # KDA: projections fused into in_proj (shard ids from the layer), forget-gate under either spelling
+        (_L + r"self_attn\." + _FORGET + r"(?P<p>" + "|".join(_KDA_IN_PROJ) + r")\." + _SUFFIX, _kda_in_proj),
         (
-            _L + r"self_attn\.(?:forget_gate\.)?(?P<p>" + "|".join(_KDA_IN_PROJ) + r")\." + _SUFFIX,
-            _kda_in_proj,
-        ),
-        (
-            _L + r"self_attn\.(?:forget_gate\.)?f_b_proj\." + _SUFFIX,
+            _L + r"self_attn\." + _FORGET + r"f_b_proj\." + _SUFFIX,
             _kda_only("layers.{i}.self_attn.f_b_proj.{s}"),
         ),
-        (_L + r"self_attn\.(?:forget_gate\.)?A_log", _kda_only("layers.{i}.self_attn.A_log")),
-        (_L + r"self_attn\.(?:forget_gate\.)?dt_bias", _kda_only("layers.{i}.self_attn.dt_bias")),
+        (_L + r"self_attn\." + _FORGET + r"A_log", _kda_only("layers.{i}.self_attn.A_log")),
+        (_L + r"self_attn\." + _FORGET + r"dt_bias", _kda_only("layers.{i}.self_attn.dt_bias")),
         (_L + r"self_attn\.(?:(?P<qkv>[qkv])_)?conv1d\.weight", _kda_conv),
         (_L + r"self_attn\.(g_a_proj|g_b_proj|o_proj)\." + _SUFFIX, _same),
         (_L + r"self_attn\.o_norm\.weight", _same),
@@ -449,6 +522,43 @@ _MOE_RENAME = re.compile(r"(?<=\.)block_sparse_moe(?=\.)")
 _IGNORED = re.compile(
     r"(vision_tower|mm_projector|multi_modal_projector|vision_model)\.|.*rotary_emb\.inv_freq$"
 )
+
+
+# Quantization configs name modules under these roots too (the K3 converter lists "layers.N..." keys).
+_CONFIG_ROOTS = (*_ROOTS, "language_model.", "")
+_MOE_PART = re.compile(r"(?<![^.])(block_sparse_moe|mlp)(?=\.|$)")
+_FORGET_PART = re.compile(r"(?<=\.self_attn\.)(forget_gate\.)?(" + "|".join(_FORGET_GATE_PARTS) + r")$")
+_EXPERT_PART = re.compile(r"(?<=\.experts\.)(\d+)\.(" + "|".join(_EXPERT_SHARD) + r")$")
+
+
+def module_spellings(prefix: str) -> tuple[str, ...]:
+    """Every name of the module `prefix` (a tensor name without its last component) that the table above
+    accepts for the same parameter, in both namings and under every root a checkpoint or a quantization
+    config uses; `prefix` itself first. Quantization configs are resolved through this, so a config key
+    written in either naming finds the layer (tests/models/test_kimi_model.py checks that every spelling
+    maps to the same target)."""
+    core = prefix
+    roots: tuple[str, ...] = _CONFIG_ROOTS
+    for root in _CONFIG_ROOTS[:-1]:
+        if prefix.startswith(root):
+            core = prefix[len(root) :]
+            break
+    if core == "lm_head" or core.startswith("lm_head."):
+        roots = ("language_model.", "")
+    cores = [core]
+    swapped = _MOE_PART.sub(lambda m: "mlp" if m[1] == "block_sparse_moe" else "block_sparse_moe", core)
+    cores.append(swapped)
+    for c in list(cores):
+        cores.append(_FORGET_PART.sub(lambda m: ("" if m[1] else "forget_gate.") + m[2], c))
+        cores.append(
+            _EXPERT_PART.sub(lambda m: f"{m[1]}." + (_EXPERT_NAMES.get(m[2]) or _EXPERT_SHARD[m[2]]), c)
+        )
+    out = [prefix]
+    for c in cores:
+        for root in roots:
+            if root + c not in out:
+                out.append(root + c)
+    return tuple(out)
 
 
 def map_checkpoint_name(name: str, model: KimiForCausalLM) -> list[Target] | tuple[Target, ...] | None:

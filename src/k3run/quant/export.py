@@ -18,7 +18,9 @@ Differences from ModelOpt, on purpose:
   Hopper k3run runs NVFP4 weight-only, where input_scale is not used.
 - A layer the scheme cannot hold in k3run (NVFP4 needs K % 16 == 0, FP8_PB_WO K % 128 == 0) stays bf16 and
   is listed in the excludes, with a warning, instead of being written in a form k3run and vLLM refuse
-  (`partial_k_tiles=True` writes FP8_PB_WO edge tiles along K as ModelOpt does).
+  (`partial_k_tiles=True` writes FP8_PB_WO edge tiles along K as ModelOpt does). A routed-expert bank is
+  quantized whole or not at all (one fused MoE layer per bank in k3run and vLLM); a bank kept whole is
+  listed in the excludes by its own name as well as by its projections'.
 - Module names are kept as in the source checkpoint (ModelOpt under transformers 5 renames Kimi's).
 - producer is {"name": "modelopt", "version": "0.47.0+k3run.<version>"}: the name loaders require, and a
   version saying which writer's format this is and that k3run wrote it.
@@ -58,6 +60,7 @@ DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 _EMBEDDINGS = frozenset({"embed_tokens", "word_embeddings", "wte"})
 _VISION = ("vision_tower", "vision_model", "mm_projector", "multi_modal_projector")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+_EXPERT_BANK = re.compile(r"^(?P<bank>.+\.experts)\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
 _ATTN_PROJ = frozenset(
     {
         "q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj",
@@ -225,7 +228,35 @@ def _plan_layers(
             notes.append(f"{prefix}: K={k} is not a multiple of {FP8_BLOCK}; kept in {info.dtype}")
             algo = QuantAlgo.NONE
         layers.append(_Layer(prefix, info, algo))
+    # a routed-expert bank runs under one scheme (k3run and vLLM build one fused MoE layer per bank): if
+    # any projection of a bank cannot be held (e.g. FP8_PB_WO w2 with K = intermediate % 128 != 0), the
+    # whole bank stays in the source dtype
+    banks: dict[str, list[_Layer]] = {}
+    for lay in layers:
+        m = _EXPERT_BANK.match(lay.prefix)
+        if m is not None:
+            banks.setdefault(m["bank"], []).append(lay)
+    for bank, members in banks.items():
+        kept = [m.prefix for m in members if m.algo is QuantAlgo.NONE]
+        if kept and len(kept) < len(members):
+            notes.append(
+                f"{bank}: {len(kept)} of its {len(members)} routed-expert projections stay unquantized "
+                f"(e.g. {kept[0]}); a bank runs under one scheme, so all of them are kept"
+            )
+            for lay in members:
+                lay.algo = QuantAlgo.NONE
     return layers, notes
+
+
+def _kept_banks(layers: list[_Layer]) -> list[str]:
+    """Routed-expert banks whose every projection stays unquantized: the exclude list names the bank itself
+    too, as a reader that resolves one scheme per bank (vLLM's fused MoE, k3run) looks it up."""
+    algos: dict[str, set[QuantAlgo]] = {}
+    for lay in layers:
+        m = _EXPERT_BANK.match(lay.prefix)
+        if m is not None:
+            algos.setdefault(m["bank"], set()).add(lay.algo)
+    return [bank for bank, a in algos.items() if a == {QuantAlgo.NONE}]
 
 
 def _single_tile(info: TensorInfo) -> bool:
@@ -388,7 +419,7 @@ def quantize_checkpoint(
         out.finish()
 
     quantized = {lay.prefix: lay.algo for lay in layers if lay.algo is not QuantAlgo.NONE}
-    excludes = [p for p, lay in by_prefix.items() if lay.algo is QuantAlgo.NONE]
+    excludes = [p for p, lay in by_prefix.items() if lay.algo is QuantAlgo.NONE] + _kept_banks(layers)
     hf_quant, qc = quant_configs(recipe, quantized, excludes)
     (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
     (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}, indent=2) + "\n")

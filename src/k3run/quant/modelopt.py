@@ -8,9 +8,13 @@ the same thing here as in vLLM, with two deliberate tightenings, both raising in
   excluded router `mlp.gate` cannot swallow a fused `mlp.gate_up_proj`.
 
 Layer prefixes are in checkpoint naming ("model.layers.3.self_attn.q_proj"); a config written under another
-root ("language_model.model.", "model.language_model.", "model.", "layers.") or with `mlp` for
-`block_sparse_moe` still matches, because both the exclude rules and the `quantized_layers` lookup try every
-spelling of the prefix.
+root ("language_model.model.", "model.language_model.", "model.", "layers.") or in the other naming (`mlp`
+for `block_sparse_moe`, transformers 5's `self_attn.forget_gate.f_a_proj`, `experts.N.gate_proj` for
+`experts.N.w1`) still matches, because both the exclude rules and the `quantized_layers` lookup try every
+spelling of the prefix that the model's name table accepts (models/kimi.py `module_spellings`).
+
+Routed experts run as one bank per MoE layer under one scheme, so a routed-expert projection
+("...experts.5.w1") resolves as its bank ("...experts") does, in load_model and in `k3run inspect` alike.
 """
 
 from __future__ import annotations
@@ -44,32 +48,26 @@ PACKED_SHARDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 )
 
-# Roots under which the same module appears in HF, vLLM and multimodal-wrapper naming; longest first so
-# stripping finds the real root.
-_ROOTS = ("language_model.model.", "model.language_model.", "language_model.", "model.", "")
 # Vision towers are never quantized by single-algorithm ModelOpt configs (vLLM hard-codes these names).
 _VISION_PARTS = ("vision_tower", "vision_model", "vit_large_projector")
-_MOE_SWAP = re.compile(r"(?<![^.])(block_sparse_moe|mlp)(?=\.|$)")
 
 
 def name_variants(prefix: str) -> tuple[str, ...]:
-    """Every spelling of a module prefix under the known roots and with `mlp` <-> `block_sparse_moe`."""
-    core = prefix
-    for root in _ROOTS[:-1]:
-        if prefix.startswith(root):
-            core = prefix[len(root) :]
-            break
-    cores = [core]
-    swapped = _MOE_SWAP.sub(lambda m: "mlp" if m.group(1) == "block_sparse_moe" else "block_sparse_moe", core)
-    if swapped != core:
-        cores.append(swapped)
-    out = [prefix]
-    for c in cores:
-        for root in _ROOTS:
-            name = root + c
-            if name not in out:
-                out.append(name)
-    return tuple(out)
+    """Every spelling of a module prefix the model's name table accepts (models/kimi.py), `prefix` first."""
+    from k3run.models.kimi import module_spellings  # the one name table; imported late (it imports layers)
+
+    return module_spellings(prefix)
+
+
+# a routed-expert projection: its bank, expert id and projection (either naming)
+_EXPERT_PROJ = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)$")
+_EXPERT_CANON = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def expert_bank(prefix: str) -> str | None:
+    """The bank ("...experts") of a routed-expert projection prefix ("...experts.5.w1"), else None."""
+    m = _EXPERT_PROJ.match(prefix)
+    return m["bank"] if m else None
 
 
 def _expand_pattern(pattern: str) -> tuple[str, ...]:
@@ -139,6 +137,13 @@ class ModelOptConfig:
     def is_mixed(self) -> bool:
         return self.quant_algo == MIXED_PRECISION
 
+    def summary(self) -> str:
+        """One line for `k3run inspect`: algorithm, producer, kv cache."""
+        prod = dict(self.producer or {})
+        by = f" by {prod.get('name')} {prod.get('version', '')}".rstrip() if prod else ""
+        kv = f", kv cache {self.kv_cache_quant_algo}" if self.kv_cache_quant_algo else ""
+        return f"ModelOpt {self.quant_algo}{by}{kv}"
+
     @property
     def algos(self) -> frozenset[QuantAlgo]:
         """Every algorithm some layer of this checkpoint may use."""
@@ -168,6 +173,10 @@ class ModelOptConfig:
     def _sorted_keys(self) -> tuple[str, ...]:
         return tuple(sorted(self.quantized_layers))
 
+    @cached_property
+    def _sorted_exact(self) -> tuple[str, ...]:
+        return tuple(sorted(p for p in self._patterns if not any(c in p for c in "*?[")))
+
     def _excluded_name(self, name: str, *, substring: bool) -> bool:
         for cand in name_variants(name):
             if cand in self._exact:
@@ -180,12 +189,55 @@ class ModelOptConfig:
                     return True
         return False
 
-    def is_excluded(self, prefix: str, shards: Sequence[str] = ()) -> bool:
+    def _bank_excluded(self, bank: str, num_experts: int | None) -> bool:
+        """A bank is excluded when it (or a parent) is, or when the list names every projection of every
+        one of its experts (k3run's exporter and ModelOpt write excluded modules by name); naming only some
+        is an error, since a bank runs under one scheme. A glob or substring entry that matches expert 0's
+        projections but not the bank is checked the same way over all experts."""
+        if self._excluded_name(bank, substring=True):
+            return True
+        listed: set[tuple[int, str]] = set()
+        for cand in name_variants(bank):
+            start = cand + "."
+            keys = self._sorted_exact
+            i = bisect.bisect_left(keys, start)
+            while i < len(keys) and keys[i].startswith(start):
+                m = _EXPERT_PROJ.match(keys[i])
+                if m is not None and m["bank"] == cand:
+                    listed.add((int(m["e"]), _EXPERT_CANON[m["w"]]))
+                i += 1
+        if not listed:
+            probe = [f"{bank}.0.{w}" for w in ("w1", "w2", "w3")]
+            if not any(self._excluded_name(p, substring=True) for p in probe):
+                return False
+            n = num_experts if num_experts is not None else 1
+            listed = {
+                (e, w)
+                for e in range(n)
+                for w in ("w1", "w2", "w3")
+                if self._excluded_name(f"{bank}.{e}.{w}", substring=True)
+            }
+        ids = range(num_experts) if num_experts is not None else sorted({e for e, _ in listed})
+        want = {(e, w) for e in ids for w in ("w1", "w2", "w3")}
+        if listed >= want:
+            return True
+        missing = sorted(want - listed)
+        raise ValueError(
+            f"Mixed quant_algo within fused layer {bank}: exclude_modules covers {len(listed & want)} of "
+            f"the {len(want)} routed-expert projections (not e.g. expert {missing[0][0]} {missing[0][1]}); "
+            "a bank runs under one scheme, so exclude all of its experts (or the bank) or none"
+        )
+
+    def is_excluded(self, prefix: str, shards: Sequence[str] = (), *, num_experts: int | None = None) -> bool:
         """Whether the exclude list keeps this layer unquantized (exact, legacy substring, or glob).
 
         A fused layer is excluded when it is listed itself (exactly or by a glob) or when all its shards
-        are; shards that disagree raise ValueError.
+        are; shards that disagree raise ValueError. A routed-expert bank ("...experts") or one of its
+        projections is excluded as the bank is (`_bank_excluded`; num_experts: the bank's expert count).
         """
+        bank = expert_bank(prefix) or (prefix if prefix.endswith(".experts") else None)
+        if bank is not None:
+            return self._bank_excluded(bank, num_experts)
         shards = tuple(shards) or _default_shards(prefix)
         if not shards:
             return self._excluded_name(prefix, substring=True)
@@ -220,16 +272,22 @@ class ModelOptConfig:
             raise ValueError(f"Mixed quant_algo within fused layer {name}: its children use {listing}")
         return next(iter(found), None)
 
-    def resolve(self, prefix: str, shards: Sequence[str] = ()) -> QuantAlgo:
+    def resolve(
+        self, prefix: str, shards: Sequence[str] = (), *, num_experts: int | None = None
+    ) -> QuantAlgo:
         """The algorithm of the layer at `prefix` (checkpoint naming); QuantAlgo.NONE when unquantized.
 
         shards: the full prefixes of the checkpoint layers a fused layer is built from, e.g. for
         "model.layers.0.self_attn.qkv_proj" the q/k/v prefixes. All shards must resolve to one algorithm,
         otherwise ValueError("Mixed quant_algo within fused layer ...").
-        An experts container (e.g. "...block_sparse_moe.experts") takes the algorithm of the layers under it.
+        An experts bank (e.g. "...block_sparse_moe.experts", num_experts experts) takes the algorithm of the
+        layers under it; a routed-expert projection ("...experts.5.w1") resolves as its bank.
         """
+        bank = expert_bank(prefix)
+        if bank is not None:
+            return self.resolve(bank, num_experts=num_experts)
         shards = tuple(shards) or _default_shards(prefix)
-        if self.is_excluded(prefix, shards):
+        if self.is_excluded(prefix, shards, num_experts=num_experts):
             return QuantAlgo.NONE
         if not self.is_mixed:
             if any(part in prefix for part in _VISION_PARTS):
@@ -319,7 +377,8 @@ def parse_quant_config(qc: Mapping[str, Any], *, source: str = "quantization_con
         method = qc.get("quant_method")
         if not _nonempty_str(method) or not str(method).lower().startswith("modelopt"):
             raise ValueError(
-                f"{where}.quant_method: expected modelopt, modelopt_fp4 or modelopt_mixed, got {method!r}"
+                f"{where}.quant_method: expected modelopt, modelopt_fp4, modelopt_mixed or "
+                f"compressed-tensors, got {method!r}"
             )
         body = qc
         algo = _parse_algo(qc.get("quant_algo"), f"{where}.quant_algo")
@@ -407,13 +466,19 @@ def _is_mixed_without_layers(qc: Mapping[str, Any]) -> bool:
     return (method == "modelopt_mixed" or algo == MIXED_PRECISION) and not body.get("quantized_layers")
 
 
+def _method(qc: object) -> object:
+    return qc.get("quant_method") if isinstance(qc, Mapping) else qc
+
+
 def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig | None:
     """The ModelOpt config of a checkpoint directory (or of a parsed config.json dict); None if unquantized.
 
     Looks at config.json `quantization_config`, then `text_config.quantization_config`, then
-    hf_quant_config.json (accepted only from producer "modelopt"). A modelopt_mixed quantization_config
-    without quantized_layers defers to hf_quant_config.json, as vLLM does. A non-ModelOpt quant_method is an
-    error rather than "unquantized".
+    hf_quant_config.json (accepted only from producer "modelopt"); both config.json places given and different
+    is an error. A modelopt_mixed quantization_config without quantized_layers defers to hf_quant_config.json,
+    as vLLM does. quant_method "compressed-tensors" (moonshotai/Kimi-K3's MXFP4 experts) returns a
+    quant/compressed_tensors.py `CompressedTensorsConfig`, which resolves layers the same way. Any other
+    quant_method is an error rather than "unquantized".
     """
     if isinstance(source, Mapping):
         model_dir, hf_config, where = None, dict(source), "config"
@@ -425,12 +490,21 @@ def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig 
     qc = hf_config.get("quantization_config")
     key = "quantization_config"
     text_config = hf_config.get("text_config")
-    if qc is None and isinstance(text_config, Mapping):
-        qc = text_config.get("quantization_config")
-        key = "text_config.quantization_config"
+    inner = text_config.get("quantization_config") if isinstance(text_config, Mapping) else None
+    if qc is not None and inner is not None and inner != qc:
+        raise ValueError(
+            f"{where}: quantization_config (quant_method {_method(qc)!r}) and "
+            f"text_config.quantization_config (quant_method {_method(inner)!r}) contradict each other"
+        )
+    if qc is None and inner is not None:
+        qc, key = inner, "text_config.quantization_config"
     if qc is not None:
         if not isinstance(qc, Mapping):
             raise ValueError(f"{where}: {key} must be an object, got {qc!r}")
+        if qc.get("quant_method") == "compressed-tensors":
+            from k3run.quant.compressed_tensors import load_compressed_tensors
+
+            return load_compressed_tensors(qc, f"{where}: {key}", model_dir)  # type: ignore[return-value]
         if _is_mixed_without_layers(qc):
             if model_dir is None:
                 raise ValueError(

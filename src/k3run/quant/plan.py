@@ -21,13 +21,15 @@ from types import MappingProxyType
 import torch
 
 from k3run.quant.algo import QuantAlgo
-from k3run.quant.modelopt import ModelOptConfig, load_quant_config
+from k3run.quant.compressed_tensors import CompressedTensorsConfig
+from k3run.quant.modelopt import ModelOptConfig, expert_bank, load_quant_config
 from k3run.safetensors_io import TensorInfo, read_checkpoint_headers
 
 FP8_BLOCK = 128
 NVFP4_GROUP = 16
 # Tensors that belong to a linear layer; anything else (norms, convs, A_log, router bias) is "other".
-LAYER_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale")
+LAYER_SUFFIXES = ("weight", "weight_packed", "bias", "weight_scale", "weight_scale_2", "input_scale")
+MXFP4_GROUP = 32
 _EMBEDDING_NAMES = frozenset({"embed_tokens", "word_embeddings", "wte"})
 _FLOAT_CODES = ("BF16", "F16", "F32")
 
@@ -39,6 +41,7 @@ _EXPERTS_CUDA = (
     "layers/moe fused_experts: NVFP4 on sm_89+: two grouped decode launches (expert-major for 2..128 tokens, "
     "no host sync); otherwise (prefill sizes, other schemes) a per-expert loop"
 )
+_MXFP4_EXPERTS = "MXFP4 (compressed-tensors) -> NVFP4 transcode at load (lossless), then "
 # The kernel each (layer kind, device type, scheme) runs; the one place `k3run inspect` reads it from.
 _IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
     {
@@ -54,6 +57,8 @@ _IMPLEMENTATIONS: Mapping[tuple[str, str, QuantAlgo], str] = MappingProxyType(
         ("linear", "cuda", QuantAlgo.W4A16_NVFP4): _NVFP4_CUDA,
         **{("expert", "cpu", a): _EXPERTS_CPU for a in QuantAlgo if a is not QuantAlgo.FP8},
         **{("expert", "cuda", a): _EXPERTS_CUDA for a in QuantAlgo if a is not QuantAlgo.FP8},
+        ("expert", "cpu", QuantAlgo.MXFP4): _MXFP4_EXPERTS + _EXPERTS_CPU,
+        ("expert", "cuda", QuantAlgo.MXFP4): _MXFP4_EXPERTS + _EXPERTS_CUDA,
     }
 )
 
@@ -118,10 +123,16 @@ class LayerPlan:
 class QuantPlan:
     model_dir: Path
     device: str
-    quant_config: ModelOptConfig | None
+    quant_config: ModelOptConfig | CompressedTensorsConfig | None
     layers: tuple[LayerPlan, ...]
     other_tensors: int
     other_bytes: int
+    # Kimi checkpoints: the float tensors held in a dtype other than the model's, or rounded at load
+    # (models/kimi.py `held_dtypes`), as "pattern (stored dtype [shape] xN) -> held dtype"
+    model_dtype: str | None = None
+    held_dtype_notes: tuple[str, ...] = ()
+    # what resolving the config took from the tensors (compressed-tensors "Linear" targets stored as bf16)
+    config_notes: tuple[str, ...] = ()
 
     def layer(self, prefix: str) -> LayerPlan:
         for lp in self.layers:
@@ -141,14 +152,7 @@ class QuantPlan:
         """The text `k3run inspect DIR` prints: one row per layer (routed experts folded into one row per
         layer and projection when they are identical), then parameter bytes by scheme."""
         qc = self.quant_config
-        if qc is None:
-            head = "unquantized (no ModelOpt config)"
-        else:
-            prod = dict(qc.producer or {})
-            by = f" by {prod.get('name')} {prod.get('version', '')}".rstrip() if prod else ""
-            head = f"ModelOpt {qc.quant_algo}{by}"
-            if qc.kv_cache_quant_algo:
-                head += f", kv cache {qc.kv_cache_quant_algo}"
+        head = "unquantized (no quantization config)" if qc is None else qc.summary()
         lines = [f"{self.model_dir}: {head}; device {self.device}", ""]
         rows = [("layer", "scheme", "logical [N, K]", "physical", "padding", "bytes", "implementation")]
         for label, lp, count in _folded(self.layers):
@@ -183,6 +187,11 @@ class QuantPlan:
             share = 100.0 * nbytes / total if total else 0.0
             lines.append(f"  {key:<12} {_human(nbytes):>11}  {share:5.1f}%  ({what}{extra})")
         lines.append(f"  {'total':<12} {_human(total):>11}")
+        if self.config_notes:
+            lines += ["", "quantization config:", *(f"  {note}" for note in self.config_notes)]
+        if self.held_dtype_notes:
+            lines += ["", f"tensors held in another dtype than the model's {self.model_dtype}:"]
+            lines += [f"  {note}" for note in self.held_dtype_notes]
         return "\n".join(lines)
 
 
@@ -291,6 +300,16 @@ class _Checker:
 def _check_layer(c: _Checker) -> tuple[tuple[int, int], tuple[int, int]]:
     """Validate a layer's tensors for its scheme; return (logical [N, K], physical shape)."""
     algo = c.algo
+    if algo is QuantAlgo.MXFP4:
+        packed = c.expect("weight_packed", ("U8",))
+        n, half = packed.shape
+        k = 2 * half
+        if k % MXFP4_GROUP:
+            raise c.fail("weight_packed", f"a packed width K/2 with K divisible by {MXFP4_GROUP}", f"K={k}")
+        c.expect("weight_scale", ("U8", "F8_E8M0"), (n, k // MXFP4_GROUP))
+        c.absent("weight", "weight_scale_2", "input_scale")
+        return (n, k), (n, k)
+    c.absent("weight_packed")
     w = c.get("weight")
     assert w is not None
     if algo is QuantAlgo.NONE:
@@ -334,11 +353,15 @@ def _check_layer(c: _Checker) -> tuple[tuple[int, int], tuple[int, int]]:
     raise c.fail("weight", "a supported scheme", algo.value)
 
 
-def _why(qc: ModelOptConfig | None, algo: QuantAlgo, prefix: str) -> str:
+def _why(
+    qc: ModelOptConfig | CompressedTensorsConfig | None, algo: QuantAlgo, prefix: str, num_experts: int | None
+) -> str:
     if qc is None:
-        return "the checkpoint has no ModelOpt quantization config"
+        return "the checkpoint has no quantization config"
+    if isinstance(qc, CompressedTensorsConfig):
+        return qc.explain(prefix, algo, num_experts)
     if algo is QuantAlgo.NONE:
-        if qc.is_excluded(prefix):
+        if qc.is_excluded(prefix, num_experts=num_experts):
             return "matched by the exclude list"
         return "not listed in quantized_layers" if qc.is_mixed else "unquantized by the config"
     return f"from the {qc.quant_algo} config"
@@ -368,23 +391,37 @@ def build_quant_plan(
         tensors = read_checkpoint_headers(model_dir)
     device_name = str(torch.device(device))
     prefixes = sorted(
-        (n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2),
+        {
+            n.rpartition(".")[0]
+            for n, t in tensors.items()
+            if n.rpartition(".")[2] in ("weight", "weight_packed") and len(t.shape) == 2
+        },
         key=_model_order,
     )
+    # each bank's expert count, as its expert ids in the headers show it
+    experts: dict[str, int] = defaultdict(int)
+    for prefix in prefixes:
+        m = _EXPERT.match(prefix)
+        if m is not None:
+            bank = m.group(1)[:-1]
+            experts[bank] = max(experts[bank], int(m.group(2)) + 1)
     owned: set[str] = set()
     layers: list[LayerPlan] = []
     for prefix in prefixes:
         names = tuple(f"{prefix}.{s}" for s in LAYER_SUFFIXES if f"{prefix}.{s}" in tensors)
         owned.update(names)
         is_embedding = prefix.rpartition(".")[2] in _EMBEDDING_NAMES
+        bank = expert_bank(prefix)
+        n_experts = experts.get(bank) if bank is not None else None
         if is_embedding or qc is None:
             algo = QuantAlgo.NONE
         else:
-            algo = qc.resolve(prefix)
+            # the resolution load_model uses: a routed expert resolves as its bank
+            algo = qc.resolve(prefix, num_experts=n_experts)
         if is_embedding:
             why: Callable[[], str] = lambda: "embeddings are never quantized"
         else:
-            why = functools.partial(_why, qc, algo, prefix)
+            why = functools.partial(_why, qc, algo, prefix, n_experts)
         try:
             logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
         except ValueError as e:
@@ -413,6 +450,8 @@ def build_quant_plan(
             )
         )
     others = [t for n, t in tensors.items() if n not in owned]
+    model_dtype, notes = _held_dtypes(model_dir, qc, tensors)
+    config_notes = tuple(qc.notes()) if isinstance(qc, CompressedTensorsConfig) else ()
     return QuantPlan(
         model_dir=model_dir,
         device=device_name,
@@ -420,4 +459,31 @@ def build_quant_plan(
         layers=tuple(layers),
         other_tensors=len(others),
         other_bytes=sum(t.nbytes for t in others),
+        model_dtype=model_dtype,
+        held_dtype_notes=notes,
+        config_notes=config_notes,
     )
+
+
+def _held_dtypes(
+    model_dir: Path, qc: ModelOptConfig | CompressedTensorsConfig | None, tensors: dict[str, TensorInfo]
+) -> tuple[str | None, tuple[str, ...]]:
+    """For a Kimi checkpoint, the model built on the meta device (no memory) says which dtype each float
+    tensor is held in, exactly as load_model holds it; other model types have no notes."""
+    import json
+
+    from k3run.api import checkpoint_dtype
+    from k3run.config import ModelConfig
+    from k3run.models.kimi import KimiForCausalLM, held_dtype_notes
+
+    path = model_dir / "config.json"
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    if hf.get("model_type") not in ("kimi_linear", "kimi_k3"):
+        return None, ()
+    try:
+        dtype = checkpoint_dtype(hf, model_dir)
+        with torch.device("meta"):
+            model = KimiForCausalLM(ModelConfig.from_hf(hf), qcfg=qc, params_dtype=dtype)
+    except ValueError as e:  # the plan is still useful; the table says why this part is missing
+        return "(unknown)", (f"not computed: the model cannot be built from {path}: {e}",)
+    return str(dtype).removeprefix("torch."), tuple(held_dtype_notes(model.held_dtypes(tensors), dtype))

@@ -730,6 +730,11 @@ def linear_scheme_for(
         return Fp8PbWoScheme()
     if algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
         return NvFp4Scheme(algo, w4a4=nvfp4_w4a4 and algo is QuantAlgo.NVFP4)
+    if algo is QuantAlgo.MXFP4:
+        raise ValueError(
+            f"{prefix}: the quantization config makes this linear layer MXFP4; k3run reads MXFP4 "
+            "(compressed-tensors) only for routed experts, which it casts to NVFP4 at load"
+        )
     raise ValueError(
         f"{prefix}: quant_algo {algo.value} is not supported for linear layers "
         "(supported: FP8_PB_WO, NVFP4, W4A16_NVFP4, or unquantized)"
