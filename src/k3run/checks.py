@@ -6,11 +6,10 @@ and a contradiction with config.json names the config field and its value:
 1. Headers only (`header_problems`): each tensor against the config (`config_problems`: the tensors a model
    with this config has and their shapes, each dimension tied to the config field it comes from; tensors it
    cannot use; missing ones) and against its layer's quantization scheme (quant/plan.py: dtypes, presence
-   and shapes of the scales). Cost (bench/bench_checks.py, this 2-core VM shared with other work): 22 ms
-   for the bundled model (944 tensors). On synthetic headers with nvidia/Kimi-K3-NVFP4's real config, names
-   and shapes (250k tensors here; the real checkpoint has 992k, most of them per-expert scales): 4 s for
-   `config_problems`, ~30 s for the layer checks, ~75% of it in ModelOptConfig.resolve's exclude matching
-   (quant/modelopt.py): `k3run inspect` paid that before these checks existed, load_model pays it now too.
+   and shapes of the scales). Cost (this 2-core VM, shared with other work): 22 ms for the bundled model
+   (944 tensors, bench/bench_checks.py); on synthetic headers with nvidia/Kimi-K3-NVFP4's real config,
+   quant config, names and shapes (992,340 tensors, the release has 992,508; `--k3-headers`), 8 s for
+   `config_problems` and 6 s for the layer checks (quant/plan.py resolves each expert bank once).
 2. Scale values on the CPU (`scale_value_problems`): weight_scale / weight_scale_2 / input_scale read with a
    few large positioned reads (neighbouring tensors coalesced) and checked per format:
    - NVFP4 E4M3 block scales: NaN (0x7F / 0xFF) and negative values (sign bit set, magnitude > 0) are

@@ -407,6 +407,7 @@ def build_quant_plan(
             experts[bank] = max(experts[bank], int(m.group(2)) + 1)
     owned: set[str] = set()
     layers: list[LayerPlan] = []
+    bank_algos: dict[str, QuantAlgo] = {}
     for prefix in prefixes:
         names = tuple(f"{prefix}.{s}" for s in LAYER_SUFFIXES if f"{prefix}.{s}" in tensors)
         owned.update(names)
@@ -415,8 +416,13 @@ def build_quant_plan(
         n_experts = experts.get(bank) if bank is not None else None
         if is_embedding or qc is None:
             algo = QuantAlgo.NONE
+        elif bank is not None:
+            # the resolution load_model uses: a routed expert resolves as its bank, so once per bank (a
+            # bank's resolution looks at every expert's names: K3 has 896 experts x 3 projections per bank)
+            if bank not in bank_algos:
+                bank_algos[bank] = qc.resolve(prefix, num_experts=n_experts)
+            algo = bank_algos[bank]
         else:
-            # the resolution load_model uses: a routed expert resolves as its bank
             algo = qc.resolve(prefix, num_experts=n_experts)
         if is_embedding:
             why: Callable[[], str] = lambda: "embeddings are never quantized"
