@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from k3run.checks import check_headers
 from k3run.config import ModelConfig
 from k3run.distributed import TPInfo
 from k3run.layers.moe import NvFp4ActMode
@@ -57,6 +58,9 @@ def load_model(
     nvfp4_as_fp8: also convert NVFP4 linear weights to FP8 128x128 blocks at load and run them on FP8
     tensor cores for the shapes where that is measured faster (quant/schemes.py `nvfp4_fp8_faster`; sm90
     only, a no-op on CPU). Lossy: ~3e-2 relative weight error on top of NVFP4. Routed experts keep NVFP4.
+
+    A checkpoint that does not fit its config, or holds invalid values, raises k3run.checks.CheckpointInvalid
+    (a ValueError) listing every problem found, in checkpoint tensor and config field names.
     """
     path = Path(path)
     cfg_path = path / "config.json"
@@ -65,6 +69,9 @@ def load_model(
     hf = json.loads(cfg_path.read_text())
     cfg = ModelConfig.from_hf(hf)
     qcfg = load_quant_config(path)
+    # the headers against the config and the quant schemes, before the model is built (k3run.checks);
+    # the scale values and the weights are checked by load_checkpoint
+    check_headers(path, hf=hf, cfg=cfg)
     if tp_size > 1 and not torch.distributed.is_initialized():
         raise ValueError(
             f"load_model: tp_size={tp_size} needs an initialised torch.distributed process group "

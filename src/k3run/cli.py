@@ -274,8 +274,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     d = _checkpoint_dir(args.dir, "DIR")
+    from k3run.checks import CheckpointInvalid, validate_checkpoint
     from k3run.quant.plan import build_quant_plan
 
+    # the checks load_model runs (k3run.checks), scale values included unless --headers-only
+    problems = validate_checkpoint(d, values=not args.headers_only)
+    if problems:
+        raise CheckpointInvalid(d, problems)
     plan = build_quant_plan(d, device=_device(args.device), nvfp4_as_fp8=args.nvfp4_as_fp8)
     print(plan.format_table())
     return 0
@@ -588,6 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default="auto", help="the device whose kernels to report (default: %(default)s)"
     )
+    p.add_argument(
+        "--headers-only",
+        action="store_true",
+        help="skip reading the scale tensors (at 1.6 TB the E4M3 block scales are ~170 GB)",
+    )
     _add_nvfp4_as_fp8(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -631,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from k3run.checks import CheckpointInvalid
     from k3run.tokenizer import TokenizerError
 
     parser = build_parser()
@@ -645,6 +656,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         shutdown_distributed()  # a no-op outside torchrun
         return rc
+    except CheckpointInvalid as e:  # everything wrong with a checkpoint: one line per problem
+        if args.traceback:
+            raise
+        n = len(e.problems)
+        print(
+            f"k3run: error: {e.where}: checkpoint refused, {n} problem{'' if n == 1 else 's'}:",
+            file=sys.stderr,
+        )
+        for line in e.lines():
+            print(f"k3run: error: {line}", file=sys.stderr)
+        return 2
     except (
         UserError,
         TokenizerError,

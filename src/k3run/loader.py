@@ -6,9 +6,16 @@ read with plain positioned reads into freshly allocated tensors (no mmap), and a
 `TensorSource` before `read()` (the parallel linears do) reads only the rows/columns its rank keeps. Peak
 memory is therefore the final parameters plus one tensor in flight; tests/test_loader.py measures it.
 
-After the last tensor, every parameter must be filled (modules that track partial fills, such as the fused
-linears, report their own gaps through `unfilled_parameters()`), and then each module's
-`process_after_loading()` runs (padding, scale unification, kernel layouts).
+Values are checked by k3run.checks, cheapest first: every small (fp32) scale tensor is read on the CPU and
+checked before any weight is streamed; after the last tensor, every parameter must be filled (modules that
+track partial fills, such as the fused linears, report their own gaps through `unfilled_parameters()`),
+then every parameter is screened where it now lives (one reduction each, one host sync in all) for NaN /
+Inf and invalid E4M3 block scales, a flagged one confirmed from its checkpoint tensors, and only then each
+module's `process_after_loading()` runs (padding, scale unification, kernel layouts). Any of these
+failures raises `checks.CheckpointInvalid` naming the checkpoint tensor, the value and its index.
+
+`dry_run=True` runs the same mapping, loaders and completeness check on a model built on the meta device
+with no tensor data read (what `k3run inspect` does).
 """
 
 from __future__ import annotations
@@ -226,7 +233,8 @@ class LoadError(ValueError):
 class LoadStats:
     tensors: int  # checkpoint tensors loaded into at least one parameter
     ignored: int  # tensors the mapping skipped on purpose
-    bytes_read: int  # bytes actually read from disk by this process
+    bytes_read: int  # bytes actually read from disk by this process for the parameters
+    checked_bytes: int = 0  # bytes the scale-value check read before streaming (small fp32 scales)
 
 
 def _scheme_note(model: torch.nn.Module, param_name: str) -> str:
@@ -253,13 +261,13 @@ def _default_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: A
         raise ValueError(
             f"expected {param.dtype} {tuple(param.shape)}, got {loaded.dtype} {tuple(loaded.shape)}"
         )
-    check_finite("value", loaded)
-    param.data.copy_(loaded)
+    param.data.copy_(loaded)  # values: load_checkpoint screens every parameter after the copy
 
 
 def check_finite(what: str, t: torch.Tensor) -> None:
-    """Raise on NaN/Inf. Works through the tensor in slices so the check never holds more than a small
-    mask (the loader's peak-memory bound is the parameters plus one checkpoint tensor)."""
+    """Raise on NaN/Inf, for small tensors a loader reads on the CPU (per-partition scalars). Works through
+    the tensor in slices so the check never holds more than a small mask. Whole checkpoints are checked by
+    load_checkpoint (k3run.checks), after the copy."""
     if not (t.is_floating_point() or t.dtype in _FP8_DTYPES):
         return
     flat = t.reshape(-1)
@@ -294,20 +302,30 @@ def load_checkpoint(
     tp: TPInfo = NO_TP,
     progress: bool = True,
     ignore_unfilled: Iterable[str] = (),
+    dry_run: bool = False,
 ) -> LoadStats:
     """Stream the checkpoint at `path` (a .safetensors file, or a directory with or without an index) into
-    `model`, check completeness, then run every module's `process_after_loading`.
+    `model`, check values and completeness, then run every module's `process_after_loading`.
 
     mapping(name) -> [Target(param, shard_id), ...] | IGNORE | None. Parameters listed in `ignore_unfilled`
     (exact names) may stay unfilled (e.g. computed buffers registered as parameters). Only rank 0 shows a
-    progress bar.
+    progress bar. dry_run: `model` lives on the meta device; no data is read (1-element tensors are given to
+    the loaders as ones), values are not checked and nothing is post-processed; every per-tensor loader
+    error is collected and raised together as checks.CheckpointInvalid.
     """
     from tqdm import tqdm
 
+    from k3run.checks import CheckpointInvalid, Problem, scale_value_problems
     from k3run.safetensors_io import read_checkpoint_headers
 
     infos = read_checkpoint_headers(path)
     params = dict(model.named_parameters())
+    errors: list[str] = []
+
+    def fail(message: str) -> None:
+        if not dry_run:
+            raise LoadError(message)
+        errors.append(message)
 
     plan: list[tuple[str, list[Target]]] = []
     unknown, ignored = [], 0
@@ -319,31 +337,43 @@ def load_checkpoint(
         if not targets:
             ignored += 1
             continue
-        for t in targets:
-            if t.param not in params:
-                raise LoadError(
-                    f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) maps to parameter "
-                    f"{t.param!r}, which the model does not have{_scheme_note(model, t.param)}"
-                )
-        plan.append((name, targets))
+        missing = [t for t in targets if t.param not in params]
+        for t in missing:
+            fail(
+                f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) maps to parameter "
+                f"{t.param!r}, which the model does not have{_scheme_note(model, t.param)}"
+            )
+        if not missing:
+            plan.append((name, targets))
     if unknown:
-        raise LoadError(
+        fail(
             f"{len(unknown)} checkpoint tensors have no destination in the model (not consumed): "
             f"{unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
         )
+
+    checked: dict[str, int] = {}
+    if not dry_run:  # the small scales first: a zero or NaN scale is refused before any weight is read
+        problems = scale_value_problems({n: infos[n] for n, _ in plan}, block_scales=False, stats=checked)
+        if problems:
+            raise CheckpointInvalid(path, problems)
 
     counter = _ReadCounter()
     touched: set[str] = set()
     fds: dict[Path, tuple[int, int]] = {}
     total = sum(infos[n].nbytes for n, _ in plan)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress or tp.rank != 0)
+    show = progress and tp.rank == 0 and not dry_run
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show)
     try:
         for name, targets in plan:
             info = infos[name]
-            if info.file not in fds:
-                fds[info.file] = (os.open(info.file, os.O_RDONLY), _data_start(info.file))
-            fd, start = fds[info.file]
-            src = FileTensor(fd, start + info.data_offsets[0], info.shape, info.torch_dtype, counter)
+            src: TensorSource
+            if dry_run:
+                src = _HeaderTensor(info.shape, info.torch_dtype)
+            else:
+                if info.file not in fds:
+                    fds[info.file] = (os.open(info.file, os.O_RDONLY), _data_start(info.file))
+                fd, start = fds[info.file]
+                src = FileTensor(fd, start + info.data_offsets[0], info.shape, info.torch_dtype, counter)
             for t in targets:
                 param = params[t.param]
                 loader = getattr(param, "weight_loader", None)
@@ -352,14 +382,21 @@ def load_checkpoint(
                         loader(param, src, t.shard_id)
                     else:
                         (loader or _default_loader)(param, src.read(), t.shard_id)
-                except LoadError:
-                    raise
+                except LoadError as e:
+                    if not dry_run:
+                        raise
+                    errors.append(str(e))
+                    continue
                 except (ValueError, RuntimeError, IndexError, OSError) as e:
                     shard = "" if t.shard_id is None else f" shard {t.shard_id!r}"
-                    raise LoadError(
+                    message = (
                         f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) -> parameter "
                         f"{t.param!r}{shard}: {e}"
-                    ) from e
+                    )
+                    if not dry_run:
+                        raise LoadError(message) from e
+                    errors.append(message)
+                    continue
                 touched.add(t.param)
             bar.update(info.nbytes)
     finally:
@@ -367,13 +404,77 @@ def load_checkpoint(
         for fd, _ in fds.values():
             os.close(fd)
 
-    _check_filled(model, params, touched, set(ignore_unfilled))
+    try:
+        _check_filled(model, params, touched, set(ignore_unfilled))
+    except LoadError as e:
+        fail(str(e))
+    if dry_run:
+        if errors:
+            raise CheckpointInvalid(path, [Problem(" ".join(m.split())) for m in errors])
+        return LoadStats(tensors=len(plan), ignored=ignored, bytes_read=0)
+    _screen_values(path, params, touched, plan, infos)
     # children before their parents (reversed pre-order), so a container's post-processing (e.g. MLA
     # weight absorption) sees its linears already processed
     for module in reversed(list(model.modules())):
         if isinstance(module, PostLoad):
             module.process_after_loading()
-    return LoadStats(tensors=len(plan), ignored=ignored, bytes_read=counter.bytes)
+    return LoadStats(
+        tensors=len(plan), ignored=ignored, bytes_read=counter.bytes, checked_bytes=checked.get("bytes", 0)
+    )
+
+
+def _screen_values(
+    path: str | Path,
+    params: dict[str, torch.nn.Parameter],
+    touched: set[str],
+    plan: list[tuple[str, list[Target]]],
+    infos: dict[str, Any],
+) -> None:
+    """Every loaded parameter screened where it lives (checks.screen_parameters: one reduction each, one
+    host sync); a flagged parameter is confirmed from the checkpoint tensors that fed it, read back on the
+    CPU (only on this error path), so the error names the checkpoint tensor, the value and its index."""
+    from k3run.checks import CheckpointInvalid, confirm_from_checkpoint, screen_parameters
+
+    flagged = screen_parameters({n: params[n] for n in sorted(touched)})
+    if not flagged:
+        return
+    feeds: dict[str, list[Any]] = {}
+    for name, targets in plan:
+        for t in targets:
+            feeds.setdefault(t.param, []).append(infos[name])
+    problems = confirm_from_checkpoint(flagged, feeds)
+    if problems:
+        raise CheckpointInvalid(path, problems)
+
+
+class _HeaderTensor:
+    """`TensorSource` of a dry run: the shape and dtype of a checkpoint tensor and no data (a meta tensor;
+    a 1-element float tensor reads as ones, so loaders that take scalar scales see a valid value)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, full: int | None = None) -> None:
+        self._shape, self._dtype = tuple(shape), dtype
+        self.full = math.prod(shape) if full is None else full
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> _HeaderTensor:
+        dim = dim % len(self._shape)
+        if start < 0 or length < 0 or start + length > self._shape[dim]:
+            raise IndexError(f"narrow({dim}, {start}, {length}) out of range for size {self._shape[dim]}")
+        shape = list(self._shape)
+        shape[dim] = length
+        return _HeaderTensor(tuple(shape), self._dtype, self.full)
+
+    def read(self) -> torch.Tensor:
+        if self.full == 1 and self._dtype.is_floating_point and self._dtype.itemsize > 1:
+            return torch.ones(self._shape, dtype=self._dtype)
+        return torch.empty(self._shape, dtype=self._dtype, device="meta")
 
 
 def _check_filled(

@@ -172,8 +172,10 @@ def test_inspect_shows_the_fp8_copy_only_when_asked(tmp_path: Path, capsys: pyte
     cpu = build_quant_plan(tmp_path, "cpu", nvfp4_as_fp8=True)
     assert cpu.layer(up).implementation == build_quant_plan(tmp_path, "cpu").layer(up).implementation
 
-    # the CLI flag reaches the plan (this CPU machine refuses --device cuda, so inspect runs for the CPU)
-    assert cli_main(["inspect", str(tmp_path), "--device", "cpu", "--nvfp4-as-fp8"]) == 0
+    # the CLI flag reaches the plan (this CPU machine refuses --device cuda, so inspect runs for the CPU);
+    # inspect validates a whole model (k3run.checks), so it runs on a complete NVFP4 checkpoint
+    nvfp4 = Path(__file__).parents[1] / "fixtures" / "kimi_linear_nvfp4"
+    assert cli_main(["inspect", str(nvfp4), "--device", "cpu", "--nvfp4-as-fp8"]) == 0
     assert "compiled loop if >= 1M weights, else dequantize + matmul" in capsys.readouterr().out
 
 

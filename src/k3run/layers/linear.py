@@ -216,9 +216,8 @@ class LinearBase(torch.nn.Module):
                     )
                 n_in = k_local // spec.in_block
                 part_src = part_src.narrow(spec.in_dim, self.tp.rank * n_in, n_in)
-            data = part_src.read()
-            check_finite(what, data)
-            dst.copy_(data.to(device=dst.device, dtype=dst.dtype))
+            # values: load_checkpoint screens the parameter on its device after the copy (k3run.checks)
+            dst.copy_(part_src.read().to(device=dst.device, dtype=dst.dtype))
         self._filled.add((name, part))
 
     def _row_slices(self, what: str, spec: ParamSpec, part: int) -> list[tuple[int, int, int]]:

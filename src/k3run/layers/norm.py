@@ -17,12 +17,13 @@ from k3run.loader import TensorSource, as_source
 def norm_weight_loader(
     param: nn.Parameter, loaded: torch.Tensor | TensorSource, shard_id: object = None
 ) -> None:
-    """Copy a replicated norm weight, checking the shape (norm weights are never sharded over TP)."""
+    """Copy a weight every TP rank holds whole (norms, embeddings, the router, AttnRes vectors), checking
+    the shape; the loader's error names the checkpoint tensor and the parameter."""
     if shard_id is not None:
-        raise ValueError(f"norm weight: shard_id must be None for a replicated weight, got {shard_id!r}")
+        raise ValueError(f"replicated weight: shard_id must be None, got {shard_id!r}")
     src = as_source(loaded)
     if tuple(src.shape) != tuple(param.shape):
-        raise ValueError(f"norm weight: expected shape {tuple(param.shape)}, got {tuple(src.shape)}")
+        raise ValueError(f"replicated weight: expected shape {tuple(param.shape)}, got {tuple(src.shape)}")
     param.data.copy_(src.read().to(param.dtype))
 
 

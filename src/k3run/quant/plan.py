@@ -368,18 +368,27 @@ def _why(
 
 
 def build_quant_plan(
-    model_dir: str | Path, device: str | torch.device = "cpu", *, nvfp4_as_fp8: bool = False
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    nvfp4_as_fp8: bool = False,
+    tensors: dict[str, TensorInfo] | None = None,
+    problems: list[tuple[str, str]] | None = None,
 ) -> QuantPlan:
     """The plan of a checkpoint directory from config.json and the safetensors headers (no tensor data).
 
     nvfp4_as_fp8: report NVFP4 linears as load_model(nvfp4_as_fp8=True) runs them on CUDA (the FP8 copy
     where quant/schemes.py's rule picks it; CPU always runs the reference).
+    tensors: the headers, when the caller has read them already.
 
-    Raises ValueError naming the tensor, expected and actual when the config and the tensors disagree.
+    Raises ValueError naming the tensor, expected and actual when the config and the tensors disagree; with
+    `problems` given, every such layer's (prefix, error) is appended there instead and the layer left out of
+    the plan (k3run.checks lists them all).
     """
     model_dir = Path(model_dir)
     qc = load_quant_config(model_dir)
-    tensors = read_checkpoint_headers(model_dir)
+    if tensors is None:
+        tensors = read_checkpoint_headers(model_dir)
     device_name = str(torch.device(device))
     prefixes = sorted(
         {
@@ -398,6 +407,7 @@ def build_quant_plan(
             experts[bank] = max(experts[bank], int(m.group(2)) + 1)
     owned: set[str] = set()
     layers: list[LayerPlan] = []
+    bank_algos: dict[str, QuantAlgo] = {}
     for prefix in prefixes:
         names = tuple(f"{prefix}.{s}" for s in LAYER_SUFFIXES if f"{prefix}.{s}" in tensors)
         owned.update(names)
@@ -406,14 +416,25 @@ def build_quant_plan(
         n_experts = experts.get(bank) if bank is not None else None
         if is_embedding or qc is None:
             algo = QuantAlgo.NONE
+        elif bank is not None:
+            # the resolution load_model uses: a routed expert resolves as its bank, so once per bank (a
+            # bank's resolution looks at every expert's names: K3 has 896 experts x 3 projections per bank)
+            if bank not in bank_algos:
+                bank_algos[bank] = qc.resolve(prefix, num_experts=n_experts)
+            algo = bank_algos[bank]
         else:
-            # the resolution load_model uses: a routed expert resolves as its bank
             algo = qc.resolve(prefix, num_experts=n_experts)
         if is_embedding:
             why: Callable[[], str] = lambda: "embeddings are never quantized"
         else:
             why = functools.partial(_why, qc, algo, prefix, n_experts)
-        logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
+        try:
+            logical, physical = _check_layer(_Checker(prefix, algo, tensors, why))
+        except ValueError as e:
+            if problems is None:
+                raise
+            problems.append((prefix, str(e)))
+            continue
         kind = "embedding" if is_embedding else ("expert" if _EXPERT.match(prefix) else "linear")
         if is_embedding:
             impl = "embedding lookup"
