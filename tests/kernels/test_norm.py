@@ -12,7 +12,8 @@ are approximate to ~2 u), so each is within B of the exact value and they are wi
   probability by <= 2 max delta relative, plus its own exp (|s - max| + 2), the normaliser's worst exp,
   n - 1 additions, a subtraction and a division; the weighted sum takes n more roundings of p |v|.
 16-bit outputs are rounded once from those fp32 values: one output ulp more where they straddle a midpoint.
-Every bound is checked to reject a small real slip (eps off by 10x, a query off by 1%) on the same data.
+Each check is also shown to reject a small real slip on the same data (rms_norm: eps 10x; the mix: the
+query off by 1%).
 
 The `interp_` tests run only inside the TRITON_INTERPRET=1 child process started by
 `test_triton_kernels_in_interpreter`, so the interpreter flag never leaks into other test modules. The
@@ -25,10 +26,14 @@ import pytest
 import torch
 
 from k3run.kernels.norm import attn_res_mix_ref, rms_norm_ref
-from k3run.testing import FP32_U, assert_within, output_ulp
+from k3run.testing import FP32_U, assert_close, assert_within, output_ulp
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
 U = FP32_U
+# 16-bit outputs, in addition: each is one rounding of an fp32 value the two agree on far below an output
+# ulp, so their relative RMS difference is under one ulp (the worst-case elementwise bound above grows with D
+# and is loose at D in the thousands; this one does not)
+RTOL16 = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 def _rows(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -73,6 +78,8 @@ def _check_rms(dtype: torch.dtype, device: str, shape: tuple[int, ...], gated: b
     assert out.dtype == dtype and out.shape == x.shape
     bound = rms_norm_bound(x.cpu(), w.cpu(), None if g is None else g.cpu(), 1e-5)
     assert_within("rms_norm", ref.float(), out.float(), bound)
+    if dtype in RTOL16:
+        assert_close("rms_norm rms", ref.float(), out.float(), RTOL16[dtype])
     # the bound is tight enough to see a slip: eps 10x too large moves the small-scale rows past it
     with pytest.raises(AssertionError, match="outside their error bound"):
         assert_within("rms_norm eps slip", rms_norm_ref(x, w, 1e-4, g).float(), out.float(), bound)
@@ -88,10 +95,26 @@ def _check_mix(dtype: torch.dtype, device: str, n: int, t: int, d: int) -> None:
     assert out.dtype == dtype and out.shape == (t, d)
     bound = attn_res_mix_bound([c.cpu() for c in cands], query.cpu(), 1e-5)
     assert_within("attn_res_mix", ref.float(), out.float(), bound)
-    if n > 1:  # one candidate: softmax weight 1 whatever the query
+    if dtype in RTOL16:
+        assert_close("attn_res_mix rms", ref.float(), out.float(), RTOL16[dtype])
+    # one candidate has softmax weight 1 whatever its score. At D in the thousands neither check sees a 1%
+    # query slip (measured on an H200 at D = 4099 and 7168): the worst-case score bound
+    # (D sum_j |k_j q_j| u ~ 5 D^1.5 u) admits tens of percent on a weight there, and the slip moves bf16
+    # outputs by less than an ulp RMS; the sizes up to 1024 (the interpreter's 129, the GPU's 128) show it
+    if n > 1 and d <= 1024:
         slipped = attn_res_mix_ref(cands, query * (1 + 1e-2), 1e-5)
-        with pytest.raises(AssertionError, match="outside their error bound"):
-            assert_within("attn_res_mix query slip", slipped.float(), out.float(), bound)
+        assert _rejects(slipped, out, bound, dtype), "a 1% query slip passes the checks"
+
+
+def _rejects(ref: torch.Tensor, out: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the checks above fail `out` against a slipped reference."""
+    try:
+        assert_within("slip", ref.float(), out.float(), bound)
+        if dtype in RTOL16:
+            assert_close("slip rms", ref.float(), out.float(), RTOL16[dtype])
+    except AssertionError:
+        return True
+    return False
 
 
 def test_triton_kernels_in_interpreter():

@@ -395,14 +395,15 @@ class FusedExperts(nn.Module):
                 f"{tuple(loaded.shape)}"
             )
         scales = mxfp4_scales_to_nvfp4(loaded)
+        # the cast runs on the CPU, where the checkpoint tensor was read; copy_ moves it to the parameters
         if which == "w2":
             self.w2_weight_scale.data[row].copy_(scales.weight_scale)
-            self.w2_weight_scale_2.data[row] = scales.weight_scale_2
+            self.w2_weight_scale_2.data[row].copy_(scales.weight_scale_2)
         else:
             i = self.intermediate_size
             dst = self.w13_weight_scale.data[row]
             (dst[:i] if which == "w1" else dst[i:]).copy_(scales.weight_scale)
-            self.w13_weight_scale_2.data[row, 0 if which == "w1" else 1] = scales.weight_scale_2
+            self.w13_weight_scale_2.data[row, 0 if which == "w1" else 1].copy_(scales.weight_scale_2)
         if scales.codes_unchanged:
             return
         name = "w2_weight" if which == "w2" else "w13_weight"
@@ -412,8 +413,8 @@ class FusedExperts(nn.Module):
             self._mx_pending[(row, which)] = scales
 
     def _mxfp4_codes(self, what: str, row: int, which: str, scales: Mxfp4Scales) -> None:
-        codes = self._codes_of(row, which)
-        codes.copy_(mxfp4_codes_to_nvfp4(codes, scales, what))
+        codes = self._codes_of(row, which)  # on the parameters' device; the scales on the CPU
+        codes.copy_(mxfp4_codes_to_nvfp4(codes.cpu(), scales, what))
 
     def _store(
         self, what: str, kind: str, param: nn.Parameter, loaded: torch.Tensor, row: int, which: str
