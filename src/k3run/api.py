@@ -18,7 +18,7 @@ from k3run.models.kimi import KimiForCausalLM
 from k3run.quant.compressed_tensors import CompressedTensorsConfig
 from k3run.quant.modelopt import load_quant_config
 from k3run.quant.schemes import enable_nvfp4_fp8_blocks
-from k3run.safetensors_io import read_checkpoint_headers
+from k3run.safetensors_io import TensorInfo, read_checkpoint_headers
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,11 @@ def load_model(
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     hf = json.loads(cfg_path.read_text())
     cfg = ModelConfig.from_hf(hf)
-    qcfg = load_quant_config(path)
+    tensors = read_checkpoint_headers(path)  # once: ~15 s at K3's ~1M tensors on a 2-core machine
+    qcfg = load_quant_config(path, tensors=tensors)
     # the headers against the config and the quant schemes, before the model is built (k3run.checks);
     # the scale values and the weights are checked by load_checkpoint
-    check_headers(path, hf=hf, cfg=cfg)
+    check_headers(path, hf=hf, cfg=cfg, tensors=tensors)
     if tp_size > 1 and not torch.distributed.is_initialized():
         raise ValueError(
             f"load_model: tp_size={tp_size} needs an initialised torch.distributed process group "
@@ -85,8 +86,8 @@ def load_model(
         log.info("%s", qcfg.summary())
         for note in qcfg.notes():
             log.info("%s", note)
-    load_checkpoint(model, path, model.checkpoint_mapping, tp=tp, progress=progress)
-    _log_held_dtypes(model, path, dtype)
+    load_checkpoint(model, path, model.checkpoint_mapping, tp=tp, progress=progress, infos=tensors)
+    _log_held_dtypes(model, tensors, dtype)
     if nvfp4_as_fp8:
         converted = enable_nvfp4_fp8_blocks(model)
         log.info("nvfp4_as_fp8: %d NVFP4 linear layers also hold FP8 128x128 blocks", len(converted))
@@ -95,10 +96,10 @@ def load_model(
     return model.eval()
 
 
-def _log_held_dtypes(model: KimiForCausalLM, path: Path, dtype: torch.dtype) -> None:
+def _log_held_dtypes(model: KimiForCausalLM, tensors: dict[str, TensorInfo], dtype: torch.dtype) -> None:
     """Say which checkpoint tensors are held in a dtype other than the model's (e.g. K3's F32 o_norm, A_log,
     conv weights: fp32) and warn about any that loading rounded."""
-    groups = model.held_dtypes(read_checkpoint_headers(path))
+    groups = model.held_dtypes(tensors)
     for g in groups:
         if g.rounded:
             log.warning("checkpoint tensors rounded at load: %s", g.describe())

@@ -809,21 +809,25 @@ def validate_checkpoint(
     tensors = read_checkpoint_headers(model_dir)
     problems = header_problems(model_dir, hf=hf, cfg=cfg, tensors=tensors)
     if not problems:  # otherwise the loader would repeat them in its own terms, or the model not build
-        problems += _dry_run(model_dir, cfg)
+        problems += _dry_run(model_dir, cfg, tensors)
     if values:
         problems += scale_value_problems(tensors, block_scales=True, stats=stats)
     return problems
 
 
-def _dry_run(model_dir: Path, cfg: ModelConfig) -> list[Problem]:
+def _dry_run(
+    model_dir: Path, cfg: ModelConfig, tensors: dict[str, TensorInfo] | None = None
+) -> list[Problem]:
     from k3run.loader import load_checkpoint
     from k3run.models.kimi import KimiForCausalLM
     from k3run.quant.modelopt import load_quant_config
 
     try:
         with torch.device("meta"):
-            model = KimiForCausalLM(cfg, qcfg=load_quant_config(model_dir))
-        load_checkpoint(model, model_dir, model.checkpoint_mapping, progress=False, dry_run=True)
+            model = KimiForCausalLM(cfg, qcfg=load_quant_config(model_dir, tensors=tensors))
+        load_checkpoint(
+            model, model_dir, model.checkpoint_mapping, progress=False, dry_run=True, infos=tensors
+        )
     except CheckpointInvalid as e:
         return e.problems
     except ValueError as e:  # the model cannot be built, or the loader refused (LoadError)

@@ -24,14 +24,17 @@ import itertools
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from k3run.distributed import NO_TP, TPInfo
+
+if TYPE_CHECKING:
+    from k3run.safetensors_io import TensorInfo
 
 # A rank that keeps some columns of a tensor reads each row's wanted bytes with its own positioned read
 # when that run is at least _MIN_RUN_BYTES; shorter runs are cheaper to read as whole rows, in chunks of
@@ -303,6 +306,7 @@ def load_checkpoint(
     progress: bool = True,
     ignore_unfilled: Iterable[str] = (),
     dry_run: bool = False,
+    infos: Mapping[str, TensorInfo] | None = None,
 ) -> LoadStats:
     """Stream the checkpoint at `path` (a .safetensors file, or a directory with or without an index) into
     `model`, check values and completeness, then run every module's `process_after_loading`.
@@ -311,14 +315,16 @@ def load_checkpoint(
     (exact names) may stay unfilled (e.g. computed buffers registered as parameters). Only rank 0 shows a
     progress bar. dry_run: `model` lives on the meta device; no data is read (1-element tensors are given to
     the loaders as ones), values are not checked and nothing is post-processed; every per-tensor loader
-    error is collected and raised together as checks.CheckpointInvalid.
+    error is collected and raised together as checks.CheckpointInvalid. infos: the checkpoint's headers, when
+    the caller has read them already (at ~1M tensors a read takes seconds).
     """
     from tqdm import tqdm
 
     from k3run.checks import CheckpointInvalid, Problem, scale_value_problems
     from k3run.safetensors_io import read_checkpoint_headers
 
-    infos = read_checkpoint_headers(path)
+    if infos is None:
+        infos = read_checkpoint_headers(path)
     params = dict(model.named_parameters())
     errors: list[str] = []
 

@@ -323,13 +323,15 @@ class CompressedTensorsConfig:
 
 
 def load_compressed_tensors(
-    qc: Mapping[str, Any], source: str, model_dir: Path | None
+    qc: Mapping[str, Any], source: str, model_dir: Path | None, tensors: Mapping[str, Any] | None = None
 ) -> CompressedTensorsConfig:
-    """Parse `qc`, with the stored kind of every module from the checkpoint's headers when the directory is
-    known (module doc: the "Linear" target)."""
+    """Parse `qc`, with the stored kind of every module from the checkpoint's headers (`tensors`, or read
+    from `model_dir`) when they are known (module doc: the "Linear" target)."""
     stored = None
-    if model_dir is not None:
+    if tensors is None and model_dir is not None:
         from k3run.safetensors_io import read_checkpoint_headers
 
-        stored = stored_modules(read_checkpoint_headers(model_dir))
+        tensors = read_checkpoint_headers(model_dir)
+    if tensors is not None:
+        stored = stored_modules(tensors)
     return parse_compressed_tensors(qc, source=source, stored=stored)

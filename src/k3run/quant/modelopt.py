@@ -470,7 +470,9 @@ def _method(qc: object) -> object:
     return qc.get("quant_method") if isinstance(qc, Mapping) else qc
 
 
-def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig | None:
+def load_quant_config(
+    source: str | Path | Mapping[str, Any], *, tensors: Mapping[str, Any] | None = None
+) -> ModelOptConfig | None:
     """The ModelOpt config of a checkpoint directory (or of a parsed config.json dict); None if unquantized.
 
     Looks at config.json `quantization_config`, then `text_config.quantization_config`, then
@@ -478,7 +480,8 @@ def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig 
     is an error. A modelopt_mixed quantization_config without quantized_layers defers to hf_quant_config.json,
     as vLLM does. quant_method "compressed-tensors" (moonshotai/Kimi-K3's MXFP4 experts) returns a
     quant/compressed_tensors.py `CompressedTensorsConfig`, which resolves layers the same way. Any other
-    quant_method is an error rather than "unquantized".
+    quant_method is an error rather than "unquantized". tensors: the checkpoint's safetensors headers, when
+    the caller has read them already (compressed-tensors needs them, and reads them otherwise).
     """
     if isinstance(source, Mapping):
         model_dir, hf_config, where = None, dict(source), "config"
@@ -504,7 +507,7 @@ def load_quant_config(source: str | Path | Mapping[str, Any]) -> ModelOptConfig 
         if qc.get("quant_method") == "compressed-tensors":
             from k3run.quant.compressed_tensors import load_compressed_tensors
 
-            return load_compressed_tensors(qc, f"{where}: {key}", model_dir)  # type: ignore[return-value]
+            return load_compressed_tensors(qc, f"{where}: {key}", model_dir, tensors)  # type: ignore[return-value]
         if _is_mixed_without_layers(qc):
             if model_dir is None:
                 raise ValueError(

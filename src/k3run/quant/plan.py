@@ -386,9 +386,9 @@ def build_quant_plan(
     the plan (k3run.checks lists them all).
     """
     model_dir = Path(model_dir)
-    qc = load_quant_config(model_dir)
     if tensors is None:
         tensors = read_checkpoint_headers(model_dir)
+    qc = load_quant_config(model_dir, tensors=tensors)
     device_name = str(torch.device(device))
     prefixes = sorted(
         {
