@@ -19,6 +19,23 @@ def rel_rms_error(ref: torch.Tensor, out: torch.Tensor) -> float:
     return num / den
 
 
+def _same_nonfinite(name: str, ref: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as fp32 on the CPU, after checking the shapes and that the NaN positions and the Inf positions
+    and signs agree exactly (an unwritten, NaN-poisoned output fails here)."""
+    if ref.shape != out.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    ref32 = ref.detach().float().cpu()
+    out32 = out.detach().float().cpu()
+    nan_r, nan_o = torch.isnan(ref32), torch.isnan(out32)
+    if not torch.equal(nan_r, nan_o):
+        bad = (nan_r != nan_o).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: NaN positions differ (first at {bad}); an unwritten output is NaN")
+    inf_r, inf_o = torch.isinf(ref32), torch.isinf(out32)
+    if not torch.equal(inf_r, inf_o) or not torch.equal(ref32[inf_r], out32[inf_o]):
+        raise AssertionError(f"{name}: Inf positions or signs differ")
+    return ref32, out32
+
+
 FP32_U = 2.0**-24  # fp32 unit roundoff: one round-to-nearest moves a value by at most this fraction of it
 
 
@@ -37,16 +54,8 @@ def assert_within(name: str, ref: torch.Tensor, out: torch.Tensor, bound: torch.
     `bound` is a derived error bound (e.g. counted fp32 roundings times the magnitudes they act on),
     broadcastable to `ref`; the message names the worst element and its ratio to its bound.
     """
-    if ref.shape != out.shape:
-        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
-    ref32, out32 = ref.detach().float().cpu(), out.detach().float().cpu()
-    if not torch.equal(torch.isnan(ref32), torch.isnan(out32)):
-        raise AssertionError(f"{name}: NaN positions differ; an unwritten output is NaN")
+    ref32, out32 = _same_nonfinite(name, ref, out)
     finite = torch.isfinite(ref32)
-    if not torch.equal(torch.isinf(ref32), torch.isinf(out32)) or not torch.equal(
-        ref32[~finite & ~torch.isnan(ref32)], out32[~finite & ~torch.isnan(ref32)]
-    ):
-        raise AssertionError(f"{name}: Inf positions or signs differ")
     b = torch.broadcast_to(bound.detach().float().cpu(), ref32.shape)
     diff = torch.where(finite, (out32 - ref32).abs(), torch.zeros_like(ref32))
     over = diff > b
@@ -81,17 +90,7 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, rtol: float, a
     `atol`, or the relative RMS error over the finite elements is below `rtol`. The caller states why the
     tolerance fits the dtype (e.g. bf16 has 8 mantissa bits: one rounding is <= 2^-9 relative).
     """
-    if ref.shape != out.shape:
-        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
-    ref32 = ref.detach().float().cpu()
-    out32 = out.detach().float().cpu()
-    nan_r, nan_o = torch.isnan(ref32), torch.isnan(out32)
-    if not torch.equal(nan_r, nan_o):
-        bad = (nan_r != nan_o).nonzero()[:5].tolist()
-        raise AssertionError(f"{name}: NaN positions differ (first at {bad}); an unwritten output is NaN")
-    inf_r, inf_o = torch.isinf(ref32), torch.isinf(out32)
-    if not torch.equal(inf_r, inf_o) or not torch.equal(ref32[inf_r], out32[inf_o]):
-        raise AssertionError(f"{name}: Inf positions or signs differ")
+    ref32, out32 = _same_nonfinite(name, ref, out)
     finite = torch.isfinite(ref32)
     r, o = ref32[finite], out32[finite]
     if r.numel() == 0:
