@@ -203,10 +203,14 @@ class AsyncEngine:
                     return
             except Exception as e:  # the engine thread must outlive any one request's failure
                 log.exception("k3run serve: engine loop error")
-                self._step_started = None
-                for req in list(self._live.values()):
-                    self._deliver(req, ServeError(500, f"engine error: {e}", kind="server_error"))
-                    self._aborts.append(req.key)
+                self._fail_in_flight(f"engine error: {e}")
+
+    def _fail_in_flight(self, message: str) -> None:
+        """A 500 to every request the engine holds; each is aborted through the next command, so every
+        tensor-parallel rank drops it."""
+        for req in list(self._live.values()):
+            self._deliver(req, ServeError(500, message, kind="server_error"))
+            self._aborts.append(req.key)
 
     def _iteration(self) -> bool:
         """Take new requests and aborts, then one engine step (or a short wait when idle). True: stopped."""
@@ -245,9 +249,7 @@ class AsyncEngine:
             log.exception("model step failed")
             if self.metrics is not None:
                 self.metrics.step_failures.inc()
-            for req in list(self._live.values()):
-                self._deliver(req, ServeError(500, f"model step failed: {e}", kind="server_error"))
-                self._aborts.append(req.key)  # through the next command, so every rank drops it
+            self._fail_in_flight(f"model step failed: {e}")
             return False
         finally:
             self._step_started = None
