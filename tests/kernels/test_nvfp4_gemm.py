@@ -249,13 +249,13 @@ def test_choose_config_covers_decode_and_prefill():
         cfg = choose_config(m, n, 7168)
         got = (cfg.gemv, cfg.num_warps, cfg.block_k, cfg.split_k, cfg.smem_stages, cfg.maxnreg)
         assert got == (True, 1, 128, split_k, 2, maxnreg), (m, n, got)
-    # 33..64 rows: two launches of the 32-row tile on large matrices, dequantize + cuBLAS on small ones
+    # 33..64 rows: two launches of the 32-row tile on large matrices, the tile GEMM on small ones
     for m, n, k, split_k in [(33, 7168, 7168, 2), (64, 12288, 7168, 2), (64, 3072, 12288, 4)]:
         cfg = choose_config(m, n, k)
         assert (cfg.gemv, cfg.split_k, cfg.smem_stages) == (True, split_k, 2), (m, n, k, cfg)
-    assert choose_config(64, 3072, 3584).dequant_mm and not choose_config(64, 3072, 3584).gemv
-    assert choose_config(65, 7168, 7168).dequant_mm
-    assert choose_config(4096, 7168, 7168).dequant_mm
+    assert choose_config(64, 3072, 3584).tile and not choose_config(64, 3072, 3584).gemv
+    assert choose_config(65, 7168, 7168).tile
+    assert choose_config(4096, 7168, 7168).tile
 
 
 def test_one_wave_split_keeps_every_program_resident():
@@ -527,6 +527,36 @@ def test_tiled_word_decoder_emulated_on_every_byte(kind: str):
                 torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16).view(dt)
             )
             codes = torch.tensor(b, dtype=torch.uint8)
+            lo, hi = e2m1_decode(codes & 0xF) * s_lo * unit, e2m1_decode(codes >> 4) * s_hi * unit
+            assert torch.equal(halves[:2].reshape(4).float(), lo), (kind, b, s_lo)
+            assert torch.equal(halves[2:].reshape(4).float(), hi), (kind, b, s_hi)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_tile_gemm_word_decoder_emulated(kind: str):
+    """The tile GEMM's decoder (tile.word_asm: the raw E4M3 scale pair converted in the block, then the tiled
+    word decoder) gives e2m1 * s * 2^-7 exactly for every byte value in every position of the word, over
+    scale pairs from the smallest subnormal E4M3 to 448."""
+    pytest.importorskip("k3run.kernels.nvfp4_gemm.gluon_gemv")
+    from k3run.formats import e2m1_decode
+    from k3run.kernels.nvfp4_gemm import tiled_word
+    from k3run.kernels.nvfp4_gemm.tile import SHIFT_OUT_SCALE, word_asm
+
+    dt = torch.bfloat16 if kind == "bf16" else torch.float16
+    asm = word_asm(kind)
+    for s_lo_bits, s_hi_bits in [(0x01, 0x7E), (0x30, 0x38), (0x7E, 0x08), (0x45, 0x45)]:
+        s_lo, s_hi = (
+            torch.tensor([s_lo_bits, s_hi_bits], dtype=torch.uint8).view(torch.float8_e4m3fn).tolist()
+        )
+        for word in range(256):
+            b = [(word + 37 * i) % 256 for i in range(4)]
+            regs = _emulate_ptx(asm, {"$4": tiled_word(b), "$5": s_lo_bits | s_hi_bits << 8})
+            out = [regs[f"${i}"] for i in range(4)]
+            halves = (
+                torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16).view(dt)
+            )
+            codes = torch.tensor(b, dtype=torch.uint8)
+            unit = 1.0 / SHIFT_OUT_SCALE
             lo, hi = e2m1_decode(codes & 0xF) * s_lo * unit, e2m1_decode(codes >> 4) * s_hi * unit
             assert torch.equal(halves[:2].reshape(4).float(), lo), (kind, b, s_lo)
             assert torch.equal(halves[2:].reshape(4).float(), hi), (kind, b, s_hi)

@@ -191,6 +191,9 @@ BY_EXPERT_MAX_TOKENS = 128
 # the expert-major token tile: 8 up to 8 tokens, 16 up to BY_EXPERT_T32_FROM - 1, then 32 (an expert picked c
 # times runs ceil(c / tile) tiles). K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons).
 BY_EXPERT_T32_FROM = 1 << 30
+# tokens from which the grouped experts run on the tile GEMM (tile.nvfp4_tile_gemm_grouped: tensor cores,
+# blocks of up to `moe_tile_bm` picks per expert); below, the decode launches
+TILE_FROM_TOKENS = BY_EXPERT_MAX_TOKENS + 1
 # CPU NVFP4 experts on the reference path (below the compiled / SIMD paths' size) keep their decoded fp32
 # weights when all of a layer's local experts take at most this much (the same values, decoded once)
 CPU_REFERENCE_CACHE_BYTES = 64 << 20
@@ -303,16 +306,15 @@ class FusedExperts(nn.Module):
         self._expected += [(name, e, w) for e in experts for w in shards]
 
     def grouped_ok(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
-        """Whether fused_experts takes the grouped decode launches: NVFP4 experts repacked for the cp.async
-        kernel (tiled128, CUDA), a 16-bit input, and at most GROUPED_MAX_PICKS picks (each pick reads its
-        expert's weights; beyond that the per-expert loop reads each hit expert once for all its tokens)."""
+        """Whether fused_experts takes the grouped launches (`_fused_experts_grouped`, any token count): NVFP4
+        experts repacked to tiled128 (CUDA, the layout both the decode and the tile kernels read) and a
+        16-bit input."""
         return (
             self.algo == QuantAlgo.NVFP4
             and bool(self.nvfp4_kernels)
             and self._tiled
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
-            and (ids.numel() <= GROUPED_MAX_PICKS or _by_expert(ids.shape[0]))
         )
 
     def is_local(self, expert_id: int) -> bool:
@@ -798,8 +800,11 @@ def _fused_experts_grouped(
     expert-major (`expert_groups` + `nvfp4_gemv_by_expert`: one program group per picked expert over all
     its tokens), otherwise one program group per pick (`nvfp4_gemv_grouped`; at equal split_k the two give
     the same bits).
+    From TILE_FROM_TOKENS tokens (prefill) both GEMMs run on the tile GEMM instead (`_fused_experts_tile`).
     No host synchronisation, so a decode step can be captured in a CUDA graph. Sum over a token's picks in
     slot order, fp32."""
+    if ids.shape[0] >= TILE_FROM_TOKENS or (ids.numel() > GROUPED_MAX_PICKS and not _by_expert(ids.shape[0])):
+        return _fused_experts_tile(experts, x, ids, weights)
     from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
     from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
     from k3run.kernels.nvfp4_gemm.groups import expert_groups
@@ -834,6 +839,45 @@ def _fused_experts_grouped(
     else:
         split2, reg2 = one_wave_split(1, d * t * a, i, sms)
         y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
+    return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
+
+
+def moe_tile_bm(picks: int, experts: int) -> int:
+    """The tile GEMM's picks per block: the power of two from 16 to 64 nearest above the mean picks per hit
+    expert (a block pads an expert's last picks to bm rows), 64 at most (one wgmma warpgroup's M)."""
+    mean = picks / max(1, min(picks, experts))
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def _fused_experts_tile(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The grouped experts on the tile GEMM: the picks grouped by expert into blocks on the device
+    (`expert_blocks`), GEMM1 over every block (gate and up rows with their own decode scales), the
+    activation, GEMM2, and the fp32 sum over each token's picks in slot order (as the decode launches)."""
+    from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm_grouped
+
+    assert experts._kernel_scales is not None
+    gs13, gs2 = experts._kernel_scales
+    t, a = ids.shape
+    d, i = experts.hidden_size, experts.intermediate_size
+    picks = t * a
+    local = (ids.reshape(-1) - experts.first).to(torch.int32)
+    grp = expert_blocks(local, experts.num_local, moe_tile_bm(picks, experts.num_local))
+    x = x.contiguous()
+    s13, s2 = experts.w13_weight_scale.view(torch.uint8), experts.w2_weight_scale.view(torch.uint8)
+    # rows of picks in no block (another rank's experts) are never written: GEMM2's must read as zeros
+    gu = torch.empty(picks, 2 * i, dtype=x.dtype, device=x.device)
+    gu = nvfp4_tile_gemm_grouped(x, experts.w13_weight, s13, gs13, grp, picks=picks, x_div=a, k=d, out=gu)
+    if experts.activation.kind == "silu":
+        h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+    else:
+        h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
+    everything_local = experts.num_local == experts.num_experts
+    y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
+    y = nvfp4_tile_gemm_grouped(
+        h.to(x.dtype), experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y
+    )
     return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
 
 

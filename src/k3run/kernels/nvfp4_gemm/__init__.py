@@ -191,6 +191,7 @@ class GemmConfig:
     K tiles of loads in flight per warp; smem_stages >= 2 stages the weights through shared memory by
     cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
+    tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
     """
 
     block_m: int = 16
@@ -207,6 +208,7 @@ class GemmConfig:
     depth: int = 2
     smem_stages: int = 0
     maxnreg: int | None = None
+    tile: bool = False
 
 
 def prepare_nvfp4_weight(
@@ -312,6 +314,8 @@ TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num
 GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
 GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
+# rows from which choose_config takes the tile GEMM over dequantize + cuBLAS (not yet measured)
+TILE_MIN_M = 17
 
 
 def programs_per_sm(regs: int) -> int:
@@ -368,8 +372,8 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
       M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
     - M = 17..32: 2 (N > 4096) or 4 (run 15: the best or within 3% of the best of 2/4/8 on the K3 shapes).
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
-    Larger M, and 33..64 on smaller matrices: dequantize to bf16 + cuBLAS (the Triton kernel stays available
-    through an explicit GemmConfig).
+    Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM from TILE_MIN_M rows, below it
+    dequantize to bf16 + cuBLAS (the split128 Triton kernel stays available through an explicit GemmConfig).
     """
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
         maxnreg = None
@@ -380,6 +384,8 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
         return GemmConfig(
             gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2, maxnreg=maxnreg
         )
+    if m >= TILE_MIN_M:
+        return GemmConfig(tile=True)
     return GemmConfig(dequant_mm=True)
 
 
@@ -449,9 +455,12 @@ def nvfp4_linear(
         x2 = x2.contiguous()
     tiled = w.layout == "tiled128"
     cfg = config or choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
-    if tiled and not (cfg.dequant_mm or (cfg.gemv and cfg.smem_stages)):
+    if cfg.tile and not (tiled and x2.dtype in (torch.bfloat16, torch.float16)):
+        cfg = GemmConfig(dequant_mm=True)
+    if tiled and not (cfg.dequant_mm or cfg.tile or (cfg.gemv and cfg.smem_stages)):
         raise ValueError(
-            "nvfp4 linear: a tiled128 weight runs the cp.async decode kernel or dequantize + cuBLAS, not "
+            "nvfp4 linear: a tiled128 weight runs the cp.async decode kernel, the tile GEMM or dequantize + "
+            "cuBLAS, not "
             f"{cfg}; prepare the weight with layout='split128' for the other kernels"
         )
     if cfg.gemv and not (
@@ -459,6 +468,10 @@ def nvfp4_linear(
     ):
         cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
     y = None
+    if cfg.tile:
+        from .tile import nvfp4_tile_gemm
+
+        y = nvfp4_tile_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
     if cfg.gemv:
         from triton.compiler.errors import CompilationError
 

@@ -1,0 +1,366 @@
+"""NVFP4 W4A16 tile GEMM on tensor cores for many rows per weight: prefill linears and grouped MoE experts.
+
+y[rows, N] = (x[rows, K] @ (e2m1(W) * s)[N, K]^T) * global_scale, fp32 accumulation, one rounding to x's
+dtype at the end. The weight is read in the tiled128 layout (package __init__: `tile_split128`), the layout
+the decode kernels read, so one copy of each weight serves decode and prefill.
+
+One program computes a BM x BN output tile. Per 128-wide K chunk it loads the chunk's 32-bit words of BN
+rows ([BN, 16] words: 16 rows x 64 bytes per 1 KB block) and one E4M3 scale pair per word, decodes them in
+registers straight to the 16-bit MMA operand (no dequantized weight in memory) and runs two K = 64 dots
+against the chunk's two halves of x (the tiled word holds k = 4w..4w+3 in its low nibbles and k = 64 + 4w..
+in its high ones). Decoders (same values):
+- ASM (bf16/fp16 on sm_89+): the shift decoder of the decode kernel (gluon_gemv.tiled_word_decode_asm):
+  weights come out as e2m1 * s * 2^-7 exactly, and the epilogue multiplies by 2^7 (SHIFT_OUT_SCALE).
+- portable (the interpreter, fp32 inputs): the nibbles rebuilt bit by bit, decoded in fp32.
+e2m1 * s has at most 6 significant bits, so each decoded weight is exact in bf16 and fp16: the roundings are
+the fp32 tensor-core sums and the output cast, as in the decode kernels.
+
+Grouped form (`nvfp4_tile_gemm_grouped`, the routed experts of prefill and large decode batches): the rows
+come from `expert_blocks`' table: each table row names an expert and up to BM pick indices; the program
+gathers x rows pick // x_div, reads that expert's weight and scales, and writes output rows = pick indices.
+The table is built on the device without a host read-back, so the call can sit in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from k3run.kernels.fp8_gemm.triton import grouped_tile
+from k3run.kernels.nvfp4_gemm import TILED_PAIR_BITS
+
+SHIFT_OUT_SCALE = 128.0  # the ASM decoder's weights are e2m1 * s * 2^-7 (gluon_gemv.SHIFT_OUT_SCALE)
+
+_S0 = tl.constexpr(TILED_PAIR_BITS[0][0])
+_M0 = tl.constexpr(TILED_PAIR_BITS[0][1])
+_S1 = tl.constexpr(TILED_PAIR_BITS[1][0])
+_M1 = tl.constexpr(TILED_PAIR_BITS[1][1])
+_S2 = tl.constexpr(TILED_PAIR_BITS[2][0])
+_M2 = tl.constexpr(TILED_PAIR_BITS[2][1])
+_S3 = tl.constexpr(TILED_PAIR_BITS[3][0])
+_M3 = tl.constexpr(TILED_PAIR_BITS[3][1])
+
+
+@functools.cache
+def word_asm(kind: str) -> str:
+    """PTX: one tiled128 word ($4) and its E4M3 scale pair ($5: the low nibbles' scale byte, then the high
+    nibbles', in the low 16 bits) -> the word's 4 output pairs $0..$3 as packed 16-bit floats (kind "bf16"
+    or "fp16"), each e2m1 * s * 2^-7. The scale pair is converted as the decode kernel's scale asm does
+    (cvt.f16x2.e4m3x2; bf16: the f16 bits >> 3 plus the exponent offset)."""
+    from .gluon_gemv import tiled_word_decode_asm
+
+    fix = (
+        "shr.b32 sc, sc, 3;\nadd.u32 sc, sc, 0x73807380;" if kind == "bf16" else "add.u32 sc, sc, 0x1C001C00;"
+    )
+    body = tiled_word_decode_asm(kind).strip()
+    assert body.startswith("{") and body.endswith("}")
+    head = "{\n.reg .b32 sc;\n.reg .b16 slo, shi;\nmov.b32 {slo, shi}, $5;\ncvt.rn.f16x2.e4m3x2 sc, slo;\n"
+    return head + fix + body[1:].replace("$5", "sc") + "\n"
+
+
+@triton.jit
+def _e2m1(nib):
+    """fp32 value of E2M1 codes (int32 nibbles)."""
+    c = nib & 7
+    e = c >> 1
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((nib & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _portable_pair(q, xs, ys, scale):
+    """Both elements of one output pair of words q (int32): (element 0, element 1) in fp32 times scale."""
+    n0 = ((q >> xs) & 1) << 3 | ((q >> ys) & 7)
+    n1 = ((q >> (xs + 16)) & 1) << 3 | ((q >> (ys + 16)) & 7)
+    return _e2m1(n0) * scale, _e2m1(n1) * scale
+
+
+@triton.jit
+def _halves(o, DT: tl.constexpr):
+    """uint32 packed pairs -> (low, high) 16-bit floats of type DT."""
+    lo = (o & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+    hi = (o >> 16).to(tl.uint16).to(DT, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _decode_chunk(q, sp, BN: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """Words q (int32 [BN, 16]) and scale pairs sp (int32 [BN, 16], low byte: the low nibbles' E4M3 scale,
+    next byte: the high nibbles') of one 128-wide chunk -> (w_lo, w_hi) [BN, 64] in DT: k 0..63, 64..127."""
+    if ASM != "":
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm=ASM,
+            constraints="=r,=r,=r,=r,r,r",
+            args=[q, sp],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+        a0, a1 = _halves(o0, DT)
+        b0, b1 = _halves(o1, DT)
+        c0, c1 = _halves(o2, DT)
+        d0, d1 = _halves(o3, DT)
+    else:
+        s_lo = (sp & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_hi = ((sp >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        a0, a1 = _portable_pair(q, _S0, _M0, s_lo)
+        b0, b1 = _portable_pair(q, _S1, _M1, s_lo)
+        c0, c1 = _portable_pair(q, _S2, _M2, s_hi)
+        d0, d1 = _portable_pair(q, _S3, _M3, s_hi)
+        a0, a1, b0, b1 = a0.to(DT), a1.to(DT), b0.to(DT), b1.to(DT)
+        c0, c1, d0, d1 = c0.to(DT), c1.to(DT), d0.to(DT), d1.to(DT)
+    # word w's pairs: (a0, a1) = k 4w, 4w+1; (b0, b1) = 4w+2, 4w+3; c, d: the same at 64 + 4w. Two joins put
+    # them in k order: [.., p, e] -> k = 4w + 2p + e
+    w_lo = tl.reshape(tl.join(tl.join(a0, b0), tl.join(a1, b1)), (BN, 64))
+    w_hi = tl.reshape(tl.join(tl.join(c0, d0), tl.join(c1, d1)), (BN, 64))
+    return w_lo, w_hi
+
+
+@triton.jit
+def _tile_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, grp_ptr,
+    M, N, N_PAD, stride_xm, stride_ym, x_div, w_estride, s_estride, gs_estride,
+    K: tl.constexpr, K_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+    GROUPED: tl.constexpr, PER_COL_GS: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+    OUT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    CH: tl.constexpr = K_PAD // 128
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    offs_r = tl.arange(0, BM)
+    if GROUPED:  # table row pid_m: [expert, BM pick indices (-1 = none)]
+        e = tl.load(grp_ptr + pid_m * (BM + 1))
+        if e < 0:
+            return
+        picks = tl.load(grp_ptr + pid_m * (BM + 1) + 1 + offs_r)
+        mask_m = picks >= 0
+        picks = tl.maximum(picks, 0)
+        x_rows = picks // x_div
+        y_rows = picks
+    else:
+        e = 0
+        y_rows = pid_m * BM + offs_r
+        mask_m = y_rows < M
+        x_rows = tl.where(mask_m, y_rows, 0)
+    e64 = e.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_nl = offs_n < N_PAD  # rows the tiled weight holds (zero rows past N)
+    offs_w = tl.arange(0, 16)
+    rb = (offs_n // 16).to(tl.int64)
+    r16 = offs_n % 16
+    w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + e64 * w_estride
+    w_ptrs = w32 + (rb * CH * 256 + r16 * 16)[:, None] + offs_w[None, :]
+    # word w's scale pair: group g = w // 4 at byte 4 (g % 2) + 2 (g // 2) of the row's 8 (TILED_SCALE_ORDER)
+    g = offs_w // 4
+    s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + e64 * s_estride
+    s_ptrs = s16 + (rb * CH * 64 + r16 * 4)[:, None] + ((g % 2) * 2 + g // 2)[None, :]
+    offs_k = tl.arange(0, 64)
+    x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for c in range(CH):
+        q = tl.load(w_ptrs, mask=mask_nl[:, None], other=0)
+        sp = tl.load(s_ptrs, mask=mask_nl[:, None], other=0).to(tl.int32)
+        if K == K_PAD:
+            x_lo = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None], other=0.0)
+        else:
+            k0 = c * 128
+            x_lo = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None] & (offs_k[None, :] + 64 < K - k0), other=0.0)
+        w_lo, w_hi = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
+        w_ptrs += 256
+        s_ptrs += 64
+        x_ptrs += 128
+    mask_n = offs_n < N
+    gsp = gs_ptr + e64 * gs_estride
+    if PER_COL_GS:
+        acc = acc * (tl.load(gsp + offs_n, mask=mask_n, other=0.0) * OUT_SCALE)[None, :]
+    else:
+        acc = acc * (tl.load(gsp) * OUT_SCALE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + y_rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _asm_for(x: torch.Tensor) -> str:
+    """The ASM decoder where it runs (bf16/fp16 on a CUDA device of sm_89+), else "" (portable)."""
+    if not x.is_cuda or x.dtype == torch.float32 or torch.cuda.get_device_capability(x.device) < (8, 9):
+        return ""
+    return word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16")
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(
+            f"nvfp4 tile gemm input: expected [rows, {k}] with unit stride along K, got {tuple(x.shape)}"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"nvfp4 tile gemm input: expected bf16/fp16/fp32, got {x.dtype}")
+
+
+@functools.cache
+def tile_config(rows: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) for a dense call of `rows` rows. Not yet tuned on a GPU: BM 64 (one
+    wgmma warpgroup M) up to 128 rows, else 128; BN 128."""
+    if rows <= 64:
+        return 64, 128, 4, 3
+    return 128, 128, 8, 3
+
+
+def nvfp4_tile_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    k: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype; W in the tiled128 layout (uint8
+    [N_pad, K_pad/2], scales [N_pad, K_pad/16], N_pad = n rounded up to 16), global_scale fp32 [1] or
+    [N_pad]."""
+    _check_x(x, k)
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    _check_tiled(weight, scale_u8, global_scale, k, n, n_pad, k_pad, "nvfp4 tile gemm")
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    bm, bn, warps, stages = config or tile_config(m, n, k)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    asm = _asm_for(x)
+    _tile_gemm_kernel[grid](
+        x, weight, scale_u8, global_scale, bias if bias is not None else global_scale, y, global_scale,
+        m, n, n_pad, x.stride(0), y.stride(0), 1, 0, 0, 0,
+        K=k, K_PAD=k_pad, BM=bm, BN=bn, GROUP_M=8, GROUPED=False, PER_COL_GS=global_scale.numel() != 1,
+        HAS_BIAS=bias is not None, ASM=asm, OUT_SCALE=SHIFT_OUT_SCALE if asm else 1.0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def _check_tiled(
+    weight: torch.Tensor, scale_u8: torch.Tensor, gs: torch.Tensor, k: int, n: int, n_pad: int, k_pad: int,
+    what: str, experts: int | None = None,
+) -> None:  # fmt: skip
+    lead = () if experts is None else (experts,)
+    if weight.dtype != torch.uint8 or not weight.is_contiguous() or n_pad % 16 or not n_pad - 16 < n <= n_pad:
+        raise ValueError(
+            f"{what}: weight must be contiguous uint8 {(*lead, 'N_pad', 'K_pad/2')} with N_pad = {n} rounded "
+            f"up to 16, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    if k_pad % 128 or not k_pad - 128 < k <= k_pad or k % 16:
+        raise ValueError(f"{what}: K={k} (a multiple of 16) must round up to the tiled width {k_pad}")
+    want = (*lead, n_pad, k_pad // 16)
+    if scale_u8.dtype != torch.uint8 or tuple(scale_u8.shape) != want or not scale_u8.is_contiguous():
+        raise ValueError(
+            f"{what}: scales must be contiguous uint8 {want}, got {scale_u8.dtype} {tuple(scale_u8.shape)}"
+        )
+    per = gs.shape[-1] if gs.dim() else 1
+    if gs.dtype != torch.float32 or not gs.is_contiguous() or per not in (1, n_pad):
+        raise ValueError(
+            f"{what}: global scale must be contiguous fp32 with 1 or {n_pad} per expert, "
+            f"got {gs.dtype} {tuple(gs.shape)}"
+        )
+
+
+def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
+    """The picks ids [P] (local expert per (token, slot) pick; outside [0, n_experts): another rank's) grouped
+    by expert into blocks of up to bm: the same table as `groups.expert_groups` ([max_groups(P, E, bm),
+    1 + bm] int32: column 0 the expert or -1, then the block's pick indices in increasing order, -1 past its
+    count), built from sorts and scatters that scale to prefill sizes (expert_groups is one program, for
+    decode batches). No host read-back."""
+    from .groups import max_groups
+
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_blocks: ids must be int32/int64 [P], got {ids.dtype} {tuple(ids.shape)}")
+    if bm < 1 or n_experts < 1:
+        raise ValueError(f"expert_blocks: bm={bm}, n_experts={n_experts}; both must be >= 1")
+    p, e, dev = ids.shape[0], n_experts, ids.device
+    blocks = max_groups(p, e, bm)
+    width = bm + 1
+    grp = torch.full((blocks * width + 1,), -1, dtype=torch.int32, device=dev)  # + 1: where misses land
+    if p == 0:
+        return grp[:-1].view(blocks, width)
+    ids = ids.long()
+    bucket = torch.where((ids >= 0) & (ids < e), ids, e)
+    counts = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:e]
+    order = torch.argsort(bucket, stable=True)
+    sb = bucket[order]
+    per = (counts + bm - 1) // bm
+    last_block = torch.cumsum(per, 0)
+    first_block = last_block - per
+    first_pick = torch.cumsum(counts, 0) - counts
+    se = sb.clamp(max=e - 1)
+    rank = torch.arange(p, device=dev) - first_pick[se]
+    slot = (first_block[se] + rank // bm) * width + 1 + rank % bm
+    grp.scatter_(0, torch.where(sb < e, slot, blocks * width), order.to(torch.int32))
+    owner = torch.searchsorted(last_block, torch.arange(blocks, device=dev), right=True)
+    grp[: blocks * width].view(blocks, width)[:, 0] = torch.where(owner < e, owner, -1).to(torch.int32)
+    return grp[:-1].view(blocks, width)
+
+
+def nvfp4_tile_gemm_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    grp: torch.Tensor,
+    *,
+    picks: int,
+    x_div: int,
+    k: int,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Grouped experts: out [picks, N] row p = x[p // x_div] @ W[e]^T * global_scale[e] for every pick p in
+    grp (expert_blocks with bm = the table width - 1), in x's dtype; rows of picks in no block are left as
+    `out` had them (zeros when out is None). weight [E, N, K_pad/2] / scale_u8 [E, N, K_pad/16] tiled128 per
+    expert (N a multiple of 16), global_scale fp32 [E, 1] or [E, N]. config: (BN, num_warps, num_stages)."""
+    _check_x(x, k)
+    if weight.dim() != 3:
+        raise ValueError(
+            f"nvfp4 grouped tile gemm: weight must be [E, N, K_pad/2], got {tuple(weight.shape)}"
+        )
+    ne, n, k_pad = weight.shape[0], weight.shape[1], weight.shape[2] * 2
+    _check_tiled(weight, scale_u8, global_scale, k, n, n, k_pad, "nvfp4 grouped tile gemm", ne)
+    if global_scale.dim() != 2 or global_scale.shape[0] != ne:
+        raise ValueError(
+            f"nvfp4 grouped tile gemm: global scale must be [{ne}, 1 or {n}], got {tuple(global_scale.shape)}"
+        )
+    if grp.dtype != torch.int32 or grp.dim() != 2 or not grp.is_contiguous():
+        raise ValueError(
+            "nvfp4 grouped tile gemm: grp must be a contiguous int32 table, "
+            f"got {grp.dtype} {tuple(grp.shape)}"
+        )
+    bm = grp.shape[1] - 1
+    if out is None:
+        out = torch.zeros((picks, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (picks, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"nvfp4 grouped tile gemm: out must be {x.dtype} [{picks}, {n}], "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    if picks == 0 or grp.shape[0] == 0:
+        return out
+    bn, warps, stages = config or (128, 4, 3)
+    grid = (grp.shape[0] * triton.cdiv(n, bn),)
+    asm = _asm_for(x)
+    _tile_gemm_kernel[grid](
+        x, weight, scale_u8, global_scale, global_scale, out, grp,
+        grp.shape[0] * bm, n, n, x.stride(0), out.stride(0), x_div, n * k_pad // 8, n * k_pad // 32,
+        global_scale.shape[1],
+        K=k, K_PAD=k_pad, BM=bm, BN=bn, GROUP_M=8, GROUPED=True, PER_COL_GS=global_scale.shape[1] != 1,
+        HAS_BIAS=False, ASM=asm, OUT_SCALE=SHIFT_OUT_SCALE if asm else 1.0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
