@@ -40,8 +40,9 @@ from k3run.testing import rel_rms_error  # noqa: E402
 H200_BF16_DENSE_TFLOPS = 989.0  # the datasheet's dense bf16 tensor-core peak (H100/H200 SXM)
 DENSE_SHAPES = [(7168, 7168), (12288, 7168), (7168, 12288), (4096, 2304), (2304, 4096)]
 DENSE_MS = [16, 32, 64, 128, 256, 1024, 4096]
-TILE_CONFIGS = [(64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4),
-                (64, 64, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4)]  # fmt: skip
+# (BM rows of x, BN weight rows, num_warps, num_stages): BN is the wgmma M (64 per warpgroup)
+TILE_CONFIGS = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (64, 64, 4, 4),
+                (128, 64, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4)]  # fmt: skip
 ROWS: list[dict] = []
 
 

@@ -13,6 +13,8 @@ The `interp_` tests run the portable decoder under the Triton interpreter in a c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -159,3 +161,53 @@ def test_gpu_dense(poison_empty, m: int, dtype: torch.dtype) -> None:
 )
 def test_gpu_grouped(t: int, a: int, e: int, bm: int, skew: str) -> None:
     _grouped_case(t, a, e, 256, 384, bm, torch.bfloat16, "cuda", skew)
+
+
+def _compile_sm90(bm: int, bn: int, warps: int, stages: int, k: int, grouped: bool, dtype: str):
+    """The tile kernel compiled for sm_90 on this machine's Triton (no GPU needed)."""
+    import inspect
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3run.kernels.nvfp4_gemm import tile
+
+    kern = tile._tile_gemm_kernel
+    consts = dict(
+        K=k, K_PAD=-(-k // 128) * 128, BM=bm, BN=bn, GROUP_M=8, GROUPED=grouped, PER_COL_GS=grouped,
+        HAS_BIAS=not grouped, ASM=tile.word_asm(dtype), OUT_SCALE=tile.SHIFT_OUT_SCALE, DOT_PRECISION="tf32",
+    )  # fmt: skip
+    ptrs = dict(
+        x_ptr=f"*{dtype}", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
+        grp_ptr="*i32", M="i32", N="i32", N_PAD="i32", stride_xm="i32", stride_ym="i32", x_div="i32",
+        w_estride="i64", s_estride="i64", gs_estride="i32",
+    )  # fmt: skip
+    order = list(inspect.signature(kern.fn).parameters)
+    sig = {name: ("constexpr" if name in consts else ptrs[name]) for name in order}
+    # what the runtime specialises for torch tensors: 16-byte aligned pointers and strides
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(order) if name.endswith("_ptr")}
+    attrs.update({(order.index(s),): [["tt.divisibility", 16]] for s in ("stride_xm", "stride_ym")})
+    src = ASTSource(kern, sig, {(order.index(c),): v for c, v in consts.items()}, attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, grouped, dtype",
+    [(4096, 7168, 7168, False, "bf16"), (256, 12288, 7168, False, "fp16"), (64, 2048, 2304, True, "bf16")],
+)
+def test_launches_compile_for_sm90_on_wgmma(rows: int, n: int, k: int, grouped: bool, dtype: str) -> None:
+    """The default launches build for sm_90 with this machine's Triton and issue wgmma with the decoded
+    weights as the register operand (a decoded tile as the shared-memory operand broke Triton 3.6's
+    dot-operand pass)."""
+    from k3run.kernels.nvfp4_gemm.tile import DEFAULT_GROUPED_CONFIG, tile_config
+
+    if grouped:
+        bm, (bn, warps, stages) = 64, DEFAULT_GROUPED_CONFIG
+    else:
+        bm, bn, warps, stages = tile_config(rows, n, k)
+    ptx = _compile_sm90(bm, bn, warps, stages, k, grouped, dtype).asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(bf16|f16)\.(bf16|f16) +\{", ptx)

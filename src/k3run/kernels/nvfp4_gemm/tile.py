@@ -159,7 +159,10 @@ def _tile_gemm_kernel(
     s_ptrs = s16 + (rb * CH * 64 + r16 * 4)[:, None] + ((g % 2) * 2 + g // 2)[None, :]
     offs_k = tl.arange(0, 64)
     x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # y^T = W x^T: the decoded weight tile is the register (A) operand of the MMA (wgmma on sm_90, whose M is
+    # the weight rows: BN a multiple of 64 there), x^T the shared-memory (B) operand, so BM can be as small
+    # as an expert's share of a prefill's picks
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(CH):
         q = tl.load(w_ptrs, mask=mask_nl[:, None], other=0)
         sp = tl.load(s_ptrs, mask=mask_nl[:, None], other=0).to(tl.int32)
@@ -171,21 +174,21 @@ def _tile_gemm_kernel(
             x_lo = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
             x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None] & (offs_k[None, :] + 64 < K - k0), other=0.0)
         w_lo, w_hi = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w_lo, tl.trans(x_lo), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w_hi, tl.trans(x_hi), acc, input_precision=DOT_PRECISION)
         w_ptrs += 256
         s_ptrs += 64
         x_ptrs += 128
     mask_n = offs_n < N
     gsp = gs_ptr + e64 * gs_estride
     if PER_COL_GS:
-        acc = acc * (tl.load(gsp + offs_n, mask=mask_n, other=0.0) * OUT_SCALE)[None, :]
+        acc = acc * (tl.load(gsp + offs_n, mask=mask_n, other=0.0) * OUT_SCALE)[:, None]
     else:
         acc = acc * (tl.load(gsp) * OUT_SCALE)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + y_rows.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + y_rows.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 def _asm_for(x: torch.Tensor) -> str:
@@ -206,8 +209,8 @@ def _check_x(x: torch.Tensor, k: int) -> None:
 
 @functools.cache
 def tile_config(rows: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for a dense call of `rows` rows. Not yet tuned on a GPU: BM 64 (one
-    wgmma warpgroup M) up to 128 rows, else 128; BN 128."""
+    """(BM rows of x, BN weight rows, num_warps, num_stages) for a dense call of `rows` rows. Not yet tuned
+    on a GPU."""
     if rows <= 64:
         return 64, 128, 4, 3
     return 128, 128, 8, 3
@@ -270,6 +273,13 @@ def _check_tiled(
             f"{what}: global scale must be contiguous fp32 with 1 or {n_pad} per expert, "
             f"got {gs.dtype} {tuple(gs.shape)}"
         )
+
+
+DEFAULT_GROUPED_CONFIG = (
+    128,
+    4,
+    3,
+)  # (BN weight rows, num_warps, num_stages) of the grouped launch; not yet tuned
 
 
 def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
@@ -352,7 +362,7 @@ def nvfp4_tile_gemm_grouped(
         )
     if picks == 0 or grp.shape[0] == 0:
         return out
-    bn, warps, stages = config or (128, 4, 3)
+    bn, warps, stages = config or DEFAULT_GROUPED_CONFIG
     grid = (grp.shape[0] * triton.cdiv(n, bn),)
     asm = _asm_for(x)
     _tile_gemm_kernel[grid](
