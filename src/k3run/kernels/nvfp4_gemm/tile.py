@@ -90,7 +90,7 @@ def _halves(o, DT: tl.constexpr):
 @triton.jit
 def _decode_chunk(q, sp, BN: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     """Words q (int32 [BN, 16]) and scale pairs sp (int32 [BN, 16], low byte: the low nibbles' E4M3 scale,
-    next byte: the high nibbles') of one 128-wide chunk -> (w_lo, w_hi) [BN, 64] in DT: k 0..63, 64..127."""
+    next byte: the high nibbles') of one 128-wide chunk -> the decoded chunk [BN, 128] in DT."""
     if ASM != "":
         o0, o1, o2, o3 = tl.inline_asm_elementwise(
             asm=ASM,
@@ -117,7 +117,8 @@ def _decode_chunk(q, sp, BN: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     # them in k order: [.., p, e] -> k = 4w + 2p + e
     w_lo = tl.reshape(tl.join(tl.join(a0, b0), tl.join(a1, b1)), (BN, 64))
     w_hi = tl.reshape(tl.join(tl.join(c0, d0), tl.join(c1, d1)), (BN, 64))
-    return w_lo, w_hi
+    # and the two halves side by side: [BN, 2, 64] -> the chunk's 128 k in order
+    return tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BN, 128))
 
 
 @triton.jit
@@ -153,11 +154,13 @@ def _tile_gemm_kernel(
     r16 = offs_n % 16
     w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + e64 * w_estride
     w_ptrs = w32 + (rb * CH * 256 + r16 * 16)[:, None] + offs_w[None, :]
-    # word w's scale pair: group g = w // 4 at byte 4 (g % 2) + 2 (g // 2) of the row's 8 (TILED_SCALE_ORDER)
+    # word w's scale pair: group g = w // 4, the half g // 2 of the row's 32-bit scale word g % 2
+    # (TILED_SCALE_ORDER); loaded as whole words so the loads can be asynchronous copies
     g = offs_w // 4
-    s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + e64 * s_estride
-    s_ptrs = s16 + (rb * CH * 64 + r16 * 4)[:, None] + ((g % 2) * 2 + g // 2)[None, :]
-    offs_k = tl.arange(0, 64)
+    s32 = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + e64 * s_estride
+    s_ptrs = s32 + (rb * CH * 32 + r16 * 2)[:, None] + (g % 2)[None, :]
+    s_shift = ((g // 2) * 16)[None, :]
+    offs_k = tl.arange(0, 128)
     x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     # y^T = W x^T: the decoded weight tile is the register (A) operand of the MMA (wgmma on sm_90, whose M is
     # the weight rows: BN a multiple of 64 there), x^T the shared-memory (B) operand, so BM can be as small
@@ -165,19 +168,15 @@ def _tile_gemm_kernel(
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(CH):
         q = tl.load(w_ptrs, mask=mask_nl[:, None], other=0)
-        sp = tl.load(s_ptrs, mask=mask_nl[:, None], other=0).to(tl.int32)
+        sp = (tl.load(s_ptrs, mask=mask_nl[:, None], other=0) >> s_shift) & 0xFFFF
         if K == K_PAD:
-            x_lo = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         else:
-            k0 = c * 128
-            x_lo = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None] & (offs_k[None, :] + 64 < K - k0), other=0.0)
-        w_lo, w_hi = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
-        acc = tl.dot(w_lo, tl.trans(x_lo), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(w_hi, tl.trans(x_hi), acc, input_precision=DOT_PRECISION)
+            xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - c * 128), other=0.0)
+        w = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
+        acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
         w_ptrs += 256
-        s_ptrs += 64
+        s_ptrs += 32
         x_ptrs += 128
     mask_n = offs_n < N
     gsp = gs_ptr + e64 * gs_estride
@@ -367,7 +366,7 @@ def nvfp4_tile_gemm_grouped(
     asm = _asm_for(x)
     _tile_gemm_kernel[grid](
         x, weight, scale_u8, global_scale, global_scale, out, grp,
-        grp.shape[0] * bm, n, n, x.stride(0), out.stride(0), x_div, n * k_pad // 8, n * k_pad // 32,
+        grp.shape[0] * bm, n, n, x.stride(0), out.stride(0), x_div, n * k_pad // 8, n * k_pad // 64,
         global_scale.shape[1],
         K=k, K_PAD=k_pad, BM=bm, BN=bn, GROUP_M=8, GROUPED=True, PER_COL_GS=global_scale.shape[1] != 1,
         HAS_BIAS=False, ASM=asm, OUT_SCALE=SHIFT_OUT_SCALE if asm else 1.0,
