@@ -7,12 +7,13 @@ Stages (all by default; --stages picks):
   graphs of back-to-back calls rotating over weight copies that overflow the L2 (bench_linear.graph_ms).
 - moe: routed experts at prefill sizes: K3's latent experts (3584 -> 3072, top-16, 56 local as at EP16)
   and Kimi Linear's (2304 -> 1024, top-8, 256), T = 256 / 1024 / 4096 tokens: the tile GEMM's two grouped
-  launches (+ the device-side grouping) for several block sizes, the per-expert loop (eager, what
-  prefill ran before), and torch._grouped_mm on bf16 copies of the experts (HF transformers' path; the
-  two GEMMs only, picks pre-sorted). TFLOP/s counted as 2 * T * top_k * 3 * D * I.
+  launches (GEMM1 with the activation in its epilogue, + the device-side grouping) for several block
+  sizes, the per-expert loop (eager, what prefill ran before), and torch._grouped_mm on bf16 copies of
+  the experts (HF transformers' path; the two GEMMs only, picks pre-sorted). TFLOP/s counted as 2 * T * top_k * 3 * D * I.
 - model: time to first token of one prompt (2048 and 8192 tokens) through the engine on a K3-shaped 4-layer
-  random model (bench/k3_shaped.py), with the tile paths and with the paths before them (the per-expert
-  loop for > 128 tokens and dequantize + cuBLAS linears).
+  random model and on a full-depth random Kimi Linear 48B-A3B NVFP4 (bench/k3_shaped.py), with the tile
+  paths and (2048 tokens) with the paths before them (the per-expert loop above 128 tokens, dequantize +
+  cuBLAS linears).
 
     PYTHONPATH=src python bench/bench_tile.py [--stages dense,moe,model] [--quick]
 """
@@ -156,16 +157,16 @@ def moe(quick: bool) -> None:
             torch.cuda.synchronize()
             res["loop_us"] = (time.perf_counter() - t0) / reps * 1e6
             res["engine_vs_loop_err"] = rel_rms_error(loop, full)
-            for bm in (16, 32, 64):
-                for cfg in ((128, 4, 3), (128, 8, 3), (64, 4, 4)):
+            actv = (act.kind, act.beta, act.linear_beta)
+            for bm in (16, 64, 128):
+                for cfg in ((128, 4, 3), (128, 8, 3), (64, 4, 3)):
 
                     def gemms():
                         grp = expert_blocks(local, e, bm)
-                        gu = nvfp4_tile_gemm_grouped(
+                        h = nvfp4_tile_gemm_grouped(
                             x, ex.w13_weight, s13, gs13, grp, picks=picks, x_div=a, k=d, config=cfg,
-                            out=torch.empty(picks, 2 * i, device="cuda", dtype=torch.bfloat16),
+                            out=torch.empty(picks, i, device="cuda", dtype=torch.bfloat16), activation=actv,
                         )  # fmt: skip
-                        h = gu[:, :i]
                         return nvfp4_tile_gemm_grouped(
                             h, ex.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, config=cfg,
                             out=torch.empty(picks, d, device="cuda", dtype=torch.bfloat16),
@@ -209,7 +210,7 @@ def moe(quick: bool) -> None:
 
 
 def model(quick: bool) -> None:
-    from k3_shaped import random_k3_model
+    from k3_shaped import kimi_linear_48b_config, random_k3_model, random_model
 
     import k3run.kernels.nvfp4_gemm as ng
     from k3run.engine.llm import LLM, EngineConfig
@@ -217,33 +218,49 @@ def model(quick: bool) -> None:
     from k3run.layers import moe as moe_mod
     from k3run.tokenizer import load_tokenizer
 
-    m = random_k3_model(4, 64, device="cuda")
     tok = load_tokenizer("assets/default-model-k3-mixed")
-    lens = [2048] if quick else [2048, 8192]
-    llm = LLM.from_model(
-        m, tok, EngineConfig(max_num_seqs=1, max_model_len=max(lens) + 16, max_num_batched_tokens=8192)
-    )
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
     saved = (moe_mod.TILE_FROM_TOKENS, ng.TILE_MIN_M, moe_mod.FusedExperts.grouped_ok)
-    for mode in ("tile", "before"):
-        if mode == "before":  # the per-expert loop above 128 tokens, dequantize + cuBLAS linears
-            moe_mod.TILE_FROM_TOKENS = 1 << 30
-            ng.TILE_MIN_M = 1 << 30
+
+    def before(on: bool) -> None:
+        """The paths before the tile GEMM: the per-expert loop above 128 tokens, dequantize + cuBLAS."""
+        if on:
+            moe_mod.TILE_FROM_TOKENS = ng.TILE_MIN_M = 1 << 30
             moe_mod.FusedExperts.grouped_ok = lambda self, x, ids: (
                 saved[2](self, x, ids) and ids.shape[0] <= 128
             )
-        for n in lens:
-            prompt = torch.randint(10, 2000, (n,)).tolist()
-            llm.generate([prompt], params)  # warm-up (compiles)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate([prompt], params)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            what = f"model k3-shaped 4 layers, 64 experts, {mode}: prompt {n}"
-            print(f"{what} -> first token {dt * 1e3:.1f} ms ({n / dt:.0f} tok/s)", flush=True)
-            ROWS.append({"stage": "model", "mode": mode, "prompt": n, "ttft_s": dt})
-    moe_mod.TILE_FROM_TOKENS, ng.TILE_MIN_M, moe_mod.FusedExperts.grouped_ok = saved
+        else:
+            moe_mod.TILE_FROM_TOKENS, ng.TILE_MIN_M, moe_mod.FusedExperts.grouped_ok = saved
+
+    models = [("k3-shaped 4 layers, 64 experts", lambda: random_k3_model(4, 64, device="cuda"), [2048, 8192])]
+    full = [2048] if quick else [2048, 8192]
+    models.append(
+        ("Kimi Linear 48B-A3B NVFP4, 27 layers, 256 experts (random, in memory)",
+         lambda: random_model(kimi_linear_48b_config(), device="cuda"), full)
+    )  # fmt: skip
+    for name, build, lens in models:
+        t0 = time.perf_counter()
+        m = build()
+        print(f"model {name}: built in {time.perf_counter() - t0:.0f} s, "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)  # fmt: skip
+        cfg = EngineConfig(max_num_seqs=1, max_model_len=max(lens) + 16, max_num_batched_tokens=8192)
+        llm = LLM.from_model(m, tok, cfg)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        for mode in ("tile", "before"):
+            before(mode == "before")
+            for n in lens if mode == "tile" else lens[:1]:
+                prompt = torch.randint(10, 2000, (n,)).tolist()
+                llm.generate([prompt], params)  # warm-up (compiles)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                llm.generate([prompt], params)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                what = f"model {name}, {mode}: prompt {n}"
+                print(f"{what} -> first token {dt * 1e3:.1f} ms ({n / dt:.0f} tok/s)", flush=True)
+                ROWS.append({"stage": "model", "model": name, "mode": mode, "prompt": n, "ttft_s": dt})
+            before(False)
+        del llm, m
+        torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -133,6 +133,45 @@ def _fill(name: str, p: torch.Tensor, gen: torch.Generator, hidden: int) -> None
         p.copy_((torch.randn(p.shape, generator=gen, device=p.device) / math.sqrt(p.shape[-1])).to(p.dtype))
 
 
+def kimi_linear_48b_config(layers: int | None = None, experts: int | None = None) -> dict:
+    """The published config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct (bench/configs/), optionally cut
+    to its first `layers` layers (KDA / MLA pattern kept) and `experts` experts, with the ModelOpt NVFP4
+    quantization_config of an all-NVFP4 export (`quant_configs("nvfp4", ...)`: every linear but the
+    output head, the embeddings and the routers)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(__file__).parent / "configs" / "kimi_linear_48b_a3b.json").read_text())
+    if layers is not None:
+        lac = cfg["linear_attn_config"]
+        lac["kda_layers"] = [i for i in lac["kda_layers"] if i <= layers]
+        lac["full_attn_layers"] = [i for i in lac["full_attn_layers"] if i <= layers]
+        cfg["num_hidden_layers"] = layers
+    if experts is not None:
+        cfg["num_experts"] = experts
+    cfg["quantization_config"] = quant_configs("nvfp4", {}, ["lm_head"])[1]
+    return cfg
+
+
+def random_model(
+    hf: dict, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+    tp: TPInfo = NO_TP,
+) -> KimiForCausalLM:  # fmt: skip
+    """Any Kimi config.json dict (its quantization_config included) as a model with random weights filled
+    as random_k3_model fills them, post-load processing done."""
+    cfg = ModelConfig.from_hf(hf)
+    qcfg = load_quant_config(hf)
+    with torch.device(device):
+        model = KimiForCausalLM(cfg, qcfg=qcfg, tp=tp, params_dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        _fill(name, p, gen, cfg.hidden_size)
+    for module in reversed(list(model.modules())):
+        if isinstance(module, PostLoad):
+            module.process_after_loading()
+    return model.eval()
+
+
 def random_k3_model(
     layers: int = 4,
     experts: int = 128,

@@ -254,8 +254,8 @@ def test_choose_config_covers_decode_and_prefill():
         cfg = choose_config(m, n, k)
         assert (cfg.gemv, cfg.split_k, cfg.smem_stages) == (True, split_k, 2), (m, n, k, cfg)
     assert choose_config(64, 3072, 3584).tile and not choose_config(64, 3072, 3584).gemv
-    assert choose_config(65, 7168, 7168).tile
-    assert choose_config(4096, 7168, 7168).tile
+    assert choose_config(65, 7168, 7168).tile and choose_config(128, 7168, 7168).tile
+    assert choose_config(129, 7168, 7168).dequant_mm and choose_config(4096, 7168, 7168).dequant_mm
 
 
 def test_one_wave_split_keeps_every_program_resident():

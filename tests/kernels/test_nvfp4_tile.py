@@ -121,7 +121,7 @@ def test_expert_blocks_refuses_bad_ids() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=6)
+    run_interp_tests_in_child(__file__, expected_passed=9)
 
 
 @interp_only
@@ -163,7 +163,9 @@ def test_gpu_grouped(t: int, a: int, e: int, bm: int, skew: str) -> None:
     _grouped_case(t, a, e, 256, 384, bm, torch.bfloat16, "cuda", skew)
 
 
-def _compile_sm90(bm: int, bn: int, warps: int, stages: int, k: int, grouped: bool, dtype: str):
+def _compile_sm90(
+    bm: int, bn: int, warps: int, stages: int, k: int, grouped: bool, dtype: str, gated: int = 0
+):
     """The tile kernel compiled for sm_90 on this machine's Triton (no GPU needed)."""
     import inspect
 
@@ -177,6 +179,7 @@ def _compile_sm90(bm: int, bn: int, warps: int, stages: int, k: int, grouped: bo
     consts = dict(
         K=k, K_PAD=-(-k // 128) * 128, BM=bm, BN=bn, GROUP_M=8, GROUPED=grouped, PER_COL_GS=grouped,
         HAS_BIAS=not grouped, ASM=tile.word_asm(dtype), OUT_SCALE=tile.SHIFT_OUT_SCALE, DOT_PRECISION="tf32",
+        GATED=gated, BETA=4.0 if gated == 2 else 0.0, LINEAR_BETA=25.0 if gated == 2 else 0.0,
     )  # fmt: skip
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
@@ -195,10 +198,16 @@ def _compile_sm90(bm: int, bn: int, warps: int, stages: int, k: int, grouped: bo
 
 
 @pytest.mark.parametrize(
-    "rows, n, k, grouped, dtype",
-    [(4096, 7168, 7168, False, "bf16"), (256, 12288, 7168, False, "fp16"), (64, 2048, 2304, True, "bf16")],
-)
-def test_launches_compile_for_sm90_on_wgmma(rows: int, n: int, k: int, grouped: bool, dtype: str) -> None:
+    "rows, n, k, grouped, dtype, gated",
+    [
+        (4096, 7168, 7168, False, "bf16", 0), (256, 12288, 7168, False, "fp16", 0),
+        (64, 2048, 2304, True, "bf16", 0), (64, 2048, 2304, True, "bf16", 2),
+        (64, 6144, 3584, True, "fp16", 1),
+    ],
+)  # fmt: skip
+def test_launches_compile_for_sm90_on_wgmma(
+    rows: int, n: int, k: int, grouped: bool, dtype: str, gated: int
+) -> None:
     """The default launches build for sm_90 with this machine's Triton and issue wgmma with the decoded
     weights as the register operand (a decoded tile as the shared-memory operand broke Triton 3.6's
     dot-operand pass)."""
@@ -208,6 +217,51 @@ def test_launches_compile_for_sm90_on_wgmma(rows: int, n: int, k: int, grouped: 
         bm, (bn, warps, stages) = 64, DEFAULT_GROUPED_CONFIG
     else:
         bm, bn, warps, stages = tile_config(rows, n, k)
-    ptx = _compile_sm90(bm, bn, warps, stages, k, grouped, dtype).asm["ptx"]
+    ptx = _compile_sm90(bm, bn, warps, stages, k, grouped, dtype, gated).asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(bf16|f16)\.(bf16|f16) +\{", ptx)
+
+
+def _gated_case(t: int, a: int, e: int, i: int, k: int, bm: int, act: tuple, device: str, dtype: torch.dtype):
+    """GEMM1 with the activation in the epilogue against the same GEMM without it plus the activation of
+    layers/activation.py on the stored halves: equal up to the activation's fp32 evaluation (tanh, sigmoid
+    and exp implementations differ by a few fp32 ulps, bounded here by 16 u |h|) and the one rounding of h to
+    `dtype`, where two fp32 values on either side of a midpoint may round apart (one ulp)."""
+    from k3run.kernels.nvfp4_gemm.tile import nvfp4_tile_gemm_grouped
+    from k3run.layers.activation import GatedActivation
+
+    g = torch.Generator().manual_seed(t + i)
+    ids = torch.stack([torch.randperm(e + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1).to(device)
+    ws, ss, gss = [], [], []
+    for j in range(e):
+        w, s, gs = _random_nvfp4(2 * i, k, device, per_row=True, seed=j + 100)
+        tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+        ws.append(tw.weight)
+        ss.append(tw.scale_bits)
+        gss.append(gs)
+    weight, scale, gsn = torch.stack(ws), torch.stack(ss), torch.stack(gss).contiguous()
+    x = (torch.randn(t, k, generator=g) * 0.5).to(device).to(dtype)
+    grp = expert_blocks(ids, e, bm)
+    kw = dict(picks=t * a, x_div=a, k=k)
+    gu = nvfp4_tile_gemm_grouped(x, weight, scale, gsn, grp, **kw)
+    kind, beta, lbeta = act
+    ref = GatedActivation(kind, beta, lbeta).on_halves(gu[:, :i], gu[:, i:])
+    out = nvfp4_tile_gemm_grouped(x, weight, scale, gsn, grp, activation=act, **kw)
+    hit = ((ids >= 0) & (ids < e)).cpu()
+    ref, out = ref.cpu()[hit], out.cpu()[hit]
+    assert_within(
+        f"gated {act} t={t} e={e} {dtype}", ref, out, 16 * FP32_U * ref.abs() + output_ulp(ref, dtype)
+    )
+
+
+@interp_only
+@pytest.mark.parametrize("act", [("silu", None, None), ("situ", 4.0, 25.0), ("situ", 2.0, None)])
+def test_interp_gated_epilogue(act) -> None:
+    _gated_case(9, 2, 3, 32, 128, 8, act, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [("silu", None, None), ("situ", 4.0, 25.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gated_epilogue(act, dtype: torch.dtype) -> None:
+    _gated_case(150, 4, 6, 256, 512, 64, act, "cuda", dtype)

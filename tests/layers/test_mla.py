@@ -175,6 +175,37 @@ def test_absorbed_decode_equals_expanded_bf16() -> None:
     assert absorbed[0].dtype == torch.bfloat16
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_fused_attention_prefill_matches_the_fp32_form(variant: str, monkeypatch) -> None:
+    """On CUDA with bf16 the expanded form runs torch's fused attention (bottom-right causal for chunks
+    after a context). Against the same layer with the fp32 form, over chunked prefill and decode: the inputs
+    are the same bf16 values; the fused kernels round the probabilities to bf16 for the PV product (<= 2^-9
+    relative each) and their output to bf16 (2^-9), so the layer outputs differ by ~2^-8 RMS at most; 2^-7
+    bounds it while a masking or scaling slip is O(1)."""
+    w = make_weights(variant)
+    with torch.device("cuda"):
+        layer = make_layer(variant, w, dtype=torch.bfloat16, absorb="never")
+    xs = [x.bfloat16().cuda() for x in _inputs()]
+
+    def run() -> list[torch.Tensor]:
+        cache = layer.init_cache(4, 40, torch.bfloat16, "cuda")
+        cache.latent.normal_()
+        return feed_in_steps(layer, cache, xs, SCHEDULE, [2, 0, 3])
+
+    fused = run()
+    monkeypatch.setattr(layer, "_attend_flash", layer._attend_expanded_fp32)
+    fp32 = run()
+    for b in range(len(xs)):
+        assert_close(f"{variant} fused vs fp32 seq {b}", fp32[b].float(), fused[b], rtol=2.0**-7)
+        assert_close(
+            f"{variant} fused vs reference seq {b}",
+            reference(variant, w, xs[b].float().cpu()),
+            fused[b],
+            rtol=2e-2,
+        )
+
+
 def test_kv_b_proj_fp8_pb_wo_gets_activation_dtype_and_dequantized_absorption() -> None:
     L = 128  # FP8_PB_WO needs the input width to be a multiple of 128
     w = make_weights("k3", L=L)

@@ -11,7 +11,8 @@ The latents (q_a_proj, kv_a_proj_with_mqa) are replicated on every rank; heads a
 
 The cache keeps per token only the normalised latent c and k_pe ([L + R], MLALayerCache). Two equivalent
 attention forms read it:
-- expanded ("naive"): kv_b_proj applied to every cached latent, then ordinary multi-head attention;
+- expanded ("naive"): kv_b_proj applied to every cached latent, then ordinary multi-head attention (on CUDA
+  with 16-bit activations through torch's fused attention kernels, else in fp32);
 - absorbed: W_UK folded into the query (q~_h = W_UK_h^T q_nope_h in R^L) and W_UV applied after attending
   over the latents, so kv_b_proj never runs over the context. Default: absorbed for decode steps only.
 """
@@ -185,6 +186,15 @@ class KimiMLA(nn.Module):
         if c_all.dtype in _FP8_DTYPES:
             raise AssertionError(f"{self.prefix}: kv_b_proj must never see an fp8 latent")
         kv = self.kv_b_proj(c_all).reshape(-1, H, dn + dv)  # one GEMM over every sequence's context
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            return self._attend_flash(q, kv, lats, ctx)
+        return self._attend_expanded_fp32(q, kv, lats, ctx)
+
+    def _attend_expanded_fp32(
+        self, q: torch.Tensor, kv: torch.Tensor, lats: list[torch.Tensor], ctx: ForwardContext
+    ) -> list[torch.Tensor]:
+        """The expanded form in fp32 (every device): scores [H, n, N] per sequence, a masked softmax."""
+        dn, L = self.qk_nope_head_dim, self.kv_lora_rank
         outs = []
         pos = 0
         bounds = ctx.cu_seqlens.tolist()
@@ -198,6 +208,37 @@ class KimiMLA(nn.Module):
             scores = scores + torch.einsum("thr,sr->hts", q_b[..., dn:], k_pe)
             p = self._causal_softmax(scores * self.scale, ctx.context_lens_list[b])
             outs.append(torch.einsum("hts,shv->thv", p, kv_b[..., dn:]))  # [n, H, d_v]
+        return outs
+
+    def _attend_flash(
+        self, q: torch.Tensor, kv: torch.Tensor, lats: list[torch.Tensor], ctx: ForwardContext
+    ) -> list[torch.Tensor]:
+        """The expanded form on the tensor cores (CUDA, 16-bit): torch's fused attention (flash / memory-
+        efficient kernels) over q [n, H, d_q] and the expanded keys [k_nope_h ; k_pe] and values of each
+        sequence, causal from the bottom right (the n queries are the last n of the N positions). The inputs
+        are the same 16-bit values the fp32 form widens; the kernels keep fp32 softmax statistics and
+        accumulators and round the probabilities to 16 bits for the PV product, one output rounding."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        H, dn, L = self.local_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        outs = []
+        pos = 0
+        bounds = ctx.cu_seqlens.tolist()
+        for b, lat in enumerate(lats):
+            N = lat.shape[0]
+            kv_b = kv[pos : pos + N]
+            pos += N
+            q_b = q[bounds[b] : bounds[b + 1]]  # [n, H, d_q]
+            n = q_b.shape[0]
+            k_pe = lat[:, None, L:].to(q.dtype).expand(N, H, -1)
+            k = torch.cat([kv_b[..., :dn], k_pe], dim=-1)  # [N, H, d_q]
+            v = kv_b[..., dn:]
+            mask = None if n == N else causal_lower_right(n, N)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q_b.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=n == N, scale=self.scale,
+            )  # fmt: skip
+            outs.append(o[0].transpose(0, 1).float())  # [n, H, d_v]
         return outs
 
     def _attend_absorbed(

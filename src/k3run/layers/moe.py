@@ -843,18 +843,21 @@ def _fused_experts_grouped(
 
 
 def moe_tile_bm(picks: int, experts: int) -> int:
-    """The tile GEMM's picks per block: the power of two from 16 to 64 nearest above the mean picks per hit
-    expert (a block pads an expert's last picks to bm rows), 64 at most (one wgmma warpgroup's M)."""
+    """The tile GEMM's picks per block (the wgmma N): 16 / 32 / 64 where the mean picks per hit expert is at
+    most that (a block pads an expert's last picks to bm rows), 128 from a mean of 128. Run 82: bm 64 was
+    the fastest at means of 32-290 picks (Kimi Linear and K3 experts), bm 16 at 8; dense, 128 rows per
+    tile beat 64 by 8% at 4096 rows."""
     mean = picks / max(1, min(picks, experts))
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+    return 16 if mean <= 16 else 64 if mean < 128 else 128
 
 
 def _fused_experts_tile(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """The grouped experts on the tile GEMM: the picks grouped by expert into blocks on the device
-    (`expert_blocks`), GEMM1 over every block (gate and up rows with their own decode scales), the
-    activation, GEMM2, and the fp32 sum over each token's picks in slot order (as the decode launches)."""
+    (`expert_blocks`), GEMM1 over every block with the activation in its epilogue (gate and up rows with
+    their own decode scales, each rounded to x's dtype first as the decode path stores them), GEMM2, and
+    the fp32 sum over each token's picks in slot order (as the decode launches)."""
     from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm_grouped
 
     assert experts._kernel_scales is not None
@@ -866,18 +869,18 @@ def _fused_experts_tile(
     grp = expert_blocks(local, experts.num_local, moe_tile_bm(picks, experts.num_local))
     x = x.contiguous()
     s13, s2 = experts.w13_weight_scale.view(torch.uint8), experts.w2_weight_scale.view(torch.uint8)
-    # rows of picks in no block (another rank's experts) are never written: GEMM2's must read as zeros
-    gu = torch.empty(picks, 2 * i, dtype=x.dtype, device=x.device)
-    gu = nvfp4_tile_gemm_grouped(x, experts.w13_weight, s13, gs13, grp, picks=picks, x_div=a, k=d, out=gu)
-    if experts.activation.kind == "silu":
-        h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
-    else:
-        h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
+    # GEMM1 with the activation in its epilogue: h [picks, I] (rows of picks in no block, another rank's
+    # experts, are never written and never read)
+    act = experts.activation
+    h = nvfp4_tile_gemm_grouped(
+        x, experts.w13_weight, s13, gs13, grp, picks=picks, x_div=a, k=d,
+        out=torch.empty(picks, i, dtype=x.dtype, device=x.device),
+        activation=(act.kind, act.beta, act.linear_beta),
+    )  # fmt: skip
     everything_local = experts.num_local == experts.num_experts
     y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
-    y = nvfp4_tile_gemm_grouped(
-        h.to(x.dtype), experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y
-    )
+    # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
+    y = nvfp4_tile_gemm_grouped(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
     return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
 
 

@@ -314,8 +314,11 @@ TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num
 GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
 GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
-# rows from which choose_config takes the tile GEMM over dequantize + cuBLAS (not yet measured)
+# rows for which choose_config takes the tile GEMM over dequantize + cuBLAS (outside the decode kernel's
+# range): run 82 on 7168x7168 / 12288x7168, tile / dequantize + cuBLAS: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at
+# 128, 1.25 / 1.55 at 256 (slower above 128)
 TILE_MIN_M = 17
+TILE_MAX_M = 128
 
 
 def programs_per_sm(regs: int) -> int:
@@ -372,8 +375,8 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
       M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
     - M = 17..32: 2 (N > 4096) or 4 (run 15: the best or within 3% of the best of 2/4/8 on the K3 shapes).
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
-    Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM from TILE_MIN_M rows, below it
-    dequantize to bf16 + cuBLAS (the split128 Triton kernel stays available through an explicit GemmConfig).
+    Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
+    to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
     """
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
         maxnreg = None
@@ -384,7 +387,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
         return GemmConfig(
             gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2, maxnreg=maxnreg
         )
-    if m >= TILE_MIN_M:
+    if TILE_MIN_M <= m <= TILE_MAX_M:
         return GemmConfig(tile=True)
     return GemmConfig(dequant_mm=True)
 

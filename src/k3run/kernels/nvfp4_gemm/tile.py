@@ -50,7 +50,7 @@ def word_asm(kind: str) -> str:
     nibbles', in the low 16 bits) -> the word's 4 output pairs $0..$3 as packed 16-bit floats (kind "bf16"
     or "fp16"), each e2m1 * s * 2^-7. The scale pair is converted as the decode kernel's scale asm does
     (cvt.f16x2.e4m3x2; bf16: the f16 bits >> 3 plus the exponent offset)."""
-    from .gluon_gemv import tiled_word_decode_asm
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import tiled_word_decode_asm
 
     fix = (
         "shr.b32 sc, sc, 3;\nadd.u32 sc, sc, 0x73807380;" if kind == "bf16" else "add.u32 sc, sc, 0x1C001C00;"
@@ -80,6 +80,18 @@ def _portable_pair(q, xs, ys, scale):
 
 
 @triton.jit
+def _tanh(z):
+    """fp32 tanh within a few ulps: an odd series below |z| = 1/8 (next term ~2e-10 relative), else
+    (1 - e) / (1 + e) with e = exp(-2|z|) (the subtraction loses at most ~4 ulps there)."""
+    a = tl.abs(z)
+    z2 = z * z
+    small = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
+    ex = tl.exp(-2.0 * a)
+    big = (1.0 - ex) / (1.0 + ex)
+    return tl.where(a < 0.125, small, tl.where(z < 0, -big, big))
+
+
+@triton.jit
 def _halves(o, DT: tl.constexpr):
     """uint32 packed pairs -> (low, high) 16-bit floats of type DT."""
     lo = (o & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
@@ -90,7 +102,7 @@ def _halves(o, DT: tl.constexpr):
 @triton.jit
 def _decode_chunk(q, sp, BN: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     """Words q (int32 [BN, 16]) and scale pairs sp (int32 [BN, 16], low byte: the low nibbles' E4M3 scale,
-    next byte: the high nibbles') of one 128-wide chunk -> the decoded chunk [BN, 128] in DT."""
+    next byte: the high nibbles') of one 128-wide chunk -> (w_lo, w_hi) [BN, 64] in DT: k 0..63, 64..127."""
     if ASM != "":
         o0, o1, o2, o3 = tl.inline_asm_elementwise(
             asm=ASM,
@@ -117,8 +129,7 @@ def _decode_chunk(q, sp, BN: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     # them in k order: [.., p, e] -> k = 4w + 2p + e
     w_lo = tl.reshape(tl.join(tl.join(a0, b0), tl.join(a1, b1)), (BN, 64))
     w_hi = tl.reshape(tl.join(tl.join(c0, d0), tl.join(c1, d1)), (BN, 64))
-    # and the two halves side by side: [BN, 2, 64] -> the chunk's 128 k in order
-    return tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BN, 128))
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -127,8 +138,11 @@ def _tile_gemm_kernel(
     M, N, N_PAD, stride_xm, stride_ym, x_div, w_estride, s_estride, gs_estride,
     K: tl.constexpr, K_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
     GROUPED: tl.constexpr, PER_COL_GS: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-    OUT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OUT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr = 0, BETA: tl.constexpr = 0.0,
+    LINEAR_BETA: tl.constexpr = 0.0,
 ):  # fmt: skip
+    """GATED 1 (SiLU) / 2 (SiTU): the weight holds gate rows [0, N) and up rows [N, 2N) (N a multiple of 16);
+    the program computes both for its BN output columns and stores act(gate, up) (module docstring)."""
     CH: tl.constexpr = K_PAD // 128
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_r = tl.arange(0, BM)
@@ -154,29 +168,42 @@ def _tile_gemm_kernel(
     r16 = offs_n % 16
     w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + e64 * w_estride
     w_ptrs = w32 + (rb * CH * 256 + r16 * 16)[:, None] + offs_w[None, :]
-    # word w's scale pair: group g = w // 4, the half g // 2 of the row's 32-bit scale word g % 2
-    # (TILED_SCALE_ORDER); loaded as whole words so the loads can be asynchronous copies
+    # word w's scale pair: group g = w // 4 at byte 4 (g % 2) + 2 (g // 2) of the row's 8 (TILED_SCALE_ORDER)
     g = offs_w // 4
-    s32 = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + e64 * s_estride
-    s_ptrs = s32 + (rb * CH * 32 + r16 * 2)[:, None] + (g % 2)[None, :]
-    s_shift = ((g // 2) * 16)[None, :]
-    offs_k = tl.arange(0, 128)
+    s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + e64 * s_estride
+    s_ptrs = s16 + (rb * CH * 64 + r16 * 4)[:, None] + ((g % 2) * 2 + g // 2)[None, :]
+    offs_k = tl.arange(0, 64)
     x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     # y^T = W x^T: the decoded weight tile is the register (A) operand of the MMA (wgmma on sm_90, whose M is
     # the weight rows: BN a multiple of 64 there), x^T the shared-memory (B) operand, so BM can be as small
     # as an expert's share of a prefill's picks
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)  # GATED: the up rows' sums (unused otherwise)
+    up_w = (N // 16) * CH * 256  # GATED: from a gate row's words / scale pairs to its up row's
+    up_s = (N // 16) * CH * 64
     for c in range(CH):
-        q = tl.load(w_ptrs, mask=mask_nl[:, None], other=0)
-        sp = (tl.load(s_ptrs, mask=mask_nl[:, None], other=0) >> s_shift) & 0xFFFF
         if K == K_PAD:
-            xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            x_lo = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None], other=0.0)
         else:
-            xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - c * 128), other=0.0)
-        w = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
-        acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+            k0 = c * 128
+            x_lo = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            x_hi = tl.load(x_ptrs + 64, mask=mask_m[:, None] & (offs_k[None, :] + 64 < K - k0), other=0.0)
+        x_lo_t = tl.trans(x_lo)
+        x_hi_t = tl.trans(x_hi)
+        q = tl.load(w_ptrs, mask=mask_nl[:, None], other=0)
+        sp = tl.load(s_ptrs, mask=mask_nl[:, None], other=0).to(tl.int32)
+        w_lo, w_hi = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
+        acc = tl.dot(w_lo, x_lo_t, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w_hi, x_hi_t, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            q = tl.load(w_ptrs + up_w, mask=mask_nl[:, None], other=0)
+            sp = tl.load(s_ptrs + up_s, mask=mask_nl[:, None], other=0).to(tl.int32)
+            w_lo, w_hi = _decode_chunk(q, sp, BN, x_ptr.dtype.element_ty, ASM)
+            acc_u = tl.dot(w_lo, x_lo_t, acc_u, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(w_hi, x_hi_t, acc_u, input_precision=DOT_PRECISION)
         w_ptrs += 256
-        s_ptrs += 32
+        s_ptrs += 64
         x_ptrs += 128
     mask_n = offs_n < N
     gsp = gs_ptr + e64 * gs_estride
@@ -184,6 +211,20 @@ def _tile_gemm_kernel(
         acc = acc * (tl.load(gsp + offs_n, mask=mask_n, other=0.0) * OUT_SCALE)[:, None]
     else:
         acc = acc * (tl.load(gsp) * OUT_SCALE)
+    if GATED:
+        # gate and up rounded to the output dtype first, as the unfused path stores them; the activation in
+        # fp32, one rounding at the end (layers/activation.py)
+        dt = y_ptr.dtype.element_ty
+        gate = acc.to(dt).to(tl.float32)
+        up = (acc_u * (tl.load(gsp + N + offs_n, mask=mask_n, other=0.0) * OUT_SCALE)[:, None]).to(dt)
+        up = up.to(tl.float32)
+        if GATED == 1:
+            acc = gate * tl.sigmoid(gate) * up
+        else:
+            acc = BETA * _tanh(gate / BETA) * tl.sigmoid(gate)
+            if LINEAR_BETA > 0:
+                up = LINEAR_BETA * _tanh(up / LINEAR_BETA)
+            acc = acc * up
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + y_rows.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
@@ -330,11 +371,15 @@ def nvfp4_tile_gemm_grouped(
     k: int,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    activation: tuple[str, float, float | None] | None = None,
 ) -> torch.Tensor:
     """Grouped experts: out [picks, N] row p = x[p // x_div] @ W[e]^T * global_scale[e] for every pick p in
     grp (expert_blocks with bm = the table width - 1), in x's dtype; rows of picks in no block are left as
     `out` had them (zeros when out is None). weight [E, N, K_pad/2] / scale_u8 [E, N, K_pad/16] tiled128 per
-    expert (N a multiple of 16), global_scale fp32 [E, 1] or [E, N]. config: (BN, num_warps, num_stages)."""
+    expert (N a multiple of 16), global_scale fp32 [E, 1] or [E, N]. config: (BN, num_warps, num_stages).
+    activation ("silu", _, _) or ("situ", beta, linear_beta or None): W holds gate rows [0, N/2) and up rows
+    [N/2, N) and out [picks, N/2] gets act(gate, up), each half rounded to x's dtype before the activation
+    (as `layers/activation.py` on the stored halves); global_scale must then be per row [E, N]."""
     _check_x(x, k)
     if weight.dim() != 3:
         raise ValueError(
@@ -352,24 +397,37 @@ def nvfp4_tile_gemm_grouped(
             f"got {grp.dtype} {tuple(grp.shape)}"
         )
     bm = grp.shape[1] - 1
+    gated, beta, linear_beta = 0, 0.0, 0.0
+    n_out = n
+    if activation is not None:
+        kind, b, lb = activation
+        if kind not in ("silu", "situ") or n % 32 or global_scale.shape[1] != n:
+            raise ValueError(
+                f"nvfp4 grouped tile gemm: a gated activation needs 'silu' or 'situ', N a multiple of 32 and "
+                f"per-row global scales [E, N]; got {kind!r}, N={n}, global scale {tuple(global_scale.shape)}"
+            )
+        gated, n_out = (1 if kind == "silu" else 2), n // 2
+        if kind == "situ":
+            beta, linear_beta = float(b), float(lb or 0.0)
     if out is None:
-        out = torch.zeros((picks, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (picks, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        out = torch.zeros((picks, n_out), dtype=x.dtype, device=x.device)
+    elif out.shape != (picks, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(
-            f"nvfp4 grouped tile gemm: out must be {x.dtype} [{picks}, {n}], "
+            f"nvfp4 grouped tile gemm: out must be {x.dtype} [{picks}, {n_out}], "
             f"got {out.dtype} {tuple(out.shape)}"
         )
     if picks == 0 or grp.shape[0] == 0:
         return out
     bn, warps, stages = config or DEFAULT_GROUPED_CONFIG
-    grid = (grp.shape[0] * triton.cdiv(n, bn),)
+    grid = (grp.shape[0] * triton.cdiv(n_out, bn),)
     asm = _asm_for(x)
     _tile_gemm_kernel[grid](
         x, weight, scale_u8, global_scale, global_scale, out, grp,
-        grp.shape[0] * bm, n, n, x.stride(0), out.stride(0), x_div, n * k_pad // 8, n * k_pad // 64,
+        grp.shape[0] * bm, n_out, n_out, x.stride(0), out.stride(0), x_div, n * k_pad // 8, n * k_pad // 32,
         global_scale.shape[1],
         K=k, K_PAD=k_pad, BM=bm, BN=bn, GROUP_M=8, GROUPED=True, PER_COL_GS=global_scale.shape[1] != 1,
         HAS_BIAS=False, ASM=asm, OUT_SCALE=SHIFT_OUT_SCALE if asm else 1.0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GATED=gated, BETA=beta,
+        LINEAR_BETA=linear_beta, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
