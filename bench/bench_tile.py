@@ -9,7 +9,8 @@ Stages (all by default; --stages picks):
   and Kimi Linear's (2304 -> 1024, top-8, 256), T = 256 / 1024 / 4096 tokens: the tile GEMM's two grouped
   launches (GEMM1 with the activation in its epilogue, + the device-side grouping) for several block
   sizes, the per-expert loop (eager, what prefill ran before), and torch._grouped_mm on bf16 copies of
-  the experts (HF transformers' path; the two GEMMs only, picks pre-sorted). TFLOP/s counted as 2 * T * top_k * 3 * D * I.
+  the experts (HF transformers' path; the two GEMMs only, picks pre-sorted). TFLOP/s counted as
+  2 * T * top_k * 3 * D * I.
 - model: time to first token of one prompt (2048 and 8192 tokens) through the engine on a K3-shaped 4-layer
   random model and on a full-depth random Kimi Linear 48B-A3B NVFP4 (bench/k3_shaped.py), with the tile
   paths and (2048 tokens) with the paths before them (the per-expert loop above 128 tokens, dequantize +
