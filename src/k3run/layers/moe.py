@@ -192,7 +192,7 @@ BY_EXPERT_MAX_TOKENS = 128
 # times runs ceil(c / tile) tiles). K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons).
 BY_EXPERT_T32_FROM = 1 << 30
 # tokens from which the grouped experts run on the tile GEMM (tile.nvfp4_tile_gemm_grouped: tensor cores,
-# blocks of up to `moe_tile_bm` picks per expert); below, the decode launches
+# blocks of up to MOE_TILE_BM picks per expert); below, the decode launches
 TILE_FROM_TOKENS = BY_EXPERT_MAX_TOKENS + 1
 # CPU NVFP4 experts on the reference path (below the compiled / SIMD paths' size) keep their decoded fp32
 # weights when all of a layer's local experts take at most this much (the same values, decoded once)
@@ -842,13 +842,11 @@ def _fused_experts_grouped(
     return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
 
 
-def moe_tile_bm(picks: int, experts: int) -> int:
-    """The tile GEMM's picks per block (the wgmma N): 16 / 32 / 64 where the mean picks per hit expert is at
-    most that (a block pads an expert's last picks to bm rows), 128 from a mean of 128. Run 82: bm 64 was
-    the fastest at means of 32-290 picks (Kimi Linear and K3 experts), bm 16 at 8; dense, 128 rows per
-    tile beat 64 by 8% at 4096 rows."""
-    mean = picks / max(1, min(picks, experts))
-    return 16 if mean <= 16 else 64 if mean < 128 else 128
+# the tile GEMM's picks per block (its wgmma N; an expert's last block is padded to it). Run 85, the two
+# grouped launches at 256 / 1024 / 4096 tokens (K3 experts, 56 local; Kimi Linear's, 256): 64 with the
+# default launch was the fastest or within 3% of it at every size, from 8 to 1170 picks per expert (16: 1.5-6x
+# slower; 128 needs 8 warps and was not faster)
+MOE_TILE_BM = 64
 
 
 def _fused_experts_tile(
@@ -866,7 +864,7 @@ def _fused_experts_tile(
     d, i = experts.hidden_size, experts.intermediate_size
     picks = t * a
     local = (ids.reshape(-1) - experts.first).to(torch.int32)
-    grp = expert_blocks(local, experts.num_local, moe_tile_bm(picks, experts.num_local))
+    grp = expert_blocks(local, experts.num_local, MOE_TILE_BM)
     x = x.contiguous()
     s13, s2 = experts.w13_weight_scale.view(torch.uint8), experts.w2_weight_scale.view(torch.uint8)
     # GEMM1 with the activation in its epilogue: h [picks, I] (rows of picks in no block, another rank's
