@@ -842,10 +842,10 @@ def _fused_experts_grouped(
     return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
 
 
-# the tile GEMM's picks per block (its wgmma N; an expert's last block is padded to it). Run 85, the two
-# grouped launches at 256 / 1024 / 4096 tokens (K3 experts, 56 local; Kimi Linear's, 256): 64 with the
-# default launch was the fastest or within 3% of it at every size, from 8 to 1170 picks per expert (16: 1.5-6x
-# slower; 128 needs 8 warps and was not faster)
+# the tile GEMM's picks per block (its wgmma N; an expert's last block is padded to it). H200,
+# bench/bench_tile.py, the two grouped launches at 256 / 1024 / 4096 tokens (K3 experts, 56 local; Kimi
+# Linear's, 256): 64 with the default launch was the fastest or within 3% of it at every size, from 8 to
+# 1170 picks per expert (16: 1.5-6x slower; 128 needs 8 warps and was not faster)
 MOE_TILE_BM = 64
 
 

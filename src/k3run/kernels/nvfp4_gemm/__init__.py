@@ -315,8 +315,8 @@ GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
 GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
 # rows for which choose_config takes the tile GEMM over dequantize + cuBLAS (outside the decode kernel's
-# range): run 82 on 7168x7168 / 12288x7168, tile / dequantize + cuBLAS: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at
-# 128, 1.25 / 1.55 at 256 (slower above 128)
+# range). H200, bench/bench_tile.py, time of the tile GEMM / dequantize + cuBLAS on 7168x7168 and
+# 12288x7168: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at 128, 1.25 / 1.55 at 256 (slower from there)
 TILE_MIN_M = 17
 TILE_MAX_M = 128
 
