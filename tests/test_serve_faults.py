@@ -126,7 +126,7 @@ def test_a_failing_add_fails_that_request_alone(client, server):
 @pytest.mark.parametrize(
     ("path", "body", "param", "message"),
     [
-        ("/v1/completions", GREEDY | {"tools": []}, "tools", "'tools' is not supported"),
+        ("/v1/completions", GREEDY | {"tools": []}, "tools", "'tools' is a /v1/chat/completions field"),
         ("/v1/completions", GREEDY | {"response_format": {"type": "json_object"}}, "response_format", ""),
         ("/v1/completions", GREEDY | {"temprature": 0}, "temprature", "unknown field 'temprature'"),
         ("/v1/completions", GREEDY | {"messages": []}, "messages", "a /v1/chat/completions field"),
@@ -138,7 +138,7 @@ def test_a_failing_add_fails_that_request_alone(client, server):
             "/v1/chat/completions",
             {"messages": [{"role": "wizard", "content": "hi"}]},
             "messages[0].role",
-            "must be one of system, user, assistant, got 'wizard'",
+            "must be one of system, user, assistant, tool, got 'wizard'",
         ),
         (
             "/v1/chat/completions",

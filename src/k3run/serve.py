@@ -30,6 +30,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3run.chat_output import (
+    THINK_BEGIN,
+    ParseOptions,
+    StopCut,
+    StreamParser,
+    cut_at_stop,
+    incremental_decode,
+    parse_output,
+)
 from k3run.engine import LLMEngine, SamplingParams
 from k3run.engine.sequence import MAX_LOGPROBS, FinishReason, RequestOutput, TokenLogprob
 
@@ -73,6 +82,7 @@ class _Parsed:
     stream: bool
     include_usage: bool
     score_only: bool
+    parse: ParseOptions | None = None  # chat: reasoning / tool calls to split out of the output
 
 
 @dataclass
@@ -83,6 +93,8 @@ class _Plan:
     stream: bool
     include_usage: bool
     score_only: bool  # echo with max_tokens 0: the one generated token is dropped
+    parse: ParseOptions | None = None
+    stop: tuple[str, ...] = ()
 
 
 Command = tuple[list[tuple[int, list[int], SamplingParams]], list[int], bool]  # (adds, aborts, stop)
@@ -295,15 +307,24 @@ _COMMON_FIELDS = {
 }  # fmt: skip
 _FIELDS = {
     False: _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
-    True: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+    True: _COMMON_FIELDS
+    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    | {"reasoning_effort"},
 }
 # OpenAI fields this server does not implement: refused by name, never ignored
 _NOT_IMPLEMENTED = (
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
-    "reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "store", "metadata",
-    "service_tier", "min_p", "repetition_penalty",
+    "functions", "function_call", "response_format", "modalities", "audio", "prediction",
+    "web_search_options", "store", "metadata", "service_tier", "min_p", "repetition_penalty",
 )  # fmt: skip
-_ROLES = ("system", "user", "assistant")
+# the keys a message of each role may carry
+_ROLE_KEYS = {
+    "system": ("role", "content"),
+    "user": ("role", "content"),
+    "assistant": ("role", "content", "tool_calls", "reasoning_content"),
+    "tool": ("role", "content", "tool_call_id"),
+}
+_ROLES = tuple(_ROLE_KEYS)
+_EFFORTS = ("low", "medium", "high")
 
 
 def check_fields(body: dict[str, Any], chat: bool) -> None:
@@ -313,11 +334,122 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
             continue
         if name == "echo" and chat:
             raise ServeError(400, "'echo' is a /v1/completions field", "echo")
+        if not chat and name in _FIELDS[True]:
+            raise ServeError(400, f"'{name}' is a /v1/chat/completions field", name)
         if name in _NOT_IMPLEMENTED:
             raise ServeError(400, f"'{name}' is not supported by this server", name)
         other = "/v1/completions" if name in _FIELDS[False] else "/v1/chat/completions"
         where = f"; it is a {other} field" if name in _FIELDS[not chat] else ""
         raise ServeError(400, f"unknown field '{name}'{where}", name)
+
+
+def _text(i: int, m: dict[str, Any], nullable: bool) -> dict[str, Any]:
+    """Message i with its content as one string (text parts joined); None kept where allowed."""
+    content = m.get("content")
+    if content is None and nullable:
+        return m
+    if isinstance(content, list):  # text parts only
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise ServeError(
+                400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content"
+            )
+        return {**m, "content": "".join(str(p.get("text", "")) for p in content)}
+    if not isinstance(content, str):
+        raise ServeError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
+    return m
+
+
+def _check_message(i: int, m: Any) -> dict[str, Any]:
+    """Message i checked field by field (roles system / user / assistant / tool, _ROLE_KEYS)."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ServeError(400, f"{where} must be an object with a string 'role'", f"{where}.role")
+    role = m["role"]
+    if role not in _ROLES:
+        raise ServeError(
+            400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role"
+        )
+    for key in m:
+        if key not in _ROLE_KEYS[role]:
+            raise ServeError(
+                400, f"{where}.{key} is not supported by this server for role {role!r}", f"{where}.{key}"
+            )
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not calls:
+            raise ServeError(400, f"{where}.tool_calls must be a non-empty list", f"{where}.tool_calls")
+        for j, c in enumerate(calls):
+            at = f"{where}.tool_calls[{j}]"
+            fn = c.get("function") if isinstance(c, dict) else None
+            if (
+                not isinstance(fn, dict)
+                or not isinstance(c.get("id"), str)
+                or c.get("type", "function") != "function"
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments"), str)
+            ):
+                raise ServeError(
+                    400, f"{at} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                    "'arguments': str}}}}", at,
+                )  # fmt: skip
+    if role == "assistant" and m.get("reasoning_content") is not None:
+        if not isinstance(m["reasoning_content"], str):
+            raise ServeError(400, f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise ServeError(400, f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+    return _text(i, m, nullable=role == "assistant" and calls is not None)
+
+
+def _check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    tools = _get(body, "tools", (list,), [])
+    names = set()
+    for i, t in enumerate(tools):
+        at = f"tools[{i}]"
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type") != "function":
+            raise ServeError(400, f"{at} must be {{'type': 'function', 'function': {{...}}}}", at)
+        for key in t:
+            if key not in ("type", "function"):
+                raise ServeError(400, f"{at}.{key} is not supported", f"{at}.{key}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or not all(ch.isalnum() or ch in "_-." for ch in name):
+            raise ServeError(
+                400, f"{at}.function.name must be a non-empty string of letters, digits, _ - .",
+                f"{at}.function.name",
+            )  # fmt: skip
+        if name in names:
+            raise ServeError(400, f"{at}.function.name {name!r} is given twice", f"{at}.function.name")
+        names.add(name)
+        for key, kinds in (("description", (str,)), ("parameters", (dict,)), ("strict", (bool,))):
+            if key in fn and not isinstance(fn[key], kinds):
+                raise ServeError(400, f"{at}.function.{key} has the wrong type", f"{at}.function.{key}")
+        if fn.get("strict"):
+            raise ServeError(
+                400, "strict tool schemas need constrained decoding, which this server does not implement",
+                f"{at}.function.strict",
+            )  # fmt: skip
+        for key in fn:
+            if key not in ("name", "description", "parameters", "strict"):
+                raise ServeError(400, f"{at}.function.{key} is not supported", f"{at}.function.{key}")
+    return tools
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str:
+    """ "auto" or "none". "required" and a named function need constrained decoding (not implemented)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none"):
+        if choice == "auto" and not tools:
+            raise ServeError(400, "'tool_choice' 'auto' needs 'tools'", "tool_choice")
+        return choice
+    if choice == "required" or isinstance(choice, dict):
+        raise ServeError(
+            400, "'tool_choice' required or a named function needs constrained decoding, which this server "
+            "does not implement; use 'auto'", "tool_choice",
+        )  # fmt: skip
+    raise ServeError(400, f"'tool_choice' must be 'auto' or 'none', got {choice!r}", "tool_choice")
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -543,44 +675,55 @@ class OpenAIServer:
                 )  # fmt: skip
         return prompts
 
-    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def _chat_ids(self, body: dict[str, Any]) -> tuple[list[int], ParseOptions | None]:
+        """The rendered, tokenized conversation and what to split out of the reply (None: plain text)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ServeError(400, "'messages' must be a non-empty list", "messages")
-        messages = list(messages)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ServeError(
-                    400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}].role"
-                )
-            if m["role"] not in _ROLES:
-                raise ServeError(
-                    400,
-                    f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m['role']!r}",
-                    f"messages[{i}].role",
-                )
-            for key in m:
-                if key not in ("role", "content"):
-                    raise ServeError(
-                        400, f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}"
-                    )
-            content = m.get("content")
-            if isinstance(content, list):  # text parts only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ServeError(
-                        400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content"
-                    )
-                m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
-                messages[i] = m
-            elif not isinstance(content, str):
-                raise ServeError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-        if self.tokenizer.chat_template is None:
+        messages = [_check_message(i, m) for i, m in enumerate(messages)]
+        template = self.tokenizer.chat_template
+        if template is None:
             raise ServeError(
                 400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages"
             )
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tools = _check_tools(body)
+        choice = _tool_choice(body, tools)
+        parallel = _get(body, "parallel_tool_calls", (bool,), True)
+        effort = _get(body, "reasoning_effort", (str,), None)
+        extra: dict[str, Any] = {}
+        # fields the model's template does not read would be silently ignored: refuse them instead
+        if tools:
+            if "tools" not in template:
+                raise ServeError(
+                    400, f"the chat template of '{self.model_name}' does not render tools", "tools"
+                )
+            extra["tools"] = tools
+        if effort is not None:
+            if effort not in _EFFORTS:
+                raise ServeError(
+                    400, f"'reasoning_effort' must be one of {', '.join(_EFFORTS)}, got {effort!r}",
+                    "reasoning_effort",
+                )  # fmt: skip
+            if "reasoning_effort" not in template:
+                raise ServeError(
+                    400, f"the chat template of '{self.model_name}' takes no reasoning_effort",
+                    "reasoning_effort",
+                )  # fmt: skip
+            extra["reasoning_effort"] = effort
+        for i, m in enumerate(messages):
+            if (m["role"] == "tool" or "tool_calls" in m) and "tool" not in template:
+                raise ServeError(
+                    400, f"the chat template of '{self.model_name}' does not render tool messages",
+                    f"messages[{i}]",
+                )  # fmt: skip
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        think_open = text.rstrip().endswith(THINK_BEGIN)
+        names = frozenset(t["function"]["name"] for t in tools) if tools and choice == "auto" else frozenset()
+        opts = None
+        if names or think_open or THINK_BEGIN in template:
+            opts = ParseOptions(think_open=think_open, names=names, parallel=parallel)
         # the template writes its own special tokens (BOS included)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False), opts
 
     def parse(self, body: dict[str, Any], chat: bool) -> "_Parsed":
         """Validate and tokenize a request body (no engine access: runs on a worker thread)."""
@@ -588,7 +731,12 @@ class OpenAIServer:
             raise ServeError(400, "the request body must be a JSON object")
         self._check_model(body)
         check_fields(body, chat)
-        prompts = [self._chat_ids(body)] if chat else self._prompt_ids(body)
+        opts = None
+        if chat:
+            ids, opts = self._chat_ids(body)
+            prompts = [ids]
+        else:
+            prompts = self._prompt_ids(body)
         n = _get(body, "n", (int,), 1)
         if not 1 <= n <= MAX_CHOICES:
             raise ServeError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
@@ -630,7 +778,7 @@ class OpenAIServer:
         if echo:  # the prompt as given (a string), or decoded (token ids)
             items = [raw] if isinstance(raw, str) or (raw and not isinstance(raw[0], (str, list))) else raw
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in items]
-        return _Parsed(prompts, params, n, texts if echo else None, stream, include_usage, score_only)
+        return _Parsed(prompts, params, n, texts if echo else None, stream, include_usage, score_only, opts)
 
     def _submit(self, parsed: "_Parsed") -> "_Plan":
         """Submit every (prompt, choice) pair, in choice-index order (on the event loop)."""
@@ -647,7 +795,10 @@ class OpenAIServer:
                 reqs.append(self.async_engine.submit(ids, pj))
                 echoes.append(parsed.echoes[p] if parsed.echoes is not None else None)
         prompt_tokens = sum(len(ids) for ids in parsed.prompts)
-        return _Plan(reqs, echoes, prompt_tokens, parsed.stream, parsed.include_usage, parsed.score_only)
+        return _Plan(
+            reqs, echoes, prompt_tokens, parsed.stream, parsed.include_usage, parsed.score_only, parsed.parse,
+            tuple(params.stop or ()),
+        )  # fmt: skip
 
     async def _outputs(self, req: _Request) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -710,7 +861,9 @@ class OpenAIServer:
             except BaseException:
                 await merged.aclose()
                 raise
-            return None, self._sse(rid, chat, first, merged, prompt_tokens if plan.include_usage else None)
+            return None, self._sse(
+                rid, chat, first, merged, prompt_tokens if plan.include_usage else None, plan
+            )
         final: dict[int, RequestOutput] = {}
         async for i, out in merged:
             if out.finished:
@@ -727,10 +880,8 @@ class OpenAIServer:
             lps = None
             if chat:
                 lps = _chat_logprobs(self.tokenizer, gen_lps) if gen_lps is not None else None
-                msg = {"role": "assistant", "content": text}
-                choices.append(
-                    {"index": i, "message": msg, "logprobs": lps, "finish_reason": _finish_reason(out)}
-                )
+                msg, reason = self._message(out, plan)
+                choices.append({"index": i, "message": msg, "logprobs": lps, "finish_reason": reason})
                 continue
             echo = plan.echoes[i]
             if gen_lps is not None:
@@ -751,6 +902,30 @@ class OpenAIServer:
             "usage": _usage(prompt_tokens, completion_tokens),
         }, None
 
+    def _reply_ids(self, out: RequestOutput) -> list[int]:
+        """The generated ids without the stop token that ended them (the engine's text leaves it out)."""
+        ids = out.token_ids
+        stops = set(self.tokenizer.eos_token_ids)
+        if out.finished and out.finish_reason is FinishReason.STOP and ids and ids[-1] in stops:
+            return ids[:-1]
+        return ids
+
+    def _message(self, out: RequestOutput, plan: "_Plan") -> tuple[dict[str, Any], str | None]:
+        """A finished choice's assistant message and finish reason: the text, or with plan.parse the
+        reasoning, content and tool calls split out of the text decoded with special tokens."""
+        reason = _finish_reason(out)
+        if plan.parse is None:
+            return {"role": "assistant", "content": out.text}, reason
+        raw = self.tokenizer.decode(self._reply_ids(out), skip_special_tokens=False)
+        co = parse_output(cut_at_stop(raw, plan.stop), plan.parse)
+        msg: dict[str, Any] = {"role": "assistant", "content": co.content or (None if co.tool_calls else "")}
+        if co.reasoning is not None:
+            msg["reasoning_content"] = co.reasoning
+        if co.tool_calls:
+            msg["tool_calls"] = [c.openai() for c in co.tool_calls]
+            reason = "tool_calls" if reason == "stop" else reason
+        return msg, reason
+
     async def _sse(
         self,
         rid: str,
@@ -758,6 +933,7 @@ class OpenAIServer:
         first: tuple[int, RequestOutput],
         rest: AsyncIterator[tuple[int, RequestOutput]],
         prompt_tokens: int | None,
+        plan: "_Plan | None" = None,
     ) -> AsyncIterator[str]:
         """Chunks as the choices produce text; with prompt_tokens (stream_options.include_usage) a last chunk
         with no choices carries the usage, as OpenAI sends it."""
@@ -767,6 +943,32 @@ class OpenAIServer:
         completion_tokens = {}
         sent_lps: dict[int, int] = {}  # per choice: tokens whose logprobs were already sent
         lp_offset: dict[int, int] = {}  # per choice: characters of those tokens (completions' text_offset)
+        parse = plan.parse if plan is not None and chat else None
+        # with parse: per choice the decode offsets of the text with special tokens, its stop-string cut and
+        # the parser splitting it into reasoning, content and tool calls
+        offsets: dict[int, tuple[int, int]] = {}
+        cuts: dict[int, StopCut] = {}
+        parsers: dict[int, StreamParser] = {}
+
+        def parsed_delta(i: int, out: RequestOutput) -> tuple[dict[str, Any], bool]:
+            """(delta fields of this output, whether the choice has made tool calls)."""
+            ids = self._reply_ids(out)
+            prefix, read = offsets.get(i, (0, 0))
+            new, prefix, read = incremental_decode(
+                self.tokenizer, ids, prefix, read, out.finished, skip_special_tokens=False
+            )
+            offsets[i] = (prefix, read)
+            assert parse is not None and plan is not None
+            cut = cuts.setdefault(i, StopCut(plan.stop))
+            parser = parsers.setdefault(i, StreamParser(parse))
+            deltas = parser.feed(cut.feed(new, out.finished))
+            if out.finished:
+                deltas += parser.finish()
+            merged: dict[str, Any] = {}
+            for d in deltas:
+                for key, value in d.items():
+                    merged[key] = merged.get(key, [] if key == "tool_calls" else "") + value
+            return merged, bool(parser.calls)
 
         def chunk(i: int, out: RequestOutput) -> str:
             lps = None
@@ -780,14 +982,19 @@ class OpenAIServer:
                     if new:
                         lp_offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
             choice: dict[str, Any] = {"index": i}
+            reason = _finish_reason(out)
             if chat:
                 delta: dict[str, Any] = {} if i in started else {"role": "assistant"}
-                if out.delta:
+                if parse is not None:
+                    fields, called = parsed_delta(i, out)
+                    delta |= fields
+                    reason = "tool_calls" if called and reason == "stop" else reason
+                elif out.delta:
                     delta["content"] = out.delta
                 choice["delta"] = delta
             else:
                 choice["text"] = out.delta
-            choice |= {"logprobs": lps, "finish_reason": _finish_reason(out)}
+            choice |= {"logprobs": lps, "finish_reason": reason}
             started.add(i)
             data: dict[str, Any] = {
                 "id": rid,

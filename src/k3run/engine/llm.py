@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from k3run.chat_output import incremental_decode
 from k3run.config import ModelConfig
 from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_for
 from k3run.engine.runner import (
@@ -67,13 +68,10 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def step(self, seq: Sequence, flush: bool = False) -> str:
-        ids = seq.all_token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
-        full = self.tokenizer.decode(ids[seq.prefix_offset :])
-        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-            return full[len(prefix) :]
-        return ""
+        delta, seq.prefix_offset, seq.read_offset = incremental_decode(
+            self.tokenizer, seq.all_token_ids, seq.prefix_offset, seq.read_offset, flush
+        )
+        return delta
 
 
 def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -1,0 +1,233 @@
+"""What a Kimi chat model writes, split into OpenAI's fields: reasoning, content and tool calls.
+
+Kimi's chat templates (K2, K3, Kimi Linear) frame an assistant turn as
+    [<think> reasoning </think>] content [<|tool_calls_section_begin|> call ... <|tool_calls_section_end|>]
+with each call written as
+    <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{json arguments}<|tool_call_end|>
+The call id (`functions.NAME:INDEX`) is what the template renders back with the tool's result, so it is
+kept as the OpenAI `tool_calls[].id`. The markers are special tokens: the text parsed here is decoded with
+special tokens kept (`incremental_decode(..., skip_special_tokens=False)`).
+
+Rules (the same for a whole output and for a stream):
+- reasoning: the text up to `</think>` when the prompt ended in `<think>` (the template opened it) or the
+  output starts with it; an output that never closes it is all reasoning.
+- tool calls (only when the request gave tools and tool_choice is not "none"): the section must be closed,
+  every call well formed, its arguments a JSON object and its name one of the request's tools. Otherwise the
+  section's text is returned as content, as the model wrote it: never an error. With parallel_tool_calls
+  false only the first call is returned.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_BEGIN, THINK_END = "<think>", "</think>"
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+def incremental_decode(
+    tokenizer: Any, ids: Sequence[int], prefix: int, read: int, flush: bool, skip_special_tokens: bool = True
+) -> tuple[str, int, int]:
+    """(new text, prefix, read) for ids decoded up to `read` before: the window from `prefix` is decoded
+    again so multi-byte characters and word-start spaces come out right, and text is held back while the
+    window ends in an incomplete UTF-8 sequence (unless `flush`)."""
+    before = tokenizer.decode(ids[prefix:read], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[prefix:], skip_special_tokens=skip_special_tokens)
+    if len(full) > len(before) and (flush or not full.endswith("\ufffd")):
+        return full[len(before) :], read, len(ids)
+    return "", prefix, read
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as the model wrote it
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index} | out
+
+
+@dataclass
+class ChatOutput:
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def parse_section(body: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """The calls of one tool-calls section (the text between its markers), or None if any is malformed."""
+    calls = []
+    rest = body.strip()
+    while rest:
+        if not rest.startswith(CALL_BEGIN) or CALL_END not in rest:
+            return None
+        call, rest = rest[len(CALL_BEGIN) :].split(CALL_END, 1)
+        rest = rest.strip()
+        if call.count(ARG_BEGIN) != 1:
+            return None
+        ident, args = (s.strip() for s in call.split(ARG_BEGIN))
+        head, sep, index = ident.rpartition(":")
+        name = head.removeprefix("functions.")
+        if not sep or not index.isdigit() or name not in names:
+            return None
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        calls.append(ToolCall(ident, name, args))
+    return calls or None
+
+
+@dataclass(frozen=True)
+class ParseOptions:
+    """What to look for in an output. names: the request's tool names (empty: no tool parsing)."""
+
+    think_open: bool = False  # the prompt ended in <think>
+    names: frozenset[str] = frozenset()
+    parallel: bool = True
+
+
+def parse_output(text: str, opts: ParseOptions) -> ChatOutput:
+    """A whole output (special tokens kept) as reasoning, content and tool calls (module rules)."""
+    reasoning = None
+    if opts.think_open or text.lstrip().startswith(THINK_BEGIN):
+        inner = text if opts.think_open else text.lstrip()[len(THINK_BEGIN) :]
+        reasoning, sep, text = inner.partition(THINK_END)
+        if not sep:
+            reasoning, text = inner, ""
+        text = text.lstrip("\n") if sep else text
+    calls: list[ToolCall] = []
+    if opts.names and SECTION_BEGIN in text:
+        before, after = text.split(SECTION_BEGIN, 1)
+        body, sep, tail = after.partition(SECTION_END)
+        parsed = parse_section(body, opts.names) if sep else None
+        if parsed is not None:
+            calls = parsed if opts.parallel else parsed[:1]
+            text = before + tail
+    return ChatOutput(reasoning, text, calls)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """text up to the first occurrence of any stop string (the engine's rule on its own text)."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(hits)] if hits else text
+
+
+class StopCut:
+    """cut_at_stop over a stream: feed(new_text, final) returns what is safe to pass on (the characters that
+    could still begin a stop string are held back), nothing after a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.buf = ""
+        self.done = False
+
+    def feed(self, text: str, final: bool) -> str:
+        if self.done:
+            return ""
+        self.buf += text
+        cut = cut_at_stop(self.buf, self.stops)
+        if len(cut) < len(self.buf):
+            self.done, self.buf = True, ""
+            return cut
+        keep = 0 if final or not self.stops else max(len(s) for s in self.stops) - 1
+        out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+        return out
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker` (held back in a stream)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class StreamParser:
+    """The same rules over a stream: `feed(new_text)` and `finish()` return OpenAI delta fields
+    ({"reasoning_content": ...}, {"content": ...}, {"tool_calls": [...]}) in order. Text that could still be
+    the start of a marker is held back; a tool-calls section is held until it closes (its calls then go out
+    together, or its text as content if it is not valid)."""
+
+    def __init__(self, opts: ParseOptions) -> None:
+        self.opts = opts
+        self.state = "think" if opts.think_open else "start"
+        self.buf = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.buf += text
+        return self._run(final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return [d for d in self._run(final=True) if any(d.values())]
+
+    def _run(self, final: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            before = (self.state, len(self.buf))
+            out += self._step(final)
+            if (self.state, len(self.buf)) == before:
+                return out
+
+    def _emit(self, key: str, upto: int) -> list[dict[str, Any]]:
+        piece, self.buf = self.buf[:upto], self.buf[upto:]
+        return [{key: piece}] if piece else []
+
+    def _step(self, final: bool) -> list[dict[str, Any]]:
+        if self.state == "start":  # does the output open a reasoning block?
+            stripped = self.buf.lstrip()
+            if stripped.startswith(THINK_BEGIN):
+                self.buf, self.state = stripped[len(THINK_BEGIN) :], "think"
+            elif final or not THINK_BEGIN.startswith(stripped):
+                self.state = "content"
+            return []
+        if self.state == "think":
+            i = self.buf.find(THINK_END)
+            if i >= 0:
+                out = self._emit("reasoning_content", i)
+                self.buf = self.buf[len(THINK_END) :]
+                self.state = "after_think"
+                return out
+            return self._emit(
+                "reasoning_content", len(self.buf) - (0 if final else _held(self.buf, THINK_END))
+            )
+        if self.state == "after_think":  # the newlines right after </think> are not content
+            self.buf = self.buf.lstrip("\n")
+            if self.buf or final:
+                self.state = "content"
+            return []
+        if self.state == "content":
+            if self.opts.names:
+                i = self.buf.find(SECTION_BEGIN)
+                if i >= 0:
+                    out = self._emit("content", i)
+                    self.state = "section"
+                    return out
+                return self._emit("content", len(self.buf) - (0 if final else _held(self.buf, SECTION_BEGIN)))
+            return self._emit("content", len(self.buf))
+        if self.state == "section":
+            body, sep, _ = self.buf[len(SECTION_BEGIN) :].partition(SECTION_END)
+            if not sep and not final:
+                return []
+            parsed = parse_section(body, self.opts.names) if sep else None
+            if parsed is None:  # not valid: the section's text is content
+                self.state = "content_only"
+                return self._emit("content", len(self.buf))
+            self.calls = parsed if self.opts.parallel else parsed[:1]
+            self.buf = self.buf[len(SECTION_BEGIN) + len(body) + len(SECTION_END) :]
+            self.state = "content_only"
+            return [{"tool_calls": [c.openai(i) for i, c in enumerate(self.calls)]}]
+        return self._emit("content", len(self.buf))  # content_only: after the section
