@@ -326,3 +326,56 @@ def test_sigterm_drains_and_stops_within_the_drain_timeout(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_api_key_guards_the_v1_endpoints(model, caplog):
+    """With a key, /v1 needs `Authorization: Bearer <key>` (401 in OpenAI's error shape otherwise, logged
+    with the request id); /health and /metrics stay open; every response carries x-request-id (the
+    client's when it is plain, a new one when it is not)."""
+    from k3run.serve import authorized
+
+    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), CONFIG), "k3", api_key="s3cret")
+    try:
+        with TestClient(build_app(srv)) as c, caplog.at_level("WARNING", logger="k3run.serve"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                            {"Authorization": "Basic s3cret"}):  # fmt: skip
+                r = c.post("/v1/completions", json=GREEDY, headers=headers | {"x-request-id": "abc-1"})
+                assert r.status_code == 401, (headers, r.text)
+                assert (
+                    r.json()["error"]["type"] == "authentication_error"
+                    and r.headers["x-request-id"] == "abc-1"
+                )
+            assert "request abc-1: /v1/completions 401" in caplog.text
+            assert c.get("/v1/models").status_code == 401
+            ok = c.post("/v1/completions", json=GREEDY, headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200 and ok.headers["x-request-id"].startswith("req-")
+            bad_id = c.get("/health", headers={"x-request-id": "a b\n<script>"})
+            assert bad_id.status_code == 200 and bad_id.headers["x-request-id"].startswith("req-")
+            assert c.get("/metrics").status_code == 200
+    finally:
+        srv.async_engine.shutdown()
+    assert authorized("Bearer s3cret", "s3cret") and authorized("bearer  s3cret ", "s3cret")
+    assert not authorized("Bearer s3cre", "s3cret") and not authorized(None, "s3cret")
+    with pytest.raises(ValueError, match="empty key"):
+        OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), CONFIG), "k3", api_key="")
+
+
+def test_requests_over_the_concurrency_limit_get_429(model):
+    """--max-concurrent-requests 1: while one streamed request is open the next gets 429 naming the limit;
+    once the stream has ended the next is admitted (streams count until they end)."""
+    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), CONFIG), "k3", max_concurrent=1)
+    try:
+        with TestClient(build_app(srv)) as c:
+            body = GREEDY | {"max_tokens": 20, "stream": True, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json=body) as first:
+                assert first.status_code == 200
+                busy = c.post("/v1/completions", json=GREEDY)
+                assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+                lines = [ln for ln in first.iter_lines() if ln]
+            assert lines[-1] == "data: [DONE]"
+            assert srv.in_flight == 0
+            assert c.post("/v1/completions", json=GREEDY).status_code == 200
+            assert c.post("/v1/completions", json={"prompt": [-1]}).status_code == 400
+            assert srv.in_flight == 0  # a refused request does not hold a place
+    finally:
+        srv.async_engine.shutdown()

@@ -253,6 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.served_model_name or model_dir.name,
         max_body_bytes=args.max_body_kib << 10,
         stall_s=args.stall_timeout,
+        api_key=args.api_key or os.environ.get("K3RUN_API_KEY") or None,
+        max_concurrent=args.max_concurrent_requests,
     )
     tp = f", tensor parallel over {llm.engine.config.tp_size} ranks" if llm.engine.config.tp_size > 1 else ""
     print(
@@ -580,6 +582,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=120,
         help="/health answers 503 when one engine step runs longer than this many seconds (default: 120)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $K3RUN_API_KEY; none: open). The "
+        "environment variable keeps the key out of the process list",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        default=None,
+        help="completion requests answered at once; more get 429 (default: no limit)",
     )
     _add_device_args(p)
     _add_nvfp4_as_fp8(p)

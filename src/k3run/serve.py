@@ -19,6 +19,7 @@ Needs the `serve` extra (fastapi, uvicorn, prometheus-client): `k3run serve [MOD
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import itertools
 import json
 import logging
@@ -618,11 +619,18 @@ class OpenAIServer:
         model_name: str,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         stall_s: float = DEFAULT_STALL_S,
+        api_key: str | None = None,
+        max_concurrent: int | None = None,
     ) -> None:
+        if api_key is not None and not api_key:
+            raise ValueError("api_key: an empty key would let every client in; give a key or none")
         self.engine = engine
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
+        self.api_key = api_key
+        self.max_concurrent = max_concurrent
+        self.in_flight = 0  # completion requests admitted and not yet answered (streams until they end)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.model.config.vocab_size
@@ -1022,6 +1030,21 @@ class OpenAIServer:
             await rest.aclose()  # type: ignore[attr-defined]
 
 
+def request_id(given: str | None) -> str:
+    """The client's x-request-id when it is short and plain (letters, digits, - _ . :), else a new one: the
+    id goes into logs and headers, so nothing else is echoed."""
+    if given and len(given) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_.:") for c in given):
+        return given
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def authorized(header: str | None, key: str) -> bool:
+    """Whether an Authorization header carries `Bearer <key>`; the key is compared in constant time."""
+    scheme, _, token = (header or "").partition(" ")
+    ok = hmac.compare_digest(token.strip().encode(), key.encode())
+    return scheme.lower() == "bearer" and ok
+
+
 def build_app(server: OpenAIServer) -> Any:
     """The FastAPI application around `server`."""
     from fastapi import FastAPI, Request
@@ -1037,7 +1060,28 @@ def build_app(server: OpenAIServer) -> Any:
     @app.exception_handler(ServeError)
     async def _serve_error(request: Request, e: ServeError) -> JSONResponse:
         server.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        rid = getattr(request.state, "request_id", "-")
+        log.info("request %s: %s %d %s (param %s)", rid, request.url.path, e.status, e.message, e.param)
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def _auth_and_ids(request: Request, call_next: Any) -> Any:
+        """Every response carries x-request-id (the client's, if it sent a usable one); with an API key the
+        /v1 endpoints need `Authorization: Bearer <key>`, compared in constant time (/health and /metrics
+        stay open for probes and scrapers)."""
+        rid = request_id(request.headers.get("x-request-id"))
+        request.state.request_id = rid
+        if server.api_key is not None and request.url.path.startswith("/v1/"):
+            if not authorized(request.headers.get("authorization"), server.api_key):
+                server.metrics.requests.labels(request.url.path, "401").inc()
+                log.warning("request %s: %s 401 (missing or wrong API key)", rid, request.url.path)
+                err = ServeError(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
+                                 "authentication_error")  # fmt: skip
+                headers = {"WWW-Authenticate": "Bearer", "x-request-id": rid}
+                return JSONResponse(err.body(), status_code=401, headers=headers)
+        response = await call_next(request)
+        response.headers["x-request-id"] = rid
+        return response
 
     async def _body(request: Request) -> dict[str, Any]:
         limit = server.max_body_bytes
@@ -1067,7 +1111,37 @@ def build_app(server: OpenAIServer) -> Any:
             await asyncio.sleep(0.25)
 
     async def _respond(request: Request, chat: bool) -> Any:
+        limit = server.max_concurrent
+        if limit is not None and server.in_flight >= limit:
+            raise ServeError(
+                429, f"this server is answering {server.in_flight} requests, its limit; retry later", None,
+                "rate_limit_error",
+            )  # fmt: skip
+        server.in_flight += 1
+        try:
+            response = await _answer(request, chat)
+        except BaseException:
+            server.in_flight -= 1
+            raise
+        if isinstance(response, StreamingResponse):  # counted until the stream ends
+            inner = response.body_iterator
+
+            async def counted() -> AsyncIterator[Any]:
+                try:
+                    async for part in inner:
+                        yield part
+                finally:
+                    server.in_flight -= 1
+
+            response.body_iterator = counted()
+        else:
+            server.in_flight -= 1
+        return response
+
+    async def _answer(request: Request, chat: bool) -> Any:
         body = await _body(request)
+        t0 = time.monotonic()
+        rid = request.state.request_id
         work = asyncio.ensure_future(server.complete(body, chat))
         watch = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -1079,11 +1153,24 @@ def build_app(server: OpenAIServer) -> Any:
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             server.metrics.requests.labels(request.url.path, "499").inc()
+            log.info(
+                "request %s: %s 499 (the client left after %.2f s)",
+                rid,
+                request.url.path,
+                time.monotonic() - t0,
+            )
             return Response(status_code=499)
         result, stream = work.result()
         server.metrics.requests.labels(request.url.path, "200").inc()
         if stream is not None:
+            log.info("request %s: %s 200 streaming", rid, request.url.path)
             return StreamingResponse(stream, media_type="text/event-stream")
+        usage = result["usage"] if result is not None else {}
+        log.info(
+            "request %s: %s 200 %s, %d prompt + %d generated tokens in %.2f s", rid, request.url.path,
+            result["id"] if result else "-", usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+            time.monotonic() - t0,
+        )  # fmt: skip
         return JSONResponse(result)
 
     @app.get("/v1/models")
