@@ -1060,27 +1060,31 @@ def build_app(server: OpenAIServer) -> Any:
     @app.exception_handler(ServeError)
     async def _serve_error(request: Request, e: ServeError) -> JSONResponse:
         server.metrics.requests.labels(request.url.path, str(e.status)).inc()
-        rid = getattr(request.state, "request_id", "-")
+        rid = _rid(request)
         log.info("request %s: %s %d %s (param %s)", rid, request.url.path, e.status, e.message, e.param)
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"x-request-id": rid} | ({"WWW-Authenticate": "Bearer"} if e.status == 401 else {})
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    @app.middleware("http")
-    async def _auth_and_ids(request: Request, call_next: Any) -> Any:
-        """Every response carries x-request-id (the client's, if it sent a usable one); with an API key the
-        /v1 endpoints need `Authorization: Bearer <key>`, compared in constant time (/health and /metrics
-        stay open for probes and scrapers)."""
-        rid = request_id(request.headers.get("x-request-id"))
-        request.state.request_id = rid
-        if server.api_key is not None and request.url.path.startswith("/v1/"):
-            if not authorized(request.headers.get("authorization"), server.api_key):
-                server.metrics.requests.labels(request.url.path, "401").inc()
-                log.warning("request %s: %s 401 (missing or wrong API key)", rid, request.url.path)
-                err = ServeError(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
-                                 "authentication_error")  # fmt: skip
-                headers = {"WWW-Authenticate": "Bearer", "x-request-id": rid}
-                return JSONResponse(err.body(), status_code=401, headers=headers)
-        response = await call_next(request)
-        response.headers["x-request-id"] = rid
+    def _rid(request: Request) -> str:
+        """This request's id (made once): the client's x-request-id when plain, else a new one."""
+        if not hasattr(request.state, "request_id"):
+            request.state.request_id = request_id(request.headers.get("x-request-id"))
+        return request.state.request_id
+
+    def _guard(request: Request) -> None:
+        """With an API key, the /v1 endpoints need `Authorization: Bearer <key>` (compared in constant time;
+        /health and /metrics stay open for probes and scrapers). A route check, not an HTTP middleware:
+        Starlette's middleware wrapper hides client disconnects from the route, which the abort needs."""
+        if server.api_key is not None and not authorized(
+            request.headers.get("authorization"), server.api_key
+        ):
+            log.warning("request %s: %s 401 (missing or wrong API key)", _rid(request), request.url.path)
+            raise ServeError(
+                401, "missing or wrong API key (Authorization: Bearer <key>)", None, "authentication_error"
+            )
+
+    def _ided(request: Request, response: Any) -> Any:
+        response.headers["x-request-id"] = _rid(request)
         return response
 
     async def _body(request: Request) -> dict[str, Any]:
@@ -1111,6 +1115,7 @@ def build_app(server: OpenAIServer) -> Any:
             await asyncio.sleep(0.25)
 
     async def _respond(request: Request, chat: bool) -> Any:
+        _guard(request)
         limit = server.max_concurrent
         if limit is not None and server.in_flight >= limit:
             raise ServeError(
@@ -1136,12 +1141,12 @@ def build_app(server: OpenAIServer) -> Any:
             response.body_iterator = counted()
         else:
             server.in_flight -= 1
-        return response
+        return _ided(request, response)
 
     async def _answer(request: Request, chat: bool) -> Any:
         body = await _body(request)
         t0 = time.monotonic()
-        rid = request.state.request_id
+        rid = _rid(request)
         work = asyncio.ensure_future(server.complete(body, chat))
         watch = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -1174,21 +1179,22 @@ def build_app(server: OpenAIServer) -> Any:
         return JSONResponse(result)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(server.models())
+    async def models(request: Request) -> JSONResponse:
+        _guard(request)
+        return _ided(request, JSONResponse(server.models()))
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         problem = server.async_engine.health(server.stall_s)
         if problem is not None:
-            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return _ided(request, JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503))
+        return _ided(request, JSONResponse({"status": "ok"}))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return _ided(request, Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
