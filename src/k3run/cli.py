@@ -146,6 +146,7 @@ def _load_llm(
         cuda_graphs=not getattr(args, "eager", False),
         graph_step_bytes=args.graph_step_mib << 20,
         overlap_decode=False if getattr(args, "no_overlap", False) else None,
+        prefix_cache_bytes=getattr(args, "prefix_cache_mib", 0) << 20,
     )
     from k3run.api import load_model
     from k3run.tokenizer import load_tokenizer
@@ -505,6 +506,13 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with graph decode, wait for each step's tokens before launching the next (by default the next "
         "step is launched from the sampled tokens on the GPU while the host records the previous one)",
+    )
+    p.add_argument(
+        "--prefix-cache-mib",
+        type=int,
+        default=0,
+        help="memory for prompt-prefix snapshots (MLA latents + KDA states) that later prompts starting "
+        "with the same tokens reuse; 0 (default): no prefix caching",
     )
     p.add_argument(
         "--graph-step-mib",

@@ -599,6 +599,19 @@ class Metrics:
         waiting = Gauge("k3run_requests_waiting", "sequences queued for admission", registry=r)
         running.set_function(lambda: async_engine.counts()[0])
         waiting.set_function(lambda: async_engine.counts()[1])
+        pc = getattr(getattr(async_engine, "engine", None), "prefix_cache", None)
+        if pc is not None:  # read at scrape time from the engine thread's counters
+            for name, doc, read in (
+                ("k3run_prefix_cache_lookups", "admitted prompts long enough to look up", lambda: pc.lookups),
+                ("k3run_prefix_cache_hits", "lookups that found a stored prefix", lambda: pc.hits),
+                (
+                    "k3run_prefix_cache_hit_tokens",
+                    "prompt tokens restored instead of computed",
+                    lambda: pc.hit_tokens,
+                ),
+                ("k3run_prefix_cache_bytes", "bytes of stored snapshots", lambda: pc.used_bytes),
+            ):
+                Gauge(name, doc, registry=r).set_function(read)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

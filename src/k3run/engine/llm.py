@@ -13,6 +13,7 @@ import torch
 from k3run.chat_output import incremental_decode
 from k3run.config import ModelConfig
 from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_for
+from k3run.engine.prefix_cache import PrefixCache
 from k3run.engine.runner import (
     DEFAULT_GRAPH_STEP_BYTES,
     GRAPH_BATCH_SIZES,
@@ -58,6 +59,8 @@ class EngineConfig:
     # records step k's tokens, so the host's per-step work overlaps the GPU's. None: on where decode steps
     # replay CUDA graphs; True: wherever a step is a plain decode (the CPU too: for tests, no gain there)
     overlap_decode: bool | None = None
+    # bytes of prompt-prefix snapshots kept for reuse (engine/prefix_cache.py); 0: no prefix caching
+    prefix_cache_bytes: int = 0
 
 
 class Detokenizer:
@@ -180,6 +183,11 @@ class LLMEngine:
             decoder = GraphDecoder(model, self.cache, graph_batch, self.config.graph_step_bytes)
         if self.graph_blocker is not None and device.type == "cuda":
             log.info("decode runs eagerly: %s", self.graph_blocker)
+        self.prefix_cache = (
+            PrefixCache(self.cache, self.config.prefix_cache_bytes)
+            if self.config.prefix_cache_bytes
+            else None
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=min(self.config.max_num_seqs, self.cache.num_free),
@@ -187,6 +195,7 @@ class LLMEngine:
                 max_model_len=self.config.max_model_len,
             ),
             self.cache,
+            self.prefix_cache,
         )
         self.runner = ModelRunner(model, self.cache, decoder)
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(self.config.seed))
@@ -273,6 +282,10 @@ class LLMEngine:
             for b, t in zip(rows, tokens):
                 sampled[b] = t
         self.scheduler.update(batch, sampled, self.tokenizer.eos_token_ids)
+        if self.prefix_cache is not None and batch.is_prefill:
+            for seq in batch.seqs:  # a chunk that ended at a snapshot point of its prompt: keep the state
+                if not seq.is_finished and self.prefix_cache.is_point(seq, seq.num_cached):
+                    self.prefix_cache.store(seq)
         return self._outputs(batch, rows)
 
     def _outputs(self, batch: Batch, rows: list[int]) -> list[RequestOutput]:

@@ -2,8 +2,9 @@
 
 Prefill first (nano-vllm's policy): while prompts wait and slots are free, a step prefills as many prompt
 tokens as the budget allows, splitting a long prompt into chunks across steps (its KDA state and MLA latents
-carry over through the cache, so a chunk starts at context_len > 0). Otherwise a step decodes one token for
-every running sequence.
+carry over through the cache, so a chunk starts at context_len > 0). With a prefix cache an admitted prompt
+starts after its longest stored prefix, and a chunk ends at the prompt's snapshot point (prefix_cache.py).
+Otherwise a step decodes one token for every running sequence.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from k3run.engine.cache import CacheManager
+from k3run.engine.prefix_cache import PrefixCache
 from k3run.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -51,13 +53,16 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheManager, prefix: PrefixCache | None = None
+    ) -> None:
         if config.max_model_len > cache.max_len:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the cache's {cache.max_len} tokens a sequence"
             )
         self.config = config
         self.cache = cache
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -92,7 +97,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.num_uncached > 1:
-                n = min(seq.num_uncached, budget)
+                n = self._chunk(seq, budget)
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
@@ -100,15 +105,27 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
             seq.num_cached = 0
+            if self.prefix is not None:  # a stored prefix of the prompt is copied in and not computed again
+                seq.num_cached = self.prefix.restore(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncached, budget)
+            n = self._chunk(seq, budget)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         if not seqs:
             return None
         return Batch(seqs=seqs, num_new_tokens=counts, is_prefill=True)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The next prefill chunk of seq: what the budget allows, ending at the prefix cache's next snapshot
+        point (the engine snapshots the state there after the step)."""
+        n = min(seq.num_uncached, budget)
+        if self.prefix is not None:
+            point = self.prefix.next_point(seq, seq.num_cached)
+            if point is not None:
+                n = min(n, point - seq.num_cached)
+        return n
 
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
