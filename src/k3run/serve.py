@@ -310,11 +310,11 @@ _FIELDS = {
     False: _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
     True: _COMMON_FIELDS
     | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
-    | {"reasoning_effort"},
+    | {"reasoning_effort", "response_format"},
 }
 # OpenAI fields this server does not implement: refused by name, never ignored
 _NOT_IMPLEMENTED = (
-    "functions", "function_call", "response_format", "modalities", "audio", "prediction",
+    "functions", "function_call", "modalities", "audio", "prediction",
     "web_search_options", "store", "metadata", "service_tier", "min_p", "repetition_penalty",
 )  # fmt: skip
 # the keys a message of each role may carry
@@ -451,6 +451,39 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str:
             "does not implement; use 'auto'", "tool_choice",
         )  # fmt: skip
     raise ServeError(400, f"'tool_choice' must be 'auto' or 'none', got {choice!r}", "tool_choice")
+
+
+def _response_schema(body: dict[str, Any]) -> str | None:
+    """The JSON schema (as text) `response_format` asks for: None for text, {"type": "object"} for any JSON
+    object, or the request's schema."""
+    fmt = _get(body, "response_format", (dict,), None)
+    if fmt is None or fmt.get("type") == "text":
+        return None
+
+    kind = fmt.get("type")
+    if kind == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ServeError(
+                400, "response_format.json_schema must be {'name': str, 'schema': {...}, 'strict'?: bool}",
+                "response_format.json_schema",
+            )  # fmt: skip
+        for key in spec:
+            if key not in ("name", "schema", "strict", "description"):
+                raise ServeError(
+                    400,
+                    f"response_format.json_schema.{key} is not supported",
+                    f"response_format.json_schema.{key}",
+                )
+        schema = spec.get("schema", {})
+    else:
+        raise ServeError(
+            400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format.type",
+        )  # fmt: skip
+    return json.dumps(schema)  # key order kept: it is the order of the properties in the output
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -789,6 +822,16 @@ class OpenAIServer:
                 f"max_model_len is {self.max_model_len}: at most {room} can be generated",
                 name,
             )
+        if chat:
+            schema = _response_schema(body)
+            if schema is not None:
+                from k3run.engine.grammar import GrammarError
+
+                try:  # compiled here, on the worker thread; the engine finds it in its cache
+                    self.engine.grammars().compile(schema)
+                except GrammarError as e:
+                    raise ServeError(400, f"response_format: {e}", "response_format") from e
+                params = dataclasses.replace(params, json_schema=schema)
         options = _get(body, "stream_options", (dict,), {})
         for key in options:
             if key != "include_usage":

@@ -101,6 +101,23 @@ class Tokenizer(ABC):
     @abstractmethod
     def token_to_id(self, token: str) -> int | None: ...
 
+    def llguidance_tokenizer(self, n_vocab: int) -> Any:
+        """This tokenizer as an llguidance LLTokenizer over n_vocab ids (the model's logits width), for
+        constrained decoding (engine/grammar.py)."""
+        raise TokenizerError(f"{type(self).__name__} does not support constrained decoding")
+
+    def xgrammar_tokenizer_info(self, n_vocab: int) -> Any:
+        """This tokenizer as an xgrammar TokenizerInfo over n_vocab ids (engine/grammar.py)."""
+        raise TokenizerError(f"{type(self).__name__} does not support constrained decoding")
+
+    def _eos_list(self) -> list[int]:
+        eos = sorted(self.eos_token_ids)
+        if not eos:
+            raise TokenizerError(
+                "constrained decoding needs an end-of-sequence token, and this tokenizer has none"
+            )
+        return eos
+
     @property
     def eos_token_id(self) -> int | None:
         if self.eos_token is not None:
@@ -161,6 +178,18 @@ class HFTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def llguidance_tokenizer(self, n_vocab: int) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer(self._tok.to_str(), n_vocab=n_vocab, eos_token=self._eos_list())
+
+    def xgrammar_tokenizer_info(self, n_vocab: int) -> Any:
+        import transformers
+        import xgrammar as xgr
+
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=self._tok)
+        return xgr.TokenizerInfo.from_huggingface(fast, vocab_size=n_vocab, stop_token_ids=self._eos_list())
 
 
 def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -238,6 +267,27 @@ class TiktokenTokenizer(Tokenizer):
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         return self._enc.decode(list(ids), errors="replace")
+
+    def xgrammar_tokenizer_info(self, n_vocab: int) -> Any:
+        import xgrammar as xgr
+
+        # raw bytes per id; special tokens (and ids past the vocabulary) as empty tokens, which xgrammar never
+        # matches as text; the end-of-sequence ids are the stop tokens
+        vocab = [b""] * n_vocab
+        for piece, tid in self._enc._mergeable_ranks.items():
+            if tid < n_vocab:
+                vocab[tid] = piece
+        return xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=n_vocab, stop_token_ids=self._eos_list()
+        )
+
+    def llguidance_tokenizer(self, n_vocab: int) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer.from_tiktoken(
+            encoder=self._enc._mergeable_ranks, special_tokens=self._special, pattern=KIMI_PAT_STR,
+            eos_token=self._eos_list(), n_vocab=n_vocab,
+        )  # fmt: skip
 
     def token_to_id(self, token: str) -> int | None:
         if token in self._special:

@@ -13,6 +13,7 @@ import torch
 from k3run.chat_output import incremental_decode
 from k3run.config import ModelConfig
 from k3run.engine.cache import CacheManager, build_cache_manager, cache_layout_for
+from k3run.engine.grammar import GrammarBackend
 from k3run.engine.prefix_cache import PrefixCache
 from k3run.engine.runner import (
     DEFAULT_GRAPH_STEP_BYTES,
@@ -204,6 +205,7 @@ class LLMEngine:
         overlap = self.config.overlap_decode
         self.overlap = decoder is not None if overlap is None else overlap
         self._inflight: _InFlight | None = None
+        self._grammars: GrammarBackend | None = None
 
     def _graph_plan(self, model: EngineModel, device: torch.device) -> tuple[int, str | None]:
         """(the largest decode batch replayed from a CUDA graph, None) or (0, why decode runs eagerly).
@@ -238,8 +240,16 @@ class LLMEngine:
         if not isinstance(prompt, str):
             text = self.tokenizer.decode(ids)
         seq = Sequence(seq_id=self._ids.next(), prompt=text, prompt_token_ids=ids, params=params)
+        if params.json_schema is not None:
+            seq.matcher = self.grammars().matcher(params.json_schema)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def grammars(self) -> GrammarBackend:
+        """The constrained-decoding backend (built on first use: it reads the whole vocabulary)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
 
     def abort(self, request_id: int) -> None:
         self.scheduler.abort(request_id)
@@ -275,9 +285,16 @@ class LLMEngine:
         if rows:
             assert logits is not None
             seqs = [batch.seqs[b] for b in rows]
-            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            matchers = [s.matcher for s in seqs]
+            sample_from = logits
+            if any(m is not None for m in matchers):  # grammar-constrained rows: disallowed tokens at -inf
+                sample_from = self.grammars().mask_logits(logits, matchers)
+            tokens = self.sampler(sample_from, [s.params for s in seqs], [s.generator for s in seqs])
             if self.config.tp_size > 1:
                 tokens = self._agree(tokens, logits.device)
+            for m, t in zip(matchers, tokens):
+                if m is not None and not self.grammars().consume(m, t):
+                    log.warning("the grammar matcher refused sampled token %d", t)
             _record_logprobs(seqs, logits, tokens)
             for b, t in zip(rows, tokens):
                 sampled[b] = t
@@ -305,6 +322,8 @@ class LLMEngine:
             return False
         for seq in seqs:
             if seq.slot is None or seq.params.logprobs is not None or seq.params.prompt_logprobs is not None:
+                return False
+            if seq.matcher is not None:  # its token mask is computed on the host before each sample
                 return False
             if seq.num_cached != seq.num_tokens - 1:  # exactly one token not in the cache (before `ahead`)
                 return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,8 @@ class SamplingParams:
     logprobs: int | None = None
     # the same for the prompt's tokens (the first has none: nothing precedes it)
     prompt_logprobs: int | None = None
+    # a JSON schema (as JSON text) the generated text must follow (engine/grammar.py), or None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -97,6 +100,7 @@ class Sequence:
     slot: int | None = None
     num_cached: int = 0
     generator: torch.Generator | None = None
+    matcher: Any = None  # the schema's grammar matcher when params.json_schema is set
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     output_text: str = ""

@@ -1,0 +1,131 @@
+"""Constrained decoding: sampled tokens restricted to a JSON schema (structured output).
+
+Two backends, the same contract: xgrammar (the `serve` extra; picked by measurement, bench/RESULTS.md C9:
+its per-token mask at batch 32 costs ~1 us per sequence against llguidance's 6-15 us on 2K-65K vocabularies)
+and llguidance (used when xgrammar is not installed; it compiles a schema ~10x faster and has no
+dependencies). A request's `SamplingParams.json_schema` is compiled once per engine and schema (cached); each
+such sequence gets a matcher. Before each sampling step the matcher's token mask sets every disallowed logit
+to -inf (the log-probabilities a request reports stay those of the model), and the sampled token is then
+consumed by the matcher. The end-of-sequence tokens are allowed exactly where the schema's document can end.
+JSON is constrained to the compact form (no whitespace between tokens), so a model cannot spend its tokens
+on indentation. Masks are computed on the host, so constrained sequences decode without overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import torch
+
+from k3run.tokenizer import Tokenizer
+
+
+class GrammarError(ValueError):
+    """A schema the backend cannot use (the message is the backend's)."""
+
+
+def backend_name() -> str | None:
+    """ "xgrammar" or "llguidance", whichever is installed (xgrammar first), or None."""
+    for name in ("xgrammar", "llguidance"):
+        try:
+            __import__(name)
+            return name
+        except ImportError:
+            continue
+    return None
+
+
+class GrammarBackend:
+    """One engine's grammar backend: its view of the tokenizer (built once: it reads the whole vocabulary),
+    the compiled schemas, and the per-step masks."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, prefer: str | None = None) -> None:
+        self.name = prefer or backend_name()
+        if self.name is None:
+            raise GrammarError("structured output needs xgrammar or llguidance (pip install 'k3run[serve]')")
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._compiled: dict[str, Any] = {}
+        if self.name == "xgrammar":
+            import xgrammar as xgr
+
+            self._xgr = xgr
+            self._compiler = xgr.GrammarCompiler(tokenizer.xgrammar_tokenizer_info(vocab_size))
+        elif self.name == "llguidance":
+            import llguidance
+
+            self._ll = llguidance
+            self._lltok = tokenizer.llguidance_tokenizer(vocab_size)
+        else:
+            raise GrammarError(f"unknown grammar backend {self.name!r}")
+
+    def compile(self, schema: str) -> Any:
+        """The compiled JSON schema (text), cached; GrammarError if the backend cannot use it."""
+        with self._lock:
+            if schema in self._compiled:
+                return self._compiled[schema]
+        try:
+            if self.name == "xgrammar":
+                compiled = self._compiler.compile_json_schema(
+                    schema, any_whitespace=False, separators=(",", ":")
+                )
+            else:
+                spec = json.loads(schema)
+                if isinstance(spec, dict):
+                    spec = {"x-guidance": {"whitespace_flexible": False}} | spec
+                compiled = self._ll.LLMatcher.grammar_from_json_schema(json.dumps(spec))
+                is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(compiled)
+                if is_error:
+                    raise GrammarError("; ".join(messages))
+        except GrammarError as e:
+            raise GrammarError(f"the JSON schema cannot be used: {e}") from e
+        except Exception as e:  # both libraries raise plain exceptions (RuntimeError, ValueError) for schemas
+            raise GrammarError(f"the JSON schema cannot be used: {e}") from e
+        with self._lock:
+            self._compiled[schema] = compiled
+        return compiled
+
+    def matcher(self, schema: str) -> Any:
+        compiled = self.compile(schema)
+        if self.name == "xgrammar":
+            return self._xgr.GrammarMatcher(compiled)
+        m = self._ll.LLMatcher(self._lltok, compiled, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"the JSON schema cannot be used: {m.get_error()}")
+        return m
+
+    def consume(self, matcher: Any, token: int) -> bool:
+        """Advance the matcher by a sampled token; False if it refuses the token (it cannot, after a mask)."""
+        if self.name == "xgrammar":
+            return bool(matcher.accept_token(token))
+        return bool(matcher.consume_token(token))
+
+    def fill_bitmask(self, matchers: list[Any]) -> torch.Tensor:
+        """int32 [len(matchers), ceil(V / 32)]: bit t of row i set where matchers[i] allows token t (host)."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty(len(matchers), words, dtype=torch.int32)
+        for i, m in enumerate(matchers):
+            if self.name == "xgrammar":
+                m.fill_next_token_bitmask(bitmask, i)
+            else:  # llguidance may count one more id than the model's width (its own eos): cut to the width
+                bitmask[i] = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:words]
+        return bitmask
+
+    def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+        """logits [B, V] with each constrained row's disallowed tokens at -inf (one copy of the logits; rows
+        without a matcher untouched). The masks are filled on the host as 32-bit words and applied on the
+        logits' device (xgrammar's own kernel; llguidance's words unpacked by torch there)."""
+        rows = [b for b, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits
+        bitmask = self.fill_bitmask([matchers[b] for b in rows]).to(logits.device, non_blocking=True)
+        out = logits.float().clone()
+        if self.name == "xgrammar":
+            self._xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.vocab_size, indices=rows)
+        else:
+            bits = torch.arange(32, dtype=torch.int32, device=out.device)
+            allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : out.shape[1]]
+            out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+        return out
