@@ -52,6 +52,16 @@ CALL = (
     + f'{CALL_BEGIN}functions.get_weather:0{ARG_BEGIN}{{"city": "Paris"}}{CALL_END}'
     + SECTION_END
 )
+MODE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_mode",
+        "parameters": {
+            "type": "object", "properties": {"mode": {"enum": ["on", "off"]}}, "required": ["mode"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
 WANT_CALL = {
     "id": "functions.get_weather:0",
     "type": "function",
@@ -234,13 +244,19 @@ def test_parallel_tool_calls_false_returns_the_first_call(make_client) -> None:
 @pytest.mark.parametrize(
     "body, param, message",
     [
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+        ({"tools": TOOLS + [MODE_TOOL], "tool_choice": "required"}, "tool_choice", "name one tool"),
         (
-            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
-            "constrained decoding",
+            "not in 'tools'",
         ),  # fmt: skip
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be 'auto', 'none', 'required'"),
         ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "exclude each other",
+        ),  # fmt: skip
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0]", "'type': 'function'"),
         ({"tools": TOOLS + TOOLS}, "tools[1].function.name", "given twice"),
@@ -281,3 +297,36 @@ def test_a_template_without_tools_refuses_them(make_client) -> None:
     ]:
         r = _chat(client, **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_mode"}}])
+def test_a_forced_tool_call_is_opened_in_the_prompt_and_held_to_its_schema(model, choice) -> None:
+    """tool_choice naming a tool (or required with one tool), on the real engine and the bundled model: the
+    prompt ends by opening that call, the reply is sampled under the tool's parameter schema, and it comes
+    back as that tool call, streamed and not."""
+    pytest.importorskip("xgrammar")
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=512)
+    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), cfg), "k3")
+    srv.tokenizer.chat_template = KIMI_TOOLS_TEMPLATE
+    msgs = [{"role": "user", "content": "Turn it off."}]
+    try:
+        with TestClient(build_app(srv)) as client:
+            for seed in (0, 1):
+                body = {"messages": msgs, "tools": [MODE_TOOL], "tool_choice": choice, "max_tokens": 20}
+                r = client.post("/v1/chat/completions", json=body | {"seed": seed})
+                assert r.status_code == 200, r.text
+                choice0 = r.json()["choices"][0]
+                (call,) = choice0["message"]["tool_calls"]
+                assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None
+                assert call["id"] == "functions.set_mode:0" and call["function"]["name"] == "set_mode"
+                assert json.loads(call["function"]["arguments"]) in ({"mode": "on"}, {"mode": "off"})
+            joined, reason = _stream(client, **body)
+            assert reason == "tool_calls" and joined["tool_calls"][0]["function"]["name"] == "set_mode"
+            assert json.loads(joined["tool_calls"][0]["function"]["arguments"])["mode"] in ("on", "off")
+        ids, opts, schema = srv._chat_ids(body)
+        prompt = srv.tokenizer.decode(ids, skip_special_tokens=False)
+        assert prompt.endswith(f"{SECTION_BEGIN}{CALL_BEGIN}functions.set_mode:0{ARG_BEGIN}")
+        assert json.loads(schema) == MODE_TOOL["function"]["parameters"]
+        assert opts.forced == ("functions.set_mode:0", "set_mode")
+    finally:
+        srv.async_engine.shutdown()

@@ -11,7 +11,9 @@ special tokens kept (`incremental_decode(..., skip_special_tokens=False)`).
 Rules (the same for a whole output and for a stream):
 - reasoning: the text up to `</think>` when the prompt ended in `<think>` (the template opened it) or the
   output starts with it; an output that never closes it is all reasoning.
-- tool calls (only when the request gave tools and tool_choice is not "none"): the section must be closed,
+- a forced call (tool_choice naming a tool, or "required" with one tool): the prompt already opened the
+  call, so the whole reply is its arguments (the sampler holds it to the tool's schema);
+- tool calls (only when the request gave tools and tool_choice is "auto"): the section must be closed,
   every call well formed, its arguments a JSON object and its name one of the request's tools. Otherwise the
   section's text is returned as content, as the model wrote it: never an error. With parallel_tool_calls
   false only the first call is returned.
@@ -97,10 +99,26 @@ class ParseOptions:
     think_open: bool = False  # the prompt ended in <think>
     names: frozenset[str] = frozenset()
     parallel: bool = True
+    # (call id, name) when the prompt already opened that tool call (tool_choice named): the whole reply is
+    # its arguments, constrained to the tool's schema
+    forced: tuple[str, str] | None = None
+
+
+def _forced(text: str, opts: ParseOptions) -> ChatOutput:
+    """The reply to a prompt that opened a tool call: its arguments, or text if they are not a JSON object."""
+    assert opts.forced is not None
+    args = text.strip()
+    try:
+        ok = isinstance(json.loads(args), dict)
+    except ValueError:
+        ok = False
+    return ChatOutput(None, "", [ToolCall(*opts.forced, args)]) if ok else ChatOutput(None, text, [])
 
 
 def parse_output(text: str, opts: ParseOptions) -> ChatOutput:
     """A whole output (special tokens kept) as reasoning, content and tool calls (module rules)."""
+    if opts.forced is not None:
+        return _forced(text, opts)
     reasoning = None
     if opts.think_open or text.lstrip().startswith(THINK_BEGIN):
         inner = text if opts.think_open else text.lstrip()[len(THINK_BEGIN) :]
@@ -187,6 +205,15 @@ class StreamParser:
         return [{key: piece}] if piece else []
 
     def _step(self, final: bool) -> list[dict[str, Any]]:
+        if self.opts.forced is not None:  # the arguments of the opened call: held to the end
+            if not final or self.state == "done":
+                return []
+            self.state = "done"
+            co = _forced(self.buf, self.opts)
+            self.buf, self.calls = "", co.tool_calls
+            if co.tool_calls:
+                return [{"tool_calls": [co.tool_calls[0].openai(0)]}]
+            return [{"content": co.content}]
         if self.state == "start":  # does the output open a reasoning block?
             stripped = self.buf.lstrip()
             if stripped.startswith(THINK_BEGIN):

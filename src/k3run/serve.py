@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3run.chat_output import (
+    ARG_BEGIN,
+    CALL_BEGIN,
+    SECTION_BEGIN,
     THINK_BEGIN,
     ParseOptions,
     StopCut,
@@ -436,21 +439,32 @@ def _check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str:
-    """ "auto" or "none". "required" and a named function need constrained decoding (not implemented)."""
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str | dict[str, Any]:
+    """ "auto", "none", or the tool the reply must call (a named function, or "required" with one tool)."""
     choice = body.get("tool_choice")
     if choice is None:
         return "auto"
+    if choice in ("auto", "none", "required") and not tools:
+        raise ServeError(400, f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
     if choice in ("auto", "none"):
-        if choice == "auto" and not tools:
-            raise ServeError(400, "'tool_choice' 'auto' needs 'tools'", "tool_choice")
         return choice
-    if choice == "required" or isinstance(choice, dict):
-        raise ServeError(
-            400, "'tool_choice' required or a named function needs constrained decoding, which this server "
-            "does not implement; use 'auto'", "tool_choice",
-        )  # fmt: skip
-    raise ServeError(400, f"'tool_choice' must be 'auto' or 'none', got {choice!r}", "tool_choice")
+    if choice == "required":
+        if len(tools) != 1:
+            raise ServeError(
+                400, f"'tool_choice' required with {len(tools)} tools is not implemented (constrained "
+                "decoding over Kimi's tool-call section); name one tool", "tool_choice",
+            )  # fmt: skip
+        return tools[0]
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        for t in tools:
+            if t["function"]["name"] == fn["name"]:
+                return t
+        raise ServeError(400, f"'tool_choice' names {fn['name']!r}, which is not in 'tools'", "tool_choice")
+    raise ServeError(
+        400, "'tool_choice' must be 'auto', 'none', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}", "tool_choice",
+    )  # fmt: skip
 
 
 def _response_schema(body: dict[str, Any]) -> str | None:
@@ -729,8 +743,9 @@ class OpenAIServer:
                 )  # fmt: skip
         return prompts
 
-    def _chat_ids(self, body: dict[str, Any]) -> tuple[list[int], ParseOptions | None]:
-        """The rendered, tokenized conversation and what to split out of the reply (None: plain text)."""
+    def _chat_ids(self, body: dict[str, Any]) -> tuple[list[int], ParseOptions | None, str | None]:
+        """The rendered, tokenized conversation, what to split out of the reply (None: plain text) and the
+        JSON schema the reply is held to (a forced tool call's parameters), if any."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ServeError(400, "'messages' must be a non-empty list", "messages")
@@ -771,13 +786,24 @@ class OpenAIServer:
                     f"messages[{i}]",
                 )  # fmt: skip
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        if isinstance(choice, dict):  # a forced call: open it in the prompt, hold the reply to its schema
+            if body.get("response_format") not in (None, {"type": "text"}):
+                raise ServeError(
+                    400, "'response_format' and a forced 'tool_choice' exclude each other", "tool_choice"
+                )
+            name = choice["function"]["name"]
+            call_id = f"functions.{name}:0"
+            text += f"{SECTION_BEGIN}{CALL_BEGIN}{call_id}{ARG_BEGIN}"
+            schema = json.dumps(choice["function"].get("parameters") or {"type": "object"})
+            opts = ParseOptions(forced=(call_id, name))
+            return self.tokenizer.encode(text, add_special_tokens=False), opts, schema
         think_open = text.rstrip().endswith(THINK_BEGIN)
         names = frozenset(t["function"]["name"] for t in tools) if tools and choice == "auto" else frozenset()
         opts = None
         if names or think_open or THINK_BEGIN in template:
             opts = ParseOptions(think_open=think_open, names=names, parallel=parallel)
         # the template writes its own special tokens (BOS included)
-        return self.tokenizer.encode(text, add_special_tokens=False), opts
+        return self.tokenizer.encode(text, add_special_tokens=False), opts, None
 
     def parse(self, body: dict[str, Any], chat: bool) -> "_Parsed":
         """Validate and tokenize a request body (no engine access: runs on a worker thread)."""
@@ -785,9 +811,9 @@ class OpenAIServer:
             raise ServeError(400, "the request body must be a JSON object")
         self._check_model(body)
         check_fields(body, chat)
-        opts = None
+        opts, forced_schema = None, None
         if chat:
-            ids, opts = self._chat_ids(body)
+            ids, opts, forced_schema = self._chat_ids(body)
             prompts = [ids]
         else:
             prompts = self._prompt_ids(body)
@@ -823,14 +849,15 @@ class OpenAIServer:
                 name,
             )
         if chat:
-            schema = _response_schema(body)
+            schema = forced_schema or _response_schema(body)
             if schema is not None:
                 from k3run.engine.grammar import GrammarError
 
                 try:  # compiled here, on the worker thread; the engine finds it in its cache
                     self.engine.grammars().compile(schema)
                 except GrammarError as e:
-                    raise ServeError(400, f"response_format: {e}", "response_format") from e
+                    field = "tools" if forced_schema else "response_format"
+                    raise ServeError(400, f"{field}: {e}", field) from e
                 params = dataclasses.replace(params, json_schema=schema)
         options = _get(body, "stream_options", (dict,), {})
         for key in options:
