@@ -669,8 +669,9 @@ def fused_experts(
 ) -> torch.Tensor:
     """The one dispatch point for the routed-expert computation.
 
-    Decode on NVFP4 kernels (`experts.grouped_ok`; grouped=False forces the loop): two grouped launches
-    over all picks, no host synchronisation (`_fused_experts_grouped`). While a CUDA graph is being captured
+    NVFP4 kernels (`experts.grouped_ok`; grouped=False forces the loop): two grouped launches over all
+    picks at any token count, no host synchronisation (`_fused_experts_grouped`: the decode kernels up to
+    BY_EXPERT_MAX_TOKENS tokens, the tile GEMM from TILE_FROM_TOKENS). While a CUDA graph is being captured
     (or dense=True) and the grouped path does not apply: every local expert over every token, weighted by
     its routing weight (0 where not picked), also without a host synchronisation (`_fused_experts_dense`;
     up to DENSE_MAX_EXPERTS local experts). Otherwise a loop over the local
