@@ -601,3 +601,59 @@ def test_small_cpu_nvfp4_experts_decode_once():
     kept = experts(x, ids, weights)
     experts._ref_stack = None  # decode at every call again
     assert torch.equal(experts(x, ids, weights), kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_experts_match_the_per_expert_loop(dtype):
+    """16-bit experts as two grouped GEMMs (torch._grouped_mm; on CPU tensors torch's loop over the groups)
+    over picks sorted by expert, against the per-expert loop: picks of other EP ranks' experts, a local
+    expert with no picks, one token's two slots on one expert. The same operations and roundings in the same
+    order per expert (GEMM1 out and h in the activation dtype), so equal up to the fp32 slot sum's order
+    where a token's slots share an expert: 1e-6 (fp32) / one bf16 ulp of an expert output, 2^-8 (bf16)."""
+    from k3run.layers.moe import _fused_experts_grouped_mm, fused_experts
+
+    ex, x, weights, ids = _bf16_ep_case(seed=9)
+    ex = ex.to(dtype)
+    x = x.to(dtype)
+    ids[0, :2] = 5
+    ids[ids == 6] = 7  # local expert 6 gets no picks
+    loop = fused_experts(ex, x, ids, weights)
+    got = _fused_experts_grouped_mm(ex, x, ids, weights)
+    assert_close(f"grouped_mm experts {dtype}", loop, got, rtol=1e-6 if dtype == torch.float32 else 2**-8)
+    remote = _fused_experts_grouped_mm(ex, x, torch.zeros_like(ids), weights)  # every pick on rank 0
+    assert not bool(remote.any())
+    assert not ex.grouped_mm_ok(x)  # CPU tensors: fused_experts keeps the loop there
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_gpu_grouped_mm_experts_match_the_loop_and_capture(act_name):
+    """bf16 experts on an sm_90 GPU: torch._grouped_mm (CUTLASS) against the per-expert loop, and the same
+    call captured in a CUDA graph and replayed (no host synchronisation). bf16 bound as above."""
+    from k3run.layers.moe import _fused_experts_grouped_mm, experts_sync_free, fused_experts
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's bf16 kernel needs sm_90")
+    with torch.device("cuda"):
+        ex = FusedExperts(64, 256, 128, ACTS[act_name], QuantAlgo.NONE, ep=NO_TP, params_dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        ex.w13_weight.copy_(torch.randn(ex.w13_weight.shape, generator=g, device="cuda") * 0.1)
+        ex.w2_weight.copy_(torch.randn(ex.w2_weight.shape, generator=g, device="cuda") * 0.1)
+    x = torch.randn(300, 256, device="cuda", generator=g).bfloat16()
+    weights, ids = route(torch.randn(300, 64, device="cuda", generator=g), torch.zeros(64, device="cuda"), 8)
+    assert ex.grouped_mm_ok(x) and experts_sync_free(ex, 64, 8, torch.bfloat16, x.device) is None
+    loop = fused_experts(ex, x, ids, weights, grouped=False)
+    assert_close(f"gpu grouped_mm {act_name}", loop, fused_experts(ex, x, ids, weights), rtol=2**-8)
+    xs, ws, ii = x[:32].clone(), weights[:32].clone(), ids[:32].clone()
+    want = _fused_experts_grouped_mm(ex, xs, ii, ws)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _fused_experts_grouped_mm(ex, xs, ii, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = _fused_experts_grouped_mm(ex, xs, ii, ws)
+    graph.replay()
+    assert torch.equal(out, want)

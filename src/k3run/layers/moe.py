@@ -317,6 +317,20 @@ class FusedExperts(nn.Module):
             and x.dtype in (torch.bfloat16, torch.float16)
         )
 
+    def grouped_mm_ok(self, x: torch.Tensor) -> bool:
+        """Whether fused_experts runs 16-bit (unquantized) experts as two grouped GEMMs
+        (`_fused_experts_grouped_mm`: torch._grouped_mm, CUTLASS on sm_90): bf16 weights and input on such a
+        GPU, D and I multiples of 8 (16-byte rows)."""
+        return (
+            self.algo == QuantAlgo.NONE
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and self.w13_weight.dtype == torch.bfloat16
+            and self.hidden_size % 8 == 0
+            and self.intermediate_size % 8 == 0
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        )
+
     def is_local(self, expert_id: int) -> bool:
         return self.first <= expert_id < self.first + self.num_local
 
@@ -682,6 +696,8 @@ def fused_experts(
     """
     if grouped is not False and experts.grouped_ok(x, ids):
         return _fused_experts_grouped(experts, x, ids, weights)
+    if grouped is not False and experts.grouped_mm_ok(x):
+        return _fused_experts_grouped_mm(experts, x, ids, weights)
     if dense is None:
         dense = _SYNC_FREE.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
     if dense:
@@ -727,7 +743,7 @@ def experts_sync_free(
     without a host read-back, else why not (for the CUDA-graph runner's start-up check)."""
     x = torch.empty(tokens, experts.hidden_size, dtype=dtype, device=device)
     ids = torch.zeros(tokens, top_k, dtype=torch.int64, device=device)
-    if experts.grouped_ok(x, ids) or experts.num_local <= DENSE_MAX_EXPERTS:
+    if experts.grouped_ok(x, ids) or experts.grouped_mm_ok(x) or experts.num_local <= DENSE_MAX_EXPERTS:
         return None
     return (
         f"{experts.prefix}: {experts.num_local} local experts need the grouped NVFP4 path for "
@@ -881,6 +897,34 @@ def _fused_experts_tile(
     # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
     y = nvfp4_tile_gemm_grouped(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
     return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
+
+
+def _fused_experts_grouped_mm(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """16-bit experts as two grouped GEMMs over the picks sorted by expert (torch._grouped_mm; on CPU tensors
+    torch's own loop, which the tests use): the same operations as `FusedExperts.expert` per expert (GEMM1
+    out in x's dtype, the activation, GEMM2), no host synchronisation (counts and offsets stay on the device),
+    then the fp32 sum over each token's picks in slot order. Picks of other ranks' experts sort last, past
+    the last offset, and count zero."""
+    t, a = ids.shape
+    e = experts.num_local
+    local = (ids.reshape(-1) - experts.first).long()
+    valid = (local >= 0) & (local < e)
+    bucket = torch.where(valid, local, e)
+    order = torch.argsort(bucket, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).scatter_add_(
+        0, bucket, torch.ones_like(bucket)
+    )
+    offs = torch.cumsum(counts[:e], 0).to(torch.int32)
+    xs = x[order // a]
+    w13 = experts.w13_weight.to(x.dtype).transpose(1, 2)  # [E, D, 2I] (a view for matching dtypes)
+    w2 = experts.w2_weight.to(x.dtype).transpose(1, 2)  # [E, I, D]
+    h = experts.activation(torch._grouped_mm(xs, w13, offs=offs))  # [P, I] in x's dtype
+    ys = torch._grouped_mm(h, w2, offs=offs)  # [P, D]
+    y = torch.zeros_like(ys).index_copy_(0, order, ys)  # back in pick order
+    y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return (y.float().view(t, a, -1) * weights.float().unsqueeze(-1)).sum(1)
 
 
 def _scalar(what: str, t: torch.Tensor) -> float:
