@@ -249,11 +249,15 @@ def _check_x(x: torch.Tensor, k: int) -> None:
 
 @functools.cache
 def tile_config(rows: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BM rows of x, BN weight rows, num_warps, num_stages) for a dense call of `rows` rows. Not yet tuned
-    on a GPU."""
+    """(BM rows of x, BN weight rows, num_warps, num_stages) for a dense call of `rows` rows: the fastest of 8
+    launches on the H200 (bench/bench_tile.py) on 7168x7168 and 12288x7168. Up to 64 rows (64, 64, 4, 4)
+    (62 / 90 us at 64); up to 128, (128, 64, 4, 4) on N <= 8192 (78 us) and (128, 128, 8, 3) above
+    (115 us); beyond (128, 128, 4, 3), the best at 256-4096 rows."""
     if rows <= 64:
-        return 64, 128, 4, 3
-    return 128, 128, 8, 3
+        return 64, 64, 4, 4
+    if rows <= 128:
+        return (128, 64, 4, 4) if n <= 8192 else (128, 128, 8, 3)
+    return 128, 128, 4, 3
 
 
 def nvfp4_tile_gemm(
