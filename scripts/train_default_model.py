@@ -526,9 +526,11 @@ def model_config(vocab_size: int, eos_id: int) -> dict:
             "num_heads": 2,
             "head_dim": 128,
             "short_conv_kernel_size": 4,
+            # where the published moonshotai/Kimi-K3 config has them (and the only place llama.cpp's and
+            # SGLang's K3 converters read them; k3run reads either)
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
         },
-        "use_full_rank_gate": True,
-        "gate_lower_bound": -5.0,
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
         "q_lora_rank": 128,
