@@ -15,6 +15,9 @@
 #   attn    bench/bench_mla_decode.py (MLA decode kernel vs the fp32 reference at K3 widths)
 #   moe     bench/bench_moe_grouped.py (routed experts: expert-major vs per-pick launches vs the loop)
 #   fp8gemv bench/bench_fp8_gemv.py (the FP8_PB_WO decode GEMV vs the _scaled_mm layer; FP8GEMV_ARGS, e.g. --sweep)
+#   tile    bench/bench_tile.py (the NVFP4 tile GEMM, grouped experts at prefill sizes, time to first token)
+#   prefill bench/probe_prefill.py (one 8192-token prefill of the full-depth Kimi Linear, per module)
+#   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +56,16 @@ for stage in "${stages[@]}"; do
     attn) timeout 300 python3 bench/bench_mla_decode.py 2>&1 | tee "$OUT/bench_mla_decode.txt" | grep -v -i warn ;;
     moe) timeout 300 python3 bench/bench_moe_grouped.py 2>&1 | tee "$OUT/bench_moe_grouped.txt" | tail -6 ;;
     fp8gemv) timeout 400 python3 bench/bench_fp8_gemv.py ${FP8GEMV_ARGS:-} 2>&1 | tee "$OUT/bench_fp8_gemv.txt" | tail -32 ;;
+    tile) timeout 450 python3 bench/bench_tile.py --out "$OUT" ${TILE_ARGS:-} 2>&1 | tee "$OUT/bench_tile.txt" \
+        | grep -v '^ ' | tail -40 ;;
+    prefill) timeout 300 python3 bench/probe_prefill.py --model kimi-linear --tokens 8192 2>&1 \
+        | tee "$OUT/probe_prefill.txt" | grep -v -i warn | tail -16 ;;
+    graphtest) timeout 250 python3 -m pytest -p no:cacheprovider -v -rfE -m gpu tests/engine/test_graph_decode.py \
+            >"$OUT/graphtest.txt" 2>&1; grep -E "PASS|FAIL|Error|assert" "$OUT/graphtest.txt" | head -20
+        timeout 250 python3 -c "import sys, pytest; from k3run.layers.mla import KimiMLA; \
+KimiMLA._attend_flash = KimiMLA._attend_expanded_fp32; \
+sys.exit(pytest.main(['-p', 'no:cacheprovider', '-v', '-rfE', '-m', 'gpu', 'tests/engine/test_graph_decode.py']))" \
+            >"$OUT/graphtest_fp32_mla.txt" 2>&1; grep -E "PASS|FAIL|Error|assert" "$OUT/graphtest_fp32_mla.txt" | head -20 ;;
     *) echo "unknown stage $stage"; rc=2 ;;
     esac
     [ $? -ne 0 ] && rc=1

@@ -1,0 +1,129 @@
+"""Where one prefill goes, per module: torch.profiler over one prompt through the engine, the device time of
+the kernels launched inside each module (labelled by forward hooks: the layer kind, KDA / MLA mixer, MoE
+router / routed experts / shared experts, norms, AttnRes), the host time and the kernel count beside them.
+
+    PYTHONPATH=src python bench/probe_prefill.py --model kimi-linear --tokens 8192     # GPU, full depth
+    PYTHONPATH=src python bench/probe_prefill.py --model tiny --tokens 64 --device cpu  # the logic, on a CPU
+
+`kimi-linear`: the full-depth random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (27 layers, 256
+experts, in memory); `k3`: the K3-shaped 4-layer slice; `tiny`: the Kimi Linear config cut to 2 layers, 8
+experts and small widths (bf16, no quantization: for checking the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from k3_shaped import kimi_linear_48b_config, random_k3_model, random_model  # noqa: E402
+
+from k3run.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from k3run.tokenizer import load_tokenizer  # noqa: E402
+
+
+def build(name: str, device: str):
+    if name == "kimi-linear":
+        return random_model(kimi_linear_48b_config(), device=device)
+    if name == "k3":
+        return random_k3_model(4, 64, device=device)
+    hf = kimi_linear_48b_config(layers=2, experts=8)
+    hf.pop("quantization_config")
+    hf |= {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 512, "vocab_size": 4096,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 128}  # fmt: skip
+    hf["linear_attn_config"]["num_heads"] = 4
+    return random_model(hf, device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+
+
+def label(name: str) -> str | None:
+    """The module's bucket: 'KDA mixer', 'MLA mixer', 'routed experts', ... (None: not a bucket)."""
+    rules = [
+        (r"\.self_attn$", "mixer"), (r"\.mlp\.experts$", "routed experts"), (r"\.mlp\.gate$", "router"),
+        (r"\.mlp\.shared_experts$", "shared experts"), (r"\.mlp$", "MoE / MLP (rest)"),
+        (r"(input|post_attention)_layernorm$", "norms"), (r"_res$", "AttnRes"), (r"lm_head$", "lm_head"),
+    ]  # fmt: skip
+    for pattern, what in rules:
+        if re.search(pattern, name):
+            return what
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="kimi-linear", choices=["kimi-linear", "k3", "tiny"])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    model = build(args.model, args.device)
+    kinds = {
+        i: ("KDA" if model.config.is_kda_layer(i) else "MLA") for i in range(model.config.num_hidden_layers)
+    }
+    tok = load_tokenizer("assets/default-model-k3-mixed")
+    cfg = EngineConfig(max_num_seqs=1, max_model_len=args.tokens + 8, max_num_batched_tokens=args.tokens)
+    llm = LLM.from_model(model, tok, cfg)
+    prompt = torch.randint(10, 2000, (args.tokens,)).tolist()
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate([prompt], params)  # warm-up: compiles
+
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    handles, live = [], {}
+    for name, module in model.named_modules():
+        what = label(name)
+        if what is None:
+            continue
+        m = re.search(r"layers\.(\d+)\.", name)
+        if what == "mixer":
+            what = f"{kinds[int(m.group(1))]} mixer" if m else what
+        tag = f"[mod] {what}"
+
+        def pre(mod, inp, tag=tag):
+            r = record_function(tag)
+            r.__enter__()
+            live[id(mod)] = r
+
+        def post(mod, inp, out):
+            live.pop(id(mod)).__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        llm.generate([prompt], params)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    for h in handles:
+        h.remove()
+    rows = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for ev in prof.key_averages():
+        if ev.key.startswith("[mod] "):
+            r = rows[ev.key[6:]]
+            r[0] += ev.cpu_time_total / 1e3
+            r[1] += getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)) / 1e3
+            r[2] += ev.count
+    kernels = sum(
+        ev.count
+        for ev in prof.key_averages()
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
+    )
+    dev_total = sum(r[1] for r in rows.values()) or 1.0
+    print(f"{args.model}, {args.tokens}-token prefill on {args.device}: {wall * 1e3:.1f} ms wall (profiled), "
+          f"{args.tokens / wall:.0f} tok/s; {kernels} kernels")  # fmt: skip
+    print("| module | calls | host ms (incl. children) | device ms | share of the modules' device time |")
+    print("|---|---|---|---|---|")
+    for what, (cpu, dev, n) in sorted(rows.items(), key=lambda kv: -kv[1][1] or -kv[1][0]):
+        print(f"| {what} | {n} | {cpu:.1f} | {dev:.1f} | {dev / dev_total:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
