@@ -517,3 +517,27 @@ def test_module_spellings_map_to_the_same_target():
     assert "model.layers.0.self_attn.forget_gate.q_proj" not in module_spellings(
         "model.layers.0.self_attn.q_proj"
     )
+
+
+def _wide(hf: dict) -> dict:
+    """The tiny config with 8 KDA and 8 MLA heads, so it splits over 8 ranks (1 head and 1 routed expert
+    each)."""
+    text = json.loads(json.dumps(hf.get("text_config", hf)))
+    text["linear_attn_config"]["num_heads"] = 8
+    text["num_attention_heads"] = 8
+    return {**hf, "text_config": text} if "text_config" in hf else text
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_tp4_and_tp8_equal_tp1(tmp_path, world: int):
+    """Kimi Linear and K3 split over 4 and 8 gloo ranks on the CPU (issue 23's CPU part): heads, the dense
+    MLP, shared experts and lm_head sharded, routed experts split as expert parallelism (at 8 ranks one
+    expert each). Gathered logits are identical on every rank and equal TP=1 up to fp32 summation order."""
+    dirs = [str(write_checkpoint(tmp_path / name, _wide(hf), seed)) for seed, (name, hf) in
+            enumerate({"kimi_linear": KIMI_LINEAR, "k3": K3}.items())]  # fmt: skip
+    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(world))
+    ranks = spawn_gloo(_tp_logits, world, dirs, ids)
+    for i, d in enumerate(dirs):
+        ref = load_model(d).logits(ids)
+        assert all(torch.equal(ranks[0][i], r[i]) for r in ranks[1:])
+        assert_close(f"{Path(d).name} TP={world} vs TP=1", ref, ranks[0][i], rtol=1e-5)
