@@ -541,3 +541,42 @@ def test_tp4_and_tp8_equal_tp1(tmp_path, world: int):
         ref = load_model(d).logits(ids)
         assert all(torch.equal(ranks[0][i], r[i]) for r in ranks[1:])
         assert_close(f"{Path(d).name} TP={world} vs TP=1", ref, ranks[0][i], rtol=1e-5)
+
+
+def test_two_torchrun_nodes_of_two_ranks(tmp_path):
+    """`torchrun --nnodes 2 --node-rank R --nproc-per-node 2` launched twice on one host (static rendezvous,
+    gloo): the 4 ranks split the wide Kimi Linear over 4; global rank 0 prints what one process prints, the
+    others print nothing, and both launchers and their four ranks exit cleanly within the timeout, the
+    shutdown barrier included (issue 23's multi-node path, on the CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.engine.conftest import CHARS, write_char_tokenizer
+    from tests.tp_utils import free_port
+
+    d = write_checkpoint(tmp_path / "wide", _wide(KIMI_LINEAR), 5)
+    write_char_tokenizer(d, CHARS[: VOCAB - 2])  # ids 0..95: the model's vocabulary
+    gen = ["-m", "k3run.cli", "generate", str(d), "--prompt", "def f(x):", "--max-tokens", "8"]
+    gen += ["--temperature", "0", "--device", "cpu", "--dtype", "fp32", "--quiet"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "K3RUN_DIST_BACKEND": "gloo"}
+    single = subprocess.run([sys.executable, *gen], env=env, capture_output=True, text=True, timeout=180)
+    assert single.returncode == 0, single.stderr[-2000:]
+    port = free_port()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+              "--master-addr", "127.0.0.1", "--master-port", port]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*launch, "--node-rank", str(r), *gen],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    for p, (_, err) in zip(nodes, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert outs[0][0] == single.stdout and single.stdout.startswith("def f(x):")
+    assert outs[1][0] == ""
