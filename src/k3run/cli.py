@@ -289,6 +289,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    d = _checkpoint_dir(args.dir, "DIR")
+    from k3run.memory_plan import memory_plan
+
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    if not contexts or any(c < 2 for c in contexts):
+        raise UserError(f"--contexts {args.contexts!r}: expected comma-separated token counts >= 2")
+    plan = memory_plan(d, args.tp, contexts, chunk_tokens=args.chunk_tokens)
+    print(plan.format(args.max_num_seqs, args.device_gib))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     src = _checkpoint_dir(args.src, "SRC")
     dst = Path(args.dst)
@@ -607,6 +619,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nvfp4_as_fp8(p)
     _add_cache_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "plan", parents=[common], help="per-rank memory under tensor / expert parallelism (config only)"
+    )
+    p.add_argument(
+        "dir", metavar="DIR", help="a checkpoint directory (only config.json and quant configs read)"
+    )
+    p.add_argument(
+        "--tp", type=_positive_int, default=1, help="ranks sharing the model (experts split as EP)"
+    )
+    p.add_argument("--contexts", default="32768,131072", help="context lengths for the cache (tokens)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=1, help="sequences cached at once")
+    p.add_argument(
+        "--chunk-tokens", type=_positive_int, default=8192, help="prefill chunk for the temporaries"
+    )
+    p.add_argument("--device-gib", type=float, default=139.0, help="device memory to check against (H200)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
         "inspect", parents=[common], help="per-layer quantization plan, bytes by scheme, kernels"
