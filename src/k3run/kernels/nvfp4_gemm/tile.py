@@ -30,18 +30,19 @@ import triton
 import triton.language as tl
 
 from k3run.kernels.fp8_gemm.triton import grouped_tile
-from k3run.kernels.nvfp4_gemm import TILED_PAIR_BITS
+from k3run.kernels.nvfp4_gemm.triton import (  # the tiled128 word's bit positions (TILED_PAIR_BITS)
+    _PAIR_M0,
+    _PAIR_M1,
+    _PAIR_M2,
+    _PAIR_M3,
+    _PAIR_S0,
+    _PAIR_S1,
+    _PAIR_S2,
+    _PAIR_S3,
+    _nibble,
+)
 
 SHIFT_OUT_SCALE = 128.0  # the ASM decoder's weights are e2m1 * s * 2^-7 (gluon_gemv.SHIFT_OUT_SCALE)
-
-_S0 = tl.constexpr(TILED_PAIR_BITS[0][0])
-_M0 = tl.constexpr(TILED_PAIR_BITS[0][1])
-_S1 = tl.constexpr(TILED_PAIR_BITS[1][0])
-_M1 = tl.constexpr(TILED_PAIR_BITS[1][1])
-_S2 = tl.constexpr(TILED_PAIR_BITS[2][0])
-_M2 = tl.constexpr(TILED_PAIR_BITS[2][1])
-_S3 = tl.constexpr(TILED_PAIR_BITS[3][0])
-_M3 = tl.constexpr(TILED_PAIR_BITS[3][1])
 
 
 @functools.cache
@@ -74,9 +75,7 @@ def _e2m1(nib):
 @triton.jit
 def _portable_pair(q, xs, ys, scale):
     """Both elements of one output pair of words q (int32): (element 0, element 1) in fp32 times scale."""
-    n0 = ((q >> xs) & 1) << 3 | ((q >> ys) & 7)
-    n1 = ((q >> (xs + 16)) & 1) << 3 | ((q >> (ys + 16)) & 7)
-    return _e2m1(n0) * scale, _e2m1(n1) * scale
+    return _e2m1(_nibble(q, xs, ys)) * scale, _e2m1(_nibble(q, xs + 16, ys + 16)) * scale
 
 
 @triton.jit
@@ -119,10 +118,10 @@ def _decode_chunk(q, sp, BN: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
     else:
         s_lo = (sp & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         s_hi = ((sp >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        a0, a1 = _portable_pair(q, _S0, _M0, s_lo)
-        b0, b1 = _portable_pair(q, _S1, _M1, s_lo)
-        c0, c1 = _portable_pair(q, _S2, _M2, s_hi)
-        d0, d1 = _portable_pair(q, _S3, _M3, s_hi)
+        a0, a1 = _portable_pair(q, _PAIR_S0, _PAIR_M0, s_lo)
+        b0, b1 = _portable_pair(q, _PAIR_S1, _PAIR_M1, s_lo)
+        c0, c1 = _portable_pair(q, _PAIR_S2, _PAIR_M2, s_hi)
+        d0, d1 = _portable_pair(q, _PAIR_S3, _PAIR_M3, s_hi)
         a0, a1, b0, b1 = a0.to(DT), a1.to(DT), b0.to(DT), b1.to(DT)
         c0, c1, d0, d1 = c0.to(DT), c1.to(DT), d0.to(DT), d1.to(DT)
     # word w's pairs: (a0, a1) = k 4w, 4w+1; (b0, b1) = 4w+2, 4w+3; c, d: the same at 64 + 4w. Two joins put
