@@ -702,13 +702,12 @@ def fused_experts(
         dense = _SYNC_FREE.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
     if dense:
         return _fused_experts_dense(experts, x, ids, weights)
+    from k3run.kernels.picks import sort_picks
+
     out = torch.zeros(x.shape[0], experts.hidden_size, dtype=torch.float32, device=x.device)
     picks = ids.shape[1]
-    local = (ids - experts.first).reshape(-1)
-    hit = (local >= 0) & (local < experts.num_local)
-    bucket = torch.where(hit, local, torch.full_like(local, experts.num_local))  # misses sort last
-    order = torch.argsort(bucket, stable=True)
-    counts = torch.bincount(bucket, minlength=experts.num_local + 1)[: experts.num_local].tolist()
+    _, order, counts_t = sort_picks((ids - experts.first).reshape(-1), experts.num_local)  # misses last
+    counts = counts_t.tolist()
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -856,7 +855,7 @@ def _fused_experts_grouped(
     else:
         split2, reg2 = one_wave_split(1, d * t * a, i, sms)
         y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
-    return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
+    return _combine_picks(y, weights)
 
 
 # the tile GEMM's picks per block (its wgmma N; an expert's last block is padded to it). H200,
@@ -896,7 +895,7 @@ def _fused_experts_tile(
     y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
     # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
     y = nvfp4_tile_gemm_grouped(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
-    return (y.float().view(t, a, d) * weights.float().unsqueeze(-1)).sum(1)
+    return _combine_picks(y, weights)
 
 
 def _fused_experts_grouped_mm(
@@ -907,16 +906,13 @@ def _fused_experts_grouped_mm(
     out in x's dtype, the activation, GEMM2), no host synchronisation (counts and offsets stay on the device),
     then the fp32 sum over each token's picks in slot order. Picks of other ranks' experts sort last, past
     the last offset, and count zero."""
+    from k3run.kernels.picks import sort_picks
+
     t, a = ids.shape
     e = experts.num_local
-    local = (ids.reshape(-1) - experts.first).long()
-    valid = (local >= 0) & (local < e)
-    bucket = torch.where(valid, local, e)
-    order = torch.argsort(bucket, stable=True)
-    counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).scatter_add_(
-        0, bucket, torch.ones_like(bucket)
-    )
-    offs = torch.cumsum(counts[:e], 0).to(torch.int32)
+    bucket, order, counts = sort_picks(ids.reshape(-1) - experts.first, e)
+    valid = bucket < e
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[order // a]
     w13 = experts.w13_weight.to(x.dtype).transpose(1, 2)  # [E, D, 2I] (a view for matching dtypes)
     w2 = experts.w2_weight.to(x.dtype).transpose(1, 2)  # [E, I, D]
@@ -924,6 +920,13 @@ def _fused_experts_grouped_mm(
     ys = torch._grouped_mm(h, w2, offs=offs)  # [P, D]
     y = torch.zeros_like(ys).index_copy_(0, order, ys)  # back in pick order
     y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return _combine_picks(y, weights)
+
+
+def _combine_picks(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's expert outputs y [T * A, D] (pick order) summed with its routing weights [T, A] in fp32,
+    slot by slot -> [T, D] (the grouped paths' combine; a row of another rank's pick must be zero)."""
+    t, a = weights.shape
     return (y.float().view(t, a, -1) * weights.float().unsqueeze(-1)).sum(1)
 
 

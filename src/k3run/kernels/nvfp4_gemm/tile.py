@@ -331,6 +331,8 @@ def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
     1 + bm] int32: column 0 the expert or -1, then the block's pick indices in increasing order, -1 past its
     count), built from sorts and scatters that scale to prefill sizes (expert_groups is one program, for
     decode batches). No host read-back."""
+    from k3run.kernels.picks import sort_picks
+
     from .groups import max_groups
 
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
@@ -343,11 +345,7 @@ def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
     grp = torch.full((blocks * width + 1,), -1, dtype=torch.int32, device=dev)  # + 1: where misses land
     if p == 0:
         return grp[:-1].view(blocks, width)
-    ids = ids.long()
-    bucket = torch.where((ids >= 0) & (ids < e), ids, e)
-    counts = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
-    counts = counts[:e]
-    order = torch.argsort(bucket, stable=True)
+    bucket, order, counts = sort_picks(ids, e)
     sb = bucket[order]
     per = (counts + bm - 1) // bm
     last_block = torch.cumsum(per, 0)
