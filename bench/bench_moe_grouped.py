@@ -39,10 +39,12 @@ D, INTER, E, TOP_K = 3584, 3072, 64, 16
 BYTES_PER_EXPERT = 3 * D * INTER * (0.5 + 1 / 16)
 
 
-def experts() -> FusedExperts:
+def experts(e: int = E, d: int = D, inter: int = INTER, act: GatedActivation | None = None) -> FusedExperts:
+    """e random W4A16 NVFP4 experts of d -> inter (K3's SiTU by default) on the GPU, repacked for the
+    kernels."""
     with torch.device("cuda"):
         ex = FusedExperts(
-            E, D, INTER, GatedActivation("situ", 4.0, 25.0), QuantAlgo.W4A16_NVFP4,
+            e, d, inter, act or GatedActivation("situ", 4.0, 25.0), QuantAlgo.W4A16_NVFP4,
             ep=TPInfo(), params_dtype=torch.bfloat16,
         )  # fmt: skip
     with torch.no_grad():

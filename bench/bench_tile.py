@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_linear import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
+from bench_moe_grouped import experts as random_experts  # noqa: E402
 
 from k3run.kernels.nvfp4_gemm import GemmConfig, nvfp4_linear, prepare_nvfp4_weight  # noqa: E402
 from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm, nvfp4_tile_gemm_grouped  # noqa: E402
@@ -120,21 +121,12 @@ MOE_SHAPES = {"k3": (3584, 3072, 56, 16), "kimi_linear": (2304, 1024, 256, 8)}  
 
 
 def moe(quick: bool) -> None:
-    from k3run.distributed import TPInfo
     from k3run.layers.activation import GatedActivation
-    from k3run.layers.moe import FusedExperts, fused_experts, route  # noqa: F401
-    from k3run.quant.algo import QuantAlgo
+    from k3run.layers.moe import fused_experts
 
     for name, (d, i, e, a) in MOE_SHAPES.items():
         act = GatedActivation("situ", 4.0, 25.0) if name == "k3" else GatedActivation("silu")
-        with torch.device("cuda"):
-            ex = FusedExperts(e, d, i, act, QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.bfloat16)
-        with torch.no_grad():
-            for wn in ("w13", "w2"):
-                getattr(ex, f"{wn}_weight").random_(0, 256)
-                getattr(ex, f"{wn}_weight_scale").view(torch.uint8).random_(0x28, 0x48)
-                getattr(ex, f"{wn}_weight_scale_2").fill_(2e-3)
-        ex.process_after_loading()
+        ex = random_experts(e, d, i, act)
         gs13, gs2 = ex._kernel_scales
         s13, s2 = ex.w13_weight_scale.view(torch.uint8), ex.w2_weight_scale.view(torch.uint8)
         wb13 = torch.randn(e, 2 * i, d, device="cuda", dtype=torch.bfloat16)
