@@ -21,6 +21,19 @@ def poison_empty():
         yield
 
 
+@pytest.fixture(scope="session")
+def model():
+    """The bundled k3-mixed model in fp32, loaded once per session for the server, tool-call and
+    structured-output tests (a module that needs another model defines its own `model`)."""
+    from k3run.api import load_model
+    from k3run.cli import default_model_dir
+
+    d = default_model_dir()
+    if d is None:
+        pytest.skip("no bundled model")
+    return load_model(d, dtype=torch.float32)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

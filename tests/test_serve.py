@@ -8,14 +8,12 @@ import json
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from k3run.api import load_model  # noqa: E402
 from k3run.cli import default_model_dir  # noqa: E402
 from k3run.engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from k3run.serve import OpenAIServer, build_app  # noqa: E402
@@ -25,11 +23,6 @@ MODEL_DIR = default_model_dir()
 pytestmark = pytest.mark.skipif(MODEL_DIR is None, reason="no bundled model")
 CONFIG = EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=128)
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR, dtype=torch.float32)
 
 
 @pytest.fixture(params=[None, True], ids=["sync", "overlap"])

@@ -9,14 +9,12 @@ import json
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from k3run.api import load_model  # noqa: E402
 from k3run.cli import default_model_dir  # noqa: E402
 from k3run.engine import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from k3run.serve import OpenAIServer, build_app  # noqa: E402
@@ -26,11 +24,6 @@ from tests.test_serve_faults import live  # noqa: E402
 MODEL_DIR = default_model_dir()
 pytestmark = pytest.mark.skipif(MODEL_DIR is None, reason="no bundled model")
 CONFIG = EngineConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR, dtype=torch.float32)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -27,7 +26,6 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from k3run.api import load_model  # noqa: E402
 from k3run.cli import default_model_dir, main  # noqa: E402
 from k3run.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3run.serve import OpenAIServer, build_app  # noqa: E402
@@ -37,11 +35,6 @@ MODEL_DIR = default_model_dir()
 pytestmark = pytest.mark.skipif(MODEL_DIR is None, reason="no bundled model")
 CONFIG = EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=128)
 GREEDY = {"prompt": "def ", "max_tokens": 6, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR, dtype=torch.float32)
 
 
 @pytest.fixture

@@ -10,14 +10,12 @@ import itertools
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from k3run.api import load_model  # noqa: E402
 from k3run.chat_output import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END  # noqa: E402
 from k3run.cli import default_model_dir  # noqa: E402
 from k3run.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -108,11 +106,6 @@ class Scripted:
 
     def shutdown(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR, dtype=torch.float32)
 
 
 @pytest.fixture

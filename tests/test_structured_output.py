@@ -37,13 +37,6 @@ def tokenizer():
     return load_tokenizer(MODEL_DIR)
 
 
-@pytest.fixture(scope="module")
-def model():
-    from k3run.api import load_model
-
-    return load_model(MODEL_DIR, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("name", BACKENDS)
 def test_masks_allow_exactly_the_schema(tokenizer, name: str) -> None:
     """Walking a valid document token by token: each of its tokens is allowed by the mask before it; at the
