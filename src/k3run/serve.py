@@ -670,7 +670,8 @@ class OpenAIServer:
     """The request handling, independent of the web framework (`build_app` wires it to FastAPI).
 
     max_body_bytes: the largest request body read (413 above); stall_s: how long one engine step may run
-    before /health reports the engine as stalled.
+    before /health reports the engine as stalled; api_key: the Bearer key /v1 requires (None: open);
+    max_concurrent: completion requests answered at once (429 past it; None: no limit).
     """
 
     def __init__(

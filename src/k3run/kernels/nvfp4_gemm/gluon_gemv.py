@@ -281,29 +281,33 @@ _SCALE_ASM_BF16 = _SCALE_ASM.replace(
 # f16 (and, >> 3, in bf16 times 2^-112), at most 448 (exponent + 231 <= 254 in bf16, + 7 <= 30 in f16). A zero
 # scale becomes 2^104 / 2^-8, not 0: tile_split128 stores the codes of such groups as 0. One tiled128 scale
 # word ($2: low g, high g, low g + 2, high g + 2; TILED_SCALE_ORDER) gives the pairs of groups g and g + 2.
-_SCALE_WORD_ASM_BF16 = """
-{
+# what the f16x2 bits of converted E4M3 scales get added to give the shift decoders' scale pairs: bf16 (after
+# >> 3) s * 2^119, fp16 s * 2^7 (the exponent offsets, one per half)
+BF16_SCALE_EXP_ADD = 0x73807380
+FP16_SCALE_EXP_ADD = 0x1C001C00
+_SCALE_WORD_ASM_BF16 = f"""
+{{
 .reg .b32 t;
 .reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
+mov.b32 {{lo, hi}}, $2;
 cvt.rn.f16x2.e4m3x2 t, lo;
 shr.b32 t, t, 3;
-add.u32 $0, t, 0x73807380;
+add.u32 $0, t, 0x{BF16_SCALE_EXP_ADD:08X};
 cvt.rn.f16x2.e4m3x2 t, hi;
 shr.b32 t, t, 3;
-add.u32 $1, t, 0x73807380;
-}
+add.u32 $1, t, 0x{BF16_SCALE_EXP_ADD:08X};
+}}
 """
-_SCALE_WORD_ASM_FP16 = """
-{
+_SCALE_WORD_ASM_FP16 = f"""
+{{
 .reg .b32 t;
 .reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
+mov.b32 {{lo, hi}}, $2;
 cvt.rn.f16x2.e4m3x2 t, lo;
-add.u32 $0, t, 0x1C001C00;
+add.u32 $0, t, 0x{FP16_SCALE_EXP_ADD:08X};
 cvt.rn.f16x2.e4m3x2 t, hi;
-add.u32 $1, t, 0x1C001C00;
-}
+add.u32 $1, t, 0x{FP16_SCALE_EXP_ADD:08X};
+}}
 """
 
 

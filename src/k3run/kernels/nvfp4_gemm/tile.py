@@ -51,10 +51,16 @@ def word_asm(kind: str) -> str:
     nibbles', in the low 16 bits) -> the word's 4 output pairs $0..$3 as packed 16-bit floats (kind "bf16"
     or "fp16"), each e2m1 * s * 2^-7. The scale pair is converted as the decode kernel's scale asm does
     (cvt.f16x2.e4m3x2; bf16: the f16 bits >> 3 plus the exponent offset)."""
-    from k3run.kernels.nvfp4_gemm.gluon_gemv import tiled_word_decode_asm
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import (
+        BF16_SCALE_EXP_ADD,
+        FP16_SCALE_EXP_ADD,
+        tiled_word_decode_asm,
+    )
 
     fix = (
-        "shr.b32 sc, sc, 3;\nadd.u32 sc, sc, 0x73807380;" if kind == "bf16" else "add.u32 sc, sc, 0x1C001C00;"
+        f"shr.b32 sc, sc, 3;\nadd.u32 sc, sc, 0x{BF16_SCALE_EXP_ADD:08X};"
+        if kind == "bf16"
+        else f"add.u32 sc, sc, 0x{FP16_SCALE_EXP_ADD:08X};"
     )
     body = tiled_word_decode_asm(kind).strip()
     assert body.startswith("{") and body.endswith("}")
