@@ -212,17 +212,17 @@ def model(quick: bool) -> None:
     from k3run.tokenizer import load_tokenizer
 
     tok = load_tokenizer("assets/default-model-k3-mixed")
-    saved = (moe_mod.TILE_FROM_TOKENS, ng.TILE_MIN_M, moe_mod.FusedExperts.grouped_ok)
+    saved = (moe_mod.TILE_FROM_TOKENS, ng.TILE_MAX_M, moe_mod.FusedExperts.grouped_ok)
 
     def before(on: bool) -> None:
         """The paths before the tile GEMM: the per-expert loop above 128 tokens, dequantize + cuBLAS."""
         if on:
-            moe_mod.TILE_FROM_TOKENS = ng.TILE_MIN_M = 1 << 30
+            moe_mod.TILE_FROM_TOKENS, ng.TILE_MAX_M = 1 << 30, 0
             moe_mod.FusedExperts.grouped_ok = lambda self, x, ids: (
                 saved[2](self, x, ids) and ids.shape[0] <= 128
             )
         else:
-            moe_mod.TILE_FROM_TOKENS, ng.TILE_MIN_M, moe_mod.FusedExperts.grouped_ok = saved
+            moe_mod.TILE_FROM_TOKENS, ng.TILE_MAX_M, moe_mod.FusedExperts.grouped_ok = saved
 
     models = (
         []

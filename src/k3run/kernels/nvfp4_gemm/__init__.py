@@ -314,10 +314,9 @@ TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num
 GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
 GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
-# rows for which choose_config takes the tile GEMM over dequantize + cuBLAS (outside the decode kernel's
+# rows up to which choose_config takes the tile GEMM over dequantize + cuBLAS (outside the decode kernel's
 # range). H200, bench/bench_tile.py, time of the tile GEMM / dequantize + cuBLAS on 7168x7168 and
 # 12288x7168: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at 128, 1.25 / 1.55 at 256 (slower from there)
-TILE_MIN_M = 17
 TILE_MAX_M = 128
 
 
@@ -387,7 +386,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
         return GemmConfig(
             gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2, maxnreg=maxnreg
         )
-    if TILE_MIN_M <= m <= TILE_MAX_M:
+    if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
     return GemmConfig(dequant_mm=True)
 
