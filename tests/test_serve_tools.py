@@ -237,7 +237,6 @@ def test_parallel_tool_calls_false_returns_the_first_call(make_client) -> None:
 @pytest.mark.parametrize(
     "body, param, message",
     [
-        ({"tools": TOOLS + [MODE_TOOL], "tool_choice": "required"}, "tool_choice", "name one tool"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
@@ -292,11 +291,11 @@ def test_a_template_without_tools_refuses_them(make_client) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_mode"}}])
-def test_a_forced_tool_call_is_opened_in_the_prompt_and_held_to_its_schema(model, choice) -> None:
-    """tool_choice naming a tool (or required with one tool), on the real engine and the bundled model: the
-    prompt ends by opening that call, the reply is sampled under the tool's parameter schema, and it comes
-    back as that tool call, streamed and not."""
+def test_a_forced_tool_call_is_opened_in_the_prompt_and_held_to_its_schema(model) -> None:
+    """tool_choice naming a tool, on the real engine and the bundled model: the prompt ends by opening that
+    call, the reply is sampled under the tool's parameter schema, and it comes back as that tool call,
+    streamed and not."""
+    choice = {"type": "function", "function": {"name": "set_mode"}}
     pytest.importorskip("xgrammar")
     cfg = EngineConfig(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=512)
     srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), cfg), "k3")
@@ -316,10 +315,82 @@ def test_a_forced_tool_call_is_opened_in_the_prompt_and_held_to_its_schema(model
             joined, reason = _stream(client, **body)
             assert reason == "tool_calls" and joined["tool_calls"][0]["function"]["name"] == "set_mode"
             assert json.loads(joined["tool_calls"][0]["function"]["arguments"])["mode"] in ("on", "off")
-        ids, opts, schema = srv._chat_ids(body)
-        prompt = srv.tokenizer.decode(ids, skip_special_tokens=False)
+        cp = srv._chat_ids(body)
+        prompt = srv.tokenizer.decode(cp.ids, skip_special_tokens=False)
         assert prompt.endswith(f"{SECTION_BEGIN}{CALL_BEGIN}functions.set_mode:0{ARG_BEGIN}")
-        assert json.loads(schema) == MODE_TOOL["function"]["parameters"]
-        assert opts.forced == ("functions.set_mode:0", "set_mode")
+        assert json.loads(cp.json_schema) == MODE_TOOL["function"]["parameters"]
+        assert cp.parse.forced == ("functions.set_mode:0", "set_mode")
     finally:
         srv.async_engine.shutdown()
+
+
+LEVEL_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_level",
+        "parameters": {
+            "type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["level"], "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+
+
+def test_tool_choice_required_holds_the_reply_to_calls_of_the_tools(model) -> None:
+    """tool_choice required with several tools, on the real engine and the bundled model (which has never
+    seen a tool call): the prompt opens the tool-calls section and the sampler holds the reply to one
+    well-formed call (parallel_tool_calls false) of one of the request's tools, its argument object valid for
+    that tool's schema, then the section's end; greedy and sampled, streamed and not. (With parallel calls
+    allowed this model never stops calling: tests/test_structured_output.py checks that structure.)"""
+    pytest.importorskip("xgrammar")
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=512)
+    srv = OpenAIServer(LLMEngine(model, load_tokenizer(MODEL_DIR), cfg), "k3")
+    srv.tokenizer.chat_template = KIMI_TOOLS_TEMPLATE
+    levels = tuple({"level": i} for i in range(10))
+    want = {"set_mode": ({"mode": "on"}, {"mode": "off"}), "set_level": levels}
+    body = {
+        "messages": [{"role": "user", "content": "Turn it off."}], "tools": [MODE_TOOL, LEVEL_TOOL],
+        "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200,
+    }  # fmt: skip
+    try:
+        with TestClient(build_app(srv)) as client:
+            names = set()
+            for extra in ({"temperature": 0}, {"seed": 0}, {"seed": 1}, {"seed": 2}):
+                r = client.post("/v1/chat/completions", json=body | extra)
+                assert r.status_code == 200, r.text
+                choice0 = r.json()["choices"][0]
+                (call,) = choice0["message"]["tool_calls"]
+                assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None
+                name = call["function"]["name"]
+                assert json.loads(call["function"]["arguments"]) in want[name], call
+                assert call["id"].startswith(f"functions.{name}:")
+                names.add(name)
+                if extra.get("temperature") == 0:
+                    greedy = call
+            joined, reason = _stream(client, **body, temperature=0)
+            assert reason == "tool_calls" and joined["tool_calls"] == [{"index": 0} | greedy]
+        cp = srv._chat_ids(body)
+        assert srv.tokenizer.decode(cp.ids, skip_special_tokens=False).endswith(SECTION_BEGIN)
+        assert cp.parse.section_open and cp.structure is not None and cp.json_schema is None
+    finally:
+        srv.async_engine.shutdown()
+
+
+def test_tool_choice_required_returns_every_call_of_the_section(make_client) -> None:
+    """The reply to tool_choice required is the opened section's body: its calls (all of them, or the first
+    without parallel calls), streamed and not; a body that is not valid calls comes back as text."""
+    second = f'{CALL_BEGIN}functions.get_weather:1{ARG_BEGIN}{{"city": "Rome"}}{CALL_END}'
+    body = CALL.removeprefix(SECTION_BEGIN).replace(SECTION_END, second + SECTION_END)
+    client, scripted = make_client(body)
+    r = _chat(client, tools=TOOLS, tool_choice="required")
+    msg = r.json()["choices"][0]["message"]
+    assert [c["id"] for c in msg["tool_calls"]] == ["functions.get_weather:0", "functions.get_weather:1"]
+    assert msg["content"] is None and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert scripted.tokenizer.decode(scripted.prompts[-1], skip_special_tokens=False).endswith(SECTION_BEGIN)
+    joined, reason = _stream(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert reason == "tool_calls" and joined["tool_calls"] == [{"index": 0} | WANT_CALL]
+    client, _ = make_client("not a call")
+    for r in (_chat(client, tools=TOOLS, tool_choice="required"),):
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "not a call"}
+    joined, reason = _stream(client, tools=TOOLS, tool_choice="required")
+    assert joined == {"content": "not a call"} and reason == "stop"

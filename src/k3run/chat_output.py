@@ -11,8 +11,10 @@ special tokens kept (`incremental_decode(..., skip_special_tokens=False)`).
 Rules (the same for a whole output and for a stream):
 - reasoning: the text up to `</think>` when the prompt ended in `<think>` (the template opened it) or the
   output starts with it; an output that never closes it is all reasoning.
-- a forced call (tool_choice naming a tool, or "required" with one tool): the prompt already opened the
-  call, so the whole reply is its arguments (the sampler holds it to the tool's schema);
+- a forced call (tool_choice naming a tool): the prompt already opened the call, so the whole reply is its
+  arguments (the sampler holds it to the tool's schema);
+- tool_choice "required": the prompt already opened the tool-calls section, so the whole reply is its calls
+  (the sampler holds it to `calls_structure`: one or more calls of the request's tools, each to its schema);
 - tool calls (only when the request gave tools and tool_choice is "auto"): the section must be closed,
   every call well formed, its arguments a JSON object and its name one of the request's tools. Otherwise the
   section's text is returned as content, as the model wrote it: never an error. With parallel_tool_calls
@@ -102,6 +104,7 @@ class ParseOptions:
     # (call id, name) when the prompt already opened that tool call (tool_choice named): the whole reply is
     # its arguments, constrained to the tool's schema
     forced: tuple[str, str] | None = None
+    section_open: bool = False  # the prompt opened the tool-calls section (tool_choice "required")
 
 
 def _forced(text: str, opts: ParseOptions) -> ChatOutput:
@@ -115,10 +118,46 @@ def _forced(text: str, opts: ParseOptions) -> ChatOutput:
     return ChatOutput(None, "", [ToolCall(*opts.forced, args)]) if ok else ChatOutput(None, text, [])
 
 
+def _opened_section(text: str, opts: ParseOptions) -> ChatOutput:
+    """The reply to a prompt that opened the tool-calls section: its calls, or text if they are not valid."""
+    body, sep, _ = text.partition(SECTION_END)
+    parsed = parse_section(body, opts.names) if sep else None
+    if parsed is None:
+        return ChatOutput(None, text, [])
+    return ChatOutput(None, "", parsed if opts.parallel else parsed[:1])
+
+
+def _marker(tokenizer: Any, marker: str) -> dict[str, Any]:
+    """A structure node for a marker: its special token, or its text where the tokenizer spells it."""
+    tid = tokenizer.token_to_id(marker)
+    if tid is not None and tokenizer.decode([tid], skip_special_tokens=False) == marker:
+        return {"token": tid}
+    return {"text": marker}
+
+
+def calls_structure(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str:
+    """The structure (engine/grammar.py) of a tool-calls section's body after its opening marker: one call
+    (or, with parallel, one or more) of the given tools, each written as
+    <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{arguments}<|tool_call_end|>
+    with compact JSON arguments held to the tool's parameter schema, then the section's end marker."""
+    calls = []
+    for t in tools:
+        fn = t["function"]
+        calls.append({"seq": [
+            _marker(tokenizer, CALL_BEGIN), {"text": f"functions.{fn['name']}:"}, {"regex": "[0-9]{1,3}"},
+            _marker(tokenizer, ARG_BEGIN), {"json": fn.get("parameters") or {"type": "object"}},
+            _marker(tokenizer, CALL_END),
+        ]})  # fmt: skip
+    one: dict[str, Any] = calls[0] if len(calls) == 1 else {"or": calls}
+    return json.dumps({"seq": [{"plus": one} if parallel else one, _marker(tokenizer, SECTION_END)]})
+
+
 def parse_output(text: str, opts: ParseOptions) -> ChatOutput:
     """A whole output (special tokens kept) as reasoning, content and tool calls (module rules)."""
     if opts.forced is not None:
         return _forced(text, opts)
+    if opts.section_open:
+        return _opened_section(text, opts)
     reasoning = None
     if opts.think_open or text.lstrip().startswith(THINK_BEGIN):
         inner = text if opts.think_open else text.lstrip()[len(THINK_BEGIN) :]
@@ -213,6 +252,15 @@ class StreamParser:
             self.buf, self.calls = "", co.tool_calls
             if co.tool_calls:
                 return [{"tool_calls": [co.tool_calls[0].openai(0)]}]
+            return [{"content": co.content}]
+        if self.opts.section_open:  # the calls of the opened section: held to its end
+            if self.state == "done" or (not final and SECTION_END not in self.buf):
+                return []
+            self.state = "done"
+            co = _opened_section(self.buf, self.opts)
+            self.buf, self.calls = "", co.tool_calls
+            if co.tool_calls:
+                return [{"tool_calls": [c.openai(i) for i, c in enumerate(co.tool_calls)]}]
             return [{"content": co.content}]
         if self.state == "start":  # does the output open a reasoning block?
             stripped = self.buf.lstrip()

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3run import chat_xtml
 from k3run.chat_output import (
     ARG_BEGIN,
     CALL_BEGIN,
@@ -39,10 +40,12 @@ from k3run.chat_output import (
     ParseOptions,
     StopCut,
     StreamParser,
+    calls_structure,
     cut_at_stop,
     incremental_decode,
     parse_output,
 )
+from k3run.chat_xtml import XtmlError, XtmlOptions, XtmlStreamParser
 from k3run.engine import LLMEngine, SamplingParams
 from k3run.engine.sequence import MAX_LOGPROBS, FinishReason, RequestOutput, TokenLogprob
 
@@ -86,7 +89,29 @@ class _Parsed:
     stream: bool
     include_usage: bool
     score_only: bool
-    parse: ParseOptions | None = None  # chat: reasoning / tool calls to split out of the output
+    parse: ParseOptions | XtmlOptions | None = None  # chat: reasoning / tool calls to split out of the output
+
+
+@dataclass
+class _ChatPrompt:
+    """A rendered conversation: its ids, what to split out of the reply (None: plain text), and what the
+    reply is held to: a JSON schema or a structure (engine/grammar.py), with the request field it comes
+    from; extra stop token ids (the format's end of turn)."""
+
+    ids: list[int]
+    parse: ParseOptions | XtmlOptions | None = None
+    json_schema: str | None = None
+    structure: str | None = None
+    constraint_field: str = "response_format"
+    stop_ids: tuple[int, ...] = ()
+
+
+def _stream_parser(opts: ParseOptions | XtmlOptions) -> StreamParser | XtmlStreamParser:
+    return XtmlStreamParser(opts) if isinstance(opts, XtmlOptions) else StreamParser(opts)
+
+
+def _parse_whole(text: str, opts: ParseOptions | XtmlOptions):  # -> ChatOutput
+    return chat_xtml.parse_output(text, opts) if isinstance(opts, XtmlOptions) else parse_output(text, opts)
 
 
 @dataclass
@@ -97,7 +122,7 @@ class _Plan:
     stream: bool
     include_usage: bool
     score_only: bool  # echo with max_tokens 0: the one generated token is dropped
-    parse: ParseOptions | None = None
+    parse: ParseOptions | XtmlOptions | None = None
     stop: tuple[str, ...] = ()
 
 
@@ -328,7 +353,7 @@ _ROLE_KEYS = {
     "tool": ("role", "content", "tool_call_id"),
 }
 _ROLES = tuple(_ROLE_KEYS)
-_EFFORTS = ("low", "medium", "high")
+_EFFORTS = ("low", "medium", "high")  # for Jinja templates; K3's format has its own (chat_xtml.EFFORTS)
 
 
 def check_fields(body: dict[str, Any], chat: bool) -> None:
@@ -440,7 +465,7 @@ def _check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str | dict[str, Any]:
-    """ "auto", "none", or the tool the reply must call (a named function, or "required" with one tool)."""
+    """ "auto", "none", "required", or the tool the reply must call (a named function)."""
     choice = body.get("tool_choice")
     if choice is None:
         return "auto"
@@ -449,12 +474,7 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str | dic
     if choice in ("auto", "none"):
         return choice
     if choice == "required":
-        if len(tools) != 1:
-            raise ServeError(
-                400, f"'tool_choice' required with {len(tools)} tools is not implemented (constrained "
-                "decoding over Kimi's tool-call section); name one tool", "tool_choice",
-            )  # fmt: skip
-        return tools[0]
+        return choice
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if isinstance(fn, dict) and isinstance(fn.get("name"), str):
         for t in tools:
@@ -693,6 +713,8 @@ class OpenAIServer:
         self.max_concurrent = max_concurrent
         self.in_flight = 0  # completion requests admitted and not yet answered (streams until they end)
         self.tokenizer = engine.tokenizer
+        # K3's chat format (its tokenizer has the XTML markup tokens): rendered by chat_xtml, not a template
+        self.xtml = chat_xtml.is_xtml(self.tokenizer)
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.model.config.vocab_size
         self.async_engine = AsyncEngine(engine, tensor_parallel=engine.config.tp_size > 1)
@@ -744,22 +766,28 @@ class OpenAIServer:
                 )  # fmt: skip
         return prompts
 
-    def _chat_ids(self, body: dict[str, Any]) -> tuple[list[int], ParseOptions | None, str | None]:
-        """The rendered, tokenized conversation, what to split out of the reply (None: plain text) and the
-        JSON schema the reply is held to (a forced tool call's parameters), if any."""
+    def _chat_ids(self, body: dict[str, Any]) -> _ChatPrompt:
+        """The rendered, tokenized conversation, what to split out of the reply and what holds it."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ServeError(400, "'messages' must be a non-empty list", "messages")
         messages = [_check_message(i, m) for i, m in enumerate(messages)]
+        tools = _check_tools(body)
+        choice = _tool_choice(body, tools)
+        parallel = _get(body, "parallel_tool_calls", (bool,), True)
+        effort = _get(body, "reasoning_effort", (str,), None)
+        if isinstance(choice, dict) or choice == "required":
+            if body.get("response_format") not in (None, {"type": "text"}):
+                raise ServeError(
+                    400, "'response_format' and a forced 'tool_choice' exclude each other", "tool_choice"
+                )
+        if self.xtml:
+            return self._xtml_ids(body, messages, tools, choice, parallel, effort)
         template = self.tokenizer.chat_template
         if template is None:
             raise ServeError(
                 400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages"
             )
-        tools = _check_tools(body)
-        choice = _tool_choice(body, tools)
-        parallel = _get(body, "parallel_tool_calls", (bool,), True)
-        effort = _get(body, "reasoning_effort", (str,), None)
         extra: dict[str, Any] = {}
         # fields the model's template does not read would be silently ignored: refuse them instead
         if tools:
@@ -787,24 +815,62 @@ class OpenAIServer:
                     f"messages[{i}]",
                 )  # fmt: skip
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        names = frozenset(t["function"]["name"] for t in tools)
         if isinstance(choice, dict):  # a forced call: open it in the prompt, hold the reply to its schema
-            if body.get("response_format") not in (None, {"type": "text"}):
-                raise ServeError(
-                    400, "'response_format' and a forced 'tool_choice' exclude each other", "tool_choice"
-                )
             name = choice["function"]["name"]
             call_id = f"functions.{name}:0"
             text += f"{SECTION_BEGIN}{CALL_BEGIN}{call_id}{ARG_BEGIN}"
             schema = json.dumps(choice["function"].get("parameters") or {"type": "object"})
-            opts = ParseOptions(forced=(call_id, name))
-            return self.tokenizer.encode(text, add_special_tokens=False), opts, schema
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return _ChatPrompt(ids, ParseOptions(forced=(call_id, name)), schema, constraint_field="tools")
+        if choice == "required":  # open the tool-calls section, hold the reply to calls of the tools
+            text += SECTION_BEGIN
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            opts = ParseOptions(names=names, parallel=parallel, section_open=True)
+            structure = calls_structure(self.tokenizer, tools, parallel)
+            return _ChatPrompt(ids, opts, structure=structure, constraint_field="tools")
         think_open = text.rstrip().endswith(THINK_BEGIN)
-        names = frozenset(t["function"]["name"] for t in tools) if tools and choice == "auto" else frozenset()
         opts = None
-        if names or think_open or THINK_BEGIN in template:
-            opts = ParseOptions(think_open=think_open, names=names, parallel=parallel)
+        if (names and choice == "auto") or think_open or THINK_BEGIN in template:
+            opts = ParseOptions(think_open=think_open, names=names if choice == "auto" else frozenset(),
+                                parallel=parallel)  # fmt: skip
         # the template writes its own special tokens (BOS included)
-        return self.tokenizer.encode(text, add_special_tokens=False), opts, None
+        return _ChatPrompt(
+            self.tokenizer.encode(text, add_special_tokens=False), opts, _response_schema(body)
+        )
+
+    def _xtml_ids(
+        self, body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+        choice: str | dict[str, Any], parallel: bool, effort: str | None,
+    ) -> _ChatPrompt:  # fmt: skip
+        """_chat_ids for K3's format (chat_xtml): rendered by k3run, constrained replies as structures."""
+        thinking = effort != "none"
+        schema_text = _response_schema(body)
+        schema = json.loads(schema_text) if schema_text is not None else None
+        json_object = schema is not None and body["response_format"].get("type") == "json_object"
+        forced = [choice] if isinstance(choice, dict) else tools if choice == "required" else []
+        try:
+            segments = chat_xtml.render(
+                messages, tools, thinking=thinking, effort=effort if thinking else None,
+                tool_choice="required" if forced else choice if isinstance(choice, str) else "auto",
+                response_schema=None if json_object else schema, json_object=json_object,
+            )  # fmt: skip
+            ids = chat_xtml.encode(self.tokenizer, segments)
+        except XtmlError as e:
+            raise ServeError(400, str(e), e.field or "messages") from e
+        names = frozenset(t["function"]["name"] for t in tools) if choice != "none" else frozenset()
+        single = isinstance(choice, dict)
+        opts = XtmlOptions(thinking=thinking, names=names, parallel=parallel and not single)
+        structure, field = None, "response_format"
+        if forced:
+            structure = chat_xtml.reply_structure(
+                self.tokenizer, thinking=thinking, tools=forced, parallel=parallel and not single
+            )
+            field = "tools"
+        elif schema is not None:
+            structure = chat_xtml.reply_structure(self.tokenizer, thinking=thinking, response_schema=schema)
+        end = self.tokenizer.token_to_id(chat_xtml.END_OF_MSG)
+        return _ChatPrompt(ids, opts, structure=structure, constraint_field=field, stop_ids=(end,))
 
     def parse(self, body: dict[str, Any], chat: bool) -> "_Parsed":
         """Validate and tokenize a request body (no engine access: runs on a worker thread)."""
@@ -812,10 +878,11 @@ class OpenAIServer:
             raise ServeError(400, "the request body must be a JSON object")
         self._check_model(body)
         check_fields(body, chat)
-        opts, forced_schema = None, None
+        opts, chat_prompt = None, None
         if chat:
-            ids, opts, forced_schema = self._chat_ids(body)
-            prompts = [ids]
+            chat_prompt = self._chat_ids(body)
+            opts = chat_prompt.parse
+            prompts = [chat_prompt.ids]
         else:
             prompts = self._prompt_ids(body)
         n = _get(body, "n", (int,), 1)
@@ -849,17 +916,21 @@ class OpenAIServer:
                 f"max_model_len is {self.max_model_len}: at most {room} can be generated",
                 name,
             )
-        if chat:
-            schema = forced_schema or _response_schema(body)
-            if schema is not None:
+        if chat_prompt is not None:
+            cp = chat_prompt
+            if cp.json_schema is not None or cp.structure is not None:
                 from k3run.engine.grammar import GrammarError
 
                 try:  # compiled here, on the worker thread; the engine finds it in its cache
-                    self.engine.grammars().compile(schema)
+                    if cp.structure is not None:
+                        self.engine.grammars().compile_structure(cp.structure)
+                    else:
+                        self.engine.grammars().compile(cp.json_schema)  # type: ignore[arg-type]
                 except GrammarError as e:
-                    field = "tools" if forced_schema else "response_format"
-                    raise ServeError(400, f"{field}: {e}", field) from e
-                params = dataclasses.replace(params, json_schema=schema)
+                    raise ServeError(400, f"{cp.constraint_field}: {e}", cp.constraint_field) from e
+                params = dataclasses.replace(params, json_schema=cp.json_schema, grammar=cp.structure)
+            if cp.stop_ids:
+                params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *cp.stop_ids))
         options = _get(body, "stream_options", (dict,), {})
         for key in options:
             if key != "include_usage":
@@ -1009,7 +1080,7 @@ class OpenAIServer:
         if plan.parse is None:
             return {"role": "assistant", "content": out.text}, reason
         raw = self.tokenizer.decode(self._reply_ids(out), skip_special_tokens=False)
-        co = parse_output(cut_at_stop(raw, plan.stop), plan.parse)
+        co = _parse_whole(cut_at_stop(raw, plan.stop), plan.parse)
         msg: dict[str, Any] = {"role": "assistant", "content": co.content or (None if co.tool_calls else "")}
         if co.reasoning is not None:
             msg["reasoning_content"] = co.reasoning
@@ -1040,7 +1111,7 @@ class OpenAIServer:
         # the parser splitting it into reasoning, content and tool calls
         offsets: dict[int, tuple[int, int]] = {}
         cuts: dict[int, StopCut] = {}
-        parsers: dict[int, StreamParser] = {}
+        parsers: dict[int, StreamParser | XtmlStreamParser] = {}
 
         def parsed_delta(i: int, out: RequestOutput) -> tuple[dict[str, Any], bool]:
             """(delta fields of this output, whether the choice has made tool calls)."""
@@ -1052,7 +1123,7 @@ class OpenAIServer:
             offsets[i] = (prefix, read)
             assert parse is not None and plan is not None
             cut = cuts.setdefault(i, StopCut(plan.stop))
-            parser = parsers.setdefault(i, StreamParser(parse))
+            parser = parsers.setdefault(i, _stream_parser(parse))
             deltas = parser.feed(cut.feed(new, out.finished))
             if out.finished:
                 deltas += parser.finish()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,8 +107,14 @@ class Tokenizer(ABC):
         constrained decoding (engine/grammar.py)."""
         raise TokenizerError(f"{type(self).__name__} does not support constrained decoding")
 
-    def xgrammar_tokenizer_info(self, n_vocab: int) -> Any:
-        """This tokenizer as an xgrammar TokenizerInfo over n_vocab ids (engine/grammar.py)."""
+    def encode_text(self, text: str) -> list[int]:
+        """text as ordinary text: special-token strings written in it are spelled, never the special token
+        (what a renderer uses for content a user or tool wrote)."""
+        raise TokenizerError(f"{type(self).__name__} cannot encode text without special tokens")
+
+    def xgrammar_tokenizer_info(self, n_vocab: int, special_text: bool = False) -> Any:
+        """This tokenizer as an xgrammar TokenizerInfo over n_vocab ids (engine/grammar.py); special_text:
+        special tokens read as their text (for structures that name markers by token)."""
         raise TokenizerError(f"{type(self).__name__} does not support constrained decoding")
 
     def _eos_list(self) -> list[int]:
@@ -155,6 +162,8 @@ class Tokenizer(ABC):
 class HFTokenizer(Tokenizer):
     """A `tokenizer.json` loaded with the `tokenizers` library."""
 
+    xgrammar_specials_as_text = True  # its xgrammar vocabulary always reads special tokens as their text
+
     def __init__(
         self, path: Path, tokenizer_config: dict[str, Any], extra_eos_ids: Sequence[int] = ()
     ) -> None:
@@ -164,6 +173,7 @@ class HFTokenizer(Tokenizer):
             self._tok = _HFTok.from_file(str(path))
         except Exception as e:  # the Rust side raises plain Exception subclasses for malformed files
             raise TokenizerError(f"{path}: cannot load tokenizer.json ({e})") from e
+        self._plain_lock = threading.Lock()  # encode_text flips the tokenizer's special-token mode
         super().__init__(tokenizer_config, extra_eos_ids)
 
     @property
@@ -176,6 +186,14 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def encode_text(self, text: str) -> list[int]:
+        with self._plain_lock:
+            self._tok.encode_special_tokens = True
+            try:
+                return list(self._tok.encode(text, add_special_tokens=False).ids)
+            finally:
+                self._tok.encode_special_tokens = False
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -184,7 +202,7 @@ class HFTokenizer(Tokenizer):
 
         return llguidance.LLTokenizer(self._tok.to_str(), n_vocab=n_vocab, eos_token=self._eos_list())
 
-    def xgrammar_tokenizer_info(self, n_vocab: int) -> Any:
+    def xgrammar_tokenizer_info(self, n_vocab: int, special_text: bool = False) -> Any:
         import transformers
         import xgrammar as xgr
 
@@ -268,15 +286,22 @@ class TiktokenTokenizer(Tokenizer):
             ids = [i for i in ids if i not in self._special_ids]
         return self._enc.decode(list(ids), errors="replace")
 
-    def xgrammar_tokenizer_info(self, n_vocab: int) -> Any:
+    def encode_text(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def xgrammar_tokenizer_info(self, n_vocab: int, special_text: bool = False) -> Any:
         import xgrammar as xgr
 
         # raw bytes per id; special tokens (and ids past the vocabulary) as empty tokens, which xgrammar never
-        # matches as text; the end-of-sequence ids are the stop tokens
+        # matches as text (unless special_text); the end-of-sequence ids are the stop tokens
         vocab = [b""] * n_vocab
         for piece, tid in self._enc._mergeable_ranks.items():
             if tid < n_vocab:
                 vocab[tid] = piece
+        if special_text:
+            for name, tid in self._special.items():
+                if tid < n_vocab:
+                    vocab[tid] = name.encode("utf-8")
         return xgr.TokenizerInfo(
             vocab, xgr.VocabType.RAW, vocab_size=n_vocab, stop_token_ids=self._eos_list()
         )

@@ -9,6 +9,18 @@ to -inf (the log-probabilities a request reports stay those of the model), and t
 consumed by the matcher. The end-of-sequence tokens are allowed exactly where the schema's document can end.
 JSON is constrained to the compact form (no whitespace between tokens), so a model cannot spend its tokens
 on indentation. Masks are computed on the host, so constrained sequences decode without overlap.
+
+Beside JSON schemas, a request can carry a structure (`SamplingParams.grammar`): k3run's own small grammar
+language, JSON of nested nodes, which the chat formats use to hold a reply to Kimi's tool-call markup
+(special tokens around JSON or typed arguments). Nodes:
+    {"token": id}                 one token, by id (a chat format's special marker)
+    {"text": "..."}               literal text
+    {"regex": "..."}              text matching a regular expression
+    {"json": schema, "style": s}  a JSON value of the schema; style "json" (compact) or "kimi_k3_xml"
+                                  (K3's typed argument tags; xgrammar only)
+    {"any_text": [excluded strings]}
+    {"seq": [nodes]}, {"or": [nodes]}, {"plus": node}, {"optional": node}
+xgrammar compiles it as a structural tag, llguidance as a Lark grammar (without the K3-only nodes).
 """
 
 from __future__ import annotations
@@ -46,8 +58,10 @@ class GrammarBackend:
         if self.name is None:
             raise GrammarError("structured output needs xgrammar or llguidance (pip install 'k3run[serve]')")
         self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._compiled: dict[str, Any] = {}
+        self._markup_compiler: Any = None
         if self.name == "xgrammar":
             import xgrammar as xgr
 
@@ -87,13 +101,58 @@ class GrammarBackend:
             self._compiled[schema] = compiled
         return compiled
 
+    def compile_structure(self, spec: str) -> Any:
+        """The compiled structure (module docstring; JSON text), cached; GrammarError if it cannot be used."""
+        key = "structure:" + spec
+        with self._lock:
+            if key in self._compiled:
+                return self._compiled[key]
+        node = json.loads(spec)
+        try:
+            if self.name == "xgrammar":
+                tag = {"type": "structural_tag", "format": _xgrammar_format(node)}
+                compiled = self._markup().compile_structural_tag(json.dumps(tag))
+            else:
+                compiled = self._ll.LLMatcher.grammar_from_lark(_lark(node))
+                is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(compiled)
+                if is_error:
+                    raise GrammarError("; ".join(messages))
+        except GrammarError as e:
+            raise GrammarError(f"the tool-call grammar cannot be used: {e}") from e
+        except Exception as e:  # the libraries' own errors for schemas inside the structure
+            raise GrammarError(f"the tool-call grammar cannot be used: {e}") from e
+        with self._lock:
+            self._compiled[key] = compiled
+        return compiled
+
+    def _markup(self) -> Any:
+        """xgrammar's compiler over a vocabulary where special tokens read as their text (the structures
+        name markers by token; JSON schemas compile with the plain one, where special tokens never match)."""
+        if getattr(self._tokenizer, "xgrammar_specials_as_text", False):
+            return self._compiler
+        with self._lock:
+            if self._markup_compiler is None:
+                info = self._tokenizer.xgrammar_tokenizer_info(self.vocab_size, special_text=True)
+                self._markup_compiler = self._xgr.GrammarCompiler(info)
+            return self._markup_compiler
+
+    def matcher_for(self, json_schema: str | None, structure: str | None) -> Any:
+        """A matcher for a request's schema or structure (at most one is set), or None."""
+        if structure is not None:
+            return self._new_matcher(self.compile_structure(structure))
+        if json_schema is not None:
+            return self.matcher(json_schema)
+        return None
+
     def matcher(self, schema: str) -> Any:
-        compiled = self.compile(schema)
+        return self._new_matcher(self.compile(schema))
+
+    def _new_matcher(self, compiled: Any) -> Any:
         if self.name == "xgrammar":
             return self._xgr.GrammarMatcher(compiled)
         m = self._ll.LLMatcher(self._lltok, compiled, log_level=0)
         if m.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {m.get_error()}")
+            raise GrammarError(f"the grammar cannot be used: {m.get_error()}")
         return m
 
     def consume(self, matcher: Any, token: int) -> bool:
@@ -129,3 +188,77 @@ class GrammarBackend:
             allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : out.shape[1]]
             out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
         return out
+
+
+_XML_STYLES = ("kimi_k3_xml",)
+
+
+def _xgrammar_format(node: dict[str, Any]) -> dict[str, Any]:
+    """A structure node as xgrammar's structural-tag format (as a dict)."""
+    if "token" in node:
+        return {"type": "token", "token": int(node["token"])}
+    if "text" in node:
+        return {"type": "const_string", "value": node["text"]}
+    if "regex" in node:
+        return {"type": "regex", "pattern": node["regex"]}
+    if "json" in node:
+        style = node.get("style", "json")
+        if style != "json":
+            return {"type": "json_schema", "json_schema": node["json"], "style": style}
+        import xgrammar as xgr
+
+        # compact JSON, as for response_format (a structural tag's json_schema allows whitespace)
+        schema = json.dumps(node["json"])
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+        return {"type": "grammar", "grammar": str(grammar)}
+    if "any_text" in node:
+        return {"type": "any_text", "excludes": list(node["any_text"])}
+    if "seq" in node:
+        return {"type": "sequence", "elements": [_xgrammar_format(n) for n in node["seq"]]}
+    if "or" in node:
+        return {"type": "or", "elements": [_xgrammar_format(n) for n in node["or"]]}
+    if "plus" in node:
+        return {"type": "plus", "content": _xgrammar_format(node["plus"])}
+    if "optional" in node:
+        return {"type": "optional", "content": _xgrammar_format(node["optional"])}
+    raise GrammarError(f"unknown structure node {sorted(node)}")
+
+
+def _lark(node: dict[str, Any]) -> str:
+    """A structure as a Lark grammar for llguidance: one rule per JSON schema (`%json`), tokens as <[id]>."""
+    rules: list[str] = []
+
+    def expr(n: dict[str, Any]) -> str:
+        if "token" in n:
+            return f"<[{int(n['token'])}]>"
+        if "text" in n:
+            return json.dumps(n["text"])
+        if "regex" in n:
+            return "/" + n["regex"].replace("/", "\\/") + "/"
+        if "json" in n:
+            if n.get("style", "json") in _XML_STYLES:
+                raise GrammarError(
+                    f"the {n['style']} argument style needs xgrammar (pip install 'k3run[serve]')"
+                )
+            name = f"json{len(rules)}"
+            spec = n["json"] if isinstance(n["json"], dict) else {}
+            rules.append(
+                f"{name}: %json " + json.dumps({"x-guidance": {"whitespace_flexible": False}} | spec)
+            )
+            return name
+        if "any_text" in n:
+            raise GrammarError(
+                "free text inside a tool-call structure needs xgrammar (pip install 'k3run[serve]')"
+            )
+        if "seq" in n:
+            return "(" + " ".join(expr(c) for c in n["seq"]) + ")"
+        if "or" in n:
+            return "(" + " | ".join(expr(c) for c in n["or"]) + ")"
+        if "plus" in n:
+            return "(" + expr(n["plus"]) + ")+"
+        if "optional" in n:
+            return "(" + expr(n["optional"]) + ")?"
+        raise GrammarError(f"unknown structure node {sorted(n)}")
+
+    start = "start: " + expr(node)
+    return "\n".join([start, *rules]) + "\n"

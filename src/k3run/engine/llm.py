@@ -240,8 +240,8 @@ class LLMEngine:
         if not isinstance(prompt, str):
             text = self.tokenizer.decode(ids)
         seq = Sequence(seq_id=self._ids.next(), prompt=text, prompt_token_ids=ids, params=params)
-        if params.json_schema is not None:
-            seq.matcher = self.grammars().matcher(params.json_schema)
+        if params.json_schema is not None or params.grammar is not None:
+            seq.matcher = self.grammars().matcher_for(params.json_schema, params.grammar)
         self.scheduler.add(seq)
         return seq.seq_id
 

@@ -46,6 +46,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # a JSON schema (as JSON text) the generated text must follow (engine/grammar.py), or None
     json_schema: str | None = None
+    # or a structure in engine/grammar.py's node language (JSON text): a chat format's tool-call markup
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.json_schema is not None and self.grammar is not None:
+            raise ValueError("SamplingParams takes json_schema or grammar, not both")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
