@@ -80,7 +80,7 @@ class Scripted:
         req = _Request(next(self._keys), prompt_ids, params, asyncio.get_running_loop())
         self.prompts.append(prompt_ids)
         ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
-        eos = self.tokenizer.token_to_id("<|im_end|>")
+        eos = self.tokenizer.token_to_id("<|im_end|>") or min(self.tokenizer.eos_token_ids)
         assert self.tokenizer.decode(ids, skip_special_tokens=False) == self.reply  # the script survives
         shown = ""
         for k in range(len(ids) + 1):

@@ -66,6 +66,40 @@ def test_bad_schemas_are_refused_with_the_backends_message(tokenizer, name: str)
         backend.compile(json.dumps({"type": "object", "properties": 5}))
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_tool_calls_structure_on_both_backends(tokenizer, name: str) -> None:
+    """chat_output.calls_structure (tool_choice required, Kimi's K2-style section after its opening marker):
+    one or more calls of the given tools, compact arguments of each tool's schema, then the end marker (here
+    the markers are spelled in text: the bundled tokenizer has no tokens for them); without parallel calls
+    exactly one. Both backends agree on every case."""
+    from k3run.chat_output import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_END, calls_structure
+
+    backend = GrammarBackend(tokenizer, tokenizer.vocab_size, prefer=name)
+    tools = [
+        {"type": "function", "function": {"name": "answer", "parameters": SCHEMA}},
+        {"type": "function", "function": {"name": "noop"}},
+    ]
+
+    def call(name: str, i: int, args: str) -> str:
+        return f"{CALL_BEGIN}functions.{name}:{i}{ARG_BEGIN}{args}{CALL_END}"
+
+    def accepts(structure: str, text: str) -> bool:
+        m = backend.matcher_for(None, structure)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(backend.consume(m, t) for t in ids) and backend.consume(m, min(tokenizer.eos_token_ids))
+
+    many, one = calls_structure(tokenizer, tools, True), calls_structure(tokenizer, tools, False)
+    good = call("answer", 0, '{"answer":"no","confidence":"high"}')
+    assert accepts(many, good + SECTION_END) and accepts(one, good + SECTION_END)
+    assert accepts(many, good + call("noop", 1, "{}") + SECTION_END)
+    assert not accepts(one, good + call("noop", 1, "{}") + SECTION_END)
+    assert not accepts(many, SECTION_END)  # at least one call
+    assert not accepts(many, call("answer", 0, '{"answer":"maybe","confidence":"high"}') + SECTION_END)
+    assert not accepts(many, call("answer", 0, '{"answer": "no","confidence":"high"}') + SECTION_END)
+    assert not accepts(many, call("other", 0, "{}") + SECTION_END)
+    assert not accepts(many, good)  # the section must end
+
+
 def test_constrained_generation_follows_the_schema(model, tokenizer) -> None:
     """Greedy and sampled replies (batched with an unconstrained one) are documents of the schema, ended
     by the model's end-of-sequence token; the unconstrained row in the same batch is unaffected."""

@@ -421,8 +421,9 @@ class XtmlStreamParser:
             self.calls = parsed if self.opts.parallel else parsed[:1]
             return [{"tool_calls": [c.openai(i) for i, c in enumerate(self.calls)]}]
         if self.state == "end":  # after the message closed: only the end-of-message token belongs here
-            rest = self.buf.replace(END_OF_MSG, "")
-            self.buf = ""
+            keep = 0 if final else _held(self.buf, END_OF_MSG)
+            rest, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+            rest = rest.replace(END_OF_MSG, "")
             return [{"content": rest}] if rest.strip() else []
         piece, self.buf = self.buf, ""  # tail: after an invalid tools channel, all text is content
         return [{"content": piece}]
@@ -472,7 +473,9 @@ def reply_structure(
             name = fn["name"].replace("&", "&amp;").replace('"', "&quot;")
             calls.append({"seq": [
                 o, {"text": f'call tool="{name}" index="'}, {"regex": "[1-9][0-9]{0,2}"}, {"text": '"'}, s,
-                {"json": fn.get("parameters") or {"type": "object"}, "style": "kimi_k3_xml"}, *close("call"),
+                {"json": fn.get("parameters") or {"type": "object"}, "style": "kimi_k3_xml",
+                 "excludes": MARKERS},
+                *close("call"),
             ]})  # fmt: skip
         one: dict[str, Any] = calls[0] if len(calls) == 1 else {"or": calls}
         seq += [o, {"text": "tools"}, s, {"plus": one} if parallel else one, *close("tools")]

@@ -6,6 +6,7 @@ on GPUs, gloo on CPU or with K3RUN_DIST_BACKEND=gloo); every rank runs the engin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -195,9 +196,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _load_llm(args, model_dir, 1, args.max_model_len, args.max_model_len)
     prompt: str | list[int] = args.prompt
     if args.chat:
-        # the template writes its own special tokens (BOS included), so none are added when encoding
-        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-        prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+        from k3run import chat_xtml
+
+        turn = [{"role": "user", "content": args.prompt}]
+        if chat_xtml.is_xtml(llm.tokenizer):  # K3's format: no template; thinking off, the response streams
+            prompt = chat_xtml.encode(llm.tokenizer, chat_xtml.render(turn, thinking=False))
+            end = llm.tokenizer.token_to_id(chat_xtml.END_OF_MSG)
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end))
+        else:  # the template writes its own special tokens (BOS included): none are added when encoding
+            text = llm.tokenizer.apply_chat_template(turn)
+            prompt = llm.tokenizer.encode(text, add_special_tokens=False)
     n_prompt = len(prompt) if isinstance(prompt, list) else len(llm.tokenizer.encode(prompt))
     if n_prompt + args.max_tokens > args.max_model_len:
         raise UserError(

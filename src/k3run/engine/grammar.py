@@ -17,7 +17,8 @@ language, JSON of nested nodes, which the chat formats use to hold a reply to Ki
     {"text": "..."}               literal text
     {"regex": "..."}              text matching a regular expression
     {"json": schema, "style": s}  a JSON value of the schema; style "json" (compact) or "kimi_k3_xml"
-                                  (K3's typed argument tags; xgrammar only)
+                                  (K3's typed argument tags, xgrammar only; "excludes": strings its
+                                  text values may not contain)
     {"any_text": [excluded strings]}
     {"seq": [nodes]}, {"or": [nodes]}, {"plus": node}, {"optional": node}
 xgrammar compiles it as a structural tag, llguidance as a Lark grammar (without the K3-only nodes).
@@ -203,8 +204,9 @@ def _xgrammar_format(node: dict[str, Any]) -> dict[str, Any]:
         return {"type": "regex", "pattern": node["regex"]}
     if "json" in node:
         style = node.get("style", "json")
-        if style != "json":
-            return {"type": "json_schema", "json_schema": node["json"], "style": style}
+        if style != "json":  # strings and names exclude node["excludes"] (a format's markers)
+            out = {"type": "json_schema", "json_schema": node["json"], "style": style}
+            return out | {"excludes": list(node.get("excludes", []))}
         import xgrammar as xgr
 
         # compact JSON, as for response_format (a structural tag's json_schema allows whitespace)
