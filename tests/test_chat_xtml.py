@@ -10,6 +10,7 @@ special tokens renamed to K3's markup tokens, so the bundled model can run it.""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -384,3 +385,63 @@ def test_a_json_response_on_the_real_engine_is_held_to_its_schema(tok_dir, model
                 assert choice["finish_reason"] == "stop" and "reasoning_content" not in choice["message"]
     finally:
         srv.async_engine.shutdown()
+
+
+LLAMA_CPP = os.environ.get("K3RUN_LLAMA_CPP")  # a llama.cpp source tree: its own Jinja rendering of K3
+
+
+@pytest.mark.skipif(LLAMA_CPP is None, reason="set K3RUN_LLAMA_CPP to a llama.cpp source tree to compare")
+def test_prompts_equal_llama_cpps_k3_template() -> None:
+    """k3run's rendering against a second implementation, llama.cpp's models/templates/Kimi-K3.jinja (its
+    port of the checkpoint's encoder), on conversations that use every part of the format. The template
+    takes call arguments as mappings (llama.cpp parses them first) and defaults to thinking_effort max, so
+    it is given what k3run was given."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    assert LLAMA_CPP is not None
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(jinja2.TemplateError(m))
+    # llama.cpp's Jinja engine has Python's json.dumps as tojson (ensure_ascii included, no HTML escaping)
+    env.filters["tojson"] = lambda v, ensure_ascii=True: json.dumps(v, ensure_ascii=ensure_ascii)
+    template = env.from_string((Path(LLAMA_CPP) / "models/templates/Kimi-K3.jinja").read_text())
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": '{"city": "Oslo", "days": 3}'}},
+        {"id": "b", "type": "function", "function": {"name": 'x&"y', "arguments": '{"v": [1, {"k": null}]}'}},
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+    ]  # fmt: skip
+    convs = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+         {"role": "assistant", "content": "a", "reasoning_content": "r"}, {"role": "user", "content": "q2"}],
+        [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "tool", "tool_call_id": "c", "content": "12:00"},
+         {"role": "tool", "tool_call_id": "a", "content": "cold"}, {"role": "user", "content": "thanks"}],
+    ]  # fmt: skip
+    options = [
+        {}, {"thinking": False}, {"effort": "low"}, {"tool_choice": "required"}, {"tool_choice": "none"},
+        {"json_object": True}, {"response_schema": {"type": "object", "properties": {"b": {}, "a": {}}}},
+    ]  # fmt: skip
+    n = 0
+    for conv in convs:
+        for tools in (None, [WEATHER, TIME]):
+            for opt in options:
+                mine = X.to_text(X.render(conv, tools, **opt))
+                theirs_msgs = [
+                    m | {"tool_calls": [c | {"function": c["function"] | {
+                        "arguments": json.loads(c["function"]["arguments"])}} for c in m["tool_calls"]]}
+                    if m.get("tool_calls") else m
+                    for m in conv
+                ]  # fmt: skip
+                fmt = {"type": "json_object"} if opt.get("json_object") else None
+                if "response_schema" in opt:
+                    fmt = {"type": "json_schema", "json_schema": {"schema": opt["response_schema"]}}
+                kwargs = {"thinking": opt.get("thinking", True), "thinking_effort": opt.get("effort")}
+                kwargs |= {"tool_choice": opt["tool_choice"]} if "tool_choice" in opt else {}
+                kwargs |= {"response_format": fmt} if fmt else {}
+                kwargs |= {"tools": tools} if tools else {}
+                theirs = template.render(messages=theirs_msgs, add_generation_prompt=True, **kwargs)
+                assert mine == theirs, (conv, tools, opt)
+                n += 1
+    assert n == len(convs) * 2 * len(options)

@@ -17,7 +17,7 @@ An assistant turn is a sequence of channels:
 (line breaks for reading only). Attribute values escape & and " as &amp; and &quot;; a string argument is
 written raw, every other type as JSON. Tool declarations, the thinking effort, tool_choice required / none and
 response_format are system messages with a `type` attribute; tool results are messages of role "tool" with
-the tool's name and the 1-based position of the call they answer. The generation prompt opens an assistant
+the tool's name and a 1-based index, sent in the order of the calls they answer. The generation prompt opens an assistant
 message and its first channel (think, or response when thinking is off).
 
 This module is k3run's own implementation of that format (as described by the public parsers and ports of
@@ -220,15 +220,18 @@ def render(
             f"Now the system is invoked with `thinking_effort={effort}`.",
         )
     tool_order = iter(_tool_runs(messages))
+    results = 0  # tool results since the last assistant turn: a result's index counts them
     for i, m in enumerate(messages):
         role = m["role"]
         if role in ("user", "system"):
             out += _message([("role", role)], _text(m.get("content")))
         elif role == "assistant":
             out += _message([("role", "assistant")], _assistant(m, f"messages[{i}]", thinking))
+            results = 0
         elif role == "tool":  # results in the order of their calls (see _tool_runs)
-            _, tm, name, position = next(tool_order)
-            out += _message([("role", "tool"), ("tool", name), ("index", position)], _text(tm.get("content")))
+            _, tm, name, _ = next(tool_order)
+            results += 1
+            out += _message([("role", "tool"), ("tool", name), ("index", results)], _text(tm.get("content")))
         else:
             raise XtmlError(f"messages[{i}].role {role!r} has no place in this format", f"messages[{i}].role")
     if tool_choice in ("required", "none"):
