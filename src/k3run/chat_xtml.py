@@ -17,8 +17,8 @@ An assistant turn is a sequence of channels:
 (line breaks for reading only). Attribute values escape & and " as &amp; and &quot;; a string argument is
 written raw, every other type as JSON. Tool declarations, the thinking effort, tool_choice required / none and
 response_format are system messages with a `type` attribute; tool results are messages of role "tool" with
-the tool's name and a 1-based index, sent in the order of the calls they answer. The generation prompt opens an assistant
-message and its first channel (think, or response when thinking is off).
+the tool's name and a 1-based index, sent in the order of the calls they answer. The generation prompt opens
+an assistant message and its first channel (think, or response when thinking is off).
 
 This module is k3run's own implementation of that format (as described by the public parsers and ports of
 the encoder); it renders a conversation as segments, each tokenized on its own (markup segments are single
