@@ -19,6 +19,7 @@ from k3run.engine.runner import (
     DEFAULT_GRAPH_STEP_BYTES,
     GRAPH_BATCH_SIZES,
     CausalLM,
+    CompiledCpuDecoder,
     GraphDecoder,
     ModelRunner,
     staged,
@@ -60,6 +61,9 @@ class EngineConfig:
     # records step k's tokens, so the host's per-step work overlaps the GPU's. None: on where decode steps
     # replay CUDA graphs; True: wherever a step is a plain decode (the CPU too: for tests, no gain there)
     overlap_decode: bool | None = None
+    # on the CPU: decode steps compiled by torch.compile (engine/runner.py CompiledCpuDecoder; ~40 s per
+    # batch bucket and attention window on first use), at tensor-parallel size 1
+    compile_cpu_decode: bool = False
     # bytes of prompt-prefix snapshots kept for reuse (engine/prefix_cache.py); 0: no prefix caching
     prefix_cache_bytes: int = 0
 
@@ -181,7 +185,8 @@ class LLMEngine:
         if graphs and self.cache.num_slots < 2:
             self.graph_blocker = "the cache holds one sequence, and the graph decoder needs a scratch slot"
         elif graphs:
-            decoder = GraphDecoder(model, self.cache, graph_batch, self.config.graph_step_bytes)
+            kind = GraphDecoder if device.type == "cuda" else CompiledCpuDecoder
+            decoder = kind(model, self.cache, graph_batch, self.config.graph_step_bytes)
         if self.graph_blocker is not None and device.type == "cuda":
             log.info("decode runs eagerly: %s", self.graph_blocker)
         self.prefix_cache = (
@@ -203,7 +208,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(tokenizer)
         self._ids = SequenceIds()
         overlap = self.config.overlap_decode
-        self.overlap = decoder is not None if overlap is None else overlap
+        self.overlap = decoder is not None and device.type == "cuda" if overlap is None else overlap
         self._inflight: _InFlight | None = None
         self._grammars: GrammarBackend | None = None
 
@@ -212,7 +217,11 @@ class LLMEngine:
         Larger batches than the first run eagerly (the grouped NVFP4 experts have a pick limit, say)."""
         if not self.config.cuda_graphs:
             return 0, "CUDA graphs are off (EngineConfig.cuda_graphs / --eager)"
-        if device.type != "cuda":
+        if device.type == "cpu" and not self.config.compile_cpu_decode:
+            return 0, "the model is on the CPU and EngineConfig.compile_cpu_decode is off"
+        if device.type == "cpu" and self.config.tp_size > 1:
+            return 0, "compiled CPU decode runs at tensor-parallel size 1 only"
+        if device.type not in ("cuda", "cpu"):
             return 0, f"the model is on {device}"
         check = getattr(model, "static_decode_blocker", None)
         if check is None:

@@ -50,6 +50,8 @@ CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
 def _adjacent_columns(*parts: torch.Tensor) -> torch.Tensor:
     """torch.cat(parts, -1) of 2-D tensors; a view without a copy when they are adjacent column slices of one
     tensor (as the merged in_proj's q | k | v outputs are)."""
+    if torch.compiler.is_compiling():  # a compiled step fuses the copy (storage offsets are not traced)
+        return torch.cat(parts, dim=-1)
     first = parts[0]
     offset = first.storage_offset()
     same = first.stride(-1) == 1

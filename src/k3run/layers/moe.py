@@ -699,7 +699,11 @@ def fused_experts(
     if grouped is not False and experts.grouped_mm_ok(x):
         return _fused_experts_grouped_mm(experts, x, ids, weights)
     if dense is None:
-        dense = _SYNC_FREE.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        dense = (
+            torch.compiler.is_compiling()  # a compiled step cannot read counts back either
+            or _SYNC_FREE.get()
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        )
     if dense:
         return _fused_experts_dense(experts, x, ids, weights)
     from k3run.kernels.picks import sort_picks

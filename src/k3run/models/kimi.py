@@ -245,10 +245,21 @@ class KimiForCausalLM(nn.Module):
 
     def static_decode_blocker(self, batch_size: int) -> str | None:
         """None when a decode step of `batch_size` sequences can run as a static step (ForwardContext
-        attn_window) that a CUDA graph captures, else the first reason it cannot, naming the layer."""
+        attn_window) that a CUDA graph captures (or, on the CPU, torch.compile compiles whole), else the
+        first reason it cannot, naming the layer."""
         device = self.embed_tokens.weight.device
-        if device.type != "cuda":
-            return f"the model is on {device}, CUDA graphs need a CUDA device"
+        if device.type not in ("cuda", "cpu"):
+            return f"the model is on {device}: static decode steps need CUDA or the CPU"
+        if device.type == "cpu":  # the references run there, and the experts' dense path is sync-free
+            if self.tp.size > 1:
+                return "compiled CPU decode runs at tensor-parallel size 1 only"
+            for layer in self.layers:
+                if isinstance(layer.mlp, KimiMoE):
+                    top_k = self.config.num_experts_per_token
+                    why = experts_sync_free(layer.mlp.experts, batch_size, top_k, self.params_dtype, device)
+                    if why is not None:
+                        return why
+            return None
         if self.tp.size > 1:  # NCCL collectives are captured with the step; gloo ones run on the host
             backend = torch.distributed.get_backend(self.tp.group)
             if backend != "nccl":
