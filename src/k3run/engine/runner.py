@@ -222,7 +222,9 @@ class CompiledCpuDecoder(GraphDecoder):
         # no guards on the model's modules: checking them costs ~0.3-0.6 ms a step (thousands of attributes),
         # and nothing reassigns a module attribute once the engine runs (the caches change in place)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        fn = torch.compile(functools.partial(self._step, b, w), dynamic=False, fullgraph=True, options=options)
+        fn = torch.compile(
+            functools.partial(self._step, b, w), dynamic=False, fullgraph=True, options=options
+        )
         try:
             fn()
         except Exception as e:  # a graph break, or no C++ compiler for Inductor
