@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from k3_shaped import kimi_linear_48b_config, random_model  # noqa: E402
 
-from k3run.engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
+from k3run.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 
 class _NoTok:
@@ -48,7 +48,8 @@ def read_bandwidth() -> float:
 def step_ms(layers: int, tokens: int) -> tuple[float, int]:
     model = random_model(kimi_linear_48b_config(layers=layers), device="cpu", dtype=torch.bfloat16)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    eng = LLMEngine(model, _NoTok(), EngineConfig(max_num_seqs=1, max_model_len=256, max_num_batched_tokens=256))
+    cfg = EngineConfig(max_num_seqs=1, max_model_len=256, max_num_batched_tokens=256)
+    eng = LLMEngine(model, _NoTok(), cfg)
     eng.add_request(list(range(1, 17)), SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     times = []
     while eng.has_unfinished():
@@ -69,20 +70,28 @@ def main() -> None:
     t, nb = {}, {}
     for n in (1, 2, 3, 4):
         t[n], nb[n] = step_ms(n, args.tokens)
-        print(f"{n} layers: {t[n]:.1f} ms a decode step (median), {nb[n] / 2**30:.2f} GiB of parameters", flush=True)
+        gib = nb[n] / 2**30
+        print(f"{n} layers: {t[n]:.1f} ms a decode step (median), {gib:.2f} GiB of parameters", flush=True)
     kda, mla = (t[3] - t[1]) / 2, t[4] - t[3]
     total = t[1] + 19 * kda + 7 * mla
     ram = nb[1] + 19 * (nb[3] - nb[1]) / 2 + 7 * (nb[4] - nb[3])
-    print(f"KDA + MoE layer {kda:.1f} ms, MLA + MoE layer {mla:.1f} ms, embeddings + head + layer 1 {t[1]:.1f} ms")
-    print(f"projected 27-layer decode: {total:.0f} ms a token = {1000 / total:.2f} tok/s at batch 1; "
-          f"parameters {ram / 2**30:.1f} GiB")
+    print(
+        f"KDA + MoE layer {kda:.1f} ms, MLA + MoE layer {mla:.1f} ms, "
+        f"embeddings + head + layer 1 {t[1]:.1f} ms"
+    )
+    print(
+        f"projected 27-layer decode: {total:.0f} ms a token = {1000 / total:.2f} tok/s at batch 1; "
+        f"parameters {ram / 2**30:.1f} GiB"
+    )
     # bytes a batch-1 token reads: every non-expert parameter, 8 + 1 (shared) experts per MoE layer
     cfg = kimi_linear_48b_config()
     e_bytes = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * (0.5 + 1 / 16 * 1.0)  # E2M1 + E4M3 / 16
     routed_all = 26 * cfg["num_experts"] * e_bytes
     touched = ram - routed_all + 26 * cfg["num_experts_per_token"] * e_bytes
-    print(f"bandwidth bound: {touched / 2**30:.2f} GiB touched a token / {bw / 1e9:.1f} GB/s read = "
-          f"{bw / touched:.1f} tok/s; the projection is {100 * (1000 / total) / (bw / touched):.0f}% of it")
+    print(
+        f"bandwidth bound: {touched / 2**30:.2f} GiB touched a token / {bw / 1e9:.1f} GB/s read = "
+        f"{bw / touched:.1f} tok/s; the projection is {100 * (1000 / total) / (bw / touched):.0f}% of it"
+    )
 
 
 if __name__ == "__main__":
