@@ -2,14 +2,18 @@
 decode step compiled whole by torch.compile gives the eager engine's greedy tokens, batched, with log-
 probabilities equal to fp32 rounding.
 
+The model is the bundled bf16 checkpoint run in fp32, not the k3-mixed one: that one quantizes FP8_PB_WO
+inputs to fp8 per 1x128 block, a discontinuous step where a re-associated sum can land one fp8 rounding
+apart (0.2 in a logit, seen over 64 steps), which says nothing about the compiled step's correctness.
 Tolerance: the compiled step runs the same fp32 operations in a fused, re-associated order (fp32 eps 1.2e-7
-per rounding, sums over <= 2056 terms); measured on this model: <= 1.2e-6 apart. The bound, 1e-3 in a
+per rounding, sums over <= 2056 terms); measured: logits <= 3.8e-6 apart over 96 steps. The bound, 1e-3 in a
 log-probability, leaves room for the trained model's amplification of input rounding at some tokens (up to
 ~1e4x, bench/NOTES.md session 18) and fails any real difference (a wrong state update changes tokens)."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +26,16 @@ pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler"
 )
 BOUND = 1e-3
+BF16_MODEL = Path(__file__).resolve().parents[2] / "assets" / "default-model-bf16"
 
 
-def test_compiled_cpu_decode_equals_eager(model) -> None:
-    from k3run.cli import default_model_dir
+def test_compiled_cpu_decode_equals_eager() -> None:
+    from k3run.api import load_model
 
-    tok = load_tokenizer(default_model_dir())
+    if not BF16_MODEL.is_dir():
+        pytest.skip("no bundled bf16 model")
+    model = load_model(BF16_MODEL, dtype=torch.float32)
+    tok = load_tokenizer(BF16_MODEL)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
     prompts = ["The os module provides", "def main():\n    "]
     outs = {}

@@ -204,11 +204,12 @@ class GraphDecoder:
 
 class CompiledCpuDecoder(GraphDecoder):
     """GraphDecoder's static decode steps on the CPU, each (batch bucket, attention window) compiled once by
-    torch.compile into one graph (no breaks: the layers take their sync-free paths while compiling, such as
-    the dense experts) instead of captured. Same inputs, padding rows and scratch slot as the CUDA decoder.
-    A compile costs ~40 s on 2 cores for the bundled model (Inductor caches it on disk for later runs), so
-    it is opt-in (EngineConfig.compile_cpu_decode, `--compile`). The compiled step computes the same
-    operations in a fused order: its logits match the eager step's to the activation dtype's rounding."""
+        torch.compile into one graph (no breaks: the layers take their sync-free paths while compiling, such as
+        the dense experts) instead of captured. Same inputs, padding rows and scratch slot as the CUDA decoder.
+        A compile costs ~40 s on 2 cores for the bundled model (Inductor caches it on disk for later runs), so
+        it is opt-in (EngineConfig.compile_cpu_decode, `--compile`). The compiled step computes the same
+        operations in a fused order: its logits match the eager step's to the activation dtype's rounding (where
+    FP8_PB_WO layers quantize their inputs to fp8, a re-associated input can also land one fp8 step apart)."""
 
     def _capture(self, b: int, w: int) -> Any:  # type: ignore[override]
         from k3run.layers.moe import sync_free_experts
