@@ -204,11 +204,11 @@ class GraphDecoder:
 
 class CompiledCpuDecoder(GraphDecoder):
     """GraphDecoder's static decode steps on the CPU, each (batch bucket, attention window) compiled once by
-        torch.compile into one graph (no breaks: the layers take their sync-free paths while compiling, such as
-        the dense experts) instead of captured. Same inputs, padding rows and scratch slot as the CUDA decoder.
-        A compile costs ~40 s on 2 cores for the bundled model (Inductor caches it on disk for later runs), so
-        it is opt-in (EngineConfig.compile_cpu_decode, `--compile`). The compiled step computes the same
-        operations in a fused order: its logits match the eager step's to the activation dtype's rounding (where
+    torch.compile into one graph (no breaks: the layers take their sync-free paths while compiling, such as
+    the dense experts) instead of captured. Same inputs, padding rows and scratch slot as the CUDA decoder.
+    A compile costs ~40 s on 2 cores for the bundled model (Inductor caches it on disk for later runs), so
+    it is opt-in (EngineConfig.compile_cpu_decode, `--compile`). The compiled step computes the same
+    operations in a fused order: its logits match the eager step's to the activation dtype's rounding (where
     FP8_PB_WO layers quantize their inputs to fp8, a re-associated input can also land one fp8 step apart)."""
 
     def _capture(self, b: int, w: int) -> Any:  # type: ignore[override]
@@ -222,7 +222,12 @@ class CompiledCpuDecoder(GraphDecoder):
         t0 = time.perf_counter()
         # no guards on the model's modules: checking them costs ~0.3-0.6 ms a step (thousands of attributes),
         # and nothing reassigns a module attribute once the engine runs (the caches change in place)
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        from k3run.engine.inductor_passes import SmallMmAsReduction
+
+        options = {
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "post_grad_custom_post_pass": SmallMmAsReduction(),  # decode GEMVs as Inductor loops
+        }
         fn = torch.compile(
             functools.partial(self._step, b, w), dynamic=False, fullgraph=True, options=options
         )
