@@ -127,12 +127,19 @@ def _opened_section(text: str, opts: ParseOptions) -> ChatOutput:
     return ChatOutput(None, "", parsed if opts.parallel else parsed[:1])
 
 
-def _marker(tokenizer: Any, marker: str) -> dict[str, Any]:
-    """A structure node for a marker: its special token, or its text where the tokenizer spells it."""
+def special_token_id(tokenizer: Any, marker: str) -> int | None:
+    """The id of the one token that is `marker` (a chat format's special token), or None if the tokenizer
+    has no such token (it spells the marker in text)."""
     tid = tokenizer.token_to_id(marker)
     if tid is not None and tokenizer.decode([tid], skip_special_tokens=False) == marker:
-        return {"token": tid}
-    return {"text": marker}
+        return tid
+    return None
+
+
+def _marker(tokenizer: Any, marker: str) -> dict[str, Any]:
+    """A structure node for a marker: its special token, or its text where the tokenizer spells it."""
+    tid = special_token_id(tokenizer, marker)
+    return {"text": marker} if tid is None else {"token": tid}
 
 
 def calls_structure(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -212,17 +219,19 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-class StreamParser:
-    """The same rules over a stream: `feed(new_text)` and `finish()` return OpenAI delta fields
-    ({"reasoning_content": ...}, {"content": ...}, {"tool_calls": [...]}) in order. Text that could still be
-    the start of a marker is held back; a tool-calls section is held until it closes (its calls then go out
-    together, or its text as content if it is not valid)."""
+class DeltaStream:
+    """A reply parser over a stream, as a state machine: `feed(new_text)` and `finish()` run `_step(final)`
+    until it neither changes state nor consumes text, and return the OpenAI delta fields it made
+    ({"reasoning_content": ...}, {"content": ...}, {"tool_calls": [...]}) in order; `calls` holds the tool
+    calls returned. Subclasses (one per chat format) write `_step`."""
 
-    def __init__(self, opts: ParseOptions) -> None:
-        self.opts = opts
-        self.state = "think" if opts.think_open else "start"
+    def __init__(self, state: str) -> None:
+        self.state = state
         self.buf = ""
         self.calls: list[ToolCall] = []
+
+    def _step(self, final: bool) -> list[dict[str, Any]]:
+        raise NotImplementedError
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.buf += text
@@ -238,6 +247,16 @@ class StreamParser:
             out += self._step(final)
             if (self.state, len(self.buf)) == before:
                 return out
+
+
+class StreamParser(DeltaStream):
+    """parse_output's rules over a stream (DeltaStream). Text that could still be the start of a marker is
+    held back; a tool-calls section is held until it closes (its calls then go out together, or its text as
+    content if it is not valid)."""
+
+    def __init__(self, opts: ParseOptions) -> None:
+        super().__init__("think" if opts.think_open else "start")
+        self.opts = opts
 
     def _emit(self, key: str, upto: int) -> list[dict[str, Any]]:
         piece, self.buf = self.buf[:upto], self.buf[upto:]

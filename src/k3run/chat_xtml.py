@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from k3run.chat_output import ChatOutput, ToolCall, _held
+from k3run.chat_output import ChatOutput, DeltaStream, ToolCall, _held, special_token_id
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
@@ -62,11 +62,7 @@ class XtmlError(ValueError):
 
 def is_xtml(tokenizer: Any) -> bool:
     """Whether the tokenizer has K3's four markup tokens (each a single special token)."""
-    for m in MARKERS:
-        tid = tokenizer.token_to_id(m)
-        if tid is None or tokenizer.decode([tid], skip_special_tokens=False) != m:
-            return False
-    return True
+    return all(special_token_id(tokenizer, m) is not None for m in MARKERS)
 
 
 @dataclass(frozen=True)
@@ -351,31 +347,16 @@ def parse_tools(body: str, names: frozenset[str]) -> list[ToolCall] | None:
     return calls
 
 
-class XtmlStreamParser:
-    """A K3 reply as OpenAI delta fields: `feed(new_text)` and `finish()` return {"reasoning_content": ...},
-    {"content": ...} and {"tool_calls": [...]} in order (the module's rules). Text that could still be the
-    start of a closing tag is held back; a tools channel is held until it closes."""
+class XtmlStreamParser(DeltaStream):
+    """A K3 reply over a stream (chat_output.DeltaStream; the module's rules). Text that could still be the
+    start of a closing tag is held back; a tools channel is held until it closes. No empty delta is made."""
 
     def __init__(self, opts: XtmlOptions) -> None:
+        super().__init__("think" if opts.thinking else "response")
         self.opts = opts
-        self.state = "think" if opts.thinking else "response"
-        self.buf = ""
-        self.calls: list[ToolCall] = []
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[dict[str, Any]]:
-        return [d for d in self._run(final=True) if any(d.values())]
-
-    def _run(self, final: bool) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        while True:
-            before = (self.state, len(self.buf))
-            out += self._step(final)
-            if (self.state, len(self.buf)) == before:
-                return [d for d in out if any(d.values())]
+    def _step(self, final: bool) -> list[dict[str, Any]]:
+        return [d for d in self._next(final) if any(d.values())]
 
     def _body(self, key: str, close: str, then: str, final: bool) -> list[dict[str, Any]]:
         """Emit a channel's body up to its closing tag (held back: what could begin it)."""
@@ -404,7 +385,7 @@ class XtmlStreamParser:
         piece, self.buf = rest[:cut], rest[cut:]
         return [{"content": piece}]
 
-    def _step(self, final: bool) -> list[dict[str, Any]]:
+    def _next(self, final: bool) -> list[dict[str, Any]]:
         if self.state == "think":
             return [{"reasoning_content": d["r"]} for d in self._body("r", THINK_CLOSE, "between", final)]
         if self.state == "response":

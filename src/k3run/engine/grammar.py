@@ -1,7 +1,7 @@
 """Constrained decoding: sampled tokens restricted to a JSON schema (structured output).
 
-Two backends, the same contract: xgrammar (the `serve` extra; picked by measurement, bench/RESULTS.md C9:
-its per-token mask at batch 32 costs ~1 us per sequence against llguidance's 6-15 us on 2K-65K vocabularies)
+Two backends, the same contract: xgrammar (the `serve` extra, first because its per-token mask at batch 32
+costs ~1 us per sequence against llguidance's 6-15 us on 2K-65K vocabularies: bench/bench_grammar.py)
 and llguidance (used when xgrammar is not installed; it compiles a schema ~10x faster and has no
 dependencies). A request's `SamplingParams.json_schema` is compiled once per engine and schema (cached); each
 such sequence gets a matcher. Before each sampling step the matcher's token mask sets every disallowed logit
@@ -76,55 +76,48 @@ class GrammarBackend:
         else:
             raise GrammarError(f"unknown grammar backend {self.name!r}")
 
-    def compile(self, schema: str) -> Any:
-        """The compiled JSON schema (text), cached; GrammarError if the backend cannot use it."""
-        with self._lock:
-            if schema in self._compiled:
-                return self._compiled[schema]
-        try:
-            if self.name == "xgrammar":
-                compiled = self._compiler.compile_json_schema(
-                    schema, any_whitespace=False, separators=(",", ":")
-                )
-            else:
-                spec = json.loads(schema)
-                if isinstance(spec, dict):
-                    spec = {"x-guidance": {"whitespace_flexible": False}} | spec
-                compiled = self._ll.LLMatcher.grammar_from_json_schema(json.dumps(spec))
-                is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(compiled)
-                if is_error:
-                    raise GrammarError("; ".join(messages))
-        except GrammarError as e:
-            raise GrammarError(f"the JSON schema cannot be used: {e}") from e
-        except Exception as e:  # both libraries raise plain exceptions (RuntimeError, ValueError) for schemas
-            raise GrammarError(f"the JSON schema cannot be used: {e}") from e
-        with self._lock:
-            self._compiled[schema] = compiled
-        return compiled
-
-    def compile_structure(self, spec: str) -> Any:
-        """The compiled structure (module docstring; JSON text), cached; GrammarError if it cannot be used."""
-        key = "structure:" + spec
+    def _cached(self, key: str, what: str, build: Any) -> Any:
+        """build()'s compiled grammar, kept under `key`; GrammarError naming `what` if the backend refuses it
+        (llguidance's grammars are validated here, xgrammar raises while compiling)."""
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]
-        node = json.loads(spec)
         try:
-            if self.name == "xgrammar":
-                tag = {"type": "structural_tag", "format": _xgrammar_format(node)}
-                compiled = self._markup().compile_structural_tag(json.dumps(tag))
-            else:
-                compiled = self._ll.LLMatcher.grammar_from_lark(_lark(node))
+            compiled = build()
+            if self.name == "llguidance":
                 is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(compiled)
                 if is_error:
                     raise GrammarError("; ".join(messages))
-        except GrammarError as e:
-            raise GrammarError(f"the tool-call grammar cannot be used: {e}") from e
-        except Exception as e:  # the libraries' own errors for schemas inside the structure
-            raise GrammarError(f"the tool-call grammar cannot be used: {e}") from e
+        except Exception as e:  # GrammarError, and the plain exceptions both libraries raise for bad input
+            raise GrammarError(f"the {what} cannot be used: {e}") from e
         with self._lock:
             self._compiled[key] = compiled
         return compiled
+
+    def compile(self, schema: str) -> Any:
+        """The compiled JSON schema (text), cached; GrammarError if the backend cannot use it."""
+
+        def build() -> Any:
+            if self.name == "xgrammar":
+                return self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+            spec = json.loads(schema)
+            if isinstance(spec, dict):
+                spec = {"x-guidance": {"whitespace_flexible": False}} | spec
+            return self._ll.LLMatcher.grammar_from_json_schema(json.dumps(spec))
+
+        return self._cached(schema, "JSON schema", build)
+
+    def compile_structure(self, spec: str) -> Any:
+        """The compiled structure (module docstring; JSON text), cached; GrammarError if it cannot be used."""
+
+        def build() -> Any:
+            node = json.loads(spec)
+            if self.name == "xgrammar":
+                tag = {"type": "structural_tag", "format": _xgrammar_format(node)}
+                return self._markup().compile_structural_tag(json.dumps(tag))
+            return self._ll.LLMatcher.grammar_from_lark(_lark(node))
+
+        return self._cached("structure:" + spec, "tool-call grammar", build)
 
     def _markup(self) -> Any:
         """xgrammar's compiler over a vocabulary where special tokens read as their text (the structures

@@ -3,9 +3,9 @@
 At decode a linear multiplies a handful of rows by its weight: Inductor hands such an mm to an extern GEMM
 (oneDNN / MKL), whose per-call cost at the bundled model's sizes ([1, 128] x [128, N]) is 12-49 us in bf16,
 about half of a compiled step. Written as a broadcast multiply and a sum over K (fp32 accumulation), the
-product becomes one of Inductor's own vectorised C++ loops, fused with its neighbours: the bundled model's
-compiled step went from 2.7-3.0 to 1.05-1.16 ms (fp32, bench/NOTES.md session 19), logits unchanged to
-4e-6.
+product becomes one of Inductor's own vectorised C++ loops, fused with its neighbours: a compiled step of
+the bundled bf16-weights model in fp32 takes 1.05-1.16 ms with this pass against 2.7-3.0 ms without it,
+its logits the same to 4e-6.
 """
 
 from __future__ import annotations

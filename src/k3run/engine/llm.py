@@ -219,8 +219,6 @@ class LLMEngine:
             return 0, "CUDA graphs are off (EngineConfig.cuda_graphs / --eager)"
         if device.type == "cpu" and not self.config.compile_cpu_decode:
             return 0, "the model is on the CPU and EngineConfig.compile_cpu_decode is off"
-        if device.type == "cpu" and self.config.tp_size > 1:
-            return 0, "compiled CPU decode runs at tensor-parallel size 1 only"
         if device.type not in ("cuda", "cpu"):
             return 0, f"the model is on {device}"
         check = getattr(model, "static_decode_blocker", None)

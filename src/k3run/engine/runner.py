@@ -176,6 +176,18 @@ class GraphDecoder:
                 break
         return len(self.graphs)
 
+    def _held(self, n: int, ctx_lens: list[int]) -> tuple[int, Any]:
+        """(bucket, held step) for a decode step of n sequences with these contexts; captured now if new."""
+        b = self.bucket(n)
+        if b is None:
+            raise ValueError(
+                f"{type(self).__name__}: batch of {n} is over the largest bucket {self.max_batch}"
+            )
+        key = (b, self.window(max(ctx_lens) + 1))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        return b, self.graphs[key]
+
     def run(self, ids: list[int] | torch.Tensor, slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
         """Logits [B, V] fp32 of one decode step: sequence i feeds ids[i] at position ctx_lens[i] of slot
         slots[i]. `ids` may be a device tensor (the previous step's sampled tokens, for a step launched
@@ -183,14 +195,7 @@ class GraphDecoder:
         non-blocking copy from pinned memory (CUDA's caching host allocator keeps that buffer until the copy
         has run), so the host can prepare the next step while this one runs."""
         n = len(slots)
-        b = self.bucket(n)
-        if b is None:
-            raise ValueError(f"GraphDecoder: batch of {n} is over the largest bucket {self.max_batch}")
-        w = self.window(max(ctx_lens) + 1)
-        key = (b, w)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(b, w)
-        graph, out = self.graphs[key]
+        b, (graph, out) = self._held(n, ctx_lens)
         pad = b - n
         on_device = isinstance(ids, torch.Tensor)
         host_ids = [0] * b if on_device else list(ids) + [0] * pad  # type: ignore[arg-type]
@@ -243,18 +248,13 @@ class CompiledCpuDecoder(GraphDecoder):
 
     def run(self, ids: list[int] | torch.Tensor, slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
         n = len(slots)
-        b = self.bucket(n)
-        if b is None:
-            raise ValueError(f"CompiledCpuDecoder: batch of {n} is over the largest bucket {self.max_batch}")
-        key = (b, self.window(max(ctx_lens) + 1))
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
+        b, step = self._held(n, ctx_lens)
         pad = b - n
         host_ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         self.inputs[:, :b].copy_(
             torch.tensor([host_ids + [0] * pad, slots + [self.scratch] * pad, ctx_lens + [0] * pad])
         )
-        return self.graphs[key]()[:n]
+        return step()[:n]
 
 
 class ModelRunner:

@@ -250,28 +250,21 @@ class KimiForCausalLM(nn.Module):
         device = self.embed_tokens.weight.device
         if device.type not in ("cuda", "cpu"):
             return f"the model is on {device}: static decode steps need CUDA or the CPU"
-        if device.type == "cpu":  # the references run there, and the experts' dense path is sync-free
-            if self.tp.size > 1:
-                return "compiled CPU decode runs at tensor-parallel size 1 only"
-            for layer in self.layers:
-                if isinstance(layer.mlp, KimiMoE):
-                    top_k = self.config.num_experts_per_token
-                    why = experts_sync_free(layer.mlp.experts, batch_size, top_k, self.params_dtype, device)
-                    if why is not None:
-                        return why
-            return None
-        if self.tp.size > 1:  # NCCL collectives are captured with the step; gloo ones run on the host
+        if device.type == "cpu" and self.tp.size > 1:
+            return "compiled CPU decode runs at tensor-parallel size 1 only"
+        if device.type == "cuda" and self.tp.size > 1:  # NCCL collectives are captured with the step
             backend = torch.distributed.get_backend(self.tp.group)
             if backend != "nccl":
                 return f"tensor parallel over {self.tp.size} ranks on {backend} (graphs capture NCCL only)"
         for layer in self.layers:
             attn = layer.self_attn
-            if isinstance(attn, KimiDeltaAttention):
+            # on the CPU the references run, every one trace-safe: only the experts need a sync-free path
+            if device.type == "cuda" and isinstance(attn, KimiDeltaAttention):
                 from k3run.kernels.kda import kda_backend
 
                 if kda_backend(device) != "fla":
                     return f"{attn.prefix}: KDA runs the reference (fla-core is not installed)"
-            elif attn.w_uk is None:
+            elif device.type == "cuda" and attn.w_uk is None:
                 return f"{attn.prefix}: no absorbed kv_b factors (process_after_loading not called)"
             if isinstance(layer.mlp, KimiMoE):
                 top_k = self.config.num_experts_per_token
