@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,8 +129,16 @@ def _gloo_worker(
     try:
         result = fn(TPInfo(rank=rank, size=world), *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # mp.spawn hands this rank's traceback to the parent
+    shutdown_distributed()
+    # The result is on disk and the group is gone, so interpreter finalization is skipped: a gloo rank can
+    # abort there with "terminate called without an active exception" while its worker threads are torn
+    # down (pytorch/pytorch#179291 describes the race), failing a correct run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -144,10 +153,14 @@ def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
 
     with tempfile.TemporaryDirectory(prefix="k3run-gloo-") as tmp:
         store_path = str(Path(tmp) / "store")
-        mp.spawn(
-            _gloo_worker,
-            args=(world_size, store_path, tmp, _function_ref(fn), args),
-            nprocs=world_size,
-            join=True,
-        )
+        try:
+            mp.spawn(
+                _gloo_worker,
+                args=(world_size, store_path, tmp, _function_ref(fn), args),
+                nprocs=world_size,
+                join=True,
+            )
+        except mp.ProcessExitedException as e:  # killed by a signal: say how far the ranks got
+            done = [r for r in range(world_size) if (Path(tmp) / f"rank{r}.pt").exists()]
+            raise RuntimeError(f"{e}; ranks that had written their result: {done or 'none'}") from e
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
