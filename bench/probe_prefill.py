@@ -57,19 +57,36 @@ def label(name: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="kimi-linear", choices=["kimi-linear", "k3", "tiny"])
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default="8192", help="prompt lengths, comma-separated (one model build)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeat", type=int, default=3, help="unprofiled timed prefills before the profiled one")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed by device time")
     args = ap.parse_args()
     model = build(args.model, args.device)
     kinds = {
         i: ("KDA" if model.config.is_kda_layer(i) else "MLA") for i in range(model.config.num_hidden_layers)
     }
     tok = load_tokenizer("assets/default-model-k3-mixed")
-    cfg = EngineConfig(max_num_seqs=1, max_model_len=args.tokens + 8, max_num_batched_tokens=args.tokens)
+    lengths = [int(t) for t in args.tokens.split(",")]
+    cfg = EngineConfig(max_num_seqs=1, max_model_len=max(lengths) + 8, max_num_batched_tokens=max(lengths))
     llm = LLM.from_model(model, tok, cfg)
-    prompt = torch.randint(10, 2000, (args.tokens,)).tolist()
+    for n_tok in lengths:
+        one(args, model, llm, kinds, n_tok)
+
+
+def one(args, model, llm, kinds, n_tok: int) -> None:
+    prompt = torch.randint(10, 2000, (n_tok,)).tolist()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up: compiles
+    for i in range(args.repeat):
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        print(f"unprofiled prefill {i}: {wall * 1e3:.1f} ms, {n_tok / wall:.0f} tok/s")
 
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
@@ -117,12 +134,23 @@ def main() -> None:
         if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
     )
     dev_total = sum(r[1] for r in rows.values()) or 1.0
-    print(f"{args.model}, {args.tokens}-token prefill on {args.device}: {wall * 1e3:.1f} ms wall (profiled), "
-          f"{args.tokens / wall:.0f} tok/s; {kernels} kernels")  # fmt: skip
+    print(f"{args.model}, {n_tok}-token prefill on {args.device}: {wall * 1e3:.1f} ms wall (profiled), "
+          f"{n_tok / wall:.0f} tok/s; {kernels} kernels")  # fmt: skip
     print("| module | calls | host ms (incl. children) | device ms | share of the modules' device time |")
     print("|---|---|---|---|---|")
     for what, (cpu, dev, n) in sorted(rows.items(), key=lambda kv: -kv[1][1] or -kv[1][0]):
         print(f"| {what} | {n} | {cpu:.1f} | {dev:.1f} | {dev / dev_total:.0%} |")
+    if args.device != "cpu":
+        kern = [
+            ev
+            for ev in prof.key_averages()
+            if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
+        ]
+        kern.sort(key=lambda ev: -getattr(ev, "device_time_total", 0.0))
+        print(f"| kernel (top {args.top} by device time) | calls | device ms |")
+        print("|---|---|---|")
+        for ev in kern[: args.top]:
+            print(f"| {ev.key[:90]} | {ev.count} | {getattr(ev, 'device_time_total', 0.0) / 1e3:.1f} |")
 
 
 if __name__ == "__main__":
