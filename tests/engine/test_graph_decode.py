@@ -140,8 +140,23 @@ def _clone_cache(cache: ModelCache) -> ModelCache:
     return ModelCache(layers=layers)
 
 
+# (model, dtype, bound on each step's logits, relative RMS):
+# - the k3-mixed model in bf16: the graph's dense MoE and windowed attention round intermediate results at
+#   other points than the eager step (each rounding <= 2^-9 relative), and its FP8_PB_WO layers quantize
+#   their inputs per 1x128 block, where such a difference can land an element one e4m3 step (2^-3 of it)
+#   apart; the trained model amplifies both at some tokens (bench/NOTES.md session 18). Measured: up to
+#   3.5e-2 over 50 steps (run 88), so 2^-4.
+# - the bf16-weights model in fp32: no fp8 steps, fp32 roundings (1.2e-7) at other points, amplified up to
+#   ~1e4x at some tokens: 2^-10. A wrong cache row, window or bucket changes logits by O(1).
+GRAPH_CASES = [
+    pytest.param(BUNDLED, torch.bfloat16, 2.0**-4, id="k3-mixed-bf16"),
+    pytest.param(BUNDLED.parent / "default-model-bf16", torch.float32, 2.0**-10, id="bf16-weights-fp32"),
+]
+
+
 @pytest.mark.gpu
-def test_gpu_graph_decode_steps_match_eager_steps() -> None:
+@pytest.mark.parametrize(("path", "dtype", "rtol"), GRAPH_CASES)
+def test_gpu_graph_decode_steps_match_eager_steps(path: Path, dtype: torch.dtype, rtol: float) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from k3run.kernels.kda import kda_backend
@@ -149,14 +164,15 @@ def test_gpu_graph_decode_steps_match_eager_steps() -> None:
 
     if kda_backend("cuda") != "fla":
         pytest.skip("graph decode needs fla-core's KDA kernels")
-    model = load_model(BUNDLED, dtype=torch.bfloat16, device="cuda")
-    llm = LLM.from_model(model, load_tokenizer(BUNDLED), EngineConfig(max_num_seqs=4, max_model_len=512))
+    model = load_model(path, dtype=dtype, device="cuda")
+    llm = LLM.from_model(model, load_tokenizer(path), EngineConfig(max_num_seqs=4, max_model_len=512))
     engine = llm.engine
     decoder = engine.runner.graphs
     assert decoder is not None, engine.graph_blocker
     assert decoder.sizes == [1, 2, 4]
     replay = decoder.run
     checked: list[tuple[int, int]] = []
+    errors: list[float] = []
 
     def run(ids: list[int], slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
         # the eager step over a copy of the cache as it is before this step
@@ -168,10 +184,8 @@ def test_gpu_graph_decode_steps_match_eager_steps() -> None:
         )
         want = model.compute_logits(model(torch.tensor(ids, device="cuda"), ctx)).float()
         got = replay(ids, slots, ctx_lens)
-        # bf16 activations: the graph's dense MoE and windowed attention round intermediate results at
-        # other points than the eager loop (each rounding <= 2^-9 relative); through 8 layers 2^-5 of the
-        # logits' RMS bounds it
-        assert_close(f"graph step {len(checked)}", want, got, rtol=2**-5)
+        errors.append(((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item())
+        assert_close(f"graph step {len(checked)}", want, got, rtol=rtol)
         checked.append((len(ids), decoder.window(max(ctx_lens) + 1)))
         return got
 
@@ -186,6 +200,7 @@ def test_gpu_graph_decode_steps_match_eager_steps() -> None:
     windows = {w for _, w in checked}
     assert batches == {3, 2, 1} and windows == {256, 512}, checked
     assert {b for b, _ in decoder.graphs} == {4, 2, 1}
+    print(f"graph vs eager, {len(errors)} steps: max relative RMS {max(errors):.2e}, bound {rtol:.2e}")
 
 
 @pytest.mark.gpu

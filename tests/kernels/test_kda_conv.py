@@ -1,6 +1,7 @@
-"""KDA's decode conv with the states in the cache: the Triton kernel against the torch reference path
-(gather the windows, causal_conv1d_decode_ref, scatter), fresh and stale slots, a strided input, planar
-output.
+"""KDA's short conv kernels against the torch reference: the decode conv with the states in the cache
+(gather the windows, causal_conv1d_decode_ref, scatter: fresh and stale slots), and the varlen prefill conv
+(causal_conv1d_ref: sequences shorter than the window, an empty one, with and without initial states); both
+on a strided input with planar output.
 
 Error bound: both compute the same fp32 multiply-adds in the same order; the kernel may contract a multiply
 and an add into one FMA and writes SiLU as acc / (1 + exp(-acc)), so fp32 outputs differ by a few fp32
@@ -16,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3run.kernels.kda import causal_conv1d_decode_in_place
-from k3run.kernels.kda.ref import causal_conv1d_decode_ref
+from k3run.kernels.kda import causal_conv1d_decode_in_place, causal_conv1d_planar
+from k3run.kernels.kda.ref import causal_conv1d_decode_ref, causal_conv1d_ref
 from k3run.testing import assert_close
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
@@ -69,7 +70,7 @@ def test_cpu_dispatch_is_the_reference_bit_for_bit() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=2)
+    run_interp_tests_in_child(__file__, expected_passed=6)
 
 
 @interp_only
@@ -94,3 +95,52 @@ def test_adjacent_columns_is_a_view_of_the_merged_projection() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_conv_decode_in_place(dtype: torch.dtype) -> None:
     _check(dtype, "cuda", triton_kernel=False)  # the dispatcher picks the kernel on CUDA
+
+
+LENGTHS = [1, 2, 0, 5, 23, 9]  # shorter than the window, empty, and several blocks of tokens
+
+
+def _check_varlen(dtype: torch.dtype, device: str, with_state: bool, triton_kernel: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    P, B = 37, len(LENGTHS)
+    C, T = 3 * P, sum(LENGTHS)
+    wide = torch.randn(T, C + 29, generator=g).to(dtype).to(device)  # q | k | v: the first 3P columns
+    x = wide[:, :C]
+    weight = torch.randn(C, W, generator=g).to(device)
+    state = torch.randn(B, C, W - 1, generator=g).to(dtype).to(device) if with_state else None
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device=device)
+    y_ref, final_ref = causal_conv1d_ref(
+        x.cpu(), weight.cpu(), cu.cpu(), None if state is None else state.cpu()
+    )
+    if triton_kernel:
+        from k3run.kernels.kda.conv import causal_conv1d_varlen_triton
+
+        y, final = causal_conv1d_varlen_triton(x, weight, cu, state, groups=3, block_t=8, block_c=64)
+    else:
+        y, final = causal_conv1d_planar(x, weight, cu_seqlens=cu, initial_state=state, groups=3)
+    assert y.shape == (3, T, P) and y.dtype == dtype and y[2].is_contiguous()
+    want = y_ref.reshape(T, 3, P).transpose(0, 1)
+    assert_close("conv varlen y", want.float(), y.float().cpu(), RTOL[dtype])
+    assert torch.equal(final.cpu(), final_ref), "new windows are copies of inputs: exact"
+
+
+def test_cpu_planar_conv_is_the_reference_bit_for_bit() -> None:
+    _check_varlen(torch.bfloat16, "cpu", with_state=True, triton_kernel=False)
+    _check_varlen(torch.float32, "cpu", with_state=False, triton_kernel=False)
+
+
+@interp_only
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_conv_varlen(dtype: torch.dtype, with_state: bool) -> None:
+    _check_varlen(
+        dtype, "cpu", with_state, triton_kernel=True
+    )  # 48 tokens in blocks of 8, 111 channels in 64s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_conv_varlen(dtype: torch.dtype, with_state: bool) -> None:
+    _check_varlen(dtype, "cuda", with_state, triton_kernel=False)  # the dispatcher picks the kernel on CUDA

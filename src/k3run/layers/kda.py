@@ -26,9 +26,9 @@ from torch import nn
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache
 from k3run.kernels.kda import (
-    causal_conv1d,
     causal_conv1d_decode,
     causal_conv1d_decode_in_place,
+    causal_conv1d_planar,
     kda_decode_in_place,
     kda_forward,
 )
@@ -288,15 +288,17 @@ class KimiDeltaAttention(nn.Module):
                 _adjacent_columns(q, k, v), self.conv_weight, conv_pool=layer_cache.conv, slots=ctx.slots,
                 context_lens=ctx.context_lens, groups=3,
             ).reshape(3, T, H, K)  # fmt: skip
-        else:
-            qkv = torch.cat([q, k, v], dim=-1)  # [T, 3P]
-            if ctx.is_decode:  # one token per sequence: batched, no host read of cu_seqlens
-                qkv, conv_final = causal_conv1d_decode(qkv, self.conv_weight, initial_state=conv0)
-            else:
-                qkv, conv_final = causal_conv1d(
-                    qkv, self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0
-                )
+        elif ctx.is_decode:  # one token per sequence: batched, no host read of cu_seqlens
+            qkv, conv_final = causal_conv1d_decode(
+                torch.cat([q, k, v], dim=-1), self.conv_weight, initial_state=conv0
+            )
             q, k, v = (t.reshape(T, H, K) for t in qkv.split(Pl, dim=-1))
+        else:  # q | k | v read in place, planar output (one launch on CUDA)
+            planes, conv_final = causal_conv1d_planar(
+                _adjacent_columns(q, k, v), self.conv_weight, cu_seqlens=ctx.cu_seqlens, initial_state=conv0,
+                groups=3,
+            )  # fmt: skip
+            q, k, v = planes.reshape(3, T, H, K)
         f = self.f_b_proj(f_a).reshape(T, H, K)  # raw forget-gate projection
         # gate, beta sigmoid and q/k L2 norm happen inside kda_forward (in-kernel on the fla GPU path)
         gate_args = dict(

@@ -9,7 +9,7 @@ Two levels of entry:
   reference; on CUDA it hands the raw tensors to fla with the gate, beta sigmoid and q/k norm fused in the
   kernels, the way the official K3 code calls chunk_kda / fused_recurrent_kda.
 - `chunk_kda` / `recurrent_kda` take the activated inputs (g, post-sigmoid beta, normalised q, k).
-The causal conv runs the reference for prefill (fla's causal-conv kernel is not wired up yet); decode steps
+The causal conv runs one Triton launch for prefill on CUDA (conv.py) and the reference elsewhere; decode steps
 with a cache run `causal_conv1d_decode_in_place` and `kda_decode_in_place`, which keep the conv and recurrent
 states in the cache pool (one Triton launch for the conv and fla's in-place recurrence on CUDA).
 """
@@ -35,6 +35,7 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_decode",
     "causal_conv1d_decode_in_place",
+    "causal_conv1d_planar",
     "chunk_kda",
     "kda_backend",
     "kda_decode_in_place",
@@ -214,7 +215,30 @@ def causal_conv1d(
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU with conv states; x [T, C], weight [C, W], states [B, C, W-1]."""
-    return causal_conv1d_ref(x, weight, cu_seqlens, initial_state)
+    y, final = causal_conv1d_planar(x, weight, cu_seqlens=cu_seqlens, initial_state=initial_state)
+    return y[0], final
+
+
+def causal_conv1d_planar(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d with the output split into `groups` contiguous planes, y [groups, T, C / groups] (q, k, v
+    for the recurrence). x may be a column slice of a wider tensor. One Triton launch on CUDA (plus the
+    states' gather); the reference elsewhere."""
+    if x.is_cuda:
+        from k3run.kernels.kda.conv import causal_conv1d_varlen_triton
+
+        return causal_conv1d_varlen_triton(x, weight, cu_seqlens, initial_state, groups)
+    T, C = x.shape
+    if C % groups:
+        raise ValueError(f"causal_conv1d: {C} channels do not split into {groups} groups")
+    y, final = causal_conv1d_ref(x, weight, cu_seqlens, initial_state)
+    return y.reshape(T, groups, C // groups).transpose(0, 1).contiguous(), final
 
 
 def causal_conv1d_decode(
