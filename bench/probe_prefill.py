@@ -128,24 +128,23 @@ def one(args, model, llm, kinds, n_tok: int) -> None:
             r[0] += ev.cpu_time_total / 1e3
             r[1] += getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)) / 1e3
             r[2] += ev.count
-    kernels = sum(
-        ev.count
+    cuda = torch.autograd.DeviceType.CUDA
+    # the module labels also appear as device-side ranges: not kernels
+    kern = [
+        ev
         for ev in prof.key_averages()
-        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
-    )
+        if getattr(ev, "device_type", None) == cuda and not ev.key.startswith("[mod]")
+    ]
+    kernels = sum(ev.count for ev in kern)
+    busy = sum(getattr(ev, "device_time_total", 0.0) for ev in kern) / 1e3
     dev_total = sum(r[1] for r in rows.values()) or 1.0
     print(f"{args.model}, {n_tok}-token prefill on {args.device}: {wall * 1e3:.1f} ms wall (profiled), "
-          f"{n_tok / wall:.0f} tok/s; {kernels} kernels")  # fmt: skip
+          f"{n_tok / wall:.0f} tok/s; {kernels} kernels, {busy:.1f} ms of kernel time")  # fmt: skip
     print("| module | calls | host ms (incl. children) | device ms | share of the modules' device time |")
     print("|---|---|---|---|---|")
     for what, (cpu, dev, n) in sorted(rows.items(), key=lambda kv: -kv[1][1] or -kv[1][0]):
         print(f"| {what} | {n} | {cpu:.1f} | {dev:.1f} | {dev / dev_total:.0%} |")
     if args.device != "cpu":
-        kern = [
-            ev
-            for ev in prof.key_averages()
-            if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
-        ]
         kern.sort(key=lambda ev: -getattr(ev, "device_time_total", 0.0))
         print(f"| kernel (top {args.top} by device time) | calls | device ms |")
         print("|---|---|---|")
