@@ -145,7 +145,7 @@ def _clone_cache(cache: ModelCache) -> ModelCache:
 #   other points than the eager step (each rounding <= 2^-9 relative), and its FP8_PB_WO layers quantize
 #   their inputs per 1x128 block, where such a difference can land an element one e4m3 step (2^-3 of it)
 #   apart; the trained model amplifies both at some tokens (bench/NOTES.md session 18). Measured: up to
-#   3.5e-2 over 50 steps (run 88), so 2^-4.
+#   3.5e-2 over 23 steps (runs 88, 89), so 2^-4.
 # - the bf16-weights model in fp32: no fp8 steps, fp32 roundings (1.2e-7) at other points, amplified up to
 #   ~1e4x at some tokens: 2^-10. A wrong cache row, window or bucket changes logits by O(1).
 GRAPH_CASES = [
@@ -208,7 +208,7 @@ def test_gpu_graph_and_eager_engines_agree_on_greedy_text() -> None:
     """Whole engines, graphs on and off: greedy tokens agree over the first 8 tokens. The bf16-weights model
     in fp32: its graph and eager steps differ by fp32 rounding (2.3e-7 relative, run 90), so only a top-2
     tie within that would flip a token. (The k3-mixed model in bf16 flips: its FP8 input blocks turn
-    rounding differences into e4m3 steps, and run 88 saw prompt 0 part at its fourth token.)"""
+    rounding differences into e4m3 steps, and run 91 saw prompt 0 part at its fourth token.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from k3run.api import load_model
