@@ -722,9 +722,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         rc = int(args.func(args))
-        from k3run.distributed import shutdown_distributed
+        from k3run.distributed import exit_rank, shutdown_distributed
 
-        shutdown_distributed()  # a no-op outside torchrun
+        if shutdown_distributed():  # a torchrun rank: leave without interpreter finalization (see exit_rank)
+            exit_rank(rc)
         return rc
     except CheckpointInvalid as e:  # everything wrong with a checkpoint: one line per problem
         if args.traceback:

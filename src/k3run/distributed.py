@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -89,12 +90,26 @@ def init_distributed(backend: str | None = None) -> TPInfo:
     return TPInfo(rank=rank, size=world, group=None)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed() -> bool:
     """Leave the process group cleanly: a barrier so no rank exits while another still talks to it, then
-    destroy the group (a gloo rank that exits with the group alive can abort with 'terminate called')."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    destroy the group (a gloo rank that exits with the group alive can abort with 'terminate called').
+    Returns whether there was a group (this process is a rank)."""
+    if not dist.is_initialized():
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank whose work is done and whose group is destroyed, skipping interpreter finalization: a gloo
+    rank can still abort there ("terminate called without an active exception", SIGABRT) while its worker
+    threads are torn down (pytorch/pytorch#179291 describes the race), turning a correct run into a failed
+    one. Logs and standard streams are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str]:
@@ -132,13 +147,10 @@ def _gloo_worker(
     except BaseException:
         dist.destroy_process_group()
         raise  # mp.spawn hands this rank's traceback to the parent
-    shutdown_distributed()
-    # The result is on disk and the group is gone, so interpreter finalization is skipped: a gloo rank can
-    # abort there with "terminate called without an active exception" while its worker threads are torn
-    # down (pytorch/pytorch#179291 describes the race), failing a correct run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # no barrier: a rank that failed would turn it into a second error here, which mp.spawn can report
+    # first in place of the real one; every collective of fn has completed on this rank
+    dist.destroy_process_group()
+    exit_rank(0)  # the result is on disk
 
 
 def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

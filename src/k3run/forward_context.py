@@ -8,6 +8,7 @@ Dimension legend used in shape comments across k3run:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ class ForwardContext:
     # context_lens_list; MLA attends over the first attn_window cached positions of each slot, masked by
     # context_lens (every context_lens[b] < attn_window). None: an ordinary step.
     attn_window: int | None = None
+    _cu_host: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.attn_window is not None:
@@ -76,6 +78,13 @@ class ForwardContext:
     def is_static(self) -> bool:
         """A static decode step (see attn_window): device-only paths, no host reads of per-step values."""
         return self.attn_window is not None
+
+    def cu_seqlens_host(self) -> torch.Tensor:
+        """cu_seqlens as a CPU int64 tensor built from seqlens_list (no device read), the same object for
+        every layer of the step (fla's chunk kernels take it instead of reading cu_seqlens back)."""
+        if self._cu_host is None:
+            self._cu_host = torch.tensor([0, *itertools.accumulate(self.seqlens_list)], dtype=torch.int64)
+        return self._cu_host
 
     @property
     def is_decode(self) -> bool:

@@ -62,7 +62,9 @@ def _reference(
     return ref(l2norm(c["q"]), l2norm(c["k"]), c["v"].float(), g, beta, K**-0.5, c["h0"], c["cu"])
 
 
-def _forward(x: dict[str, torch.Tensor], lower_bound: float | None, decode: bool) -> tuple[torch.Tensor, ...]:
+def _forward(
+    x: dict[str, torch.Tensor], lower_bound: float | None, decode: bool, host_offsets: bool = False
+) -> tuple[torch.Tensor, ...]:
     K = x["q"].shape[-1]
     return kda_forward(
         x["q"],
@@ -77,6 +79,7 @@ def _forward(x: dict[str, torch.Tensor], lower_bound: float | None, decode: bool
         initial_state=x["h0"],
         cu_seqlens=x["cu"],
         decode=decode,
+        cu_seqlens_cpu=x["cu"].cpu() if host_offsets else None,
     )
 
 
@@ -136,6 +139,9 @@ def test_fla_chunk_raw_inputs_match_reference(dtype: torch.dtype, lower_bound: f
     assert o.dtype == ht.dtype == torch.float32 and ht.shape == x["h0"].shape
     assert_close("o", o_ref, o, FLA_RTOL)
     assert_close("final state", ht_ref, ht, FLA_RTOL)
+    # the host offsets (what the layer passes) change no bit
+    o_host, ht_host = _forward(x, lower_bound, decode=False, host_offsets=True)
+    assert torch.equal(o_host, o) and torch.equal(ht_host, ht)
 
 
 @pytest.mark.gpu

@@ -159,7 +159,7 @@ def test_gloo_collectives_match_tp1(tp: int, ckpt_path: Path, tp1_outputs: dict[
 
 _TORCHRUN_SCRIPT = """
 import json, sys, torch
-from k3run.distributed import all_gather, all_reduce, init_distributed, shutdown_distributed
+from k3run.distributed import all_gather, all_reduce, exit_rank, init_distributed, shutdown_distributed
 from k3run.layers.linear import RowParallelLinear
 from k3run.quant.schemes import UnquantizedScheme
 
@@ -176,7 +176,8 @@ layer.weight.weight_loader(layer.weight, w)
 err = (layer(x.to(dev)).cpu() - x @ w.t()).abs().max().item()
 out = {"rank": tp.rank, "size": tp.size, "sum": summed.item(), "gathered": gathered.flatten().tolist()}
 print(json.dumps(out | {"err": err}), flush=True)
-shutdown_distributed()
+if shutdown_distributed():
+    exit_rank(0)  # no interpreter finalization: a gloo rank can abort there (k3run.distributed.exit_rank)
 """
 
 

@@ -136,6 +136,14 @@ def test_static_context_checks():
         )
 
 
+def test_host_offsets_follow_the_lengths_and_are_built_once():
+    cu = torch.tensor([0, 3, 3, 10])
+    ctx = ForwardContext(cu_seqlens=cu, context_lens=torch.zeros(3, dtype=torch.long))
+    host = ctx.cu_seqlens_host()
+    assert torch.equal(host, cu) and host.device.type == "cpu" and host.dtype == torch.int64
+    assert ctx.cu_seqlens_host() is host  # one object per step: fla's index caches key on identity
+
+
 def _tp_logits(tp: TPInfo, ckpt_dirs: list[str], ids: torch.Tensor) -> list[torch.Tensor]:
     torch.set_num_threads(1)
     out = []

@@ -313,7 +313,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, rec_final = kda_forward(
                 q, k, v, f, b, **gate_args, initial_state=rec0, cu_seqlens=ctx.cu_seqlens,
-                decode=ctx.is_decode,
+                decode=ctx.is_decode, cu_seqlens_cpu=None if ctx.is_decode else ctx.cu_seqlens_host(),
             )  # fmt: skip
             if layer_cache is not None:
                 assert conv_final is not None

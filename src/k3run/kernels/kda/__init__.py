@@ -74,13 +74,15 @@ def kda_forward(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     decode: bool,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA from the raw layer tensors, gate / beta / q-k norm included.
 
     q, k [T, H, K] (after the short conv, not normalised); v [T, H, V]; f [T, H, K] raw forget-gate
     projection; b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; lower_bound None (softplus gate) or < 0
     (K3's sigmoid gate); initial_state [B, H, K, V] fp32 or None; cu_seqlens [B+1]. decode=True runs the
-    token-by-token recurrence (every sequence one token), else the chunked algorithm.
+    token-by-token recurrence (every sequence one token), else the chunked algorithm. cu_seqlens_cpu: the
+    same offsets on the host, when the caller has them (fla's chunked path then reads no device tensor back).
     Returns o [T, H, V] fp32 and the final states [B, H, K, V] fp32.
     """
     if _backend(q) == "fla":
@@ -99,6 +101,7 @@ def kda_forward(
             initial_state=initial_state,
             cu_seqlens=cu_seqlens,
             decode=decode,
+            cu_seqlens_cpu=cu_seqlens_cpu,
         )
     qn, kn = l2norm(q), l2norm(k)  # [T, H, K] fp32
     g = kda_gate(f, A_log, dt_bias, lower_bound)  # [T, H, K] fp32

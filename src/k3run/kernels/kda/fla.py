@@ -97,6 +97,7 @@ def _run(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     gate: dict,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ops = _ops()
     T = q.shape[0]
@@ -113,7 +114,8 @@ def _run(
     if decode:
         o, final = ops.fused_recurrent_kda(q1, k1, v1, g1, b1, **common)
     else:
-        o, final = ops.chunk_kda(q1, k1, v1, g1, b1, **common)
+        # with the host offsets, the chunk indices and the intra-card split need no device read-back
+        o, final = ops.chunk_kda(q1, k1, v1, g1, b1, cu_seqlens_cpu=cu_seqlens_cpu, **common)
     return o.reshape(T, *o.shape[2:]).float(), final
 
 
@@ -147,6 +149,7 @@ def kda_fla_raw(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     decode: bool,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K3's fused call. q, k [T, H, K] un-normalised; v [T, H, V]; f [T, H, K] raw forget-gate projection;
     b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; decode picks fused_recurrent_kda over chunk_kda."""
@@ -171,6 +174,7 @@ def kda_fla_raw(
         initial_state=initial_state,
         cu_seqlens=cu_seqlens,
         gate=_gate_options(A_log, dt_bias, lower_bound, decode),
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
 
 
