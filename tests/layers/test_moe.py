@@ -511,6 +511,34 @@ def test_dense_experts_match_the_per_expert_loop():
 
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_picked_experts_match_the_loop(act_name, dtype):
+    """The compiled CPU decode step's form (each pick runs its own expert, weights gathered by id), run here
+    eagerly: unquantized experts on EP rank 1 of 2 (picks of the other rank's experts weigh 0) and NVFP4
+    reference experts with their decoded stack. Bounds as for the dense path: fp32 the loop's operations in
+    another summation order (1e-6); bf16 one ulp where an fp32 sum rounds the other way (2^-8)."""
+    from k3run.layers.moe import _fused_experts_picked, fused_experts
+
+    rtol = 1e-6 if dtype == torch.float32 else 2**-8
+    ex, x, weights, ids = _bf16_ep_case(seed=7)
+    ids[0, :2] = 5  # one token's two slots on one expert
+    x = x.to(dtype)
+    assert_close(
+        "picked bf16-kind experts",
+        fused_experts(ex, x, ids, weights),
+        _fused_experts_picked(ex, x, ids, weights),
+        rtol,
+    )
+    assert not bool(_fused_experts_picked(ex, x, torch.zeros_like(ids), weights).any())  # all remote
+    ex, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False, dtype=dtype)
+    loop = fused_experts(ex, x, ids, weights)
+    stack, ex._ref_stack = ex._ref_stack, None  # small CPU experts decode their stack at load
+    assert _fused_experts_picked(ex, x, ids, weights) is None  # without it: the dense path's job
+    ex._ref_stack = stack
+    assert_close(f"picked nvfp4 {act_name}", loop, _fused_experts_picked(ex, x, ids, weights), rtol)
+
+
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_nvfp4_reference_experts_batched_match_the_loop(act_name, dtype):
     """NVFP4 reference experts (no kernels) with their decoded weights cached (what the CUDA-graph path
     does): the dense path runs all experts as batched matmuls with the per-expert alphas broadcast. fp32:

@@ -18,7 +18,8 @@ MAX_M = 4  # rows up to which an mm becomes a reduction (measured at 1: the deco
 
 
 class SmallMmAsReduction(CustomGraphPass):
-    """aten.mm / aten.addmm on the CPU with at most MAX_M rows as multiply + sum (module docstring)."""
+    """aten.mm / aten.addmm / aten.bmm on the CPU with at most MAX_M rows (per batch entry) as multiply + sum
+    (module docstring)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         cvt = torch.ops.prims.convert_element_type.default
@@ -27,22 +28,24 @@ class SmallMmAsReduction(CustomGraphPass):
                 continue
             if node.target is aten.addmm.default:
                 bias, a, b = node.args
-            elif node.target is aten.mm.default:
+            elif node.target in (aten.mm.default, aten.bmm.default):
                 (a, b), bias = node.args, None
             else:
                 continue
             va, out_val = a.meta.get("val"), node.meta.get("val")
-            if va is None or out_val is None or va.device.type != "cpu" or va.shape[0] > MAX_M:
+            if va is None or out_val is None or va.device.type != "cpu" or va.shape[-2] > MAX_M:
                 continue
+            batch = node.target is aten.bmm.default  # [B, M, K] x [B, K, N]: the same per batch entry
             with graph.inserting_before(node):
                 a3 = graph.call_function(
-                    cvt, (graph.call_function(aten.unsqueeze.default, (a, 2)), torch.float32)
+                    cvt, (graph.call_function(aten.unsqueeze.default, (a, 3 if batch else 2)), torch.float32)
                 )
                 b3 = graph.call_function(
-                    cvt, (graph.call_function(aten.unsqueeze.default, (b, 0)), torch.float32)
+                    cvt, (graph.call_function(aten.unsqueeze.default, (b, 1 if batch else 0)), torch.float32)
                 )
                 out = graph.call_function(
-                    aten.sum.dim_IntList, (graph.call_function(aten.mul.Tensor, (a3, b3)), [1])
+                    aten.sum.dim_IntList,
+                    (graph.call_function(aten.mul.Tensor, (a3, b3)), [2 if batch else 1]),
                 )
                 if bias is not None:
                     out = graph.call_function(aten.add.Tensor, (out, bias))

@@ -705,6 +705,10 @@ def fused_experts(
             or (x.is_cuda and torch.cuda.is_current_stream_capturing())
         )
     if dense:
+        if torch.compiler.is_compiling() and not x.is_cuda and ids.numel() < experts.num_local:
+            y = _fused_experts_picked(experts, x, ids, weights)
+            if y is not None:
+                return y
         return _fused_experts_dense(experts, x, ids, weights)
     from k3run.kernels.picks import sort_picks
 
@@ -782,6 +786,37 @@ def _fused_experts_dense(
     for e in range(el):
         out += experts.expert(e, x).float() * coef[e].unsqueeze(-1)
     return out
+
+
+def _fused_experts_picked(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor | None:
+    """fused_experts for a compiled CPU decode step with fewer picks than local experts: each (token, slot)
+    pick runs its own expert, the weights gathered by expert id on the device (no read-back), so a step reads
+    T * A experts' weights where the dense path reads all E_l (the bundled model: 2 of 8). The same
+    operations per pick as `FusedExperts.expert` (fp32 accumulation, the activation dtype between the
+    GEMMs); picks of another rank's experts weigh 0. None for the kinds it does not gather (FP8_PB_WO
+    experts, NVFP4 experts on the kernels or without the decoded reference stack)."""
+    t, a = ids.shape
+    el = experts.num_local
+    local = (ids - experts.first).reshape(-1)
+    hit = (local >= 0) & (local < el)
+    e = torch.where(hit, local, 0)
+    w = torch.where(hit, weights.reshape(-1).float(), 0.0)  # [P]
+    xp = x.repeat_interleave(a, dim=0)[:, None, :]  # [P, 1, D]: pick p is token p // A
+    if experts.algo == QuantAlgo.NONE:
+        w13 = experts.w13_weight[e].to(x.dtype).transpose(1, 2)  # [P, D, 2I]
+        h = experts.activation(torch.matmul(xp, w13))
+        y = torch.matmul(h, experts.w2_weight[e].to(x.dtype).transpose(1, 2))  # [P, 1, D]
+    elif experts.algo == QuantAlgo.NVFP4 and not experts.nvfp4_kernels and experts._ref_stack is not None:
+        s = experts.scales
+        assert s is not None
+        alphas = (s.g1_alphas[:, 0], s.g1_alphas[:, 1], s.g1_scale_c, s.g2_alphas)  # [E_l] each
+        w13, w2 = experts._ref_stack[0][e], experts._ref_stack[1][e]
+        y = experts.nvfp4_reference(xp, w13, w2, *(al[e][:, None, None] for al in alphas))
+    else:
+        return None
+    return (y[:, 0].float() * w[:, None]).view(t, a, -1).sum(1)
 
 
 def _all_experts(experts: FusedExperts, x: torch.Tensor) -> torch.Tensor | None:
