@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,10 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
 
 // one source, two instruction sets: each kernel function carries its target, the wrappers pick one per call
 #define K3_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
@@ -376,6 +381,184 @@ torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { fn(n0, n1, K, N, xp, sxp, wp, swp, yp); });
   return y;
 }
+
+// ---- NVFP4 on int8 activations (AVX-512 VNNI), the "vnni16" layout of `nvfp4_vnni_pack` ----
+// Weights: 16-row blocks; per (block, scale group g of 16 columns) 128 bytes = two 64-byte chunks whose low
+// nibbles hold columns 16g + 8c + 0..3 and high nibbles 16g + 8c + 4..7 (c = chunk), byte 4l + j of a chunk
+// being row l, column offset j: one vpdpbusd lane per row, its 4 bytes 4 consecutive columns. A vpshufb maps
+// each code to 2 * e2m1 + 12 (0..24, unsigned); the +12 is taken back by starting each group's int32 sums at
+// -12 * (the group's activation code sum). Scales: the 16 rows' E4M3 bytes per group, contiguous.
+// Activations: per row m and group g, q = round(x * 127 / amax) in int8 with scale amax / 127.
+//   y[m, n] = gs[n] * sum_g (e4m3(s[n, g]) / 2 * a[m, g]) * sum_{k in g} (2 e2m1(w[n, k])) * q[m, k]
+// The inner sums are exact integers; each group's term is one fp32 product of the two scales times an exact
+// integer, accumulated in fp32: the result is the fp32 reference's applied to the dequantized activations
+// q * a, in another summation order. The only new rounding is the activations' to int8 (<= a / 2 each).
+#define K3_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define K3_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")))
+
+static inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+static K3_VNNI void quant_act16(int64_t m0, int64_t m1, int64_t K, const float* x, int8_t* q, float* as,
+                                int32_t* nc) {
+  const int64_t G = K / 16;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 v = _mm512_loadu_ps(x + m * K + 16 * g);
+      const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+      const float total = _mm512_reduce_add_ps(v);  // not finite where v holds an inf or a NaN
+      __m512i qi = _mm512_setzero_si512();
+      float scale = 0.f;
+      if (!std::isfinite(total)) {
+        scale = std::numeric_limits<float>::quiet_NaN();  // poisons this group's outputs, as the reference
+      } else if (amax > 0.f) {
+        scale = amax / 127.f;
+        qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(127.f / amax)));  // nearest, ties to even
+        qi = _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + 16 * g), _mm512_cvtepi32_epi8(qi));
+      as[m * G + g] = scale;
+      nc[m * G + g] = -12 * _mm512_reduce_add_epi32(qi);
+    }
+}
+
+// the 64 codes of a chunk's low (hi = false) or high nibbles as unsigned 2 * e2m1 + 12
+static inline K3_VNNI __m512i codes_shuffle(__m512i v, __m512i table, bool hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  return _mm512_shuffle_epi8(table, _mm512_and_si512(hi ? _mm512_srli_epi16(v, 4) : v, low4));
+}
+// VBMI: vpermb reads 6 index bits, so with the 16-entry table repeated 4 times no mask is needed
+static inline K3_VBMI __m512i codes_permb(__m512i v, __m512i table, bool hi) {
+  return _mm512_permutexvar_epi8(hi ? _mm512_srli_epi16(v, 4) : v, table);
+}
+
+// rows 16 nb .. 16 nb + 15 of y for the MT tokens m0 ..; the E4M3 scales are positive (the pack moved
+// signs into the codes), so E4M3 -> fp16 bits (value / 256) is one shift, exact with subnormals
+#define K3_VNNI_BLOCK(NAME, ATTR, DECODE) \
+template <int MT> static ATTR void NAME(int64_t nb, int64_t m0, int64_t G, int64_t N, const uint8_t* wp, \
+                               const uint8_t* sp, const float* gs, const int8_t* q, const float* as, \
+                               const int32_t* nc, float* y) { \
+  const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, \
+                                                             12, 11, 10, 9, 8, 6, 4, 0)); \
+  const int64_t K = 16 * G; \
+  __m512 acc[MT]; \
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps(); \
+  const uint8_t* wb = wp + nb * G * 128; \
+  const uint8_t* sb = sp + nb * G * 16; \
+  for (int64_t g = 0; g < G; ++g) { \
+    const __m512i v0 = _mm512_loadu_si512(wb + g * 128), v1 = _mm512_loadu_si512(wb + g * 128 + 64); \
+    const __m512i w0 = DECODE(v0, table, false); \
+    const __m512i w1 = DECODE(v0, table, true); \
+    const __m512i w2 = DECODE(v1, table, false); \
+    const __m512i w3 = DECODE(v1, table, true); \
+    const __m512 ws = _mm512_cvtph_ps(_mm256_slli_epi16( \
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 16))), 7)); \
+    for (int m = 0; m < MT; ++m) { \
+      const int8_t* qm = q + (m0 + m) * K + 16 * g; \
+      __m512i d = _mm512_set1_epi32(nc[(m0 + m) * G + g]); \
+      d = _mm512_dpbusd_epi32(d, w0, _mm512_set1_epi32(load_i32(qm))); \
+      d = _mm512_dpbusd_epi32(d, w1, _mm512_set1_epi32(load_i32(qm + 4))); \
+      d = _mm512_dpbusd_epi32(d, w2, _mm512_set1_epi32(load_i32(qm + 8))); \
+      d = _mm512_dpbusd_epi32(d, w3, _mm512_set1_epi32(load_i32(qm + 12))); \
+      const __m512 sa = _mm512_mul_ps(ws, _mm512_set1_ps(as[(m0 + m) * G + g])); \
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sa, acc[m]); \
+    } \
+  } \
+  const __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(gs + nb * 16), _mm512_set1_ps(128.f)); \
+  const int64_t rows = std::min<int64_t>(16, N - nb * 16); \
+  const __mmask16 keep = rows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1); \
+  for (int m = 0; m < MT; ++m) \
+    _mm512_mask_storeu_ps(y + (m0 + m) * N + nb * 16, keep, _mm512_mul_ps(acc[m], gv)); \
+}
+K3_VNNI_BLOCK(vnni_block_shuffle, K3_VNNI, codes_shuffle)
+K3_VNNI_BLOCK(vnni_block_permb, K3_VBMI, codes_permb)
+
+template <int MT, bool VBMI>
+static void vnni_blocks(int64_t b0, int64_t b1, int64_t m0, int64_t G, int64_t N, const uint8_t* wp,
+                        const uint8_t* sp, const float* gs, const int8_t* q, const float* as,
+                        const int32_t* nc, float* y) {
+  for (int64_t nb = b0; nb < b1; ++nb)
+    if (VBMI)
+      vnni_block_permb<MT>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
+    else
+      vnni_block_shuffle<MT>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
+}
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+static bool has_vbmi() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+}
+
+// x fp32 [M, K] -> (q int8 [M, K], scales fp32 [M, K/16]): the activation rounding of nvfp4_vnni_gemm
+std::vector<torch::Tensor> nvfp4_vnni_quant(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0,
+              "nvfp4_vnni_quant: x fp32 [M, K] contiguous with K a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 16;
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto as = torch::empty({M, G}, x.options());
+  auto nc = torch::empty({M, G}, x.options().dtype(torch::kInt32));
+  quant_act16(0, M, K, x.data_ptr<float>(), q.data_ptr<int8_t>(), as.data_ptr<float>(),
+              nc.data_ptr<int32_t>());
+  return {q, as};
+}
+
+// y fp32 [M, N] from x fp32 [M, K] and a vnni16 weight: packed uint8 [NB, G, 128], scales uint8
+// [NB, G, 16], gs fp32 [NB * 16] (the global scale per row, padded)
+torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
+                              int64_t N, bool no_vbmi) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "nvfp4_vnni_gemm: x fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 16, NB = w.size(0);
+  TORCH_CHECK(K % 16 == 0 && w.dim() == 3 && w.size(1) == G && w.size(2) == 128 && w.is_contiguous(),
+              "nvfp4_vnni_gemm: weight [NB, K/16, 128] for K = ", K);
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == NB && s.size(1) == G && s.size(2) == 16 && s.is_contiguous(),
+              "nvfp4_vnni_gemm: scales [NB, K/16, 16]");
+  TORCH_CHECK(gs.numel() == NB * 16 && gs.dtype() == torch::kFloat32 && gs.is_contiguous(),
+              "nvfp4_vnni_gemm: gs fp32 [NB * 16]");
+  TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_gemm: N = ", N, " for ", NB, " row blocks");
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto as = torch::empty({M, G}, x.options());
+  auto nc = torch::empty({M, G}, x.options().dtype(torch::kInt32));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* ap = as.data_ptr<float>();
+  int32_t* np = nc.data_ptr<int32_t>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) { quant_act16(m0, m1, K, xp, qp, ap, np); });
+  auto y = torch::empty({M, N}, x.options());
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
+                      const float*, const int8_t*, const float*, const int32_t*, float*);
+#define K3_TILES(V)                                                                                   \
+  {vnni_blocks<1, V>,  vnni_blocks<2, V>,  vnni_blocks<3, V>,  vnni_blocks<4, V>,  vnni_blocks<5, V>,  \
+   vnni_blocks<6, V>,  vnni_blocks<7, V>,  vnni_blocks<8, V>,  vnni_blocks<9, V>,  vnni_blocks<10, V>, \
+   vnni_blocks<11, V>, vnni_blocks<12, V>, vnni_blocks<13, V>, vnni_blocks<14, V>, vnni_blocks<15, V>, \
+   vnni_blocks<16, V>}
+  static const Fn plain[16] = K3_TILES(false);
+  static const Fn vbmi[16] = K3_TILES(true);
+  static const bool vbmi_ok = has_vbmi();
+  const bool use_vbmi = vbmi_ok && !no_vbmi;
+  const Fn* fns = use_vbmi ? vbmi : plain;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* gp = gs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)  // a block's 16 rows stay in L1 across the token tiles
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int64_t mt = std::min<int64_t>(16, M - m0);
+        fns[mt - 1](nb, nb + 1, m0, G, N, wp, sp, gp, qp, ap, np, yp);
+      }
+  });
+  return y;
+}
 """
 
 # rows up to which the extension runs (in calls of 8 rows, each decoding the weight again); above, the
@@ -384,6 +567,8 @@ torch::Tensor fp8_block_gemv(torch::Tensor qx, torch::Tensor sx, torch::Tensor w
 # dequantization + matmul; FP8 8.4 ms at 8 rows (compiled loop 30.5), 60 against 49 at 64 rows.
 NVFP4_MAX_M = 256
 FP8_MAX_M = 32
+INT8_MAX_M = 256  # rows up to which nvfp4_vnni_gemm runs (K3RUN_CPU_INT8=1)
+INT8_VBMI = True  # decode codes by vpermb where the CPU has AVX-512 VBMI (False: vpshufb, as without it)
 _module = None
 _error: str | None = None
 
@@ -426,7 +611,8 @@ def available() -> bool:
             from torch.utils.cpp_extension import load_inline
 
             log.info("building the AVX-512 / AVX2 CPU kernels (once per machine, ~30 s; cached after)")
-            names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm"]
+            names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
+                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
@@ -476,6 +662,83 @@ def nvfp4_gemv_simd(
         for i in range(0, m, c)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def int8_activations_enabled() -> bool:
+    """K3RUN_CPU_INT8=1: NVFP4 linears on the CPU take the int8-activation kernel (`nvfp4_vnni_gemm`) where
+    the CPU has AVX-512 VNNI. Off by default: it rounds activations to int8 per 16 columns (the other CPU
+    paths are the fp32 reference's products in another order)."""
+    v = os.environ.get("K3RUN_CPU_INT8", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"K3RUN_CPU_INT8: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def vnni_available() -> bool:
+    """The extension is built (`available()`), the CPU has AVX-512 VNNI, and the level is not forced down."""
+    return cpu_level() == "avx512" and available() and bool(_module.has_vnni())
+
+
+@dataclass(frozen=True)
+class Vnni16Weight:
+    """An NVFP4 weight in the layout of `nvfp4_vnni_gemm` (see the C++ source): weight uint8 [NB, K/16, 128],
+    scale uint8 [NB, K/16, 16] (E4M3 bytes), global_scale fp32 [NB * 16] (per row, padded with ones); NB =
+    ceil(N / 16), zero codes and zero scales in the padded rows."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    n: int
+
+
+def nvfp4_vnni_pack(
+    weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor
+) -> Vnni16Weight:
+    """The checkpoint layout (uint8 [N, K/2], low nibble = even column; E4M3 [N, K/16]; global scale with one
+    element or N) -> `Vnni16Weight`. A copy: the checkpoint tensors are left as they are."""
+    n, h = weight.shape
+    k = 2 * h
+    if weight.dtype != torch.uint8 or k % 16 or tuple(weight_scale.shape) != (n, k // 16):
+        raise ValueError(
+            f"nvfp4_vnni_pack: weight uint8 [N, K/2] with K a multiple of 16 and scales [N, K/16], got "
+            f"{weight.dtype} {tuple(weight.shape)} and {tuple(weight_scale.shape)}"
+        )
+    g, nb = k // 16, -(-n // 16)
+    pad = nb * 16 - n
+    sb = weight_scale.view(torch.uint8)
+    if bool(((sb & 0x7F) == 0x7F).any()):
+        raise ValueError("nvfp4_vnni_pack: weight_scale holds E4M3 NaN (0x7F / 0xFF) bytes")
+    codes = torch.stack([weight & 15, weight >> 4], dim=-1).reshape(n, k)  # the code of column k
+    # a negative block scale flips its codes' signs instead (exact: -s * v = s * -v): the kernel's scales are
+    # positive, converted by one shift
+    codes = codes ^ ((sb >> 7) << 3).repeat_interleave(16, dim=1)
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).view(nb, 16, g, 4, 4)  # [block, row, g, quad, j]
+    packed = codes[:, :, :, 0::2] | (codes[:, :, :, 1::2] << 4)  # [block, row, g, chunk, j]
+    packed = packed.permute(0, 2, 3, 1, 4).contiguous().view(nb, g, 128)
+    scale = torch.nn.functional.pad(sb & 0x7F, (0, 0, 0, pad))
+    scale = scale.view(nb, 16, g).transpose(1, 2).contiguous()
+    gs = global_scale.detach().to(torch.float32).reshape(-1).expand(n)
+    gs = torch.cat([gs, gs.new_ones(pad)]).contiguous()
+    return Vnni16Weight(packed, scale, gs, n)
+
+
+def nvfp4_vnni_gemm(x: torch.Tensor, w: Vnni16Weight) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] @ dequant(W)^T with x rounded to int8 per 16 columns (`nvfp4_vnni_quant`),
+    exact integer dot products per scale group. Call `vnni_available()` first."""
+    assert _module is not None, "nvfp4_vnni_gemm: call vnni_available() first"
+    k = x.shape[1]
+    if x.dim() != 2 or k != 16 * w.weight.shape[1]:
+        raise ValueError(f"nvfp4_vnni_gemm: x [M, {16 * w.weight.shape[1]}], got {tuple(x.shape)}")
+    xf = x.detach().to(torch.float32).contiguous()
+    return _module.nvfp4_vnni_gemm(xf, w.weight, w.scale, w.global_scale, w.n, not INT8_VBMI)
+
+
+def nvfp4_vnni_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation rounding of `nvfp4_vnni_gemm`: x fp32 [M, K] -> (int8 codes [M, K], fp32 scales
+    [M, K/16]) with x ~= codes * scale per 16 columns (scale = amax / 127, codes rounded to nearest)."""
+    assert _module is not None, "nvfp4_vnni_quant: call vnni_available() first"
+    q, a = _module.nvfp4_vnni_quant(x.detach().to(torch.float32).contiguous())
+    return q, a
 
 
 def fp8_block_gemv_simd(

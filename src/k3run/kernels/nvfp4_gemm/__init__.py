@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,7 @@ class NvFp4Weight:
     k: int
     layout: str
     rows: int = -1  # the real N when the layout pads rows (tiled128)
+    cpu_int8: Any = None  # checkpoint layout on the CPU: a cpu_simd.Vnni16Weight copy (K3RUN_CPU_INT8=1)
 
     @property
     def n(self) -> int:
@@ -252,7 +254,13 @@ def prepare_nvfp4_weight(
                 gs = torch.cat([gs, gs.new_ones(w.shape[0] - n)])
     else:
         w, s = weight.contiguous(), weight_scale.contiguous().view(torch.uint8)
-    return NvFp4Weight(weight=w, scale_bits=s, global_scale=gs, k=k, layout=layout, rows=rows)
+    cpu_int8 = None
+    if layout == "checkpoint" and not weight.is_cuda:
+        from k3run.kernels import cpu_simd
+
+        if cpu_simd.int8_activations_enabled() and cpu_simd.vnni_available():
+            cpu_int8 = cpu_simd.nvfp4_vnni_pack(weight, weight_scale, gs)
+    return NvFp4Weight(w, s, gs, k, layout, rows, cpu_int8)
 
 
 def default_cuda_layout(device: torch.device) -> str:
@@ -448,7 +456,8 @@ def nvfp4_linear(
         from .cpu import nvfp4_linear_cpu
 
         weight, scale = w.checkpoint_tensors()
-        return nvfp4_linear_cpu(x2, weight, scale, w.row_global_scale, bias).reshape(*lead, w.n)
+        y = nvfp4_linear_cpu(x2, weight, scale, w.row_global_scale, bias, int8=w.cpu_int8)
+        return y.reshape(*lead, w.n)
     if w.layout not in ("split128", "tiled128"):
         raise ValueError(f"nvfp4 linear: CUDA inputs need a split128 or tiled128 weight, got {w.layout!r}")
     from .triton import nvfp4_dequantize, nvfp4_gemm

@@ -91,11 +91,16 @@ def nvfp4_linear_cpu(
     weight_scale: torch.Tensor,
     global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    int8: cpu_simd.Vnni16Weight | None = None,
 ) -> torch.Tensor:
     """nvfp4_linear_ref's contract (x [M, K], weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], global
-    scale one element or one per row), compiled on large matrices, else the reference."""
+    scale one element or one per row), compiled on large matrices, else the reference. int8: the weight's
+    copy for the int8-activation kernel (cpu_simd.nvfp4_vnni_gemm), taken up to cpu_simd.INT8_MAX_M rows
+    at every size (no compile), except inside a compiled step (the extension call is not traceable)."""
     m, k = x.shape
     n = weight.shape[0]
+    if int8 is not None and m <= cpu_simd.INT8_MAX_M and not torch.compiler.is_compiling():
+        return cpu_fused.finish(cpu_simd.nvfp4_vnni_gemm(x, int8), bias, x.dtype)
 
     def reference() -> torch.Tensor:
         return nvfp4_linear_ref(x, weight, weight_scale, global_scale, bias)

@@ -1,0 +1,167 @@
+"""The int8-activation NVFP4 CPU kernel (cpu_simd.nvfp4_vnni_gemm, AVX-512 VNNI) against the fp32 reference.
+
+What it computes: x rounded to int8 per 16 columns (codes q, scale a = amax / 127), then per scale group an
+exact integer dot product of q with the doubled E2M1 codes, times one fp32 product of the two scales,
+accumulated in fp32 over the K / 16 groups and times the global scale. So against the reference applied to
+the dequantized activations xq = q * a, the only differences are roundings of fp32 operations: one for each
+group's scale product, one per group for the fp32 sum, one for the global scale on the kernel's side; the
+reference's matmul sums K products (and xq's own q * a rounds). Per output the bound is
+(K + K / 16 + 4) * 2^-24 * sum_k |w_k| |xq_k|. Against the reference on the unrounded x, the activations'
+rounding adds at most sum_k |w_k| * (a_g / 2 + a_g * 2^-16) (see test_activation_rounding_bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3run.kernels.cpu_simd as cpu_simd
+from k3run.formats import dequantize_nvfp4
+from k3run.kernels.nvfp4_gemm import nvfp4_linear, prepare_nvfp4_weight
+from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
+from tests.kernels.cpu_paths import needs_simd
+from tests.kernels.test_nvfp4_gemm import _random_nvfp4
+
+EPS = 2.0**-24  # fp32 unit roundoff
+
+
+@pytest.fixture(params=["vpermb", "vpshufb"])
+def vnni(request, monkeypatch):
+    """The kernel with each code decoder: vpermb where the CPU has AVX-512 VBMI (it falls back to vpshufb
+    without), vpshufb (the decoder of VNNI CPUs without VBMI) everywhere."""
+    monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    if not cpu_simd.vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI (or the extension did not build)")
+    monkeypatch.setattr(cpu_simd, "INT8_VBMI", request.param == "vpermb")
+
+
+def _dequantized(x: torch.Tensor) -> torch.Tensor:
+    q, a = cpu_simd.nvfp4_vnni_quant(x)
+    m, k = x.shape
+    return (q.float().view(m, -1, 16) * a[:, :, None]).view(m, k)
+
+
+def _check(w, s, gs, x, bias=None) -> torch.Tensor:
+    """The kernel against the reference on x's int8 rounding, within the bound of the module docstring."""
+    m, k = x.shape
+    got = cpu_simd.nvfp4_vnni_gemm(x, cpu_simd.nvfp4_vnni_pack(w, s, gs))
+    xq = _dequantized(x)
+    want = nvfp4_linear_ref(xq, w, s, gs)
+    wd = dequantize_nvfp4(w, s, torch.ones(())) * gs.reshape(-1, 1)
+    bound = (k + k // 16 + 4) * EPS * (xq.abs() @ wd.abs().t())
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), (
+        f"max error {err.max():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
+    )
+    return got
+
+
+@needs_simd
+@pytest.mark.parametrize("m, n, k", [(1, 37, 48), (3, 300, 1792), (17, 19, 160), (33, 64, 4096)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_kernel_is_the_reference_on_int8_activations(vnni, m, n, k, per_row) -> None:
+    """Odd row counts (padded row blocks), K not a multiple of 64, token counts across the 16-token tiles."""
+    w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
+    x = torch.randn(m, k) * (1 + 30 * (torch.rand(m, k) > 0.99))  # some outliers
+    _check(w, s, gs, x)
+
+
+@needs_simd
+def test_every_code_and_scale_byte(vnni) -> None:
+    """Every packed byte (both nibbles, all 16 codes, both signs) and every finite E4M3 scale byte, the
+    subnormal scales (1..7) included."""
+    n, k = 64, 512
+    w = torch.arange(n * k // 2).remainder(256).to(torch.uint8).view(n, k // 2)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    s = finite[torch.arange(n * k // 16) % finite.numel()].view(n, k // 16).view(torch.float8_e4m3fn)
+    x = torch.randn(5, k)
+    _check(w, s, torch.tensor([0.75]), x)
+    negative = (s.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn)  # the pack moves signs into the codes
+    assert torch.equal(
+        cpu_simd.nvfp4_vnni_gemm(x, cpu_simd.nvfp4_vnni_pack(w, negative, torch.tensor([0.75]))),
+        -cpu_simd.nvfp4_vnni_gemm(x, cpu_simd.nvfp4_vnni_pack(w, s, torch.tensor([0.75]))),
+    )
+    with pytest.raises(ValueError, match="NaN"):
+        cpu_simd.nvfp4_vnni_pack(
+            w, torch.full_like(s.view(torch.uint8), 0x7F).view(torch.float8_e4m3fn), torch.ones(1)
+        )
+
+
+@needs_simd
+def test_activation_rounding_bound(vnni) -> None:
+    """q = round(x * 127 / amax) per 16 columns: |q| <= 127 with 127 reached in every nonzero group,
+    |x - q a| <= a (1/2 + 2^-16); an all-zero group gives codes 0 and scale 0; an inf or NaN poisons its
+    group's scale (NaN), so the outputs it touches are NaN, as the reference's would be."""
+    x = torch.randn(7, 336) * torch.logspace(-20, 20, 336)
+    x[2, 16:32] = 0
+    q, a = cpu_simd.nvfp4_vnni_quant(x)
+    qf = q.float().view(7, -1, 16)
+    assert int(q.abs().max()) <= 127
+    nonzero = (x.view(7, -1, 16) != 0).any(-1)
+    assert bool((qf.abs().amax(-1)[nonzero] == 127).all())
+    assert bool((qf[2, 1] == 0).all()) and float(a[2, 1]) == 0.0
+    err = (x.view(7, -1, 16) - qf * a[:, :, None]).abs()
+    assert bool((err <= a[:, :, None] * (0.5 + 2.0**-16)).all())
+    x[4, 40] = float("inf")
+    x[5, 3] = float("nan")
+    _, a = cpu_simd.nvfp4_vnni_quant(x)
+    assert bool(a[4, 2].isnan()) and bool(a[5, 0].isnan())
+    w, s, gs = _random_nvfp4(24, 336)
+    y = cpu_simd.nvfp4_vnni_gemm(x, cpu_simd.nvfp4_vnni_pack(w, s, gs))
+    assert bool(y[4:6].isnan().all()) and bool(torch.isfinite(y[[0, 1, 2, 3, 6]]).all())
+
+
+@needs_simd
+def test_error_against_the_unrounded_reference(vnni) -> None:
+    """The exactness statement on the original x: within the activations' rounding (a_g / 2 per element,
+    weighted by |w|) plus the fp32 term. Prints the measured relative error (RMS over outputs / RMS of y)."""
+    m, n, k = 4, 256, 2048
+    w, s, gs = _random_nvfp4(n, k)
+    x = torch.randn(m, k)
+    got = cpu_simd.nvfp4_vnni_gemm(x, cpu_simd.nvfp4_vnni_pack(w, s, gs))
+    want = nvfp4_linear_ref(x, w, s, gs)
+    _, a = cpu_simd.nvfp4_vnni_quant(x)
+    wd = (dequantize_nvfp4(w, s, torch.ones(())) * gs).abs()
+    step = a.repeat_interleave(16, dim=1) * (0.5 + 2.0**-16)  # [M, K] per element
+    bound = step @ wd.t() + (k + k // 16 + 4) * EPS * (x.abs() + step) @ wd.t()
+    err = (got - want).abs()
+    assert bool((err <= bound).all())
+    rel = float(err.pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+    print(f"int8 activations, K={k}: RMS error / RMS output = {rel:.2e}")
+    assert rel < 0.01  # unit-normal x: rounding error a / sqrt(12) with a = amax / 127 ~ 1.8 / 127: ~4e-3
+
+
+@needs_simd
+def test_linear_takes_it_only_when_asked(vnni, monkeypatch) -> None:
+    """K3RUN_CPU_INT8=1 at load: prepare_nvfp4_weight keeps a copy in the kernel's layout, nvfp4_linear runs
+    it up to INT8_MAX_M rows (bias and the output dtype as the reference's epilogue), the exact paths above;
+    unset, no copy and no int8 rounding."""
+    w, s, gs = _random_nvfp4(40, 256)
+    x = torch.randn(3, 256)
+    bias = torch.randn(40)
+    monkeypatch.setenv("K3RUN_CPU_INT8", "1")
+    pw = prepare_nvfp4_weight(w, s, gs)
+    assert pw.cpu_int8 is not None
+    direct = cpu_simd.nvfp4_vnni_gemm(x, pw.cpu_int8)
+    assert torch.equal(nvfp4_linear(x, pw, bias), direct + bias)
+    assert torch.equal(
+        nvfp4_linear(x.bfloat16(), pw).float(),
+        cpu_simd.nvfp4_vnni_gemm(x.bfloat16(), pw.cpu_int8).bfloat16().float(),
+    )
+    monkeypatch.setattr(cpu_simd, "INT8_MAX_M", 2)
+    assert torch.equal(nvfp4_linear(x, pw), nvfp4_linear_ref(x, w, s, gs))  # 3 rows: the exact path
+    monkeypatch.setenv("K3RUN_CPU_INT8", "0")
+    assert prepare_nvfp4_weight(w, s, gs).cpu_int8 is None
+    monkeypatch.setenv("K3RUN_CPU_INT8", "yes")
+    with pytest.raises(ValueError, match="K3RUN_CPU_INT8"):
+        prepare_nvfp4_weight(w, s, gs)
+
+
+@needs_simd
+def test_bad_operands_name_the_shape(vnni) -> None:
+    w, s, gs = _random_nvfp4(16, 64)
+    pw = cpu_simd.nvfp4_vnni_pack(w, s, gs)
+    with pytest.raises(ValueError, match=r"x \[M, 64\]"):
+        cpu_simd.nvfp4_vnni_gemm(torch.randn(2, 48), pw)
+    with pytest.raises(ValueError, match="scales"):
+        cpu_simd.nvfp4_vnni_pack(w, s[:, :2], gs)
