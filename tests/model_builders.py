@@ -89,6 +89,7 @@ def random_norm(g: torch.Generator, n: int) -> torch.Tensor:
 def random_checkpoint(hf: dict, seed: int) -> dict[str, torch.Tensor]:
     """Random bf16 weights under Moonshot's original names (K3: under language_model.)."""
     c = hf.get("text_config", hf)
+    D, VOCAB = c["hidden_size"], c["vocab_size"]  # the module defaults are the tiny configs; any widths here
     k3 = hf["model_type"] == "kimi_k3"
     root = "language_model.model." if k3 else "model."
     g = torch.Generator().manual_seed(seed)

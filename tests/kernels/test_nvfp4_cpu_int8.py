@@ -165,3 +165,27 @@ def test_bad_operands_name_the_shape(vnni) -> None:
         cpu_simd.nvfp4_vnni_gemm(torch.randn(2, 48), pw)
     with pytest.raises(ValueError, match="scales"):
         cpu_simd.nvfp4_vnni_pack(w, s[:, :2], gs)
+
+
+@needs_simd
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_experts_repacked_in_place_run_the_int8_kernel(vnni, monkeypatch, act_name) -> None:
+    """K3RUN_CPU_INT8=1 at load: NVFP4 experts on the CPU kernels are repacked in place (no second copy),
+    their checkpoint tensors read back unchanged, and fused_experts equals the exact kernel path within the
+    activations' int8 rounding (each GEMM's inputs rounded to a / 2 per element: a relative error of ~4e-3
+    for these unit-scale rows, bounded here at 2^-5 of the output's largest magnitude; a wrong layout is off
+    by O(1))."""
+    from k3run.layers.moe import fused_experts
+    from tests.layers.test_moe import _kernel_case
+
+    exact, x, ids, weights = _kernel_case(act_name, "cpu", kernels=True, d=256, i=128, tokens=7)
+    want = fused_experts(exact, x, ids, weights)
+    monkeypatch.setenv("K3RUN_CPU_INT8", "1")
+    ex, _, _, _ = _kernel_case(act_name, "cpu", kernels=True, d=256, i=128, tokens=7)
+    assert ex._cpu_int8 is not None
+    for e in range(ex.num_local):
+        for a, b in zip(ex.nvfp4_expert_tensors(e), exact.nvfp4_expert_tensors(e), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # ModelOpt's scales are positive
+    got = fused_experts(ex, x, ids, weights)
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < 2**-5, err

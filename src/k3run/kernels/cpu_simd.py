@@ -722,6 +722,18 @@ def nvfp4_vnni_pack(
     return Vnni16Weight(packed, scale, gs, n)
 
 
+def nvfp4_vnni_unpack(weight: torch.Tensor, scale: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `nvfp4_vnni_pack` for the codes and scales: (uint8 [n, K/2], float8_e4m3fn [n, K/16]) in
+    the checkpoint layout from weight uint8 [NB, K/16, 128] and scale uint8 [NB, K/16, 16]. A block whose
+    scale was negative comes back with its codes' signs flipped and a positive scale: the same values."""
+    nb, g = weight.shape[0], weight.shape[1]
+    p = weight.reshape(nb, g, 2, 16, 4).permute(0, 3, 1, 2, 4)  # [block, row, g, chunk, j]
+    codes = torch.stack([p & 15, p >> 4], dim=4).reshape(nb * 16, g * 16)[:n]  # quads 2c, 2c + 1
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scales = scale.reshape(nb, g, 16).transpose(1, 2).reshape(nb * 16, g)[:n].contiguous()
+    return packed, scales.view(torch.float8_e4m3fn)
+
+
 def nvfp4_vnni_gemm(x: torch.Tensor, w: Vnni16Weight) -> torch.Tensor:
     """y [M, N] fp32 = x [M, K] @ dequant(W)^T with x rounded to int8 per 16 columns (`nvfp4_vnni_quant`),
     exact integer dot products per scale group. Call `vnni_available()` first."""

@@ -259,6 +259,8 @@ class FusedExperts(nn.Module):
         self._ref_stack: tuple[torch.Tensor, torch.Tensor] | None = None
         self._split128 = False  # expert weights repacked in place to the kernel layout (CUDA)
         self._tiled = False  # ... and that layout is tiled128 (where the cp.async decode kernel runs)
+        # CPU, K3RUN_CPU_INT8=1: expert weights repacked in place to cpu_simd's vnni16 layout
+        self._cpu_int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (gs13 [E, 2I], gs2 [E, D])
         self._filled: set[tuple[str, int, str]] = set()
         self._expected: list[tuple[str, int, str]] = []
         el, d, i = self.num_local, hidden_size, intermediate_size
@@ -510,6 +512,22 @@ class FusedExperts(nn.Module):
         )
         gs2 = s.g2_alphas * (s.g1_scale_c if self.activation.kind == "situ" else 1.0)
         self._kernel_scales = (gs13.float().contiguous(), gs2.float().reshape(-1, 1).contiguous())
+        if not self.w13_weight.is_cuda and self._cpu_int8 is None:
+            from k3run.kernels import cpu_simd
+
+            if cpu_simd.int8_activations_enabled() and cpu_simd.vnni_available():
+                # 2I and D are multiples of 16 (of 128 here): the layout has the checkpoint's bytes, so
+                # repack in place (experts are most of a model's bytes)
+                for w, sc in (
+                    (self.w13_weight, self.w13_weight_scale),
+                    (self.w2_weight, self.w2_weight_scale),
+                ):
+                    for e in range(self.num_local):
+                        v = cpu_simd.nvfp4_vnni_pack(w.data[e], sc.data[e], torch.ones(1))
+                        w.data[e].view(-1).copy_(v.weight.view(-1))
+                        sc.data[e].view(torch.uint8).view(-1).copy_(v.scale.view(-1))
+                gs13_k, gs2_k = self._kernel_scales
+                self._cpu_int8 = (gs13_k, gs2_k.expand(-1, self.hidden_size).contiguous())
         if self.w13_weight.is_cuda and not self._split128:
             from k3run.kernels.nvfp4_gemm import (
                 check_scale_bytes,
@@ -536,6 +554,21 @@ class FusedExperts(nn.Module):
     def nvfp4_expert_tensors(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Local expert e's (w13, w13 scale, w2, w2 scale) in the checkpoint layout, whatever the storage."""
         tensors = (self.w13_weight[e], self.w13_weight_scale[e], self.w2_weight[e], self.w2_weight_scale[e])
+        if self._cpu_int8 is not None:
+            from k3run.kernels.cpu_simd import nvfp4_vnni_unpack
+
+            d, i2 = self.hidden_size, 2 * self.intermediate_size
+            w13, s13 = nvfp4_vnni_unpack(
+                tensors[0].view(i2 // 16, d // 16, 128),
+                tensors[1].view(torch.uint8).view(i2 // 16, d // 16, 16),
+                i2,
+            )
+            w2, s2 = nvfp4_vnni_unpack(
+                tensors[2].view(d // 16, i2 // 32, 128),
+                tensors[3].view(torch.uint8).view(d // 16, i2 // 32, 16),
+                d,
+            )
+            return w13, s13, w2, s2
         if not self._split128:
             return tensors
         from k3run.kernels.nvfp4_gemm import unpack_split128, untile_split128
@@ -580,6 +613,8 @@ class FusedExperts(nn.Module):
         from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
 
         assert self._kernel_scales is not None
+        if self._cpu_int8 is not None:
+            return self._nvfp4_expert_int8(e, x)
         gs13, gs2 = self._kernel_scales
         layout = ("tiled128" if self._tiled else "split128") if self._split128 else "checkpoint"
         w13 = NvFp4Weight(
@@ -599,6 +634,32 @@ class FusedExperts(nn.Module):
         else:
             h = self.activation.on_halves(gu[:, :i], gu[:, i:])
         return nvfp4_linear(h.to(x.dtype), w2)
+
+    def _nvfp4_expert_int8(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """`_nvfp4_expert_kernels` on the CPU's int8-activation kernel (weights in place in its layout)."""
+        from k3run.kernels.cpu_simd import Vnni16Weight, nvfp4_vnni_gemm
+
+        assert self._cpu_int8 is not None
+        gs13, gs2 = self._cpu_int8
+        d, i = self.hidden_size, self.intermediate_size
+        w13 = Vnni16Weight(
+            self.w13_weight[e].view(i // 8, d // 16, 128),
+            self.w13_weight_scale[e].view(torch.uint8).view(i // 8, d // 16, 16),
+            gs13[e],
+            2 * i,
+        )
+        w2 = Vnni16Weight(
+            self.w2_weight[e].view(d // 16, i // 16, 128),
+            self.w2_weight_scale[e].view(torch.uint8).view(d // 16, i // 16, 16),
+            gs2[e],
+            d,
+        )
+        gu = nvfp4_vnni_gemm(x, w13).to(x.dtype)
+        if self.activation.kind == "silu":
+            h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+        else:
+            h = self.activation.on_halves(gu[:, :i], gu[:, i:])
+        return nvfp4_vnni_gemm(h.to(x.dtype), w2).to(x.dtype)
 
     def _nvfp4_block_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference expert e's codes times block scales, fp32 (w13 [2I, D], w2 [D, I]); the global scales
