@@ -1,5 +1,5 @@
-"""llama.cpp's HF -> GGUF converter for k3run's bf16 checkpoints, at f32 unless a 4th argument names the output
-type (bf16, f16, ...; usage: bench/llama_cpp/README.md)."""
+"""llama.cpp's HF -> GGUF converter for k3run's bf16 checkpoints, at f32 unless a 4th argument names the
+output type (bf16, f16, ...; usage: bench/llama_cpp/README.md)."""
 
 import sys
 
