@@ -120,7 +120,8 @@ def random_checkpoint(hf: dict, seed: int) -> dict[str, torch.Tensor]:
             t[a + "f_a_proj.weight"] = random_linear(g, K, D)
             t[a + "f_b_proj.weight"] = random_linear(g, P, K)
             t[a + "b_proj.weight"] = random_linear(g, H, D)
-            t[a + "A_log"] = torch.empty(H).uniform_(1, 16, generator=g).log().to(torch.bfloat16)
+            a_log = torch.empty(H).uniform_(1, 16, generator=g).log().to(torch.bfloat16)
+            t[a + "A_log"] = a_log if k3 else a_log.view(1, 1, H, 1)  # each model's published shape
             t[a + "dt_bias"] = 0.5 * torch.randn(P, generator=g)
             t[a + "o_norm.weight"] = random_norm(g, K)
             t[a + "o_proj.weight"] = random_linear(g, D, P)

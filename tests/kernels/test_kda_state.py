@@ -84,9 +84,28 @@ def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: in
     return o, o_ref, pool[slots], ht_ref, pool[untouched], before
 
 
-def test_cpu_in_place_decode_equals_gathered_states_bit_for_bit() -> None:
+def test_cpu_in_place_decode_equals_gathered_states_bit_for_bit(monkeypatch) -> None:
+    """Without the SIMD extension the reference runs on the gathered states: equal bit for bit."""
+    monkeypatch.setenv("K3RUN_CPU_SIMD", "0")
     o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cpu", torch.bfloat16, H=2, K=16, V=8)
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and torch.equal(untouched, before)
+
+
+@pytest.mark.parametrize("H, K, V", [(3, 48, 40), (2, 128, 128)])
+def test_cpu_extension_decode_matches_gathered_states(monkeypatch, H, K, V) -> None:
+    """cpu_simd.kda_decode_step (the states updated in place): the reference's products, its sums over K in
+    another order and possibly fused multiply-adds, so the relative RMS difference is a few fp32 roundings
+    of K-term sums: bound 4 K 2^-24. Untouched slots stay as they were; fresh rows start from zero."""
+    import k3run.kernels.cpu_simd as cpu_simd
+
+    monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    if not cpu_simd.available():
+        pytest.skip("the SIMD extension needs an AVX2 or AVX-512 CPU and a C++ compiler")
+    o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cpu", torch.bfloat16, H=H, K=K, V=V)
+    rtol = 4 * K * 2.0**-24
+    assert_close("kda decode o", o_ref, o, rtol)
+    assert_close("kda decode states", ht_ref, ht, rtol)
+    assert torch.equal(untouched, before)
 
 
 @pytest.mark.gpu

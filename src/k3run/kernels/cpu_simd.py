@@ -559,6 +559,70 @@ torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s,
   });
   return y;
 }
+
+// ---- KDA decode, one token per sequence, the recurrent states updated in place in the cache pool ----
+// Per (sequence b, head h), S = pool[slots[b], h] [K, V] fp32 (zero where context_lens[b] == 0):
+//   S *= decay[k] per key row; pred = k^T S; S += (beta k) (v - pred)^T; o = (scale q)^T S
+// The reference's operations (recurrent_kda_seq) in two passes over S, which stays in L2 between them:
+// one read and one write of each state from memory (the reference gathers, decays, updates and scatters
+// it in ~8 passes). Sums over K in another order than the reference's einsum; products as the reference's,
+// except that the compiler may fuse a multiply and an add into one FMA.
+static K3_AVX2 void kda_head(float* S, const float* qs, const float* kn, const float* v, const float* decay,
+                             float beta, bool fresh, int64_t K, int64_t V, float* o, float* pred) {
+  if (fresh)
+    for (int64_t i = 0; i < K * V; ++i) S[i] = 0.f;
+  for (int64_t j = 0; j < V; ++j) pred[j] = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    float* row = S + k * V;
+    const float d = decay[k], kk = kn[k];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] *= d;
+      pred[j] += kk * row[j];
+    }
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    pred[j] = v[j] - pred[j];
+    o[j] = 0.f;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    float* row = S + k * V;
+    const float bk = beta * kn[k], qk = qs[k];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] += bk * pred[j];
+      o[j] += qk * row[j];
+    }
+  }
+}
+
+// q_scaled, kn, decay [B, H, K]; v [B, H, V]; beta [B, H]; pool [S, H, K, V]; slots, context_lens [B] int64
+torch::Tensor kda_decode_step(torch::Tensor q_scaled, torch::Tensor kn, torch::Tensor v, torch::Tensor decay,
+                              torch::Tensor beta, torch::Tensor pool, torch::Tensor slots,
+                              torch::Tensor context_lens) {
+  const int64_t B = q_scaled.size(0), H = q_scaled.size(1), K = q_scaled.size(2), V = v.size(2);
+  for (const auto& t : {q_scaled, kn, v, decay, beta, pool})
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "kda_decode_step: fp32 contiguous inputs");
+  TORCH_CHECK(pool.dim() == 4 && pool.size(1) == H && pool.size(2) == K && pool.size(3) == V,
+              "kda_decode_step: pool [S, H, K, V]");
+  auto sl = slots.to(torch::kInt64).contiguous(), cl = context_lens.to(torch::kInt64).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* cp = cl.data_ptr<int64_t>();
+  const int64_t S = pool.size(0);
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "kda_decode_step: slot out of range");
+  auto o = torch::empty({B, H, V}, v.options());
+  float* pp = pool.data_ptr<float>();
+  const float *qp = q_scaled.data_ptr<float>(), *kp = kn.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> pred(V);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      kda_head(pp + (sp[b] * H + h) * K * V, qp + i * K, kp + i * K, vp + i * V, dp + i * K, bp[i],
+               cp[b] == 0, K, V, op + i * V, pred.data());
+    }
+  });
+  return o;
+}
 """
 
 # rows up to which the extension runs (in calls of 8 rows, each decoding the weight again); above, the
@@ -612,7 +676,7 @@ def available() -> bool:
 
             log.info("building the AVX-512 / AVX2 CPU kernels (once per machine, ~30 s; cached after)")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
-                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm"]  # fmt: skip
+                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
@@ -799,3 +863,21 @@ def nvfp4_dequant_bf16_perm(weight: torch.Tensor, weight_scale: torch.Tensor) ->
         )
     w, s = weight.detach().contiguous(), weight_scale.detach().contiguous().view(torch.uint8)
     return _module.nvfp4_dequant_bf16_perm(w, s, _scale_table(), cpu_level() == "avx2")
+
+
+def kda_decode_step(
+    q_scaled: torch.Tensor,
+    k_normed: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """One KDA decode token per sequence with the states updated in place (see the C++ source):
+    q_scaled = l2norm(q) * scale, k_normed = l2norm(k), decay = exp(g) [B, H, K] fp32, v [B, H, V] fp32,
+    beta [B, H] fp32, state_pool [S, H, K, V] fp32 contiguous, slots / context_lens [B] (distinct slots;
+    context 0 starts from a zero state). Returns o [B, H, V] fp32. Call `available()` first."""
+    assert _module is not None, "kda_decode_step: call available() first"
+    return _module.kda_decode_step(q_scaled, k_normed, v, decay, beta, state_pool, slots, context_lens)

@@ -137,7 +137,9 @@ def kda_decode_in_place(
     there. state_pool [S, H, K, V] fp32; q, k, f [B, H, K]; v [B, H, V]; b [B, H]. Returns o [B, H, V] fp32.
 
     On CUDA with fla-core the kernel reads and writes the pool in place (no gather / scatter of the states:
-    at K3's 96 heads a state is 6.3 MB per sequence); elsewhere the reference runs on gathered states.
+    at K3's 96 heads a state is 6.3 MB per sequence); on x86 CPUs with the SIMD extension
+    (cpu_simd.kda_decode_step) too; elsewhere, and inside a compiled step, the reference runs on gathered
+    states.
     """
     if state_pool.dtype != torch.float32:
         raise ValueError(f"kda_decode_in_place: state_pool must be float32, got {state_pool.dtype}")
@@ -153,6 +155,16 @@ def kda_decode_in_place(
         )  # fmt: skip
         if o is not None:
             return o
+    if not q.is_cuda and not torch.compiler.is_compiling() and state_pool.is_contiguous():
+        from k3run.kernels import cpu_simd
+
+        if cpu_simd.available():  # x86 CPUs: the states updated in place by the extension
+            qn, kn = l2norm(q), l2norm(k)
+            g = kda_gate(f, A_log, dt_bias, lower_bound)
+            return cpu_simd.kda_decode_step(
+                (qn * scale).contiguous(), kn.contiguous(), v.float().contiguous(), g.exp().contiguous(),
+                torch.sigmoid(b.float()).contiguous(), state_pool, slots, context_lens,
+            )  # fmt: skip
     # the reference on gathered states (fresh rows start from zero; the scatter below overwrites their slots)
     h0 = torch.where((context_lens != 0)[:, None, None, None], state_pool[slots], 0)
     o, final = kda_forward(
