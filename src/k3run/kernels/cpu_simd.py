@@ -623,6 +623,58 @@ torch::Tensor kda_decode_step(torch::Tensor q_scaled, torch::Tensor kn, torch::T
   });
   return o;
 }
+
+// ---- bf16 weights, decode-sized M: y fp32 [M, N] = x fp32 [M, K] @ W^T, W bf16 [N, K] ----
+// bf16 -> fp32 is a 16-bit shift, exact; fp32 FMAs, R rows of W at a time so each x load serves R rows.
+// The products of torch's bf16 matmul, accumulated in fp32 in another order (oneDNN's GEMV reached ~7 GB/s
+// of weights on the 2-core box for the bundled-vocabulary head; this streams at the memory's rate).
+template <int M, int R>
+static K3_AVX512 void bf16_rows(int64_t n, int64_t K, int64_t N, const float* xp, const uint16_t* wp,
+                                float* yp) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j < K; j += 16) {
+    const __mmask16 k = K - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - j)) - 1);
+    __m512 w[R];
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, wp + (n + r) * K + j)), 16));
+    for (int m = 0; m < M; ++m) {
+      const __m512 a = _mm512_maskz_loadu_ps(k, xp + m * K + j);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(w[r], a, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) yp[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int M>
+static void bf16_range(int64_t n0, int64_t n1, int64_t K, int64_t N, const float* xp, const uint16_t* wp,
+                       float* yp) {
+  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) bf16_rows<M, R>(n, K, N, xp, wp, yp);
+  for (; n < n1; ++n) bf16_rows<M, 1>(n, K, N, xp, wp, yp);
+}
+
+torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "bf16_gemv: x fp32 [M, K]");
+  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+              "bf16_gemv: w bf16 [N, K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "bf16_gemv: 1..8 rows, got ", M);
+  auto y = torch::empty({M, N}, x.options());
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, const float*, const uint16_t*, float*);
+  static const Fn fns[8] = {bf16_range<1>, bf16_range<2>, bf16_range<3>, bf16_range<4>,
+                            bf16_range<5>, bf16_range<6>, bf16_range<7>, bf16_range<8>};
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { fns[M - 1](n0, n1, K, N, xp, wp, yp); });
+  return y;
+}
 """
 
 # rows up to which the extension runs (in calls of 8 rows, each decoding the weight again); above, the
@@ -676,7 +728,7 @@ def available() -> bool:
 
             log.info("building the AVX-512 / AVX2 CPU kernels (once per machine, ~30 s; cached after)")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
-                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step"]  # fmt: skip
+                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
@@ -881,3 +933,32 @@ def kda_decode_step(
     context 0 starts from a zero state). Returns o [B, H, V] fp32. Call `available()` first."""
     assert _module is not None, "kda_decode_step: call available() first"
     return _module.kda_decode_step(q_scaled, k_normed, v, decay, beta, state_pool, slots, context_lens)
+
+
+BF16_MAX_M = 8  # rows up to which bf16_gemv runs
+BF16_MIN_WEIGHTS = (
+    1 << 20
+)  # smaller bf16 matrices stay on torch's matmul (cache-resident, its call is cheaper)
+
+
+def bf16_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `bf16_gemv` takes x @ weight^T: CPU, bf16 weight of >= BF16_MIN_WEIGHTS, x of <= BF16_MAX_M
+    rows, AVX-512 and the extension built, outside a compiled step (an extension call is not traceable)."""
+    return (
+        not x.is_cuda
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.numel() >= BF16_MIN_WEIGHTS
+        and x.dim() >= 1
+        and x.numel() // max(x.shape[-1], 1) <= BF16_MAX_M
+        and not torch.compiler.is_compiling()
+        and cpu_level() == "avx512"
+        and available()
+    )
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y fp32 [M, N] = x [M, K] @ weight^T for a bf16 weight [N, K] (exact products, fp32 sums); M <= 8.
+    Check `bf16_gemv_applies` first."""
+    assert _module is not None, "bf16_gemv: call available() first"
+    return _module.bf16_gemv(x.detach().to(torch.float32).contiguous(), weight.detach().contiguous())

@@ -253,6 +253,14 @@ class UnquantizedScheme:
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         _check_input(layer, x)
+        if self.gemm is F.linear and x.dtype == torch.bfloat16:
+            from k3run.kernels import cpu_simd
+
+            if cpu_simd.bf16_gemv_applies(x, layer.weight):  # CPU decode: torch's bf16 GEMV is slow there
+                y = cpu_simd.bf16_gemv(x.reshape(-1, x.shape[-1]), layer.weight)
+                if bias is not None:
+                    y = y + bias.float()
+                return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return self.gemm(x, layer.weight, bias)
 
     def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
