@@ -189,3 +189,8 @@ def test_experts_repacked_in_place_run_the_int8_kernel(vnni, monkeypatch, act_na
     got = fused_experts(ex, x, ids, weights)
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 2**-5, err
+    # the grouped int8 calls equal the per-expert loop over the int8 kernel bit for bit
+    assert torch.equal(got, fused_experts(ex, x, ids, weights, grouped=False))
+    ids[:3] = ids[0, 0]  # several tokens on one expert (a 16-token tile shared), others unhit
+    assert torch.equal(fused_experts(ex, x, ids, weights), fused_experts(ex, x, ids, weights, grouped=False))
+    assert not bool(fused_experts(ex, x, ids + ex.num_local, weights).any())  # every pick another rank's

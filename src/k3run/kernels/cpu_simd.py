@@ -560,6 +560,63 @@ torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s,
   return y;
 }
 
+// Several experts' weights stacked [E, NB, G, 128] / [E, NB, G, 16] / gs [E, NB * 16]; x's rows grouped by
+// expert: rows offsets[e] .. offsets[e + 1] - 1 use expert e. Each row's result is what nvfp4_vnni_gemm gives
+// for it alone (every token's sums are independent of the tile it shares).
+torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
+                                 torch::Tensor offsets, int64_t N, bool no_vbmi) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "nvfp4_vnni_grouped: x fp32 [P, K]");
+  const int64_t P = x.size(0), K = x.size(1), G = K / 16, E = w.size(0), NB = w.size(1);
+  TORCH_CHECK(K % 16 == 0 && w.dim() == 4 && w.size(2) == G && w.size(3) == 128 && w.is_contiguous(),
+              "nvfp4_vnni_grouped: weight [E, NB, K/16, 128]");
+  TORCH_CHECK(s.dim() == 4 && s.size(0) == E && s.size(1) == NB && s.size(2) == G && s.size(3) == 16 &&
+              s.is_contiguous(), "nvfp4_vnni_grouped: scales [E, NB, K/16, 16]");
+  TORCH_CHECK(gs.dtype() == torch::kFloat32 && gs.numel() == E * NB * 16 && gs.is_contiguous(),
+              "nvfp4_vnni_grouped: gs fp32 [E, NB * 16]");
+  TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_grouped: N = ", N, " for ", NB, " row blocks");
+  auto off = offsets.to(torch::kInt64).contiguous();
+  TORCH_CHECK(off.numel() == E + 1, "nvfp4_vnni_grouped: offsets [E + 1]");
+  const int64_t* op = off.data_ptr<int64_t>();
+  TORCH_CHECK(op[0] == 0 && op[E] == P, "nvfp4_vnni_grouped: offsets must run from 0 to P");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(op[e] <= op[e + 1], "nvfp4_vnni_grouped: offsets must not decrease");
+  auto q = torch::empty({P, K}, x.options().dtype(torch::kInt8));
+  auto as = torch::empty({P, G}, x.options());
+  auto nc = torch::empty({P, G}, x.options().dtype(torch::kInt32));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* ap = as.data_ptr<float>();
+  int32_t* np = nc.data_ptr<int32_t>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, P, 4, [&](int64_t m0, int64_t m1) { quant_act16(m0, m1, K, xp, qp, ap, np); });
+  auto y = torch::empty({P, N}, x.options());
+  std::vector<int64_t> items;  // (expert, row block) pairs of the experts that have rows
+  for (int64_t e = 0; e < E; ++e)
+    if (op[e + 1] > op[e])
+      for (int64_t nb = 0; nb < NB; ++nb) items.push_back(e * NB + nb);
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
+                      const float*, const int8_t*, const float*, const int32_t*, float*);
+  static const Fn plain[16] = K3_TILES(false);
+  static const Fn vbmi[16] = K3_TILES(true);
+  static const bool vbmi_ok = has_vbmi();
+  const Fn* fns = vbmi_ok && !no_vbmi ? vbmi : plain;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* gp = gs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = items[i] / NB, nb = items[i] % NB;
+      for (int64_t m0 = op[e]; m0 < op[e + 1]; m0 += 16) {
+        const int64_t mt = std::min<int64_t>(16, op[e + 1] - m0);
+        fns[mt - 1](nb, nb + 1, m0, G, N, wp + e * NB * G * 128, sp + e * NB * G * 16, gp + e * NB * 16,
+                    qp, ap, np, yp);
+      }
+    }
+  });
+  return y;
+}
+
 // ---- KDA decode, one token per sequence, the recurrent states updated in place in the cache pool ----
 // Per (sequence b, head h), S = pool[slots[b], h] [K, V] fp32 (zero where context_lens[b] == 0):
 //   S *= decay[k] per key row; pred = k^T S; S += (beta k) (v - pred)^T; o = (scale q)^T S
@@ -728,7 +785,8 @@ def available() -> bool:
 
             log.info("building the AVX-512 / AVX2 CPU kernels (once per machine, ~30 s; cached after)")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
-                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv"]  # fmt: skip
+                     "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv",
+                     "nvfp4_vnni_grouped"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
@@ -962,3 +1020,16 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Check `bf16_gemv_applies` first."""
     assert _module is not None, "bf16_gemv: call available() first"
     return _module.bf16_gemv(x.detach().to(torch.float32).contiguous(), weight.detach().contiguous())
+
+
+def nvfp4_vnni_grouped(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+    offsets: torch.Tensor, n: int,
+) -> torch.Tensor:  # fmt: skip
+    """`nvfp4_vnni_gemm` for rows grouped by expert: x [P, K], rows offsets[e] .. offsets[e + 1] - 1 through
+    expert e of stacked vnni16 weights (weight uint8 [E, NB, K/16, 128], scale uint8 [E, NB, K/16, 16],
+    global_scale fp32 [E, NB * 16]); each row's result equals that expert's nvfp4_vnni_gemm of the row
+    alone. y fp32 [P, n]. Call `vnni_available()` first."""
+    assert _module is not None, "nvfp4_vnni_grouped: call vnni_available() first"
+    xf = x.detach().to(torch.float32).contiguous()
+    return _module.nvfp4_vnni_grouped(xf, weight, scale, global_scale, offsets, n, not INT8_VBMI)

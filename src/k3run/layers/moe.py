@@ -759,6 +759,9 @@ def fused_experts(
         return _fused_experts_grouped(experts, x, ids, weights)
     if grouped is not False and experts.grouped_mm_ok(x):
         return _fused_experts_grouped_mm(experts, x, ids, weights)
+    if grouped is not False and dense is not True and experts._cpu_int8 is not None:
+        if not torch.compiler.is_compiling():
+            return _fused_experts_int8(experts, x, ids, weights)
     if dense is None:
         dense = (
             torch.compiler.is_compiling()  # a compiled step cannot read counts back either
@@ -786,6 +789,43 @@ def fused_experts(
         tok, slot = sel // picks, sel % picks
         y = experts.expert(e, x[tok])
         out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
+    return out
+
+
+def _fused_experts_int8(
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The per-expert loop's result, bit for bit, in two grouped calls of the CPU int8 kernel (experts
+    repacked by K3RUN_CPU_INT8=1): the picks sorted by expert as the loop sorts them, GEMM1 over all of
+    them, the activation on all of them at once, GEMM2, then the same index_add in the same order. Each
+    pick's rows go through exactly the loop's operations (the kernel's per-row results do not depend on
+    the rows beside them), so only the number of calls changes: 2 per layer instead of 2 per hit expert."""
+    from k3run.kernels.cpu_simd import nvfp4_vnni_grouped
+    from k3run.kernels.picks import sort_picks
+
+    assert experts._cpu_int8 is not None
+    gs13, gs2 = experts._cpu_int8
+    el, d, i = experts.num_local, experts.hidden_size, experts.intermediate_size
+    picks = ids.shape[1]
+    _, order, counts = sort_picks((ids - experts.first).reshape(-1), el)  # misses last
+    offsets = torch.zeros(el + 1, dtype=torch.long)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    hit = order[: int(offsets[-1])]
+    out = torch.zeros(x.shape[0], d, dtype=torch.float32)
+    if hit.numel() == 0:
+        return out
+    tok, slot = hit // picks, hit % picks
+    w13 = experts.w13_weight.view(el, i // 8, d // 16, 128)
+    s13 = experts.w13_weight_scale.view(torch.uint8).view(el, i // 8, d // 16, 16)
+    gu = nvfp4_vnni_grouped(x[tok], w13, s13, gs13, offsets, 2 * i).to(x.dtype)
+    if experts.activation.kind == "silu":
+        h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+    else:
+        h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
+    w2 = experts.w2_weight.view(el, d // 16, i // 16, 128)
+    s2 = experts.w2_weight_scale.view(torch.uint8).view(el, d // 16, i // 16, 16)
+    y = nvfp4_vnni_grouped(h.to(x.dtype), w2, s2, gs2, offsets, d).to(x.dtype)
+    out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
     return out
 
 
