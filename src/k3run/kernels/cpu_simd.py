@@ -449,6 +449,8 @@ template <int MT> static ATTR void NAME(int64_t nb, int64_t m0, int64_t G, int64
   const uint8_t* wb = wp + nb * G * 128; \
   const uint8_t* sb = sp + nb * G * 16; \
   for (int64_t g = 0; g < G; ++g) { \
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (g + 16) * 128), _MM_HINT_T0); \
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (g + 16) * 128 + 64), _MM_HINT_T0); \
     const __m512i v0 = _mm512_loadu_si512(wb + g * 128), v1 = _mm512_loadu_si512(wb + g * 128 + 64); \
     const __m512i w0 = DECODE(v0, table, false); \
     const __m512i w1 = DECODE(v0, table, true); \
