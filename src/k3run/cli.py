@@ -146,6 +146,7 @@ def _load_llm(
         tp_size=tp.size,
         cuda_graphs=not getattr(args, "eager", False),
         compile_cpu_decode=getattr(args, "compile", False),
+        compile_cpu_cpp_wrapper=getattr(args, "compile_cpp_wrapper", False),
         graph_step_bytes=args.graph_step_mib << 20,
         overlap_decode=False if getattr(args, "no_overlap", False) else None,
         prefix_cache_bytes=getattr(args, "prefix_cache_mib", 0) << 20,
@@ -531,6 +532,12 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         help="on the CPU, run decode steps compiled by torch.compile (the whole step as one C++ graph: "
         "several times faster for small models; ~40 s to compile each batch size and context window, "
         "cached on disk for later runs)",
+    )
+    p.add_argument(
+        "--compile-cpp-wrapper",
+        action="store_true",
+        help="--compile with Inductor's C++ wrapper: faster decode steps for small models (1.25-1.7x on "
+        "the bundled one), ~130 s to compile a step the first time",
     )
     p.add_argument(
         "--no-overlap",

@@ -64,6 +64,10 @@ class EngineConfig:
     # on the CPU: decode steps compiled by torch.compile (engine/runner.py CompiledCpuDecoder; ~40 s per
     # batch bucket and attention window on first use), at tensor-parallel size 1
     compile_cpu_decode: bool = False
+    # ... with Inductor's C++ wrapper (no Python between the step's kernels): 1.25-1.7x the decode rate of the
+    # bundled model against the Python wrapper (bench/NOTES.md session 21), ~130 s instead of ~30 s to
+    # compile a step on 2 cores the first time (~13 s from the disk cache); implies compile_cpu_decode
+    compile_cpu_cpp_wrapper: bool = False
     # bytes of prompt-prefix snapshots kept for reuse (engine/prefix_cache.py); 0: no prefix caching
     prefix_cache_bytes: int = 0
 
@@ -187,6 +191,8 @@ class LLMEngine:
         elif graphs:
             kind = GraphDecoder if device.type == "cuda" else CompiledCpuDecoder
             decoder = kind(model, self.cache, graph_batch, self.config.graph_step_bytes)
+            if isinstance(decoder, CompiledCpuDecoder):
+                decoder.cpp_wrapper = self.config.compile_cpu_cpp_wrapper
         if self.graph_blocker is not None and device.type == "cuda":
             log.info("decode runs eagerly: %s", self.graph_blocker)
         self.prefix_cache = (
@@ -217,7 +223,9 @@ class LLMEngine:
         Larger batches than the first run eagerly (the grouped NVFP4 experts have a pick limit, say)."""
         if not self.config.cuda_graphs:
             return 0, "CUDA graphs are off (EngineConfig.cuda_graphs / --eager)"
-        if device.type == "cpu" and not self.config.compile_cpu_decode:
+        if device.type == "cpu" and not (
+            self.config.compile_cpu_decode or self.config.compile_cpu_cpp_wrapper
+        ):
             return 0, "the model is on the CPU and EngineConfig.compile_cpu_decode is off"
         if device.type not in ("cuda", "cpu"):
             return 0, f"the model is on {device}"

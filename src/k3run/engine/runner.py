@@ -216,6 +216,8 @@ class CompiledCpuDecoder(GraphDecoder):
     operations in a fused order: its logits match the eager step's to the activation dtype's rounding (where
     FP8_PB_WO layers quantize their inputs to fp8, a re-associated input can also land one fp8 step apart)."""
 
+    cpp_wrapper = False  # Inductor's C++ wrapper (EngineConfig.compile_cpu_cpp_wrapper)
+
     def _capture(self, b: int, w: int) -> Any:  # type: ignore[override]
         from k3run.layers.moe import sync_free_experts
 
@@ -237,6 +239,7 @@ class CompiledCpuDecoder(GraphDecoder):
             # otherwise recomputed inside the GEMV loops for every output column (k3-mixed bundled model:
             # 1.51 -> 0.67 ms a step; bf16-weights model unchanged, 0.57-0.59; Inductor's CPU default is 50)
             "realize_opcount_threshold": 8,
+            "cpp_wrapper": self.cpp_wrapper,
         }
         fn = torch.compile(
             functools.partial(self._step, b, w), dynamic=False, fullgraph=True, options=options
