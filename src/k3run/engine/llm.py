@@ -65,8 +65,8 @@ class EngineConfig:
     # batch bucket and attention window on first use), at tensor-parallel size 1
     compile_cpu_decode: bool = False
     # ... with Inductor's C++ wrapper (no Python between the step's kernels): 1.25-1.7x the decode rate of the
-    # bundled model against the Python wrapper (bench/NOTES.md session 21), ~130 s instead of ~30 s to
-    # compile a step on 2 cores the first time (~13 s from the disk cache); implies compile_cpu_decode
+    # bundled model against the Python wrapper, ~130 s instead of ~30 s to compile a step on 2 cores the
+    # first time (~13 s from the disk cache); implies compile_cpu_decode
     compile_cpu_cpp_wrapper: bool = False
     # bytes of prompt-prefix snapshots kept for reuse (engine/prefix_cache.py); 0: no prefix caching
     prefix_cache_bytes: int = 0

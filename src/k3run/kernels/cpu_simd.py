@@ -500,21 +500,98 @@ static bool has_vbmi() {
   return __builtin_cpu_supports("avx512vbmi");
 }
 
-// x fp32 [M, K] -> (q int8 [M, K], scales fp32 [M, K/16]): the activation rounding of nvfp4_vnni_gemm
-std::vector<torch::Tensor> nvfp4_vnni_quant(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0,
-              "nvfp4_vnni_quant: x fp32 [M, K] contiguous with K a multiple of 16");
+// x fp32 [M, K] rounded as the kernels round it: (q int8 [M, K], scales fp32 [M, K/16], -12 x the codes'
+// sum int32 [M, K/16]), rows spread over the threads
+static std::vector<torch::Tensor> quant_rows(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), G = K / 16;
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto as = torch::empty({M, G}, x.options());
   auto nc = torch::empty({M, G}, x.options().dtype(torch::kInt32));
-  quant_act16(0, M, K, x.data_ptr<float>(), q.data_ptr<int8_t>(), as.data_ptr<float>(),
-              nc.data_ptr<int32_t>());
-  return {q, as};
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* ap = as.data_ptr<float>();
+  int32_t* np = nc.data_ptr<int32_t>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) { quant_act16(m0, m1, K, xp, qp, ap, np); });
+  return {q, as, nc};
 }
 
-// y fp32 [M, N] from x fp32 [M, K] and a vnni16 weight: packed uint8 [NB, G, 128], scales uint8
-// [NB, G, 16], gs fp32 [NB * 16] (the global scale per row, padded)
+// x fp32 [M, K] -> (q int8 [M, K], scales fp32 [M, K/16]): the activation rounding of nvfp4_vnni_gemm
+std::vector<torch::Tensor> nvfp4_vnni_quant(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0,
+              "nvfp4_vnni_quant: x fp32 [M, K] contiguous with K a multiple of 16");
+  auto r = quant_rows(x);
+  return {r[0], r[1]};
+}
+
+// the rows of x (checked by the callers) through E stacked vnni16 weights, rows op[e] .. op[e + 1] - 1
+// through weight e
+static torch::Tensor vnni_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
+                               const torch::Tensor& gs, int64_t E, int64_t NB, const int64_t* op, int64_t N,
+                               bool no_vbmi) {
+  const int64_t P = x.size(0), G = x.size(1) / 16;
+  auto act = quant_rows(x);
+  const int8_t* qp = act[0].data_ptr<int8_t>();
+  const float* ap = act[1].data_ptr<float>();
+  const int32_t* np = act[2].data_ptr<int32_t>();
+  auto y = torch::empty({P, N}, x.options());
+  std::vector<int64_t> items;  // (expert, row block) pairs of the experts that have rows
+  for (int64_t e = 0; e < E; ++e)
+    if (op[e + 1] > op[e])
+      for (int64_t nb = 0; nb < NB; ++nb) items.push_back(e * NB + nb);
+  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
+                      const float*, const int8_t*, const float*, const int32_t*, float*);
+#define K3_TILES(V)                                                                                   \
+  {vnni_blocks<1, V>,  vnni_blocks<2, V>,  vnni_blocks<3, V>,  vnni_blocks<4, V>,  vnni_blocks<5, V>,  \
+   vnni_blocks<6, V>,  vnni_blocks<7, V>,  vnni_blocks<8, V>,  vnni_blocks<9, V>,  vnni_blocks<10, V>, \
+   vnni_blocks<11, V>, vnni_blocks<12, V>, vnni_blocks<13, V>, vnni_blocks<14, V>, vnni_blocks<15, V>, \
+   vnni_blocks<16, V>}
+  static const Fn plain[16] = K3_TILES(false);
+  static const Fn vbmi[16] = K3_TILES(true);
+  static const bool vbmi_ok = has_vbmi();
+  const Fn* fns = vbmi_ok && !no_vbmi ? vbmi : plain;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* gp = gs.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // a block's 16 rows stay in L1 across the token tiles
+      const int64_t e = items[i] / NB, nb = items[i] % NB;
+      for (int64_t m0 = op[e]; m0 < op[e + 1]; m0 += 16) {
+        const int64_t mt = std::min<int64_t>(16, op[e + 1] - m0);
+        fns[mt - 1](nb, nb + 1, m0, G, N, wp + e * NB * G * 128, sp + e * NB * G * 16, gp + e * NB * 16,
+                    qp, ap, np, yp);
+      }
+    }
+  });
+  return y;
+}
+
+// Several experts' weights stacked [E, NB, G, 128] / [E, NB, G, 16] / gs [E, NB * 16]; x's rows grouped by
+// expert: rows offsets[e] .. offsets[e + 1] - 1 use expert e. Each row's result is what the one-weight call
+// gives for it alone (every token's sums are independent of the tile it shares).
+torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
+                                 torch::Tensor offsets, int64_t N, bool no_vbmi) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "nvfp4_vnni_grouped: x fp32 [P, K]");
+  const int64_t P = x.size(0), K = x.size(1), G = K / 16, E = w.size(0), NB = w.size(1);
+  TORCH_CHECK(K % 16 == 0 && w.dim() == 4 && w.size(2) == G && w.size(3) == 128 && w.is_contiguous(),
+              "nvfp4_vnni_grouped: weight [E, NB, K/16, 128] for K = ", K);
+  TORCH_CHECK(s.dim() == 4 && s.size(0) == E && s.size(1) == NB && s.size(2) == G && s.size(3) == 16 &&
+              s.is_contiguous(), "nvfp4_vnni_grouped: scales [E, NB, K/16, 16]");
+  TORCH_CHECK(gs.dtype() == torch::kFloat32 && gs.numel() == E * NB * 16 && gs.is_contiguous(),
+              "nvfp4_vnni_grouped: gs fp32 [E, NB * 16]");
+  TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_grouped: N = ", N, " for ", NB, " row blocks");
+  auto off = offsets.to(torch::kInt64).contiguous();
+  TORCH_CHECK(off.numel() == E + 1, "nvfp4_vnni_grouped: offsets [E + 1]");
+  const int64_t* op = off.data_ptr<int64_t>();
+  TORCH_CHECK(op[0] == 0 && op[E] == P, "nvfp4_vnni_grouped: offsets must run from 0 to P");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(op[e] <= op[e + 1], "nvfp4_vnni_grouped: offsets must not decrease");
+  return vnni_rows(x, w, s, gs, E, NB, op, N, no_vbmi);
+}
+
+// y fp32 [M, N] from x fp32 [M, K] and one vnni16 weight: packed uint8 [NB, G, 128], scales uint8
+// [NB, G, 16], gs fp32 [NB * 16] (the global scale per row, padded): the grouped kernel with one expert
 torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                               int64_t N, bool no_vbmi) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
@@ -527,97 +604,10 @@ torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s,
   TORCH_CHECK(gs.numel() == NB * 16 && gs.dtype() == torch::kFloat32 && gs.is_contiguous(),
               "nvfp4_vnni_gemm: gs fp32 [NB * 16]");
   TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_gemm: N = ", N, " for ", NB, " row blocks");
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto as = torch::empty({M, G}, x.options());
-  auto nc = torch::empty({M, G}, x.options().dtype(torch::kInt32));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* ap = as.data_ptr<float>();
-  int32_t* np = nc.data_ptr<int32_t>();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) { quant_act16(m0, m1, K, xp, qp, ap, np); });
-  auto y = torch::empty({M, N}, x.options());
-  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
-                      const float*, const int8_t*, const float*, const int32_t*, float*);
-#define K3_TILES(V)                                                                                   \
-  {vnni_blocks<1, V>,  vnni_blocks<2, V>,  vnni_blocks<3, V>,  vnni_blocks<4, V>,  vnni_blocks<5, V>,  \
-   vnni_blocks<6, V>,  vnni_blocks<7, V>,  vnni_blocks<8, V>,  vnni_blocks<9, V>,  vnni_blocks<10, V>, \
-   vnni_blocks<11, V>, vnni_blocks<12, V>, vnni_blocks<13, V>, vnni_blocks<14, V>, vnni_blocks<15, V>, \
-   vnni_blocks<16, V>}
-  static const Fn plain[16] = K3_TILES(false);
-  static const Fn vbmi[16] = K3_TILES(true);
-  static const bool vbmi_ok = has_vbmi();
-  const bool use_vbmi = vbmi_ok && !no_vbmi;
-  const Fn* fns = use_vbmi ? vbmi : plain;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint8_t* sp = s.data_ptr<uint8_t>();
-  const float* gp = gs.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)  // a block's 16 rows stay in L1 across the token tiles
-      for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const int64_t mt = std::min<int64_t>(16, M - m0);
-        fns[mt - 1](nb, nb + 1, m0, G, N, wp, sp, gp, qp, ap, np, yp);
-      }
-  });
-  return y;
+  const int64_t op[2] = {0, M};
+  return vnni_rows(x, w, s, gs, 1, NB, op, N, no_vbmi);
 }
 
-// Several experts' weights stacked [E, NB, G, 128] / [E, NB, G, 16] / gs [E, NB * 16]; x's rows grouped by
-// expert: rows offsets[e] .. offsets[e + 1] - 1 use expert e. Each row's result is what nvfp4_vnni_gemm gives
-// for it alone (every token's sums are independent of the tile it shares).
-torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
-                                 torch::Tensor offsets, int64_t N, bool no_vbmi) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-              "nvfp4_vnni_grouped: x fp32 [P, K]");
-  const int64_t P = x.size(0), K = x.size(1), G = K / 16, E = w.size(0), NB = w.size(1);
-  TORCH_CHECK(K % 16 == 0 && w.dim() == 4 && w.size(2) == G && w.size(3) == 128 && w.is_contiguous(),
-              "nvfp4_vnni_grouped: weight [E, NB, K/16, 128]");
-  TORCH_CHECK(s.dim() == 4 && s.size(0) == E && s.size(1) == NB && s.size(2) == G && s.size(3) == 16 &&
-              s.is_contiguous(), "nvfp4_vnni_grouped: scales [E, NB, K/16, 16]");
-  TORCH_CHECK(gs.dtype() == torch::kFloat32 && gs.numel() == E * NB * 16 && gs.is_contiguous(),
-              "nvfp4_vnni_grouped: gs fp32 [E, NB * 16]");
-  TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_grouped: N = ", N, " for ", NB, " row blocks");
-  auto off = offsets.to(torch::kInt64).contiguous();
-  TORCH_CHECK(off.numel() == E + 1, "nvfp4_vnni_grouped: offsets [E + 1]");
-  const int64_t* op = off.data_ptr<int64_t>();
-  TORCH_CHECK(op[0] == 0 && op[E] == P, "nvfp4_vnni_grouped: offsets must run from 0 to P");
-  for (int64_t e = 0; e < E; ++e)
-    TORCH_CHECK(op[e] <= op[e + 1], "nvfp4_vnni_grouped: offsets must not decrease");
-  auto q = torch::empty({P, K}, x.options().dtype(torch::kInt8));
-  auto as = torch::empty({P, G}, x.options());
-  auto nc = torch::empty({P, G}, x.options().dtype(torch::kInt32));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* ap = as.data_ptr<float>();
-  int32_t* np = nc.data_ptr<int32_t>();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, P, 4, [&](int64_t m0, int64_t m1) { quant_act16(m0, m1, K, xp, qp, ap, np); });
-  auto y = torch::empty({P, N}, x.options());
-  std::vector<int64_t> items;  // (expert, row block) pairs of the experts that have rows
-  for (int64_t e = 0; e < E; ++e)
-    if (op[e + 1] > op[e])
-      for (int64_t nb = 0; nb < NB; ++nb) items.push_back(e * NB + nb);
-  using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
-                      const float*, const int8_t*, const float*, const int32_t*, float*);
-  static const Fn plain[16] = K3_TILES(false);
-  static const Fn vbmi[16] = K3_TILES(true);
-  static const bool vbmi_ok = has_vbmi();
-  const Fn* fns = vbmi_ok && !no_vbmi ? vbmi : plain;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint8_t* sp = s.data_ptr<uint8_t>();
-  const float* gp = gs.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = items[i] / NB, nb = items[i] % NB;
-      for (int64_t m0 = op[e]; m0 < op[e + 1]; m0 += 16) {
-        const int64_t mt = std::min<int64_t>(16, op[e + 1] - m0);
-        fns[mt - 1](nb, nb + 1, m0, G, N, wp + e * NB * G * 128, sp + e * NB * G * 16, gp + e * NB * 16,
-                    qp, ap, np, yp);
-      }
-    }
-  });
-  return y;
-}
 
 // ---- KDA decode, one token per sequence, the recurrent states updated in place in the cache pool ----
 // Per (sequence b, head h), S = pool[slots[b], h] [K, V] fp32 (zero where context_lens[b] == 0):
@@ -685,8 +675,8 @@ torch::Tensor kda_decode_step(torch::Tensor q_scaled, torch::Tensor kn, torch::T
 
 // ---- bf16 weights, decode-sized M: y fp32 [M, N] = x fp32 [M, K] @ W^T, W bf16 [N, K] ----
 // bf16 -> fp32 is a 16-bit shift, exact; fp32 FMAs, R rows of W at a time so each x load serves R rows.
-// The products of torch's bf16 matmul, accumulated in fp32 in another order (oneDNN's GEMV reached ~7 GB/s
-// of weights on the 2-core box for the bundled-vocabulary head; this streams at the memory's rate).
+// The products of torch's bf16 matmul, accumulated in fp32 in another order; 1.6-2x torch's bf16 linear at
+// one row on a 2-core AVX-512 box.
 template <int M, int R>
 static K3_AVX512 void bf16_rows(int64_t n, int64_t K, int64_t N, const float* xp, const uint16_t* wp,
                                 float* yp) {
@@ -996,9 +986,8 @@ def kda_decode_step(
 
 
 BF16_MAX_M = 8  # rows up to which bf16_gemv runs
-BF16_MIN_WEIGHTS = (
-    1 << 20
-)  # smaller bf16 matrices stay on torch's matmul (cache-resident, its call is cheaper)
+# smaller bf16 matrices stay on torch's matmul (cache-resident, its call is cheaper)
+BF16_MIN_WEIGHTS = 1 << 20
 
 
 def bf16_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

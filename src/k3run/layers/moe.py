@@ -557,18 +557,11 @@ class FusedExperts(nn.Module):
         if self._cpu_int8 is not None:
             from k3run.kernels.cpu_simd import nvfp4_vnni_unpack
 
-            d, i2 = self.hidden_size, 2 * self.intermediate_size
-            w13, s13 = nvfp4_vnni_unpack(
-                tensors[0].view(i2 // 16, d // 16, 128),
-                tensors[1].view(torch.uint8).view(i2 // 16, d // 16, 16),
-                i2,
+            w13, s13, w2, s2 = (t[e] for t in self.int8_stacks())
+            return (
+                *nvfp4_vnni_unpack(w13, s13, 2 * self.intermediate_size),
+                *nvfp4_vnni_unpack(w2, s2, self.hidden_size),
             )
-            w2, s2 = nvfp4_vnni_unpack(
-                tensors[2].view(d // 16, i2 // 32, 128),
-                tensors[3].view(torch.uint8).view(d // 16, i2 // 32, 16),
-                d,
-            )
-            return w13, s13, w2, s2
         if not self._split128:
             return tensors
         from k3run.kernels.nvfp4_gemm import unpack_split128, untile_split128
@@ -607,6 +600,26 @@ class FusedExperts(nn.Module):
             return h @ dequantize_fp8_block(self.w2_weight[e], self.w2_weight_scale[e], x.dtype).t()
         return self._nvfp4_expert(e, x)
 
+    def gated(self, gu: torch.Tensor) -> torch.Tensor:
+        """The activation on a kernel GEMM1 output gu [n, 2I] (gate | up, already rounded to the activation
+        dtype, its scales folded in) -> h [n, I]; the caller rounds h to the activation dtype for GEMM2."""
+        i = self.intermediate_size
+        if self.activation.kind == "silu":
+            return torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+        return self.activation.on_halves(gu[:, :i], gu[:, i:])
+
+    def int8_stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The experts repacked by K3RUN_CPU_INT8=1 seen in cpu_simd's vnni16 layout (views): w13
+        [E, 2I/16, D/16, 128], its scales [E, 2I/16, D/16, 16], w2 [E, D/16, I/16, 128], its scales
+        [E, D/16, I/16, 16]."""
+        el, d, i = self.num_local, self.hidden_size, self.intermediate_size
+        return (
+            self.w13_weight.view(el, i // 8, d // 16, 128),
+            self.w13_weight_scale.view(torch.uint8).view(el, i // 8, d // 16, 16),
+            self.w2_weight.view(el, d // 16, i // 16, 128),
+            self.w2_weight_scale.view(torch.uint8).view(el, d // 16, i // 16, 16),
+        )
+
     def _nvfp4_expert_kernels(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """W4A16 through kernels/nvfp4_gemm: the global scales and the alphas ride in per-row decode scales
         (see process_after_loading); gate / up leave GEMM1 rounded to x's dtype, h enters GEMM2 in it."""
@@ -627,13 +640,7 @@ class FusedExperts(nn.Module):
             self.intermediate_size,
             layout,
         )
-        gu = nvfp4_linear(x, w13)
-        i = self.intermediate_size
-        if self.activation.kind == "silu":
-            h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
-        else:
-            h = self.activation.on_halves(gu[:, :i], gu[:, i:])
-        return nvfp4_linear(h.to(x.dtype), w2)
+        return nvfp4_linear(self.gated(nvfp4_linear(x, w13)).to(x.dtype), w2)
 
     def _nvfp4_expert_int8(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """`_nvfp4_expert_kernels` on the CPU's int8-activation kernel (weights in place in its layout)."""
@@ -641,25 +648,11 @@ class FusedExperts(nn.Module):
 
         assert self._cpu_int8 is not None
         gs13, gs2 = self._cpu_int8
-        d, i = self.hidden_size, self.intermediate_size
-        w13 = Vnni16Weight(
-            self.w13_weight[e].view(i // 8, d // 16, 128),
-            self.w13_weight_scale[e].view(torch.uint8).view(i // 8, d // 16, 16),
-            gs13[e],
-            2 * i,
+        w13, s13, w2, s2 = (t[e] for t in self.int8_stacks())
+        gu = nvfp4_vnni_gemm(x, Vnni16Weight(w13, s13, gs13[e], 2 * self.intermediate_size)).to(x.dtype)
+        return nvfp4_vnni_gemm(self.gated(gu).to(x.dtype), Vnni16Weight(w2, s2, gs2[e], self.hidden_size)).to(
+            x.dtype
         )
-        w2 = Vnni16Weight(
-            self.w2_weight[e].view(d // 16, i // 16, 128),
-            self.w2_weight_scale[e].view(torch.uint8).view(d // 16, i // 16, 16),
-            gs2[e],
-            d,
-        )
-        gu = nvfp4_vnni_gemm(x, w13).to(x.dtype)
-        if self.activation.kind == "silu":
-            h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
-        else:
-            h = self.activation.on_halves(gu[:, :i], gu[:, i:])
-        return nvfp4_vnni_gemm(h.to(x.dtype), w2).to(x.dtype)
 
     def _nvfp4_block_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference expert e's codes times block scales, fp32 (w13 [2I, D], w2 [D, I]); the global scales
@@ -806,6 +799,7 @@ def _fused_experts_int8(
     assert experts._cpu_int8 is not None
     gs13, gs2 = experts._cpu_int8
     el, d, i = experts.num_local, experts.hidden_size, experts.intermediate_size
+    w13, s13, w2, s2 = experts.int8_stacks()
     picks = ids.shape[1]
     _, order, counts = sort_picks((ids - experts.first).reshape(-1), el)  # misses last
     offsets = torch.zeros(el + 1, dtype=torch.long)
@@ -815,16 +809,8 @@ def _fused_experts_int8(
     if hit.numel() == 0:
         return out
     tok, slot = hit // picks, hit % picks
-    w13 = experts.w13_weight.view(el, i // 8, d // 16, 128)
-    s13 = experts.w13_weight_scale.view(torch.uint8).view(el, i // 8, d // 16, 16)
     gu = nvfp4_vnni_grouped(x[tok], w13, s13, gs13, offsets, 2 * i).to(x.dtype)
-    if experts.activation.kind == "silu":
-        h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
-    else:
-        h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
-    w2 = experts.w2_weight.view(el, d // 16, i // 16, 128)
-    s2 = experts.w2_weight_scale.view(torch.uint8).view(el, d // 16, i // 16, 16)
-    y = nvfp4_vnni_grouped(h.to(x.dtype), w2, s2, gs2, offsets, d).to(x.dtype)
+    y = nvfp4_vnni_grouped(experts.gated(gu).to(x.dtype), w2, s2, gs2, offsets, d).to(x.dtype)
     out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
     return out
 
@@ -984,10 +970,7 @@ def _fused_experts_grouped(
     else:
         split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)  # every pick's rows count towards one wave
         gu = nvfp4_gemv_grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1)
-    if experts.activation.kind == "silu":
-        h = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
-    else:
-        h = experts.activation.on_halves(gu[:, :i], gu[:, i:])
+    h = experts.gated(gu)
     if by_expert:
         split2, reg2 = one_wave_split(bt, d * grp.shape[0], i, sms)
         kw2 = dict(picks=t * a, slot_div=1, rows=d, split_k=split2, maxnreg=reg2)
