@@ -3,7 +3,7 @@ the wall time of the whole engine step (scheduler, input copy, replay, logits co
 with graphs on and off, and which kernels fill the replay (torch profiler).
 
     PYTHONPATH=src python bench/probe_graph_step.py [MODEL_DIR] [--batch-sizes 1,8] [--steps 48]
-        [--k3-shaped LAYERS,EXPERTS] [--eager] [--profile STEPS] [--host N]
+        [--k3-shaped LAYERS,EXPERTS | --kimi-linear [LAYERS,EXPERTS]] [--eager] [--profile STEPS] [--host N]
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/probe_graph_step.py ...   (tensor parallel, NCCL)
 
 Under torchrun (WORLD_SIZE > 1) every rank builds its shard and runs the engine with tp_size = WORLD_SIZE;
@@ -11,14 +11,17 @@ rank 0 prints.
 
 --k3-shaped builds a random model at K3's real layer shapes instead of loading MODEL_DIR (bench/k3_shaped.py:
 KDA x3 + MLA per 4 layers, latent MoE in every layer, EXPERTS local routed experts, top-16, k3-mixed
-quantization); the tokenizer still comes from MODEL_DIR. --eager also times the same steps with graphs off.
+quantization); --kimi-linear builds the random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (full depth:
+27 layers, 256 experts, top-8; LAYERS,EXPERTS cut it); the tokenizer still comes from MODEL_DIR. --eager also times the same steps with graphs off.
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
 --compare-overlap also times the graph steps with decode overlap off (EngineConfig.overlap_decode=False;
 mode "no-ovl"; "graphs" rows have it on, the default).
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
-decode tokens/s. Needs CUDA (and fla-core for KDA models).
+decode tokens/s, with the bandwidth roofline beside them: the bytes a step must read (every weight but the
+embedding table, the routed experts counted by the expected number of distinct experts a batch of uniformly
+routed tokens touches) over the copy bandwidth measured in the same run. Needs CUDA (and fla-core for KDA models).
 """
 
 from __future__ import annotations
@@ -114,6 +117,59 @@ def _family(name: str) -> str:
     return "elementwise / copies / other"
 
 
+def _step_bytes(model) -> tuple[float, float, int, int]:
+    """(bytes of the weights every decode step reads, bytes of one layer's local routed experts on average,
+    routed experts per layer, picks per token). The embedding table is left out (a step reads B rows)."""
+    from k3run.layers.moe import FusedExperts
+
+    dense = experts = 0.0
+    n_moe, num, top_k = 0, 0, 0
+    seen: set[int] = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, FusedExperts):
+            n_moe += 1
+            num = mod.num_local
+            for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    experts += t.numel() * t.element_size()
+            continue
+        if "embed" in name:
+            continue
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            if t.data_ptr() not in seen and t.is_cuda:
+                seen.add(t.data_ptr())
+                dense += t.numel() * t.element_size()
+    for mod in model.modules():
+        cfg = getattr(getattr(mod, "gate", None), "cfg", None)
+        if cfg is not None and hasattr(cfg, "top_k"):
+            top_k = cfg.top_k
+            break
+    return dense, experts / max(n_moe, 1), n_moe, top_k
+
+
+def roofline_tok_s(model, batch: int, copy_tbs: float) -> float:
+    """Decode tokens/s if a step took only its weight reads at the copy bandwidth (TB/s)."""
+    dense, per_layer, n_moe, top_k = _step_bytes(model)
+    from k3run.layers.moe import FusedExperts
+
+    num = next(m.num_local for m in model.modules() if isinstance(m, FusedExperts))
+    distinct = num * (1 - (1 - top_k / num) ** batch) if num else 0.0  # expected experts hit per layer
+    step_bytes = dense + n_moe * per_layer * distinct / max(num, 1)
+    return batch / (step_bytes / (copy_tbs * 1e12))
+
+
+def _copy_tbs() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second (TB/s), as bench_linear measures."""
+    from triton.testing import do_bench
+
+    a = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    del a, b
+    return 2 * 2**30 * 2 / t / 1e9
+
+
 def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -136,15 +192,16 @@ def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
         if e.device_type == DeviceType.CUDA:
             by_name[e.name].append(e.time_range.elapsed_us())
     total = sum(sum(v) for v in by_name.values()) / steps
+    count = sum(len(v) for v in by_name.values()) / steps
     fam: dict[str, float] = defaultdict(float)
     for name, ts in by_name.items():
         fam[_family(name)] += sum(ts) / steps
-    print(f"\nprofile, batch {batch}, {steps} steps: {total:.0f} us of kernels per step")
+    print(f"\nprofile, batch {batch}, {steps} steps: {total:.0f} us of kernels per step, {count:.0f} kernels per step")
     print(f"{'family':<32} {'us/step':>9} {'share':>6}")
     for f, t in sorted(fam.items(), key=lambda kv: -kv[1]):
         print(f"{f:<32} {t:>9.1f} {t / total:>6.1%}")
     print(f"{'kernel':<70} {'n/step':>6} {'us/step':>9} {'share':>6}")
-    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:18]:
+    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:30]:
         t = sum(ts) / steps
         print(f"{name[:70]:<70} {len(ts) / steps:>6.1f} {t:>9.1f} {t / total:>6.1%}")
 
@@ -213,18 +270,28 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
 
     # a label's CPU-side range sums the kernels its ops launched; its GPU-side range (same name) spans the
     # wall time between them, so only the CPU-side events count
+    def launches(e) -> int:  # kernels launched under a CPU event, its children's included
+        return len(e.kernels) + sum(launches(c) for c in e.cpu_children)
+
     per_label: dict[str, float] = defaultdict(float)
-    kernels = 0.0
+    n_label: dict[str, float] = defaultdict(float)
+    kernels = n_kernels = 0.0
     for e in prof.events():
         if e.device_type == DeviceType.CPU and e.name in labels:
             per_label[e.name] += e.device_time_total / steps
+            n_label[e.name] += launches(e) / steps
         elif e.device_type == DeviceType.CUDA and e.name not in labels:
             kernels += e.time_range.elapsed_us() / steps
-    print(f"\nmodules, static step run eagerly, batch {batch}, window {window}: {kernels:.0f} us of kernels")
-    print(f"{'module family':<40} {'count':>5} {'us/step':>9} {'share':>6}")
+            n_kernels += 1 / steps
+    print(
+        f"\nmodules, static step run eagerly, batch {batch}, window {window}: {kernels:.0f} us of kernels, "
+        f"{n_kernels:.0f} kernels per step"
+    )
+    print(f"{'module family':<40} {'count':>5} {'us/step':>9} {'share':>6} {'kernels/step':>12} {'per module':>10}")
     for label in sorted(labels, key=lambda k: -per_label.get(k, 0.0)):
         t = per_label.get(label, float("nan"))
-        print(f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / kernels:>6.1%}")
+        n = n_label.get(label, 0.0)
+        print(f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / kernels:>6.1%} {n:>12.0f} {n / labels[label]:>10.1f}")
 
 
 def main() -> None:
@@ -234,6 +301,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--k3-shaped", default=None, metavar="LAYERS,EXPERTS")
+    ap.add_argument("--kimi-linear", nargs="?", const="27,256", default=None, metavar="LAYERS,EXPERTS")
     ap.add_argument("--eager", action="store_true", help="also time the steps with graphs off")
     ap.add_argument(
         "--compare-overlap", action="store_true", help="also time graph steps without decode overlap (no-ovl)"
@@ -255,6 +323,15 @@ def main() -> None:
         model = random_k3_model(layers, experts, device="cuda", tp=tp)
         built = time.perf_counter() - t0
         what = f"K3-shaped random model, {layers} layers, {experts} local experts (built in {built:.0f} s)"
+    elif args.kimi_linear:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from k3_shaped import kimi_linear_48b_config, random_model
+
+        layers, experts = (int(v) for v in args.kimi_linear.split(","))
+        t0 = time.perf_counter()
+        model = random_model(kimi_linear_48b_config(layers, experts), device="cuda", tp=tp)
+        built = time.perf_counter() - t0
+        what = f"Kimi Linear 48B-A3B NVFP4 random, {layers} layers, {experts} experts (built in {built:.0f} s)"
     else:
         model = load_model(args.model, dtype=torch.bfloat16, device="cuda", tp_rank=tp.rank, tp_size=tp.size)
         what = args.model
@@ -263,8 +340,14 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     max_len = args.prompt_len + args.steps + 8
     print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    copy_tbs = _copy_tbs()
+    dense, per_layer, n_moe, top_k = _step_bytes(model)
+    print(
+        f"copy bandwidth {copy_tbs:.2f} TB/s; weights read per step: {dense / 1e9:.2f} GB dense + {n_moe} x "
+        f"{per_layer / 1e9:.3f} GB routed experts (top-{top_k}, counted by the expected distinct experts)"
+    )
     head = f"{'mode':>6} {'batch':>5} {'wall ms/step':>13} {'replay GPU ms':>14} {'GPU busy':>9}"
-    print(f"{head} {'decode tok/s':>13}")
+    print(f"{head} {'decode tok/s':>13} {'roofline':>9} {'of roof':>7}")
     engine = dec = None
     for overlap in (None, False) if args.compare_overlap else (None,):
         if overlap is False:  # free the first engine's graphs and cache first
@@ -290,7 +373,12 @@ def main() -> None:
         dec.run = timed  # type: ignore[method-assign]
         mode = "graphs" if engine.overlap else "no-ovl"
         for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms):
-            print(f"{mode:>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {b / wall * 1e3:>13.1f}")
+            roof = roofline_tok_s(model, b, copy_tbs)
+            tok_s = b / wall * 1e3
+            print(
+                f"{mode:>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {tok_s:>13.1f} {roof:>9.0f} "
+                f"{tok_s / roof:>7.1%}"
+            )
         dec.run = replay  # type: ignore[method-assign]
     if args.host:
         _host_profile(engine, sizes, args.steps, args.prompt_len, args.host)
