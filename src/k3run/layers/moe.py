@@ -39,6 +39,7 @@ from k3run.formats import (
     mxfp4_scales_to_nvfp4,
     nvfp4_qdq,
 )
+from k3run.kernels.moe_ops import combine, gated, router_logits, sigmoid_topk
 from k3run.layers.activation import GatedActivation
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
@@ -65,18 +66,17 @@ def route(
     """
     if logits.dtype != torch.float32:
         raise ValueError(f"route: logits must be fp32, got {logits.dtype}")
+    if num_expert_group <= 1 or topk_group >= num_expert_group:  # no group limit: one kernel on CUDA
+        return sigmoid_topk(logits, e_score_correction_bias, top_k, renormalize, routed_scaling_factor)
     t, e = logits.shape
     scores = torch.sigmoid(logits)
     choice = scores + e_score_correction_bias.float()
-    if num_expert_group > 1 and topk_group < num_expert_group:
-        # DeepSeek group limiting: a group's score is the sum of its two best (biased) experts.
-        grouped = choice.view(t, num_expert_group, e // num_expert_group)
-        group_scores = grouped.topk(min(2, e // num_expert_group), dim=-1).values.sum(-1)  # [T, G]
-        keep = group_scores.topk(topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(
-            ~group_mask.repeat_interleave(e // num_expert_group, dim=1), float("-inf")
-        )
+    # DeepSeek group limiting: a group's score is the sum of its two best (biased) experts.
+    grouped = choice.view(t, num_expert_group, e // num_expert_group)
+    group_scores = grouped.topk(min(2, e // num_expert_group), dim=-1).values.sum(-1)  # [T, G]
+    keep = group_scores.topk(topk_group, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    choice = choice.masked_fill(~group_mask.repeat_interleave(e // num_expert_group, dim=1), float("-inf"))
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize and top_k > 1:
@@ -105,7 +105,7 @@ class MoERouter(nn.Module):
             p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = x.float() @ self.weight.t()  # [T, E] fp32
+        logits = router_logits(x, self.weight)  # [T, E] fp32
         c = self.cfg
         return route(
             logits,
@@ -602,11 +602,10 @@ class FusedExperts(nn.Module):
 
     def gated(self, gu: torch.Tensor) -> torch.Tensor:
         """The activation on a kernel GEMM1 output gu [n, 2I] (gate | up, already rounded to the activation
-        dtype, its scales folded in) -> h [n, I]; the caller rounds h to the activation dtype for GEMM2."""
-        i = self.intermediate_size
-        if self.activation.kind == "silu":
-            return torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
-        return self.activation.on_halves(gu[:, :i], gu[:, i:])
+        dtype, its scales folded in) -> h [n, I]: on CUDA one launch rounding h to gu's dtype, elsewhere fp32;
+        the caller rounds h to the activation dtype for GEMM2 (the same bits either way)."""
+        a = self.activation
+        return gated(gu, a.kind, a.beta or 0.0, a.linear_beta, gu.dtype if gu.is_cuda else torch.float32)
 
     def int8_stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The experts repacked by K3RUN_CPU_INT8=1 seen in cpu_simd's vnni16 layout (views): w13
@@ -934,6 +933,12 @@ def by_expert_tile(tokens: int) -> int:
     return 8 if tokens <= 8 else 16 if tokens < BY_EXPERT_T32_FROM else 32
 
 
+def _local_ids(ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The picks' local expert ids [T * A] int32 (outside [0, num_local): another rank's expert)."""
+    flat = ids.reshape(-1)
+    return (flat if first == 0 else flat - first).to(torch.int32)
+
+
 def _fused_experts_grouped(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -955,7 +960,7 @@ def _fused_experts_grouped(
     gs13, gs2 = experts._kernel_scales
     t, a = ids.shape
     d, i = experts.hidden_size, experts.intermediate_size
-    local = (ids.reshape(-1) - experts.first).to(torch.int32)  # outside [0, num_local): another rank's expert
+    local = _local_ids(ids, experts.first)
     sms = sm_count(x.device.index or 0)
     w13, s13 = experts.w13_weight, experts.w13_weight_scale.view(torch.uint8)
     w2, s2 = experts.w2_weight, experts.w2_weight_scale.view(torch.uint8)
@@ -1002,7 +1007,7 @@ def _fused_experts_tile(
     t, a = ids.shape
     d, i = experts.hidden_size, experts.intermediate_size
     picks = t * a
-    local = (ids.reshape(-1) - experts.first).to(torch.int32)
+    local = _local_ids(ids, experts.first)
     grp = expert_blocks(local, experts.num_local, MOE_TILE_BM)
     x = x.contiguous()
     s13, s2 = experts.w13_weight_scale.view(torch.uint8), experts.w2_weight_scale.view(torch.uint8)
@@ -1049,8 +1054,7 @@ def _fused_experts_grouped_mm(
 def _combine_picks(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each token's expert outputs y [T * A, D] (pick order) summed with its routing weights [T, A] in fp32,
     slot by slot -> [T, D] (the grouped paths' combine; a row of another rank's pick must be zero)."""
-    t, a = weights.shape
-    return (y.float().view(t, a, -1) * weights.float().unsqueeze(-1)).sum(1)
+    return combine(y, weights)
 
 
 def _scalar(what: str, t: torch.Tensor) -> float:

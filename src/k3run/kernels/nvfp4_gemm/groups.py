@@ -8,8 +8,8 @@ grp [G, 1 + bt] int32:
 An expert picked c times gets ceil(c / bt) groups: its first bt picks, the next bt, and so on. G =
 `max_groups(P, n_experts, bt)` = H + (P - H) // bt with H = min(P, n_experts), the most groups any P picks
 can need (at most H experts are hit, and the sum of ceil(c_e / bt) over them is largest when H are), so the
-table's shape depends only on (P, n_experts, bt). One program, no host synchronisation, so a CUDA graph can
-hold it. `expert_groups_ref` is the torch reference.
+table's shape depends only on (P, n_experts, bt). One program (no host synchronisation, so a CUDA graph can
+hold it) in a few passes over the picks and the experts with O(P + E) scratch; no [P, E] intermediate. `expert_groups_ref` is the torch reference.
 """
 
 from __future__ import annotations
@@ -21,34 +21,54 @@ import triton.language as tl
 
 @triton.jit
 def _expert_groups_kernel(
-    ids_ptr, grp_ptr, P, E, G, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    ids_ptr, grp_ptr, cnt_ptr, first_ptr, rank_ptr, P, E, G, BT: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    p = tl.arange(0, BLOCK_P)
-    pm = p < P
-    ids = tl.load(ids_ptr + p, mask=pm, other=-1).to(tl.int32)
+    # One program, four passes over scratch cnt [E], first [E], rank [P] (barriers between them):
+    # 1. grp = -1, cnt = 0; 2. picks in chunks of BLOCK_P, in order: a pick's rank among its expert's picks =
+    # the expert's count before the chunk + its earlier picks in the chunk (a pairwise compare), and the
+    # expert's last pick in the chunk writes the new count (one writer per expert, no atomics); 3. each
+    # expert's first group = the exclusive scan of ceil(cnt / BT) over the experts; 4. every pick's place.
     gg = tl.arange(0, BLOCK_G)
     cc = tl.arange(0, BLOCK_C)  # the BT + 1 columns, padded to a power of two
     unset = tl.full([BLOCK_G, BLOCK_C], -1, tl.int32)
-    for g0 in range(0, G, BLOCK_G):  # every entry -1 first
+    for g0 in range(0, G, BLOCK_G):
         g = g0 + gg
         ok = (g < G)[:, None] & (cc < BT + 1)[None, :]
         tl.store(grp_ptr + g[:, None] * (BT + 1) + cc[None, :], unset, mask=ok)
-    tl.debug_barrier()
-    carry = 0
     ee = tl.arange(0, BLOCK_E)
     for e0 in range(0, E, BLOCK_E):
-        e = e0 + ee
-        eq = (ids[None, :] == e[:, None]) & pm[None, :] & (e < E)[:, None]  # [BLOCK_E, BLOCK_P]
-        cnt = tl.sum(eq.to(tl.int32), axis=1)
-        n_grp = (cnt + BT - 1) // BT  # groups of each expert (0 if not picked)
-        first = carry + tl.cumsum(n_grp, axis=0) - n_grp  # each expert's first group
-        rank = tl.cumsum(eq.to(tl.int32), axis=1) - 1  # the pick's place among its expert's picks
-        row = grp_ptr + (first[:, None] + rank // BT) * (BT + 1)
-        tl.store(row + 1 + rank % BT, tl.broadcast_to(p[None, :], eq.shape), mask=eq)
-        ex = tl.broadcast_to(e[:, None], eq.shape)
-        tl.store(row, ex, mask=eq & (rank % BT == 0))  # the first pick of each group names its expert
+        tl.store(cnt_ptr + e0 + ee, tl.zeros([BLOCK_E], tl.int32), mask=e0 + ee < E)
+    tl.debug_barrier()
+    pp = tl.arange(0, BLOCK_P)
+    qq = tl.arange(0, BLOCK_P)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + pp
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        hit = (p < P) & (e >= 0) & (e < E)
+        eq = (e[:, None] == e[None, :]) & hit[:, None] & hit[None, :]  # [pick, other pick of the chunk]
+        before = tl.sum((eq & (qq[None, :] < pp[:, None])).to(tl.int32), axis=1)
+        after = tl.sum((eq & (qq[None, :] > pp[:, None])).to(tl.int32), axis=1)
+        base = tl.load(cnt_ptr + e, mask=hit, other=0)
+        tl.store(rank_ptr + p, base + before, mask=hit)
+        tl.debug_barrier()  # every base read before any count of this chunk is written
+        tl.store(cnt_ptr + e, base + before + 1, mask=hit & (after == 0))
+        tl.debug_barrier()
+    carry = 0
+    for e0 in range(0, E, BLOCK_E):
+        m = e0 + ee < E
+        n_grp = (tl.load(cnt_ptr + e0 + ee, mask=m, other=0) + BT - 1) // BT
+        tl.store(first_ptr + e0 + ee, carry + tl.cumsum(n_grp, axis=0) - n_grp, mask=m)
         carry += tl.sum(n_grp, axis=0)
+    tl.debug_barrier()
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + pp
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        hit = (p < P) & (e >= 0) & (e < E)
+        rank = tl.load(rank_ptr + p, mask=hit, other=0)
+        row = grp_ptr + (tl.load(first_ptr + e, mask=hit, other=0) + rank // BT) * (BT + 1)
+        tl.store(row + 1 + rank % BT, p, mask=hit)
+        tl.store(row, e, mask=hit & (rank % BT == 0))  # the first pick of each group names its expert
 
 
 def max_groups(picks: int, n_experts: int, bt: int) -> int:
@@ -70,11 +90,11 @@ def expert_groups(ids: torch.Tensor, n_experts: int, bt: int) -> torch.Tensor:
     grp = torch.empty(groups, bt + 1, dtype=torch.int32, device=ids.device)
     if picks == 0:
         return grp.fill_(-1)
-    block_p = triton.next_power_of_2(picks)
-    block_e = max(1, min(triton.next_power_of_2(n_experts), max(16, 8192 // block_p)))
+    scratch = torch.empty(2 * n_experts + picks, dtype=torch.int32, device=ids.device)
     _expert_groups_kernel[(1,)](
-        ids, grp, picks, n_experts, groups, BT=bt, BLOCK_P=block_p, BLOCK_E=block_e, BLOCK_G=64,
-        BLOCK_C=triton.next_power_of_2(bt + 1), num_warps=4 if block_p <= 512 else 8,
+        ids, grp, scratch, scratch[n_experts:], scratch[2 * n_experts :], picks, n_experts, groups, BT=bt,
+        BLOCK_P=64, BLOCK_E=min(1024, triton.next_power_of_2(n_experts)), BLOCK_G=64,
+        BLOCK_C=triton.next_power_of_2(bt + 1), num_warps=4,
     )  # fmt: skip
     return grp
 

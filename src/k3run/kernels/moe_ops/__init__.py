@@ -1,0 +1,79 @@
+"""The small operations around the routed experts as single launches on CUDA, the torch references elsewhere.
+
+- `router_logits(x, weight)`: x [T, D] times the fp32 router weight [E, D]^T in fp32 (x cast as it loads);
+  a GEMV kernel up to LOGITS_MAX_TOKENS rows, cuBLAS above.
+- `sigmoid_topk(logits, bias, top_k, renormalize, scale)`: sigmoid scores, the biased choice, top-k, the
+  unbiased weights renormalised and scaled (routing without group limits), one program per token.
+- `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
+- `combine(y, weights)`: the top-k weighted sum of each token's expert outputs in fp32, slot by slot.
+
+Why kernels: in a decode step each torch version is a chain of 4-11 launches of 2-3 us each on a few rows (the
+router alone was 11 launches a layer, ~28 us of GPU time, a fifth of a full-depth Kimi Linear step at
+batch 1). The references (`ref.py`) are the same fp32 operations; the kernels follow torch's order of
+operations (IEEE divisions, libdevice exp / tanh), but sums run in a different order, so the tests state fp32
+bounds; the top-k picks the same experts whenever no two choices tie (ties go to the lower expert index).
+K3RUN_MOE_OPS=0 keeps the torch versions on CUDA too (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .ref import combine_ref, gated_ref, router_logits_ref, sigmoid_topk_ref
+
+ENABLED = os.environ.get("K3RUN_MOE_OPS", "1") != "0"
+
+
+def _cuda(t: torch.Tensor) -> bool:
+    return ENABLED and t.is_cuda
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Router logits fp32 [T, E] of x [T, D] and the fp32 weight [E, D]."""
+    if _cuda(x) and x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
+        from .triton import LOGITS_MAX_TOKENS, router_logits_triton
+
+        if x.shape[0] <= LOGITS_MAX_TOKENS:
+            return router_logits_triton(x, weight)
+    return router_logits_ref(x, weight)
+
+
+def sigmoid_topk(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, A], ids int64 [T, A]) of fp32 logits [T, E] (ref.sigmoid_topk_ref)."""
+    if _cuda(logits) and bias.dtype == torch.float32:
+        from .triton import MAX_EXPERTS, sigmoid_topk_triton
+
+        if top_k <= logits.shape[1] <= MAX_EXPERTS:
+            return sigmoid_topk_triton(logits, bias, top_k, renormalize, scale)
+    return sigmoid_topk_ref(logits, bias, top_k, renormalize, scale)
+
+
+def gated(
+    gate_up: torch.Tensor, kind: str, beta: float, linear_beta: float | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """act(gate, up) of gate_up [N, 2I] (gate | up) -> [N, I] in out_dtype (ref.gated_ref, rounded once)."""
+    i = gate_up.shape[-1] // 2
+    if _cuda(gate_up) and gate_up.dim() == 2:
+        from .triton import gated_triton
+
+        return gated_triton(gate_up, kind, beta, linear_beta, out_dtype)
+    return gated_ref(gate_up[..., :i], gate_up[..., i:], kind, beta, linear_beta).to(out_dtype)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over slots k of weights[t, k] * y[t * A + k] in fp32 -> [T, D] fp32."""
+    if _cuda(y) and y.dim() == 2:
+        from .triton import combine_triton
+
+        return combine_triton(y, weights)
+    return combine_ref(y, weights)
+
+
+__all__ = [
+    "combine", "combine_ref", "gated", "gated_ref", "router_logits", "router_logits_ref", "sigmoid_topk",
+    "sigmoid_topk_ref",
+]  # fmt: skip

@@ -1,0 +1,200 @@
+"""Triton kernels of kernels/moe_ops (CUDA). Each replaces a chain of torch launches in a decode step's MoE
+with one launch; the fp32 references are in ref.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# libdevice's exp / tanh (what torch's CUDA build calls) on the GPU; the interpreter has no libdevice, so there
+# exp is tl.exp and tanh its formula (a series near 0)
+LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
+
+# the largest expert count the top-k kernel holds in one program's registers (K3: 896)
+MAX_EXPERTS = 1024
+# token rows up to which the router logits run on the GEMV kernel (above: cuBLAS)
+LOGITS_MAX_TOKENS = 64
+
+
+@triton.jit
+def _exp(x, LIB: tl.constexpr):
+    if LIB:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
+def _tanh(x, LIB: tl.constexpr):
+    if LIB:
+        return libdevice.tanh(x)
+    x2 = x * x  # small |x|: the series to x^9 (the formula below cancels there)
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return tl.where(tl.abs(x) < 0.2, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, T, E, D, sx, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr
+):  # fmt: skip
+    # program (expert block, token block): logits [BT, BE] = x [BT, D] . W [BE, D]^T, x cast to fp32 as loaded
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    acc = tl.zeros([BT, BE], tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        xv = tl.load(x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0)
+        wv = tl.load(w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0)
+        acc += tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)
+    tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """router_logits_ref for x [T <= LOGITS_MAX_TOKENS, D] with a contiguous fp32 weight [E, D]."""
+    t, d = x.shape
+    e = weight.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bt = min(16, triton.next_power_of_2(t))
+    be = 2 if e <= 512 else 4  # >= ~1 program per SM on one token block at Kimi Linear's 256 / K3's 896 experts
+    bd = max(64, 1024 // (bt * be) * 8)
+    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
+        x, weight, out, t, e, d, x.stride(0), BT=bt, BE=be, BD=min(bd, 512), num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _sigmoid_topk_kernel(
+    l_ptr, b_ptr, w_ptr, id_ptr, E, scale, A: tl.constexpr, RENORM: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_E: tl.constexpr, LIB: tl.constexpr,
+):  # fmt: skip
+    # one program per token: scores in registers, A rounds of "take the largest remaining", each round on a
+    # unique int64 key (the choice's order-preserving int32 bits, then the lower expert index), so ties go to
+    # the lower index and every pick is a different expert
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    m = e < E
+    lg = tl.load(l_ptr + t * E + e, mask=m, other=0.0)
+    s = tl.div_rn(1.0, 1.0 + _exp(-lg, LIB))  # torch's sigmoid: 1 / (1 + exp(-x)), IEEE division
+    c = s + tl.load(b_ptr + e, mask=m, other=0.0)
+    bits = c.to(tl.int32, bitcast=True)
+    k32 = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    k32 = tl.maximum(k32, -2147483647)  # INT32_MIN stays the sentinel's
+    key = (k32.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    sentinel = (tl.full([BLOCK_E], -2147483647 - 1, tl.int32).to(tl.int64)) << 32
+    key = tl.where(m, key, sentinel)
+    a = tl.arange(0, BLOCK_A)
+    wv = tl.zeros([BLOCK_A], tl.float32)
+    iv = tl.zeros([BLOCK_A], tl.int64)
+    for k in tl.static_range(A):
+        best = tl.max(key, axis=0)
+        idx = (BLOCK_E - 1) - (best & (BLOCK_E - 1)).to(tl.int32)
+        wk = tl.sum(tl.where(e == idx, s, 0.0), axis=0)
+        wv = tl.where(a == k, wk, wv)
+        iv = tl.where(a == k, idx.to(tl.int64), iv)
+        key = tl.where(e == idx, sentinel, key)
+    if RENORM:
+        wv = tl.div_rn(wv, tl.sum(wv, axis=0) + 1e-20)
+    tl.store(w_ptr + t * A + a, wv * scale, mask=a < A)
+    tl.store(id_ptr + t * A + a, iv, mask=a < A)
+
+
+def sigmoid_topk_triton(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigmoid_topk_ref on CUDA for E <= MAX_EXPERTS (one launch)."""
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(e)
+    _sigmoid_topk_kernel[(t,)](
+        logits.contiguous(), bias.contiguous(), weights, ids, e, float(scale), A=top_k,
+        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e, LIB=LIBDEVICE,
+        num_warps=4 if block_e <= 512 else 8,
+    )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _gated_kernel(
+    x_ptr, out_ptr, I, sx, so, beta, rbeta, lbeta, rlbeta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
+    BLOCK: tl.constexpr, LIB: tl.constexpr,
+):  # fmt: skip
+    # torch's operations one by one in fp32 (silu = x / (1 + exp(-x)), sigmoid = 1 / (1 + exp(-x)), IEEE
+    # divisions, a division by a constant as torch does it: times the fp32 reciprocal), one rounding at the end
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < I
+    g = tl.load(x_ptr + r * sx + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + r * sx + I + c, mask=m, other=0.0).to(tl.float32)
+    if SITU:
+        h = beta * _tanh(g * rbeta, LIB) * tl.div_rn(1.0, 1.0 + _exp(-g, LIB))
+        if CAP_UP:
+            u = lbeta * _tanh(u * rlbeta, LIB)
+        h = h * u
+    else:
+        h = tl.div_rn(g, 1.0 + _exp(-g, LIB)) * u
+    tl.store(out_ptr + r * so + c, h.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _f32_reciprocal(v: float) -> float:
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(v, dtype=torch.float32))
+
+
+def gated_triton(
+    gu: torch.Tensor, kind: str, beta: float, linear_beta: float | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The gated activation of gu [N, 2I] (gate | up; rows may be strided) -> [N, I] in out_dtype."""
+    n, two_i = gu.shape
+    i = two_i // 2
+    out = torch.empty(n, i, dtype=out_dtype, device=gu.device)
+    if n == 0 or i == 0:
+        return out
+    if gu.stride(1) != 1:
+        gu = gu.contiguous()
+    situ = kind == "situ"
+    b = float(beta) if situ else 1.0
+    lb = float(linear_beta) if situ and linear_beta is not None else 1.0
+    block = min(1024, triton.next_power_of_2(i))
+    _gated_kernel[(n, triton.cdiv(i, block))](
+        gu, out, i, gu.stride(0), out.stride(0), b, _f32_reciprocal(b), lb, _f32_reciprocal(lb), SITU=situ,
+        CAP_UP=situ and linear_beta is not None, BLOCK=block, LIB=LIBDEVICE, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = sum over the token's A picks, in slot order, of w[t, k] * y[t * A + k], fp32
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = d < D
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(A):
+        w = tl.load(w_ptr + t * A + k)
+        acc += w * tl.load(y_ptr + (t * A + k) * D + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + d, acc, mask=m)
+
+
+def combine_triton(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """combine_ref in one launch: y [T * A, D] contiguous, weights fp32 [T, A] -> [T, D] fp32."""
+    t, a = weights.shape
+    d = y.shape[1]
+    out = torch.empty(t, d, dtype=torch.float32, device=y.device)
+    if t == 0 or d == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, triton.cdiv(d, block))](
+        y.contiguous(), weights.float().contiguous(), out, d, A=a, BLOCK=block, num_warps=4
+    )
+    return out

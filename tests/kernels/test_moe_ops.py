@@ -1,0 +1,220 @@
+"""kernels/moe_ops (router logits GEMV, sigmoid top-k, gated activation, top-k combine) against their fp32
+torch references (ref.py), on random odd sizes.
+
+Error bounds, elementwise, from counted fp32 roundings (u = 2^-24 each, first order):
+- router logits, row length D: both sides sum D products in fp32 in different orders, each within
+  (D + 1) u sum_j |x_j w_j| of the exact dot product, so within 2 (D + 1) u S of each other (S = sum |x w|).
+- sigmoid top-k: the scores are the same operations as torch's (1 / (1 + exp(-x)), IEEE division); exp may
+  differ by 2 u between libdevice and torch's CUDA build or the interpreter's numpy, which moves a score by
+  <= (|x| + 4) u. The picked experts must be the reference's (random fp32 choices do not tie; that is
+  checked), the weights within the renormalisation's A additions and one division: (A + 2 |x| + 10) u |w|.
+- gated: silu(g) u or SiTU, 4-8 roundings, exp and tanh (2 u each) of arguments near |g|, |u| / beta:
+  (2 |g| + 16) u |h| covers both sides; 16-bit outputs add one output ulp.
+- combine: A products and A - 1 additions in fp32 on each side: 2 (A + 1) u sum_k |w_k y_k|.
+The interpreter mishandles bf16 math (toolchain notes), so its tests run fp32 and fp16 inputs; the GPU tests
+run bf16 as the model does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3run.kernels.moe_ops import combine_ref, gated_ref, router_logits_ref, sigmoid_topk_ref
+from k3run.testing import FP32_U, assert_within, output_ulp
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
+
+U = FP32_U
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _logits_case(t: int, e: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, e, generator=g) * 3
+    bias = torch.randn(e, generator=g) * 0.5
+    return logits.to(device), bias.to(device)
+
+
+def check_topk(t: int, e: int, a: int, renorm: bool, scale: float, device: str) -> None:
+    from k3run.kernels.moe_ops.triton import sigmoid_topk_triton
+
+    logits, bias = _logits_case(t, e, t * 131 + e, device)
+    ref_w, ref_ids = sigmoid_topk_ref(logits.cpu().double(), bias.cpu().double(), a, renorm, scale)
+    choice = torch.sigmoid(logits.cpu().double()) + bias.cpu().double()
+    top = choice.topk(min(e, a + 1), dim=-1).values
+    assert (top[:, :-1] - top[:, 1:]).min() > 1e-5, "the random choices tie: pick another seed"
+    w, ids = sigmoid_topk_triton(logits, bias, a, renorm, scale)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (t, a)
+    assert torch.equal(ids.cpu(), ref_ids), "picked experts differ from torch.topk's"
+    bound = (a + 2 * logits.abs().max().cpu().double() + 10) * U * ref_w.abs()
+    assert_within("sigmoid_topk weights", ref_w.float(), w.cpu(), bound.float())
+
+
+def check_topk_ties_and_nan(device: str) -> None:
+    """Equal choices go to the lower expert index; a NaN logit never makes a pick repeat or leave [0, E)."""
+    from k3run.kernels.moe_ops.triton import sigmoid_topk_triton
+
+    logits = torch.zeros(3, 37, device=device)
+    bias = torch.zeros(37, device=device)
+    logits[1, 5] = float("nan")
+    logits[2] = float("nan")
+    w, ids = sigmoid_topk_triton(logits, bias, 8, True, 1.0)
+    assert ids[0].tolist() == list(range(8))
+    for row in ids.cpu():
+        assert len(set(row.tolist())) == 8 and 0 <= int(row.min()) and int(row.max()) < 37
+    assert torch.allclose(w[0].cpu(), torch.full((8,), 1 / 8))
+
+
+def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str) -> None:
+    from k3run.kernels.moe_ops.triton import router_logits_triton
+
+    g = torch.Generator().manual_seed(t + e + d)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    w = torch.randn(e, d, generator=g) / d**0.5
+    ref = router_logits_ref(x.double(), w.double())
+    out = router_logits_triton(x.to(device), w.to(device))
+    s = x.double().abs() @ w.double().abs().t()
+    assert_within("router logits", ref.float(), out.cpu(), (2 * (d + 1) * U * s).float())
+
+
+def check_gated(n: int, i: int, kind: str, beta: float, lb: float | None, dtype: torch.dtype, device: str) -> None:
+    from k3run.kernels.moe_ops.triton import gated_triton
+
+    g = torch.Generator().manual_seed(n * 7 + i)
+    gu = (torch.randn(n, 2 * i, generator=g) * 4).to(dtype)
+    ref = gated_ref(gu[:, :i].double(), gu[:, i:].double(), kind, beta, lb)
+    out = gated_triton(gu.to(device), kind, beta, lb, dtype)
+    assert out.dtype == dtype and out.shape == (n, i)
+    bound = (2 * gu[:, :i].double().abs() + 16) * U * ref.abs() + output_ulp(ref.float(), dtype).double()
+    assert_within(f"gated {kind}", ref.float(), out.cpu().float(), bound.float())
+
+
+def check_combine(t: int, a: int, d: int, dtype: torch.dtype, device: str) -> None:
+    from k3run.kernels.moe_ops.triton import combine_triton
+
+    g = torch.Generator().manual_seed(t * a + d)
+    y = torch.randn(t * a, d, generator=g).to(dtype)
+    w = torch.rand(t, a, generator=g)
+    ref = combine_ref(y.double(), w.double())
+    out = combine_triton(y.to(device), w.to(device))
+    s = combine_ref(y.double().abs(), w.double())
+    assert_within("combine", ref.float(), out.cpu(), (2 * (a + 1) * U * s).float())
+
+
+def test_references_match_layers_route() -> None:
+    """sigmoid_topk_ref is layers.moe.route without group limits; gated_ref is layers.activation's math."""
+    from k3run.layers.activation import GatedActivation
+    from k3run.layers.moe import route
+
+    logits, bias = _logits_case(5, 64, 1, "cpu")
+    w0, i0 = route(logits, bias, 6, routed_scaling_factor=2.5)
+    w1, i1 = sigmoid_topk_ref(logits, bias, 6, True, 2.5)
+    assert torch.equal(i0, i1) and torch.equal(w0, w1)
+    gu = torch.randn(4, 20) * 5
+    for act in (GatedActivation("silu"), GatedActivation("situ", 4.0, 25.0), GatedActivation("situ", 3.0)):
+        want = act(gu)
+        got = gated_ref(gu[:, :10], gu[:, 10:], act.kind, act.beta or 0.0, act.linear_beta)
+        assert torch.equal(want, got)
+
+
+def test_references_reject_a_slip() -> None:
+    """The bounds above are tight enough to see a real slip: the weights unscaled by 1 + 2^-16, a logit row
+    computed without its last column, SiTU's beta at 4.01."""
+    logits, bias = _logits_case(7, 50, 3, "cpu")
+    ref_w, _ = sigmoid_topk_ref(logits.double(), bias.double(), 8, True, 1.0)
+    bound = (8 + 2 * logits.abs().max().double() + 10) * U * ref_w.abs()
+    assert ((ref_w * (1 + 2**-16) - ref_w).abs() > bound).any()
+    gu = torch.randn(6, 40) * 4
+    ref = gated_ref(gu[:, :20].double(), gu[:, 20:].double(), "situ", 4.0, 25.0)
+    slip = gated_ref(gu[:, :20].double(), gu[:, 20:].double(), "situ", 4.01, 25.0)
+    bound = (2 * gu[:, :20].double().abs() + 16) * U * ref.abs()
+    assert ((slip - ref).abs() > bound).any()
+
+
+def test_triton_kernels_in_interpreter() -> None:
+    run_interp_tests_in_child(__file__, expected_passed=13)
+
+
+@interp_only
+@pytest.mark.parametrize("t, e, a", [(1, 37, 1), (3, 256, 8), (2, 896, 16), (5, 61, 7)])
+def test_interp_sigmoid_topk(t: int, e: int, a: int) -> None:
+    check_topk(t, e, a, renorm=a > 1, scale=2.446 if a > 1 else 1.0, device="cpu")
+
+
+@interp_only
+def test_interp_sigmoid_topk_ties_and_nan() -> None:
+    check_topk_ties_and_nan("cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("t, e, d", [(1, 37, 100), (5, 256, 231), (19, 10, 1030)])
+def test_interp_router_logits(t: int, e: int, d: int) -> None:
+    check_logits(t, e, d, torch.float16, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize(
+    "kind, beta, lb", [("silu", 1.0, None), ("situ", 4.0, 25.0), ("situ", 3.0, None)]
+)  # fmt: skip
+def test_interp_gated(kind: str, beta: float, lb: float | None) -> None:
+    check_gated(3, 77, kind, beta, lb, torch.float16, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("t, a, d", [(1, 8, 2304 // 9), (3, 5, 99)])
+def test_interp_combine(t: int, a: int, d: int) -> None:
+    check_combine(t, a, d, torch.float32, "cpu")
+
+
+@needs_cuda
+@pytest.mark.parametrize("t, e, a", [(1, 256, 8), (32, 256, 8), (7, 896, 16), (3, 61, 1)])
+def test_gpu_sigmoid_topk(t: int, e: int, a: int) -> None:
+    check_topk(t, e, a, renorm=a > 1, scale=2.446, device="cuda")
+    check_topk_ties_and_nan("cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("t, e, d", [(1, 256, 2304), (8, 256, 2304), (64, 896, 7168), (3, 37, 1001)])
+def test_gpu_router_logits(t: int, e: int, d: int) -> None:
+    check_logits(t, e, d, torch.bfloat16, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind, beta, lb", [("silu", 1.0, None), ("situ", 4.0, 25.0), ("situ", 3.0, None)])
+def test_gpu_gated(kind: str, beta: float, lb: float | None) -> None:
+    check_gated(9, 1024, kind, beta, lb, torch.bfloat16, "cuda")
+    check_gated(2, 333, kind, beta, lb, torch.float16, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind, beta, lb", [("silu", 1.0, None), ("situ", 4.0, 25.0)])
+def test_gpu_gated_matches_torch_bits(kind: str, beta: float, lb: float | None) -> None:
+    """On the GPU the kernel evaluates torch's operations in torch's order: the bf16 outputs equal torch's
+    except where libdevice's exp / tanh and torch's CUDA build differ in the last fp32 bit and the value sits
+    on a bf16 rounding midpoint (at most one bf16 ulp, at most 0.1% of the outputs)."""
+    from k3run.kernels.moe_ops.triton import gated_triton
+    from k3run.layers.activation import GatedActivation
+
+    gu = (torch.randn(64, 2048, device="cuda") * 4).bfloat16()
+    want = GatedActivation(kind, beta if kind == "situ" else None, lb)(gu)
+    got = gated_triton(gu, kind, beta, lb, torch.bfloat16)
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= output_ulp(want.float(), torch.bfloat16)).all()
+    assert (diff > 0).float().mean() <= 1e-3
+
+
+@needs_cuda
+def test_gpu_sigmoid_topk_matches_torch() -> None:
+    """The same picks as torch.topk on fp32 logits of a 256-expert router, scores bit-equal to torch's."""
+    from k3run.kernels.moe_ops.triton import sigmoid_topk_triton
+
+    logits, bias = _logits_case(128, 256, 9, "cuda")
+    w0, i0 = sigmoid_topk_ref(logits, bias, 8, False, 1.0)
+    w1, i1 = sigmoid_topk_triton(logits, bias, 8, False, 1.0)
+    assert torch.equal(i0, i1) and torch.equal(w0, w1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("t, a, d", [(1, 8, 2304), (32, 8, 2304), (5, 16, 7168)])
+def test_gpu_combine(t: int, a: int, d: int) -> None:
+    check_combine(t, a, d, torch.bfloat16, "cuda")
