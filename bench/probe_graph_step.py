@@ -12,7 +12,8 @@ rank 0 prints.
 --k3-shaped builds a random model at K3's real layer shapes instead of loading MODEL_DIR (bench/k3_shaped.py:
 KDA x3 + MLA per 4 layers, latent MoE in every layer, EXPERTS local routed experts, top-16, k3-mixed
 quantization); --kimi-linear builds the random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (full depth:
-27 layers, 256 experts, top-8; LAYERS,EXPERTS cut it); the tokenizer still comes from MODEL_DIR. --eager also times the same steps with graphs off.
+27 layers, 256 experts, top-8; LAYERS,EXPERTS cut it); the tokenizer still comes from MODEL_DIR.
+--eager also times the same steps with graphs off.
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
@@ -21,7 +22,8 @@ mode "no-ovl"; "graphs" rows have it on, the default).
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
 decode tokens/s, with the bandwidth roofline beside them: the bytes a step must read (every weight but the
 embedding table, the routed experts counted by the expected number of distinct experts a batch of uniformly
-routed tokens touches) over the copy bandwidth measured in the same run. Needs CUDA (and fla-core for KDA models).
+routed tokens touches) over the copy bandwidth measured in the same run. Needs CUDA (and fla-core for KDA
+models).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -123,12 +126,11 @@ def _step_bytes(model) -> tuple[float, float, int, int]:
     from k3run.layers.moe import FusedExperts
 
     dense = experts = 0.0
-    n_moe, num, top_k = 0, 0, 0
+    n_moe, top_k = 0, 0
     seen: set[int] = set()
     for name, mod in model.named_modules():
         if isinstance(mod, FusedExperts):
             n_moe += 1
-            num = mod.num_local
             for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
@@ -165,7 +167,7 @@ def _copy_tbs() -> float:
 
     a = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
     b = torch.empty_like(a)
-    t = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    t = do_bench(partial(b.copy_, a), warmup=25, rep=200, return_mode="median")
     del a, b
     return 2 * 2**30 * 2 / t / 1e9
 
@@ -196,7 +198,10 @@ def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
     fam: dict[str, float] = defaultdict(float)
     for name, ts in by_name.items():
         fam[_family(name)] += sum(ts) / steps
-    print(f"\nprofile, batch {batch}, {steps} steps: {total:.0f} us of kernels per step, {count:.0f} kernels per step")
+    print(
+        f"\nprofile, batch {batch}, {steps} steps: {total:.0f} us of kernels per step, "
+        f"{count:.0f} kernels per step"
+    )
     print(f"{'family':<32} {'us/step':>9} {'share':>6}")
     for f, t in sorted(fam.items(), key=lambda kv: -kv[1]):
         print(f"{f:<32} {t:>9.1f} {t / total:>6.1%}")
@@ -287,11 +292,17 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
         f"\nmodules, static step run eagerly, batch {batch}, window {window}: {kernels:.0f} us of kernels, "
         f"{n_kernels:.0f} kernels per step"
     )
-    print(f"{'module family':<40} {'count':>5} {'us/step':>9} {'share':>6} {'kernels/step':>12} {'per module':>10}")
+    print(
+        f"{'module family':<40} {'count':>5} {'us/step':>9} {'share':>6} {'kernels/step':>12} "
+        f"{'per module':>10}"
+    )
     for label in sorted(labels, key=lambda k: -per_label.get(k, 0.0)):
         t = per_label.get(label, float("nan"))
         n = n_label.get(label, 0.0)
-        print(f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / kernels:>6.1%} {n:>12.0f} {n / labels[label]:>10.1f}")
+        print(
+            f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / kernels:>6.1%} {n:>12.0f} "
+            f"{n / labels[label]:>10.1f}"
+        )
 
 
 def main() -> None:
@@ -331,7 +342,9 @@ def main() -> None:
         t0 = time.perf_counter()
         model = random_model(kimi_linear_48b_config(layers, experts), device="cuda", tp=tp)
         built = time.perf_counter() - t0
-        what = f"Kimi Linear 48B-A3B NVFP4 random, {layers} layers, {experts} experts (built in {built:.0f} s)"
+        what = (
+            f"Kimi Linear 48B-A3B NVFP4 random, {layers} layers, {experts} experts (built in {built:.0f} s)"
+        )
     else:
         model = load_model(args.model, dtype=torch.bfloat16, device="cuda", tp_rank=tp.rank, tp_size=tp.size)
         what = args.model

@@ -77,7 +77,9 @@ def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str) -> Non
     assert_within("router logits", ref.float(), out.cpu(), (2 * (d + 1) * U * s).float())
 
 
-def check_gated(n: int, i: int, kind: str, beta: float, lb: float | None, dtype: torch.dtype, device: str) -> None:
+def check_gated(
+    n: int, i: int, kind: str, beta: float, lb: float | None, dtype: torch.dtype, device: str
+) -> None:
     from k3run.kernels.moe_ops.triton import gated_triton
 
     g = torch.Generator().manual_seed(n * 7 + i)

@@ -25,7 +25,9 @@ def sigmoid_topk_ref(
     return weights * scale, ids
 
 
-def gated_ref(gate: torch.Tensor, up: torch.Tensor, kind: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+def gated_ref(
+    gate: torch.Tensor, up: torch.Tensor, kind: str, beta: float, linear_beta: float | None
+) -> torch.Tensor:
     """The gated activation on separately given halves, fp32 math and result (no cast):
     silu: silu(g) * u; situ (K3): beta * tanh(g / beta) * sigmoid(g) * linear_beta * tanh(u / linear_beta)
     (u unchanged when linear_beta is None)."""

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# libdevice's exp / tanh (what torch's CUDA build calls) on the GPU; the interpreter has no libdevice, so there
-# exp is tl.exp and tanh its formula (a series near 0)
+# libdevice's exp / tanh (what torch's CUDA build calls) on the GPU; the interpreter has no libdevice, so
+# there exp is tl.exp and tanh its formula (a series near 0)
 LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # the largest expert count the top-k kernel holds in one program's registers (K3: 896)
@@ -47,8 +47,12 @@ def _router_logits_kernel(
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         dm = d < D
-        xv = tl.load(x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0)
-        wv = tl.load(w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0)
+        xv = tl.load(
+            x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
+        )
+        wv = tl.load(
+            w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0
+        )
         acc += tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)
     tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
 
@@ -63,7 +67,9 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     bt = min(16, triton.next_power_of_2(t))
-    be = 2 if e <= 512 else 4  # >= ~1 program per SM on one token block at Kimi Linear's 256 / K3's 896 experts
+    be = (
+        2 if e <= 512 else 4
+    )  # >= ~1 program per SM on one token block at Kimi Linear's 256 / K3's 896 experts
     bd = max(64, 1024 // (bt * be) * 8)
     _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, weight, out, t, e, d, x.stride(0), BT=bt, BE=be, BD=min(bd, 512), num_warps=4
@@ -119,7 +125,8 @@ def sigmoid_topk_triton(
     block_e = triton.next_power_of_2(e)
     _sigmoid_topk_kernel[(t,)](
         logits.contiguous(), bias.contiguous(), weights, ids, e, float(scale), A=top_k,
-        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e, LIB=LIBDEVICE,
+        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+        LIB=LIBDEVICE,
         num_warps=4 if block_e <= 512 else 8,
     )  # fmt: skip
     return weights, ids
@@ -127,16 +134,17 @@ def sigmoid_topk_triton(
 
 @triton.jit
 def _gated_kernel(
-    x_ptr, out_ptr, I, sx, so, beta, rbeta, lbeta, rlbeta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
+    x_ptr, out_ptr, n_half, sx, so, beta, rbeta, lbeta, rlbeta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
     BLOCK: tl.constexpr, LIB: tl.constexpr,
 ):  # fmt: skip
     # torch's operations one by one in fp32 (silu = x / (1 + exp(-x)), sigmoid = 1 / (1 + exp(-x)), IEEE
-    # divisions, a division by a constant as torch does it: times the fp32 reciprocal), one rounding at the end
+    # divisions, a division by a constant as torch does it: times the fp32 reciprocal), one rounding at the
+    # end
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = c < I
+    m = c < n_half
     g = tl.load(x_ptr + r * sx + c, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + r * sx + I + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + r * sx + n_half + c, mask=m, other=0.0).to(tl.float32)
     if SITU:
         h = beta * _tanh(g * rbeta, LIB) * tl.div_rn(1.0, 1.0 + _exp(-g, LIB))
         if CAP_UP:

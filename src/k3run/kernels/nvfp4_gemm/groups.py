@@ -9,7 +9,8 @@ An expert picked c times gets ceil(c / bt) groups: its first bt picks, the next 
 `max_groups(P, n_experts, bt)` = H + (P - H) // bt with H = min(P, n_experts), the most groups any P picks
 can need (at most H experts are hit, and the sum of ceil(c_e / bt) over them is largest when H are), so the
 table's shape depends only on (P, n_experts, bt). One program (no host synchronisation, so a CUDA graph can
-hold it) in a few passes over the picks and the experts with O(P + E) scratch; no [P, E] intermediate. `expert_groups_ref` is the torch reference.
+hold it) in a few passes over the picks and the experts with O(P + E) scratch; no [P, E]
+intermediate. `expert_groups_ref` is the torch reference.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""kernels/moe_ops against the torch chains they replace, at Kimi Linear 48B and K3 widths, decode batch sizes.
+
+Each row: us per call of the torch version (the baseline, the same launches the model ran before) and of the
+kernel, both timed inside CUDA graphs (triton.testing.do_bench_cudagraph: GPU time, no host launch cost), and
+the bandwidth ceiling: the bytes the operation must read and write at the copy bandwidth measured in the same
+run. Also the expert grouping (`expert_groups`) at the same sizes, and the old and new outputs compared.
+Needs CUDA.
+
+    python3 bench/bench_moe_ops.py [--batches 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+from k3run.kernels.moe_ops import ref
+from k3run.kernels.moe_ops.triton import (
+    combine_triton,
+    gated_triton,
+    router_logits_triton,
+    sigmoid_topk_triton,
+)
+from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
+
+SHAPES = {  # name: (hidden, experts, top_k, intermediate, activation)
+    "kimi-linear": (2304, 256, 8, 1024, ("silu", 1.0, None)),
+    "k3": (7168, 896, 16, 3072, ("situ", 4.0, 25.0)),
+}
+
+
+def _us(fn) -> float:
+    return do_bench_cudagraph(fn, rep=100) * 1e3
+
+
+def _copy_tbs() -> float:
+    a = torch.empty(2**29, dtype=torch.int16, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = do_bench(partial(b.copy_, a), warmup=25, rep=100, return_mode="median")
+    return 2 * a.numel() * 2 / t / 1e9
+
+
+def _torch_router(x, w, bias, k, scale):
+    return ref.sigmoid_topk_ref(x.float() @ w.t(), bias, k, True, scale)
+
+
+def _torch_gated(gu, kind, beta, lb):
+    i = gu.shape[1] // 2
+    return ref.gated_ref(gu[:, :i], gu[:, i:], kind, beta, lb).to(gu.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32")
+    args = ap.parse_args()
+    tbs = _copy_tbs()
+    print(f"copy bandwidth {tbs:.2f} TB/s")
+    print(
+        f"{'op':<34} {'T':>3} {'torch us':>9} {'kernel us':>9} {'speedup':>8} {'ceiling us':>10} {'of ceiling':>10}"
+    )
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (d, e, k, i, (kind, beta, lb)) in SHAPES.items():
+        w = torch.randn(e, d, device="cuda", generator=g) / d**0.5
+        bias = torch.randn(e, device="cuda", generator=g) * 0.1
+        for t in [int(b) for b in args.batches.split(",")]:
+            x = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+            rows = []
+            logits = router_logits_triton(x, w)
+            ok = torch.equal(
+                sigmoid_topk_triton(logits, bias, k, True, 2.0)[1],
+                ref.sigmoid_topk_ref(logits, bias, k, True, 2.0)[1],
+            )
+            rows.append(
+                ("router (logits + top-k)", partial(_torch_router, x, w, bias, k, 2.0),
+                 lambda: sigmoid_topk_triton(router_logits_triton(x, w), bias, k, True, 2.0), w.numel() * 4 + x.numel() * 2)
+            )  # fmt: skip
+            gu = torch.randn(t * k, 2 * i, device="cuda", generator=g).bfloat16()
+            rows.append(
+                (f"gated {kind} (routed, {t * k} rows)", partial(_torch_gated, gu, kind, beta, lb),
+                 partial(gated_triton, gu, kind, beta, lb, torch.bfloat16), gu.numel() * 2 * 3 // 2)
+            )  # fmt: skip
+            y = torch.randn(t * k, d, device="cuda", generator=g).bfloat16()
+            wt = torch.rand(t, k, device="cuda", generator=g)
+            rows.append(
+                ("combine", partial(ref.combine_ref, y, wt), partial(combine_triton, y, wt), y.numel() * 2 + t * d * 4)
+            )  # fmt: skip
+            for label, base, kern, nbytes in rows:
+                tb, tk = _us(base), _us(kern)
+                ceil = nbytes / (tbs * 1e12) * 1e6
+                print(
+                    f"{label:<34} {t:>3} {tb:>9.2f} {tk:>9.2f} {tb / tk:>7.2f}x {ceil:>10.2f} {ceil / tk:>10.1%}"
+                )
+            ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).reshape(-1).int()
+            bt = 8 if t <= 8 else 16
+            same = torch.equal(expert_groups(ids, e, bt).cpu(), expert_groups_ref(ids, e, bt).cpu())
+            tg = _us(partial(expert_groups, ids, e, bt))
+            print(f"{'expert_groups (' + str(t * k) + ' picks)':<34} {t:>3} {'':>9} {tg:>9.2f} {'':>8} "
+                  f"{'':>10} {'':>10}  equal to the reference: {same}; top-k picks equal torch's: {ok}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
