@@ -77,6 +77,30 @@ def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str) -> Non
     assert_within("router logits", ref.float(), out.cpu(), (2 * (d + 1) * U * s).float())
 
 
+def check_router(t: int, e: int, d: int, a: int, device: str) -> None:
+    """The two-launch router: the top-k kernel summing the partial logits in block order picks what the
+    reference picks on the same logits (router_logits_triton sums them in that order), weights in bound."""
+    from k3run.kernels.moe_ops.triton import router_logits_triton, router_partials, sigmoid_topk_triton
+
+    g = torch.Generator().manual_seed(t * e + d)
+    x = torch.randn(t, d, generator=g).to(torch.float16).to(device)
+    w = (torch.randn(e, d, generator=g) / d**0.5).to(device)
+    bias = (torch.randn(e, generator=g) * 0.1).to(device)
+    parts = router_partials(x, w)
+    assert parts.shape == (-(-d // 256), t, e)
+    logits = router_logits_triton(x, w).cpu()
+    ref_w, ref_ids = sigmoid_topk_ref(logits.double(), bias.cpu().double(), a, True, 1.5)
+    w_out, ids = sigmoid_topk_triton(parts, bias, a, True, 1.5)
+    # rows whose choices come within 1e-5 of a tie may order differently between fp32 and fp64: not compared
+    choice = torch.sigmoid(logits.double()) + bias.cpu().double()
+    top = choice.topk(min(e, a + 1), dim=-1).values
+    clear = (top[:, :-1] - top[:, 1:]).min(-1).values > 1e-5
+    assert clear.float().mean() >= 0.5
+    assert torch.equal(ids.cpu()[clear], ref_ids[clear])
+    bound = (a + 2 * logits.abs().max().double() + 10) * U * ref_w.abs()
+    assert_within("router weights", ref_w[clear].float(), w_out.cpu()[clear], bound[clear].float())
+
+
 def check_gated(
     n: int, i: int, kind: str, beta: float, lb: float | None, dtype: torch.dtype, device: str
 ) -> None:
@@ -119,6 +143,19 @@ def test_references_match_layers_route() -> None:
         assert torch.equal(want, got)
 
 
+def test_router_module_routes_as_before() -> None:
+    """MoERouter (through route_sigmoid_topk) equals the fp32 logits followed by layers.moe.route."""
+    from k3run.layers.moe import MoERouter, RouterConfig, route
+
+    r = MoERouter(64, 48, RouterConfig(top_k=6, routed_scaling_factor=2.0))
+    r.weight.data.normal_()
+    r.e_score_correction_bias.data.normal_()
+    x = torch.randn(5, 48).bfloat16()
+    w0, i0 = r(x)
+    w1, i1 = route(x.float() @ r.weight.t(), r.e_score_correction_bias, 6, routed_scaling_factor=2.0)
+    assert torch.equal(i0, i1) and torch.equal(w0, w1)
+
+
 def test_references_reject_a_slip() -> None:
     """The bounds above are tight enough to see a real slip: the weights unscaled by 1 + 2^-16, a logit row
     computed without its last column, SiTU's beta at 4.01."""
@@ -134,7 +171,7 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=13)
+    run_interp_tests_in_child(__file__, expected_passed=15)
 
 
 @interp_only
@@ -152,6 +189,12 @@ def test_interp_sigmoid_topk_ties_and_nan() -> None:
 @pytest.mark.parametrize("t, e, d", [(1, 37, 100), (5, 256, 231), (19, 10, 1030)])
 def test_interp_router_logits(t: int, e: int, d: int) -> None:
     check_logits(t, e, d, torch.float16, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("t, e, d, a", [(1, 37, 300, 4), (6, 256, 2304, 8)])
+def test_interp_router_partials_then_topk(t: int, e: int, d: int, a: int) -> None:
+    check_router(t, e, d, a, "cpu")
 
 
 @interp_only
@@ -179,6 +222,7 @@ def test_gpu_sigmoid_topk(t: int, e: int, a: int) -> None:
 @pytest.mark.parametrize("t, e, d", [(1, 256, 2304), (8, 256, 2304), (64, 896, 7168), (3, 37, 1001)])
 def test_gpu_router_logits(t: int, e: int, d: int) -> None:
     check_logits(t, e, d, torch.bfloat16, "cuda")
+    check_router(t, e, d, min(e, 16), "cuda")
 
 
 @needs_cuda

@@ -39,7 +39,7 @@ from k3run.formats import (
     mxfp4_scales_to_nvfp4,
     nvfp4_qdq,
 )
-from k3run.kernels.moe_ops import combine, gated, router_logits, sigmoid_topk
+from k3run.kernels.moe_ops import combine, gated, route_sigmoid_topk, router_logits, sigmoid_topk
 from k3run.layers.activation import GatedActivation
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
@@ -105,8 +105,12 @@ class MoERouter(nn.Module):
             p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = router_logits(x, self.weight)  # [T, E] fp32
         c = self.cfg
+        if c.num_expert_group <= 1 or c.topk_group >= c.num_expert_group:  # two launches on CUDA
+            return route_sigmoid_topk(
+                x, self.weight, self.e_score_correction_bias, c.top_k, c.renormalize, c.routed_scaling_factor
+            )
+        logits = router_logits(x, self.weight)  # [T, E] fp32
         return route(
             logits,
             self.e_score_correction_bias,

@@ -1,9 +1,11 @@
 """The small operations around the routed experts as single launches on CUDA, the torch references elsewhere.
 
-- `router_logits(x, weight)`: x [T, D] times the fp32 router weight [E, D]^T in fp32 (x cast as it loads);
-  a GEMV kernel up to LOGITS_MAX_TOKENS rows, cuBLAS above.
-- `sigmoid_topk(logits, bias, top_k, renormalize, scale)`: sigmoid scores, the biased choice, top-k, the
-  unbiased weights renormalised and scaled (routing without group limits), one program per token.
+- `route_sigmoid_topk(x, weight, bias, top_k, renormalize, scale)`: the router without group limits: logits
+  x [T, D] . W [E, D]^T in fp32 (x cast as it loads), sigmoid scores, the biased choice, top-k, the unbiased
+  weights renormalised and scaled. Two launches: the logits as partial sums over column blocks (many small
+  programs, so the fp32 weight streams at a useful rate even for one token; cuBLAS above
+  LOGITS_MAX_TOKENS), then one single-warp program per token that sums the partials in order and picks.
+- `sigmoid_topk(logits, ...)`: the top-k kernel on given logits; `router_logits`: the logits in torch.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
 - `combine(y, weights)`: the top-k weighted sum of each token's expert outputs in fp32, slot by slot.
 
@@ -31,13 +33,24 @@ def _cuda(t: torch.Tensor) -> bool:
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Router logits fp32 [T, E] of x [T, D] and the fp32 weight [E, D]."""
-    if _cuda(x) and x.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous():
-        from .triton import LOGITS_MAX_TOKENS, router_logits_triton
-
-        if x.shape[0] <= LOGITS_MAX_TOKENS:
-            return router_logits_triton(x, weight)
+    """Router logits fp32 [T, E] of x [T, D] and the fp32 weight [E, D] (ref.router_logits_ref)."""
     return router_logits_ref(x, weight)
+
+
+def route_sigmoid_topk(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]): on CUDA, up to
+    LOGITS_MAX_TOKENS rows, two launches (partial logits over column blocks, then the top-k summing them);
+    above, cuBLAS logits and the top-k kernel; elsewhere the references."""
+    if _cuda(x) and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous():
+        from .triton import LOGITS_MAX_TOKENS, MAX_EXPERTS, router_partials, sigmoid_topk_triton
+
+        if top_k <= weight.shape[0] <= MAX_EXPERTS:
+            small = x.shape[0] <= LOGITS_MAX_TOKENS
+            logits = router_partials(x, weight) if small else router_logits_ref(x, weight)
+            return sigmoid_topk_triton(logits, bias, top_k, renormalize, scale)
+    return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale)
 
 
 def sigmoid_topk(
@@ -74,6 +87,6 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "combine", "combine_ref", "gated", "gated_ref", "router_logits", "router_logits_ref", "sigmoid_topk",
-    "sigmoid_topk_ref",
+    "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits", "router_logits_ref",
+    "sigmoid_topk", "sigmoid_topk_ref",
 ]  # fmt: skip

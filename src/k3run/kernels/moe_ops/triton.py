@@ -37,58 +37,76 @@ def _tanh(x, LIB: tl.constexpr):
 
 
 @triton.jit
-def _router_logits_kernel(
-    x_ptr, w_ptr, out_ptr, T, E, D, sx, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr
+def _router_partials_kernel(
+    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr
 ):  # fmt: skip
-    # program (expert block, token block): logits [BT, BE] = x [BT, D] . W [BE, D]^T, x cast to fp32 as loaded
+    # program (expert block, column block): part[s, t, e] = x[t, cols] . W[e, cols] for its BE experts and BD
+    # columns, every token; the weight tile is read once (one load round: many small programs keep enough
+    # bytes in flight), x cast to fp32 as it loads
     e = tl.program_id(0) * BE + tl.arange(0, BE)
-    t = tl.program_id(1) * BT + tl.arange(0, BT)
-    acc = tl.zeros([BT, BE], tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        dm = d < D
+    sd = tl.program_id(1)
+    d = sd * BD + tl.arange(0, BD)
+    dm = d < D
+    wv = tl.load(
+        w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0
+    )
+    tt = tl.arange(0, BT)
+    for t0 in range(0, T, BT):
+        t = t0 + tt
         xv = tl.load(
             x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
         )
-        wv = tl.load(
-            w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0
+        part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
+        tl.store(
+            out_ptr + (sd * T + t[:, None]).to(tl.int64) * E + e[None, :],
+            part,
+            mask=(t < T)[:, None] & (e < E)[None, :],
         )
-        acc += tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)
-    tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
 
 
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """router_logits_ref for x [T <= LOGITS_MAX_TOKENS, D] with a contiguous fp32 weight [E, D]."""
+def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Partial router logits [S, T, E] fp32 of x [T, D] and the contiguous fp32 weight [E, D] over S column
+    blocks (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are)."""
     t, d = x.shape
     e = weight.shape[0]
-    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    bd = 256
+    splits = triton.cdiv(d, bd)
+    out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     if t == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    bt = min(16, triton.next_power_of_2(t))
-    be = (
-        2 if e <= 512 else 4
-    )  # >= ~1 program per SM on one token block at Kimi Linear's 256 / K3's 896 experts
-    bd = max(64, 1024 // (bt * be) * 8)
-    _router_logits_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
-        x, weight, out, t, e, d, x.stride(0), BT=bt, BE=be, BD=min(bd, 512), num_warps=4
+    _router_partials_kernel[(triton.cdiv(e, 8), splits)](
+        x, weight, out, t, e, d, x.stride(0), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)), num_warps=4
     )
+    return out
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """router_logits_ref for x [T, D] with a contiguous fp32 weight [E, D]: the partials summed in block
+    order (for tests; the router passes the partials to the top-k kernel)."""
+    parts = router_partials(x, weight)
+    out = parts[0].clone()
+    for s in range(1, parts.shape[0]):
+        out += parts[s]
     return out
 
 
 @triton.jit
 def _sigmoid_topk_kernel(
-    l_ptr, b_ptr, w_ptr, id_ptr, E, scale, A: tl.constexpr, RENORM: tl.constexpr, BLOCK_A: tl.constexpr,
-    BLOCK_E: tl.constexpr, LIB: tl.constexpr,
+    l_ptr, b_ptr, w_ptr, id_ptr, T, E, S, scale, A: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, LIB: tl.constexpr,
 ):  # fmt: skip
-    # one program per token: scores in registers, A rounds of "take the largest remaining", each round on a
-    # unique int64 key (the choice's order-preserving int32 bits, then the lower expert index), so ties go to
-    # the lower index and every pick is a different expert
+    # one program (one warp: every reduction a shuffle) per token: the logits as the sum of S partial rows in
+    # order, scores in registers, A rounds of "take the largest remaining", each round on a unique int64 key
+    # (the choice's order-preserving int32 bits, then the lower expert index), so ties go to the lower index
+    # and every pick is a different expert
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     m = e < E
     lg = tl.load(l_ptr + t * E + e, mask=m, other=0.0)
+    for s in range(1, S):
+        lg += tl.load(l_ptr + (s * T + t) * E + e, mask=m, other=0.0)
     s = tl.div_rn(1.0, 1.0 + _exp(-lg, LIB))  # torch's sigmoid: 1 / (1 + exp(-x)), IEEE division
     c = s + tl.load(b_ptr + e, mask=m, other=0.0)
     bits = c.to(tl.int32, bitcast=True)
@@ -116,18 +134,18 @@ def _sigmoid_topk_kernel(
 def sigmoid_topk_triton(
     logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sigmoid_topk_ref on CUDA for E <= MAX_EXPERTS (one launch)."""
-    t, e = logits.shape
+    """sigmoid_topk_ref on CUDA for E <= MAX_EXPERTS (one launch); logits [T, E], or [S, T, E] partials
+    (`router_partials`) summed in order."""
+    parts = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    splits, t, e = parts.shape
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(e)
     _sigmoid_topk_kernel[(t,)](
-        logits.contiguous(), bias.contiguous(), weights, ids, e, float(scale), A=top_k,
-        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-        LIB=LIBDEVICE,
-        num_warps=4 if block_e <= 512 else 8,
+        parts.contiguous(), bias.contiguous(), weights, ids, t, e, splits, float(scale), A=top_k,
+        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k),
+        BLOCK_E=triton.next_power_of_2(e), LIB=LIBDEVICE, num_warps=1,
     )  # fmt: skip
     return weights, ids
 
