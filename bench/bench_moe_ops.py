@@ -21,6 +21,7 @@ from k3run.kernels.moe_ops import ref
 from k3run.kernels.moe_ops.triton import (
     combine_triton,
     gated_triton,
+    router_partials,
     sigmoid_topk_triton,
 )
 from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
@@ -65,6 +66,7 @@ def main() -> None:
     print(f"{head} {'ceiling us':>10} {'of ceiling':>10}")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (d, e, k, i, (kind, beta, lb)) in SHAPES.items():
+        print(name)
         w = torch.randn(e, d, device="cuda", generator=g) / d**0.5
         bias = torch.randn(e, device="cuda", generator=g) * 0.1
         for t in [int(b) for b in args.batches.split(",")]:
@@ -99,8 +101,10 @@ def main() -> None:
             bt = 8 if t <= 8 else 16
             same = torch.equal(expert_groups(ids, e, bt).cpu(), expert_groups_ref(ids, e, bt).cpu())
             tg = _us(partial(expert_groups, ids, e, bt))
-            print(f"{'expert_groups (' + str(t * k) + ' picks)':<34} {t:>3} {'':>9} {tg:>9.2f} {'':>8} "
-                  f"{'':>10} {'':>10}  equal to the reference: {same}; top-k picks equal torch's: {ok}")  # fmt: skip
+            label = f"expert_groups ({t * k} picks)"
+            print(
+                f"{label:<34} {t:>3} {'':>9} {tg:>9.2f}   reference equal: {same}; top-k equal torch's: {ok}"
+            )
 
 
 if __name__ == "__main__":

@@ -87,6 +87,6 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits", "router_logits_ref",
-    "sigmoid_topk", "sigmoid_topk_ref",
+    "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits",
+    "router_logits_ref", "sigmoid_topk", "sigmoid_topk_ref",
 ]  # fmt: skip

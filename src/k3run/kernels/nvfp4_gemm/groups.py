@@ -29,7 +29,8 @@ def _expert_groups_kernel(
     # 1. grp = -1; 2. each pick's rank among its expert's picks (the earlier picks of the same expert, counted
     # by pairwise compares with the earlier picks: no serial chain of memory round trips), and each expert's
     # count as the atomic max of its picks' rank + 1 (the same result in any order; unpicked experts stay 0,
-    # read back past L1); 3. each expert's first group = the exclusive scan of ceil(cnt / BT) over the experts; 4. every pick's place.
+    # read back past L1); 3. each expert's first group = the exclusive scan of ceil(cnt / BT) over the
+    # experts; 4. every pick's place.
     gg = tl.arange(0, BLOCK_G)
     cc = tl.arange(0, BLOCK_C)  # the BT + 1 columns, padded to a power of two
     unset = tl.full([BLOCK_G, BLOCK_C], -1, tl.int32)
