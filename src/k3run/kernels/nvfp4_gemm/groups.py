@@ -26,11 +26,10 @@ def _expert_groups_kernel(
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # One program, four passes over scratch cnt [E], first [E], rank [P] (barriers between them):
-    # 1. grp = -1; 2. each pick's rank among its expert's picks (the earlier picks of the same expert, counted
-    # by pairwise compares with the earlier picks: no serial chain of memory round trips), and each expert's
-    # count as the atomic max of its picks' rank + 1 (the same result in any order; unpicked experts stay 0,
-    # read back past L1); 3. each expert's first group = the exclusive scan of ceil(cnt / BT) over the
-    # experts; 4. every pick's place.
+    # 1. grp = -1, cnt = 0; 2. picks in chunks of BLOCK_P, in order: a pick's rank among its expert's picks =
+    # the expert's count before the chunk + its earlier picks in the chunk (a pairwise compare), and the
+    # expert's last pick in the chunk writes the new count (one writer per expert, no atomics); 3. each
+    # expert's first group = the exclusive scan of ceil(cnt / BT) over the experts; 4. every pick's place.
     gg = tl.arange(0, BLOCK_G)
     cc = tl.arange(0, BLOCK_C)  # the BT + 1 columns, padded to a power of two
     unset = tl.full([BLOCK_G, BLOCK_C], -1, tl.int32)
@@ -43,23 +42,23 @@ def _expert_groups_kernel(
         tl.store(cnt_ptr + e0 + ee, tl.zeros([BLOCK_E], tl.int32), mask=e0 + ee < E)
     tl.debug_barrier()
     pp = tl.arange(0, BLOCK_P)
+    qq = tl.arange(0, BLOCK_P)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + pp
         e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
         hit = (p < P) & (e >= 0) & (e < E)
-        before = tl.zeros([BLOCK_P], tl.int32)
-        for q0 in range(0, p0 + BLOCK_P, BLOCK_P):  # the chunks up to this one
-            q = q0 + pp
-            eq_ = tl.load(ids_ptr + q, mask=q < P, other=-1).to(tl.int32)
-            same = (e[:, None] == eq_[None, :]) & hit[:, None] & (q[None, :] < p[:, None])  # [pick, earlier]
-            before += tl.sum(same.to(tl.int32), axis=1)
-        tl.store(rank_ptr + p, before, mask=hit)
-        tl.atomic_max(cnt_ptr + e, before + 1, mask=hit)  # the largest rank + 1 is the count, in any order
-    tl.debug_barrier()
+        eq = (e[:, None] == e[None, :]) & hit[:, None] & hit[None, :]  # [pick, other pick of the chunk]
+        before = tl.sum((eq & (qq[None, :] < pp[:, None])).to(tl.int32), axis=1)
+        after = tl.sum((eq & (qq[None, :] > pp[:, None])).to(tl.int32), axis=1)
+        base = tl.load(cnt_ptr + e, mask=hit, other=0)
+        tl.store(rank_ptr + p, base + before, mask=hit)
+        tl.debug_barrier()  # every base read before any count of this chunk is written
+        tl.store(cnt_ptr + e, base + before + 1, mask=hit & (after == 0))
+        tl.debug_barrier()
     carry = 0
     for e0 in range(0, E, BLOCK_E):
         m = e0 + ee < E
-        n_grp = (tl.load(cnt_ptr + e0 + ee, mask=m, other=0, cache_modifier=".cg") + BT - 1) // BT
+        n_grp = (tl.load(cnt_ptr + e0 + ee, mask=m, other=0) + BT - 1) // BT
         tl.store(first_ptr + e0 + ee, carry + tl.cumsum(n_grp, axis=0) - n_grp, mask=m)
         carry += tl.sum(n_grp, axis=0)
     tl.debug_barrier()
