@@ -16,8 +16,8 @@ LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # the largest expert count the top-k kernel holds in one program's registers (K3: 896)
 MAX_EXPERTS = 1024
-# token rows up to which the router logits run on the partials kernel (H200, Kimi Linear's router: 2.6 / 6 / 17 us
-# a call at 1 / 8 / 32 tokens; cuBLAS after an fp32 cast ~13 us whatever the rows)
+# token rows up to which the router logits run on the partials kernel (H200, Kimi Linear's router: 2.6 / 6 /
+# 17 us a call at 1 / 8 / 32 tokens; cuBLAS after an fp32 cast ~13 us whatever the rows)
 LOGITS_MAX_TOKENS = 16
 
 
