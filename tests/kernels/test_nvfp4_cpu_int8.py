@@ -194,3 +194,19 @@ def test_experts_repacked_in_place_run_the_int8_kernel(vnni, monkeypatch, act_na
     ids[:3] = ids[0, 0]  # several tokens on one expert (a 16-token tile shared), others unhit
     assert torch.equal(fused_experts(ex, x, ids, weights), fused_experts(ex, x, ids, weights, grouped=False))
     assert not bool(fused_experts(ex, x, ids + ex.num_local, weights).any())  # every pick another rank's
+
+
+@needs_simd
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 20])
+def test_row_block_pairs_give_the_same_bits(vnni, monkeypatch, m) -> None:
+    """Two row blocks per pass (2-4 tokens) against one per pass: every output bit equal, with an odd
+    block count (the last block alone) and in the grouped call."""
+    w, s, gs = _random_nvfp4(16 * 7 - 5, 272, per_row_global=True)
+    packed = cpu_simd.nvfp4_vnni_pack(w, s, gs)
+    x = torch.randn(m, 272)
+    monkeypatch.setattr(cpu_simd, "INT8_PAIRS", True)
+    paired = cpu_simd.nvfp4_vnni_gemm(x, packed)
+    monkeypatch.setattr(cpu_simd, "INT8_PAIRS", False)
+    single = cpu_simd.nvfp4_vnni_gemm(x, packed)
+    assert torch.equal(paired, single)
+    _check(w, s, gs, x)

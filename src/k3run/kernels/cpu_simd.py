@@ -435,58 +435,84 @@ static inline K3_VBMI __m512i codes_permb(__m512i v, __m512i table, bool hi) {
   return _mm512_permutexvar_epi8(hi ? _mm512_srli_epi16(v, 4) : v, table);
 }
 
-// rows 16 nb .. 16 nb + 15 of y for the MT tokens m0 ..; the E4M3 scales are positive (the pack moved
-// signs into the codes), so E4M3 -> fp16 bits (value / 256) is one shift, exact with subnormals
+// rows 16 nb .. 16 (nb + RB) - 1 of y (RB row blocks of 16) for the MT tokens m0 ..; the E4M3 scales are
+// positive (the pack moved signs into the codes), so E4M3 -> fp16 bits (value / 256) is one shift, exact with
+// subnormals. With RB = 2 the two blocks share each token's activation broadcasts and scale product setup;
+// every output row still sums its groups in order with the same operations, so the bits equal RB = 1's.
 #define K3_VNNI_BLOCK(NAME, ATTR, DECODE) \
-template <int MT> static ATTR void NAME(int64_t nb, int64_t m0, int64_t G, int64_t N, const uint8_t* wp, \
-                               const uint8_t* sp, const float* gs, const int8_t* q, const float* as, \
-                               const int32_t* nc, float* y) { \
+template <int MT, int RB> static ATTR void NAME(int64_t nb, int64_t m0, int64_t G, int64_t N, \
+                               const uint8_t* wp, const uint8_t* sp, const float* gs, const int8_t* q, \
+                               const float* as, const int32_t* nc, float* y) { \
   const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, \
                                                              12, 11, 10, 9, 8, 6, 4, 0)); \
   const int64_t K = 16 * G; \
-  __m512 acc[MT]; \
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps(); \
-  const uint8_t* wb = wp + nb * G * 128; \
-  const uint8_t* sb = sp + nb * G * 16; \
+  __m512 acc[RB][MT]; \
+  for (int r = 0; r < RB; ++r) \
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps(); \
   for (int64_t g = 0; g < G; ++g) { \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (g + 16) * 128), _MM_HINT_T0); \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (g + 16) * 128 + 64), _MM_HINT_T0); \
-    const __m512i v0 = _mm512_loadu_si512(wb + g * 128), v1 = _mm512_loadu_si512(wb + g * 128 + 64); \
-    const __m512i w0 = DECODE(v0, table, false); \
-    const __m512i w1 = DECODE(v0, table, true); \
-    const __m512i w2 = DECODE(v1, table, false); \
-    const __m512i w3 = DECODE(v1, table, true); \
-    const __m512 ws = _mm512_cvtph_ps(_mm256_slli_epi16( \
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 16))), 7)); \
+    __m512i w[RB][4]; \
+    __m512 ws[RB]; \
+    for (int r = 0; r < RB; ++r) { \
+      const uint8_t* wb = wp + (nb + r) * G * 128; \
+      const uint8_t* sb = sp + (nb + r) * G * 16; \
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (g + 16) * 128), _MM_HINT_T0); \
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (g + 16) * 128 + 64), _MM_HINT_T0); \
+      const __m512i v0 = _mm512_loadu_si512(wb + g * 128), v1 = _mm512_loadu_si512(wb + g * 128 + 64); \
+      w[r][0] = DECODE(v0, table, false); \
+      w[r][1] = DECODE(v0, table, true); \
+      w[r][2] = DECODE(v1, table, false); \
+      w[r][3] = DECODE(v1, table, true); \
+      ws[r] = _mm512_cvtph_ps(_mm256_slli_epi16( \
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 16))), 7)); \
+    } \
     for (int m = 0; m < MT; ++m) { \
       const int8_t* qm = q + (m0 + m) * K + 16 * g; \
-      __m512i d = _mm512_set1_epi32(nc[(m0 + m) * G + g]); \
-      d = _mm512_dpbusd_epi32(d, w0, _mm512_set1_epi32(load_i32(qm))); \
-      d = _mm512_dpbusd_epi32(d, w1, _mm512_set1_epi32(load_i32(qm + 4))); \
-      d = _mm512_dpbusd_epi32(d, w2, _mm512_set1_epi32(load_i32(qm + 8))); \
-      d = _mm512_dpbusd_epi32(d, w3, _mm512_set1_epi32(load_i32(qm + 12))); \
-      const __m512 sa = _mm512_mul_ps(ws, _mm512_set1_ps(as[(m0 + m) * G + g])); \
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sa, acc[m]); \
+      const __m512i base = _mm512_set1_epi32(nc[(m0 + m) * G + g]); \
+      const __m512i a0 = _mm512_set1_epi32(load_i32(qm)), a1 = _mm512_set1_epi32(load_i32(qm + 4)); \
+      const __m512i a2 = _mm512_set1_epi32(load_i32(qm + 8)), a3 = _mm512_set1_epi32(load_i32(qm + 12)); \
+      const __m512 am = _mm512_set1_ps(as[(m0 + m) * G + g]); \
+      for (int r = 0; r < RB; ++r) { \
+        __m512i d = _mm512_dpbusd_epi32(base, w[r][0], a0); \
+        d = _mm512_dpbusd_epi32(d, w[r][1], a1); \
+        d = _mm512_dpbusd_epi32(d, w[r][2], a2); \
+        d = _mm512_dpbusd_epi32(d, w[r][3], a3); \
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], am), acc[r][m]); \
+      } \
     } \
   } \
-  const __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(gs + nb * 16), _mm512_set1_ps(128.f)); \
-  const int64_t rows = std::min<int64_t>(16, N - nb * 16); \
-  const __mmask16 keep = rows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1); \
-  for (int m = 0; m < MT; ++m) \
-    _mm512_mask_storeu_ps(y + (m0 + m) * N + nb * 16, keep, _mm512_mul_ps(acc[m], gv)); \
+  for (int r = 0; r < RB; ++r) { \
+    const __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(gs + (nb + r) * 16), _mm512_set1_ps(128.f)); \
+    const int64_t rows = std::min<int64_t>(16, N - (nb + r) * 16); \
+    const __mmask16 keep = rows >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1); \
+    for (int m = 0; m < MT; ++m) \
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + (nb + r) * 16, keep, _mm512_mul_ps(acc[r][m], gv)); \
+  } \
 }
 K3_VNNI_BLOCK(vnni_block_shuffle, K3_VNNI, codes_shuffle)
 K3_VNNI_BLOCK(vnni_block_permb, K3_VBMI, codes_permb)
 
+// the row blocks b0 .. b1 - 1 for MT tokens: in pairs for 2 .. PAIR_MT tokens. On a 2-core Zen 4 with the
+// weights streamed from DRAM (bench/bench_cpu_int8_ab.py) pairs took 0.76-0.94x the time at 2-4 tokens on
+// 7168x7168 and 12288x7168 and 0.95-1.16x at one token (within that box's noise), so one token keeps the
+// single stream; above 4 tokens two blocks' MT accumulators would not fit the 32 vector registers.
+constexpr int PAIR_MT = 4;
 template <int MT, bool VBMI>
 static void vnni_blocks(int64_t b0, int64_t b1, int64_t m0, int64_t G, int64_t N, const uint8_t* wp,
                         const uint8_t* sp, const float* gs, const int8_t* q, const float* as,
-                        const int32_t* nc, float* y) {
-  for (int64_t nb = b0; nb < b1; ++nb)
+                        const int32_t* nc, float* y, bool pairs) {
+  int64_t nb = b0;
+  if (MT >= 2 && MT <= PAIR_MT && pairs)
+    for (; nb + 1 < b1; nb += 2) {
+      if (VBMI)
+        vnni_block_permb<MT, 2>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
+      else
+        vnni_block_shuffle<MT, 2>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
+    }
+  for (; nb < b1; ++nb)
     if (VBMI)
-      vnni_block_permb<MT>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
+      vnni_block_permb<MT, 1>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
     else
-      vnni_block_shuffle<MT>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
+      vnni_block_shuffle<MT, 1>(nb, m0, G, N, wp, sp, gs, q, as, nc, y);
 }
 
 bool has_vnni() {
@@ -527,19 +553,21 @@ std::vector<torch::Tensor> nvfp4_vnni_quant(torch::Tensor x) {
 // through weight e
 static torch::Tensor vnni_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
                                const torch::Tensor& gs, int64_t E, int64_t NB, const int64_t* op, int64_t N,
-                               bool no_vbmi) {
+                               int64_t flags) {
   const int64_t P = x.size(0), G = x.size(1) / 16;
   auto act = quant_rows(x);
   const int8_t* qp = act[0].data_ptr<int8_t>();
   const float* ap = act[1].data_ptr<float>();
   const int32_t* np = act[2].data_ptr<int32_t>();
   auto y = torch::empty({P, N}, x.options());
-  std::vector<int64_t> items;  // (expert, row block) pairs of the experts that have rows
+  const bool pairs = !(flags & 2);
+  const int64_t NI = pairs ? (NB + 1) / 2 : NB, BI = pairs ? 2 : 1;  // work items: BI row blocks each
+  std::vector<int64_t> items;  // (expert, item) of the experts that have rows
   for (int64_t e = 0; e < E; ++e)
     if (op[e + 1] > op[e])
-      for (int64_t nb = 0; nb < NB; ++nb) items.push_back(e * NB + nb);
+      for (int64_t it = 0; it < NI; ++it) items.push_back(e * NI + it);
   using Fn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
-                      const float*, const int8_t*, const float*, const int32_t*, float*);
+                      const float*, const int8_t*, const float*, const int32_t*, float*, bool);
 #define K3_TILES(V)                                                                                   \
   {vnni_blocks<1, V>,  vnni_blocks<2, V>,  vnni_blocks<3, V>,  vnni_blocks<4, V>,  vnni_blocks<5, V>,  \
    vnni_blocks<6, V>,  vnni_blocks<7, V>,  vnni_blocks<8, V>,  vnni_blocks<9, V>,  vnni_blocks<10, V>, \
@@ -548,18 +576,18 @@ static torch::Tensor vnni_rows(const torch::Tensor& x, const torch::Tensor& w, c
   static const Fn plain[16] = K3_TILES(false);
   static const Fn vbmi[16] = K3_TILES(true);
   static const bool vbmi_ok = has_vbmi();
-  const Fn* fns = vbmi_ok && !no_vbmi ? vbmi : plain;
+  const Fn* fns = vbmi_ok && !(flags & 1) ? vbmi : plain;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint8_t* sp = s.data_ptr<uint8_t>();
   const float* gp = gs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // a block's 16 rows stay in L1 across the token tiles
-      const int64_t e = items[i] / NB, nb = items[i] % NB;
+      const int64_t e = items[i] / NI, nb = items[i] % NI * BI, nb1 = std::min(nb + BI, NB);
       for (int64_t m0 = op[e]; m0 < op[e + 1]; m0 += 16) {
         const int64_t mt = std::min<int64_t>(16, op[e + 1] - m0);
-        fns[mt - 1](nb, nb + 1, m0, G, N, wp + e * NB * G * 128, sp + e * NB * G * 16, gp + e * NB * 16,
-                    qp, ap, np, yp);
+        fns[mt - 1](nb, nb1, m0, G, N, wp + e * NB * G * 128, sp + e * NB * G * 16, gp + e * NB * 16,
+                    qp, ap, np, yp, pairs);
       }
     }
   });
@@ -570,7 +598,7 @@ static torch::Tensor vnni_rows(const torch::Tensor& x, const torch::Tensor& w, c
 // expert: rows offsets[e] .. offsets[e + 1] - 1 use expert e. Each row's result is what the one-weight call
 // gives for it alone (every token's sums are independent of the tile it shares).
 torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
-                                 torch::Tensor offsets, int64_t N, bool no_vbmi) {
+                                 torch::Tensor offsets, int64_t N, int64_t flags) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "nvfp4_vnni_grouped: x fp32 [P, K]");
   const int64_t P = x.size(0), K = x.size(1), G = K / 16, E = w.size(0), NB = w.size(1);
@@ -587,13 +615,13 @@ torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor
   TORCH_CHECK(op[0] == 0 && op[E] == P, "nvfp4_vnni_grouped: offsets must run from 0 to P");
   for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(op[e] <= op[e + 1], "nvfp4_vnni_grouped: offsets must not decrease");
-  return vnni_rows(x, w, s, gs, E, NB, op, N, no_vbmi);
+  return vnni_rows(x, w, s, gs, E, NB, op, N, flags);
 }
 
 // y fp32 [M, N] from x fp32 [M, K] and one vnni16 weight: packed uint8 [NB, G, 128], scales uint8
 // [NB, G, 16], gs fp32 [NB * 16] (the global scale per row, padded): the grouped kernel with one expert
 torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
-                              int64_t N, bool no_vbmi) {
+                              int64_t N, int64_t flags) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "nvfp4_vnni_gemm: x fp32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), G = K / 16, NB = w.size(0);
@@ -605,7 +633,7 @@ torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s,
               "nvfp4_vnni_gemm: gs fp32 [NB * 16]");
   TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_gemm: N = ", N, " for ", NB, " row blocks");
   const int64_t op[2] = {0, M};
-  return vnni_rows(x, w, s, gs, 1, NB, op, N, no_vbmi);
+  return vnni_rows(x, w, s, gs, 1, NB, op, N, flags);
 }
 
 
@@ -734,6 +762,14 @@ NVFP4_MAX_M = 256
 FP8_MAX_M = 32
 INT8_MAX_M = 256  # rows up to which nvfp4_vnni_gemm runs (K3RUN_CPU_INT8=1)
 INT8_VBMI = True  # decode codes by vpermb where the CPU has AVX-512 VBMI (False: vpshufb, as without it)
+INT8_PAIRS = True  # 2-4 tokens: two 16-row blocks per pass sharing the activation broadcasts (same bits)
+
+
+def _int8_flags() -> int:
+    """The int8 kernels' variant bits: 1 = no vpermb, 2 = one row block per pass."""
+    return (0 if INT8_VBMI else 1) | (0 if INT8_PAIRS else 2)
+
+
 _module = None
 _error: str | None = None
 
@@ -908,7 +944,7 @@ def nvfp4_vnni_gemm(x: torch.Tensor, w: Vnni16Weight) -> torch.Tensor:
     if x.dim() != 2 or k != 16 * w.weight.shape[1]:
         raise ValueError(f"nvfp4_vnni_gemm: x [M, {16 * w.weight.shape[1]}], got {tuple(x.shape)}")
     xf = x.detach().to(torch.float32).contiguous()
-    return _module.nvfp4_vnni_gemm(xf, w.weight, w.scale, w.global_scale, w.n, not INT8_VBMI)
+    return _module.nvfp4_vnni_gemm(xf, w.weight, w.scale, w.global_scale, w.n, _int8_flags())
 
 
 def nvfp4_vnni_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1023,4 +1059,4 @@ def nvfp4_vnni_grouped(
     alone. y fp32 [P, n]. Call `vnni_available()` first."""
     assert _module is not None, "nvfp4_vnni_grouped: call vnni_available() first"
     xf = x.detach().to(torch.float32).contiguous()
-    return _module.nvfp4_vnni_grouped(xf, weight, scale, global_scale, offsets, n, not INT8_VBMI)
+    return _module.nvfp4_vnni_grouped(xf, weight, scale, global_scale, offsets, n, _int8_flags())
