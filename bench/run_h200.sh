@@ -17,6 +17,9 @@
 #   fp8gemv bench/bench_fp8_gemv.py (the FP8_PB_WO decode GEMV vs the _scaled_mm layer; FP8GEMV_ARGS, e.g. --sweep)
 #   tile    bench/bench_tile.py (the NVFP4 tile GEMM, grouped experts at prefill sizes, time to first token)
 #   prefill bench/probe_prefill.py (one 8192-token prefill of the full-depth Kimi Linear, per module)
+#   decode  bench/bench_moe_ops.py, then bench/probe_graph_step.py --kimi-linear at batch 1 / 8 / 32 with
+#           kernels/moe_ops on (--profile 3; the first probe on a fresh machine compiles for ~60-90 s), then
+#           with K3RUN_MOE_OPS=0 (the same-run baseline)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
@@ -60,6 +63,11 @@ for stage in "${stages[@]}"; do
         | grep -v '^ ' | tail -40 ;;
     prefill) timeout 300 python3 bench/probe_prefill.py --model kimi-linear --tokens 8192 2>&1 \
         | tee "$OUT/probe_prefill.txt" | grep -v -i warn | tail -16 ;;
+    decode) timeout 90 python3 bench/bench_moe_ops.py 2>&1 | tee "$OUT/bench_moe_ops.txt" | tail -30
+        timeout 320 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --profile 3 \
+            2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
+        K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
+            2>&1 | tee "$OUT/decode_kl_ops_off.txt" | grep -E "^graphs" ;;
     graphtest) timeout 250 python3 -m pytest -p no:cacheprovider -v -rfE -m gpu tests/engine/test_graph_decode.py \
             >"$OUT/graphtest.txt" 2>&1; grep -E "PASS|FAIL|Error|assert" "$OUT/graphtest.txt" | head -20
         timeout 250 python3 -c "import sys, pytest; from k3run.layers.mla import KimiMLA; \
