@@ -14,23 +14,17 @@ both variants run the same code: that row is the harness's own spread. The outpu
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from k3run.formats import quantize_nvfp4
 from k3run.kernels import cpu_simd
 
-
-def read_gbs() -> float:
-    """GB/s of a 1 GiB fp32 sum (best of 5), the weights' streaming ceiling."""
-    a = torch.ones(2**28)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() * 4 / best / 1e9
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_cpu_vs_llama import read_gbs  # noqa: E402
 
 
 def _call(x: torch.Tensor, packed, pairs: bool) -> torch.Tensor:
@@ -49,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not cpu_simd.vnni_available():
         raise SystemExit("this CPU has no AVX-512 VNNI: the int8 kernel does not run here")
-    bw = read_gbs()
+    bw = read_gbs(args.threads)
     print(f"threads {args.threads}, read bandwidth {bw:.1f} GB/s (1 GiB fp32 sum)")
     print("| N x K | M | one block / pass ms | two blocks / pass ms | pairs / single | pairs vs ceiling |")
     print("|---|---|---|---|---|---|")

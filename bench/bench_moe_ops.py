@@ -12,10 +12,12 @@ Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
 from k3run.kernels.moe_ops import ref
 from k3run.kernels.moe_ops.triton import (
@@ -26,6 +28,9 @@ from k3run.kernels.moe_ops.triton import (
 )
 from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
 
+sys.path.insert(0, str(Path(__file__).parent))
+from probe_graph_step import _copy_tbs  # noqa: E402
+
 SHAPES = {  # name: (hidden, experts, top_k, intermediate, activation)
     "kimi-linear": (2304, 256, 8, 1024, ("silu", 1.0, None)),
     "k3": (7168, 896, 16, 3072, ("situ", 4.0, 25.0)),
@@ -34,13 +39,6 @@ SHAPES = {  # name: (hidden, experts, top_k, intermediate, activation)
 
 def _us(fn) -> float:
     return do_bench_cudagraph(fn, rep=100) * 1e3
-
-
-def _copy_tbs() -> float:
-    a = torch.empty(2**29, dtype=torch.int16, device="cuda").random_()
-    b = torch.empty_like(a)
-    t = do_bench(partial(b.copy_, a), warmup=25, rep=100, return_mode="median")
-    return 2 * a.numel() * 2 / t / 1e9
 
 
 def _torch_router(x, w, bias, k, scale):

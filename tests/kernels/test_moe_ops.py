@@ -215,6 +215,10 @@ def test_interp_combine(t: int, a: int, d: int) -> None:
 @pytest.mark.parametrize("t, e, a", [(1, 256, 8), (32, 256, 8), (7, 896, 16), (3, 61, 1)])
 def test_gpu_sigmoid_topk(t: int, e: int, a: int) -> None:
     check_topk(t, e, a, renorm=a > 1, scale=2.446, device="cuda")
+
+
+@needs_cuda
+def test_gpu_sigmoid_topk_ties_and_nan() -> None:
     check_topk_ties_and_nan("cuda")
 
 

@@ -39,7 +39,7 @@ from k3run.formats import (
     mxfp4_scales_to_nvfp4,
     nvfp4_qdq,
 )
-from k3run.kernels.moe_ops import combine, gated, route_sigmoid_topk, router_logits, sigmoid_topk
+from k3run.kernels.moe_ops import combine, gated, route_sigmoid_topk, router_logits_ref, sigmoid_topk
 from k3run.layers.activation import GatedActivation
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
@@ -47,6 +47,11 @@ from k3run.quant.algo import QuantAlgo
 
 NvFp4ActMode = Literal["w4a4", "w4a16"]
 _SHARDS = ("w1", "w2", "w3")
+
+
+def _group_limited(num_expert_group: int, topk_group: int) -> bool:
+    """Whether routing keeps only the best topk_group of num_expert_group expert groups."""
+    return num_expert_group > 1 and topk_group < num_expert_group
 
 
 def route(
@@ -66,7 +71,7 @@ def route(
     """
     if logits.dtype != torch.float32:
         raise ValueError(f"route: logits must be fp32, got {logits.dtype}")
-    if num_expert_group <= 1 or topk_group >= num_expert_group:  # no group limit: one kernel on CUDA
+    if not _group_limited(num_expert_group, topk_group):  # one kernel on CUDA
         return sigmoid_topk(logits, e_score_correction_bias, top_k, renormalize, routed_scaling_factor)
     t, e = logits.shape
     scores = torch.sigmoid(logits)
@@ -106,11 +111,11 @@ class MoERouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        if c.num_expert_group <= 1 or c.topk_group >= c.num_expert_group:  # two launches on CUDA
+        if not _group_limited(c.num_expert_group, c.topk_group):  # two launches on CUDA
             return route_sigmoid_topk(
                 x, self.weight, self.e_score_correction_bias, c.top_k, c.renormalize, c.routed_scaling_factor
             )
-        logits = router_logits(x, self.weight)  # [T, E] fp32
+        logits = router_logits_ref(x, self.weight)  # [T, E] fp32
         return route(
             logits,
             self.e_score_correction_bias,
@@ -987,7 +992,7 @@ def _fused_experts_grouped(
     else:
         split2, reg2 = one_wave_split(1, d * t * a, i, sms)
         y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
-    return _combine_picks(y, weights)
+    return combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
 # the tile GEMM's picks per block (its wgmma N; an expert's last block is padded to it). H200,
@@ -1027,7 +1032,7 @@ def _fused_experts_tile(
     y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
     # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
     y = nvfp4_tile_gemm_grouped(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
-    return _combine_picks(y, weights)
+    return combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
 def _fused_experts_grouped_mm(
@@ -1052,13 +1057,7 @@ def _fused_experts_grouped_mm(
     ys = torch._grouped_mm(h, w2, offs=offs)  # [P, D]
     y = torch.zeros_like(ys).index_copy_(0, order, ys)  # back in pick order
     y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-    return _combine_picks(y, weights)
-
-
-def _combine_picks(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each token's expert outputs y [T * A, D] (pick order) summed with its routing weights [T, A] in fp32,
-    slot by slot -> [T, D] (the grouped paths' combine; a row of another rank's pick must be zero)."""
-    return combine(y, weights)
+    return combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
 def _scalar(what: str, t: torch.Tensor) -> float:

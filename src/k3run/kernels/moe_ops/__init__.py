@@ -5,7 +5,7 @@
   weights renormalised and scaled. Two launches: the logits as partial sums over column blocks (many small
   programs, so the fp32 weight streams at a useful rate even for one token; cuBLAS above
   LOGITS_MAX_TOKENS), then one single-warp program per token that sums the partials in order and picks.
-- `sigmoid_topk(logits, ...)`: the top-k kernel on given logits; `router_logits`: the logits in torch.
+- `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
 - `combine(y, weights)`: the top-k weighted sum of each token's expert outputs in fp32, slot by slot.
 
@@ -32,24 +32,17 @@ def _cuda(t: torch.Tensor) -> bool:
     return ENABLED and t.is_cuda
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Router logits fp32 [T, E] of x [T, D] and the fp32 weight [E, D] (ref.router_logits_ref)."""
-    return router_logits_ref(x, weight)
-
-
 def route_sigmoid_topk(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]): on CUDA, up to
     LOGITS_MAX_TOKENS rows, two launches (partial logits over column blocks, then the top-k summing them);
-    above, cuBLAS logits and the top-k kernel; elsewhere the references."""
+    otherwise torch's fp32 logits, then `sigmoid_topk`."""
     if _cuda(x) and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous():
         from .triton import LOGITS_MAX_TOKENS, MAX_EXPERTS, router_partials, sigmoid_topk_triton
 
-        if top_k <= weight.shape[0] <= MAX_EXPERTS:
-            small = x.shape[0] <= LOGITS_MAX_TOKENS
-            logits = router_partials(x, weight) if small else router_logits_ref(x, weight)
-            return sigmoid_topk_triton(logits, bias, top_k, renormalize, scale)
+        if x.shape[0] <= LOGITS_MAX_TOKENS and top_k <= weight.shape[0] <= MAX_EXPERTS:
+            return sigmoid_topk_triton(router_partials(x, weight), bias, top_k, renormalize, scale)
     return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale)
 
 
@@ -87,6 +80,6 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits",
-    "router_logits_ref", "sigmoid_topk", "sigmoid_topk_ref",
+    "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits_ref", "sigmoid_topk",
+    "sigmoid_topk_ref",
 ]  # fmt: skip

@@ -42,14 +42,13 @@ def _expert_groups_kernel(
         tl.store(cnt_ptr + e0 + ee, tl.zeros([BLOCK_E], tl.int32), mask=e0 + ee < E)
     tl.debug_barrier()
     pp = tl.arange(0, BLOCK_P)
-    qq = tl.arange(0, BLOCK_P)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + pp
         e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
         hit = (p < P) & (e >= 0) & (e < E)
         eq = (e[:, None] == e[None, :]) & hit[:, None] & hit[None, :]  # [pick, other pick of the chunk]
-        before = tl.sum((eq & (qq[None, :] < pp[:, None])).to(tl.int32), axis=1)
-        after = tl.sum((eq & (qq[None, :] > pp[:, None])).to(tl.int32), axis=1)
+        before = tl.sum((eq & (pp[None, :] < pp[:, None])).to(tl.int32), axis=1)
+        after = tl.sum((eq & (pp[None, :] > pp[:, None])).to(tl.int32), axis=1)
         base = tl.load(cnt_ptr + e, mask=hit, other=0)
         tl.store(rank_ptr + p, base + before, mask=hit)
         tl.debug_barrier()  # every base read before any count of this chunk is written
