@@ -127,6 +127,26 @@ def check_combine(t: int, a: int, d: int, dtype: torch.dtype, device: str) -> No
     assert_within("combine", ref.float(), out.cpu(), (2 * (a + 1) * U * s).float())
 
 
+def check_combine_epilogue(t: int, a: int, d: int, dtype: torch.dtype, device: str) -> None:
+    """out_dtype and add: the kernel's own fp32 sum rounded to dtype, then + add as torch adds, bit for
+    bit (the fp32 sum itself is check_combine's); the reference does the same steps."""
+    from k3run.kernels.moe_ops.triton import combine_triton
+
+    g = torch.Generator().manual_seed(t + a * d)
+    y = torch.randn(t * a, d, generator=g).to(dtype).to(device)
+    w = torch.rand(t, a, generator=g).to(device)
+    add = torch.randn(t, d, generator=g).to(dtype).to(device)
+    acc = combine_triton(y, w)
+    assert acc.dtype == torch.float32
+    cast = combine_triton(y, w, dtype)
+    assert cast.dtype == dtype and torch.equal(cast, acc.to(dtype))
+    assert torch.equal(combine_triton(y, w, dtype, add), acc.to(dtype) + add)
+    ref = combine_ref(y.cpu(), w.cpu(), dtype, add.cpu())
+    assert torch.equal(ref, combine_ref(y.cpu(), w.cpu()).to(dtype) + add.cpu())
+    with pytest.raises(ValueError, match="add must be"):
+        combine_triton(y, w, dtype, add[:, 1:])
+
+
 def test_references_match_layers_route() -> None:
     """sigmoid_topk_ref is layers.moe.route without group limits; gated_ref is layers.activation's math."""
     from k3run.layers.activation import GatedActivation
@@ -171,7 +191,7 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=15)
+    run_interp_tests_in_child(__file__, expected_passed=16)
 
 
 @interp_only
@@ -209,6 +229,11 @@ def test_interp_gated(kind: str, beta: float, lb: float | None) -> None:
 @pytest.mark.parametrize("t, a, d", [(1, 8, 2304 // 9), (3, 5, 99)])
 def test_interp_combine(t: int, a: int, d: int) -> None:
     check_combine(t, a, d, torch.float32, "cpu")
+
+
+@interp_only
+def test_interp_combine_epilogue() -> None:
+    check_combine_epilogue(3, 5, 99, torch.float16, "cpu")
 
 
 @needs_cuda
@@ -268,3 +293,4 @@ def test_gpu_sigmoid_topk_matches_torch() -> None:
 @pytest.mark.parametrize("t, a, d", [(1, 8, 2304), (32, 8, 2304), (5, 16, 7168)])
 def test_gpu_combine(t: int, a: int, d: int) -> None:
     check_combine(t, a, d, torch.bfloat16, "cuda")
+    check_combine_epilogue(t, a, d, torch.bfloat16, "cuda")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3run.kernels.norm import attn_res_mix_ref, rms_norm_ref
+from k3run.kernels.norm import add_rms_norm_ref, attn_res_mix_ref, rms_norm_ref
 from k3run.testing import FP32_U, assert_close, assert_within, output_ulp
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
@@ -85,6 +85,28 @@ def _check_rms(dtype: torch.dtype, device: str, shape: tuple[int, ...], gated: b
         assert_within("rms_norm eps slip", rms_norm_ref(x, w, 1e-4, g).float(), out.float(), bound)
 
 
+def _check_add_rms(dtype: torch.dtype, device: str, shape: tuple[int, ...]) -> None:
+    """The fused residual add: the sum bit for bit torch's add in dtype; the norm bit for bit the plain
+    kernel's on that sum (the same loads and operations), within rms_norm's bound of the reference; 16-bit
+    outputs in out_dtype fp32 equal the fp32 norm widened."""
+    from k3run.kernels.norm.triton import rms_norm_triton
+
+    x = _rows(shape, dtype, device)
+    r = _rows(shape, dtype, device).flip(0)  # residuals of other scales than x's rows
+    w = (torch.rand(shape[-1]) + 0.5).to(dtype).to(device)
+    y, s = rms_norm_triton(x, w, 1e-5, residual=r)
+    assert torch.equal(s, x + r) and s.dtype == dtype
+    assert torch.equal(y, rms_norm_triton(s, w, 1e-5))
+    ref_y, ref_s = add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(ref_s, s)
+    bound = rms_norm_bound(s.cpu(), w.cpu(), None, 1e-5)
+    assert_within("add_rms_norm", ref_y.float(), y.float(), bound)
+    wide = rms_norm_triton(s, w, 1e-5, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), y)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_triton(x, w, 1e-5, residual=r[:1])
+
+
 def _check_mix(dtype: torch.dtype, device: str, n: int, t: int, d: int) -> None:
     from k3run.kernels.norm.triton import attn_res_mix_triton
 
@@ -119,7 +141,7 @@ def _rejects(ref: torch.Tensor, out: torch.Tensor, bound: torch.Tensor, dtype: t
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=8)
+    run_interp_tests_in_child(__file__, expected_passed=10)
 
 
 @interp_only
@@ -127,6 +149,12 @@ def test_triton_kernels_in_interpreter():
 @pytest.mark.parametrize("gated", [False, True])
 def test_interp_rms_norm(dtype: torch.dtype, gated: bool) -> None:
     _check_rms(dtype, "cpu", (5, 3, 129), gated)
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_add_rms_norm(dtype: torch.dtype) -> None:
+    _check_add_rms(dtype, "cpu", (5, 129))
 
 
 @interp_only
@@ -142,6 +170,10 @@ def test_cpu_dispatch_is_the_reference_bit_for_bit() -> None:
     x, g = torch.randn(4, 37).bfloat16(), torch.randn(4, 37).bfloat16()
     w = torch.rand(37).bfloat16()
     assert torch.equal(rms_norm(x, w, 1e-5, g), rms_norm_ref(x, w, 1e-5, g))
+    from k3run.kernels.norm import add_rms_norm
+
+    y, s = add_rms_norm(x, g, w, 1e-5)
+    assert torch.equal(s, x + g) and torch.equal(y, rms_norm_ref(x + g, w, 1e-5))
     cands, q = [torch.randn(4, 37).bfloat16() for _ in range(3)], torch.randn(37)
     assert torch.equal(attn_res_mix(cands, q, 1e-5), attn_res_mix_ref(cands, q, 1e-5))
 
@@ -168,6 +200,14 @@ GPU = [
 @GPU[1]
 def test_gpu_rms_norm(dtype: torch.dtype, shape: tuple[int, ...], gated: bool) -> None:
     _check_rms(dtype, "cuda", shape, gated)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2304), (7, 7168), (3, 4097)])
+@GPU[0]
+@GPU[1]
+def test_gpu_add_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    _check_add_rms(dtype, "cuda", shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -408,6 +408,28 @@ def _k3_reference_logits(
     return h @ t["language_model.lm_head.weight"].to(dtype).t()
 
 
+def test_fused_residual_adds_give_the_plain_streams_bits(checkpoints):
+    """The pre-norm stream's adds run inside the next norm (RMSNorm.add): bit for bit the plain stream
+    h = h + mixer(norm(h)); h = h + mlp(norm(h)); final norm, in bf16 (where every add rounds)."""
+    model = load_model(checkpoints["kimi_linear"], dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model(ids, ForwardContext.single(7))
+        ctx = ForwardContext.single(7)
+        h = model.embed_tokens(ids)
+        for layer in model.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), ctx, None)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        want = model.norm(h)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    # the check sees a slip: one layer's MLP output added twice
+    with torch.no_grad():
+        layer = model.layers[-1]
+        slipped = model.norm(h + layer.mlp(layer.post_attention_layernorm(h)) * 0.01)
+    assert not torch.equal(got, slipped)
+
+
 def test_k3_matches_fp64_reference(checkpoints):
     ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(11))
     tensors = load_file(str(checkpoints["k3"] / "model.safetensors"))

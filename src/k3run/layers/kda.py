@@ -32,6 +32,7 @@ from k3run.kernels.kda import (
     kda_decode_in_place,
     kda_forward,
 )
+from k3run.layers.branch import Branch
 from k3run.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -275,12 +276,15 @@ class KimiDeltaAttention(nn.Module):
         in_place = ctx.is_decode and layer_cache is not None and layer_cache.conv.dtype == x.dtype
         conv0, rec0 = self._initial_states(ctx, layer_cache, x.dtype, x.device, gather=not in_place)
 
+        gate_branch = None
+        if not self.use_full_rank_gate:  # the low-rank output gate beside the conv and the recurrence
+            g_a, g_b = self.g_a_proj, self.g_b_proj
+            gate_branch = Branch(lambda: g_b(g_a(x)), x)  # [T, P]; no collective (column-parallel, local)
         parts = self.in_proj.split(self.in_proj(x))
         if self.use_full_rank_gate:
             q, k, v, gate, f_a, b = parts
         else:
             q, k, v, b, f_a = parts
-            gate = self.g_b_proj(self.g_a_proj(x))  # [T, P]
         conv_final = None
         if in_place:  # one launch on CUDA: states in the cache, q | k | v read in place, planar output
             assert layer_cache is not None and ctx.slots is not None
@@ -308,7 +312,7 @@ class KimiDeltaAttention(nn.Module):
             assert layer_cache is not None and ctx.slots is not None
             o = kda_decode_in_place(
                 q, k, v, f, b, **gate_args, state_pool=layer_cache.recurrent, slots=ctx.slots,
-                context_lens=ctx.context_lens,
+                context_lens=ctx.context_lens, cu_seqlens=ctx.cu_seqlens,
             )  # fmt: skip
         else:
             o, rec_final = kda_forward(
@@ -320,7 +324,9 @@ class KimiDeltaAttention(nn.Module):
                 layer_cache.recurrent[ctx.slots] = rec_final
                 layer_cache.conv[ctx.slots] = conv_final.to(layer_cache.conv.dtype)
 
-        o = self.o_norm(o, gate.reshape(T, H, K)).to(x.dtype)  # fp32 math, [T, H, V]
+        if gate_branch is not None:
+            gate = gate_branch.result()
+        o = self.o_norm(o, gate.reshape(T, H, K), out_dtype=x.dtype)  # fp32 math, [T, H, V]
         return self.o_proj(o.reshape(T, Pl))
 
     def extra_repr(self) -> str:

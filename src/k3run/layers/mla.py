@@ -27,6 +27,7 @@ from torch import nn
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, MLALayerCache
 from k3run.kernels.mla import decode_kernel_enabled, mla_decode_attention
+from k3run.layers.branch import Branch
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from k3run.layers.norm import RMSNorm
 from k3run.quant.algo import QuantAlgo
@@ -306,6 +307,11 @@ class KimiMLA(nn.Module):
 
     # forward
 
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is not None:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext, layer_cache: MLALayerCache | None
     ) -> torch.Tensor:
@@ -313,14 +319,12 @@ class KimiMLA(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
         T, H = x.shape[0], self.local_heads
-        if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        q = q.reshape(T, H, self.qk_head_dim)
+        # the query beside the latent's chain (column-parallel: no collective on the side stream)
+        q_branch = Branch(lambda: self._query(x), x)
         kv_a = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
         latent = torch.cat([c, kv_a[:, self.kv_lora_rank :]], dim=-1)  # [T, L + R]
+        q = q_branch.result().reshape(T, H, self.qk_head_dim)
         if ctx.is_static:
             o = self._attend_static(q, latent, ctx, layer_cache)  # [T, H, d_v] fp32
         else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +41,7 @@ from k3run.formats import (
 )
 from k3run.kernels.moe_ops import combine, gated, route_sigmoid_topk, router_logits_ref, sigmoid_topk
 from k3run.layers.activation import GatedActivation
+from k3run.layers.branch import Branch
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
 from k3run.quant.algo import QuantAlgo
@@ -583,14 +584,21 @@ class FusedExperts(nn.Module):
         w2, s2 = unpack_split128(w2, s2, self.intermediate_size)
         return w13, s13, w2, s2
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        out_dtype: torch.dtype = torch.float32,
+        add: Callable[[], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"{self.prefix}: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T, A]"
             )
-        return fused_experts(self, x, ids, weights)
+        return fused_experts(self, x, ids, weights, out_dtype=out_dtype, add=add)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One local expert e on x [n, D] -> [n, D] in x's dtype."""
@@ -742,8 +750,13 @@ def fused_experts(
     weights: torch.Tensor,
     grouped: bool | None = None,
     dense: bool | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    add: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The one dispatch point for the routed-expert computation.
+    """The one dispatch point for the routed-expert computation: the fp32 sum over each token's picks,
+    rounded to out_dtype, plus add() when given (the shared experts' output, called just before the sum
+    so a side-stream branch is joined as late as possible): in the top-k combine's one launch where the
+    path ends in it.
 
     NVFP4 kernels (`experts.grouped_ok`; grouped=False forces the loop): two grouped launches over all
     picks at any token count, no host synchronisation (`_fused_experts_grouped`: the decode kernels up to
@@ -756,10 +769,42 @@ def fused_experts(
     cost one each). Within an expert the picks stay in (token, slot) order, so the fp32 accumulation order
     is fixed.
     """
+    finish = _Finish(out_dtype, add)
     if grouped is not False and experts.grouped_ok(x, ids):
-        return _fused_experts_grouped(experts, x, ids, weights)
+        return _fused_experts_grouped(experts, x, ids, weights, finish)
     if grouped is not False and experts.grouped_mm_ok(x):
-        return _fused_experts_grouped_mm(experts, x, ids, weights)
+        return _fused_experts_grouped_mm(experts, x, ids, weights, finish)
+    return finish.apply(_fused_experts_fp32(experts, x, ids, weights, grouped, dense))
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """What the routed experts' fp32 sum becomes: rounded to out_dtype, plus add() (fused_experts)."""
+
+    out_dtype: torch.dtype = torch.float32
+    add: Callable[[], torch.Tensor] | None = None
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return combine(y, weights, self.out_dtype, None if self.add is None else self.add())
+
+    def apply(self, out: torch.Tensor) -> torch.Tensor:
+        out = out.to(self.out_dtype)
+        return out if self.add is None else out + self.add()
+
+
+_FP32 = _Finish()
+
+
+def _fused_experts_fp32(
+    experts: FusedExperts,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    grouped: bool | None,
+    dense: bool | None,
+) -> torch.Tensor:
+    """fused_experts' paths that end in their own fp32 sum: the CPU int8 kernel, the dense form and the
+    per-expert loop."""
     if grouped is not False and dense is not True and experts._cpu_int8 is not None:
         if not torch.compiler.is_compiling():
             return _fused_experts_int8(experts, x, ids, weights)
@@ -949,7 +994,7 @@ def _local_ids(ids: torch.Tensor, first: int) -> torch.Tensor:
 
 
 def _fused_experts_grouped(
-    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: _Finish = _FP32
 ) -> torch.Tensor:
     """fused_experts through two grouped NVFP4 launches: GEMM1, the activation, GEMM2 for every (token, slot)
     pick; picks of other ranks' experts give zero rows. For 2..BY_EXPERT_MAX_TOKENS tokens the launches are
@@ -960,7 +1005,7 @@ def _fused_experts_grouped(
     No host synchronisation, so a decode step can be captured in a CUDA graph. Sum over a token's picks in
     slot order, fp32."""
     if ids.shape[0] >= TILE_FROM_TOKENS or (ids.numel() > GROUPED_MAX_PICKS and not _by_expert(ids.shape[0])):
-        return _fused_experts_tile(experts, x, ids, weights)
+        return _fused_experts_tile(experts, x, ids, weights, finish)
     from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
     from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
     from k3run.kernels.nvfp4_gemm.groups import expert_groups
@@ -992,7 +1037,7 @@ def _fused_experts_grouped(
     else:
         split2, reg2 = one_wave_split(1, d * t * a, i, sms)
         y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
-    return combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+    return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
 # the tile GEMM's picks per block (its wgmma N; an expert's last block is padded to it). H200,
@@ -1003,7 +1048,7 @@ MOE_TILE_BM = 64
 
 
 def _fused_experts_tile(
-    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: _Finish = _FP32
 ) -> torch.Tensor:
     """The grouped experts on the tile GEMM: the picks grouped by expert into blocks on the device
     (`expert_blocks`), GEMM1 over every block with the activation in its epilogue (gate and up rows with
@@ -1032,11 +1077,11 @@ def _fused_experts_tile(
     y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
     # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
     y = nvfp4_tile_gemm_grouped(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
-    return combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+    return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
 def _fused_experts_grouped_mm(
-    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: _Finish = _FP32
 ) -> torch.Tensor:
     """16-bit experts as two grouped GEMMs over the picks sorted by expert (torch._grouped_mm; on CPU tensors
     torch's own loop, which the tests use): the same operations as `FusedExperts.expert` per expert (GEMM1
@@ -1057,7 +1102,7 @@ def _fused_experts_grouped_mm(
     ys = torch._grouped_mm(h, w2, offs=offs)  # [P, D]
     y = torch.zeros_like(ys).index_copy_(0, order, ys)  # back in pick order
     y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-    return combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+    return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
 def _scalar(what: str, t: torch.Tensor) -> float:
@@ -1132,13 +1177,21 @@ class KimiMoE(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = None
+        if self.shared_experts is not None:  # they see the ORIGINAL full-width x; beside the routed chain
+            mlp = self.shared_experts
+            # inline under TP: its all-reduce and the experts' must not run on two streams at once
+            shared = Branch(lambda: mlp(x), x, enabled=self.tp.size == 1)
         weights, ids = self.gate(x)  # router on the full-width input
+        if self.routed_expert_down_proj is None and self.tp.size == 1:
+            # nothing between the experts' sum and the output: the cast and the shared add in its launch
+            return self.experts(x, ids, weights, x.dtype, None if shared is None else shared.result)
         z = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
         y = all_reduce(self.experts(z, ids, weights), self.tp).to(x.dtype)  # [T, D or latent]
         if self.routed_expert_down_proj is not None:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)  # shared experts see the ORIGINAL full-width x
+        if shared is not None:
+            y = y + shared.result()
         return y

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3run.kernels.norm import add_rms_norm
 from k3run.kernels.norm import rms_norm as kernel_rms_norm
 from k3run.loader import TensorSource, as_source
 
@@ -33,9 +34,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernel_rms_norm(x, weight, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = rms_norm(x) * weight * sigmoid(gate) over the last dim, in fp32, returned in x.dtype."""
-    return kernel_rms_norm(x, weight, eps, gate)
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y = rms_norm(x) * weight * sigmoid(gate) over the last dim, in fp32, returned in out_dtype (default
+    x.dtype)."""
+    return kernel_rms_norm(x, weight, eps, gate, out_dtype)
 
 
 class _NormBase(nn.Module):
@@ -59,6 +67,15 @@ class RMSNorm(_NormBase):
             raise ValueError(f"RMSNorm: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
         return rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) for s = x + residual (s = x when residual is None): the pre-norm residual stream's
+        add fused with this norm (one launch on CUDA, the same bits as the add followed by forward)."""
+        if residual is None:
+            return self(x), x
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"RMSNorm: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
@@ -66,13 +83,15 @@ class RMSNorm(_NormBase):
 class GatedRMSNorm(_NormBase):
     """RMSNorm(x) * weight * sigmoid(gate), the KDA `o_norm`: one weight [K] shared by every head."""
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size or gate.shape != x.shape:
             raise ValueError(
                 f"GatedRMSNorm: expected x and gate of the same shape [..., {self.hidden_size}], "
                 f"got x {tuple(x.shape)} and gate {tuple(gate.shape)}"
             )
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return gated_rms_norm(x, gate, self.weight, self.eps, out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, activation=sigmoid"

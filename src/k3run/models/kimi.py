@@ -113,19 +113,28 @@ class KimiDecoderLayer(nn.Module):
         h: torch.Tensor | AttnResState,
         ctx: ForwardContext,
         layer_cache: KDALayerCache | MLALayerCache | None,
-    ) -> torch.Tensor | AttnResState:
-        def mixer(x: torch.Tensor) -> torch.Tensor:
-            return self.self_attn(self.input_layernorm(x), ctx, layer_cache)  # type: ignore[arg-type]
-
-        def mlp(x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(self.post_attention_layernorm(x))
-
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | AttnResState, torch.Tensor | None]:
+        """The plain pre-norm stream: h is the residual stream without `pending`, the previous layer's MLP
+        output, whose add runs fused into this layer's input norm (as the attention output's into the
+        post-attention norm); returns (the stream after the attention, this layer's MLP output). K3's
+        AttnResState is updated in place and returned with None."""
         if isinstance(h, AttnResState):
+            if pending is not None:
+                raise ValueError(f"layer {self.idx}: an AttnRes stream carries no pending residual")
+
+            def mixer(x: torch.Tensor) -> torch.Tensor:
+                return self.self_attn(self.input_layernorm(x), ctx, layer_cache)  # type: ignore[arg-type]
+
+            def mlp(x: torch.Tensor) -> torch.Tensor:
+                return self.mlp(self.post_attention_layernorm(x))
+
             block = self.attn_res_block_size or 0  # set whenever the state is an AttnResState
             attn_res_layer(h, self.idx, block, mixer, mlp, self.self_attention_res, self.mlp_res)
-            return h
-        h = h + mixer(h)
-        return h + mlp(h)
+            return h, None
+        x, h = self.input_layernorm.add(h, pending)
+        x, h = self.post_attention_layernorm.add(h, self.self_attn(x, ctx, layer_cache))  # type: ignore[arg-type]
+        return h, self.mlp(x)
 
 
 def _make_moe(
@@ -237,11 +246,12 @@ class KimiForCausalLM(nn.Module):
             raise ValueError(f"ctx.cache has {len(caches)} layers, the model {len(self.layers)}")
         x = self.embed_tokens(input_ids)  # [T, D]
         h: torch.Tensor | AttnResState = AttnResState(prefix=x) if self.config.uses_attn_res else x
+        pending: torch.Tensor | None = None  # the last MLP output, added inside the next norm
         for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, ctx, cache)
+            h, pending = layer(h, ctx, cache, pending)
         if isinstance(h, AttnResState):
-            h = self.output_attn_res(h.candidates())
-        return self.norm(h)
+            return self.norm(self.output_attn_res(h.candidates()))
+        return self.norm.add(h, pending)[0]
 
     def static_decode_blocker(self, batch_size: int) -> str | None:
         """None when a decode step of `batch_size` sequences can run as a static step (ForwardContext

@@ -131,10 +131,13 @@ def kda_decode_in_place(
     state_pool: torch.Tensor,
     slots: torch.Tensor,
     context_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kda_forward for one token per sequence with the recurrent states kept in the cache pool: sequence i
     starts from state_pool[slots[i]] (zero when context_lens[i] == 0) and its final state is written back
-    there. state_pool [S, H, K, V] fp32; q, k, f [B, H, K]; v [B, H, V]; b [B, H]. Returns o [B, H, V] fp32.
+    there. state_pool [S, H, K, V] fp32; q, k, f [B, H, K]; v [B, H, V]; b [B, H]; cu_seqlens: arange(B + 1)
+    int64 on q's device if the caller has it (the step's ForwardContext does), else made here. Returns o
+    [B, H, V] fp32.
 
     On CUDA with fla-core the kernel reads and writes the pool in place (no gather / scatter of the states:
     at K3's 96 heads a state is 6.3 MB per sequence); on x86 CPUs with the SIMD extension
@@ -144,7 +147,9 @@ def kda_decode_in_place(
     if state_pool.dtype != torch.float32:
         raise ValueError(f"kda_decode_in_place: state_pool must be float32, got {state_pool.dtype}")
     n = q.shape[0]
-    cu = torch.arange(n + 1, device=q.device)
+    cu = torch.arange(n + 1, device=q.device) if cu_seqlens is None else cu_seqlens
+    if cu.shape != (n + 1,):
+        raise ValueError(f"kda_decode_in_place: cu_seqlens must be [{n + 1}], got {tuple(cu.shape)}")
     if _backend(q) == "fla":
         zero_fresh_states(state_pool, slots, context_lens)
         from k3run.kernels.kda.fla import kda_fla_raw_decode_in_place

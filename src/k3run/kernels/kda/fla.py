@@ -260,9 +260,12 @@ def kda_fla_raw_decode_in_place(
         raise ValueError(f"kda (fla): slots must be [{B}], got {tuple(slots.shape)}")
     dtype = v.dtype
     q1, k1, v1, g1, b1 = (t.contiguous() for t in _batch1(q.to(dtype), k.to(dtype), v, f, b))
+    # o written in fp32 by the kernel (its accumulator, not rounded to v's dtype first), into a tensor the
+    # kernel fills whole (fla's own default is a zero-filled one in v's dtype: two more launches)
+    out = torch.empty(v1.shape, dtype=torch.float32, device=v.device)
     o, _ = fwd(
         q1, k1, v1, g1, b1, scale=scale, initial_state=state_pool, inplace_final_state=True,
         output_final_state=False, state_v_first=False, cu_seqlens=cu_seqlens.to(torch.long),
-        ssm_state_indices=slots, **_gate_options(A_log, dt_bias, lower_bound, decode=True),
+        ssm_state_indices=slots, out=out, **_gate_options(A_log, dt_bias, lower_bound, decode=True),
     )  # fmt: skip
-    return o.reshape(B, H, V).float()
+    return o.reshape(B, H, V).float()  # a no-op unless this fla-core ignores `out`

@@ -7,7 +7,8 @@
   LOGITS_MAX_TOKENS), then one single-warp program per token that sums the partials in order and picks.
 - `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
-- `combine(y, weights)`: the top-k weighted sum of each token's expert outputs in fp32, slot by slot.
+- `combine(y, weights, out_dtype, add)`: the top-k weighted sum of each token's expert outputs in fp32, slot
+  by slot, rounded to out_dtype, plus the shared experts' output (the MoE layer's last two elementwise ops).
 
 Why kernels: in a decode step each torch version is a chain of 4-11 launches of 2-3 us each on a few rows (the
 router alone was 11 launches a layer, ~28 us of GPU time, a fifth of a full-depth Kimi Linear step at
@@ -70,13 +71,19 @@ def gated(
     return gated_ref(gate_up[..., :i], gate_up[..., i:], kind, beta, linear_beta).to(out_dtype)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum over slots k of weights[t, k] * y[t * A + k] in fp32 -> [T, D] fp32."""
-    if _cuda(y) and y.dim() == 2:
+def combine(
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum over slots k of weights[t, k] * y[t * A + k] in fp32 -> [T, D] rounded to out_dtype, then + add
+    (in out_dtype's promotion with add's, as torch's add): one launch on CUDA."""
+    if _cuda(y) and y.dim() == 2 and (add is None or add.dtype == out_dtype):
         from .triton import combine_triton
 
-        return combine_triton(y, weights)
-    return combine_ref(y, weights)
+        return combine_triton(y, weights, out_dtype, add)
+    return combine_ref(y, weights, out_dtype, add)
 
 
 __all__ = [

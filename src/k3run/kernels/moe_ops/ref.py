@@ -40,8 +40,14 @@ def gated_ref(
     return h * u
 
 
-def combine_ref(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_ref(
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Each token's expert outputs y [T * A, D] (pick order) summed with its routing weights [T, A] in fp32
-    -> [T, D] fp32."""
+    -> [T, D], rounded to out_dtype; add [T, D] (the shared experts' output) is added after that rounding."""
     t, a = weights.shape
-    return (y.float().view(t, a, -1) * weights.float().unsqueeze(-1)).sum(1)
+    out = (y.float().view(t, a, -1) * weights.float().unsqueeze(-1)).sum(1).to(out_dtype)
+    return out if add is None else out + add

@@ -200,8 +200,11 @@ def gated_triton(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
-    # out[t] = sum over the token's A picks, in slot order, of w[t, k] * y[t * A + k], fp32
+def _combine_kernel(
+    y_ptr, w_ptr, add_ptr, out_ptr, D, A: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr
+):
+    # out[t] = sum over the token's A picks, in slot order, of w[t, k] * y[t * A + k] in fp32, rounded to
+    # out's dtype; with add: that rounded sum + add[t], rounded again (as a cast and torch's add would)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = d < D
@@ -209,18 +212,30 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constex
     for k in tl.static_range(A):
         w = tl.load(w_ptr + t * A + k)
         acc += w * tl.load(y_ptr + (t * A + k) * D + d, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + d, acc, mask=m)
+    if HAS_ADD:
+        a = tl.load(add_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + a
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def combine_triton(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """combine_ref in one launch: y [T * A, D] contiguous, weights fp32 [T, A] -> [T, D] fp32."""
+def combine_triton(
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """combine_ref in one launch: y [T * A, D] contiguous, weights fp32 [T, A] -> [T, D] in out_dtype (add
+    [T, D]: added after the rounding to out_dtype)."""
     t, a = weights.shape
     d = y.shape[1]
-    out = torch.empty(t, d, dtype=torch.float32, device=y.device)
+    if add is not None and tuple(add.shape) != (t, d):
+        raise ValueError(f"combine: add must be [{t}, {d}], got {tuple(add.shape)}")
+    out = torch.empty(t, d, dtype=out_dtype, device=y.device)
     if t == 0 or d == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, triton.cdiv(d, block))](
-        y.contiguous(), weights.float().contiguous(), out, d, A=a, BLOCK=block, num_warps=4
-    )
+        y.contiguous(), weights.float().contiguous(), out if add is None else add.contiguous(), out, d, A=a,
+        HAS_ADD=add is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
     return out

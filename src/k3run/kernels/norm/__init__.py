@@ -1,7 +1,9 @@
 """Row-wise normalisations as single Triton launches on CUDA, the torch references elsewhere.
 
-- `rms_norm(x, weight, eps, gate=None)`: RMSNorm with fp32 math, optionally times sigmoid(gate) (KDA's
-  o_norm), rounded once to x.dtype.
+- `rms_norm(x, weight, eps, gate=None, out_dtype=None)`: RMSNorm with fp32 math, optionally times
+  sigmoid(gate) (KDA's o_norm), rounded once to out_dtype (default x.dtype).
+- `add_rms_norm(x, residual, weight, eps)`: the residual stream's add (rounded to x.dtype as torch's add)
+  and the RMSNorm of the sum in one launch: returns (normed, sum).
 - `attn_res_mix(cands, query, eps)`: K3's block attention-residual mix over n candidate vectors per token.
 
 Why kernels: in a decode step these run on a few rows, where each of the ~8-10 elementwise / reduction
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .ref import attn_res_mix_ref, rms_norm_ref
+from .ref import add_rms_norm_ref, attn_res_mix_ref, rms_norm_ref
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -23,14 +25,31 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight [* sigmoid(gate)] in fp32, returned in x.dtype."""
+    """x [..., D] -> x / sqrt(mean(x^2) + eps) * weight [* sigmoid(gate)] in fp32, returned in out_dtype
+    (default x.dtype)."""
     if _use_triton(x):
         from .triton import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, gate)
-    return rms_norm_ref(x, weight, eps, gate)
+        return rms_norm_triton(x, weight, eps, gate, out_dtype=out_dtype)  # type: ignore[return-value]
+    return rms_norm_ref(x, weight, eps, gate, out_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s, weight, eps), s) for s = x + residual rounded to x.dtype: the same bits as the add and
+    the norm run one after the other, one launch on CUDA."""
+    if _use_triton(x):
+        from .triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual=residual)  # type: ignore[return-value]
+    return add_rms_norm_ref(x, residual, weight, eps)
 
 
 def attn_res_mix(cands: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,4 +61,6 @@ def attn_res_mix(cands: list[torch.Tensor], query: torch.Tensor, eps: float) -> 
     return attn_res_mix_ref(cands, query, eps)
 
 
-__all__ = ["attn_res_mix", "attn_res_mix_ref", "rms_norm", "rms_norm_ref"]
+__all__ = [
+    "add_rms_norm", "add_rms_norm_ref", "attn_res_mix", "attn_res_mix_ref", "rms_norm", "rms_norm_ref",
+]  # fmt: skip

@@ -6,13 +6,25 @@ import torch
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     if gate is not None:
         y = y * torch.sigmoid(gate.float())
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_ref(s), s) for s = x + residual in their dtype (the pre-norm residual stream's add)."""
+    s = x + residual
+    return rms_norm_ref(s, weight, eps), s
 
 
 def attn_res_mix_ref(cands: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,11 +14,14 @@ def _rms_norm_kernel(
     x_ptr,
     w_ptr,
     g_ptr,
+    r_ptr,
+    s_ptr,
     out_ptr,
     R,
     D,
     eps,
     HAS_GATE: tl.constexpr,
+    HAS_RES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -27,7 +30,12 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     offs = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:  # s = x + residual rounded to x's dtype (as torch's add), stored, then normalised
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + offs, x, mask=mask)
+    x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = x * r[:, None] * w[None, :]
@@ -42,28 +50,41 @@ def _warps(block: int) -> int:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_ref / add_rms_norm_ref in one launch (residual given: returns (y, x + residual))."""
     d = x.shape[-1]
     if weight.numel() != d:
         raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x's last dim is {d}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"rms_norm: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
+            f"{tuple(x.shape)} {x.dtype}"
+        )
     if d > MAX_D:
         raise ValueError(f"rms_norm: last dim {d} is over the kernel's {MAX_D}")
     xc = x.contiguous()
-    out = torch.empty_like(xc)
+    out = torch.empty_like(xc, dtype=out_dtype or x.dtype)
+    rc = residual.contiguous() if residual is not None else xc
+    s = torch.empty_like(xc) if residual is not None else xc
     rows = xc.numel() // d if d else 0
-    if rows == 0:
-        return out
-    block = triton.next_power_of_2(d)
-    block_r = max(1, 2048 // block)
-    gc = gate.contiguous() if gate is not None else xc
-    _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
-        xc, weight.contiguous(), gc, out, rows, d, eps, HAS_GATE=gate is not None, BLOCK_R=block_r,
-        BLOCK_D=block, num_warps=_warps(block_r * block),
-    )  # fmt: skip
-    return out
+    if rows > 0:
+        block = triton.next_power_of_2(d)
+        block_r = max(1, 2048 // block)
+        gc = gate.contiguous() if gate is not None else xc
+        _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+            xc, weight.contiguous(), gc, rc, s, out, rows, d, eps, HAS_GATE=gate is not None,
+            HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_D=block, num_warps=_warps(block_r * block),
+        )  # fmt: skip
+    return out if residual is None else (out, s)
 
 
 @triton.jit
