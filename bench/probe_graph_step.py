@@ -17,6 +17,8 @@ quantization); --kimi-linear builds the random Kimi Linear 48B-A3B NVFP4 of benc
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
+--uniform-routing replaces the routers' picks by fixed uniform draws per (layer, row): the random models'
+own routing collapses onto a few experts (the probe prints the distinct experts a step read).
 --compare-overlap also times the graph steps with decode overlap off (EngineConfig.overlap_decode=False;
 mode "no-ovl"; "graphs" rows have it on, the default).
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
@@ -66,9 +68,10 @@ def _engine(
     return LLM.from_model(model, tokenizer, cfg).engine
 
 
-def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list) -> list[tuple]:
+def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list, after=None) -> list[tuple]:
     """Per batch size: (batch, median wall ms per decode step, median GPU ms per replay). `gpu_ms` collects
-    (start, end) CUDA event pairs around each replay (read after the steps: no sync inside them)."""
+    (start, end) CUDA event pairs around each replay (read after the steps: no sync inside them); after(b)
+    runs once each batch size's steps are done."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.8, ignore_eos=True)
     rows = []
@@ -86,7 +89,51 @@ def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list) ->
         torch.cuda.synchronize()
         gpu = statistics.median(a.elapsed_time(b) for a, b in gpu_ms) if gpu_ms else float("nan")
         rows.append((b, statistics.median(walls), gpu))
+        if after is not None:
+            after(b)
     return rows
+
+
+def _uniform_routing(model, rows: int, seed: int = 0) -> None:
+    """Make every router pick, for the i-th row of a step, a fixed set of top-k distinct experts drawn
+    uniformly per (layer, row) (its own logits and weights still computed, the picks replaced): a random
+    model's hidden states collapse, so its own routing sends most batches to the same few experts, which
+    no trained, load-balanced model does. Device tensors only, so the graphs capture it."""
+    from k3run.layers.moe import MoERouter
+
+    g = torch.Generator().manual_seed(seed)
+    for mod in model.modules():
+        if not isinstance(mod, MoERouter):
+            continue
+        e, k = mod.weight.shape[0], mod.cfg.top_k
+        table = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
+        table = table.to(mod.weight.device)
+
+        def forward(x, orig=mod.forward, table=table):
+            w, ids = orig(x)
+            t = ids.shape[0]
+            return w, (table[:t] if t <= table.shape[0] else ids)
+
+        mod.forward = forward  # type: ignore[method-assign]
+
+
+def _distinct_experts(dec, model, batch: int, window: int) -> float:
+    """The mean number of distinct routed experts a MoE layer reads in the static step of `batch` rows, run
+    eagerly on the last step's inputs (the random model's routing is far from uniform, so this, not the
+    uniform expectation, is what the step's expert bytes scale with)."""
+    from k3run.layers.moe import FusedExperts, sync_free_experts
+
+    counts: list[int] = []
+
+    def pre(mod, args):
+        counts.append(int(torch.unique(args[1][:batch]).numel()))
+
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules() if isinstance(m, FusedExperts)]
+    with torch.inference_mode(), sync_free_experts():
+        dec._step(dec.bucket(batch), window)
+    for h in handles:
+        h.remove()
+    return statistics.mean(counts) if counts else float("nan")
 
 
 def _host_profile(engine, sizes: list[int], steps: int, prompt_len: int, top: int) -> None:
@@ -320,6 +367,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS")
     ap.add_argument("--modules", action="store_true", help="per-module GPU time of the static step")
     ap.add_argument("--host", type=int, default=0, metavar="N", help="cProfile of the graph steps (top N)")
+    ap.add_argument(
+        "--uniform-routing", action="store_true", help="router picks drawn uniformly per (layer, row)"
+    )
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     tp = init_distributed()  # TPInfo() without torchrun
@@ -352,6 +402,9 @@ def main() -> None:
         what += f", tensor parallel over {tp.size} ranks ({torch.distributed.get_backend()})"
     tokenizer = load_tokenizer(args.model)
     max_len = args.prompt_len + args.steps + 8
+    if args.uniform_routing:
+        _uniform_routing(model, max(sizes) * args.prompt_len)
+        what += ", uniform routing"
     print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     copy_tbs = _copy_tbs()
     dense, per_layer, n_moe, top_k = _step_bytes(model)
@@ -385,7 +438,12 @@ def main() -> None:
 
         dec.run = timed  # type: ignore[method-assign]
         mode = "graphs" if engine.overlap else "no-ovl"
-        for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms):
+        distinct: dict[int, float] = {}
+
+        def count(b: int, dec=dec, distinct=distinct) -> None:
+            distinct[b] = _distinct_experts(dec, model, b, dec.window(args.prompt_len + args.steps))
+
+        for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms, after=count):
             roof = roofline_tok_s(model, b, copy_tbs)
             tok_s = b / wall * 1e3
             print(
@@ -393,6 +451,17 @@ def main() -> None:
                 f"{tok_s / roof:>7.1%}"
             )
         dec.run = replay  # type: ignore[method-assign]
+        from k3run.layers.moe import FusedExperts
+
+        experts = next(m.num_local for m in model.modules() if isinstance(m, FusedExperts))
+        _, _, _, top_k = _step_bytes(model)
+        print(
+            "distinct routed experts per MoE layer in the last step (uniform routing's expectation): "
+            + ", ".join(
+                f"batch {b} {d:.1f} ({experts * (1 - (1 - top_k / experts) ** b):.1f})"
+                for b, d in distinct.items()
+            )
+        )
     if args.host:
         _host_profile(engine, sizes, args.steps, args.prompt_len, args.host)
     if args.profile:

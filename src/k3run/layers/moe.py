@@ -988,9 +988,10 @@ def by_expert_tile(tokens: int) -> int:
 
 
 def _local_ids(ids: torch.Tensor, first: int) -> torch.Tensor:
-    """The picks' local expert ids [T * A] int32 (outside [0, num_local): another rank's expert)."""
+    """The picks' local expert ids [T * A] in ids' dtype (outside [0, num_local): another rank's expert);
+    the kernels read int32 or int64, so rank 0 needs no launch at all."""
     flat = ids.reshape(-1)
-    return (flat if first == 0 else flat - first).to(torch.int32)
+    return flat if first == 0 else flat - first
 
 
 def _fused_experts_grouped(
