@@ -24,8 +24,11 @@ import torch
 
 T = TypeVar("T")
 
-# tokens up to which a branch runs beside the chain; above, each launch fills the GPU on its own
-SIDE_MAX_TOKENS = 128
+# tokens up to which a branch runs beside the chain. H200, full-depth Kimi Linear (bench/NOTES.md, session
+# 24): the branches take 0.45 ms off a 2.5 ms step at batch 1 and 0.4 ms off 4.0 ms at batch 8, but at batch
+# 32 the shared experts' GEMVs, sharing the SMs, stretch the router's cuBLAS GEMM 4x and the step ran 1%
+# slower than inline
+SIDE_MAX_TOKENS = 16
 ENABLED = os.environ.get("K3RUN_SIDE_STREAM", "1") != "0"
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
