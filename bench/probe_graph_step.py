@@ -197,13 +197,19 @@ def _step_bytes(model) -> tuple[float, float, int, int]:
     return dense, experts / max(n_moe, 1), n_moe, top_k
 
 
-def roofline_tok_s(model, batch: int, copy_tbs: float) -> float:
-    """Decode tokens/s if a step took only its weight reads at the copy bandwidth (TB/s)."""
-    dense, per_layer, n_moe, top_k = _step_bytes(model)
+def _expected_distinct(model, batch: int) -> tuple[float, int]:
+    """(experts one MoE layer reads per step when each token picks top_k of them uniformly, local experts)."""
     from k3run.layers.moe import FusedExperts
 
+    top_k = _step_bytes(model)[3]
     num = next(m.num_local for m in model.modules() if isinstance(m, FusedExperts))
-    distinct = num * (1 - (1 - top_k / num) ** batch) if num else 0.0  # expected experts hit per layer
+    return (num * (1 - (1 - top_k / num) ** batch) if num else 0.0), num
+
+
+def roofline_tok_s(model, batch: int, copy_tbs: float) -> float:
+    """Decode tokens/s if a step took only its weight reads at the copy bandwidth (TB/s)."""
+    dense, per_layer, n_moe, _ = _step_bytes(model)
+    distinct, num = _expected_distinct(model, batch)
     step_bytes = dense + n_moe * per_layer * distinct / max(num, 1)
     return batch / (step_bytes / (copy_tbs * 1e12))
 
@@ -451,15 +457,10 @@ def main() -> None:
                 f"{tok_s / roof:>7.1%}"
             )
         dec.run = replay  # type: ignore[method-assign]
-        from k3run.layers.moe import FusedExperts
-
-        experts = next(m.num_local for m in model.modules() if isinstance(m, FusedExperts))
-        _, _, _, top_k = _step_bytes(model)
         print(
             "distinct routed experts per MoE layer in the last step (uniform routing's expectation): "
             + ", ".join(
-                f"batch {b} {d:.1f} ({experts * (1 - (1 - top_k / experts) ** b):.1f})"
-                for b, d in distinct.items()
+                f"batch {b} {d:.1f} ({_expected_distinct(model, b)[0]:.1f})" for b, d in distinct.items()
             )
         )
     if args.host:
