@@ -1,0 +1,217 @@
+"""The NVFP4 wgmma GEMM (kernels/nvfp4_gemm/wgmma.py) beside today's paths, cuBLAS bf16 and Marlin INT4.
+
+Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
+(bench_linear.graph_ms): wgmma with its default config and the best of a small config sweep; k3run's auto
+choice (quant.schemes.nvfp4_gemm: decode kernel / tile GEMM / dequantize + cuBLAS); the Triton tile GEMM;
+cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, built in the background while the rest runs; only when
+its folder is given). The ceiling per cell: max(weight bytes at the copy bandwidth measured in the same run,
+FLOPs at 989 TFLOP/s, the H200's dense bf16 peak). Relative RMS of the wgmma output against the fp32
+reference on every cell.
+
+    PYTHONPATH=src python3 bench/bench_wgmma.py [--shapes 7168x7168,...] [--ms 16,64,256] [--peers .peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
+
+PEAK_BF16 = 989e12
+
+
+def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+    from k3run.kernels.nvfp4_gemm import sm_count
+    from k3run.kernels.nvfp4_gemm.wgmma import _SMEM_BUDGET, smem_bytes, wgmma_config
+
+    chunks = -(-k // 128)
+    base = wgmma_config(m, n, k, sm_count(0))
+    out = {base}
+    bts = {base[1], min(256, 2 * base[1])} if m > 128 else {base[1]}
+    for bn in (64, 128):
+        for bt in sorted(bts):
+            for split in (1, 2, 4, 8):
+                if chunks % split or chunks // split < 2:
+                    continue
+                stages = max(s for s in range(3, 9) if smem_bytes(bn, bt, s) <= _SMEM_BUDGET or s == 3)
+                if smem_bytes(bn, bt, stages) <= _SMEM_BUDGET:
+                    out.add((bn, bt, split, stages))
+    return sorted(out)
+
+
+def _weights(n: int, k: int, copies: int):
+    from k3run.formats import dequantize_nvfp4, quantize_nvfp4
+    from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    q = quantize_nvfp4(w)
+    wd = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float32)
+    pw = prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2, layout="tiled128")
+    import dataclasses
+
+    ws = [pw] + [
+        dataclasses.replace(pw, weight=pw.weight.clone(), scale_bits=pw.scale_bits.clone())
+        for _ in range(copies - 1)
+    ]
+    return w, wd, ws
+
+
+def _time(fn_for, copies: int, est_ms: float) -> float:
+    """us per call of fn_for(i)() round-robin over the copies i."""
+    return graph_ms([fn_for(i) for i in range(copies)], est_ms) * 1e3
+
+
+def _wg(x, ws, k: int, n: int, cfg):
+    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
+
+    return lambda i: (
+        lambda: nvfp4_wgmma_gemm(x, ws[i].weight, ws[i].scale_bits, ws[i].global_scale, k, n, config=cfg)
+    )
+
+
+def _auto(x, ws):
+    from k3run.quant.schemes import nvfp4_gemm
+
+    return lambda i: lambda: nvfp4_gemm(x, ws[i])
+
+
+def _tile(x, ws, k: int, n: int):
+    from k3run.kernels.nvfp4_gemm.tile import nvfp4_tile_gemm
+
+    return lambda i: lambda: nvfp4_tile_gemm(x, ws[i].weight, ws[i].scale_bits, ws[i].global_scale, k, n)
+
+
+def _cublas(x, wb):
+    return lambda i: lambda: x @ wb[i].t()
+
+
+def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -> dict:
+    """One (shape, M): wgmma default and over `sweep`, auto, tile, cuBLAS, the ceiling."""
+    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
+
+    wbytes = n * k * (0.5 + 1 / 16)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ wd.t()
+    r = {"shape": f"{n}x{k}", "m": m, "flops": 2 * m * n * k}
+    y = nvfp4_wgmma_gemm(x, ws[0].weight, ws[0].scale_bits, ws[0].global_scale, k, n)
+    r["err"] = float((y.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    r["wgmma"] = _time(_wg(x, ws, k, n, None), len(ws), 0.05)
+    best = (r["wgmma"], None)
+    for cfg in sweep:
+        try:
+            t = _time(_wg(x, ws, k, n, cfg), len(ws), 0.05)
+        except Exception as e:  # noqa: BLE001 - a config that fails to build is reported, not fatal
+            print(f"  config {cfg}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if t < best[0]:
+            best = (t, cfg)
+    r["wgmma_best"], r["best_cfg"] = best
+    r["auto"] = _time(_auto(x, ws), len(ws), 0.05)
+    if m > 16:
+        r["tile"] = _time(_tile(x, ws, k, n), len(ws), 0.05)
+    r["cublas"] = _time(_cublas(x, wb), len(wb), 0.05)
+    r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
+    print(
+        f"{n:>5}x{k:<5} M={m:<5} wgmma {r['wgmma']:8.1f} (best {best[0]:8.1f} {best[1]}) "
+        f"auto {r['auto']:8.1f} tile {r.get('tile', float('nan')):8.1f} cuBLAS {r['cublas']:8.1f} "
+        f"ceiling {r['ceiling']:7.1f} | {r['flops'] / best[0] / 1e6:6.1f} TFLOP/s err {r['err']:.1e}",
+        flush=True,
+    )
+    return r
+
+
+def _marlin_pass(peers: str, shapes, rows: list[dict]) -> None:
+    """Marlin beside the best wgmma config and the auto path, in one pass per shape (M <= 256)."""
+    sys.path.insert(0, peers)
+    import gemm_peers
+    import marlin_build
+
+    mod, info = marlin_build.load()
+    print("marlin build:", {k_: v for k_, v in info.items() if k_ != "attempts"})
+    if mod is None:
+        return
+    for n, k in shapes:
+        c = gemm_peers.setup_marlin(
+            gemm_peers.weight_for(n, k), copies_for(n * k * 0.5), mod, info["stream_arg"]
+        )
+        _, _, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
+        for r in rows:
+            if r["shape"] != f"{n}x{k}" or r["m"] > 256:
+                continue
+            xh = torch.randn(r["m"], k, device="cuda").to(torch.float16)
+            xb = xh.to(torch.bfloat16)
+            r["marlin"] = _time(lambda i, c=c, xh=xh: lambda: c.run(xh, c.copies[i]), len(c.copies), 0.05)
+            r["wgmma2"] = _time(_wg(xb, ws, k, n, r["best_cfg"]), len(ws), 0.05)
+            r["auto2"] = _time(_auto(xb, ws), len(ws), 0.05)
+        del c, ws
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="7168x7168,12288x7168,7168x12288")
+    ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
+    ap.add_argument("--peers", default="", help="the peers folder (marlin_build.py, gemm_peers.py)")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    build = None
+    if args.peers:
+        log = open(Path(os.environ.get("OUT", "/tmp")) / "marlin_build.log", "w")
+        build = subprocess.Popen(
+            [sys.executable, str(Path(args.peers) / "marlin_build.py")], stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, MAX_JOBS="4"),
+        )  # fmt: skip
+    copy_tbs = copy_bandwidth()
+    print(
+        f"{torch.cuda.get_device_name()}, copy {copy_tbs:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s"
+    )
+    rows: list[dict] = []
+    best_of: dict[int, tuple] = {}
+    for n, k in shapes:
+        w, wd, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
+        wb = [w.to(torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        first = (n, k) == shapes[
+            0
+        ]  # the sweep on the first shape (compiles are per K); the rest try its best
+        for m in ms:
+            sweep = (
+                [] if args.no_sweep else _sweep(m, n, k) if first else [best_of[m]] if m in best_of else []
+            )
+            r = _cell(n, k, m, w, wd, ws, wb, copy_tbs, sweep)
+            if first and r["best_cfg"] is not None:
+                best_of[m] = r["best_cfg"]
+            rows.append(r)
+        del ws, wb
+        torch.cuda.empty_cache()
+    if build is not None:
+        build.wait()
+        _marlin_pass(args.peers, shapes, rows)
+    print()
+    print(
+        "| N x K | M | wgmma default us | wgmma best us (config) | auto us | tile us | cuBLAS bf16 us | "
+        "Marlin us (same pass: wgmma best / auto) | ceiling us | wgmma best TFLOP/s | x Marlin | x cuBLAS | "
+        "x auto | rel RMS |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mar = f"{r['marlin']:.1f} ({r['wgmma2']:.1f} / {r['auto2']:.1f})" if "marlin" in r else "-"
+        xm = f"{r['marlin'] / r['wgmma2']:.2f}" if "marlin" in r else "-"
+        print(
+            f"| {r['shape']} | {r['m']} | {r['wgmma']:.1f} | {r['wgmma_best']:.1f} {r['best_cfg']} | "
+            f"{r['auto']:.1f} | {r.get('tile', float('nan')):.1f} | {r['cublas']:.1f} | {mar} | "
+            f"{r['ceiling']:.1f} | {r['flops'] / r['wgmma_best'] / 1e6:.0f} | {xm} | "
+            f"{r['cublas'] / r['wgmma_best']:.2f} | {r['auto'] / r['wgmma_best']:.2f} | {r['err']:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""NVFP4 W4A16 GEMM on Hopper's wgmma (Gluon, sm_90): many rows per weight, dense linears.
+
+y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumulation, one rounding to x's
+dtype at the end; W in the tiled128 layout (package __init__: `tile_split128`), the decode kernels' layout.
+
+Swapped, as the decode kernels: acc[n, t] = sum_k W[n, k] x[t, k], so the weights are wgmma's A operand (M =
+64 weight rows per warpgroup, BN = 64 or 128) and a tile of BT tokens its B operand (N = BT, 16..256), so
+a few dozen tokens fill an instruction. One program owns a [BN, BT] output tile (a K range of it with
+split-K) and walks K in 128-wide chunks:
+- x: the chunk's [BT, 128] slice is copied by cp.async into a ring of STAGES shared-memory slots (the 128-byte
+  swizzled layout wgmma reads), STAGES - 2 chunks ahead; token rows past M re-read row M - 1 (never stored).
+- W: the chunk's tiled128 words ([BN, 16] int32, 16-byte loads) and E4M3 scale pairs are loaded into
+  registers two chunks ahead, decoded by the decode kernels' shift PTX (`tile.word_asm`: weights come out as
+  e2m1 * s * 2^-7, exact in 16 bits) and stored as two [BN, 64] operand tiles (k 0..63 and 64..127) into one
+  of two shared-memory buffers.
+- Two asynchronous wgmma per chunk; the program waits only for the previous chunk's, so chunk c's MMAs run
+  while chunk c + 1 is decoded. Each warpgroup decodes exactly the 64 rows its own wgmma reads, so its wait
+  alone frees its decode buffer; the x slot refilled in chunk c is chunk c - 2's, which every warpgroup has
+  finished with by the barrier of chunk c.
+- Epilogue: the global scale times 2^7, the bias, the store (through a layout whose threads own 8
+  consecutive n of a token row). Split-K: the programs of a tile write fp32 partials; the last to arrive
+  (an acq_rel counter) sums them in a fixed order, finishes the tile and resets the counter.
+The roundings are the fp32 tensor-core sums and the output cast, as in the decode and tile kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_gemv import SHIFT_OUT_SCALE, _counters
+from .tile import _check_tiled, word_asm
+
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@gluon.jit
+def _halves16(o, DT: gl.constexpr):
+    """uint32 packed pairs -> (low, high) 16-bit floats of type DT."""
+    lo = (o & 0xFFFF).to(gl.uint16).to(DT, bitcast=True)
+    hi = (o >> 16).to(gl.uint16).to(DT, bitcast=True)
+    return lo, hi
+
+
+@gluon.jit
+def _load_w(w_ptrs, s_ptrs, w_ok, s_ok, c, NCH: gl.constexpr):
+    """Chunk c's words [BN, 4, 4] and scale pairs [BN, 4, 1] (zeros past the last chunk and the rows)."""
+    ok = c < NCH
+    q = gl.load(w_ptrs + c * 256, mask=w_ok & ok, other=0)
+    sp = gl.load(s_ptrs + c * 64, mask=s_ok & ok, other=0).to(gl.int32)
+    return q, sp
+
+
+@gluon.jit
+def _issue_x(x_smem, x_ptrs, kx, c, NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
+    """cp.async x[:, 128c ..] into ring slot c % STAGES (nothing past the last chunk; zeros past K)."""
+    if c < NCH:
+        slot = (c % STAGES) * 2
+        if K == K_PAD:
+            _async_load(x_smem.index(slot), x_ptrs + c * 128)
+            _async_load(x_smem.index(slot + 1), x_ptrs + (c * 128 + 64))
+        else:
+            _async_load(x_smem.index(slot), x_ptrs + c * 128, mask=kx + c * 128 < K)
+            _async_load(x_smem.index(slot + 1), x_ptrs + (c * 128 + 64), mask=kx + (c * 128 + 64) < K)
+    async_copy.commit_group()  # an empty group past the end keeps the wait counts uniform
+
+
+@gluon.jit
+def _chunk(
+    acc, q, sp, c, buf: gl.constexpr, x_smem, a_smem, x_ptrs, kx, BN: gl.constexpr, NCH: gl.constexpr,
+    K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr,
+):  # fmt: skip
+    """Decode chunk c into A buffer `buf`, wait for its x slot, issue its two wgmma, refill the slot of chunk
+    c - 2, then wait until only this chunk's wgmma are in flight."""
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(
+        asm=ASM, constraints="=r,=r,=r,=r,r,r", args=[q, sp],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1,
+    )  # fmt: skip
+    a0, a1 = _halves16(o0, DT)
+    b0, b1 = _halves16(o1, DT)
+    c0, c1 = _halves16(o2, DT)
+    d0, d1 = _halves16(o3, DT)
+    # word w = 4g + i holds k = 4w .. 4w + 3 in (a0, a1, b0, b1) and 64 + 4w .. in (c0, c1, d0, d1):
+    # [.., p, e] -> k = 4w + 2p + e
+    w_lo = gl.reshape(gl.join(gl.join(a0, b0), gl.join(a1, b1)), [BN, 64])
+    w_hi = gl.reshape(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [BN, 64])
+    a_smem.index(2 * buf).store(w_lo)
+    a_smem.index(2 * buf + 1).store(w_hi)
+    async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
+    fence_async_shared()  # the decoded tile and the copies, visible to the tensor cores
+    _cta_barrier()  # ... everyone's; and every warpgroup is done with chunk c - 2's x slot
+    _issue_x(x_smem, x_ptrs, kx, c + STAGES - 2, NCH, K, K_PAD, STAGES)
+    slot = (c % STAGES) * 2
+    acc = warpgroup_mma(a_smem.index(2 * buf), x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a_smem.index(2 * buf + 1), x_smem.index(slot + 1).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=2, deps=[acc])
+
+
+@gluon.jit
+def _wgmma_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, N_PAD, stride_xm, stride_ym,
+    K: gl.constexpr, K_PAD: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
+    STAGES: gl.constexpr, PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr,
+    OUT_SCALE: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LO: gl.constexpr,
+    XS: gl.constexpr, AS: gl.constexpr,
+):  # fmt: skip
+    CH: gl.constexpr = K_PAD // 128
+    NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    n_tiles = gl.cdiv(N, BN)
+    pid = gl.program_id(0)
+    pid_n = pid % n_tiles  # consecutive programs share the token tile (x is the larger operand)
+    pid_t = pid // n_tiles
+    pid_k = gl.program_id(1)
+    c0 = pid_k * NCH  # first chunk of this program
+
+    # ---- W: words [BN, 4 (group), 4 (word in group)] and the group's scale pair [BN, 4, 1]
+    L_R: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))
+    L_G: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LW))
+    L_I: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, LW))
+    rows = pid_n * BN + gl.arange(0, BN, layout=L_R)
+    r3 = gl.expand_dims(gl.expand_dims(rows, 1), 2)  # [BN, 1, 1]
+    g3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=L_G), 0), 2)  # [1, 4, 1]
+    i3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=L_I), 0), 1)  # [1, 1, 4]
+    rb = (r3 // 16).to(gl.int64)
+    r16 = r3 % 16
+    w_ptrs = w_ptr + ((rb * CH + c0) * 256 + r16 * 16 + g3 * 4 + i3)  # int32 words (tiled128 blocks)
+    # group g's scale pair: uint16 (g % 2) * 2 + g // 2 of the row's 4 (TILED_SCALE_ORDER)
+    s_ptrs = s_ptr + ((rb * CH + c0) * 64 + r16 * 4 + (g3 % 2) * 2 + g3 // 2)
+    s_ok = (r3 < N_PAD) & (g3 >= 0)  # the rows the tiled weight holds
+    w_ok = s_ok & (i3 >= 0)
+
+    # ---- x: [BT, 64] halves, 8 consecutive k per thread (16-byte copies)
+    t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
+    kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0)  # [1, 64]
+    trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
+    x_ptrs = x_ptr + (trow * stride_xm + c0 * 128 + kx)
+    kx = kx + c0 * 128 + (trow * 0).to(gl.int32)  # [BT, 64]: absolute k, for the K tail mask
+
+    x_smem = gl.allocate_shared_memory(DT, [2 * STAGES, BT, 64], XS)
+    a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], AS)
+    for st in gl.static_range(STAGES - 2):
+        _issue_x(x_smem, x_ptrs, kx, st, NCH, K, K_PAD, STAGES)
+    q0, sp0 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, 0, NCH)
+    q1, sp1 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, 1, NCH)
+    acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
+    # two chunks per trip (A buffers 0 / 1; register slots q0 / q1, each refilled two chunks ahead)
+    for c in range(0, NCH - 1, 2):
+        acc = _chunk(acc, q0, sp0, c, 0, x_smem, a_smem, x_ptrs, kx, BN, NCH, K, K_PAD, STAGES, ASM, DT)
+        q0, sp0 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, c + 2, NCH)
+        acc = _chunk(acc, q1, sp1, c + 1, 1, x_smem, a_smem, x_ptrs, kx, BN, NCH, K, K_PAD, STAGES, ASM, DT)
+        q1, sp1 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, c + 3, NCH)
+    if NCH % 2 == 1:
+        acc = _chunk(acc, q0, sp0, NCH - 1, 0, x_smem, a_smem, x_ptrs, kx, BN, NCH, K, K_PAD, STAGES, ASM, DT)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    async_copy.wait_group(0)
+
+    out = gl.convert_layout(acc, LO)
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
+    t_idx = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, LO))
+    n2 = gl.expand_dims(n_idx, 1)
+    t2 = gl.expand_dims(t_idx, 0)
+    if SPLIT_K > 1:
+        # partials [SPLIT_K, tiles, BN, BT]; the tile's counter is cnt[pid]
+        tile_off = pid.to(gl.int64) * (BN * BT)
+        loc = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, LO)), 1) * BT + gl.expand_dims(
+            gl.arange(0, BT, layout=gl.SliceLayout(0, LO)), 0
+        )
+        stride_k = gl.num_programs(0).to(gl.int64) * (BN * BT)
+        gl.store(ws_ptr + (pid_k * stride_k + tile_off) + loc, out)
+        _cta_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            out = gl.zeros([BN, BT], gl.float32, layout=LO)
+            for sk in gl.static_range(SPLIT_K):
+                out += gl.load(ws_ptr + (sk * stride_k + tile_off) + loc, cache_modifier=".cg")
+            gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _finish(
+                out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_GS, HAS_BIAS, OUT_SCALE
+            )
+    else:
+        _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_GS, HAS_BIAS, OUT_SCALE)
+
+
+@gluon.jit
+def _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_GS: gl.constexpr,
+            HAS_BIAS: gl.constexpr, OUT_SCALE: gl.constexpr):  # fmt: skip
+    n_ok = n_idx < N
+    if PER_COL_GS:
+        out = out * gl.expand_dims(gl.load(gs_ptr + n_idx, mask=n_ok, other=0.0) * OUT_SCALE, 1)
+    else:
+        out = out * (gl.load(gs_ptr) * OUT_SCALE)
+    if HAS_BIAS:
+        out += gl.expand_dims(gl.load(b_ptr + n_idx, mask=n_ok, other=0.0).to(gl.float32), 1)
+    ok = (n2 < N) & (t2 < M)
+    gl.store(y_ptr + t2.to(gl.int64) * stride_ym + n2, out.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def layouts(bn: int, bt: int):
+    """(words [BN, 4, 4], x copies [BT, 64], accumulator, epilogue [BN, BT], x slot and A buffer shared
+    layouts) for a program of BN // 16 warps."""
+    warps = bn // 16
+    # 16 consecutive rows per warp (2 per thread), 4 words per thread: warpgroup j decodes rows 64j .. 64j+63
+    lw = gl.BlockedLayout([2, 1, 4], [8, 4, 1], [warps, 1, 1], [2, 1, 0])
+    lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bt, 16])
+    tn = min(32, bn // 8)
+    lo = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, warps], [0, 1])
+    xs = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return lw, lx, acc, lo, xs, xs
+
+
+def wgmma_available(device: torch.device) -> bool:
+    """sm_90 exactly (wgmma; Blackwell has other tensor-core instructions)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# (BN, BT) tiles and stages the launcher picks from; see `wgmma_config`
+_SMEM_BUDGET = 220 * 1024
+
+
+def smem_bytes(bn: int, bt: int, stages: int) -> int:
+    """Shared memory of one program: the x ring and the two decoded A buffers (16-bit)."""
+    return 2 * stages * bt * 64 * 2 + 4 * bn * 64 * 2
+
+
+@functools.cache
+def wgmma_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(BN, BT, split_k, stages) for a call of m rows: the token tile is the smallest of 16 / 32 / 64 / 128
+    holding m (128 beyond: wider tiles hold more accumulators than the decode leaves room for); 128 weight
+    rows per program (two warpgroups share each x slot) unless that leaves under half the SMs busy; split-K
+    (a divisor of the chunk count, <= 8) until the programs fill the SMs once; the deepest ring that fits."""
+    bt = next((b for b in (16, 32, 64, 128) if m <= b), 128)
+    tiles_t = -(-m // bt)
+    bn = 128 if -(-n // 128) * tiles_t >= sms // 2 else 64
+    programs = -(-n // bn) * tiles_t
+    chunks = -(-k // 128)
+    split = 1
+    for d in range(2, 9):
+        if chunks % d == 0 and chunks // d >= 4 and programs * split < sms:
+            split = d
+    stages = 3
+    while stages < 8 and smem_bytes(bn, bt, stages + 1) <= _SMEM_BUDGET:
+        stages += 1
+    return bn, bt, split, stages
+
+
+def nvfp4_wgmma_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    k: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
+    tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
+    config: (BN 64 | 128, BT 16..256 a multiple of 16, split_k dividing the 128-wide chunks, stages >= 3);
+    default `wgmma_config`."""
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"nvfp4 wgmma gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    if not x.is_cuda or not wgmma_available(x.device):
+        raise ValueError(f"nvfp4 wgmma gemm: needs an sm_90 GPU, got {x.device}")
+    if x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("nvfp4 wgmma gemm input: rows must start 16-byte aligned (stride a multiple of 8)")
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    _check_tiled(weight, scale_u8, global_scale, k, n, n_pad, k_pad, "nvfp4 wgmma gemm")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"nvfp4 wgmma gemm: bias must be contiguous [{n}], got {tuple(bias.shape)}")
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    from . import sm_count
+
+    bn, bt, split, stages = config or wgmma_config(m, n, k, sm_count(x.device.index or 0))
+    chunks = k_pad // 128
+    if bn not in (64, 128) or bt % 16 or not 16 <= bt <= 256 or chunks % split or stages < 3:
+        raise ValueError(f"nvfp4 wgmma gemm: bad config {(bn, bt, split, stages)} for {chunks} chunks")
+    grid = (triton.cdiv(n, bn) * triton.cdiv(m, bt), split)
+    if split > 1:
+        ws = torch.empty((split, grid[0], bn, bt), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid[0])
+    else:
+        ws, cnt = y, y
+    lw, lx, acc, lo, xs, as_ = layouts(bn, bt)
+    _wgmma_kernel[grid](
+        x, weight.view(torch.int32), scale_u8.view(torch.int16), global_scale,
+        bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
+        K=k, K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
+        HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
+        OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=as_, num_warps=bn // 16,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,142 @@
+"""The NVFP4 wgmma GEMM (kernels/nvfp4_gemm/wgmma.py) against the fp32 reference, and its sm_90 compile on
+the CPU.
+
+Error bound (elementwise, from the dtypes; the argument of test_nvfp4_tile.py): the decoded weights are exact
+in 16-bit floats, so every product x_k * w_k is exact in fp32 and the kernel and the reference differ only in
+the order of K fp32 additions (split-K adds one more level of fixed-order fp32 sums): |out - ref| <=
+3 K u (|x| @ |W|^T) |gs| + one output ulp (the single rounding to the 16-bit output dtype).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+from k3run.formats import dequantize_nvfp4
+from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
+from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
+
+wg = pytest.importorskip("k3run.kernels.nvfp4_gemm.wgmma")
+
+
+def _case(m, n, k, dtype, per_row, bias, config=None, seed=0):
+    from k3run.testing import assert_within
+
+    w, s, gs = _random_nvfp4(n, k, "cuda", per_row, seed=seed + m * 7 + n + k)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    g = torch.Generator(device="cuda").manual_seed(seed + m)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    out = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config)
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    if b is not None:
+        ref = ref + b.float()
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_within(f"wgmma gemm {m}x{n}x{k} {dtype} {config}", ref, out, _bound(x, wd, gs, ref, dtype))
+
+
+def _need_sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64, 100, 255, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_odd_shapes(poison_empty, m: int, dtype: torch.dtype) -> None:
+    """Odd M (token tiles with rows past M), N not a multiple of the row block (200: padded to 208 rows,
+    the last program past them), K = 336 (pads to 384: the K tail masked), per-row scales and a bias."""
+    _need_sm90()
+    _case(m, 200, 336, dtype, per_row=m % 2 == 0, bias=m in (17, 255))
+    _case(m, 1024, 1024, dtype, per_row=False, bias=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [(64, 16, 1, 3), (128, 32, 4, 5), (64, 64, 3, 8), (128, 128, 2, 4), (128, 256, 1, 3), (64, 48, 6, 4)],
+)
+def test_gpu_configs(poison_empty, config) -> None:
+    """Every program shape the launcher may take, split-K (fixed-order partial sums) among them, over K of
+    6 chunks (one chunk per program at split 6: the odd tail of the two-chunk loop alone)."""
+    _need_sm90()
+    _case(150, 328, 720, torch.bfloat16, per_row=True, bias=True, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_is_deterministic() -> None:
+    """The last program of a tile sums the partials in a fixed order: two runs give the same bits."""
+    _need_sm90()
+    w, s, gs = _random_nvfp4(512, 2048, "cuda", False, seed=3)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(40, 2048, device="cuda").to(torch.bfloat16)
+    cfg = (128, 64, 8, 4)
+    y1 = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, 512, config=cfg)
+    y2 = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, 512, config=cfg)
+    assert torch.equal(y1, y2)
+
+
+def test_refuses_bad_input_and_config() -> None:
+    w = torch.zeros(32, 64, dtype=torch.uint8)
+    s = torch.zeros(32, 8, dtype=torch.uint8)
+    gs = torch.ones(1)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        wg.nvfp4_wgmma_gemm(torch.zeros(4, 128), w, s, gs, 128, 32)
+    with pytest.raises(ValueError, match="sm_90"):
+        wg.nvfp4_wgmma_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), w, s, gs, 128, 32)
+
+
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 7168, 7168), (64, 7168, 7168), (256, 12288, 7168), (4096, 7168, 12288)]
+)
+def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None:
+    bn, bt, split, stages = wg.wgmma_config(m, n, k, 132)
+    assert bn in (64, 128) and bt >= min(m, 128) and (k // 128) % split == 0 and stages >= 3
+    assert wg.smem_bytes(bn, bt, stages) <= 227 * 1024
+
+
+def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from k3run.kernels.nvfp4_gemm.tile import word_asm
+
+    triton = pytest.importorskip("triton")
+    lw, lx, acc, lo, xs, as_ = wg.layouts(bn, bt)
+    consts = dict(
+        K=k, K_PAD=-(-k // 128) * 128, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=True,
+        HAS_BIAS=True, ASM=word_asm(dtype), OUT_SCALE=128.0, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=as_,
+    )  # fmt: skip
+    ptrs = dict(
+        x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i16", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
+        ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", N_PAD="i32", stride_xm="i32", stride_ym="i32",
+    )  # fmt: skip
+    order = list(inspect.signature(wg._wgmma_kernel.fn).parameters)
+    sig = {name: ("constexpr" if name in consts else ptrs[name]) for name in order}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(order) if name.endswith("_ptr")}
+    attrs.update({(order.index(s),): [["tt.divisibility", 16]] for s in ("stride_xm", "stride_ym")})
+    src = GluonASTSource(wg._wgmma_kernel, sig, {(order.index(c),): v for c, v in consts.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": bn // 16})
+
+
+@pytest.mark.parametrize(
+    "bn, bt, split, stages, k, dtype",
+    [(128, 128, 1, 4, 7168, "bf16"), (64, 32, 4, 8, 3600, "fp16"), (128, 16, 2, 8, 2304, "bf16")],
+)
+def test_compiles_for_sm90_with_async_wgmma_and_no_spills(bn, bt, split, stages, k, dtype) -> None:
+    """Two async wgmma per chunk, waited down to the newest chunk's (not to zero) inside the loop, the decoded
+    tile stored as 16-byte vectors, and no local memory."""
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    ck = _compile(bn, bt, split, stages, k, dtype)
+    ptx = ck.asm["ptx"]
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bt}k16", ptx)
+    assert "wgmma.wait_group.sync.aligned 2;" in ptx
+    assert re.search(r"st\.shared\.v4\.b32", ptx)
+    res, _ = cubin_usage_and_sass(ck)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None and int(use.group(2)) == 0, res
