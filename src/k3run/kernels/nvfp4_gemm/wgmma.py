@@ -54,36 +54,34 @@ def _halves16(o, DT: gl.constexpr):
 
 
 @gluon.jit
-def _load_w(w_ptrs, s_ptrs, w_ok, s_ok, c, NCH: gl.constexpr):
-    """Chunk c's words [BN, 4, 4] and scale pairs [BN, 4, 1] (zeros past the last chunk and the rows)."""
-    ok = c < NCH
-    q = gl.load(w_ptrs + c * 256, mask=w_ok & ok, other=0)
-    sp = gl.load(s_ptrs + c * 64, mask=s_ok & ok, other=0).to(gl.int32)
-    return q, sp
-
-
-@gluon.jit
-def _issue_x(x_smem, x_ptrs, kx, c, NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr,
-             STAGES: gl.constexpr):  # fmt: skip
-    """cp.async x[:, 128c ..] into ring slot c % STAGES (nothing past the last chunk; zeros past K)."""
+def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexpr, K: gl.constexpr,
+           K_PAD: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """cp.async chunk c (x[:, 128c ..] halves, the words, the scale words) into ring slot c % STAGES; nothing
+    past the last chunk. x has K_PAD columns (the launcher pads a narrower x)."""
     if c < NCH:
-        slot = (c % STAGES) * 2
-        if K == K_PAD:
-            _async_load(x_smem.index(slot), x_ptrs + c * 128)
-            _async_load(x_smem.index(slot + 1), x_ptrs + (c * 128 + 64))
-        else:
-            _async_load(x_smem.index(slot), x_ptrs + c * 128, mask=kx + c * 128 < K)
-            _async_load(x_smem.index(slot + 1), x_ptrs + (c * 128 + 64), mask=kx + (c * 128 + 64) < K)
+        st = c % STAGES
+        _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
+        _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
+        _async_load(w_smem.index(st), w_src + c * 256)
+        _async_load(s_smem.index(st), s_src + c * 32)
     async_copy.commit_group()  # an empty group past the end keeps the wait counts uniform
 
 
 @gluon.jit
 def _chunk(
-    acc, q, sp, c, buf: gl.constexpr, x_smem, a_smem, x_ptrs, kx, BN: gl.constexpr, NCH: gl.constexpr,
-    K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr,
+    acc, c, buf: gl.constexpr, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4,
+    BN: gl.constexpr, NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr,
+    ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr,
 ):  # fmt: skip
-    """Decode chunk c into A buffer `buf`, wait for its x slot, issue its two wgmma, refill the slot of chunk
-    c - 2, then wait until only this chunk's wgmma are in flight."""
+    """Wait for chunk c's slot, decode chunk c into A buffer `buf`, refill the slot of chunk c - 2, issue the
+    chunk's two wgmma, then wait until only they are in flight."""
+    async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
+    fence_async_shared()  # ... visible to the tensor cores (x)
+    _cta_barrier()  # everyone's
+    st = c % STAGES
+    q = w_smem.index(st).reshape([BN, 2, 2, 4]).load(LW)  # word 8h + 4j + i of each row
+    sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)  # [BN, 1, 2, 1]: scale word j
+    sp = (sw >> (h4 * 16)) & 0xFFFF  # group 2h + j's pair: word j, half h (TILED_SCALE_ORDER)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         asm=ASM, constraints="=r,=r,=r,=r,r,r", args=[q, sp],
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1,
@@ -92,19 +90,20 @@ def _chunk(
     b0, b1 = _halves16(o1, DT)
     c0, c1 = _halves16(o2, DT)
     d0, d1 = _halves16(o3, DT)
-    # word w = 4g + i holds k = 4w .. 4w + 3 in (a0, a1, b0, b1) and 64 + 4w .. in (c0, c1, d0, d1):
-    # [.., p, e] -> k = 4w + 2p + e
+    # word w holds k = 4w .. 4w + 3 in (a0, a1, b0, b1) and 64 + 4w .. in (c0, c1, d0, d1): [.., p, e] ->
+    # k = 4w + 2p + e
     w_lo = gl.reshape(gl.join(gl.join(a0, b0), gl.join(a1, b1)), [BN, 64])
     w_hi = gl.reshape(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [BN, 64])
     a_smem.index(2 * buf).store(w_lo)
     a_smem.index(2 * buf + 1).store(w_hi)
-    async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
-    fence_async_shared()  # the decoded tile and the copies, visible to the tensor cores
-    _cta_barrier()  # ... everyone's; and every warpgroup is done with chunk c - 2's x slot
-    _issue_x(x_smem, x_ptrs, kx, c + STAGES - 2, NCH, K, K_PAD, STAGES)
-    slot = (c % STAGES) * 2
-    acc = warpgroup_mma(a_smem.index(2 * buf), x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a_smem.index(2 * buf + 1), x_smem.index(slot + 1).permute((1, 0)), acc, is_async=True)
+    fence_async_shared()  # the decoded tile, visible to the tensor cores
+    _cta_barrier()  # (every warpgroup is done with chunk c - 2's slot since the barrier above)
+    # the refill after the fences: a fence orders (and may wait for) the memory operations before it
+    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, K, K_PAD, STAGES)
+    acc = warpgroup_mma(a_smem.index(2 * buf), x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(
+        a_smem.index(2 * buf + 1), x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True
+    )
     return warpgroup_mma_wait(num_outstanding=2, deps=[acc])
 
 
@@ -114,7 +113,7 @@ def _wgmma_kernel(
     K: gl.constexpr, K_PAD: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
     STAGES: gl.constexpr, PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr,
     OUT_SCALE: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LO: gl.constexpr,
-    XS: gl.constexpr, AS: gl.constexpr,
+    XS: gl.constexpr, AS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
 ):  # fmt: skip
     CH: gl.constexpr = K_PAD // 128
     NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
@@ -126,44 +125,41 @@ def _wgmma_kernel(
     pid_k = gl.program_id(1)
     c0 = pid_k * NCH  # first chunk of this program
 
-    # ---- W: words [BN, 4 (group), 4 (word in group)] and the group's scale pair [BN, 4, 1]
-    L_R: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))
-    L_G: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LW))
-    L_I: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, LW))
-    rows = pid_n * BN + gl.arange(0, BN, layout=L_R)
-    r3 = gl.expand_dims(gl.expand_dims(rows, 1), 2)  # [BN, 1, 1]
-    g3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=L_G), 0), 2)  # [1, 4, 1]
-    i3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=L_I), 0), 1)  # [1, 1, 4]
-    rb = (r3 // 16).to(gl.int64)
-    r16 = r3 % 16
-    w_ptrs = w_ptr + ((rb * CH + c0) * 256 + r16 * 16 + g3 * 4 + i3)  # int32 words (tiled128 blocks)
-    # group g's scale pair: uint16 (g % 2) * 2 + g // 2 of the row's 4 (TILED_SCALE_ORDER)
-    s_ptrs = s_ptr + ((rb * CH + c0) * 64 + r16 * 4 + (g3 % 2) * 2 + g3 // 2)
-    s_ok = (r3 < N_PAD) & (g3 >= 0)  # the rows the tiled weight holds
-    w_ok = s_ok & (i3 >= 0)
-
-    # ---- x: [BT, 64] halves, 8 consecutive k per thread (16-byte copies)
+    # ---- copy sources. Words: [BN, 16] int32 (16-byte copies); rows past the tiled weight re-read its last
+    # row (never stored). Scale words: [BN, 2] int32 (4-byte copies).
+    rw = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCW)), N_PAD - 1)
+    rw2 = gl.expand_dims(rw, 1)
+    w_src = w_ptr + (((rw2 // 16).to(gl.int64) * CH + c0) * 256 + (rw2 % 16) * 16
+                     + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, LCW)), 0))  # fmt: skip
+    rs = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS)), N_PAD - 1)
+    rs2 = gl.expand_dims(rs, 1)
+    s_src = s_ptr + (((rs2 // 16).to(gl.int64) * CH + c0) * 32 + (rs2 % 16) * 2
+                     + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LCS)), 0))  # fmt: skip
+    # x: [BT, 64] halves, 8 consecutive k per thread (16-byte copies); token rows past M re-read row M - 1
     t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
-    kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0)  # [1, 64]
     trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
-    x_ptrs = x_ptr + (trow * stride_xm + c0 * 128 + kx)
-    kx = kx + c0 * 128 + (trow * 0).to(gl.int32)  # [BT, 64]: absolute k, for the K tail mask
+    x_rows = x_ptr + trow * stride_xm
+    kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
+    # the scale half of each decode lane: h of word index 8h + 4j + i
+    LSW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, LW))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
+    h4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(h, 0), 2), 3)  # [1, 2, 1, 1]
 
     x_smem = gl.allocate_shared_memory(DT, [2 * STAGES, BT, 64], XS)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], PS)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 2], PS)
     a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], AS)
     for st in gl.static_range(STAGES - 2):
-        _issue_x(x_smem, x_ptrs, kx, st, NCH, K, K_PAD, STAGES)
-    q0, sp0 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, 0, NCH)
-    q1, sp1 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, 1, NCH)
+        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, NCH, K, K_PAD, STAGES)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
-    # two chunks per trip (A buffers 0 / 1; register slots q0 / q1, each refilled two chunks ahead)
-    for c in range(0, NCH - 1, 2):
-        acc = _chunk(acc, q0, sp0, c, 0, x_smem, a_smem, x_ptrs, kx, BN, NCH, K, K_PAD, STAGES, ASM, DT)
-        q0, sp0 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, c + 2, NCH)
-        acc = _chunk(acc, q1, sp1, c + 1, 1, x_smem, a_smem, x_ptrs, kx, BN, NCH, K, K_PAD, STAGES, ASM, DT)
-        q1, sp1 = _load_w(w_ptrs, s_ptrs, w_ok, s_ok, c + 3, NCH)
+    for c in range(0, NCH - 1, 2):  # two chunks per trip: A buffers 0 and 1
+        acc = _chunk(acc, c, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
+                     K_PAD, STAGES, ASM, DT, LW, LSW)  # fmt: skip
+        acc = _chunk(acc, c + 1, 1, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
+                     K_PAD, STAGES, ASM, DT, LW, LSW)  # fmt: skip
     if NCH % 2 == 1:
-        acc = _chunk(acc, q0, sp0, NCH - 1, 0, x_smem, a_smem, x_ptrs, kx, BN, NCH, K, K_PAD, STAGES, ASM, DT)
+        acc = _chunk(acc, NCH - 1, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH,
+                     K, K_PAD, STAGES, ASM, DT, LW, LSW)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -187,9 +183,8 @@ def _wgmma_kernel(
             for sk in gl.static_range(SPLIT_K):
                 out += gl.load(ws_ptr + (sk * stride_k + tile_off) + loc, cache_modifier=".cg")
             gl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-            _finish(
-                out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_GS, HAS_BIAS, OUT_SCALE
-            )
+            _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_GS, HAS_BIAS,
+                    OUT_SCALE)  # fmt: skip
     else:
         _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_GS, HAS_BIAS, OUT_SCALE)
 
@@ -210,17 +205,21 @@ def _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_G
 
 @functools.cache
 def layouts(bn: int, bt: int):
-    """(words [BN, 4, 4], x copies [BT, 64], accumulator, epilogue [BN, BT], x slot and A buffer shared
-    layouts) for a program of BN // 16 warps."""
+    """(decode words [BN, 2, 2, 4], x copies [BT, 64], accumulator, epilogue [BN, BT], x slot / A buffer
+    shared layout, word copies [BN, 16], scale-word copies [BN, 2], the words' and scales' shared layout)
+    for a program of BN // 16 warps."""
     warps = bn // 16
     # 16 consecutive rows per warp (2 per thread), 4 words per thread: warpgroup j decodes rows 64j .. 64j+63
-    lw = gl.BlockedLayout([2, 1, 4], [8, 4, 1], [warps, 1, 1], [2, 1, 0])
+    lw = gl.BlockedLayout([2, 1, 1, 4], [8, 2, 2, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
     lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bt, 16])
     tn = min(32, bn // 8)
     lo = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, warps], [0, 1])
     xs = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return lw, lx, acc, lo, xs, xs
+    lcw = gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
+    lcs = gl.BlockedLayout([1, 1], [16, 2], [warps, 1], [1, 0])
+    ps = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    return lw, lx, acc, lo, xs, lcw, lcs, ps
 
 
 def wgmma_available(device: torch.device) -> bool:
@@ -233,8 +232,8 @@ _SMEM_BUDGET = 220 * 1024
 
 
 def smem_bytes(bn: int, bt: int, stages: int) -> int:
-    """Shared memory of one program: the x ring and the two decoded A buffers (16-bit)."""
-    return 2 * stages * bt * 64 * 2 + 4 * bn * 64 * 2
+    """Shared memory of one program: the ring (x, words, scale words) and the two decoded A buffers."""
+    return stages * (bt * 128 * 2 + bn * 72) + 4 * bn * 64 * 2
 
 
 @functools.cache
@@ -290,11 +289,20 @@ def nvfp4_wgmma_gemm(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
+    if k != k_pad:  # the kernel's copies are 16-byte vectors of whole chunks: zero columns up to K_pad
+        x = torch.nn.functional.pad(x, (0, k_pad - k))
     from . import sm_count
 
     bn, bt, split, stages = config or wgmma_config(m, n, k, sm_count(x.device.index or 0))
     chunks = k_pad // 128
-    if bn not in (64, 128) or bt % 16 or not 16 <= bt <= 256 or chunks % split or stages < 3:
+    if (
+        bn not in (64, 128)
+        or bt % 16
+        or not 16 <= bt <= 256
+        or chunks % split
+        or stages < 3
+        or (smem_bytes(bn, bt, stages) > 227 * 1024)
+    ):
         raise ValueError(f"nvfp4 wgmma gemm: bad config {(bn, bt, split, stages)} for {chunks} chunks")
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bt), split)
     if split > 1:
@@ -302,12 +310,13 @@ def nvfp4_wgmma_gemm(
         cnt = _counters(x.device, grid[0])
     else:
         ws, cnt = y, y
-    lw, lx, acc, lo, xs, as_ = layouts(bn, bt)
+    lw, lx, acc, lo, xs, lcw, lcs, ps = layouts(bn, bt)
     _wgmma_kernel[grid](
-        x, weight.view(torch.int32), scale_u8.view(torch.int16), global_scale,
+        x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale,
         bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
         K=k, K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
-        OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=as_, num_warps=bn // 16,
+        OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=xs, LCW=lcw, LCS=lcs, PS=ps,
+        num_warps=bn // 16,
     )  # fmt: skip
     return y
