@@ -2,7 +2,8 @@
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
 (bench_linear.graph_ms): wgmma with its default config and the best of a small config sweep; k3run's auto
-choice (quant.schemes.nvfp4_gemm: decode kernel / tile GEMM / dequantize + cuBLAS); the Triton tile GEMM;
+choice (quant.schemes.nvfp4_gemm) and the choice without the wgmma GEMM ("before": decode kernel / tile
+GEMM / dequantize + cuBLAS); the Triton tile GEMM;
 cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, built in the background while the rest runs; only when
 its folder is given). The ceiling per cell: max(weight bytes at the copy bandwidth measured in the same run,
 FLOPs at 989 TFLOP/s, the H200's dense bf16 peak). Relative RMS of the wgmma output against the fp32
@@ -27,22 +28,27 @@ from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 PEAK_BF16 = 989e12
 
 
-def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int, bool]]:
+    """The default config, the register-operand form over (BN, BT, split), and the shared-memory form at the
+    default's tile (the deepest ring that fits each)."""
     from k3run.kernels.nvfp4_gemm import sm_count
     from k3run.kernels.nvfp4_gemm.wgmma import _SMEM_BUDGET, smem_bytes, wgmma_config
 
     chunks = -(-k // 128)
     base = wgmma_config(m, n, k, sm_count(0))
+
+    def deepest(bn: int, bt: int, rs: bool) -> int:
+        return max([s for s in range(3, 9) if smem_bytes(bn, bt, s, rs) <= _SMEM_BUDGET] or [0])
+
     out = {base}
     bts = {base[1], min(256, 2 * base[1])} if m > 128 else {base[1]}
     for bn in (64, 128):
         for bt in sorted(bts):
             for split in (1, 2, 4, 8):
-                if chunks % split or chunks // split < 2:
-                    continue
-                stages = max(s for s in range(3, 9) if smem_bytes(bn, bt, s) <= _SMEM_BUDGET or s == 3)
-                if smem_bytes(bn, bt, stages) <= _SMEM_BUDGET:
-                    out.add((bn, bt, split, stages))
+                if chunks % split == 0 and chunks // split >= 2 and deepest(bn, bt, True):
+                    out.add((bn, bt, split, deepest(bn, bt, True), True))
+    if deepest(base[0], base[1], False):
+        out.add((base[0], base[1], base[2], deepest(base[0], base[1], False), False))
     return sorted(out)
 
 
@@ -83,6 +89,14 @@ def _auto(x, ws):
     return lambda i: lambda: nvfp4_gemm(x, ws[i])
 
 
+def _before(x, ws, m: int, n: int, k: int):
+    """The choice without the wgmma GEMM (decode kernel / tile GEMM / dequantize + cuBLAS)."""
+    from k3run.kernels.nvfp4_gemm import choose_config, nvfp4_linear, sm_count
+
+    cfg = choose_config(m, n, k, sm_count(0))
+    return lambda i: lambda: nvfp4_linear(x, ws[i], config=cfg)
+
+
 def _tile(x, ws, k: int, n: int):
     from k3run.kernels.nvfp4_gemm.tile import nvfp4_tile_gemm
 
@@ -115,13 +129,15 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
             best = (t, cfg)
     r["wgmma_best"], r["best_cfg"] = best
     r["auto"] = _time(_auto(x, ws), len(ws), 0.05)
+    r["before"] = _time(_before(x, ws, m, n, k), len(ws), 0.05)
     if m > 16:
         r["tile"] = _time(_tile(x, ws, k, n), len(ws), 0.05)
     r["cublas"] = _time(_cublas(x, wb), len(wb), 0.05)
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
         f"{n:>5}x{k:<5} M={m:<5} wgmma {r['wgmma']:8.1f} (best {best[0]:8.1f} {best[1]}) "
-        f"auto {r['auto']:8.1f} tile {r.get('tile', float('nan')):8.1f} cuBLAS {r['cublas']:8.1f} "
+        f"auto {r['auto']:8.1f} before {r['before']:8.1f} tile {r.get('tile', float('nan')):8.1f} "
+        f"cuBLAS {r['cublas']:8.1f} "
         f"ceiling {r['ceiling']:7.1f} | {r['flops'] / best[0] / 1e6:6.1f} TFLOP/s err {r['err']:.1e}",
         flush=True,
     )
@@ -197,7 +213,7 @@ def main() -> None:
         _marlin_pass(args.peers, shapes, rows)
     print()
     print(
-        "| N x K | M | wgmma default us | wgmma best us (config) | auto us | tile us | cuBLAS bf16 us | "
+        "| N x K | M | wgmma default | wgmma best (config) | auto us (before) | tile us | cuBLAS bf16 | "
         "Marlin us (same pass: wgmma best / auto) | ceiling us | wgmma best TFLOP/s | x Marlin | x cuBLAS | "
         "x auto | rel RMS |"
     )
@@ -207,7 +223,8 @@ def main() -> None:
         xm = f"{r['marlin'] / r['wgmma2']:.2f}" if "marlin" in r else "-"
         print(
             f"| {r['shape']} | {r['m']} | {r['wgmma']:.1f} | {r['wgmma_best']:.1f} {r['best_cfg']} | "
-            f"{r['auto']:.1f} | {r.get('tile', float('nan')):.1f} | {r['cublas']:.1f} | {mar} | "
+            f"{r['auto']:.1f} ({r['before']:.1f}) | {r.get('tile', float('nan')):.1f} | {r['cublas']:.1f} | "
+            f"{mar} | "
             f"{r['ceiling']:.1f} | {r['flops'] / r['wgmma_best'] / 1e6:.0f} | {xm} | "
             f"{r['cublas'] / r['wgmma_best']:.2f} | {r['auto'] / r['wgmma_best']:.2f} | {r['err']:.1e} |"
         )

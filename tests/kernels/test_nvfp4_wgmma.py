@@ -58,7 +58,20 @@ def test_gpu_odd_shapes(poison_empty, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "config",
-    [(64, 16, 1, 3), (128, 32, 2, 5), (64, 64, 3, 8), (128, 128, 2, 3), (64, 128, 1, 3), (64, 48, 6, 4)],
+    [
+        (64, 16, 1, 3, False),
+        (128, 32, 2, 5, False),
+        (64, 64, 3, 8, False),
+        (128, 128, 2, 3, False),
+        (64, 128, 1, 3, False),
+        (64, 48, 6, 4, False),
+        (64, 16, 1, 3, True),
+        (128, 32, 2, 5, True),
+        (64, 64, 3, 8, True),
+        (128, 128, 2, 5, True),
+        (64, 48, 6, 4, True),
+        (128, 256, 1, 3, True),
+    ],  # fmt: skip
 )
 def test_gpu_configs(poison_empty, config) -> None:
     """Every program shape the launcher may take, split-K (fixed-order partial sums) among them, over K of
@@ -74,7 +87,7 @@ def test_gpu_split_k_is_deterministic() -> None:
     w, s, gs = _random_nvfp4(512, 2048, "cuda", False, seed=3)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
     x = torch.randn(40, 2048, device="cuda").to(torch.bfloat16)
-    cfg = (128, 64, 8, 4)
+    cfg = (128, 64, 8, 4, True)
     y1 = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, 512, config=cfg)
     y2 = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, 512, config=cfg)
     assert torch.equal(y1, y2)
@@ -94,23 +107,23 @@ def test_refuses_bad_input_and_config() -> None:
     "m, n, k", [(1, 7168, 7168), (64, 7168, 7168), (256, 12288, 7168), (4096, 7168, 12288)]
 )
 def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None:
-    bn, bt, split, stages = wg.wgmma_config(m, n, k, 132)
+    bn, bt, split, stages, rs = wg.wgmma_config(m, n, k, 132)
     assert bn in (64, 128) and bt >= min(m, 128) and (k // 128) % split == 0 and stages >= 3
-    assert wg.smem_bytes(bn, bt, stages) <= 227 * 1024
+    assert wg.smem_bytes(bn, bt, stages, rs) <= 227 * 1024
 
 
-def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str):
+def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str, rs: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from k3run.kernels.nvfp4_gemm.tile import word_asm
 
     triton = pytest.importorskip("triton")
-    lw, lx, acc, lo, xs, lcw, lcs, ps = wg.layouts(bn, bt)
+    lw, lx, acc, lo, xs, lcw, lcs, ps, la = wg.layouts(bn, bt, rs)
     consts = dict(
         K=k, K_PAD=-(-k // 128) * 128, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=True,
         HAS_BIAS=True, ASM=word_asm(dtype), OUT_SCALE=128.0, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=xs,
-        LCW=lcw, LCS=lcs, PS=ps,
+        LCW=lcw, LCS=lcs, PS=ps, RS=rs, LA=la,
     )  # fmt: skip
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
@@ -125,19 +138,40 @@ def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str):
 
 
 @pytest.mark.parametrize(
-    "bn, bt, split, stages, k, dtype",
-    [(128, 128, 1, 4, 7168, "bf16"), (64, 32, 4, 8, 3600, "fp16"), (128, 16, 2, 8, 2304, "bf16")],
-)
-def test_compiles_for_sm90_with_async_wgmma_and_no_spills(bn, bt, split, stages, k, dtype) -> None:
+    "bn, bt, split, stages, k, dtype, rs",
+    [
+        (128, 128, 1, 3, 7168, "bf16", False), (64, 32, 4, 8, 3600, "fp16", False),
+        (128, 16, 2, 8, 2304, "bf16", False), (128, 128, 1, 5, 7168, "bf16", True),
+        (64, 32, 4, 8, 3600, "fp16", True),
+    ],
+)  # fmt: skip
+def test_compiles_for_sm90_with_async_wgmma_and_no_spills(bn, bt, split, stages, k, dtype, rs) -> None:
     """Two async wgmma per chunk, waited down to the newest chunk's (not to zero) inside the loop, the decoded
     tile stored as 16-byte vectors, and no local memory."""
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    ck = _compile(bn, bt, split, stages, k, dtype)
+    ck = _compile(bn, bt, split, stages, k, dtype, rs)
     ptx = ck.asm["ptx"]
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bt}k16", ptx)
     assert "wgmma.wait_group.sync.aligned 2;" in ptx
-    assert re.search(r"st\.shared\.v4\.b32", ptx)
-    res, _ = cubin_usage_and_sass(ck)
+    # the decoded tile: 16-byte stores into shared memory, or (rs) none at all inside the K loop
+    res, sass = cubin_usage_and_sass(ck)
+    loop_sts = _stores_in_loops(sass)
+    assert loop_sts == 0 if rs else loop_sts >= 8, loop_sts
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None and int(use.group(2)) == 0, res
+
+
+def _stores_in_loops(sass: str) -> int:
+    """STS instructions inside the kernel's backward-branch ranges (its K loops)."""
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ranges = []
+    for a, ins in code:
+        target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) <= int(a, 16):
+            ranges.append((int(target.group(1), 16), int(a, 16)))
+    return sum(
+        1
+        for a, ins in code
+        if any(lo <= int(a, 16) <= hi for lo, hi in ranges) and re.match(r"(@!?P\w+\s+)?STS", ins)
+    )

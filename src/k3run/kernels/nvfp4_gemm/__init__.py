@@ -194,6 +194,7 @@ class GemmConfig:
     cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
     tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
+    wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
     """
 
     block_m: int = 16
@@ -211,6 +212,7 @@ class GemmConfig:
     smem_stages: int = 0
     maxnreg: int | None = None
     tile: bool = False
+    wgmma: bool = False
 
 
 def prepare_nvfp4_weight(
@@ -326,6 +328,10 @@ GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
 # range). H200, bench/bench_tile.py, time of the tile GEMM / dequantize + cuBLAS on 7168x7168 and
 # 12288x7168: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at 128, 1.25 / 1.55 at 256 (slower from there)
 TILE_MAX_M = 128
+# rows for which choose_config takes the wgmma GEMM on sm_90 (H200, bench/bench_wgmma.py, against the decode
+# kernel below and dequantize + cuBLAS above, on 7168x7168, 12288x7168 and 7168x12288)
+WGMMA_MIN_M = 33
+WGMMA_MAX_M = 1 << 20
 
 
 def programs_per_sm(regs: int) -> int:
@@ -373,7 +379,7 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
-def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = False) -> GemmConfig:
     """The launch for M rows on a GPU of `sms` SMs, from the H200 measurements in bench/RESULTS.md.
 
     M <= 32: the Gluon decode kernel's cp.async variant: 1-warp programs (16 rows), 128-wide K tiles staged
@@ -384,7 +390,10 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
+    wgmma (the device runs wgmma.py: sm_90): the wgmma GEMM for WGMMA_MIN_M <= M <= WGMMA_MAX_M instead.
     """
+    if wgmma and WGMMA_MIN_M <= m <= WGMMA_MAX_M:
+        return GemmConfig(wgmma=True)
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
         maxnreg = None
         if m <= 16:
@@ -417,6 +426,31 @@ def _disable_gemv(err: Exception) -> None:
         "nvfp4: Gluon decode kernel failed to compile, Triton fallback: %s", err
     )
     _GEMV_OK = False
+
+
+_WGMMA_OK = True  # False once the wgmma GEMM failed to compile
+
+
+@functools.cache
+def _wgmma_device(index: int) -> bool:
+    """CUDA device `index` runs the wgmma GEMM: sm_90 and its Gluon module importable."""
+    try:
+        from .wgmma import wgmma_available
+    except ImportError:
+        return False
+    return wgmma_available(torch.device("cuda", index))
+
+
+def _wgmma_ok(device: torch.device) -> bool:
+    return _WGMMA_OK and device.type == "cuda" and _wgmma_device(device.index or 0)
+
+
+def _disable_wgmma(err: Exception) -> None:
+    global _WGMMA_OK
+    import logging
+
+    logging.getLogger(__name__).warning("nvfp4: the wgmma GEMM failed to compile, other kernels: %s", err)
+    _WGMMA_OK = False
 
 
 def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
@@ -465,10 +499,13 @@ def nvfp4_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     tiled = w.layout == "tiled128"
-    cfg = config or choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
-    if cfg.tile and not (tiled and x2.dtype in (torch.bfloat16, torch.float16)):
+    half = x2.dtype in (torch.bfloat16, torch.float16)
+    cfg = config or choose_config(
+        x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0), wgmma=tiled and half and _wgmma_ok(x2.device)
+    )
+    if (cfg.tile or cfg.wgmma) and not (tiled and half):
         cfg = GemmConfig(dequant_mm=True)
-    if tiled and not (cfg.dequant_mm or cfg.tile or (cfg.gemv and cfg.smem_stages)):
+    if tiled and not (cfg.dequant_mm or cfg.tile or cfg.wgmma or (cfg.gemv and cfg.smem_stages)):
         raise ValueError(
             "nvfp4 linear: a tiled128 weight runs the cp.async decode kernel, the tile GEMM or dequantize + "
             "cuBLAS, not "
@@ -479,6 +516,16 @@ def nvfp4_linear(
     ):
         cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
     y = None
+    if cfg.wgmma:
+        from triton.compiler.errors import CompilationError
+
+        from .wgmma import nvfp4_wgmma_gemm
+
+        try:
+            y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
+        except CompilationError as e:  # a Triton whose Gluon API moved: the other paths from now on
+            _disable_wgmma(e)
+            cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
     if cfg.tile:
         from .tile import nvfp4_tile_gemm
 

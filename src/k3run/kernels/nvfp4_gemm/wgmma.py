@@ -55,13 +55,17 @@ def _halves16(o, DT: gl.constexpr):
 
 @gluon.jit
 def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexpr, K: gl.constexpr,
-           K_PAD: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+           K_PAD: gl.constexpr, STAGES: gl.constexpr, BT: gl.constexpr, RS: gl.constexpr):  # fmt: skip
     """cp.async chunk c (x[:, 128c ..] halves, the words, the scale words) into ring slot c % STAGES; nothing
     past the last chunk. x has K_PAD columns (the launcher pads a narrower x)."""
     if c < NCH:
         st = c % STAGES
-        _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
-        _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
+        if RS:  # [BT, 32, 2] pointers (4-byte runs of the permuted columns) seen as [BT, 64]
+            _async_load(x_smem.index(2 * st), gl.reshape(x_rows + (kx + c * 128), [BT, 64]))
+            _async_load(x_smem.index(2 * st + 1), gl.reshape(x_rows + (kx + (c * 128 + 64)), [BT, 64]))
+        else:
+            _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
+            _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
         _async_load(w_smem.index(st), w_src + c * 256)
         _async_load(s_smem.index(st), s_src + c * 32)
     async_copy.commit_group()  # an empty group past the end keeps the wait counts uniform
@@ -71,7 +75,8 @@ def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexp
 def _chunk(
     acc, c, buf: gl.constexpr, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4,
     BN: gl.constexpr, NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr,
-    ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr,
+    ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr, BT: gl.constexpr,
+    RS: gl.constexpr = False,
 ):  # fmt: skip
     """Wait for chunk c's slot, decode chunk c into A buffer `buf`, refill the slot of chunk c - 2, issue the
     chunk's two wgmma, then wait until only they are in flight."""
@@ -99,12 +104,69 @@ def _chunk(
     fence_async_shared()  # the decoded tile, visible to the tensor cores
     _cta_barrier()  # (every warpgroup is done with chunk c - 2's slot since the barrier above)
     # the refill after the fences: a fence orders (and may wait for) the memory operations before it
-    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, K, K_PAD, STAGES)
+    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, K, K_PAD, STAGES, BT, RS)
     acc = warpgroup_mma(a_smem.index(2 * buf), x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(
         a_smem.index(2 * buf + 1), x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True
     )
     return warpgroup_mma_wait(num_outstanding=2, deps=[acc])
+
+
+@gluon.jit
+def _chunk_rs(
+    acc, pa_lo, pa_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr,
+    NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
+    DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr, BT: gl.constexpr,
+    RS: gl.constexpr = True,
+):  # fmt: skip
+    """The register-operand form of _chunk: chunk c decoded straight into wgmma's A registers (no tile in
+    shared memory, no second fence); the previous chunk's A registers (pa_*) live until its wgmma are done."""
+    async_copy.wait_group(STAGES - 3)
+    fence_async_shared()
+    _cta_barrier()
+    st = c % STAGES
+    q = w_smem.index(st).reshape([BN, 2, 2, 4]).load(LW)  # word 8h + 4j + b: lane t = 2h + j, register b
+    sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)
+    sp = (sw >> (h4 * 16)) & 0xFFFF
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(
+        asm=ASM, constraints="=r,=r,=r,=r,r,r", args=[q, sp],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1,
+    )  # fmt: skip
+    a0, a1 = _halves16(o0, DT)
+    b0, b1 = _halves16(o1, DT)
+    c0, c1 = _halves16(o2, DT)
+    d0, d1 = _halves16(o3, DT)
+    # [row, h, j, b, p, e] (physical k = 16(2h + j) + 4b + 2p + e) -> the operand's k' = 16b + 8p + 4h + 2j
+    # + e; the x slots hold x column 16(2h + j) + 4b + 2p + e at k' (the copies' permutation)
+    w_lo = gl.reshape(gl.permute(gl.join(gl.join(a0, b0), gl.join(a1, b1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
+    w_hi = gl.reshape(gl.permute(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
+    a_lo = gl.convert_layout(w_lo, LA)
+    a_hi = gl.convert_layout(w_hi, LA)
+    acc = warpgroup_mma(a_lo, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a_hi, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+    # the refill after the wgmma issue: no fence stands between it and the next DRAM-bound wait
+    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, K, K_PAD, STAGES, BT, RS)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, pa_lo, pa_hi])
+    return acc, a_lo, a_hi
+
+
+@gluon.jit
+def _smem_loop(
+    acc, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr, NCH: gl.constexpr,
+    K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr,
+    LW: gl.constexpr, LSW: gl.constexpr, AS: gl.constexpr, BT: gl.constexpr,
+):  # fmt: skip
+    """The K loop with the decoded tile in shared memory: two chunks per trip (A buffers 0 and 1)."""
+    a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], AS)
+    for c in range(0, NCH - 1, 2):
+        acc = _chunk(acc, c, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
+                     K_PAD, STAGES, ASM, DT, LW, LSW, BT)  # fmt: skip
+        acc = _chunk(acc, c + 1, 1, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
+                     K_PAD, STAGES, ASM, DT, LW, LSW, BT)  # fmt: skip
+    if NCH % 2 == 1:
+        acc = _chunk(acc, NCH - 1, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH,
+                     K, K_PAD, STAGES, ASM, DT, LW, LSW, BT)  # fmt: skip
+    return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
 
 @gluon.jit
@@ -114,7 +176,10 @@ def _wgmma_kernel(
     STAGES: gl.constexpr, PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr,
     OUT_SCALE: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LO: gl.constexpr,
     XS: gl.constexpr, AS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
+    RS: gl.constexpr = False, LA: gl.constexpr = None,
 ):  # fmt: skip
+    """RS: the decoded weights go to wgmma as its register operand (LA) instead of through shared memory; LX
+    is then the 3-D [BT, 32, 2] layout of the permuted x copies."""
     CH: gl.constexpr = K_PAD // 128
     NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -136,10 +201,19 @@ def _wgmma_kernel(
     s_src = s_ptr + (((rs2 // 16).to(gl.int64) * CH + c0) * 32 + (rs2 % 16) * 2
                      + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LCS)), 0))  # fmt: skip
     # x: [BT, 64] halves, 8 consecutive k per thread (16-byte copies); token rows past M re-read row M - 1
-    t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
-    trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
-    x_rows = x_ptr + trow * stride_xm
-    kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
+    if RS:  # slot column k' = 16b + 8p + 2t + e holds x column 16t + 4b + 2p + e (the A registers' order)
+        t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+        trow = gl.expand_dims(gl.expand_dims(gl.minimum(t, M - 1), 1), 2).to(gl.int64)
+        x_rows = x_ptr + trow * stride_xm
+        qq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))  # k' // 2 = 8b + 4p + t
+        ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+        col = 16 * (qq % 4) + 4 * (qq // 8) + 2 * ((qq // 4) % 2)
+        kx = gl.expand_dims(gl.expand_dims(col, 0), 2) + gl.expand_dims(gl.expand_dims(ee, 0), 1) + c0 * 128
+    else:
+        t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
+        trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
+        x_rows = x_ptr + trow * stride_xm
+        kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
     # the scale half of each decode lane: h of word index 8h + 4j + i
     LSW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, LW))
     h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
@@ -148,19 +222,19 @@ def _wgmma_kernel(
     x_smem = gl.allocate_shared_memory(DT, [2 * STAGES, BT, 64], XS)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], PS)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 2], PS)
-    a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], AS)
     for st in gl.static_range(STAGES - 2):
-        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, NCH, K, K_PAD, STAGES)
+        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, NCH, K, K_PAD, STAGES, BT, RS)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
-    for c in range(0, NCH - 1, 2):  # two chunks per trip: A buffers 0 and 1
-        acc = _chunk(acc, c, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
-                     K_PAD, STAGES, ASM, DT, LW, LSW)  # fmt: skip
-        acc = _chunk(acc, c + 1, 1, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
-                     K_PAD, STAGES, ASM, DT, LW, LSW)  # fmt: skip
-    if NCH % 2 == 1:
-        acc = _chunk(acc, NCH - 1, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH,
-                     K, K_PAD, STAGES, ASM, DT, LW, LSW)  # fmt: skip
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    if RS:
+        a_lo = gl.zeros([BN, 64], DT, layout=LA)
+        a_hi = gl.zeros([BN, 64], DT, layout=LA)
+        for c in range(0, NCH):
+            acc, a_lo, a_hi = _chunk_rs(acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src,
+                                        h4, BN, NCH, K, K_PAD, STAGES, ASM, DT, LW, LSW, LA, BT)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    else:
+        acc = _smem_loop(acc, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K, K_PAD,
+                         STAGES, ASM, DT, LW, LSW, AS, BT)  # fmt: skip
     async_copy.wait_group(0)
 
     out = gl.convert_layout(acc, LO)
@@ -204,22 +278,38 @@ def _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_G
 
 
 @functools.cache
-def layouts(bn: int, bt: int):
-    """(decode words [BN, 2, 2, 4], x copies [BT, 64], accumulator, epilogue [BN, BT], x slot / A buffer
-    shared layout, word copies [BN, 16], scale-word copies [BN, 2], the words' and scales' shared layout)
-    for a program of BN // 16 warps."""
+def layouts(bn: int, bt: int, rs: bool = False):
+    """(decode words [BN, 2, 2, 4], x copies, accumulator, epilogue [BN, BT], x slot / A buffer shared
+    layout, word copies [BN, 16], scale-word copies [BN, 2], the words' and scales' shared layout, the A
+    register operand or None) for a program of BN // 16 warps; rs: the register-operand form."""
     warps = bn // 16
-    # 16 consecutive rows per warp (2 per thread), 4 words per thread: warpgroup j decodes rows 64j .. 64j+63
-    lw = gl.BlockedLayout([2, 1, 1, 4], [8, 2, 2, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
-    lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bt, 16])
+    la = None
+    if rs:
+        # the A operand [BN, 64]: k' bit 0 and bits 3-5 in registers with row bit 3, k' bits 1-2 and rows 0-2
+        # in lanes, rows 16+ in warps. Word 8h + 4j + b of a row goes to lane t = 2h + j, register b, so its
+        # decoded values land at k' = 16b + 8p + 2t + e without data movement
+        la = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+        warp_rows = [[16 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)]
+        lw = gl.DistributedLinearLayout(
+            reg_bases=[[8, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]],
+            lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=warp_rows,
+            block_bases=[],
+            shape=[bn, 2, 2, 4],
+        )
+        lx = gl.BlockedLayout([1, 1, 2], [2, 16, 1], [warps, 1, 1], [2, 1, 0])  # [BT, 32, 2]: 4-byte runs
+    else:
+        # 16 consecutive rows per warp (2 per thread), 4 words per thread: warpgroup j decodes rows 64j ..
+        lw = gl.BlockedLayout([2, 1, 1, 4], [8, 2, 2, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
+        lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
     tn = min(32, bn // 8)
     lo = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, warps], [0, 1])
     xs = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     lcw = gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
     lcs = gl.BlockedLayout([1, 1], [16, 2], [warps, 1], [1, 0])
     ps = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    return lw, lx, acc, lo, xs, lcw, lcs, ps
+    return lw, lx, acc, lo, xs, lcw, lcs, ps, la
 
 
 def wgmma_available(device: torch.device) -> bool:
@@ -231,17 +321,19 @@ def wgmma_available(device: torch.device) -> bool:
 _SMEM_BUDGET = 220 * 1024
 
 
-def smem_bytes(bn: int, bt: int, stages: int) -> int:
-    """Shared memory of one program: the ring (x, words, scale words) and the two decoded A buffers."""
-    return stages * (bt * 128 * 2 + bn * 72) + 4 * bn * 64 * 2
+def smem_bytes(bn: int, bt: int, stages: int, rs: bool = True) -> int:
+    """Shared memory of one program: the ring (x, words, scale words), and without rs the two decoded A
+    buffers."""
+    return stages * (bt * 128 * 2 + bn * 72) + (0 if rs else 4 * bn * 64 * 2)
 
 
 @functools.cache
-def wgmma_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BN, BT, split_k, stages) for a call of m rows: the token tile is the smallest of 16 / 32 / 64 / 128
-    holding m (128 beyond: wider tiles hold more accumulators than the decode leaves room for); 128 weight
-    rows per program (two warpgroups share each x slot) unless that leaves under half the SMs busy; split-K
-    (a divisor of the chunk count, <= 8) until the programs fill the SMs once; the deepest ring that fits."""
+def wgmma_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, bool]:
+    """(BN, BT, split_k, stages, rs) for a call of m rows: the token tile is the smallest of 16 / 32 / 64 /
+    128 holding m (wider tiles hold more accumulators than the decode leaves registers for); 128 weight rows
+    per program (two warpgroups share each x slot) unless that leaves under half the SMs busy; split-K (a
+    divisor of the chunk count, <= 8, >= 4 chunks per program) until the programs fill the SMs once; the
+    register-operand form; the deepest ring (<= 8) that fits."""
     bt = next((b for b in (16, 32, 64, 128) if m <= b), 128)
     tiles_t = -(-m // bt)
     bn = 128 if -(-n // 128) * tiles_t >= sms // 2 else 64
@@ -254,7 +346,7 @@ def wgmma_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     stages = 3
     while stages < 8 and smem_bytes(bn, bt, stages + 1) <= _SMEM_BUDGET:
         stages += 1
-    return bn, bt, split, stages
+    return bn, bt, split, stages, True
 
 
 def nvfp4_wgmma_gemm(
@@ -266,12 +358,12 @@ def nvfp4_wgmma_gemm(
     n: int,
     bias: torch.Tensor | None = None,
     *,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
-    config: (BN 64 | 128, BT 16..256 a multiple of 16, split_k dividing the 128-wide chunks, stages >= 3);
-    default `wgmma_config`."""
+    config: (BN 64 | 128, BT 16..256 a multiple of 16, split_k dividing the 128-wide chunks, stages >= 3, rs:
+    the decoded weights as wgmma's register operand, else through shared memory); default `wgmma_config`."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"nvfp4 wgmma gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
@@ -293,7 +385,7 @@ def nvfp4_wgmma_gemm(
         x = torch.nn.functional.pad(x, (0, k_pad - k))
     from . import sm_count
 
-    bn, bt, split, stages = config or wgmma_config(m, n, k, sm_count(x.device.index or 0))
+    bn, bt, split, stages, rs = config or wgmma_config(m, n, k, sm_count(x.device.index or 0))
     chunks = k_pad // 128
     if (
         bn not in (64, 128)
@@ -303,20 +395,20 @@ def nvfp4_wgmma_gemm(
         or stages < 3
         or (smem_bytes(bn, bt, stages) > 227 * 1024)
     ):
-        raise ValueError(f"nvfp4 wgmma gemm: bad config {(bn, bt, split, stages)} for {chunks} chunks")
+        raise ValueError(f"nvfp4 wgmma gemm: bad config {config} for {chunks} chunks")
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bt), split)
     if split > 1:
         ws = torch.empty((split, grid[0], bn, bt), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, grid[0])
     else:
         ws, cnt = y, y
-    lw, lx, acc, lo, xs, lcw, lcs, ps = layouts(bn, bt)
+    lw, lx, acc, lo, xs, lcw, lcs, ps, la = layouts(bn, bt, rs)
     _wgmma_kernel[grid](
         x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale,
         bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
         K=k, K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
         OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=xs, LCW=lcw, LCS=lcs, PS=ps,
-        num_warps=bn // 16,
+        RS=rs, LA=la, num_warps=bn // 16,
     )  # fmt: skip
     return y
