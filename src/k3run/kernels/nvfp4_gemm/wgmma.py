@@ -4,23 +4,26 @@ y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumu
 dtype at the end; W in the tiled128 layout (package __init__: `tile_split128`), the decode kernels' layout.
 
 Swapped, as the decode kernels: acc[n, t] = sum_k W[n, k] x[t, k], so the weights are wgmma's A operand (M =
-64 weight rows per warpgroup, BN = 64 or 128) and a tile of BT tokens its B operand (N = BT, 16..256), so
-a few dozen tokens fill an instruction. One program owns a [BN, BT] output tile (a K range of it with
-split-K) and walks K in 128-wide chunks:
-- x: the chunk's [BT, 128] slice is copied by cp.async into a ring of STAGES shared-memory slots (the 128-byte
-  swizzled layout wgmma reads), STAGES - 2 chunks ahead; token rows past M re-read row M - 1 (never stored).
-- W: the chunk's tiled128 words ([BN, 16] int32, 16-byte loads) and E4M3 scale pairs are loaded into
-  registers two chunks ahead, decoded by the decode kernels' shift PTX (`tile.word_asm`: weights come out as
-  e2m1 * s * 2^-7, exact in 16 bits) and stored as two [BN, 64] operand tiles (k 0..63 and 64..127) into one
-  of two shared-memory buffers.
-- Two asynchronous wgmma per chunk; the program waits only for the previous chunk's, so chunk c's MMAs run
-  while chunk c + 1 is decoded. Each warpgroup decodes exactly the 64 rows its own wgmma reads, so its wait
-  alone frees its decode buffer; the x slot refilled in chunk c is chunk c - 2's, which every warpgroup has
-  finished with by the barrier of chunk c.
-- Epilogue: the global scale times 2^7, the bias, the store (through a layout whose threads own 8
-  consecutive n of a token row). Split-K: the programs of a tile write fp32 partials; the last to arrive
-  (an acq_rel counter) sums them in a fixed order, finishes the tile and resets the counter.
-The roundings are the fp32 tensor-core sums and the output cast, as in the decode and tile kernels.
+64 weight rows per warpgroup, BN = 64 or 128) and a tile of BT tokens its B operand (N = BT, 16..256), so a
+few dozen tokens fill an instruction. One program owns a [BN, BT] output tile (a K range of it with split-K)
+and walks K in 128-wide chunks through a ring of STAGES shared-memory slots filled by cp.async STAGES - 2
+chunks ahead: the chunk's x columns ([BT, 128], the 128-byte swizzled layout wgmma reads; token rows past M
+re-read row M - 1, never stored), its tiled128 words ([BN, 16] int32) and scale words ([BN, 2]). Per chunk:
+wait for the slot, decode the words with the decode kernels' shift PTX (`tile.word_asm`: e2m1 * s * 2^-7,
+exact in 16 bits), issue two asynchronous wgmma (k 0..63, 64..127), refill the slot of chunk c - 2, and wait
+only for the previous chunk's wgmma, so chunk c's MMAs run while chunk c + 1 is decoded.
+- rs (the default): the decoded words land directly in wgmma's A registers. Lane t = 2h + j of a row owns
+  words 8h + 4j + b (b in registers), which puts physical k = 16t + 4b + 2p + e at the operand's k' = 16b +
+  8p + 2t + e; the x copies (4-byte runs) place x's columns in the same order, so the product is unchanged.
+- otherwise: the decoded tile goes through one of two shared-memory A buffers (a second proxy fence and
+  barrier per chunk); each warpgroup decodes the 64 rows its own wgmma reads.
+Why no register prefetch of the weights: `fence.proxy.async` (which the tensor cores' reads of generic
+shared-memory writes need) lowers to a MEMBAR that waits for every outstanding load of the thread
+(bench/NOTES.md, session 25); cp.async copies are not waited by it.
+Epilogue: the global scale times 2^7, the bias, the store (through a layout whose threads own 8 consecutive
+n of a token row). Split-K: the programs of a tile write fp32 partials; the last to arrive (an acq_rel
+counter) sums them in a fixed order, finishes the tile and resets the counter. The roundings are the fp32
+tensor-core sums and the output cast, as in the decode and tile kernels.
 """
 
 from __future__ import annotations
