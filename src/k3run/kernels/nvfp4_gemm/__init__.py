@@ -523,7 +523,10 @@ def nvfp4_linear(
 
         try:
             y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
-        except CompilationError as e:  # a Triton whose Gluon API moved: the other paths from now on
+        except (CompilationError, RuntimeError) as e:  # a Triton that cannot build it: other paths from now
+            # on (a failed MLIR pass raises RuntimeError "PassManager::run failed"; other RuntimeErrors propagate)
+            if not isinstance(e, CompilationError) and "PassManager" not in str(e):
+                raise
             _disable_wgmma(e)
             cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
     if cfg.tile:

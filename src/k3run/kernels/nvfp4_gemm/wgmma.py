@@ -63,12 +63,8 @@ def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexp
     past the last chunk. x has K_PAD columns (the launcher pads a narrower x)."""
     if c < NCH:
         st = c % STAGES
-        if RS:  # [BT, 32, 2] pointers (4-byte runs of the permuted columns) seen as [BT, 64]
-            _async_load(x_smem.index(2 * st), gl.reshape(x_rows + (kx + c * 128), [BT, 64]))
-            _async_load(x_smem.index(2 * st + 1), gl.reshape(x_rows + (kx + (c * 128 + 64)), [BT, 64]))
-        else:
-            _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
-            _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
+        _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
+        _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
         _async_load(w_smem.index(st), w_src + c * 256)
         _async_load(s_smem.index(st), s_src + c * 32)
     async_copy.commit_group()  # an empty group past the end keeps the wait counts uniform
@@ -79,7 +75,7 @@ def _chunk(
     acc, c, buf: gl.constexpr, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4,
     BN: gl.constexpr, NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr, BT: gl.constexpr,
-    RS: gl.constexpr = False,
+    LW2: gl.constexpr, RS: gl.constexpr = False,
 ):  # fmt: skip
     """Wait for chunk c's slot, decode chunk c into A buffer `buf`, refill the slot of chunk c - 2, issue the
     chunk's two wgmma, then wait until only they are in flight."""
@@ -87,7 +83,7 @@ def _chunk(
     fence_async_shared()  # ... visible to the tensor cores (x)
     _cta_barrier()  # everyone's
     st = c % STAGES
-    q = w_smem.index(st).reshape([BN, 2, 2, 4]).load(LW)  # word 8h + 4j + i of each row
+    q = gl.convert_layout(gl.reshape(w_smem.index(st).load(LW2), [BN, 2, 2, 4]), LW)  # word 8h + 4j + i
     sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)  # [BN, 1, 2, 1]: scale word j
     sp = (sw >> (h4 * 16)) & 0xFFFF  # group 2h + j's pair: word j, half h (TILED_SCALE_ORDER)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
@@ -120,7 +116,7 @@ def _chunk_rs(
     acc, pa_lo, pa_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr,
     NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
     DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr, BT: gl.constexpr,
-    RS: gl.constexpr = True,
+    LW2: gl.constexpr, RS: gl.constexpr = True,
 ):  # fmt: skip
     """The register-operand form of _chunk: chunk c decoded straight into wgmma's A registers (no tile in
     shared memory, no second fence); the previous chunk's A registers (pa_*) live until its wgmma are done."""
@@ -128,7 +124,8 @@ def _chunk_rs(
     fence_async_shared()
     _cta_barrier()
     st = c % STAGES
-    q = w_smem.index(st).reshape([BN, 2, 2, 4]).load(LW)  # word 8h + 4j + b: lane t = 2h + j, register b
+    # word 8h + 4j + b: lane t = 2h + j, register b
+    q = gl.convert_layout(gl.reshape(w_smem.index(st).load(LW2), [BN, 2, 2, 4]), LW)
     sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)
     sp = (sw >> (h4 * 16)) & 0xFFFF
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
@@ -157,18 +154,18 @@ def _chunk_rs(
 def _smem_loop(
     acc, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr, NCH: gl.constexpr,
     K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr,
-    LW: gl.constexpr, LSW: gl.constexpr, AS: gl.constexpr, BT: gl.constexpr,
+    LW: gl.constexpr, LSW: gl.constexpr, AS: gl.constexpr, BT: gl.constexpr, LW2: gl.constexpr,
 ):  # fmt: skip
     """The K loop with the decoded tile in shared memory: two chunks per trip (A buffers 0 and 1)."""
     a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], AS)
     for c in range(0, NCH - 1, 2):
         acc = _chunk(acc, c, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
-                     K_PAD, STAGES, ASM, DT, LW, LSW, BT)  # fmt: skip
+                     K_PAD, STAGES, ASM, DT, LW, LSW, BT, LW2)  # fmt: skip
         acc = _chunk(acc, c + 1, 1, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
-                     K_PAD, STAGES, ASM, DT, LW, LSW, BT)  # fmt: skip
+                     K_PAD, STAGES, ASM, DT, LW, LSW, BT, LW2)  # fmt: skip
     if NCH % 2 == 1:
         acc = _chunk(acc, NCH - 1, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH,
-                     K, K_PAD, STAGES, ASM, DT, LW, LSW, BT)  # fmt: skip
+                     K, K_PAD, STAGES, ASM, DT, LW, LSW, BT, LW2)  # fmt: skip
     return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
 
@@ -179,10 +176,10 @@ def _wgmma_kernel(
     STAGES: gl.constexpr, PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr,
     OUT_SCALE: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LO: gl.constexpr,
     XS: gl.constexpr, AS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
-    RS: gl.constexpr = False, LA: gl.constexpr = None,
+    RS: gl.constexpr = False, LA: gl.constexpr = None, LW2: gl.constexpr = None,
 ):  # fmt: skip
-    """RS: the decoded weights go to wgmma as its register operand (LA) instead of through shared memory; LX
-    is then the 3-D [BT, 32, 2] layout of the permuted x copies."""
+    """RS: the decoded weights go to wgmma as its register operand (LA) instead of through shared memory, and
+    x's columns come in that operand's order (`rs_columns`)."""
     CH: gl.constexpr = K_PAD // 128
     NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -204,19 +201,11 @@ def _wgmma_kernel(
     s_src = s_ptr + (((rs2 // 16).to(gl.int64) * CH + c0) * 32 + (rs2 % 16) * 2
                      + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LCS)), 0))  # fmt: skip
     # x: [BT, 64] halves, 8 consecutive k per thread (16-byte copies); token rows past M re-read row M - 1
-    if RS:  # slot column k' = 16b + 8p + 2t + e holds x column 16t + 4b + 2p + e (the A registers' order)
-        t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
-        trow = gl.expand_dims(gl.expand_dims(gl.minimum(t, M - 1), 1), 2).to(gl.int64)
-        x_rows = x_ptr + trow * stride_xm
-        qq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))  # k' // 2 = 8b + 4p + t
-        ee = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
-        col = 16 * (qq % 4) + 4 * (qq // 8) + 2 * ((qq // 4) % 2)
-        kx = gl.expand_dims(gl.expand_dims(col, 0), 2) + gl.expand_dims(gl.expand_dims(ee, 0), 1) + c0 * 128
-    else:
-        t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
-        trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
-        x_rows = x_ptr + trow * stride_xm
-        kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
+    # (RS: x arrives with its columns in the A registers' order, `rs_columns`)
+    t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
+    trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
+    x_rows = x_ptr + trow * stride_xm
+    kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
     # the scale half of each decode lane: h of word index 8h + 4j + i
     LSW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, LW))
     h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
@@ -232,12 +221,14 @@ def _wgmma_kernel(
         a_lo = gl.zeros([BN, 64], DT, layout=LA)
         a_hi = gl.zeros([BN, 64], DT, layout=LA)
         for c in range(0, NCH):
-            acc, a_lo, a_hi = _chunk_rs(acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src,
-                                        h4, BN, NCH, K, K_PAD, STAGES, ASM, DT, LW, LSW, LA, BT)  # fmt: skip
+            acc, a_lo, a_hi = _chunk_rs(
+                acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K, K_PAD,
+                STAGES, ASM, DT, LW, LSW, LA, BT, LW2,
+            )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     else:
         acc = _smem_loop(acc, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K, K_PAD,
-                         STAGES, ASM, DT, LW, LSW, AS, BT)  # fmt: skip
+                         STAGES, ASM, DT, LW, LSW, AS, BT, LW2)  # fmt: skip
     async_copy.wait_group(0)
 
     out = gl.convert_layout(acc, LO)
@@ -301,18 +292,32 @@ def layouts(bn: int, bt: int, rs: bool = False):
             block_bases=[],
             shape=[bn, 2, 2, 4],
         )
-        lx = gl.BlockedLayout([1, 1, 2], [2, 16, 1], [warps, 1, 1], [2, 1, 0])  # [BT, 32, 2]: 4-byte runs
+        lw2 = gl.DistributedLinearLayout(  # the same words as [BN, 16]
+            reg_bases=[[8, 0], [0, 1], [0, 2]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+            block_bases=[],
+            shape=[bn, 16],
+        )
     else:
         # 16 consecutive rows per warp (2 per thread), 4 words per thread: warpgroup j decodes rows 64j ..
         lw = gl.BlockedLayout([2, 1, 1, 4], [8, 2, 2, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
-        lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+        lw2 = gl.BlockedLayout([2, 4], [8, 4], [warps, 1], [1, 0])
+    lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
     tn = min(32, bn // 8)
     lo = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, warps], [0, 1])
     xs = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     lcw = gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
     lcs = gl.BlockedLayout([1, 1], [16, 2], [warps, 1], [1, 0])
     ps = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    return lw, lx, acc, lo, xs, lcw, lcs, ps, la
+    return lw, lx, acc, lo, xs, lcw, lcs, ps, la, lw2
+
+
+def rs_columns(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K_pad] with each 64-column half of a chunk reordered for the rs form: position 16b + 8p + 2t + e
+    holds column 16t + 4b + 2p + e (one copy of x)."""
+    m, k_pad = x.shape
+    return x.reshape(m, k_pad // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k_pad)
 
 
 def wgmma_available(device: torch.device) -> bool:
@@ -365,7 +370,7 @@ def nvfp4_wgmma_gemm(
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
-    config: (BN 64 | 128, BT 16..256 a multiple of 16, split_k dividing the 128-wide chunks, stages >= 3, rs:
+    config: (BN 64 | 128, BT a power of two in 16..256, split_k dividing the 128-wide chunks, stages >= 3, rs:
     the decoded weights as wgmma's register operand, else through shared memory); default `wgmma_config`."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
@@ -392,8 +397,7 @@ def nvfp4_wgmma_gemm(
     chunks = k_pad // 128
     if (
         bn not in (64, 128)
-        or bt % 16
-        or not 16 <= bt <= 256
+        or bt not in (16, 32, 64, 128, 256)
         or chunks % split
         or stages < 3
         or (smem_bytes(bn, bt, stages) > 227 * 1024)
@@ -405,13 +409,15 @@ def nvfp4_wgmma_gemm(
         cnt = _counters(x.device, grid[0])
     else:
         ws, cnt = y, y
-    lw, lx, acc, lo, xs, lcw, lcs, ps, la = layouts(bn, bt, rs)
+    lw, lx, acc, lo, xs, lcw, lcs, ps, la, lw2 = layouts(bn, bt, rs)
+    if rs:
+        x = rs_columns(x)
     _wgmma_kernel[grid](
         x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale,
         bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
         K=k, K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
         OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=xs, LCW=lcw, LCS=lcs, PS=ps,
-        RS=rs, LA=la, num_warps=bn // 16,
+        RS=rs, LA=la, LW2=lw2, num_warps=bn // 16,
     )  # fmt: skip
     return y
