@@ -524,7 +524,7 @@ def nvfp4_linear(
         try:
             y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
         except (CompilationError, RuntimeError) as e:  # a Triton that cannot build it: other paths from now
-            # on (a failed MLIR pass raises RuntimeError "PassManager::run failed"; other RuntimeErrors propagate)
+            # on (a failed MLIR pass raises RuntimeError "PassManager::run failed"; other errors propagate)
             if not isinstance(e, CompilationError) and "PassManager" not in str(e):
                 raise
             _disable_wgmma(e)
