@@ -28,27 +28,26 @@ from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 PEAK_BF16 = 989e12
 
 
-def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int, bool]]:
-    """The default config, the register-operand form over (BN, BT, split), and the shared-memory form at the
-    default's tile (the deepest ring that fits each)."""
-    from k3run.kernels.nvfp4_gemm import sm_count
+def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+    """The default config and (BN, BT, split) around it, each with the deepest ring that fits."""
     from k3run.kernels.nvfp4_gemm.wgmma import _SMEM_BUDGET, smem_bytes, wgmma_config
 
     chunks = -(-k // 128)
-    base = wgmma_config(m, n, k, sm_count(0))
-
-    def deepest(bn: int, bt: int, rs: bool) -> int:
-        return max([s for s in range(3, 9) if smem_bytes(bn, bt, s, rs) <= _SMEM_BUDGET] or [0])
-
+    base = wgmma_config(m, n, k)
     out = {base}
     bts = {base[1], min(256, 2 * base[1])} if m > 128 else {base[1]}
     for bn in (64, 128):
         for bt in sorted(bts):
-            for split in (1, 2, 4, 8):
-                if chunks % split == 0 and chunks // split >= 2 and deepest(bn, bt, True):
-                    out.add((bn, bt, split, deepest(bn, bt, True), True))
-    if deepest(base[0], base[1], False):
-        out.add((base[0], base[1], base[2], deepest(base[0], base[1], False), False))
+            for split in (1, 2, 4):
+                if chunks % split:
+                    continue
+                fits = [
+                    s
+                    for s in range(3, min(8, chunks // split + 2) + 1)
+                    if smem_bytes(bn, bt, s) <= _SMEM_BUDGET
+                ]
+                if fits:
+                    out.add((bn, bt, split, max(fits)))
     return sorted(out)
 
 

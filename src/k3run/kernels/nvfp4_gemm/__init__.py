@@ -328,10 +328,12 @@ GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
 # range). H200, bench/bench_tile.py, time of the tile GEMM / dequantize + cuBLAS on 7168x7168 and
 # 12288x7168: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at 128, 1.25 / 1.55 at 256 (slower from there)
 TILE_MAX_M = 128
-# rows for which choose_config takes the wgmma GEMM on sm_90 (H200, bench/bench_wgmma.py, against the decode
-# kernel below and dequantize + cuBLAS above, on 7168x7168, 12288x7168 and 7168x12288)
-WGMMA_MIN_M = 33
-WGMMA_MAX_M = 1 << 20
+# rows for which choose_config takes the wgmma GEMM on sm_90. H200, bench/bench_wgmma.py (RESULTS run 104),
+# on 7168x7168 / 12288x7168 / 7168x12288: against the decode kernel 1.31 / 1.06 / 1.67x faster at 32 rows,
+# 0.80 / 0.95 / 0.86x at 16; against dequantize + cuBLAS 1.43 / 1.30 / 1.48x at 256, 0.92 / 0.94 / 0.89x
+# at 1024 (257..1023 unmeasured: they stay on dequantize + cuBLAS)
+WGMMA_MIN_M = 17
+WGMMA_MAX_M = 256
 
 
 def programs_per_sm(regs: int) -> int:

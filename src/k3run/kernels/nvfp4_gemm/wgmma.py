@@ -1,4 +1,4 @@
-"""NVFP4 W4A16 GEMM on Hopper's wgmma (Gluon, sm_90): many rows per weight, dense linears.
+"""NVFP4 W4A16 GEMM on Hopper's wgmma (Gluon, sm_90): 17 to a few hundred rows per weight, dense linears.
 
 y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumulation, one rounding to x's
 dtype at the end; W in the tiled128 layout (package __init__: `tile_split128`), the decode kernels' layout.
@@ -10,16 +10,16 @@ and walks K in 128-wide chunks through a ring of STAGES shared-memory slots fill
 chunks ahead: the chunk's x columns ([BT, 128], the 128-byte swizzled layout wgmma reads; token rows past M
 re-read row M - 1, never stored), its tiled128 words ([BN, 16] int32) and scale words ([BN, 2]). Per chunk:
 wait for the slot, decode the words with the decode kernels' shift PTX (`tile.word_asm`: e2m1 * s * 2^-7,
-exact in 16 bits), issue two asynchronous wgmma (k 0..63, 64..127), refill the slot of chunk c - 2, and wait
-only for the previous chunk's wgmma, so chunk c's MMAs run while chunk c + 1 is decoded.
-- rs (the default): the decoded words land directly in wgmma's A registers. Lane t = 2h + j of a row owns
-  words 8h + 4j + b (b in registers), which puts physical k = 16t + 4b + 2p + e at the operand's k' = 16b +
-  8p + 2t + e; the x copies (4-byte runs) place x's columns in the same order, so the product is unchanged.
-- otherwise: the decoded tile goes through one of two shared-memory A buffers (a second proxy fence and
-  barrier per chunk); each warpgroup decodes the 64 rows its own wgmma reads.
-Why no register prefetch of the weights: `fence.proxy.async` (which the tensor cores' reads of generic
-shared-memory writes need) lowers to a MEMBAR that waits for every outstanding load of the thread
-(bench/NOTES.md, session 25); cp.async copies are not waited by it.
+exact in 16 bits) straight into wgmma's A registers, issue two asynchronous wgmma (k 0..63, 64..127), refill
+the slot of chunk c - 2, and wait only for the previous chunk's wgmma (whose A registers stay alive until
+then), so chunk c's MMAs run while chunk c + 1 is decoded.
+The register placement: lane t = 2h + j of a row owns words 8h + 4j + b (b in registers), which puts physical
+k = 16t + 4b + 2p + e at the operand's k' = 16b + 8p + 2t + e (a linear layout derived from the operand's, so
+the decoded values need no data movement); `rs_columns` reorders x's columns the same way before the launch,
+so the product is unchanged.
+Why the weights are not prefetched into registers: `fence.proxy.async` (the tensor cores' reads of the
+cp.async'd x need it) lowers to a MEMBAR that waits for every outstanding load of the thread (bench/NOTES.md,
+session 25); cp.async copies are not waited by it.
 Epilogue: the global scale times 2^7, the bias, the store (through a layout whose threads own 8 consecutive
 n of a token row). Split-K: the programs of a tile write fp32 partials; the last to arrive (an acq_rel
 counter) sums them in a fixed order, finishes the tile and resets the counter. The roundings are the fp32
@@ -57,8 +57,7 @@ def _halves16(o, DT: gl.constexpr):
 
 
 @gluon.jit
-def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexpr, K: gl.constexpr,
-           K_PAD: gl.constexpr, STAGES: gl.constexpr, BT: gl.constexpr, RS: gl.constexpr):  # fmt: skip
+def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexpr, STAGES: gl.constexpr):
     """cp.async chunk c (x[:, 128c ..] halves, the words, the scale words) into ring slot c % STAGES; nothing
     past the last chunk. x has K_PAD columns (the launcher pads a narrower x)."""
     if c < NCH:
@@ -72,62 +71,20 @@ def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexp
 
 @gluon.jit
 def _chunk(
-    acc, c, buf: gl.constexpr, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4,
-    BN: gl.constexpr, NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr,
-    ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr, BT: gl.constexpr,
-    LW2: gl.constexpr, RS: gl.constexpr = False,
-):  # fmt: skip
-    """Wait for chunk c's slot, decode chunk c into A buffer `buf`, refill the slot of chunk c - 2, issue the
-    chunk's two wgmma, then wait until only they are in flight."""
-    async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
-    fence_async_shared()  # ... visible to the tensor cores (x)
-    _cta_barrier()  # everyone's
-    st = c % STAGES
-    q = gl.convert_layout(gl.reshape(w_smem.index(st).load(LW2), [BN, 2, 2, 4]), LW)  # word 8h + 4j + i
-    sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)  # [BN, 1, 2, 1]: scale word j
-    sp = (sw >> (h4 * 16)) & 0xFFFF  # group 2h + j's pair: word j, half h (TILED_SCALE_ORDER)
-    o0, o1, o2, o3 = gl.inline_asm_elementwise(
-        asm=ASM, constraints="=r,=r,=r,=r,r,r", args=[q, sp],
-        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1,
-    )  # fmt: skip
-    a0, a1 = _halves16(o0, DT)
-    b0, b1 = _halves16(o1, DT)
-    c0, c1 = _halves16(o2, DT)
-    d0, d1 = _halves16(o3, DT)
-    # word w holds k = 4w .. 4w + 3 in (a0, a1, b0, b1) and 64 + 4w .. in (c0, c1, d0, d1): [.., p, e] ->
-    # k = 4w + 2p + e
-    w_lo = gl.reshape(gl.join(gl.join(a0, b0), gl.join(a1, b1)), [BN, 64])
-    w_hi = gl.reshape(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [BN, 64])
-    a_smem.index(2 * buf).store(w_lo)
-    a_smem.index(2 * buf + 1).store(w_hi)
-    fence_async_shared()  # the decoded tile, visible to the tensor cores
-    _cta_barrier()  # (every warpgroup is done with chunk c - 2's slot since the barrier above)
-    # the refill after the fences: a fence orders (and may wait for) the memory operations before it
-    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, K, K_PAD, STAGES, BT, RS)
-    acc = warpgroup_mma(a_smem.index(2 * buf), x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(
-        a_smem.index(2 * buf + 1), x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True
-    )
-    return warpgroup_mma_wait(num_outstanding=2, deps=[acc])
-
-
-@gluon.jit
-def _chunk_rs(
     acc, pa_lo, pa_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr,
-    NCH: gl.constexpr, K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
-    DT: gl.constexpr, LW: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr, BT: gl.constexpr,
-    LW2: gl.constexpr, RS: gl.constexpr = True,
+    NCH: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr,
+    LW2: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr,
 ):  # fmt: skip
-    """The register-operand form of _chunk: chunk c decoded straight into wgmma's A registers (no tile in
-    shared memory, no second fence); the previous chunk's A registers (pa_*) live until its wgmma are done."""
-    async_copy.wait_group(STAGES - 3)
-    fence_async_shared()
-    _cta_barrier()
+    """Chunk c: wait for its slot, decode it into wgmma's A registers, issue its two wgmma, refill the slot of
+    chunk c - 2, and wait for the previous chunk's wgmma (whose A registers pa_* live until then)."""
+    async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
+    fence_async_shared()  # ... visible to the tensor cores
+    _cta_barrier()  # everyone's; and every warpgroup is done with chunk c - 2's slot
     st = c % STAGES
-    # word 8h + 4j + b: lane t = 2h + j, register b
+    # word 8h + 4j + b of a row: lane t = 2h + j, register b
     q = gl.convert_layout(gl.reshape(w_smem.index(st).load(LW2), [BN, 2, 2, 4]), LW)
-    sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)
-    sp = (sw >> (h4 * 16)) & 0xFFFF
+    sw = gl.expand_dims(gl.expand_dims(s_smem.index(st).load(LSW), 1), 3)  # [BN, 1, 2, 1]: scale word j
+    sp = (sw >> (h4 * 16)) & 0xFFFF  # group t = 2h + j's pair: word j, half h (TILED_SCALE_ORDER)
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         asm=ASM, constraints="=r,=r,=r,=r,r,r", args=[q, sp],
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1,
@@ -136,8 +93,8 @@ def _chunk_rs(
     b0, b1 = _halves16(o1, DT)
     c0, c1 = _halves16(o2, DT)
     d0, d1 = _halves16(o3, DT)
-    # [row, h, j, b, p, e] (physical k = 16(2h + j) + 4b + 2p + e) -> the operand's k' = 16b + 8p + 4h + 2j
-    # + e; the x slots hold x column 16(2h + j) + 4b + 2p + e at k' (the copies' permutation)
+    # word w holds k = 4w + 2p + e in (a0, a1, b0, b1) and 64 + 4w + .. in (c0, c1, d0, d1): [row, h, j, b, p,
+    # e] (physical k = 16(2h + j) + 4b + 2p + e) -> the operand's k' = 16b + 8p + 4h + 2j + e
     w_lo = gl.reshape(gl.permute(gl.join(gl.join(a0, b0), gl.join(a1, b1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
     w_hi = gl.reshape(gl.permute(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
     a_lo = gl.convert_layout(w_lo, LA)
@@ -145,41 +102,19 @@ def _chunk_rs(
     acc = warpgroup_mma(a_lo, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
     # the refill after the wgmma issue: no fence stands between it and the next DRAM-bound wait
-    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, K, K_PAD, STAGES, BT, RS)
+    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, STAGES)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, pa_lo, pa_hi])
     return acc, a_lo, a_hi
 
 
 @gluon.jit
-def _smem_loop(
-    acc, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr, NCH: gl.constexpr,
-    K: gl.constexpr, K_PAD: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr,
-    LW: gl.constexpr, LSW: gl.constexpr, AS: gl.constexpr, BT: gl.constexpr, LW2: gl.constexpr,
-):  # fmt: skip
-    """The K loop with the decoded tile in shared memory: two chunks per trip (A buffers 0 and 1)."""
-    a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], AS)
-    for c in range(0, NCH - 1, 2):
-        acc = _chunk(acc, c, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
-                     K_PAD, STAGES, ASM, DT, LW, LSW, BT, LW2)  # fmt: skip
-        acc = _chunk(acc, c + 1, 1, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K,
-                     K_PAD, STAGES, ASM, DT, LW, LSW, BT, LW2)  # fmt: skip
-    if NCH % 2 == 1:
-        acc = _chunk(acc, NCH - 1, 0, x_smem, w_smem, s_smem, a_smem, x_rows, kx, w_src, s_src, h4, BN, NCH,
-                     K, K_PAD, STAGES, ASM, DT, LW, LSW, BT, LW2)  # fmt: skip
-    return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-
-
-@gluon.jit
 def _wgmma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, N_PAD, stride_xm, stride_ym,
-    K: gl.constexpr, K_PAD: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
-    STAGES: gl.constexpr, PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr,
-    OUT_SCALE: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LO: gl.constexpr,
-    XS: gl.constexpr, AS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
-    RS: gl.constexpr = False, LA: gl.constexpr = None, LW2: gl.constexpr = None,
+    K_PAD: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+    PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr, OUT_SCALE: gl.constexpr,
+    LW: gl.constexpr, LW2: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LA: gl.constexpr,
+    LO: gl.constexpr, XS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
 ):  # fmt: skip
-    """RS: the decoded weights go to wgmma as its register operand (LA) instead of through shared memory, and
-    x's columns come in that operand's order (`rs_columns`)."""
     CH: gl.constexpr = K_PAD // 128
     NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -196,17 +131,17 @@ def _wgmma_kernel(
     rw2 = gl.expand_dims(rw, 1)
     w_src = w_ptr + (((rw2 // 16).to(gl.int64) * CH + c0) * 256 + (rw2 % 16) * 16
                      + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, LCW)), 0))  # fmt: skip
-    rs = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS)), N_PAD - 1)
-    rs2 = gl.expand_dims(rs, 1)
+    rsc = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS)), N_PAD - 1)
+    rs2 = gl.expand_dims(rsc, 1)
     s_src = s_ptr + (((rs2 // 16).to(gl.int64) * CH + c0) * 32 + (rs2 % 16) * 2
                      + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LCS)), 0))  # fmt: skip
-    # x: [BT, 64] halves, 8 consecutive k per thread (16-byte copies); token rows past M re-read row M - 1
-    # (RS: x arrives with its columns in the A registers' order, `rs_columns`)
+    # x (its columns in the A registers' order, `rs_columns`): [BT, 64] halves, 8 consecutive columns per
+    # thread (16-byte copies); token rows past M re-read row M - 1
     t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
     trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
     x_rows = x_ptr + trow * stride_xm
     kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
-    # the scale half of each decode lane: h of word index 8h + 4j + i
+    # the scale half of each decode lane: h of word index 8h + 4j + b
     LSW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, LW))
     h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
     h4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(h, 0), 2), 3)  # [1, 2, 1, 1]
@@ -215,20 +150,16 @@ def _wgmma_kernel(
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], PS)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 2], PS)
     for st in gl.static_range(STAGES - 2):
-        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, NCH, K, K_PAD, STAGES, BT, RS)
+        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, NCH, STAGES)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
-    if RS:
-        a_lo = gl.zeros([BN, 64], DT, layout=LA)
-        a_hi = gl.zeros([BN, 64], DT, layout=LA)
-        for c in range(0, NCH):
-            acc, a_lo, a_hi = _chunk_rs(
-                acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K, K_PAD,
-                STAGES, ASM, DT, LW, LSW, LA, BT, LW2,
-            )  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    else:
-        acc = _smem_loop(acc, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, K, K_PAD,
-                         STAGES, ASM, DT, LW, LSW, AS, BT, LW2)  # fmt: skip
+    a_lo = gl.zeros([BN, 64], DT, layout=LA)
+    a_hi = gl.zeros([BN, 64], DT, layout=LA)
+    for c in range(0, NCH):
+        acc, a_lo, a_hi = _chunk(
+            acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, STAGES, ASM,
+            DT, LW, LW2, LSW, LA,
+        )  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)
 
     out = gl.convert_layout(acc, LO)
@@ -272,37 +203,31 @@ def _finish(out, gs_ptr, b_ptr, y_ptr, n_idx, n2, t2, M, N, stride_ym, PER_COL_G
 
 
 @functools.cache
-def layouts(bn: int, bt: int, rs: bool = False):
-    """(decode words [BN, 2, 2, 4], x copies, accumulator, epilogue [BN, BT], x slot / A buffer shared
-    layout, word copies [BN, 16], scale-word copies [BN, 2], the words' and scales' shared layout, the A
-    register operand or None) for a program of BN // 16 warps; rs: the register-operand form."""
+def layouts(bn: int, bt: int):
+    """(decode words [BN, 2, 2, 4], the same as loaded [BN, 16], x copies [BT, 64], accumulator, A register
+    operand [BN, 64], epilogue [BN, BT], x slot shared layout, word copies [BN, 16], scale-word copies [BN,
+    2], the words' and scales' shared layout) for a program of BN // 16 warps."""
     warps = bn // 16
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bt, 16])
-    la = None
-    if rs:
-        # the A operand [BN, 64]: k' bit 0 and bits 3-5 in registers with row bit 3, k' bits 1-2 and rows 0-2
-        # in lanes, rows 16+ in warps. Word 8h + 4j + b of a row goes to lane t = 2h + j, register b, so its
-        # decoded values land at k' = 16b + 8p + 2t + e without data movement
-        la = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
-        warp_rows = [[16 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)]
-        lw = gl.DistributedLinearLayout(
-            reg_bases=[[8, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]],
-            lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-            warp_bases=warp_rows,
-            block_bases=[],
-            shape=[bn, 2, 2, 4],
-        )
-        lw2 = gl.DistributedLinearLayout(  # the same words as [BN, 16]
-            reg_bases=[[8, 0], [0, 1], [0, 2]],
-            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
-            block_bases=[],
-            shape=[bn, 16],
-        )
-    else:
-        # 16 consecutive rows per warp (2 per thread), 4 words per thread: warpgroup j decodes rows 64j ..
-        lw = gl.BlockedLayout([2, 1, 1, 4], [8, 2, 2, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
-        lw2 = gl.BlockedLayout([2, 4], [8, 4], [warps, 1], [1, 0])
+    # the A operand: k' bit 0 and bits 3-5 in registers with row bit 3, k' bits 1-2 and rows 0-2 in lanes,
+    # rows 16+ in warps. Word 8h + 4j + b of a row goes to lane t = 2h + j, register b, so its decoded
+    # values land at k' = 16b + 8p + 2t + e without data movement
+    la = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    warp_rows = [16 << i for i in range(warps.bit_length() - 1)]
+    lw = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]],
+        lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[r, 0, 0, 0] for r in warp_rows],
+        block_bases=[],
+        shape=[bn, 2, 2, 4],
+    )
+    lw2 = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 1], [0, 2]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[r, 0] for r in warp_rows],
+        block_bases=[],
+        shape=[bn, 16],
+    )
     lx = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
     tn = min(32, bn // 8)
     lo = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, warps], [0, 1])
@@ -310,12 +235,12 @@ def layouts(bn: int, bt: int, rs: bool = False):
     lcw = gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
     lcs = gl.BlockedLayout([1, 1], [16, 2], [warps, 1], [1, 0])
     ps = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    return lw, lx, acc, lo, xs, lcw, lcs, ps, la, lw2
+    return lw, lw2, lx, acc, la, lo, xs, lcw, lcs, ps
 
 
 def rs_columns(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K_pad] with each 64-column half of a chunk reordered for the rs form: position 16b + 8p + 2t + e
-    holds column 16t + 4b + 2p + e (one copy of x)."""
+    """x [M, K_pad] with each 64-column half of a chunk reordered for the A registers' order: position 16b +
+    8p + 2t + e holds column 16t + 4b + 2p + e (one copy of x)."""
     m, k_pad = x.shape
     return x.reshape(m, k_pad // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k_pad)
 
@@ -329,32 +254,27 @@ def wgmma_available(device: torch.device) -> bool:
 _SMEM_BUDGET = 220 * 1024
 
 
-def smem_bytes(bn: int, bt: int, stages: int, rs: bool = True) -> int:
-    """Shared memory of one program: the ring (x, words, scale words), and without rs the two decoded A
-    buffers."""
-    return stages * (bt * 128 * 2 + bn * 72) + (0 if rs else 4 * bn * 64 * 2)
+def smem_bytes(bn: int, bt: int, stages: int) -> int:
+    """Shared memory of one program: the ring of x, word and scale-word slots."""
+    return stages * (bt * 128 * 2 + bn * 72)
 
 
 @functools.cache
-def wgmma_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, bool]:
-    """(BN, BT, split_k, stages, rs) for a call of m rows: the token tile is the smallest of 16 / 32 / 64 /
-    128 holding m (wider tiles hold more accumulators than the decode leaves registers for); 128 weight rows
-    per program (two warpgroups share each x slot) unless that leaves under half the SMs busy; split-K (a
-    divisor of the chunk count, <= 8, >= 4 chunks per program) until the programs fill the SMs once; the
-    register-operand form; the deepest ring (<= 8) that fits."""
-    bt = next((b for b in (16, 32, 64, 128) if m <= b), 128)
-    tiles_t = -(-m // bt)
-    bn = 128 if -(-n // 128) * tiles_t >= sms // 2 else 64
-    programs = -(-n // bn) * tiles_t
+def wgmma_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BN, BT, split_k, stages) for a call of m rows, the best of bench/bench_wgmma.py's sweep on an H200
+    (RESULTS run 104, 7168x7168, the same configs best or within 5% on 12288x7168 and 7168x12288): token
+    tiles 16 / 32 / 64 / 128 up to 16 / 32 / 64 / 1024 rows, 256 above; 64 weight rows per program up to
+    128 rows, 128 above; split-K 2 up to 32 rows (two chunks of the K loop per program pair fill more SMs),
+    1 above (the partials cost more than the wider grid gains); the deepest ring (<= 8 slots) that fits,
+    and no more slots than the program has chunks + 2 (the prologue issues STAGES - 2 of them)."""
+    bt = next((b for b in (16, 32, 64) if m <= b), 128 if m <= 1024 else 256)
+    bn = 64 if m <= 128 else 128
     chunks = -(-k // 128)
-    split = 1
-    for d in range(2, 9):
-        if chunks % d == 0 and chunks // d >= 4 and programs * split < sms:
-            split = d
+    split = 2 if m <= 32 and chunks % 2 == 0 else 1
     stages = 3
-    while stages < 8 and smem_bytes(bn, bt, stages + 1) <= _SMEM_BUDGET:
+    while stages < min(8, chunks // split + 2) and smem_bytes(bn, bt, stages + 1) <= _SMEM_BUDGET:
         stages += 1
-    return bn, bt, split, stages, True
+    return bn, bt, split, stages
 
 
 def nvfp4_wgmma_gemm(
@@ -366,12 +286,12 @@ def nvfp4_wgmma_gemm(
     n: int,
     bias: torch.Tensor | None = None,
     *,
-    config: tuple[int, int, int, int, bool] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
-    config: (BN 64 | 128, BT a power of two in 16..256, split_k dividing the 128-wide chunks, stages >= 3, rs:
-    the decoded weights as wgmma's register operand, else through shared memory); default `wgmma_config`."""
+    config: (BN 64 | 128, BT a power of two in 16..256, split_k dividing the 128-wide chunks, stages: 3 to
+    the chunks per program + 2); default `wgmma_config`."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"nvfp4 wgmma gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
@@ -391,15 +311,13 @@ def nvfp4_wgmma_gemm(
         return y
     if k != k_pad:  # the kernel's copies are 16-byte vectors of whole chunks: zero columns up to K_pad
         x = torch.nn.functional.pad(x, (0, k_pad - k))
-    from . import sm_count
-
-    bn, bt, split, stages, rs = config or wgmma_config(m, n, k, sm_count(x.device.index or 0))
+    bn, bt, split, stages = config or wgmma_config(m, n, k)
     chunks = k_pad // 128
     if (
         bn not in (64, 128)
         or bt not in (16, 32, 64, 128, 256)
         or chunks % split
-        or stages < 3
+        or not 3 <= stages <= chunks // max(split, 1) + 2
         or (smem_bytes(bn, bt, stages) > 227 * 1024)
     ):
         raise ValueError(f"nvfp4 wgmma gemm: bad config {config} for {chunks} chunks")
@@ -409,15 +327,14 @@ def nvfp4_wgmma_gemm(
         cnt = _counters(x.device, grid[0])
     else:
         ws, cnt = y, y
-    lw, lx, acc, lo, xs, lcw, lcs, ps, la, lw2 = layouts(bn, bt, rs)
-    if rs:
-        x = rs_columns(x)
+    lw, lw2, lx, acc, la, lo, xs, lcw, lcs, ps = layouts(bn, bt)
+    x = rs_columns(x)
     _wgmma_kernel[grid](
         x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale,
         bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
-        K=k, K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
+        K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
-        OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LX=lx, ACC=acc, LO=lo, XS=xs, AS=xs, LCW=lcw, LCS=lcs, PS=ps,
-        RS=rs, LA=la, LW2=lw2, num_warps=bn // 16,
+        OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw, LCS=lcs,
+        PS=ps, num_warps=bn // 16,
     )  # fmt: skip
     return y
