@@ -9,8 +9,18 @@ its folder is given). The ceiling per cell: max(weight bytes at the copy bandwid
 FLOPs at 989 TFLOP/s, the H200's dense bf16 peak). Relative RMS of the wgmma output against the fp32
 reference on every cell.
 
+--moe T,...: routed experts at prefill sizes (bench_tile.MOE_SHAPES: K3's 3584 -> 3072, top-16, 56 local;
+Kimi Linear's 2304 -> 1024, top-8, 256): both grouped GEMMs (+ the device-side grouping, + the activation in
+GEMM1's epilogue) on the wgmma kernel at several block sizes, on the Triton tile GEMM (its engine config),
+the engine's path (layers.moe.fused_experts, whichever it picks), torch._grouped_mm on bf16 copies of the
+experts (the two GEMMs only, picks pre-sorted) and, at the largest T, one pass of the per-expert loop.
+TFLOP/s counted as 2 * T * top_k * 3 * D * I.
+
     PYTHONPATH=src python3 bench/bench_wgmma.py [--shapes 7168x7168,...] [--ms 16,64,256] [--peers .peers]
+        [--moe 1024,4096] [--no-dense]
 """
+
+# ruff: noqa: B023
 
 from __future__ import annotations
 
@@ -169,13 +179,128 @@ def _marlin_pass(peers: str, shapes, rows: list[dict]) -> None:
         del c, ws
 
 
+def _moe(ts: list[int]) -> None:
+    from bench_tile import MOE_SHAPES
+
+    print("| experts | T | picks / expert | wgmma grouped best (BT) | wgmma by BT (us) | tile GEMM (engine "
+          "before) | engine path | torch._grouped_mm bf16 | per-expert loop | x tile | x _grouped_mm | "
+          "TFLOP/s (wgmma / tile / _grouped_mm) | rel RMS vs tile |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (d, i, e, a) in MOE_SHAPES.items():
+        _moe_shape(name, d, i, e, a, ts)
+        torch.cuda.empty_cache()
+
+
+def _moe_shape(name: str, d: int, i: int, e: int, a: int, ts: list[int]) -> None:
+    import time
+
+    from bench_moe_grouped import experts as random_experts
+
+    from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm_grouped
+    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_grouped
+    from k3run.layers.activation import GatedActivation
+    from k3run.layers.moe import MOE_TILE_BM, fused_experts
+    from k3run.testing import rel_rms_error
+
+    act = GatedActivation("situ", 4.0, 25.0) if name == "k3" else GatedActivation("silu")
+    actv = (act.kind, act.beta, act.linear_beta)
+    ex = random_experts(e, d, i, act)
+    gs13, gs2 = ex._kernel_scales
+    s13, s2 = ex.w13_weight_scale.view(torch.uint8), ex.w2_weight_scale.view(torch.uint8)
+    wb13 = torch.randn(e, 2 * i, d, device="cuda", dtype=torch.bfloat16)
+    wb2 = torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16)
+    for t in ts:
+        g = torch.Generator(device="cuda").manual_seed(t)
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(t, e, device="cuda", generator=g)
+        weights, ids = torch.topk(torch.sigmoid(logits), a, dim=-1)
+        picks = t * a
+        flops = 2 * picks * 3 * d * i
+        est = flops / 400e12 * 1e3
+        local = ids.reshape(-1).to(torch.int32)
+
+        def gemms(fn, bm, cfg=None):
+            def run():
+                grp = expert_blocks(local, e, bm)
+                h = fn(
+                    x,
+                    ex.w13_weight,
+                    s13,
+                    gs13,
+                    grp,
+                    picks=picks,
+                    x_div=a,
+                    k=d,
+                    config=cfg,
+                    out=torch.empty(picks, i, device="cuda", dtype=torch.bfloat16),
+                    activation=actv,
+                )
+                return fn(h, ex.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, config=cfg,
+                          out=torch.empty(picks, d, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+
+            return run
+
+        tile_run = gemms(nvfp4_tile_gemm_grouped, MOE_TILE_BM)
+        tile_us = graph_ms([tile_run], est * 3) * 1e3
+        ref = tile_run()
+        by_bt = {}
+        errs = {}
+        for bt in (32, 64, 128, 256):
+            try:
+                run = gemms(nvfp4_wgmma_grouped, bt)
+                errs[bt] = rel_rms_error(ref.float(), run().float())
+                by_bt[bt] = graph_ms([run], est) * 1e3
+            except Exception as err:  # noqa: BLE001
+                print(f"moe {name} T={t} BT={bt}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+        engine_us = graph_ms([lambda: fused_experts(ex, x, ids, weights)], est) * 1e3
+        order = torch.argsort(local, stable=True)
+        xs = x[order // a]
+        offs = torch.cumsum(torch.bincount(local, minlength=e), 0).to(torch.int32)
+
+        def grouped_bf16():
+            gu = torch._grouped_mm(xs, wb13.transpose(1, 2), offs=offs)
+            return torch._grouped_mm(gu[:, :i].contiguous(), wb2.transpose(1, 2), offs=offs)
+
+        try:
+            gm_us = graph_ms([grouped_bf16], est) * 1e3
+        except Exception as err:  # noqa: BLE001
+            print(f"moe {name} T={t}: _grouped_mm {type(err).__name__}: {str(err)[:200]}")
+            gm_us = float("nan")
+        loop = "-"
+        if t == max(ts):
+            fused_experts(ex, x, ids, weights, grouped=False)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fused_experts(ex, x, ids, weights, grouped=False)
+            torch.cuda.synchronize()
+            loop = f"{(time.perf_counter() - t0) * 1e6:.0f}"
+        if not by_bt:
+            continue
+        best = min(by_bt, key=by_bt.get)
+        bu = by_bt[best]
+        print(
+            f"| {name} ({d} -> {i}, top-{a}, {e}) | {t} | {picks / e:.0f} | {bu:.1f} ({best}) | "
+            + " / ".join(f"{b}: {v:.1f}" for b, v in by_bt.items())
+            + f" | {tile_us:.1f} | {engine_us:.1f} | {gm_us:.1f} | {loop} | {tile_us / bu:.2f} | "
+            f"{gm_us / bu:.2f} | {flops / bu / 1e6:.0f} / {flops / tile_us / 1e6:.0f} / "
+            f"{flops / gm_us / 1e6:.0f} | {errs[best]:.1e} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="7168x7168,12288x7168,7168x12288")
     ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
     ap.add_argument("--peers", default="", help="the peers folder (marlin_build.py, gemm_peers.py)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--moe", default="", help="token counts for the grouped-experts stage, e.g. 1024,4096")
+    ap.add_argument("--no-dense", action="store_true", help="only the --moe stage")
     args = ap.parse_args()
+    if args.moe:
+        _moe([int(v) for v in args.moe.split(",")])
+    if args.no_dense:
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     build = None

@@ -61,6 +61,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3, help="unprofiled timed prefills before the profiled one")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by device time")
+    ap.add_argument(
+        "--compare-wgmma", action="store_true",
+        help="the unprofiled repeats also with the wgmma kernels off (Triton tile GEMM), alternating",
+    )  # fmt: skip
+    ap.add_argument("--no-profile", action="store_true", help="only the unprofiled repeats")
     args = ap.parse_args()
     model = build(args.model, args.device)
     kinds = {
@@ -77,16 +82,28 @@ def main() -> None:
 def one(args, model, llm, kinds, n_tok: int) -> None:
     prompt = torch.randint(10, 2000, (n_tok,)).tolist()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    llm.generate([prompt], params)  # warm-up: compiles
-    for i in range(args.repeat):
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    import k3run.kernels.nvfp4_gemm as ng
+
+    wgmma_on = ng._WGMMA_OK
+    states = [wgmma_on, False] if args.compare_wgmma and wgmma_on else [wgmma_on]
+    for state in states:  # warm-up: compiles
+        ng._WGMMA_OK = state
         llm.generate([prompt], params)
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        print(f"unprofiled prefill {i}: {wall * 1e3:.1f} ms, {n_tok / wall:.0f} tok/s")
+    for i in range(args.repeat):
+        for state in states:
+            ng._WGMMA_OK = state
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([prompt], params)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            what = "" if len(states) == 1 else (" wgmma on " if state else " wgmma off")
+            print(f"unprofiled prefill {i}{what}: {wall * 1e3:.1f} ms, {n_tok / wall:.0f} tok/s", flush=True)
+    ng._WGMMA_OK = wgmma_on
+    if args.no_profile:
+        return
 
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile

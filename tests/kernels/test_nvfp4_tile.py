@@ -60,11 +60,13 @@ def _dense_case(m: int, n: int, k: int, dtype: torch.dtype, device: str, per_row
 
 
 def _grouped_case(
-    t: int, a: int, e: int, n: int, k: int, bm: int, dtype: torch.dtype, device: str, skew: str
+    t: int, a: int, e: int, n: int, k: int, bm: int, dtype: torch.dtype, device: str, skew: str, fn=None
 ):
     """t tokens x a picks over e local experts (ids outside [0, e) are another rank's); skew "one": every pick
-    on expert 1 (the others get no tokens)."""
+    on expert 1 (the others get no tokens). fn: the grouped launch under test (default the tile GEMM's)."""
     from k3run.kernels.nvfp4_gemm.tile import nvfp4_tile_gemm_grouped
+
+    fn = fn or nvfp4_tile_gemm_grouped
 
     g = torch.Generator().manual_seed(t * 31 + e)
     if skew == "one":
@@ -84,7 +86,7 @@ def _grouped_case(
     x = torch.randn(t, k, device=device).to(dtype)
     flat = ids.reshape(-1).to(device)
     grp = expert_blocks(flat, e, bm)
-    out = nvfp4_tile_gemm_grouped(x, weight, scale, gsn, grp, picks=t * a, x_div=a, k=k)
+    out = fn(x, weight, scale, gsn, grp, picks=t * a, x_div=a, k=k)
     ref = torch.zeros(t * a, n)
     bound = torch.zeros(t * a, n)
     for p, eid in enumerate(flat.tolist()):
@@ -222,7 +224,9 @@ def test_launches_compile_for_sm90_on_wgmma(
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(bf16|f16)\.(bf16|f16) +\{", ptx)
 
 
-def _gated_case(t: int, a: int, e: int, i: int, k: int, bm: int, act: tuple, device: str, dtype: torch.dtype):
+def _gated_case(
+    t: int, a: int, e: int, i: int, k: int, bm: int, act: tuple, device: str, dtype: torch.dtype, fn=None
+):
     """GEMM1 with the activation in the epilogue against the same GEMM without it plus the activation of
     layers/activation.py on the stored halves: equal up to the activation's fp32 evaluation (tanh, sigmoid
     and exp implementations differ by a few fp32 ulps, bounded here by 16 u |h|) and the one rounding of h to
@@ -230,6 +234,7 @@ def _gated_case(t: int, a: int, e: int, i: int, k: int, bm: int, act: tuple, dev
     from k3run.kernels.nvfp4_gemm.tile import nvfp4_tile_gemm_grouped
     from k3run.layers.activation import GatedActivation
 
+    fn = fn or nvfp4_tile_gemm_grouped
     g = torch.Generator().manual_seed(t + i)
     ids = torch.stack([torch.randperm(e + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1).to(device)
     ws, ss, gss = [], [], []
@@ -243,10 +248,10 @@ def _gated_case(t: int, a: int, e: int, i: int, k: int, bm: int, act: tuple, dev
     x = (torch.randn(t, k, generator=g) * 0.5).to(device).to(dtype)
     grp = expert_blocks(ids, e, bm)
     kw = dict(picks=t * a, x_div=a, k=k)
-    gu = nvfp4_tile_gemm_grouped(x, weight, scale, gsn, grp, **kw)
+    gu = fn(x, weight, scale, gsn, grp, **kw)
     kind, beta, lbeta = act
     ref = GatedActivation(kind, beta, lbeta).on_halves(gu[:, :i], gu[:, i:])
-    out = nvfp4_tile_gemm_grouped(x, weight, scale, gsn, grp, activation=act, **kw)
+    out = fn(x, weight, scale, gsn, grp, activation=act, **kw)
     hit = ((ids >= 0) & (ids < e)).cpu()
     ref, out = ref.cpu()[hit], out.cpu()[hit]
     assert_within(

@@ -581,6 +581,39 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
     assert not bool(fused_experts(ex, x, only_misses, weights).any())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, monkeypatch):
+    """Prefill sizes (300 tokens, from TILE_FROM_TOKENS) through the grouped tensor-core GEMMs (the wgmma
+    kernel on sm_90, or the Triton tile GEMM) against the per-expert loop: the bound of the decode test
+    above (gate/up and h rounded to bf16 in both, one ulp apart where fp32 sums round differently: 2^-7).
+    (Other ranks' picks: the kernel tests; with every expert local, ids are always in range.)"""
+    import k3run.kernels.nvfp4_gemm as ng
+    from k3run.layers.moe import TILE_FROM_TOKENS, fused_experts
+
+    if not wgmma:
+        monkeypatch.setattr(ng, "_WGMMA_OK", False)
+    ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, tokens=300)
+    if not ex._tiled:
+        pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
+    assert ids.shape[0] >= TILE_FROM_TOKENS
+    loop = fused_experts(ex, x, ids, weights, grouped=False)
+    got = fused_experts(ex, x, ids, weights)
+    assert_close(f"prefill grouped {act_name} wgmma={wgmma}", loop, got, rtol=2.0**-7)
+    assert ng._WGMMA_OK == wgmma  # the wgmma kernel built (no fallback) when it was on
+
+
+def test_wgmma_block_picks_rule():
+    from k3run.layers.moe import WGMMA_BLOCK_PICKS, wgmma_block_picks
+
+    assert wgmma_block_picks(0, 8) == WGMMA_BLOCK_PICKS[0]
+    assert wgmma_block_picks(4096 * 8, 256) == 128  # Kimi Linear: 128 picks per expert
+    assert wgmma_block_picks(2048 * 8, 256) == 64
+    assert wgmma_block_picks(4096 * 16, 56) == WGMMA_BLOCK_PICKS[-1]
+    assert all(b in (16, 32, 64, 128, 256) for b in WGMMA_BLOCK_PICKS)
+
+
 def test_by_expert_tile_choice(monkeypatch):
     """The expert-major token tile: 8 up to 8 tokens, 16 below BY_EXPERT_T32_FROM, then 32; the environment
     override takes only 8 / 16 / 32 and names the variable otherwise."""

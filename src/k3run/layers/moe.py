@@ -1051,25 +1051,60 @@ MOE_TILE_BM = 64
 def _fused_experts_tile(
     experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: _Finish = _FP32
 ) -> torch.Tensor:
-    """The grouped experts on the tile GEMM: the picks grouped by expert into blocks on the device
+    """The grouped experts on the tensor cores: the picks grouped by expert into blocks on the device
     (`expert_blocks`), GEMM1 over every block with the activation in its epilogue (gate and up rows with
     their own decode scales, each rounded to x's dtype first as the decode path stores them), GEMM2, and
-    the fp32 sum over each token's picks in slot order (as the decode launches)."""
+    the fp32 sum over each token's picks in slot order (as the decode launches). On sm_90 with 16-bit
+    activations both GEMMs run on the wgmma kernel (`wgmma.nvfp4_wgmma_grouped`, blocks of
+    `wgmma_block_picks`), elsewhere on the Triton tile GEMM (blocks of MOE_TILE_BM)."""
+    import k3run.kernels.nvfp4_gemm as ng
     from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm_grouped
 
     assert experts._kernel_scales is not None
-    gs13, gs2 = experts._kernel_scales
     t, a = ids.shape
-    d, i = experts.hidden_size, experts.intermediate_size
-    picks = t * a
     local = _local_ids(ids, experts.first)
-    grp = expert_blocks(local, experts.num_local, MOE_TILE_BM)
     x = x.contiguous()
+    if x.dtype in (torch.float16, torch.bfloat16) and ng._wgmma_ok(x.device):
+        from triton.compiler.errors import CompilationError
+
+        from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_grouped
+
+        grp = expert_blocks(local, experts.num_local, wgmma_block_picks(t * a, experts.num_local))
+        try:
+            y = _grouped_gemms(experts, x, a, grp, nvfp4_wgmma_grouped)
+            return finish.combine(y, weights)
+        except (CompilationError, RuntimeError) as e:  # a Triton that cannot build it: the tile GEMM
+            if not isinstance(e, CompilationError) and "PassManager" not in str(e):
+                raise
+            ng._disable_wgmma(e)
+    grp = expert_blocks(local, experts.num_local, MOE_TILE_BM)
+    y = _grouped_gemms(experts, x, a, grp, nvfp4_tile_gemm_grouped)
+    return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+
+
+# the wgmma kernel's picks per block by the picks per local expert (an expert's last block is padded to it);
+# see `wgmma_block_picks`
+WGMMA_BLOCK_PICKS = (32, 64, 128)
+
+
+def wgmma_block_picks(picks: int, local_experts: int) -> int:
+    """Picks per block of the grouped wgmma GEMMs: the smallest of WGMMA_BLOCK_PICKS that holds the mean
+    picks per local expert, the largest above (fewer padded rows against more weight reads per pick)."""
+    mean = picks / max(local_experts, 1)
+    return next((b for b in WGMMA_BLOCK_PICKS if mean <= b), WGMMA_BLOCK_PICKS[-1])
+
+
+def _grouped_gemms(experts: FusedExperts, x: torch.Tensor, a: int, grp: torch.Tensor, gemm) -> torch.Tensor:
+    """GEMM1 (activation in the epilogue) and GEMM2 of the grouped experts over the block table grp with
+    `gemm` (tile.nvfp4_tile_gemm_grouped or wgmma.nvfp4_wgmma_grouped): y [picks, D] in x's dtype."""
+    gs13, gs2 = experts._kernel_scales
+    picks = x.shape[0] * a
+    d, i = experts.hidden_size, experts.intermediate_size
     s13, s2 = experts.w13_weight_scale.view(torch.uint8), experts.w2_weight_scale.view(torch.uint8)
     # GEMM1 with the activation in its epilogue: h [picks, I] (rows of picks in no block, another rank's
     # experts, are never written and never read)
     act = experts.activation
-    h = nvfp4_tile_gemm_grouped(
+    h = gemm(
         x, experts.w13_weight, s13, gs13, grp, picks=picks, x_div=a, k=d,
         out=torch.empty(picks, i, dtype=x.dtype, device=x.device),
         activation=(act.kind, act.beta, act.linear_beta),
@@ -1077,8 +1112,7 @@ def _fused_experts_tile(
     everything_local = experts.num_local == experts.num_experts
     y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
     # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
-    y = nvfp4_tile_gemm_grouped(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
-    return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+    return gemm(h, experts.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
 
 
 def _fused_experts_grouped_mm(

@@ -366,6 +366,37 @@ def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
     return grp[:-1].view(blocks, width)
 
 
+def _check_grouped(
+    x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
+    grp: torch.Tensor, k: int, activation: tuple[str, float, float | None] | None, what: str,
+) -> tuple[int, int, int, int, float, float, int]:  # fmt: skip
+    """The grouped launches' argument checks: (experts, N, K_pad, gated 0 / 1 SiLU / 2 SiTU, beta,
+    linear_beta, output columns)."""
+    if weight.dim() != 3:
+        raise ValueError(f"{what}: weight must be [E, N, K_pad/2], got {tuple(weight.shape)}")
+    ne, n, k_pad = weight.shape[0], weight.shape[1], weight.shape[2] * 2
+    _check_tiled(weight, scale_u8, global_scale, k, n, n, k_pad, what, ne)
+    if global_scale.dim() != 2 or global_scale.shape[0] != ne:
+        raise ValueError(f"{what}: global scale must be [{ne}, 1 or {n}], got {tuple(global_scale.shape)}")
+    if grp.dtype != torch.int32 or grp.dim() != 2 or not grp.is_contiguous() or grp.device != x.device:
+        raise ValueError(
+            f"{what}: grp must be a contiguous int32 table on {x.device}, got {grp.dtype} {tuple(grp.shape)} "
+            f"on {grp.device}"
+        )
+    gated, beta, linear_beta, n_out = 0, 0.0, 0.0, n
+    if activation is not None:
+        kind, b, lb = activation
+        if kind not in ("silu", "situ") or n % 32 or global_scale.shape[1] != n:
+            raise ValueError(
+                f"{what}: a gated activation needs 'silu' or 'situ', N a multiple of 32 and per-row global "
+                f"scales [E, N]; got {kind!r}, N={n}, global scale {tuple(global_scale.shape)}"
+            )
+        gated, n_out = (1 if kind == "silu" else 2), n // 2
+        if kind == "situ":
+            beta, linear_beta = float(b), float(lb or 0.0)
+    return ne, n, k_pad, gated, beta, linear_beta, n_out
+
+
 def nvfp4_tile_gemm_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -388,34 +419,10 @@ def nvfp4_tile_gemm_grouped(
     [N/2, N) and out [picks, N/2] gets act(gate, up), each half rounded to x's dtype before the activation
     (as `layers/activation.py` on the stored halves); global_scale must then be per row [E, N]."""
     _check_x(x, k)
-    if weight.dim() != 3:
-        raise ValueError(
-            f"nvfp4 grouped tile gemm: weight must be [E, N, K_pad/2], got {tuple(weight.shape)}"
-        )
-    ne, n, k_pad = weight.shape[0], weight.shape[1], weight.shape[2] * 2
-    _check_tiled(weight, scale_u8, global_scale, k, n, n, k_pad, "nvfp4 grouped tile gemm", ne)
-    if global_scale.dim() != 2 or global_scale.shape[0] != ne:
-        raise ValueError(
-            f"nvfp4 grouped tile gemm: global scale must be [{ne}, 1 or {n}], got {tuple(global_scale.shape)}"
-        )
-    if grp.dtype != torch.int32 or grp.dim() != 2 or not grp.is_contiguous():
-        raise ValueError(
-            "nvfp4 grouped tile gemm: grp must be a contiguous int32 table, "
-            f"got {grp.dtype} {tuple(grp.shape)}"
-        )
+    ne, n, k_pad, gated, beta, linear_beta, n_out = _check_grouped(
+        x, weight, scale_u8, global_scale, grp, k, activation, "nvfp4 grouped tile gemm"
+    )
     bm = grp.shape[1] - 1
-    gated, beta, linear_beta = 0, 0.0, 0.0
-    n_out = n
-    if activation is not None:
-        kind, b, lb = activation
-        if kind not in ("silu", "situ") or n % 32 or global_scale.shape[1] != n:
-            raise ValueError(
-                f"nvfp4 grouped tile gemm: a gated activation needs 'silu' or 'situ', N a multiple of 32 and "
-                f"per-row global scales [E, N]; got {kind!r}, N={n}, global scale {tuple(global_scale.shape)}"
-            )
-        gated, n_out = (1 if kind == "silu" else 2), n // 2
-        if kind == "situ":
-            beta, linear_beta = float(b), float(lb or 0.0)
     if out is None:
         out = torch.zeros((picks, n_out), dtype=x.dtype, device=x.device)
     elif out.shape != (picks, n_out) or out.dtype != x.dtype or out.stride(1) != 1:

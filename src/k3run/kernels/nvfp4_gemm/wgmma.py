@@ -57,10 +57,10 @@ def _halves16(o, DT: gl.constexpr):
 
 
 @gluon.jit
-def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexpr, STAGES: gl.constexpr):
+def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, nch, STAGES: gl.constexpr):
     """cp.async chunk c (x[:, 128c ..] halves, the words, the scale words) into ring slot c % STAGES; nothing
     past the last chunk. x has K_PAD columns (the launcher pads a narrower x)."""
-    if c < NCH:
+    if c < nch:
         st = c % STAGES
         _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
         _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
@@ -72,7 +72,7 @@ def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, NCH: gl.constexp
 @gluon.jit
 def _chunk(
     acc, pa_lo, pa_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr,
-    NCH: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr,
+    nch, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr,
     LW2: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr,
 ):  # fmt: skip
     """Chunk c: wait for its slot, decode it into wgmma's A registers, issue its two wgmma, refill the slot of
@@ -102,14 +102,14 @@ def _chunk(
     acc = warpgroup_mma(a_lo, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
     # the refill after the wgmma issue: no fence stands between it and the next DRAM-bound wait
-    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, NCH, STAGES)
+    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, nch, STAGES)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, pa_lo, pa_hi])
     return acc, a_lo, a_hi
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["nch"])
 def _wgmma_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, N_PAD, stride_xm, stride_ym,
+    x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, N_PAD, stride_xm, stride_ym, nch,
     K_PAD: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
     PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr, OUT_SCALE: gl.constexpr,
     LW: gl.constexpr, LW2: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LA: gl.constexpr,
@@ -150,13 +150,13 @@ def _wgmma_kernel(
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], PS)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 2], PS)
     for st in gl.static_range(STAGES - 2):
-        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, NCH, STAGES)
+        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, nch, STAGES)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
     a_lo = gl.zeros([BN, 64], DT, layout=LA)
     a_hi = gl.zeros([BN, 64], DT, layout=LA)
-    for c in range(0, NCH):
+    for c in range(0, nch):
         acc, a_lo, a_hi = _chunk(
-            acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, NCH, STAGES, ASM,
+            acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, nch, STAGES, ASM,
             DT, LW, LW2, LSW, LA,
         )  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -332,9 +332,219 @@ def nvfp4_wgmma_gemm(
     _wgmma_kernel[grid](
         x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale,
         bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
+        chunks // split,
         K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
         OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw, LCS=lcs,
         PS=ps, num_warps=bn // 16,
     )  # fmt: skip
     return y
+
+
+# ---- grouped routed experts ------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _tanh(z):
+    """fp32 tanh as tile._tanh: an odd series below |z| = 1/8, else (1 - e) / (1 + e) with e = exp(-2|z|)."""
+    a = gl.abs(z)
+    z2 = z * z
+    small = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
+    ex = gl.exp(-2.0 * a)
+    big = (1.0 - ex) / (1.0 + ex)
+    return gl.where(a < 0.125, small, gl.where(z < 0, -big, big))
+
+
+@gluon.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + gl.exp(-z))
+
+
+@gluon.jit
+def _weight_rows(i, pid_n, N_OUT, N_ROWS, HB: gl.constexpr, GATED: gl.constexpr):
+    """Program row i -> weight row: rows [0, HB) gate rows pid_n * HB + i, [HB, 2 HB) the matching up rows
+    N_OUT + ... (GATED), or pid_n * HB + i; rows past the weight re-read its last row (never stored)."""
+    if GATED:
+        r = (i // HB) * N_OUT + pid_n * HB + i % HB
+    else:
+        r = pid_n * HB + i
+    return gl.minimum(r, N_ROWS - 1)
+
+
+@gluon.jit(do_not_specialize=["nch"])
+def _wgmma_grouped_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, grp_ptr, N_OUT, N_ROWS, stride_xm, stride_ym, x_div, w_estride,
+    s_estride, gs_estride, nch,
+    K_PAD: gl.constexpr, R: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, PER_COL_GS: gl.constexpr,
+    GATED: gl.constexpr, BETA: gl.constexpr, LINEAR_BETA: gl.constexpr, ASM: gl.constexpr,
+    OUT_SCALE: gl.constexpr, LW: gl.constexpr, LW2: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr,
+    LA: gl.constexpr, LO: gl.constexpr, XS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr,
+    PS: gl.constexpr, L3: gl.constexpr,
+):  # fmt: skip
+    """One program: table row `blk` of expert_blocks (expert e, up to BT picks) x HB output columns (R weight
+    rows: HB gate + HB up rows when GATED, else HB = R)."""
+    NCH: gl.constexpr = K_PAD // 128
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    HB: gl.constexpr = R // 2 if GATED else R
+    n_tiles = gl.cdiv(N_OUT, HB)
+    pid = gl.program_id(0)
+    pid_n = pid % n_tiles  # consecutive programs share the block's x rows
+    blk = pid // n_tiles
+    row0 = grp_ptr + blk.to(gl.int64) * (BT + 1)
+    e = gl.load(row0)
+    if e >= 0:
+        e64 = e.to(gl.int64)
+        rw = _weight_rows(gl.arange(0, R, layout=gl.SliceLayout(1, LCW)), pid_n, N_OUT, N_ROWS, HB, GATED)
+        rw2 = gl.expand_dims(rw, 1)
+        w_src = w_ptr + e64 * w_estride + (
+            ((rw2 // 16).to(gl.int64) * NCH) * 256 + (rw2 % 16) * 16
+            + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, LCW)), 0)
+        )  # fmt: skip
+        rsc = _weight_rows(gl.arange(0, R, layout=gl.SliceLayout(1, LCS)), pid_n, N_OUT, N_ROWS, HB, GATED)
+        rs2 = gl.expand_dims(rsc, 1)
+        s_src = s_ptr + e64 * s_estride + (
+            ((rs2 // 16).to(gl.int64) * NCH) * 32 + (rs2 % 16) * 2
+            + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LCS)), 0)
+        )  # fmt: skip
+        # x rows pick // x_div of the block's picks (-1 past its count: row 0, never stored)
+        pk = gl.load(row0 + 1 + gl.arange(0, BT, layout=gl.SliceLayout(1, LX)))
+        xr = gl.expand_dims(gl.maximum(pk, 0) // x_div, 1).to(gl.int64)
+        x_rows = x_ptr + xr * stride_xm
+        kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0)
+        LSW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, LW))
+        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
+        h4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(h, 0), 2), 3)
+
+        x_smem = gl.allocate_shared_memory(DT, [2 * STAGES, BT, 64], XS)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, 16], PS)
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, 2], PS)
+        for st in gl.static_range(STAGES - 2):
+            _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, nch, STAGES)
+        acc = gl.zeros([R, BT], gl.float32, layout=ACC)
+        a_lo = gl.zeros([R, 64], DT, layout=LA)
+        a_hi = gl.zeros([R, 64], DT, layout=LA)
+        for c in range(0, nch):
+            acc, a_lo, a_hi = _chunk(
+                acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, R, nch, STAGES, ASM,
+                DT, LW, LW2, LSW, LA,
+            )  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        async_copy.wait_group(0)
+
+        out = gl.convert_layout(acc, LO)
+        ro = _weight_rows(gl.arange(0, R, layout=gl.SliceLayout(1, LO)), pid_n, N_OUT, N_ROWS, HB, GATED)
+        gsp = gs_ptr + e64 * gs_estride
+        if PER_COL_GS:
+            out = out * gl.expand_dims(gl.load(gsp + ro) * OUT_SCALE, 1)
+        else:
+            out = out * (gl.load(gsp) * OUT_SCALE)
+        LG: gl.constexpr = gl.SliceLayout(2, L3)
+        if GATED:
+            # gate and up rounded to the output dtype first (as the unfused path stores them), the activation
+            # in fp32, one rounding at the end (layers/activation.py)
+            v = out.to(y_ptr.dtype.element_ty).to(gl.float32)
+            v3 = gl.convert_layout(gl.permute(gl.reshape(v, [2, HB, BT]), [1, 2, 0]), L3)
+            gate, up = gl.split(v3)
+            gate = gl.convert_layout(gate, LG)
+            up = gl.convert_layout(up, LG)
+            if GATED == 1:
+                res = gate * _sigmoid(gate) * up
+            else:
+                res = BETA * _tanh(gate / BETA) * _sigmoid(gate)
+                if LINEAR_BETA > 0:
+                    up = LINEAR_BETA * _tanh(up / LINEAR_BETA)
+                res = res * up
+        else:
+            res = gl.convert_layout(out, LG)
+        n_idx = pid_n * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, LG))
+        pt = gl.load(row0 + 1 + gl.arange(0, BT, layout=gl.SliceLayout(0, LG)))
+        n2 = gl.expand_dims(n_idx, 1)
+        t2 = gl.expand_dims(pt, 0)
+        ok = (n2 < N_OUT) & (t2 >= 0)
+        gl.store(y_ptr + t2.to(gl.int64) * stride_ym + n2, res.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def grouped_layouts(r: int, bt: int, gated: bool):
+    """`layouts(r, bt)` plus the epilogue's [HB, BT, 2] layout (HB = r / 2 output columns when gated: gate and
+    up of a column in one thread's registers; [r, BT, 2] with a unit last dimension otherwise, its slice the
+    store layout: 8 consecutive columns of a pick per thread)."""
+    warps = r // 16
+    hb = r // 2 if gated else r
+    tn = min(32, hb // 8)
+    l3 = gl.BlockedLayout([8, 1, 2], [tn, 32 // tn, 1], [1, warps, 1], [2, 0, 1])
+    return (*layouts(r, bt), l3)
+
+
+def grouped_config(bt: int, k: int) -> tuple[int, int]:
+    """(R weight rows per program, stages) for a grouped call of BT-pick blocks: 128 rows (two warpgroups:
+    64 gate + 64 up rows of GEMM1), the deepest ring (<= 8 slots, <= the chunks + 2) that fits."""
+    chunks = -(-k // 128)
+    stages = 3
+    while stages < min(8, chunks + 2) and smem_bytes(128, bt, stages + 1) <= _SMEM_BUDGET:
+        stages += 1
+    return 128, stages
+
+
+def nvfp4_wgmma_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    grp: torch.Tensor,
+    *,
+    picks: int,
+    x_div: int,
+    k: int,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int] | None = None,
+    activation: tuple[str, float, float | None] | None = None,
+) -> torch.Tensor:
+    """`tile.nvfp4_tile_gemm_grouped` on wgmma (bf16 / fp16 on sm_90), the same arguments and results: out
+    [picks, N] row p = x[p // x_div] @ W[e]^T * global_scale[e] for every pick p of an `expert_blocks` table
+    whose width - 1 (the picks per block, BT) is a power of two in 16..256; rows of picks in no block keep
+    `out`'s values. activation: gate rows [0, N/2), up rows [N/2, N), out [picks, N/2] = act(gate, up).
+    config: (R 64 | 128 weight rows per program, stages); default `grouped_config`."""
+    from .tile import _check_grouped
+
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"nvfp4 wgmma grouped: x must be bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    if not x.is_cuda or not wgmma_available(x.device):
+        raise ValueError(f"nvfp4 wgmma grouped: needs an sm_90 GPU, got {x.device}")
+    ne, n, k_pad, gated, beta, linear_beta, n_out = _check_grouped(
+        x, weight, scale_u8, global_scale, grp, k, activation, "nvfp4 wgmma grouped"
+    )
+    bt = grp.shape[1] - 1
+    if bt not in (16, 32, 64, 128, 256):
+        raise ValueError(f"nvfp4 wgmma grouped: blocks of {bt} picks; expected a power of two in 16..256")
+    if out is None:
+        out = torch.zeros((picks, n_out), dtype=x.dtype, device=x.device)
+    elif out.shape != (picks, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"nvfp4 wgmma grouped: out must be {x.dtype} [{picks}, {n_out}], "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    if picks == 0 or grp.shape[0] == 0:
+        return out
+    r, stages = config or grouped_config(bt, k)
+    chunks = k_pad // 128
+    if r not in (64, 128) or not 3 <= stages <= chunks + 2 or smem_bytes(r, bt, stages) > 227 * 1024:
+        raise ValueError(f"nvfp4 wgmma grouped: bad config {config} for {chunks} chunks and {bt}-pick blocks")
+    if k != k_pad:
+        x = torch.nn.functional.pad(x, (0, k_pad - k))
+    x = rs_columns(x)
+    hb = r // 2 if gated else r
+    grid = (grp.shape[0] * triton.cdiv(n_out, hb),)
+    lw, lw2, lx, acc, la, lo, xs, lcw, lcs, ps, l3 = grouped_layouts(r, bt, bool(gated))
+    _wgmma_grouped_kernel[grid](
+        x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, out, grp, n_out, n,
+        x.stride(0), out.stride(0), x_div, n * k_pad // 8, n * k_pad // 64, global_scale.shape[1], chunks,
+        K_PAD=k_pad, R=r, BT=bt, STAGES=stages, PER_COL_GS=global_scale.shape[1] != 1, GATED=gated,
+        BETA=beta, LINEAR_BETA=linear_beta, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
+        OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw, LCS=lcs,
+        PS=ps, L3=l3, num_warps=r // 16,
+    )  # fmt: skip
+    return out
