@@ -66,6 +66,11 @@ def main() -> None:
         help="the unprofiled repeats also with the wgmma kernels off (Triton tile GEMM), alternating",
     )  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="only the unprofiled repeats")
+    ap.add_argument(
+        "--syncs", action="store_true",
+        help="one more prefill in torch.cuda sync debug mode: each host synchronisation, by call site",
+    )  # fmt: skip
+    ap.add_argument("--host", action="store_true", help="one more prefill under cProfile (host functions)")
     args = ap.parse_args()
     model = build(args.model, args.device)
     kinds = {
@@ -77,6 +82,63 @@ def main() -> None:
     llm = LLM.from_model(model, tok, cfg)
     for n_tok in lengths:
         one(args, model, llm, kinds, n_tok)
+
+
+def sync_sites(llm, prompt, params, n_tok: int) -> None:
+    """Every synchronizing CUDA call of one prefill (torch's sync debug mode), grouped by its innermost
+    frames in k3run / fla."""
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if ("k3run" in f.filename or "/fla/" in f.filename)
+        ]
+        sites[" <- ".join(reversed(frames[-3:])) or f"{filename}:{lineno}"] += 1
+
+    saved = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode(1)
+            llm.generate([prompt], params)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = saved
+    print(f"{n_tok}-token prefill: {sum(sites.values())} synchronizing calls at {len(sites)} sites")
+    for site, count in sites.most_common(25):
+        print(f"  {count:5d}  {site}")
+
+
+def host_profile(llm, prompt, params, n_tok: int) -> None:
+    """cProfile over one prefill: the host's functions by their own time and cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate([prompt], params)
+    sync()
+    prof.disable()
+    print(f"{n_tok}-token prefill under cProfile: {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
+        lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+        start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+        print(f"-- by {key}")
+        print("\n".join(lines[start : start + 31]))
 
 
 def one(args, model, llm, kinds, n_tok: int) -> None:
@@ -102,6 +164,10 @@ def one(args, model, llm, kinds, n_tok: int) -> None:
             what = "" if len(states) == 1 else (" wgmma on " if state else " wgmma off")
             print(f"unprofiled prefill {i}{what}: {wall * 1e3:.1f} ms, {n_tok / wall:.0f} tok/s", flush=True)
     ng._WGMMA_OK = wgmma_on
+    if args.syncs and args.device != "cpu":
+        sync_sites(llm, prompt, params, n_tok)
+    if args.host:
+        host_profile(llm, prompt, params, n_tok)
     if args.no_profile:
         return
 
