@@ -605,13 +605,12 @@ def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, 
 
 
 def test_wgmma_block_picks_rule():
-    from k3run.layers.moe import WGMMA_BLOCK_PICKS, wgmma_block_picks
+    from k3run.layers.moe import wgmma_block_picks
 
-    assert wgmma_block_picks(0, 8) == WGMMA_BLOCK_PICKS[0]
-    assert wgmma_block_picks(4096 * 8, 256) == 128  # Kimi Linear: 128 picks per expert
-    assert wgmma_block_picks(2048 * 8, 256) == 64
-    assert wgmma_block_picks(4096 * 16, 56) == WGMMA_BLOCK_PICKS[-1]
-    assert all(b in (16, 32, 64, 128, 256) for b in WGMMA_BLOCK_PICKS)
+    assert wgmma_block_picks(0, 8) == 32
+    assert wgmma_block_picks(256 * 8, 256) == 32  # Kimi Linear experts, 8 picks each
+    assert wgmma_block_picks(4096 * 8, 256) == 64  # 128 picks each
+    assert wgmma_block_picks(4096 * 16, 56) == 128  # K3 experts at EP16, 1170 picks each
 
 
 def test_by_expert_tile_choice(monkeypatch):

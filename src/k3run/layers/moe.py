@@ -1082,16 +1082,17 @@ def _fused_experts_tile(
     return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
 
-# the wgmma kernel's picks per block by the picks per local expert (an expert's last block is padded to it);
-# see `wgmma_block_picks`
-WGMMA_BLOCK_PICKS = (32, 64, 128)
+# the wgmma kernel's picks per block by the mean picks per local expert: (up to this mean, block) pairs, 128
+# above. H200, bench/bench_wgmma.py --moe (RESULTS run 105; K3 experts 56 local, Kimi Linear's 256): 32-pick
+# blocks best at means 2-18, 64 at 32-128 (within 3% of 128 at 73), 128 from 293 (64 there: 1.25x slower)
+WGMMA_BLOCK_PICKS = ((24, 32), (160, 64))
 
 
 def wgmma_block_picks(picks: int, local_experts: int) -> int:
-    """Picks per block of the grouped wgmma GEMMs: the smallest of WGMMA_BLOCK_PICKS that holds the mean
-    picks per local expert, the largest above (fewer padded rows against more weight reads per pick)."""
+    """Picks per block of the grouped wgmma GEMMs (WGMMA_BLOCK_PICKS): fewer padded rows in an expert's last
+    block against more reads of its weights per pick."""
     mean = picks / max(local_experts, 1)
-    return next((b for b in WGMMA_BLOCK_PICKS if mean <= b), WGMMA_BLOCK_PICKS[-1])
+    return next((bt for most, bt in WGMMA_BLOCK_PICKS if mean <= most), 128)
 
 
 def _grouped_gemms(experts: FusedExperts, x: torch.Tensor, a: int, grp: torch.Tensor, gemm) -> torch.Tensor:
