@@ -50,6 +50,7 @@ class ForwardContext:
     # host copies so layers can loop over sequences without device syncs
     seqlens_list: list[int] = field(default_factory=list)
     context_lens_list: list[int] = field(default_factory=list)
+    slots_list: list[int] = field(default_factory=list)
     # static decode (a step that a CUDA graph captures once and replays): every sequence feeds one token,
     # the device tensors above change between replays but their host copies do not, so layers must not read
     # context_lens_list; MLA attends over the first attn_window cached positions of each slot, masked by
@@ -69,6 +70,8 @@ class ForwardContext:
             self.seqlens_list = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
         if not self.context_lens_list:
             self.context_lens_list = self.context_lens.tolist()
+        if not self.slots_list and self.slots is not None:
+            self.slots_list = self.slots.tolist()
 
     @property
     def num_seqs(self) -> int:
@@ -78,6 +81,10 @@ class ForwardContext:
     def is_static(self) -> bool:
         """A static decode step (see attn_window): device-only paths, no host reads of per-step values."""
         return self.attn_window is not None
+
+    def bounds(self) -> list[int]:
+        """cu_seqlens as a host list, from seqlens_list (no device read)."""
+        return [0, *itertools.accumulate(self.seqlens_list)]
 
     def cu_seqlens_host(self) -> torch.Tensor:
         """cu_seqlens as a CPU int64 tensor built from seqlens_list (no device read), the same object for

@@ -307,6 +307,7 @@ class ModelRunner:
             cache=self.cache.cache,
             seqlens_list=seqlens,
             context_lens_list=ctx_lens,
+            slots_list=list(slots),
         )
 
     def disable_graphs(self, why: str) -> None:

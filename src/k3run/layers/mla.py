@@ -151,7 +151,7 @@ class KimiMLA(nn.Module):
         self, latent: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
     ) -> list[torch.Tensor]:
         """Store this step's latents and return each sequence's whole latent history [ctx + n, L + R]."""
-        bounds = ctx.cu_seqlens.tolist()
+        bounds = ctx.bounds()
         if cache is None:
             if any(c != 0 for c in ctx.context_lens_list):
                 raise ValueError(f"{self.prefix}: context_lens {ctx.context_lens_list} need an MLA cache")
@@ -164,7 +164,7 @@ class KimiMLA(nn.Module):
                 f"{self.prefix}: latent cache must be [S, max_len, {latent.shape[1]}], "
                 f"got {tuple(store.shape)}"
             )
-        slots = ctx.slots.tolist()
+        slots = ctx.slots_list
         out = []
         for b in range(ctx.num_seqs):
             s, e, start = bounds[b], bounds[b + 1], ctx.context_lens_list[b]
@@ -198,7 +198,7 @@ class KimiMLA(nn.Module):
         dn, L = self.qk_nope_head_dim, self.kv_lora_rank
         outs = []
         pos = 0
-        bounds = ctx.cu_seqlens.tolist()
+        bounds = ctx.bounds()
         for b, lat in enumerate(lats):
             N = lat.shape[0]
             kv_b = kv[pos : pos + N].float()
@@ -224,7 +224,7 @@ class KimiMLA(nn.Module):
         H, dn, L = self.local_heads, self.qk_nope_head_dim, self.kv_lora_rank
         outs = []
         pos = 0
-        bounds = ctx.cu_seqlens.tolist()
+        bounds = ctx.bounds()
         for b, lat in enumerate(lats):
             N = lat.shape[0]
             kv_b = kv[pos : pos + N]
@@ -248,7 +248,7 @@ class KimiMLA(nn.Module):
         if self.w_uk is None or self.w_uv is None:
             raise RuntimeError(f"{self.prefix}: call process_after_loading() before absorbed attention")
         dn, L = self.qk_nope_head_dim, self.kv_lora_rank
-        bounds = ctx.cu_seqlens.tolist()
+        bounds = ctx.bounds()
         outs = []
         for b, lat in enumerate(lats):
             q_b = q[bounds[b] : bounds[b + 1]].float()  # [n, H, d_q]
