@@ -249,17 +249,15 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"{self.prefix}: recurrent state must be fp32, got {cache.recurrent.dtype}")
         if not gather:
             return None, None
+        if not ctx.is_static and all(c == 0 for c in ctx.context_lens_list):
+            return None, None  # every sequence starts fresh: zero states, as without a cache
         conv0 = cache.conv[ctx.slots].to(dtype)  # [B, 3P, W-1]
         rec0 = cache.recurrent[ctx.slots]  # [B, H, K, V]
-        if ctx.is_static:  # no host copy of context_lens: zero the fresh rows with a device mask
+        if ctx.is_static or any(c == 0 for c in ctx.context_lens_list):
+            # a reused slot still holds its previous owner's state: zero the fresh rows with a device mask
+            # (no host copy, so no synchronisation)
             old = (ctx.context_lens != 0)[:, None, None]
             return torch.where(old, conv0, 0), torch.where(old[..., None], rec0, 0)
-        fresh = [b for b, c in enumerate(ctx.context_lens_list) if c == 0]
-        if fresh:
-            # a reused slot still holds its previous owner's state
-            idx = torch.tensor(fresh, device=device)
-            conv0[idx] = 0
-            rec0[idx] = 0
         return conv0, rec0
 
     # forward
