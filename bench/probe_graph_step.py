@@ -12,7 +12,8 @@ rank 0 prints.
 --k3-shaped builds a random model at K3's real layer shapes instead of loading MODEL_DIR (bench/k3_shaped.py:
 KDA x3 + MLA per 4 layers, latent MoE in every layer, EXPERTS local routed experts, top-16, k3-mixed
 quantization); --kimi-linear builds the random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (full depth:
-27 layers, 256 experts, top-8; LAYERS,EXPERTS cut it); the tokenizer still comes from MODEL_DIR.
+27 layers, 256 experts, top-8; LAYERS,EXPERTS cut it; --bf16: every weight bf16, the official checkpoint's
+form); the tokenizer still comes from MODEL_DIR.
 --eager also times the same steps with graphs off.
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
@@ -367,6 +368,7 @@ def main() -> None:
     ap.add_argument("--k3-shaped", default=None, metavar="LAYERS,EXPERTS")
     ap.add_argument("--kimi-linear", nargs="?", const="27,256", default=None, metavar="LAYERS,EXPERTS")
     ap.add_argument("--eager", action="store_true", help="also time the steps with graphs off")
+    ap.add_argument("--bf16", action="store_true", help="--kimi-linear with every weight bf16 (unquantized)")
     ap.add_argument(
         "--compare-overlap", action="store_true", help="also time graph steps without decode overlap (no-ovl)"
     )
@@ -396,10 +398,14 @@ def main() -> None:
 
         layers, experts = (int(v) for v in args.kimi_linear.split(","))
         t0 = time.perf_counter()
-        model = random_model(kimi_linear_48b_config(layers, experts), device="cuda", tp=tp)
+        hf = kimi_linear_48b_config(layers, experts)
+        if args.bf16:
+            hf.pop("quantization_config")
+        model = random_model(hf, device="cuda", tp=tp)
         built = time.perf_counter() - t0
         what = (
-            f"Kimi Linear 48B-A3B NVFP4 random, {layers} layers, {experts} experts (built in {built:.0f} s)"
+            f"Kimi Linear 48B-A3B {'bf16' if args.bf16 else 'NVFP4'} random, {layers} layers, {experts} "
+            f"experts (built in {built:.0f} s)"
         )
     else:
         model = load_model(args.model, dtype=torch.bfloat16, device="cuda", tp_rank=tp.rank, tp_size=tp.size)

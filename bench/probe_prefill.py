@@ -6,7 +6,8 @@ router / routed experts / shared experts, norms, AttnRes), the host time and the
     PYTHONPATH=src python bench/probe_prefill.py --model tiny --tokens 64 --device cpu  # the logic, on a CPU
 
 `kimi-linear`: the full-depth random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (27 layers, 256
-experts, in memory); `k3`: the K3-shaped 4-layer slice; `tiny`: the Kimi Linear config cut to 2 layers, 8
+experts, in memory); `kimi-linear-bf16`: the same in bf16 (the official checkpoint's dtype, 96 GB); `k3`:
+the K3-shaped 4-layer slice; `tiny`: the Kimi Linear config cut to 2 layers, 8
 experts and small widths (bf16, no quantization: for checking the script itself).
 """
 
@@ -31,6 +32,10 @@ from k3run.tokenizer import load_tokenizer  # noqa: E402
 def build(name: str, device: str):
     if name == "kimi-linear":
         return random_model(kimi_linear_48b_config(), device=device)
+    if name == "kimi-linear-bf16":  # the official checkpoint's form: every weight bf16 (96 GB)
+        hf = kimi_linear_48b_config()
+        hf.pop("quantization_config")
+        return random_model(hf, device=device)
     if name == "k3":
         return random_k3_model(4, 64, device=device)
     hf = kimi_linear_48b_config(layers=2, experts=8)
@@ -56,7 +61,8 @@ def label(name: str) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="kimi-linear", choices=["kimi-linear", "k3", "tiny"])
+    models = ["kimi-linear", "kimi-linear-bf16", "k3", "tiny"]
+    ap.add_argument("--model", default="kimi-linear", choices=models)
     ap.add_argument("--tokens", default="8192", help="prompt lengths, comma-separated (one model build)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3, help="unprofiled timed prefills before the profiled one")
