@@ -108,6 +108,33 @@ def test_expert_blocks_matches_the_decode_table_reference(t: int, a: int, e: int
     assert torch.equal(expert_blocks(ids, e, bm), expert_groups_ref(ids, e, bm))
 
 
+@interp_only
+@pytest.mark.parametrize(
+    "t, a, e, bm", [(1, 1, 1, 16), (7, 3, 5, 4), (40, 8, 16, 16), (300, 8, 64, 64), (9, 2, 300, 8)]
+)
+def test_interp_expert_blocks_kernel(t: int, a: int, e: int, bm: int) -> None:
+    """The Triton form (CUDA's default) gives the reference's table: misses, experts without picks, several
+    blocks per expert, picks spanning more than one 1024-pick chunk (300 x 8)."""
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e + 5, generator=g)[:a] - 2 for _ in range(t)]).reshape(-1)
+    for dt in (torch.int32, torch.int64):
+        got = expert_blocks(ids.to(dt), e, bm, kernel=True)
+        assert torch.equal(got, expert_groups_ref(ids, e, bm)), (t, a, e, bm, dt)
+    one = torch.full((2100,), 3)
+    assert torch.equal(expert_blocks(one, 8, 64, kernel=True), expert_groups_ref(one, 8, 64))
+
+
+@pytest.mark.gpu
+def test_gpu_expert_blocks_kernel() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(5)
+    for t, a, e, bm in [(2048, 8, 256, 64), (4096, 16, 56, 128), (33, 4, 9, 16)]:
+        ids = torch.randint(-3, e + 3, (t * a,), generator=g)
+        got = expert_blocks(ids.cuda(), e, bm)
+        assert torch.equal(got.cpu(), expert_groups_ref(ids, e, bm)), (t, a, e, bm)
+
+
 def test_expert_blocks_one_expert_takes_every_pick() -> None:
     ids = torch.full((100,), 3)
     grp = expert_blocks(ids, 8, 16)
@@ -123,7 +150,7 @@ def test_expert_blocks_refuses_bad_ids() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=9)
+    run_interp_tests_in_child(__file__, expected_passed=14)
 
 
 @interp_only

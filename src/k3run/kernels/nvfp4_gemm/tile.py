@@ -331,20 +331,75 @@ DEFAULT_GROUPED_CONFIG = (
 )  # (BN weight rows, num_warps, num_stages) of the grouped launch; not yet tuned
 
 
-def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
+@triton.jit
+def _expert_count_kernel(ids_ptr, cnt_ptr, P, BLOCK: tl.constexpr):
+    """Program e: the picks of expert e."""
+    e = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        acc += (tl.load(ids_ptr + offs, mask=offs < P, other=-1) == e).to(tl.int32)
+    tl.store(cnt_ptr + e, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _expert_place_kernel(
+    ids_ptr, cnt_ptr, grp_ptr, P, E, BM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr
+):  # fmt: skip
+    """Program e: its first block = the exclusive scan of ceil(count / BM) over the experts before it; its
+    blocks' headers; each of its picks, in increasing order, at rank r: block first + r // BM, column
+    1 + r % BM. The table was filled with -1."""
+    e = tl.program_id(0)
+    ee = tl.arange(0, BLOCK_E)
+    nb = (tl.load(cnt_ptr + ee, mask=ee < E, other=0) + (BM - 1)) // BM
+    first = tl.sum(tl.where(ee < e, nb, 0), axis=0)
+    mine = tl.sum(tl.where(ee == e, nb, 0), axis=0)
+    for b in range(0, mine):
+        tl.store(grp_ptr + (first + b).to(tl.int64) * (BM + 1), e)
+    base = 0
+    for p0 in range(0, P, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        hit = (tl.load(ids_ptr + offs, mask=offs < P, other=-1) == e).to(tl.int32)
+        r = base + tl.cumsum(hit, axis=0) - 1
+        slot = (first + r // BM).to(tl.int64) * (BM + 1) + 1 + r % BM
+        tl.store(grp_ptr + slot, offs, mask=hit != 0)
+        base += tl.sum(hit, axis=0)
+
+
+def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int, *, kernel: bool | None = None) -> torch.Tensor:
     """The picks ids [P] (local expert per (token, slot) pick; outside [0, n_experts): another rank's) grouped
     by expert into blocks of up to bm: the same table as `groups.expert_groups` ([max_groups(P, E, bm),
     1 + bm] int32: column 0 the expert or -1, then the block's pick indices in increasing order, -1 past its
-    count), built from sorts and scatters that scale to prefill sizes (expert_groups is one program, for
-    decode batches). No host read-back."""
-    from k3run.kernels.picks import sort_picks
-
-    from .groups import max_groups
-
+    count), for prefill sizes (expert_groups is one program, for decode batches). No host read-back.
+    On CUDA (kernel=None) three launches: the -1 fill, one program per expert counting its picks, one per
+    expert placing them; elsewhere (or kernel=False) `expert_blocks_ref`'s sorts and scatters."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"expert_blocks: ids must be int32/int64 [P], got {ids.dtype} {tuple(ids.shape)}")
     if bm < 1 or n_experts < 1:
         raise ValueError(f"expert_blocks: bm={bm}, n_experts={n_experts}; both must be >= 1")
+    if not (ids.is_cuda if kernel is None else kernel):
+        return expert_blocks_ref(ids, n_experts, bm)
+    from .groups import max_groups
+
+    p, e = ids.shape[0], n_experts
+    grp = torch.full((max_groups(p, e, bm), bm + 1), -1, dtype=torch.int32, device=ids.device)
+    if p == 0:
+        return grp
+    ids = ids.contiguous()
+    cnt = torch.empty(e, dtype=torch.int32, device=ids.device)
+    _expert_count_kernel[(e,)](ids, cnt, p, BLOCK=1024, num_warps=4)
+    _expert_place_kernel[(e,)](
+        ids, cnt, grp, p, e, BM=bm, BLOCK=1024, BLOCK_E=triton.next_power_of_2(e), num_warps=4
+    )  # fmt: skip
+    return grp
+
+
+def expert_blocks_ref(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
+    """`expert_blocks` from sorts and scatters (torch only)."""
+    from k3run.kernels.picks import sort_picks
+
+    from .groups import max_groups
+
     p, e, dev = ids.shape[0], n_experts, ids.device
     blocks = max_groups(p, e, bm)
     width = bm + 1
