@@ -385,13 +385,30 @@ def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int, *, kernel: bool | 
     grp = torch.full((max_groups(p, e, bm), bm + 1), -1, dtype=torch.int32, device=ids.device)
     if p == 0:
         return grp
+    global _BLOCKS_KERNEL_OK
+    from triton.compiler.errors import CompilationError
+
+    if not _BLOCKS_KERNEL_OK:
+        return expert_blocks_ref(ids, n_experts, bm)
     ids = ids.contiguous()
     cnt = torch.empty(e, dtype=torch.int32, device=ids.device)
-    _expert_count_kernel[(e,)](ids, cnt, p, BLOCK=1024, num_warps=4)
-    _expert_place_kernel[(e,)](
-        ids, cnt, grp, p, e, BM=bm, BLOCK=1024, BLOCK_E=triton.next_power_of_2(e), num_warps=4
-    )  # fmt: skip
+    try:
+        _expert_count_kernel[(e,)](ids, cnt, p, BLOCK=1024, num_warps=4)
+        _expert_place_kernel[(e,)](
+            ids, cnt, grp, p, e, BM=bm, BLOCK=1024, BLOCK_E=triton.next_power_of_2(e), num_warps=4
+        )  # fmt: skip
+    except (CompilationError, RuntimeError) as err:  # a Triton that cannot build them: the torch form
+        if not isinstance(err, CompilationError) and "PassManager" not in str(err):
+            raise
+        import logging
+
+        logging.getLogger(__name__).warning("expert_blocks: kernels failed to build, torch form: %s", err)
+        _BLOCKS_KERNEL_OK = False
+        return expert_blocks_ref(ids, n_experts, bm)
     return grp
+
+
+_BLOCKS_KERNEL_OK = True  # False once the expert_blocks kernels failed to build
 
 
 def expert_blocks_ref(ids: torch.Tensor, n_experts: int, bm: int) -> torch.Tensor:
