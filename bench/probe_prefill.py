@@ -77,6 +77,10 @@ def main() -> None:
         help="one more prefill in torch.cuda sync debug mode: each host synchronisation, by call site",
     )  # fmt: skip
     ap.add_argument("--host", action="store_true", help="one more prefill under cProfile (host functions)")
+    ap.add_argument(
+        "--host-modules", action="store_true",
+        help="one more prefill with perf_counter hooks: the host time spent issuing each module's work",
+    )  # fmt: skip
     args = ap.parse_args()
     model = build(args.model, args.device)
     kinds = {
@@ -147,6 +151,82 @@ def host_profile(llm, prompt, params, n_tok: int) -> None:
         print("\n".join(lines[start : start + 31]))
 
 
+HOST_FNS = [
+    ("k3run.kernels.kda.fla", "kda_fla_raw"), ("k3run.kernels.kda.conv", "causal_conv1d_varlen_triton"),
+    ("k3run.kernels.nvfp4_gemm", "nvfp4_linear"), ("k3run.kernels.nvfp4_gemm.tile", "expert_blocks"),
+    ("k3run.kernels.nvfp4_gemm.wgmma", "nvfp4_wgmma_grouped"),
+    ("k3run.kernels.nvfp4_gemm.tile", "nvfp4_tile_gemm_grouped"),
+]  # fmt: skip
+
+
+def host_modules(args, model, llm, kinds, prompt, params, n_tok: int) -> None:
+    """Host time per module bucket, by perf_counter in forward hooks (no synchronisation, so no profiler
+    inflation). Where the host is the bound (the GPU waits for launches) these are the prefill's costs; the
+    time outside the decoder layers is the engine's (scheduling, embedding, sampling, the final sync)."""
+    handles, start = [], {}
+    rows = collections.defaultdict(lambda: [0.0, 0])
+    for name, module in model.named_modules():
+        what = label(name)
+        m = re.search(r"layers\.(\d+)$", name)
+        if m:
+            what = f"decoder layer ({kinds[int(m.group(1))]})"
+        elif what is None:
+            continue
+        elif what == "mixer":
+            m = re.search(r"layers\.(\d+)\.", name)
+            what = f"{kinds[int(m.group(1))]} mixer" if m else what
+
+        def pre(mod, inp):
+            start[id(mod)] = time.perf_counter()
+
+        def post(mod, inp, out, what=what):
+            r = rows[what]
+            r[0] += time.perf_counter() - start.pop(id(mod))
+            r[1] += 1
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    import importlib
+
+    saved = []
+    for mod_name, fn in HOST_FNS:  # module attributes the product imports at call time: wrappable
+        try:
+            owner = importlib.import_module(mod_name)
+            orig = getattr(owner, fn)
+        except (ImportError, AttributeError):
+            continue
+
+        def timed(*a, _orig=orig, _what=f"fn {fn}", **kw):
+            t = time.perf_counter()
+            try:
+                return _orig(*a, **kw)
+            finally:
+                r = rows[_what]
+                r[0] += time.perf_counter() - t
+                r[1] += 1
+
+        setattr(owner, fn, timed)
+        saved.append((owner, fn, orig))
+    sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    try:
+        llm.generate([prompt], params)
+        sync()
+    finally:
+        for owner, fn, orig in saved:
+            setattr(owner, fn, orig)
+        for h in handles:
+            h.remove()
+    wall = time.perf_counter() - t0
+    layers = sum(v[0] for k, v in rows.items() if k.startswith("decoder layer"))
+    print(f"{n_tok}-token prefill with host hooks: {wall * 1e3:.1f} ms wall, decoder layers' host time "
+          f"{layers * 1e3:.1f} ms, outside them {(wall - layers) * 1e3:.1f} ms")  # fmt: skip
+    print("| module (host time incl. children) | calls | host ms | per call us |")
+    print("|---|---|---|---|")
+    for what, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {what} | {n} | {t * 1e3:.1f} | {t / n * 1e6:.0f} |")
+
+
 def one(args, model, llm, kinds, n_tok: int) -> None:
     prompt = torch.randint(10, 2000, (n_tok,)).tolist()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -174,6 +254,8 @@ def one(args, model, llm, kinds, n_tok: int) -> None:
         sync_sites(llm, prompt, params, n_tok)
     if args.host:
         host_profile(llm, prompt, params, n_tok)
+    if args.host_modules:
+        host_modules(args, model, llm, kinds, prompt, params, n_tok)
     if args.no_profile:
         return
 
