@@ -29,8 +29,9 @@ import torch
 
 from k3run.distributed import TPInfo
 from k3run.layers.activation import GatedActivation
-from k3run.layers.moe import FusedExperts, _fused_experts_grouped, by_expert_tile, fused_experts, route
+from k3run.layers.moe import FusedExperts, fused_experts, route
 from k3run.quant.algo import QuantAlgo
+from k3run.quant.experts import FP32_SUM, by_expert_tile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_linear import copy_bandwidth, graph_ms  # noqa: E402
@@ -54,7 +55,7 @@ def experts(e: int = E, d: int = D, inter: int = INTER, act: GatedActivation | N
             getattr(ex, f"{name}_weight_scale").view(torch.uint8).random_(0x28, 0x48)
             getattr(ex, f"{name}_weight_scale_2").fill_(2e-3)
     ex.process_after_loading()
-    assert ex.nvfp4_kernels and ex._tiled, "needs the tiled128 decode kernel (sm_89+)"
+    assert ex.scheme.kernels and ex.scheme.tiled, "needs the tiled128 decode kernel (sm_89+)"
     return ex
 
 
@@ -76,7 +77,7 @@ def eager_us(fn, reps: int = 20) -> float:
 def _grouped(ex: FusedExperts, x, ids, weights, by_expert: bool) -> torch.Tensor:
     os.environ["K3RUN_MOE_BY_EXPERT"] = "1" if by_expert else "0"  # read when the launches are made
     try:
-        return _fused_experts_grouped(ex, x, ids, weights)
+        return ex.scheme.grouped(ex, x, ids, weights, FP32_SUM)
     finally:
         os.environ.pop("K3RUN_MOE_BY_EXPERT")
 
@@ -93,7 +94,7 @@ def main() -> None:
         reps = 20 if t <= 16 else 4
         t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False), reps=reps)
         picks, distinct = t * TOP_K, int(ids.unique().numel())
-        # the default tile, and above 16 tokens both the 16- and the 32-token tile (BY_EXPERT_T32_FROM)
+        # the default tile, and above 16 tokens both the 16- and the 32-token tile
         for bt in sorted({by_expert_tile(t)} | ({16, 32} if t > 16 else set())):
             os.environ["K3RUN_MOE_BY_EXPERT_TILE"] = str(bt)
             try:

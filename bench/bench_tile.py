@@ -127,7 +127,7 @@ def moe(quick: bool) -> None:
     for name, (d, i, e, a) in MOE_SHAPES.items():
         act = GatedActivation("situ", 4.0, 25.0) if name == "k3" else GatedActivation("silu")
         ex = random_experts(e, d, i, act)
-        gs13, gs2 = ex._kernel_scales
+        gs13, gs2 = ex.scheme.kernel_scales
         s13, s2 = ex.w13_weight_scale.view(torch.uint8), ex.w2_weight_scale.view(torch.uint8)
         wb13 = torch.randn(e, 2 * i, d, device="cuda", dtype=torch.bfloat16)
         wb2 = torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16)
@@ -209,20 +209,19 @@ def model(quick: bool) -> None:
     from k3run.engine.llm import LLM, EngineConfig
     from k3run.engine.sequence import SamplingParams
     from k3run.layers import moe as moe_mod
+    from k3run.quant import experts as schemes
     from k3run.tokenizer import load_tokenizer
 
     tok = load_tokenizer("assets/default-model-k3-mixed")
-    saved = (moe_mod.TILE_FROM_TOKENS, ng.TILE_MAX_M, moe_mod.FusedExperts.grouped_ok)
+    saved = (schemes.TILE_FROM_TOKENS, ng.TILE_MAX_M, moe_mod.FusedExperts.grouped_ok)
 
     def before(on: bool) -> None:
         """The paths before the tile GEMM: the per-expert loop above 128 tokens, dequantize + cuBLAS."""
         if on:
-            moe_mod.TILE_FROM_TOKENS, ng.TILE_MAX_M = 1 << 30, 0
-            moe_mod.FusedExperts.grouped_ok = lambda self, x, ids: (
-                saved[2](self, x, ids) and ids.shape[0] <= 128
-            )
+            schemes.TILE_FROM_TOKENS, ng.TILE_MAX_M = 1 << 30, 0
+            moe_mod.FusedExperts.grouped_ok = lambda self, x: saved[2](self, x) and x.shape[0] <= 128
         else:
-            moe_mod.TILE_FROM_TOKENS, ng.TILE_MAX_M, moe_mod.FusedExperts.grouped_ok = saved
+            schemes.TILE_FROM_TOKENS, ng.TILE_MAX_M, moe_mod.FusedExperts.grouped_ok = saved
 
     models = (
         []

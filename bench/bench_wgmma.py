@@ -199,13 +199,14 @@ def _moe_shape(name: str, d: int, i: int, e: int, a: int, ts: list[int]) -> None
     from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm_grouped
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_grouped
     from k3run.layers.activation import GatedActivation
-    from k3run.layers.moe import MOE_TILE_BM, fused_experts
+    from k3run.layers.moe import fused_experts
+    from k3run.quant.experts import MOE_TILE_BM
     from k3run.testing import rel_rms_error
 
     act = GatedActivation("situ", 4.0, 25.0) if name == "k3" else GatedActivation("silu")
     actv = (act.kind, act.beta, act.linear_beta)
     ex = random_experts(e, d, i, act)
-    gs13, gs2 = ex._kernel_scales
+    gs13, gs2 = ex.scheme.kernel_scales
     s13, s2 = ex.w13_weight_scale.view(torch.uint8), ex.w2_weight_scale.view(torch.uint8)
     wb13 = torch.randn(e, 2 * i, d, device="cuda", dtype=torch.bfloat16)
     wb2 = torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16)

@@ -24,7 +24,9 @@ with tempfile.TemporaryDirectory() as tmp:
         cpu16 = load_model(d, dtype=torch.bfloat16)
         gpu = load_model(d, dtype=torch.bfloat16, device="cuda")
         exps = [m for m in gpu.modules() if isinstance(m, FusedExperts)]
-        print(kind, "experts:", exps[0].algo, "kernels", exps[0].nvfp4_kernels, "tiled", exps[0]._tiled)
+        print(
+            kind, "experts:", exps[0].algo, "kernels", exps[0].scheme.kernels, "tiled", exps[0].scheme.tiled
+        )
         for t in (1, 2, 5, 7, 8, 9, 16, 17, 37, 150):
             ids = torch.randint(1, 500, (t,), generator=torch.Generator().manual_seed(t))
             ref = cpu32.logits(ids)

@@ -101,8 +101,8 @@ def test_zero_nvfp4_block_scale_is_accepted(tmp_path: Path, capsys: pytest.Captu
 
     model = load_model(_copy(tmp_path, edit))
     reference = load_model(BUNDLED)
-    w13 = model.layers[1].mlp.experts._ref_stack[0][0]  # expert 0's decoded [w1; w3], fp32 [2I, D]
-    ref = reference.layers[1].mlp.experts._ref_stack[0][0]
+    w13 = model.layers[1].mlp.experts.scheme.ref_stack[0][0]  # expert 0's decoded [w1; w3], fp32 [2I, D]
+    ref = reference.layers[1].mlp.experts.scheme.ref_stack[0][0]
     assert bool((ref[3, 16:48] != 0).any()) and bool((w13[3, 16:48] == 0).all())
     w13[3, 16:48] = ref[3, 16:48]
     assert torch.equal(w13, ref)

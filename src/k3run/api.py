@@ -12,10 +12,10 @@ import torch
 from k3run.checks import check_headers
 from k3run.config import ModelConfig
 from k3run.distributed import TPInfo
-from k3run.layers.moe import NvFp4ActMode
 from k3run.loader import load_checkpoint
 from k3run.models.kimi import KimiForCausalLM
 from k3run.quant.compressed_tensors import CompressedTensorsConfig
+from k3run.quant.experts import NvFp4ActMode
 from k3run.quant.modelopt import load_quant_config
 from k3run.quant.schemes import enable_nvfp4_fp8_blocks
 from k3run.safetensors_io import TensorInfo, read_checkpoint_headers

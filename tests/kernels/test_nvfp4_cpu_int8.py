@@ -182,9 +182,9 @@ def test_experts_repacked_in_place_run_the_int8_kernel(vnni, monkeypatch, act_na
     want = fused_experts(exact, x, ids, weights)
     monkeypatch.setenv("K3RUN_CPU_INT8", "1")
     ex, _, _, _ = _kernel_case(act_name, "cpu", kernels=True, d=256, i=128, tokens=7)
-    assert ex._cpu_int8 is not None
+    assert ex.scheme.cpu_int8 is not None
     for e in range(ex.num_local):
-        for a, b in zip(ex.nvfp4_expert_tensors(e), exact.nvfp4_expert_tensors(e), strict=True):
+        for a, b in zip(ex.scheme.expert_tensors(ex, e), exact.scheme.expert_tensors(exact, e), strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # ModelOpt's scales are positive
     got = fused_experts(ex, x, ids, weights)
     err = float((got - want).abs().max() / want.abs().max())

@@ -14,8 +14,9 @@ from k3run.formats import (
     quantize_nvfp4,
 )
 from k3run.layers.activation import GatedActivation
-from k3run.layers.moe import FusedExperts, compute_g1_scale_c, nvfp4_moe_scales, route
+from k3run.layers.moe import FusedExperts, route
 from k3run.quant.algo import QuantAlgo
+from k3run.quant.experts import compute_g1_scale_c, nvfp4_moe_scales
 from k3run.testing import assert_close, rel_rms_error
 
 E, D, INTER, T, TOPK = 4, 32, 32, 7, 2
@@ -175,8 +176,8 @@ def test_nvfp4_experts_match_dequantized_reference(act_name, mode):
 
     if act_name == "situ" and mode == "w4a4":
         # The SwiGLU formula for SiTU (up dequant folded into the post-activation scalar) is wrong.
-        s = experts.scales
-        experts.scales = dataclasses.replace(s, g1_scale_c=s.g1_alphas[:, 1] * s.a2_gscale)
+        s = experts.scheme.scales
+        experts.scheme.scales = dataclasses.replace(s, g1_scale_c=s.g1_alphas[:, 1] * s.a2_gscale)
         assert rel_rms_error(ref, experts(x, ids, weights)) > 0.5
 
 
@@ -204,8 +205,8 @@ def test_nvfp4_expert_parallel_matches_single_rank():
         _load_nvfp4(ex, ckpt)  # every rank sees every checkpoint tensor and keeps its own experts
         assert ex.w13_weight.shape[0] == 2 and ex.w13_input_scale.shape[0] == E
         # the folded scales of the local experts are the global ones sliced to this rank
-        assert torch.equal(ex.scales.g1_alphas, full.scales.g1_alphas[2 * rank : 2 * rank + 2])
-        assert torch.equal(ex.scales.a13, full.scales.a13)
+        assert torch.equal(ex.scheme.scales.g1_alphas, full.scheme.scales.g1_alphas[2 * rank : 2 * rank + 2])
+        assert torch.equal(ex.scheme.scales.a13, full.scheme.scales.a13)
         parts.append(ex(x, ids, weights))
     # different fp32 summation grouping only
     assert_close("ep=2 sum vs ep=1", full(x, ids, weights), parts[0] + parts[1], rtol=1e-6)
@@ -259,12 +260,12 @@ def test_w4a16_nvfp4_experts_need_no_input_scale():
     ex = FusedExperts(
         E, D, INTER, ACTS["silu"], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
     )
-    assert not hasattr(ex, "w13_input_scale") and ex.nvfp4_act_mode == "w4a16"
+    assert not hasattr(ex, "w13_input_scale") and ex.scheme.act_mode == "w4a16"
     for key in ckpt:
         ckpt[key].pop("input_scale")
     _load_nvfp4(ex, ckpt)
     assert ex.unfilled_parameters() == []
-    assert ex.scales.a13.item() == 1.0 and ex.scales.a2.item() == 1.0
+    assert ex.scheme.scales.a13.item() == 1.0 and ex.scheme.scales.a2.item() == 1.0
     x = torch.randn(T, D)
     weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
     ref = _reference(
@@ -380,7 +381,7 @@ def _kernel_case(
         ex = FusedExperts(
             e, d, i, ACTS[act_name], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
         )
-    ex.nvfp4_kernels = kernels
+    ex.scheme.kernels = kernels
     _load_nvfp4(ex, ckpt)
     x = (torch.randn(tokens, d, generator=g) * 2).to(device=device, dtype=dtype)
     weights, ids = route(torch.randn(tokens, e, generator=g).to(device), torch.zeros(e, device=device), 2)
@@ -393,10 +394,10 @@ def test_large_cpu_experts_take_the_fused_cpu_gemv() -> None:
     experts up to fp32 summation order (relative 1e-5 at K = 1024); small experts keep the reference."""
     ex_k, x, ids, weights = _kernel_case("situ", "cpu", kernels=None, d=1024, i=1024, tokens=3)
     ex_ref, *_ = _kernel_case("situ", "cpu", kernels=False, d=1024, i=1024, tokens=3)
-    assert ex_k.nvfp4_kernels and not ex_ref.nvfp4_kernels
+    assert ex_k.scheme.kernels and not ex_ref.scheme.kernels
     assert_close("cpu fused experts", ex_ref(x, ids, weights), ex_k(x, ids, weights), rtol=1e-5)
     small, *_ = _kernel_case("situ", "cpu", kernels=None)
-    assert not small.nvfp4_kernels
+    assert not small.scheme.kernels
 
 
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
@@ -405,16 +406,19 @@ def test_nvfp4_expert_kernel_path_folds_the_scales_exactly(act_name):
     kernels' fp32 CPU reference) equals the dequantized reference path up to fp32 rounding order."""
     ex_ref, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False)
     ex_k, *_ = _kernel_case(act_name, "cpu", kernels=True)
-    assert ex_k.nvfp4_kernels and not ex_ref.nvfp4_kernels
+    assert ex_k.scheme.kernels and not ex_ref.scheme.kernels
     assert_close(f"expert kernel path {act_name}", ex_ref(x, ids, weights), ex_k(x, ids, weights), rtol=1e-5)
     # the other activation's folding is caught: SwiGLU's (up rows scaled by g1_scale_c = a2_gscale here, the
     # up alpha lost) on SiTU, SiTU's (g1_scale_c = g1_alphas_up also on GEMM2: counted twice) on SiLU
-    gs13, gs2 = ex_k._kernel_scales
-    s = ex_k.scales
+    gs13, gs2 = ex_k.scheme.kernel_scales
+    s = ex_k.scheme.scales
     if act_name == "situ":
-        ex_k._kernel_scales = (torch.cat([gs13[:, :128], s.g1_scale_c[:, None].expand(-1, 128)], 1), gs2)
+        ex_k.scheme.kernel_scales = (
+            torch.cat([gs13[:, :128], s.g1_scale_c[:, None].expand(-1, 128)], 1),
+            gs2,
+        )
     else:
-        ex_k._kernel_scales = (gs13, gs2 * s.g1_scale_c[:, None])
+        ex_k.scheme.kernel_scales = (gs13, gs2 * s.g1_scale_c[:, None])
     assert rel_rms_error(ex_ref(x, ids, weights), ex_k(x, ids, weights)) > 1e-2
 
 
@@ -423,7 +427,7 @@ def test_nvfp4_expert_kernel_path_needs_w4a16_and_multiples_of_128():
         ex = FusedExperts(
             E, D, INTER, ACTS["silu"], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
         )
-        ex.nvfp4_kernels = True
+        ex.scheme.kernels = True
         _load_nvfp4(
             ex,
             {
@@ -432,7 +436,7 @@ def test_nvfp4_expert_kernel_path_needs_w4a16_and_multiples_of_128():
             },
         )
     ex, *_ = _kernel_case("silu", "cpu", kernels=None)
-    assert ex.nvfp4_kernels is False  # CPU keeps the exact fp32 reference by default
+    assert ex.scheme.kernels is False  # CPU keeps the exact fp32 reference by default
 
 
 @pytest.mark.gpu
@@ -445,12 +449,12 @@ def test_gpu_nvfp4_experts_use_the_kernels(act_name):
     from k3run.kernels.nvfp4_gemm import default_cuda_layout
 
     assert (
-        ex.nvfp4_kernels
-        and ex._split128
-        and ex._tiled == (default_cuda_layout(x.new_empty(0, device="cuda").device) == "tiled128")
+        ex.scheme.kernels
+        and ex.scheme.split128
+        and ex.scheme.tiled == (default_cuda_layout(x.new_empty(0, device="cuda").device) == "tiled128")
     )
     for k in range(4):  # the in-place repack (split128, then tiled128 on sm_89+) is lossless
-        for a, b in zip(ex.nvfp4_expert_tensors(k), ex_ref.nvfp4_expert_tensors(k)):
+        for a, b in zip(ex.scheme.expert_tensors(ex, k), ex_ref.scheme.expert_tensors(ex_ref, k)):
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
     out = ex(x.cuda(), ids.cuda(), weights.cuda())
     assert_close(f"gpu experts {act_name}", ex_ref(x.float(), ids, weights), out, rtol=2.0**-7)
@@ -531,9 +535,9 @@ def test_picked_experts_match_the_loop(act_name, dtype):
     assert not bool(_fused_experts_picked(ex, x, torch.zeros_like(ids), weights).any())  # all remote
     ex, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False, dtype=dtype)
     loop = fused_experts(ex, x, ids, weights)
-    stack, ex._ref_stack = ex._ref_stack, None  # small CPU experts decode their stack at load
+    stack, ex.scheme.ref_stack = ex.scheme.ref_stack, None  # small CPU experts decode their stack at load
     assert _fused_experts_picked(ex, x, ids, weights) is None  # without it: the dense path's job
-    ex._ref_stack = stack
+    ex.scheme.ref_stack = stack
     assert_close(f"picked nvfp4 {act_name}", loop, _fused_experts_picked(ex, x, ids, weights), rtol)
 
 
@@ -548,8 +552,8 @@ def test_dense_nvfp4_reference_experts_batched_match_the_loop(act_name, dtype):
 
     ex, x, ids, weights = _kernel_case(act_name, "cpu", kernels=False, dtype=dtype)
     loop = fused_experts(ex, x, ids, weights)
-    ex.cache_reference_weights()
-    assert ex._ref_stack is not None and ex._ref_stack[0].shape == (4, 256, 128)
+    ex.scheme.cache_reference_weights(ex)
+    assert ex.scheme.ref_stack is not None and ex.scheme.ref_stack[0].shape == (4, 256, 128)
     assert_close(
         f"dense nvfp4 {act_name}", loop, fused_experts(ex, x, ids, weights, dense=True),
         rtol=1e-6 if dtype == torch.float32 else 2**-8,
@@ -568,11 +572,11 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
     from k3run.layers.moe import fused_experts
 
     ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16)
-    if not ex._tiled:
+    if not ex.scheme.tiled:
         pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
     for shift in (0, 2):
         ids_s = ids + shift
-        assert ex.grouped_ok(x, ids_s)
+        assert ex.grouped_ok(x)
         loop = fused_experts(ex, x, ids_s, weights, grouped=False)
         got = fused_experts(ex, x, ids_s, weights)
         assert_close(f"grouped experts {act_name} shift {shift}", loop, got, rtol=2.0**-7)
@@ -590,12 +594,13 @@ def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, 
     above (gate/up and h rounded to bf16 in both, one ulp apart where fp32 sums round differently: 2^-7).
     (Other ranks' picks: the kernel tests; with every expert local, ids are always in range.)"""
     import k3run.kernels.nvfp4_gemm as ng
-    from k3run.layers.moe import TILE_FROM_TOKENS, fused_experts
+    from k3run.layers.moe import fused_experts
+    from k3run.quant.experts import TILE_FROM_TOKENS
 
     if not wgmma:
         monkeypatch.setattr(ng, "_WGMMA_OK", False)
     ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, tokens=300)
-    if not ex._tiled:
+    if not ex.scheme.tiled:
         pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
     assert ids.shape[0] >= TILE_FROM_TOKENS
     loop = fused_experts(ex, x, ids, weights, grouped=False)
@@ -605,7 +610,7 @@ def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, 
 
 
 def test_wgmma_block_picks_rule():
-    from k3run.layers.moe import wgmma_block_picks
+    from k3run.quant.experts import wgmma_block_picks
 
     assert wgmma_block_picks(0, 8) == 32
     assert wgmma_block_picks(256 * 8, 256) == 32  # Kimi Linear experts, 8 picks each
@@ -614,13 +619,11 @@ def test_wgmma_block_picks_rule():
 
 
 def test_by_expert_tile_choice(monkeypatch):
-    """The expert-major token tile: 8 up to 8 tokens, 16 below BY_EXPERT_T32_FROM, then 32; the environment
+    """The expert-major token tile: 8 up to 8 tokens, then 16 (up to BY_EXPERT_MAX_TOKENS); the environment
     override takes only 8 / 16 / 32 and names the variable otherwise."""
-    from k3run.layers import moe
+    from k3run.quant import experts as moe
 
-    assert [moe.by_expert_tile(t) for t in (2, 8, 9)] == [8, 8, 16]
-    assert moe.by_expert_tile(moe.BY_EXPERT_T32_FROM - 1) == 16
-    assert moe.by_expert_tile(moe.BY_EXPERT_T32_FROM) == 32
+    assert [moe.by_expert_tile(t) for t in (2, 8, 9, moe.BY_EXPERT_MAX_TOKENS)] == [8, 8, 16, 16]
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "32")
     assert moe.by_expert_tile(4) == 32
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "24")
@@ -637,7 +640,7 @@ def test_gpu_by_expert_tiles_match_the_per_expert_loop(monkeypatch, tile):
     from k3run.layers.moe import fused_experts
 
     ex, x, ids, weights = _kernel_case("situ", "cuda", kernels=None, dtype=torch.bfloat16, tokens=40)
-    if not ex._tiled:
+    if not ex.scheme.tiled:
         pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
     loop = fused_experts(ex, x, ids, weights, grouped=False)
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", tile)
@@ -649,17 +652,17 @@ def test_gpu_by_expert_tiles_match_the_per_expert_loop(monkeypatch, tile):
 def test_small_cpu_nvfp4_experts_decode_once():
     """NVFP4 experts on the CPU's reference path keep their decoded weights after loading (below
     CPU_REFERENCE_CACHE_BYTES) and compute the same bits as decoding at every call."""
-    from k3run.layers.moe import CPU_REFERENCE_CACHE_BYTES
+    from k3run.quant.experts import CPU_REFERENCE_CACHE_BYTES
 
     act = ACTS["situ"]
     experts = FusedExperts(E, D, INTER, act, QuantAlgo.NVFP4, ep=TPInfo(), params_dtype=torch.float32)
     _load_nvfp4(experts, _nvfp4_checkpoint(*_random_experts(0)))
-    assert not experts.nvfp4_kernels and experts._ref_stack is not None
-    assert experts._reference_bytes() <= CPU_REFERENCE_CACHE_BYTES
+    assert not experts.scheme.kernels and experts.scheme.ref_stack is not None
+    assert experts.scheme.reference_bytes(experts) <= CPU_REFERENCE_CACHE_BYTES
     x = torch.randn(T, D)
     weights, ids = route(torch.randn(T, E), torch.zeros(E), TOPK)
     kept = experts(x, ids, weights)
-    experts._ref_stack = None  # decode at every call again
+    experts.scheme.ref_stack = None  # decode at every call again
     assert torch.equal(experts(x, ids, weights), kept)
 
 
@@ -670,7 +673,8 @@ def test_grouped_mm_experts_match_the_per_expert_loop(dtype):
     expert with no picks, one token's two slots on one expert. The same operations and roundings in the same
     order per expert (GEMM1 out and h in the activation dtype), so equal up to the fp32 slot sum's order
     where a token's slots share an expert: 1e-6 (fp32) / one bf16 ulp of an expert output, 2^-8 (bf16)."""
-    from k3run.layers.moe import _fused_experts_grouped_mm, fused_experts
+    from k3run.layers.moe import fused_experts
+    from k3run.quant.experts import grouped_mm_experts
 
     ex, x, weights, ids = _bf16_ep_case(seed=9)
     ex = ex.to(dtype)
@@ -678,11 +682,11 @@ def test_grouped_mm_experts_match_the_per_expert_loop(dtype):
     ids[0, :2] = 5
     ids[ids == 6] = 7  # local expert 6 gets no picks
     loop = fused_experts(ex, x, ids, weights)
-    got = _fused_experts_grouped_mm(ex, x, ids, weights)
+    got = grouped_mm_experts(ex, x, ids, weights)
     assert_close(f"grouped_mm experts {dtype}", loop, got, rtol=1e-6 if dtype == torch.float32 else 2**-8)
-    remote = _fused_experts_grouped_mm(ex, x, torch.zeros_like(ids), weights)  # every pick on rank 0
+    remote = grouped_mm_experts(ex, x, torch.zeros_like(ids), weights)  # every pick on rank 0
     assert not bool(remote.any())
-    assert not ex.grouped_mm_ok(x)  # CPU tensors: fused_experts keeps the loop there
+    assert not ex.grouped_ok(x)  # CPU tensors: fused_experts keeps the loop there
 
 
 @pytest.mark.gpu
@@ -690,7 +694,8 @@ def test_grouped_mm_experts_match_the_per_expert_loop(dtype):
 def test_gpu_grouped_mm_experts_match_the_loop_and_capture(act_name):
     """bf16 experts on an sm_90 GPU: torch._grouped_mm (CUTLASS) against the per-expert loop, and the same
     call captured in a CUDA graph and replayed (no host synchronisation). bf16 bound as above."""
-    from k3run.layers.moe import _fused_experts_grouped_mm, experts_sync_free, fused_experts
+    from k3run.layers.moe import experts_sync_free, fused_experts
+    from k3run.quant.experts import grouped_mm_experts
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm's bf16 kernel needs sm_90")
@@ -702,18 +707,18 @@ def test_gpu_grouped_mm_experts_match_the_loop_and_capture(act_name):
         ex.w2_weight.copy_(torch.randn(ex.w2_weight.shape, generator=g, device="cuda") * 0.1)
     x = torch.randn(300, 256, device="cuda", generator=g).bfloat16()
     weights, ids = route(torch.randn(300, 64, device="cuda", generator=g), torch.zeros(64, device="cuda"), 8)
-    assert ex.grouped_mm_ok(x) and experts_sync_free(ex, 64, 8, torch.bfloat16, x.device) is None
+    assert ex.grouped_ok(x) and experts_sync_free(ex, 64, 8, torch.bfloat16, x.device) is None
     loop = fused_experts(ex, x, ids, weights, grouped=False)
     assert_close(f"gpu grouped_mm {act_name}", loop, fused_experts(ex, x, ids, weights), rtol=2**-8)
     xs, ws, ii = x[:32].clone(), weights[:32].clone(), ids[:32].clone()
-    want = _fused_experts_grouped_mm(ex, xs, ii, ws)
+    want = grouped_mm_experts(ex, xs, ii, ws)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _fused_experts_grouped_mm(ex, xs, ii, ws)
+        grouped_mm_experts(ex, xs, ii, ws)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        out = _fused_experts_grouped_mm(ex, xs, ii, ws)
+        out = grouped_mm_experts(ex, xs, ii, ws)
     graph.replay()
     assert torch.equal(out, want)

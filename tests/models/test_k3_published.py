@@ -59,7 +59,7 @@ def test_mxfp4_k3_loads_and_equals_its_dequantized_weights(dirs, caplog):
         model = load_model(dirs["mxfp4"])  # bf16, as published
     assert model.params_dtype == torch.bfloat16
     experts = model.layers[1].mlp.experts
-    assert experts.mxfp4 and experts.algo is QuantAlgo.NVFP4 and experts.nvfp4_act_mode == "w4a16"
+    assert experts.mxfp4 and experts.algo is QuantAlgo.NVFP4 and experts.scheme.act_mode == "w4a16"
     assert model.layers[1].self_attn.in_proj.scheme.algo is QuantAlgo.NONE  # BF16 in the checkpoint
     assert model.layers[1].self_attn.o_norm.weight.dtype == torch.float32
     log = caplog.text

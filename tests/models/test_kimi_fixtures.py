@@ -39,7 +39,7 @@ def test_nvfp4_fixture_matches_its_dequantized_weights(tmp_path):
     ref = _reference()
     quant = load_model(NVFP4, dtype=torch.float32)  # transformers-5 names, loaded as exported
     experts = quant.layers[1].mlp.experts
-    assert experts.algo.value == "NVFP4" and experts.nvfp4_act_mode == "w4a16"
+    assert experts.algo.value == "NVFP4" and experts.scheme.act_mode == "w4a16"
     assert quant.layers[0].self_attn.in_proj.scheme.describe().startswith("NVFP4")
     write_dequantized_copy(NVFP4, tmp_path / "deq")
     deq = load_model(tmp_path / "deq")

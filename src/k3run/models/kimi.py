@@ -34,10 +34,11 @@ from k3run.layers.kda import KimiDeltaAttention
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from k3run.layers.mla import KimiMLA
 from k3run.layers.mlp import GatedMLP
-from k3run.layers.moe import KimiMoE, NvFp4ActMode, RouterConfig, experts_sync_free
+from k3run.layers.moe import KimiMoE, RouterConfig, experts_sync_free
 from k3run.layers.norm import RMSNorm, norm_weight_loader
 from k3run.loader import IGNORE, Target
 from k3run.quant.algo import QuantAlgo
+from k3run.quant.experts import NvFp4ActMode
 
 if TYPE_CHECKING:
     from k3run.quant.modelopt import ModelOptConfig
