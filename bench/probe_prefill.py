@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 import sys
 import time
@@ -71,6 +72,11 @@ def main() -> None:
         "--compare-wgmma", action="store_true",
         help="the unprofiled repeats also with the wgmma kernels off (Triton tile GEMM), alternating",
     )  # fmt: skip
+    ap.add_argument(
+        "--compare-graphs", action="store_true",
+        help="the unprofiled repeats also with prefill graphs off (an eager engine), alternating, and the "
+        "graph's logits against the eager prefill's",
+    )  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="only the unprofiled repeats")
     ap.add_argument(
         "--syncs", action="store_true",
@@ -90,8 +96,13 @@ def main() -> None:
     lengths = [int(t) for t in args.tokens.split(",")]
     cfg = EngineConfig(max_num_seqs=1, max_model_len=max(lengths) + 8, max_num_batched_tokens=max(lengths))
     llm = LLM.from_model(model, tok, cfg)
+    pg = llm.engine.runner.prefill_graphs
+    print(f"prefill graphs: {pg.sizes if pg else llm.engine.prefill_graph_blocker}")
+    eager = None
+    if args.compare_graphs:
+        eager = LLM.from_model(model, tok, dataclasses.replace(cfg, prefill_graph_tokens=0))
     for n_tok in lengths:
-        one(args, model, llm, kinds, n_tok)
+        one(args, model, llm, kinds, n_tok, eager)
 
 
 def sync_sites(llm, prompt, params, n_tok: int) -> None:
@@ -227,29 +238,61 @@ def host_modules(args, model, llm, kinds, prompt, params, n_tok: int) -> None:
         print(f"| {what} | {n} | {t * 1e3:.1f} | {t / n * 1e6:.0f} |")
 
 
-def one(args, model, llm, kinds, n_tok: int) -> None:
+def graph_logits_check(model, llm, prompt: list[int]) -> None:
+    """The prefill graph's logits against an eager prefill of the same prompt, relative RMS."""
+    runner, cache = llm.engine.runner, llm.engine.cache
+    pg = runner.prefill_graphs
+    if pg is None or pg.bucket(len(prompt)) is None:
+        return
+    slot = cache.allocate()
+    try:
+        with torch.inference_mode():
+            ctx = runner._context([len(prompt)], [0], [slot])
+            hidden = model(torch.tensor(prompt, device="cuda"), ctx)
+            want = model.compute_logits(hidden[len(prompt) - 1 :]).float()
+            got = pg.run(prompt, slot)
+        err = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+        same = bool((got.argmax(-1) == want.argmax(-1)).all())
+        print(
+            f"{len(prompt)}-token prefill graph vs eager logits: relative RMS {err:.2e}, same argmax {same}"
+        )
+    finally:
+        cache.free(slot)
+
+
+def one(args, model, llm, kinds, n_tok: int, eager=None) -> None:
     prompt = torch.randint(10, 2000, (n_tok,)).tolist()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     import k3run.kernels.nvfp4_gemm as ng
 
     wgmma_on = ng._WGMMA_OK
     states = [wgmma_on, False] if args.compare_wgmma and wgmma_on else [wgmma_on]
-    for state in states:  # warm-up: compiles
+    engines = [("", llm)] + ([(" eager prefill", eager)] if eager is not None else [])
+    if eager is not None:
+        engines[0] = (" prefill graph", llm)
+    for state in states:  # warm-up: compiles (and captures the prefill graph)
         ng._WGMMA_OK = state
-        llm.generate([prompt], params)
+        for _, engine in engines:
+            engine.generate([prompt], params)
     for i in range(args.repeat):
         for state in states:
             ng._WGMMA_OK = state
-            if args.device != "cpu":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate([prompt], params)
-            if args.device != "cpu":
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            what = "" if len(states) == 1 else (" wgmma on " if state else " wgmma off")
-            print(f"unprofiled prefill {i}{what}: {wall * 1e3:.1f} ms, {n_tok / wall:.0f} tok/s", flush=True)
+            for tag, engine in engines:
+                if args.device != "cpu":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate([prompt], params)
+                if args.device != "cpu":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                what = tag + ("" if len(states) == 1 else (" wgmma on " if state else " wgmma off"))
+                print(
+                    f"unprofiled prefill {i}{what}: {wall * 1e3:.1f} ms, {n_tok / wall:.0f} tok/s", flush=True
+                )
     ng._WGMMA_OK = wgmma_on
+    if eager is not None:
+        graph_logits_check(model, llm, prompt)
+        llm = eager  # the host probes below: the eager prefill's
     if args.syncs and args.device != "cpu":
         sync_sites(llm, prompt, params, n_tok)
     if args.host:

@@ -215,7 +215,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{args.max_model_len}: raise --max-model-len or lower --max-tokens"
         )
     # compiled (CPU) or captured (CUDA) decode steps are made before the clock starts
-    llm.engine.runner.warm_up_graphs(1, n_prompt + args.max_tokens)
+    llm.engine.runner.warm_up_graphs(1, n_prompt + args.max_tokens, n_prompt)
     # under tensor parallelism every rank runs the engine; rank 0 alone writes
     out = sys.stdout if _rank() == 0 else open(os.devnull, "w")  # noqa: SIM115
     if not args.chat:
@@ -254,7 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"k3run serve needs the serve extra (pip install 'k3run[serve]'): {e}") from e
     model_dir = _model_dir(args.model)
     llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
-    llm.engine.runner.warm_up_graphs(args.max_num_seqs, 1)  # the shortest window's graphs before serving
+    # the shortest window's decode graphs and every prefill bucket before serving
+    llm.engine.runner.warm_up_graphs(args.max_num_seqs, 1, args.max_num_batched_tokens)
     from k3run.serve import OpenAIServer, build_app, follow
 
     if _rank() != 0:  # tensor parallel: rank 0 serves HTTP, the other ranks mirror its engine
@@ -448,7 +449,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             engine.step()
             bar.update(1)
         # capture the decode graphs the runs below will replay
-        engine.runner.warm_up_graphs(max_bs, args.prompt_len + args.decode_tokens)
+        engine.runner.warm_up_graphs(max_bs, args.prompt_len + args.decode_tokens, args.prompt_len)
         for bs in args.batch_sizes:
             for _ in range(bs):
                 engine.add_request(

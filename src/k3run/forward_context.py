@@ -56,9 +56,25 @@ class ForwardContext:
     # context_lens_list; MLA attends over the first attn_window cached positions of each slot, masked by
     # context_lens (every context_lens[b] < attn_window). None: an ordinary step.
     attn_window: int | None = None
+    # padded prefill (a step that a CUDA graph captures once per token bucket): ONE fresh sequence of n tokens
+    # padded to T rows; cu_seqlens = [0, n, T] on the device (n changes between replays), rows n..T-1 are a
+    # scratch sequence whose states and latents go to slots[1]; context_lens [2] zeros. Layers read no host
+    # copy of per-step values (seqlens_list is [T, 0]: the rows only; bounds() and cu_seqlens_host() refuse).
+    padded_prefill: bool = False
     _cu_host: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.padded_prefill:
+            if self.attn_window is not None or self.cu_seqlens.numel() != 3 or self.slots is None:
+                raise ValueError(
+                    "ForwardContext: a padded prefill needs cu_seqlens [3] (one sequence and its padding), "
+                    "slots [2] and no attn_window"
+                )
+            if len(self.seqlens_list) != 2 or self.seqlens_list[1] != 0:
+                raise ValueError("ForwardContext: a padded prefill's seqlens_list is [rows, 0]")
+            self.context_lens_list = [0, 0]  # both sequences start fresh
+            self.slots_list = []  # never read in a padded prefill
+            return
         if self.attn_window is not None:
             if self.attn_window < 1:
                 raise ValueError(f"ForwardContext: attn_window must be >= 1, got {self.attn_window}")
@@ -84,14 +100,20 @@ class ForwardContext:
 
     def bounds(self) -> list[int]:
         """cu_seqlens as a host list, from seqlens_list (no device read)."""
+        self._host_bounds_known()
         return [0, *itertools.accumulate(self.seqlens_list)]
 
     def cu_seqlens_host(self) -> torch.Tensor:
         """cu_seqlens as a CPU int64 tensor built from seqlens_list (no device read), the same object for
         every layer of the step (fla's chunk kernels take it instead of reading cu_seqlens back)."""
+        self._host_bounds_known()
         if self._cu_host is None:
             self._cu_host = torch.tensor([0, *itertools.accumulate(self.seqlens_list)], dtype=torch.int64)
         return self._cu_host
+
+    def _host_bounds_known(self) -> None:
+        if self.padded_prefill:
+            raise RuntimeError("a padded prefill step has no host copy of its sequence bounds")
 
     @property
     def is_decode(self) -> bool:

@@ -18,10 +18,12 @@ from k3run.engine.prefix_cache import PrefixCache
 from k3run.engine.runner import (
     DEFAULT_GRAPH_STEP_BYTES,
     GRAPH_BATCH_SIZES,
+    PREFILL_GRAPH_TOKENS,
     CausalLM,
     CompiledCpuDecoder,
     GraphDecoder,
     ModelRunner,
+    PrefillGraphs,
     staged,
 )
 from k3run.engine.sampler import Sampler
@@ -70,6 +72,9 @@ class EngineConfig:
     compile_cpu_cpp_wrapper: bool = False
     # bytes of prompt-prefix snapshots kept for reuse (engine/prefix_cache.py); 0: no prefix caching
     prefix_cache_bytes: int = 0
+    # with decode graphs on CUDA: a prefill of one fresh prompt of up to this many tokens replays a CUDA graph
+    # of its token bucket (engine/runner.py PrefillGraphs); 0: prefills run eagerly
+    prefill_graph_tokens: int = 4096
 
 
 class Detokenizer:
@@ -195,6 +200,13 @@ class LLMEngine:
                 decoder.cpp_wrapper = self.config.compile_cpu_cpp_wrapper
         if self.graph_blocker is not None and device.type == "cuda":
             log.info("decode runs eagerly: %s", self.graph_blocker)
+        prefill_graphs = None
+        self.prefill_graph_blocker = self._prefill_graph_plan(model, decoder)
+        if self.prefill_graph_blocker is None:
+            assert isinstance(decoder, GraphDecoder)
+            prefill_graphs = PrefillGraphs(model, self.cache, decoder.scratch, self._prefill_graph_top())
+        elif device.type == "cuda":
+            log.info("prefills run eagerly: %s", self.prefill_graph_blocker)
         self.prefix_cache = (
             PrefixCache(self.cache, self.config.prefix_cache_bytes)
             if self.config.prefix_cache_bytes
@@ -209,7 +221,7 @@ class LLMEngine:
             self.cache,
             self.prefix_cache,
         )
-        self.runner = ModelRunner(model, self.cache, decoder)
+        self.runner = ModelRunner(model, self.cache, decoder, prefill_graphs)
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(self.config.seed))
         self.detokenizer = Detokenizer(tokenizer)
         self._ids = SequenceIds()
@@ -217,6 +229,22 @@ class LLMEngine:
         self.overlap = decoder is not None and device.type == "cuda" if overlap is None else overlap
         self._inflight: _InFlight | None = None
         self._grammars: GrammarBackend | None = None
+
+    def _prefill_graph_top(self) -> int:
+        c = self.config
+        return min(c.prefill_graph_tokens, c.max_num_batched_tokens, c.max_model_len)
+
+    def _prefill_graph_plan(self, model: EngineModel, decoder: object) -> str | None:
+        """None when fresh prompts prefill from CUDA graphs, else why they run eagerly."""
+        if not isinstance(decoder, GraphDecoder) or isinstance(decoder, CompiledCpuDecoder):
+            return "decode graphs are off"
+        top = max((t for t in PREFILL_GRAPH_TOKENS if t <= self._prefill_graph_top()), default=0)
+        if top < 2:
+            return f"prefill_graph_tokens / max_num_batched_tokens hold no bucket of {PREFILL_GRAPH_TOKENS}"
+        check = getattr(model, "padded_prefill_blocker", None)
+        if check is None:
+            return f"{type(model).__name__} has no padded prefill"
+        return check(top)
 
     def _graph_plan(self, model: EngineModel, device: torch.device) -> tuple[int, str | None]:
         """(the largest decode batch replayed from a CUDA graph, None) or (0, why decode runs eagerly).

@@ -1,7 +1,8 @@
 """Builds the flat batch and ForwardContext for one step and returns the logits that need sampling.
 
 On CUDA, pure decode steps (every sequence one token, no prompt log-probabilities) replay CUDA graphs
-(`GraphDecoder`): one per (batch bucket, attention window), captured the first time it is needed. A graph
+(`GraphDecoder`): one per (batch bucket, attention window), captured the first time it is needed; so do
+prefills of one fresh prompt of up to 4096 tokens (`PrefillGraphs`, one per token bucket). A graph
 removes the host's per-kernel launch cost (~0.1 ms per quantized linear through Triton's launcher), which
 otherwise bounds decode speed whatever the kernels do. On the CPU, with EngineConfig.compile_cpu_decode,
 the same static steps run compiled by torch.compile (`CompiledCpuDecoder`: Inductor's C++ backend, the whole
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # decode batch buckets (a batch pads up to the next one)
 MIN_GRAPH_WINDOW = 256  # the smallest attention window; windows double from here up to max_len
 DEFAULT_GRAPH_STEP_BYTES = 1 << 30  # a captured step's largest temporaries (the MLA window's copies)
+# prefill token buckets of PrefillGraphs (a fresh prompt pads up to the next one); above the largest a
+# prefill runs eagerly: from ~8K tokens the GPU, not the host, bounds it
+PREFILL_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -207,6 +211,99 @@ class GraphDecoder:
         return out[:n].clone()  # the next replay overwrites `out`
 
 
+class PrefillGraphs:
+    """Prefills of one fresh sequence as CUDA graphs, one per token bucket (PREFILL_GRAPH_TOKENS up to
+    `max_tokens`), captured the first time a bucket is needed.
+
+    A prompt of n tokens pads to the next bucket T: rows n..T-1 feed token 0 as a second, scratch sequence in
+    the decoder's scratch slot (ForwardContext.padded_prefill), so the prompt's own states and latents are
+    exactly the unpadded step's and the padding never touches its cache. Static inputs: token ids [T_max]
+    and one [3] cu_seqlens tensor [0, n, T] on the device, overwritten by one copy a step. Such a prefill of
+    2048 tokens issues ~600 Triton launches and ~2000 torch ops eagerly, which bound its speed on the host;
+    a replay costs one launch. Costs the padding's compute (up to 2x at a bucket's lower edge) and one
+    memory pool holding the largest bucket's temporaries.
+    """
+
+    def __init__(self, model: CausalLM, cache: CacheManager, scratch: int, max_tokens: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(cache.device)
+        cap = min(max_tokens, cache.max_len)
+        self.sizes = [t for t in PREFILL_GRAPH_TOKENS if t <= cap]
+        self.scratch = scratch
+        top = self.sizes[-1] if self.sizes else 0
+        self.ids = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self.cu = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.slots = torch.tensor([scratch, scratch], dtype=torch.int64, device=self.device)
+        self.zeros = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, n: int) -> int | None:
+        return next((t for t in self.sizes if t >= n), None)
+
+    def _ctx(self, t: int) -> ForwardContext:
+        return ForwardContext(
+            cu_seqlens=self.cu, context_lens=self.zeros, slots=self.slots, cache=self.cache.cache,
+            seqlens_list=[t, 0], padded_prefill=True,
+        )  # fmt: skip
+
+    def _step(self, t: int) -> torch.Tensor:
+        hidden = self.model.forward(self.ids[:t], self._ctx(t))
+        return self.model.compute_logits(hidden.index_select(0, self.cu[1:2] - 1)).float()  # [1, V]
+
+    def _set(self, ids: list[int], slot: int, t: int) -> None:
+        n = len(ids)
+        host = torch.tensor([*ids, *([0] * (t - n)), 0, n, t, slot], dtype=torch.int64)
+        staged_host = staged(host, self.device)
+        self.ids[:t].copy_(staged_host[:t], non_blocking=True)
+        self.cu.copy_(staged_host[t : t + 3], non_blocking=True)
+        self.slots[:1].copy_(staged_host[t + 3 :], non_blocking=True)
+
+    def _capture(self, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        from k3run.layers.moe import sync_free_experts
+
+        # warm-up and capture: a prompt of half the bucket in the scratch slot (both sequences non-empty)
+        self._set([0] * (t // 2), self.scratch, t)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with sync_free_experts(), torch.cuda.stream(side):
+            self._step(t)  # compiles and autotunes every kernel the capture records
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with sync_free_experts(), torch.cuda.graph(graph, pool=self.pool):
+                out = self._step(t)
+        except Exception as e:  # what a capture refuses: host syncs, pageable copies, ...
+            raise GraphCaptureError(
+                f"capturing the prefill of {t} tokens failed: {type(e).__name__}: {e}"
+            ) from e
+        log.info("captured the prefill step for %d tokens", t)
+        return graph, out
+
+    def warm_up(self, longest: int) -> int:
+        """Capture now every bucket a prompt of up to `longest` tokens replays; returns how many are held."""
+        for t in self.sizes:
+            if t not in self.graphs:
+                self.graphs[t] = self._capture(t)
+            if t >= longest:
+                break
+        return len(self.graphs)
+
+    def run(self, ids: list[int], slot: int) -> torch.Tensor:
+        """Logits [1, V] fp32 of the last of `ids`, a fresh sequence's prompt in cache slot `slot`; its states
+        and latents land in the slot as an eager prefill's would. Nothing here waits for the GPU."""
+        t = self.bucket(len(ids))
+        if t is None:
+            raise ValueError(f"PrefillGraphs: {len(ids)} tokens is over the largest bucket {self.sizes[-1:]}")
+        if t not in self.graphs:
+            self.graphs[t] = self._capture(t)
+        graph, out = self.graphs[t]
+        self._set(ids, slot, t)
+        graph.replay()
+        return out.clone()  # the next replay overwrites `out`
+
+
 class CompiledCpuDecoder(GraphDecoder):
     """GraphDecoder's static decode steps on the CPU, each (batch bucket, attention window) compiled once by
     torch.compile into one graph (no breaks: the layers take their sync-free paths while compiling, such as
@@ -267,12 +364,17 @@ class CompiledCpuDecoder(GraphDecoder):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: CacheManager, graphs: GraphDecoder | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, cache: CacheManager, graphs: GraphDecoder | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.graph_error: str | None = None  # why graphs were turned off after a failed capture
+        self.prefill_graph_error: str | None = None
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         ids: list[int] = []
@@ -316,16 +418,37 @@ class ModelRunner:
         self.graphs = None
         self.graph_error = why
 
-    def warm_up_graphs(self, max_batch: int, longest: int) -> None:
-        """Capture the decode graphs for batches of up to max_batch and contexts of up to `longest` tokens
-        now (no-op without graphs; a capture failure turns them off, as in `run`)."""
-        if self.graphs is None:
-            return
-        try:
-            with torch.inference_mode():
-                self.graphs.warm_up(max_batch, longest)
-        except GraphCaptureError as e:
-            self.disable_graphs(str(e))
+    def disable_prefill_graphs(self, why: str) -> None:
+        log.warning("prefills run eagerly from now on: %s", why)
+        self.prefill_graphs = None
+        self.prefill_graph_error = why
+
+    def warm_up_graphs(self, max_batch: int, longest: int, prompt: int = 0) -> None:
+        """Capture the decode graphs for batches of up to max_batch and contexts of up to `longest` tokens,
+        and the prefill graphs for prompts of up to `prompt` tokens, now (no-op without graphs; a capture
+        failure turns them off, as in `run`)."""
+        if self.graphs is not None:
+            try:
+                with torch.inference_mode():
+                    self.graphs.warm_up(max_batch, longest)
+            except GraphCaptureError as e:
+                self.disable_graphs(str(e))
+        if self.prefill_graphs is not None and prompt > 1:
+            try:
+                with torch.inference_mode():
+                    self.prefill_graphs.warm_up(prompt)
+            except GraphCaptureError as e:
+                self.disable_prefill_graphs(str(e))
+
+    def _prefill_graph_step(self, batch: Batch) -> bool:
+        """Whether this step replays a prefill graph: one fresh sequence (nothing cached) feeding 2 or more
+        tokens that a bucket holds, no prompt log-probabilities wanted."""
+        if self.prefill_graphs is None or len(batch.seqs) != 1:
+            return False
+        seq, n = batch.seqs[0], batch.num_new_tokens[0]
+        if seq.slot is None or seq.num_cached != 0 or n < 2 or seq.params.prompt_logprobs is not None:
+            return False
+        return self.prefill_graphs.bucket(n) is not None
 
     def _graph_step(self, batch: Batch) -> bool:
         """Whether this step replays a decode graph: graphs on, every sequence one token (a slot, room in the
@@ -390,6 +513,16 @@ class ModelRunner:
             if len(rows) < len(seqs):
                 logits = logits[torch.tensor(rows, device=logits.device)]
             return rows, logits
+        if self._prefill_graph_step(batch):
+            assert self.prefill_graphs is not None
+            seq = batch.seqs[0]
+            try:
+                logits = self.prefill_graphs.run(seq.all_token_ids[: batch.num_new_tokens[0]], seq.slot)
+            except GraphCaptureError as e:
+                self.disable_prefill_graphs(str(e))
+                return self.run(batch)
+            self.prompt_logits = {}
+            return ([0], logits) if batch.samples(0) else ([], None)
         input_ids, ctx = self.prepare(batch)
         hidden = self.model.forward(input_ids, ctx)  # [T, D]
         self.prompt_logits: dict[int, torch.Tensor] = {}

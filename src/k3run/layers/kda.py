@@ -315,7 +315,8 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, rec_final = kda_forward(
                 q, k, v, f, b, **gate_args, initial_state=rec0, cu_seqlens=ctx.cu_seqlens,
-                decode=ctx.is_decode, cu_seqlens_cpu=None if ctx.is_decode else ctx.cu_seqlens_host(),
+                decode=ctx.is_decode, graph=ctx.padded_prefill,
+                cu_seqlens_cpu=None if ctx.is_decode or ctx.padded_prefill else ctx.cu_seqlens_host(),
             )  # fmt: skip
             if layer_cache is not None:
                 assert conv_final is not None

@@ -224,7 +224,7 @@ class KimiMLA(nn.Module):
         H, dn, L = self.local_heads, self.qk_nope_head_dim, self.kv_lora_rank
         outs = []
         pos = 0
-        bounds = ctx.bounds()
+        bounds = [0, q.shape[0]] if ctx.padded_prefill else ctx.bounds()  # padded: all rows, one causal run
         for b, lat in enumerate(lats):
             N = lat.shape[0]
             kv_b = kv[pos : pos + N]
@@ -297,6 +297,32 @@ class KimiMLA(nn.Module):
         o_lat = mla_decode_attention(q_lat, qf[..., dn:], store, ctx.slots, ctx.context_lens, W, self.scale)
         return torch.einsum("bhl,hvl->bhv", o_lat, self.w_uv)  # [B, H, d_v]
 
+    def _attend_padded_prefill(
+        self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
+    ) -> torch.Tensor:
+        """A padded prefill (ctx.padded_prefill: one fresh sequence of n tokens, rows n..T-1 padding): row r
+        stores its latent at position r of slots[0] (r < n) or r - n of slots[1] (the padding's scratch
+        slot), then the expanded attention over all T rows, causal. A real row attends to rows before it only,
+        all of its own sequence, so it gets exactly `_attend_flash`'s attention of the unpadded sequence.
+        Device tensors only, so a CUDA graph can capture it. q [T, H, d_q], latent [T, L + R] -> [T, H, d_v]
+        fp32."""
+        if cache is None or ctx.slots is None:
+            raise ValueError(f"{self.prefix}: a padded prefill needs the MLA cache and ctx.slots")
+        if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"{self.prefix}: a padded prefill runs the 16-bit CUDA attention, got {q.dtype}")
+        store, T = cache.latent, q.shape[0]
+        if store.dim() != 3 or store.shape[2] != latent.shape[1] or T > store.shape[1]:
+            raise ValueError(
+                f"{self.prefix}: latent cache must be [S, >= {T}, {latent.shape[1]}] for a padded prefill of "
+                f"{T} rows, got {tuple(store.shape)}"
+            )
+        rows = torch.arange(T, device=q.device)
+        n = ctx.cu_seqlens[1]
+        real = rows < n
+        lat = latent.to(store.dtype)  # what the unpadded path reads back from the cache
+        store[torch.where(real, ctx.slots[0], ctx.slots[1]), torch.where(real, rows, rows - n)] = lat
+        return torch.cat(self._attend_expanded(q, [lat], ctx))
+
     @staticmethod
     def _causal_softmax(scores: torch.Tensor, offset: int) -> torch.Tensor:
         """scores [H, n, N] fp32 for queries at positions offset..offset+n-1 over keys 0..N-1."""
@@ -327,6 +353,8 @@ class KimiMLA(nn.Module):
         q = q_branch.result().reshape(T, H, self.qk_head_dim)
         if ctx.is_static:
             o = self._attend_static(q, latent, ctx, layer_cache)  # [T, H, d_v] fp32
+        elif ctx.padded_prefill:
+            o = self._attend_padded_prefill(q, latent, ctx, layer_cache)
         else:
             lats = self._sequence_latents(latent, ctx, layer_cache)
             absorbed = self.absorb == "always" or (self.absorb == "decode" and ctx.is_decode)

@@ -284,6 +284,30 @@ class KimiForCausalLM(nn.Module):
                     return why
         return None
 
+    def padded_prefill_blocker(self, tokens: int) -> str | None:
+        """None when a prefill of one fresh sequence padded to `tokens` rows can run as a padded prefill
+        (ForwardContext.padded_prefill) that a CUDA graph captures, else the first reason it cannot."""
+        device = self.embed_tokens.weight.device
+        if device.type != "cuda":
+            return f"the model is on {device}: padded prefills are CUDA graphs"
+        if self.tp.size > 1:
+            return "padded prefills run at tensor-parallel size 1 only"
+        if self.params_dtype not in (torch.bfloat16, torch.float16):
+            return f"padded prefills run 16-bit activations, the model's are {self.params_dtype}"
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                from k3run.kernels.kda import kda_backend
+
+                if kda_backend(device) != "fla":
+                    return f"{attn.prefix}: KDA runs the reference (fla-core is not installed)"
+            if isinstance(layer.mlp, KimiMoE):
+                top_k = self.config.num_experts_per_token
+                why = experts_sync_free(layer.mlp.experts, tokens, top_k, self.params_dtype, device)
+                if why is not None:
+                    return why
+        return None
+
     def static_step_bytes(self, batch_size: int, window: int) -> int:
         """The largest temporaries of one static decode step of `batch_size` sequences with MLA attention
         window `window` (the layers run one after another, so the largest layer's): what a captured graph of

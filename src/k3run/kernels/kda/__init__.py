@@ -75,6 +75,7 @@ def kda_forward(
     cu_seqlens: torch.Tensor,
     decode: bool,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA from the raw layer tensors, gate / beta / q-k norm included.
 
@@ -83,6 +84,8 @@ def kda_forward(
     (K3's sigmoid gate); initial_state [B, H, K, V] fp32 or None; cu_seqlens [B+1]. decode=True runs the
     token-by-token recurrence (every sequence one token), else the chunked algorithm. cu_seqlens_cpu: the
     same offsets on the host, when the caller has them (fla's chunked path then reads no device tensor back).
+    graph=True (a prefill a CUDA graph captures; cu_seqlens only on the device): fla's graph mode, whose chunk
+    indices are built on the device at a fixed size.
     Returns o [T, H, V] fp32 and the final states [B, H, K, V] fp32.
     """
     if _backend(q) == "fla":
@@ -102,6 +105,7 @@ def kda_forward(
             cu_seqlens=cu_seqlens,
             decode=decode,
             cu_seqlens_cpu=cu_seqlens_cpu,
+            graph=graph,
         )
     qn, kn = l2norm(q), l2norm(k)  # [T, H, K] fp32
     g = kda_gate(f, A_log, dt_bias, lower_bound)  # [T, H, K] fp32

@@ -98,6 +98,7 @@ def _run(
     cu_seqlens: torch.Tensor,
     gate: dict,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ops = _ops()
     T = q.shape[0]
@@ -113,6 +114,8 @@ def _run(
     )
     if decode:
         o, final = ops.fused_recurrent_kda(q1, k1, v1, g1, b1, **common)
+    elif graph:  # the chunk indices built on the device at their largest size: nothing read back
+        o, final = ops.chunk_kda(q1, k1, v1, g1, b1, use_graph=True, max_num_seqs=cu.numel() - 1, **common)
     else:
         # with the host offsets, the chunk indices and the intra-card split need no device read-back
         o, final = ops.chunk_kda(q1, k1, v1, g1, b1, cu_seqlens_cpu=cu_seqlens_cpu, **common)
@@ -150,9 +153,11 @@ def kda_fla_raw(
     cu_seqlens: torch.Tensor,
     decode: bool,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K3's fused call. q, k [T, H, K] un-normalised; v [T, H, V]; f [T, H, K] raw forget-gate projection;
-    b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; decode picks fused_recurrent_kda over chunk_kda."""
+    b [T, H] raw beta logits; A_log [H]; dt_bias [H*K]; decode picks fused_recurrent_kda over chunk_kda;
+    graph: chunk_kda's graph mode (device-built chunk indices of a fixed size, for a CUDA-graph capture)."""
     _check(q, k, v, f, b, initial_state, cu_seqlens)
     H, K = q.shape[1:]
     if A_log.numel() != H or dt_bias.numel() != H * K:
@@ -175,6 +180,7 @@ def kda_fla_raw(
         cu_seqlens=cu_seqlens,
         gate=_gate_options(A_log, dt_bias, lower_bound, decode),
         cu_seqlens_cpu=cu_seqlens_cpu,
+        graph=graph,
     )
 
 
