@@ -225,3 +225,24 @@ def test_cpu_load_prepares_the_extension_only_for_large_quantized_matrices(monke
     big.register_parameter("weight", torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.uint8), False))
     _prepare_cpu_kernels(big)  # 64 x 32 bytes = 4096 NVFP4 weights
     assert calls == [1]
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
+    """A build lock left by a killed build (torch's FileBaton would wait for it forever) is removed once it
+    is older than STALE_BUILD_LOCK_S; a lock of a build that may still run is left alone."""
+    import os
+    import time
+    from pathlib import Path
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory("k3run_lock_probe", verbose=False)) / "lock"
+    lock.touch()
+    cpu_simd._clear_stale_build_lock("k3run_lock_probe")
+    assert lock.exists()  # fresh: another process may be building
+    old = time.time() - cpu_simd.STALE_BUILD_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_simd._clear_stale_build_lock("k3run_lock_probe")
+    assert not lock.exists()
+    cpu_simd._clear_stale_build_lock("k3run_lock_probe")  # no lock: nothing to do

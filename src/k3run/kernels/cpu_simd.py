@@ -802,6 +802,29 @@ def _chunk() -> int:
     return 8 if cpu_level() == "avx512" else 4
 
 
+# a build lock older than this is left by a build that was killed (torch's FileBaton holds no PID and
+# waits for the lock to go forever); a build of the extension takes ~30 s on 2 cores
+STALE_BUILD_LOCK_S = 600
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """Remove `name`'s build lock in torch's extension directory when an interrupted build left it (older
+    than STALE_BUILD_LOCK_S): every later process would otherwise hang at its first CPU kernel call."""
+    import time
+    from pathlib import Path
+
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (ImportError, OSError):  # no lock (the usual case), or a torch that places builds elsewhere
+        return
+    if age > STALE_BUILD_LOCK_S:
+        log.warning("removing %s: a build lock %.0f s old, left by an interrupted build", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def available() -> bool:
     """The extension is built (building it now on first call) and the CPU runs it (`cpu_level`)."""
     global _module, _error
@@ -812,6 +835,7 @@ def available() -> bool:
             from torch.utils.cpp_extension import load_inline
 
             log.info("building the AVX-512 / AVX2 CPU kernels (once per machine, ~30 s; cached after)")
+            _clear_stale_build_lock("k3run_cpu_simd")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
                      "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv",
                      "nvfp4_vnni_grouped"]  # fmt: skip
