@@ -227,10 +227,12 @@ def test_cpu_load_prepares_the_extension_only_for_large_quantized_matrices(monke
     assert calls == [1]
 
 
-def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_waited_for(tmp_path, monkeypatch) -> None:
     """A build lock left by a killed build (torch's FileBaton would wait for it forever) is removed once it
-    is older than STALE_BUILD_LOCK_S; a lock of a build that may still run is left alone."""
+    is older than STALE_BUILD_LOCK_S; while a lock is younger (another process may be building) the call
+    waits, and returns when that build removes it."""
     import os
+    import threading
     import time
     from pathlib import Path
 
@@ -239,8 +241,16 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
 
     lock = Path(_get_build_directory("k3run_lock_probe", verbose=False)) / "lock"
     lock.touch()
-    cpu_simd._clear_stale_build_lock("k3run_lock_probe")
-    assert lock.exists()  # fresh: another process may be building
+    done = threading.Event()
+    t = threading.Thread(
+        target=lambda: (cpu_simd._clear_stale_build_lock("k3run_lock_probe", 0.01), done.set())
+    )
+    t.start()
+    assert not done.wait(0.3)  # a fresh lock: still waiting
+    lock.unlink()  # the other build finished
+    t.join(5)
+    assert done.is_set()
+    lock.touch()
     old = time.time() - cpu_simd.STALE_BUILD_LOCK_S - 5
     os.utime(lock, (old, old))
     cpu_simd._clear_stale_build_lock("k3run_lock_probe")

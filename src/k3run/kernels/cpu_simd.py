@@ -807,9 +807,10 @@ def _chunk() -> int:
 STALE_BUILD_LOCK_S = 600
 
 
-def _clear_stale_build_lock(name: str) -> None:
-    """Remove `name`'s build lock in torch's extension directory when an interrupted build left it (older
-    than STALE_BUILD_LOCK_S): every later process would otherwise hang at its first CPU kernel call."""
+def _clear_stale_build_lock(name: str, poll_s: float = 1.0) -> None:
+    """Wait while another process may be building `name` (its lock in torch's extension directory younger
+    than STALE_BUILD_LOCK_S), then remove a lock that old: an interrupted build left it, and every later
+    process would otherwise hang at its first CPU kernel call."""
     import time
     from pathlib import Path
 
@@ -817,12 +818,22 @@ def _clear_stale_build_lock(name: str) -> None:
         from torch.utils.cpp_extension import _get_build_directory
 
         lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
-    except (ImportError, OSError):  # no lock (the usual case), or a torch that places builds elsewhere
+    except (ImportError, OSError):  # a torch that places builds elsewhere: its own waiting applies
         return
-    if age > STALE_BUILD_LOCK_S:
-        log.warning("removing %s: a build lock %.0f s old, left by an interrupted build", lock, age)
-        lock.unlink(missing_ok=True)
+    told = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # no lock (the usual case), or the other build finished
+            return
+        if age > STALE_BUILD_LOCK_S:
+            log.warning("removing %s: a build lock %.0f s old, left by an interrupted build", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        if not told:
+            log.warning("waiting for another process's build of the CPU kernels (lock %s)", lock)
+            told = True
+        time.sleep(poll_s)
 
 
 def available() -> bool:
