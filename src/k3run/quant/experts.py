@@ -392,6 +392,36 @@ class Fp8BlockExperts(ExpertScheme):
         h = ex.activation(x @ w13.t())
         return h @ dequantize_fp8_block(ex.w2_weight[e], ex.w2_weight_scale[e], x.dtype).t()
 
+    def grouped_ok(self, ex: FusedExperts, x: torch.Tensor) -> bool:
+        """kernels/fp8_grouped.py: a 16-bit input on CUDA."""
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+    def grouped(
+        self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
+    ) -> torch.Tensor:
+        """GEMM1 over every pick (gate and up rows on their own scale grids, as `expert` dequantizes them),
+        the activation in x's dtype, GEMM2, the fp32 sum over each token's picks: `expert`'s operations per
+        pick, in three launches over the picks grouped by expert on the device (`expert_blocks`)."""
+        from k3run.kernels.fp8_grouped import fp8_block_gemm_grouped
+        from k3run.kernels.nvfp4_gemm.tile import expert_blocks
+
+        t, a = ids.shape
+        picks, i = t * a, ex.intermediate_size
+        x = x.contiguous()
+        grp = expert_blocks(_local_ids(ids, ex.first), ex.num_local, FP8_BLOCK_PICKS)
+        # gate and up on their own scale grids (each restarts at its first row): one launch each
+        gu = torch.empty(picks, 2 * i, dtype=x.dtype, device=x.device)
+        s13 = ex.w13_weight_scale
+        w13 = ex.w13_weight
+        fp8_block_gemm_grouped(x, w13[:, :i], s13[:, 0], grp, picks=picks, x_div=a, out=gu[:, :i])
+        fp8_block_gemm_grouped(x, w13[:, i:], s13[:, 1], grp, picks=picks, x_div=a, out=gu[:, i:])
+        h = ex.activation(gu)  # [picks, I] in x's dtype
+        everything_local = ex.num_local == ex.num_experts
+        new = torch.empty if everything_local else torch.zeros  # rows of other ranks' picks are never written
+        y = new(picks, ex.hidden_size, dtype=x.dtype, device=x.device)
+        fp8_block_gemm_grouped(h, ex.w2_weight, ex.w2_weight_scale, grp, picks=picks, x_div=1, out=y)
+        return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+
 
 # ---------------------------------------------------------------------------------------------------------
 # NVFP4
@@ -414,6 +444,8 @@ CPU_REFERENCE_CACHE_BYTES = 64 << 20
 # Linear's, 256): 64 was the fastest or within 3% of it at every size, from 8 to 1170 picks per expert (16:
 # 1.5-6x slower; 128 needs 8 warps and was not faster)
 MOE_TILE_BM = 64
+# picks per block of the grouped FP8_PB_WO expert GEMMs (kernels/fp8_grouped.py; not yet tuned)
+FP8_BLOCK_PICKS = 64
 # the wgmma kernel's picks per block by the mean picks per local expert: (up to this mean, block) pairs, 128
 # above. H200, bench/bench_wgmma.py --moe (K3 experts 56 local, Kimi Linear's 256): 32-pick blocks best at
 # means 2-18, 64 at 32-128 (within 3% of 128 at 73), 128 from 293 (64 there: 1.25x slower)
