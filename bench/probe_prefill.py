@@ -8,7 +8,8 @@ router / routed experts / shared experts, norms, AttnRes), the host time and the
 `kimi-linear`: the full-depth random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (27 layers, 256
 experts, in memory); `kimi-linear-bf16`: the same in bf16 (the official checkpoint's dtype, 96 GB); `k3`:
 the K3-shaped 4-layer slice; `tiny`: the Kimi Linear config cut to 2 layers, 8
-experts and small widths (bf16, no quantization: for checking the script itself).
+experts and small widths (bf16, no quantization: for checking the script itself); a directory: that
+checkpoint, loaded (e.g. the full-size one `bench/write_kimi_linear.py` writes).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ from k3run.tokenizer import load_tokenizer  # noqa: E402
 
 
 def build(name: str, device: str):
+    if Path(name).is_dir():  # a checkpoint on disk (bench/write_kimi_linear.py writes the full-size one)
+        from k3run.api import load_model
+
+        t0 = time.perf_counter()
+        model = load_model(name, dtype=torch.bfloat16, device=device)
+        print(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
+        return model
     if name == "kimi-linear":
         return random_model(kimi_linear_48b_config(), device=device)
     if name == "kimi-linear-bf16":  # the official checkpoint's form: every weight bf16 (96 GB)
@@ -63,7 +71,7 @@ def label(name: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     models = ["kimi-linear", "kimi-linear-bf16", "k3", "tiny"]
-    ap.add_argument("--model", default="kimi-linear", choices=models)
+    ap.add_argument("--model", default="kimi-linear", help=f"one of {models}, or a checkpoint directory")
     ap.add_argument("--tokens", default="8192", help="prompt lengths, comma-separated (one model build)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3, help="unprofiled timed prefills before the profiled one")

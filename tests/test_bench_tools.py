@@ -56,3 +56,47 @@ def test_random_k3_shaped_model_shards_over_tensor_parallel_ranks() -> None:
 
     ranks = spawn_gloo(_tp_decode, 2, str(ROOT))
     assert ranks[0] == ranks[1] and [len(t) for t in ranks[0]] == [4, 4]
+
+
+def _writer():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import write_kimi_linear
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return write_kimi_linear
+
+
+def test_kimi_linear_tensor_table_expands_to_the_published_checkpoint() -> None:
+    """bench/write_kimi_linear.py's 35 name patterns give exactly the published tensor and parameter counts
+    of moonshotai/Kimi-Linear-48B-A3B-Instruct (20,493 tensors, 49,122,681,728 parameters)."""
+    import json
+    import math
+
+    w = _writer()
+    table = json.loads((ROOT / "bench" / "configs" / "kimi_linear_48b_a3b.tensor-table.json").read_text())
+    tensors = w.expand(table)
+    assert len(tensors) == table["tensor_count"] == 20493
+    assert sum(math.prod(s) for s, _ in tensors.values()) == table["param_count"]
+    assert tensors["model.layers.26.block_sparse_moe.experts.255.w2.weight"] == ((2304, 1024), "BF16")
+
+
+def test_written_kimi_linear_slice_loads_with_every_check(tmp_path, monkeypatch) -> None:
+    """The writer at real widths, cut to 4 layers (3 KDA, 1 MLA), 4 experts and a 1024-token vocabulary,
+    quantized as ModelOpt NVFP4 to disk: k3run loads it through every checkpoint check and its logits are
+    finite and of unit scale (the writer's N(0, 1/K) weights)."""
+    from k3run.api import load_model
+    from k3run.forward_context import ForwardContext
+
+    w = _writer()
+    dst = tmp_path / "kl"
+    args = [str(dst), "--layers", "4", "--experts", "4", "--vocab", "1024", "--device", "cpu"]
+    monkeypatch.setattr(sys, "argv", ["write_kimi_linear.py", *args])
+    w.main()
+    model = load_model(dst, dtype=torch.float32, device="cpu")
+    assert [type(layer.self_attn).__name__ for layer in model.layers] == ["KimiDeltaAttention"] * 3 + [
+        "KimiMLA"
+    ]
+    assert model.layers[1].mlp.experts.algo is QuantAlgo.NVFP4
+    logits = model.compute_logits(model(torch.tensor([1, 2, 3, 4, 5]), ForwardContext.single(5)))
+    assert bool(torch.isfinite(logits).all()) and 0.3 < float(logits.std()) < 3.0

@@ -152,7 +152,7 @@ class _ShardWriter:
         nbytes = t.numel() * t.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self.flush()
-        self.pending[name] = t.contiguous()
+        self.pending[name] = t.detach().cpu().contiguous()  # a source may produce device tensors
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
@@ -373,6 +373,52 @@ def quant_configs(
     return {"producer": producer, "quantization": hf}, qc
 
 
+def quantize_tensors(
+    tensors: dict[str, TensorInfo],
+    get: Callable[[str], torch.Tensor],
+    config: dict[str, Any],
+    dst: Path,
+    recipe: str,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    partial_k_tiles: bool = False,
+    progress: bool = True,
+) -> None:
+    """`quantize_checkpoint` from any tensor source: `tensors` (name -> the header's TensorInfo) and `get`
+    (name -> the tensor, read when its group is quantized, so a source larger than memory streams). Writes
+    the shards, hf_quant_config.json and config.json (`config` plus its quantization_config) to dst."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    layers, notes = _plan_layers(recipe, tensors, partial_k_tiles)
+    for note in notes:
+        warnings.warn(f"k3run quantize ({recipe}): {note}", stacklevel=2)
+    by_prefix = {lay.prefix: lay for lay in layers}
+    groups: dict[tuple[str, QuantAlgo], list[_Layer]] = {}
+    for lay in layers:
+        if lay.algo is not QuantAlgo.NONE:
+            groups.setdefault((fusion_key(lay.prefix), lay.algo), []).append(lay)
+    quantized_names = {f"{lay.prefix}.weight" for lay in layers if lay.algo is not QuantAlgo.NONE}
+    passthrough = [n for n in tensors if n not in quantized_names]
+
+    dst.mkdir(parents=True, exist_ok=True)
+    out = _ShardWriter(dst, max_shard_bytes)
+    units = len(groups) + len(passthrough)
+    with tqdm(total=units, desc=f"quantize {recipe}", unit="group", disable=not progress) as bar:
+        for members in groups.values():
+            _quantize_group(members, get, out)
+            bar.update(1)
+        for name in passthrough:
+            out.add(name, get(name))
+            bar.update(1)
+    out.finish()
+
+    quantized = {lay.prefix: lay.algo for lay in layers if lay.algo is not QuantAlgo.NONE}
+    excludes = [p for p, lay in by_prefix.items() if lay.algo is QuantAlgo.NONE] + _kept_banks(layers)
+    hf_quant, qc = quant_configs(recipe, quantized, excludes)
+    (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
+    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}, indent=2) + "\n")
+
+
 def quantize_checkpoint(
     src_dir: str | Path,
     dst_dir: str | Path,
@@ -395,34 +441,10 @@ def quantize_checkpoint(
         raise ValueError(f"{dst}: exists and is not empty")
     config = _read_config(src)
     with CheckpointReader(src) as reader:
-        layers, notes = _plan_layers(recipe, reader.tensors, partial_k_tiles)
-        for note in notes:
-            warnings.warn(f"k3run quantize ({recipe}): {note}", stacklevel=2)
-        by_prefix = {lay.prefix: lay for lay in layers}
-        groups: dict[tuple[str, QuantAlgo], list[_Layer]] = {}
-        for lay in layers:
-            if lay.algo is not QuantAlgo.NONE:
-                groups.setdefault((fusion_key(lay.prefix), lay.algo), []).append(lay)
-        quantized_names = {f"{lay.prefix}.weight" for lay in layers if lay.algo is not QuantAlgo.NONE}
-        passthrough = [n for n in reader.tensors if n not in quantized_names]
-
-        dst.mkdir(parents=True, exist_ok=True)
-        out = _ShardWriter(dst, max_shard_bytes)
-        units = len(groups) + len(passthrough)
-        with tqdm(total=units, desc=f"quantize {recipe}", unit="group", disable=not progress) as bar:
-            for members in groups.values():
-                _quantize_group(members, reader.get, out)
-                bar.update(1)
-            for name in passthrough:
-                out.add(name, reader.get(name))
-                bar.update(1)
-        out.finish()
-
-    quantized = {lay.prefix: lay.algo for lay in layers if lay.algo is not QuantAlgo.NONE}
-    excludes = [p for p, lay in by_prefix.items() if lay.algo is QuantAlgo.NONE] + _kept_banks(layers)
-    hf_quant, qc = quant_configs(recipe, quantized, excludes)
-    (dst / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
-    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": qc}, indent=2) + "\n")
+        quantize_tensors(
+            reader.tensors, reader.get, config, dst, recipe, max_shard_bytes=max_shard_bytes,
+            partial_k_tiles=partial_k_tiles, progress=progress,
+        )  # fmt: skip
     for f in sorted(src.iterdir()):
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_FILE):
             shutil.copy2(f, dst / f.name)
