@@ -294,6 +294,9 @@ def _free_port() -> int:
 def test_sigterm_drains_and_stops_within_the_drain_timeout(tmp_path: Path):
     """`k3run serve` in its own process: a request in flight when SIGTERM arrives still completes, and the
     process exits within --drain-timeout (and a margin for the engine thread's stop)."""
+    from k3run.kernels import cpu_simd
+
+    cpu_simd.available()  # build the CPU extension here (cached on disk), not inside the timed request
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     cmd = [sys.executable, "-m", "k3run.cli", "--quiet", "serve", "--port", str(port), "--device", "cpu"]
