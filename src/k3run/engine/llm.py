@@ -24,6 +24,7 @@ from k3run.engine.runner import (
     GraphDecoder,
     ModelRunner,
     PrefillGraphs,
+    prefill_buckets,
     staged,
 )
 from k3run.engine.sampler import Sampler
@@ -238,13 +239,13 @@ class LLMEngine:
         """None when fresh prompts prefill from CUDA graphs, else why they run eagerly."""
         if not isinstance(decoder, GraphDecoder) or isinstance(decoder, CompiledCpuDecoder):
             return "decode graphs are off"
-        top = max((t for t in PREFILL_GRAPH_TOKENS if t <= self._prefill_graph_top()), default=0)
-        if top < 2:
+        buckets = prefill_buckets(self._prefill_graph_top())
+        if not buckets:
             return f"prefill_graph_tokens / max_num_batched_tokens hold no bucket of {PREFILL_GRAPH_TOKENS}"
         check = getattr(model, "padded_prefill_blocker", None)
         if check is None:
             return f"{type(model).__name__} has no padded prefill"
-        return check(top)
+        return check(buckets[-1])
 
     def _graph_plan(self, model: EngineModel, device: torch.device) -> tuple[int, str | None]:
         """(the largest decode batch replayed from a CUDA graph, None) or (0, why decode runs eagerly).

@@ -71,6 +71,29 @@ def all_ranks_ok(ok: bool, tp: object, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def warm_and_capture(
+    step: Any, device: torch.device, pool: Any
+) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, Exception | None]:
+    """One eager run of `step` on a side stream (Triton compiles and autotunes there), then its capture into
+    a graph on `pool`, both with fused_experts held to its sync-free paths (`sync_free_experts`). Returns
+    (graph, output, None), or (None, None, the error) when the capture refuses the step (host syncs,
+    pageable copies, ...)."""
+    from k3run.layers.moe import sync_free_experts
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with sync_free_experts(), torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with sync_free_experts(), torch.cuda.graph(graph, pool=pool):
+            out = step()
+    except Exception as e:
+        return None, None, e
+    return graph, out, None
+
+
 class GraphDecoder:
     """Decode steps captured as CUDA graphs, one per (batch bucket, attention window).
 
@@ -139,23 +162,10 @@ class GraphDecoder:
         return self.model.compute_logits(hidden).float()  # [b, V]
 
     def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        from k3run.layers.moe import sync_free_experts
-
         self.inputs[0].zero_()  # warm-up and capture rows: token 0 at position 0 of the scratch slot
         self.inputs[1].fill_(self.scratch)
         self.inputs[2].zero_()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with sync_free_experts(), torch.cuda.stream(side):
-            self._step(b, w)  # compiles every kernel the capture will record
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        error: Exception | None = None
-        try:
-            with sync_free_experts(), torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(b, w)
-        except Exception as e:  # what a capture refuses: host syncs, pageable copies, ...
-            error = e
+        graph, out, error = warm_and_capture(lambda: self._step(b, w), self.device, self.pool)
         # under tensor parallelism every rank keeps the graph or none does (a capture records the
         # collectives without running them, so a rank whose capture failed has not left the others waiting)
         if not all_ranks_ok(error is None, getattr(self.model, "tp", None), self.device):
@@ -163,6 +173,7 @@ class GraphDecoder:
             raise GraphCaptureError(
                 f"capturing the decode step (batch {b}, attention window {w}) failed: {what}"
             ) from error
+        assert graph is not None and out is not None
         log.info("captured the decode step for batch %d, attention window %d", b, w)
         return graph, out
 
@@ -211,6 +222,11 @@ class GraphDecoder:
         return out[:n].clone()  # the next replay overwrites `out`
 
 
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """The PREFILL_GRAPH_TOKENS buckets a prefill of up to `max_tokens` tokens may replay."""
+    return [t for t in PREFILL_GRAPH_TOKENS if t <= max_tokens]
+
+
 class PrefillGraphs:
     """Prefills of one fresh sequence as CUDA graphs, one per token bucket (PREFILL_GRAPH_TOKENS up to
     `max_tokens`), captured the first time a bucket is needed.
@@ -228,8 +244,7 @@ class PrefillGraphs:
         self.model = model
         self.cache = cache
         self.device = torch.device(cache.device)
-        cap = min(max_tokens, cache.max_len)
-        self.sizes = [t for t in PREFILL_GRAPH_TOKENS if t <= cap]
+        self.sizes = prefill_buckets(min(max_tokens, cache.max_len))
         self.scratch = scratch
         top = self.sizes[-1] if self.sizes else 0
         self.ids = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -261,23 +276,14 @@ class PrefillGraphs:
         self.slots[:1].copy_(staged_host[t + 3 :], non_blocking=True)
 
     def _capture(self, t: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        from k3run.layers.moe import sync_free_experts
-
         # warm-up and capture: a prompt of half the bucket in the scratch slot (both sequences non-empty)
         self._set([0] * (t // 2), self.scratch, t)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with sync_free_experts(), torch.cuda.stream(side):
-            self._step(t)  # compiles and autotunes every kernel the capture records
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with sync_free_experts(), torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(t)
-        except Exception as e:  # what a capture refuses: host syncs, pageable copies, ...
+        graph, out, error = warm_and_capture(lambda: self._step(t), self.device, self.pool)
+        if error is not None:
             raise GraphCaptureError(
-                f"capturing the prefill of {t} tokens failed: {type(e).__name__}: {e}"
-            ) from e
+                f"capturing the prefill of {t} tokens failed: {type(error).__name__}: {error}"
+            ) from error
+        assert graph is not None and out is not None
         log.info("captured the prefill step for %d tokens", t)
         return graph, out
 

@@ -267,19 +267,25 @@ class KimiForCausalLM(nn.Module):
             backend = torch.distributed.get_backend(self.tp.group)
             if backend != "nccl":
                 return f"tensor parallel over {self.tp.size} ranks on {backend} (graphs capture NCCL only)"
+        return self._layers_blocker(batch_size, device, absorbed_mla=True)
+
+    def _layers_blocker(self, tokens: int, device: torch.device, absorbed_mla: bool) -> str | None:
+        """The first layer that keeps a step of `tokens` rows out of a graph: on CUDA, KDA without fla's
+        kernels, or (absorbed_mla: the static decode step's attention) MLA without its absorbed factors; on
+        any device, routed experts without a host-sync-free path (on the CPU the references run, every one
+        trace-safe)."""
         for layer in self.layers:
             attn = layer.self_attn
-            # on the CPU the references run, every one trace-safe: only the experts need a sync-free path
             if device.type == "cuda" and isinstance(attn, KimiDeltaAttention):
                 from k3run.kernels.kda import kda_backend
 
                 if kda_backend(device) != "fla":
                     return f"{attn.prefix}: KDA runs the reference (fla-core is not installed)"
-            elif device.type == "cuda" and attn.w_uk is None:
+            elif device.type == "cuda" and absorbed_mla and attn.w_uk is None:
                 return f"{attn.prefix}: no absorbed kv_b factors (process_after_loading not called)"
             if isinstance(layer.mlp, KimiMoE):
                 top_k = self.config.num_experts_per_token
-                why = experts_sync_free(layer.mlp.experts, batch_size, top_k, self.params_dtype, device)
+                why = experts_sync_free(layer.mlp.experts, tokens, top_k, self.params_dtype, device)
                 if why is not None:
                     return why
         return None
@@ -294,19 +300,7 @@ class KimiForCausalLM(nn.Module):
             return "padded prefills run at tensor-parallel size 1 only"
         if self.params_dtype not in (torch.bfloat16, torch.float16):
             return f"padded prefills run 16-bit activations, the model's are {self.params_dtype}"
-        for layer in self.layers:
-            attn = layer.self_attn
-            if isinstance(attn, KimiDeltaAttention):
-                from k3run.kernels.kda import kda_backend
-
-                if kda_backend(device) != "fla":
-                    return f"{attn.prefix}: KDA runs the reference (fla-core is not installed)"
-            if isinstance(layer.mlp, KimiMoE):
-                top_k = self.config.num_experts_per_token
-                why = experts_sync_free(layer.mlp.experts, tokens, top_k, self.params_dtype, device)
-                if why is not None:
-                    return why
-        return None
+        return self._layers_blocker(tokens, device, absorbed_mla=False)
 
     def static_step_bytes(self, batch_size: int, window: int) -> int:
         """The largest temporaries of one static decode step of `batch_size` sequences with MLA attention

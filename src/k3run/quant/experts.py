@@ -251,6 +251,13 @@ def check_dtype(what: str, t: torch.Tensor, want: torch.dtype, allow_float_cast:
     raise ValueError(f"{what}: expected dtype {want}, got {t.dtype}")
 
 
+def gemm2_output(ex: FusedExperts, picks: int, x: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM2's output [picks, D] in x's dtype: the grouped kernels never write the rows of other
+    ranks' picks, so under expert parallelism it starts as zeros for the sum (uninitialised otherwise)."""
+    new = torch.empty if ex.num_local == ex.num_experts else torch.zeros
+    return new(picks, ex.hidden_size, dtype=x.dtype, device=x.device)
+
+
 def store_tensor(
     ex: FusedExperts, what: str, kind: str, param: nn.Parameter, loaded: torch.Tensor, row: int, which: str,
     float_cast: bool,
@@ -416,9 +423,7 @@ class Fp8BlockExperts(ExpertScheme):
         fp8_block_gemm_grouped(x, w13[:, :i], s13[:, 0], grp, picks=picks, x_div=a, out=gu[:, :i])
         fp8_block_gemm_grouped(x, w13[:, i:], s13[:, 1], grp, picks=picks, x_div=a, out=gu[:, i:])
         h = ex.activation(gu)  # [picks, I] in x's dtype
-        everything_local = ex.num_local == ex.num_experts
-        new = torch.empty if everything_local else torch.zeros  # rows of other ranks' picks are never written
-        y = new(picks, ex.hidden_size, dtype=x.dtype, device=x.device)
+        y = gemm2_output(ex, picks, x)
         fp8_block_gemm_grouped(h, ex.w2_weight, ex.w2_weight_scale, grp, picks=picks, x_div=1, out=y)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
@@ -908,15 +913,14 @@ class NvFp4Experts(ExpertScheme):
         local = _local_ids(ids, ex.first)
         x = x.contiguous()
         if x.dtype in (torch.float16, torch.bfloat16) and ng._wgmma_ok(x.device):
-            from triton.compiler.errors import CompilationError
-
+            from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
             from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_grouped
 
             grp = expert_blocks(local, ex.num_local, wgmma_block_picks(t * a, ex.num_local))
             try:
                 return finish.combine(self._gemm_pair(ex, x, a, grp, nvfp4_wgmma_grouped), weights)
-            except (CompilationError, RuntimeError) as e:  # a Triton that cannot build it: the tile GEMM
-                if not isinstance(e, CompilationError) and "PassManager" not in str(e):
+            except BUILD_ERRORS as e:  # a Triton that cannot build it: the tile GEMM
+                if not triton_build_failed(e):
                     raise
                 ng._disable_wgmma(e)
         grp = expert_blocks(local, ex.num_local, MOE_TILE_BM)
@@ -941,10 +945,7 @@ class NvFp4Experts(ExpertScheme):
             out=torch.empty(picks, i, dtype=x.dtype, device=x.device),
             activation=(act.kind, act.beta, act.linear_beta),
         )  # fmt: skip
-        everything_local = ex.num_local == ex.num_experts
-        y = (torch.empty if everything_local else torch.zeros)(picks, d, dtype=x.dtype, device=x.device)
-        # GEMM2: rows of other ranks' picks are never written, so they must start as zeros for the sum
-        return gemm(h, ex.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=y)
+        return gemm(h, ex.w2_weight, s2, gs2, grp, picks=picks, x_div=1, k=i, out=gemm2_output(ex, picks, x))
 
     def describe(self) -> str:
         out = f"{self.algo.value}, nvfp4 {self.act_mode}"

@@ -519,15 +519,14 @@ def nvfp4_linear(
         cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
     y = None
     if cfg.wgmma:
-        from triton.compiler.errors import CompilationError
+        from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
 
         from .wgmma import nvfp4_wgmma_gemm
 
         try:
             y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
-        except (CompilationError, RuntimeError) as e:  # a Triton that cannot build it: other paths from now
-            # on (a failed MLIR pass raises RuntimeError "PassManager::run failed"; other errors propagate)
-            if not isinstance(e, CompilationError) and "PassManager" not in str(e):
+        except BUILD_ERRORS as e:  # a Triton that cannot build it: other paths from now on
+            if not triton_build_failed(e):
                 raise
             _disable_wgmma(e)
             cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))

@@ -386,7 +386,7 @@ def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int, *, kernel: bool | 
     if p == 0:
         return grp
     global _BLOCKS_KERNEL_OK
-    from triton.compiler.errors import CompilationError
+    from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
 
     if not _BLOCKS_KERNEL_OK:
         return expert_blocks_ref(ids, n_experts, bm)
@@ -397,8 +397,8 @@ def expert_blocks(ids: torch.Tensor, n_experts: int, bm: int, *, kernel: bool | 
         _expert_place_kernel[(e,)](
             ids, cnt, grp, p, e, BM=bm, BLOCK=1024, BLOCK_E=triton.next_power_of_2(e), num_warps=4
         )  # fmt: skip
-    except (CompilationError, RuntimeError) as err:  # a Triton that cannot build them: the torch form
-        if not isinstance(err, CompilationError) and "PassManager" not in str(err):
+    except BUILD_ERRORS as err:  # a Triton that cannot build them: the torch form
+        if not triton_build_failed(err):
             raise
         import logging
 
