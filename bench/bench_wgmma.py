@@ -36,10 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 PEAK_BF16 = 989e12
+VERBOSE = False
+SS = False  # --ss: the sweep adds the shared-memory A operand form
+MOE_STAGES = 0  # 0: grouped_config's ring
 
 
 def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
-    """The default config and (BN, BT, split) around it, each with the deepest ring that fits."""
+    """The default config and (BN, BT, split, stages) around it: BN 64 / 128, split-K 1 / 2 / 4, rings of 3,
+    4, 5, 6 and the deepest that fits (shallower rings leave shared memory for more programs per SM)."""
     from k3run.kernels.nvfp4_gemm.wgmma import _SMEM_BUDGET, smem_bytes, wgmma_config
 
     chunks = -(-k // 128)
@@ -56,9 +60,15 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
                     for s in range(3, min(8, chunks // split + 2) + 1)
                     if smem_bytes(bn, bt, s) <= _SMEM_BUDGET
                 ]
-                if fits:
-                    out.add((bn, bt, split, max(fits)))
-    return sorted(out)
+                out.update((bn, bt, split, s) for s in fits if s <= 6 or s == max(fits))
+                if SS:  # the shared-memory A operand (`nvfp4_wgmma_gemm(ss=True)`), marked by a 5th field
+                    fits = [
+                        s
+                        for s in range(3, min(8, chunks // split + 2) + 1)
+                        if smem_bytes(bn, bt, s, True) <= _SMEM_BUDGET
+                    ]
+                    out.update((bn, bt, split, s, "ss") for s in fits if s <= 5 or s == max(fits))
+    return sorted(out, key=str)
 
 
 def _weights(n: int, k: int, copies: int):
@@ -87,8 +97,12 @@ def _time(fn_for, copies: int, est_ms: float) -> float:
 def _wg(x, ws, k: int, n: int, cfg):
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
 
+    ss = cfg is not None and len(cfg) == 5
+    cfg = cfg[:4] if ss else cfg
     return lambda i: (
-        lambda: nvfp4_wgmma_gemm(x, ws[i].weight, ws[i].scale_bits, ws[i].global_scale, k, n, config=cfg)
+        lambda: nvfp4_wgmma_gemm(
+            x, ws[i].weight, ws[i].scale_bits, ws[i].global_scale, k, n, config=cfg, ss=ss
+        )
     )
 
 
@@ -118,7 +132,7 @@ def _cublas(x, wb):
 
 def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -> dict:
     """One (shape, M): wgmma default and over `sweep`, auto, tile, cuBLAS, the ceiling."""
-    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
+    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm, smem_bytes
 
     wbytes = n * k * (0.5 + 1 / 16)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -134,6 +148,14 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
         except Exception as e:  # noqa: BLE001 - a config that fails to build is reported, not fatal
             print(f"  config {cfg}: {type(e).__name__}: {str(e)[:200]}")
             continue
+        if VERBOSE:
+            bn, bt = cfg[0], cfg[1]
+            l2 = -(-m // bt) * bt * k * 2 * -(-n // bn) + wbytes * -(-m // bt)
+            per_sm = 227 * 1024 // smem_bytes(bn, bt, cfg[3], len(cfg) == 5)
+            print(
+                f"  config {cfg}: {t:8.1f} us, {l2 / t / 1e6:5.2f} TB/s of x re-reads + weights, "
+                f"<= {per_sm} programs an SM by shared memory"
+            )
         if t < best[0]:
             best = (t, cfg)
     r["wgmma_best"], r["best_cfg"] = best
@@ -248,7 +270,7 @@ def _moe_shape(name: str, d: int, i: int, e: int, a: int, ts: list[int]) -> None
         errs = {}
         for bt in (32, 64, 128, 256):
             try:
-                run = gemms(nvfp4_wgmma_grouped, bt)
+                run = gemms(nvfp4_wgmma_grouped, bt, (128, MOE_STAGES) if MOE_STAGES else None)
                 errs[bt] = rel_rms_error(ref.float(), run().float())
                 by_bt[bt] = graph_ms([run], est) * 1e3
             except Exception as err:  # noqa: BLE001
@@ -295,9 +317,17 @@ def main() -> None:
     ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
     ap.add_argument("--peers", default="", help="the peers folder (marlin_build.py, gemm_peers.py)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="print every swept config's time")
+    ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only the first")
+    ap.add_argument("--ss", action="store_true", help="sweep the shared-memory A operand form too")
     ap.add_argument("--moe", default="", help="token counts for the grouped-experts stage, e.g. 1024,4096")
     ap.add_argument("--no-dense", action="store_true", help="only the --moe stage")
+    ap.add_argument("--moe-stages", type=int, default=0, help="ring slots of the grouped kernel (0: default)")
     args = ap.parse_args()
+    global VERBOSE, MOE_STAGES, SS
+    VERBOSE = args.verbose
+    SS = args.ss
+    MOE_STAGES = args.moe_stages
     if args.moe:
         _moe([int(v) for v in args.moe.split(",")])
     if args.no_dense:
@@ -320,9 +350,8 @@ def main() -> None:
     for n, k in shapes:
         w, wd, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
         wb = [w.to(torch.bfloat16) for _ in range(copies_for(n * k * 2))]
-        first = (n, k) == shapes[
-            0
-        ]  # the sweep on the first shape (compiles are per K); the rest try its best
+        # the sweep on the first shape (compiles are per K); the rest try its best
+        first = args.sweep_all or (n, k) == shapes[0]
         for m in ms:
             sweep = (
                 [] if args.no_sweep else _sweep(m, n, k) if first else [best_of[m]] if m in best_of else []

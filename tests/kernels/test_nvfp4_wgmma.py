@@ -22,7 +22,7 @@ from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
 wg = pytest.importorskip("k3run.kernels.nvfp4_gemm.wgmma")
 
 
-def _case(m, n, k, dtype, per_row, bias, config=None, seed=0):
+def _case(m, n, k, dtype, per_row, bias, config=None, seed=0, ss=False):
     from k3run.testing import assert_within
 
     w, s, gs = _random_nvfp4(n, k, "cuda", per_row, seed=seed + m * 7 + n + k)
@@ -30,13 +30,14 @@ def _case(m, n, k, dtype, per_row, bias, config=None, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed + m)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
-    out = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config)
+    out = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config, ss=ss)
     wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
     ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
     if b is not None:
         ref = ref + b.float()
     assert out.shape == (m, n) and out.dtype == dtype
-    assert_within(f"wgmma gemm {m}x{n}x{k} {dtype} {config}", ref, out, _bound(x, wd, gs, ref, dtype))
+    assert_within(f"wgmma gemm {m}x{n}x{k} {dtype} {config} ss={ss}", ref, out, _bound(x, wd, gs, ref, dtype))
+    return out
 
 
 def _need_sm90():
@@ -66,6 +67,32 @@ def test_gpu_configs(poison_empty, config) -> None:
     empty copy groups), both warp counts, token tiles 16..256."""
     _need_sm90()
     _case(150, 328, 720, torch.bfloat16, per_row=True, bias=True, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (17, None),
+        (100, None),
+        (255, None),
+        (150, (64, 64, 2, 3)),
+        (150, (128, 32, 3, 3)),
+        (150, (64, 16, 6, 3)),
+    ],  # fmt: skip
+)
+def test_gpu_shared_memory_operand(poison_empty, m: int, config, dtype: torch.dtype) -> None:
+    """The shared-memory A operand form (ss): odd M, N and K, split-K with 2, 3 and 1 chunks per program (the
+    1-2 chunk programs take the runtime trip count), and the case where the register form's constant-count
+    build raced (100 x 1024 x 1024): ten calls, each within the bound and all bit-identical."""
+    _need_sm90()
+    if config is None:
+        _case(m, 200, 336, dtype, per_row=m % 2 == 0, bias=m in (17, 255), ss=True)
+        outs = [_case(m, 1024, 1024, dtype, per_row=False, bias=False, ss=True) for _ in range(10)]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+    else:
+        _case(m, 328, 720, dtype, per_row=True, bias=True, config=config, ss=True)
 
 
 @pytest.mark.gpu
@@ -110,7 +137,7 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
     assert 3 <= stages <= k // 128 // split + 2 and wg.smem_bytes(bn, bt, stages) <= 227 * 1024
 
 
-def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str):
+def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str, ss: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -121,7 +148,7 @@ def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str):
     consts = dict(
         K_PAD=-(-k // 128) * 128, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=True, HAS_BIAS=True,
         ASM=word_asm(dtype), OUT_SCALE=128.0, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw,
-        LCS=lcs, PS=ps,
+        LCS=lcs, PS=ps, SS=ss, STATIC_NCH=ss and k // 128 // split >= 3,
     )  # fmt: skip
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
@@ -152,8 +179,95 @@ def test_compiles_for_sm90_with_async_wgmma_and_no_spills(bn, bt, split, stages,
     assert "wgmma.wait_group.sync.aligned 2;" in ptx
     res, sass = cubin_usage_and_sass(ck)
     assert _stores_in_loops(sass) == 0
+    assert wgmma_register_hazards(sass) == []
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None and int(use.group(2)) == 0, res
+
+
+@pytest.mark.parametrize("bn, bt, split, stages, k", [(64, 64, 2, 3, 7168), (128, 128, 1, 3, 7168)])
+def test_shared_memory_operand_keeps_two_chunks_of_wgmma_in_flight(bn, bt, split, stages, k) -> None:
+    """The ss form: the A operand is a shared-memory descriptor, and ptxas keeps the K loop's wgmma in flight
+    (no `WARPGROUP.DEPBAR.LE gsb0, 0x0` right after an HGMMA inside the loop, one wait for two groups at its
+    end), with no local memory."""
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    res, sass = cubin_usage_and_sass(_compile(bn, bt, split, stages, k, "bf16", ss=True))
+    seq = re.findall(r"(HGMMA\.\S+ R\d+, (?:R\d+|gdesc)|WARPGROUP\.DEPBAR\.LE gsb0, 0x\w+)", sass)
+    assert seq and all("gdesc" in x for x in seq if x.startswith("HGMMA"))
+    waits = [x for x in seq if x.startswith("WARPGROUP")]
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in waits and waits.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+    assert wgmma_register_hazards(sass) == []
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None and int(use.group(2)) == 0, res
+
+
+_NO_DEST = {
+    "ST", "STS", "STG", "STL", "LDGSTS", "BAR", "BRA", "HGMMA", "RED", "WARPGROUP", "DEPBAR", "LDGDEPBAR",
+    "EXIT", "NOP", "WARPSYNC", "FENCE", "MEMBAR", "CCTL", "ERRBAR", "SYNCS", "UTMALDG",
+}  # fmt: skip
+
+
+def _written(ins: str) -> set[int]:
+    """General registers an instruction writes: its first operand (R n, and n + 1..3 for .64 / .128)."""
+    m = re.match(r"(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+R(\d+)\b", ins)
+    if m is None or m.group(2).split(".")[0] in _NO_DEST:
+        return set()
+    width = 4 if ".128" in m.group(2) else 2 if ".64" in m.group(2) or ".WIDE" in m.group(2) else 1
+    return {int(m.group(3)) + i for i in range(width)}
+
+
+def wgmma_register_hazards(sass: str) -> list[tuple[str, str]]:
+    """Instructions in a K loop that write a register holding the A operand of a wgmma (HGMMA) still in
+    flight: the PTX ISA leaves that undefined (the tensor cores may read the old or the new value). Walks each
+    loop body containing HGMMA twice (the second pass starts with what the first left in flight, the
+    loop's back edge) as straight-line code: HGMMA adds its A registers (R n..n + 3) to the open group,
+    `gsb0` closes it, `WARPGROUP.DEPBAR.LE gsb0, N` keeps the newest N groups."""
+    code = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    found = []
+    for a_br, ins in code:
+        target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
+        if not target or int(target.group(1), 16) >= a_br:
+            continue
+        body = [(a, i) for a, i in code if int(target.group(1), 16) <= a <= a_br]
+        if not any("HGMMA" in i for _, i in body):
+            continue
+        pending: list[set[int]] = []
+        group: set[int] = set()
+        for second in (False, True):
+            for a, i in body:
+                if "HGMMA" in i:
+                    op = re.search(r"HGMMA\.\S+\s+R\d+,\s+R(\d+),", i)
+                    if op:  # A from registers (an A from shared memory is a descriptor)
+                        group |= {int(op.group(1)) + j for j in range(4)}
+                    if "gsb0" in i:
+                        pending.append(group)
+                        group = set()
+                    continue
+                wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s+0x([0-9a-f]+)", i)
+                if wait:
+                    keep = int(wait.group(1), 16)
+                    pending = pending[len(pending) - keep :] if keep else []
+                    continue
+                if second and _written(i) & set().union(group, *pending):
+                    found.append((hex(a), i))
+    return found
+
+
+def test_register_hazard_check_finds_a_write_to_an_in_flight_operand() -> None:
+    """The checker on hand-written loops: a write to R90 (A of the pending group) before its wait is found;
+    the same write after `WARPGROUP.DEPBAR.LE gsb0, 0x0`, or to another register, is not."""
+    head = "/*0100*/ WARPGROUP.ARRIVE ;\n/*0110*/ HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR4], R24, gsb0 ;\n"
+    tail = "/*0140*/ @P0 BRA 0x100 ;\n"
+    bad = head + "/*0120*/ LOP3.LUT R90, R3, 0xf, RZ, 0xc0, !PT ;\n/*0130*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n"
+    good = (
+        head + "/*0120*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n/*0130*/ LOP3.LUT R90, R3, 0xf, RZ, 0xc0, !PT ;\n"
+    )
+    other = (
+        head + "/*0120*/ LOP3.LUT R92, R3, 0xf, RZ, 0xc0, !PT ;\n/*0130*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n"
+    )
+    assert [h[0] for h in wgmma_register_hazards(bad + tail)] == ["0x120"]
+    assert wgmma_register_hazards(good + tail) == []
+    assert wgmma_register_hazards(other + tail) == []
 
 
 def _stores_in_loops(sass: str) -> int:
@@ -261,5 +375,6 @@ def test_grouped_compiles_for_sm90_with_async_wgmma_and_no_spills(r, bt, stages,
     assert copies and "0x10" in copies, copies[:4]
     res, sass = cubin_usage_and_sass(ck)
     assert _stores_in_loops(sass) == 0
+    assert wgmma_register_hazards(sass) == []
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None and int(use.group(2)) == 0, res

@@ -11,8 +11,16 @@ chunks ahead: the chunk's x columns ([BT, 128], the 128-byte swizzled layout wgm
 re-read row M - 1, never stored), its tiled128 words ([BN, 16] int32) and scale words ([BN, 2]). Per chunk:
 wait for the slot, decode the words with the decode kernels' shift PTX (`tile.word_asm`: e2m1 * s * 2^-7,
 exact in 16 bits) straight into wgmma's A registers, issue two asynchronous wgmma (k 0..63, 64..127), refill
-the slot of chunk c - 2, and wait only for the previous chunk's wgmma (whose A registers stay alive until
-then), so chunk c's MMAs run while chunk c + 1 is decoded.
+the slot of chunk c - 2, and wait for the previous chunk's wgmma.
+What the SASS does with that (bench/NOTES.md, session 28): ptxas waits for every wgmma right after issuing
+it (`WARPGROUP.DEPBAR.LE gsb0, 0x0`), so one program's decode and MMAs do not overlap; programs on the same
+SM overlap each other. The PTX keeps the previous chunk's A operand alive only as 16-bit halves, not as the
+packed registers the wgmma reads, and with a constant trip count ptxas did not serialize but reused those
+registers while their wgmma was in flight (wrong values, seen in fp16). The K loops therefore run over a
+runtime trip count, and a compile test checks the SASS for writes to in-flight A registers.
+`ss=True` (an experiment, not yet timed on a GPU): the decoded tile goes to a double buffer in shared memory
+and wgmma reads it there, with one fence and barrier per chunk; no registers to protect, so the K loop
+takes a constant trip count (from 3 chunks a program) and ptxas keeps two chunks of wgmma in flight.
 The register placement: lane t = 2h + j of a row owns words 8h + 4j + b (b in registers), which puts physical
 k = 16t + 4b + 2p + e at the operand's k' = 16b + 8p + 2t + e (a linear layout derived from the operand's, so
 the decoded values need no data movement); `rs_columns` reorders x's columns the same way before the launch,
@@ -73,12 +81,14 @@ def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, nch, STAGES: gl.
 def _chunk(
     acc, pa_lo, pa_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN: gl.constexpr,
     nch, STAGES: gl.constexpr, ASM: gl.constexpr, DT: gl.constexpr, LW: gl.constexpr,
-    LW2: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr,
+    LW2: gl.constexpr, LSW: gl.constexpr, LA: gl.constexpr, a_smem, SS: gl.constexpr,
 ):  # fmt: skip
-    """Chunk c: wait for its slot, decode it into wgmma's A registers, issue its two wgmma, refill the slot of
-    chunk c - 2, and wait for the previous chunk's wgmma (whose A registers pa_* live until then)."""
+    """Chunk c: wait for its slot, decode it into wgmma's A operand (registers, or with SS a double buffer in
+    shared memory), issue its two wgmma, refill the slot of chunk c - 2, and wait for the previous chunk's
+    wgmma."""
     async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
-    fence_async_shared()  # ... visible to the tensor cores
+    if not SS:
+        fence_async_shared()  # ... visible to the tensor cores
     _cta_barrier()  # everyone's; and every warpgroup is done with chunk c - 2's slot
     st = c % STAGES
     # word 8h + 4j + b of a row: lane t = 2h + j, register b
@@ -97,14 +107,28 @@ def _chunk(
     # e] (physical k = 16(2h + j) + 4b + 2p + e) -> the operand's k' = 16b + 8p + 4h + 2j + e
     w_lo = gl.reshape(gl.permute(gl.join(gl.join(a0, b0), gl.join(a1, b1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
     w_hi = gl.reshape(gl.permute(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
-    a_lo = gl.convert_layout(w_lo, LA)
-    a_hi = gl.convert_layout(w_hi, LA)
-    acc = warpgroup_mma(a_lo, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a_hi, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
-    # the refill after the wgmma issue: no fence stands between it and the next DRAM-bound wait
-    _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, nch, STAGES)
-    acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, pa_lo, pa_hi])
-    return acc, a_lo, a_hi
+    if SS:
+        # buffer pair c % 2: chunk c - 2's wgmma, its last reader, was waited at the end of chunk c - 1
+        a_smem.index(2 * (c % 2)).store(w_lo)
+        a_smem.index(2 * (c % 2) + 1).store(w_hi)
+        fence_async_shared()  # the decoded tile and the cp.async'd x visible to the tensor cores
+        _cta_barrier()
+        ab = 2 * (c % 2)
+        acc = warpgroup_mma(a_smem.index(ab), x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
+        x_hi = x_smem.index(2 * st + 1).permute((1, 0))
+        acc = warpgroup_mma(a_smem.index(ab + 1), x_hi, acc, is_async=True)
+        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, nch, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
+        return acc, pa_lo, pa_hi
+    else:
+        a_lo = gl.convert_layout(w_lo, LA)
+        a_hi = gl.convert_layout(w_hi, LA)
+        acc = warpgroup_mma(a_lo, x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a_hi, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+        # the refill after the wgmma issue: no fence stands between it and the next DRAM-bound wait
+        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c + STAGES - 2, nch, STAGES)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, pa_lo, pa_hi])
+        return acc, a_lo, a_hi
 
 
 @gluon.jit(do_not_specialize=["nch"])
@@ -114,6 +138,7 @@ def _wgmma_kernel(
     PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr, OUT_SCALE: gl.constexpr,
     LW: gl.constexpr, LW2: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LA: gl.constexpr,
     LO: gl.constexpr, XS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
+    SS: gl.constexpr = False, STATIC_NCH: gl.constexpr = False,
 ):  # fmt: skip
     CH: gl.constexpr = K_PAD // 128
     NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
@@ -149,6 +174,11 @@ def _wgmma_kernel(
     x_smem = gl.allocate_shared_memory(DT, [2 * STAGES, BT, 64], XS)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], PS)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 2], PS)
+    if STATIC_NCH:  # a constant trip count (ss only: see the module docstring)
+        nch = NCH
+    A_BUFS: gl.constexpr = 4 if SS else 1
+    A_ROWS: gl.constexpr = BN if SS else 16
+    a_smem = gl.allocate_shared_memory(DT, [A_BUFS, A_ROWS, 64], XS)
     for st in gl.static_range(STAGES - 2):
         _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, nch, STAGES)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
@@ -157,7 +187,7 @@ def _wgmma_kernel(
     for c in range(0, nch):
         acc, a_lo, a_hi = _chunk(
             acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, nch, STAGES, ASM,
-            DT, LW, LW2, LSW, LA,
+            DT, LW, LW2, LSW, LA, a_smem, SS,
         )  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)
@@ -245,6 +275,12 @@ def rs_columns(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(m, k_pad // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k_pad)
 
 
+def _sms(device: torch.device) -> int:
+    from . import sm_count
+
+    return sm_count(device.index or 0)
+
+
 def wgmma_available(device: torch.device) -> bool:
     """sm_90 exactly (wgmma; Blackwell has other tensor-core instructions)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
@@ -254,25 +290,52 @@ def wgmma_available(device: torch.device) -> bool:
 _SMEM_BUDGET = 220 * 1024
 
 
-def smem_bytes(bn: int, bt: int, stages: int) -> int:
-    """Shared memory of one program: the ring of x, word and scale-word slots."""
-    return stages * (bt * 128 * 2 + bn * 72)
+def smem_bytes(bn: int, bt: int, stages: int, ss: bool = False) -> int:
+    """Shared memory of one program: the ring of x, word and scale-word slots (+ with ss the two decoded A
+    tiles [BN, 128] of the shared-memory operand form)."""
+    return stages * (bt * 128 * 2 + bn * 72) + (4 * bn * 128 if ss else 0)
+
+
+# programs a grid should have, per SM, by rows up to 64 (RESULTS run 116's sweep of the three K3 shapes):
+# each program's chunk chain is serialized (module docstring), so small token tiles want several an SM
+_PROGRAMS_PER_SM = ((32, 2.9), (64, 1.45))
 
 
 @functools.cache
-def wgmma_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BN, BT, split_k, stages) for a call of m rows, the best of bench/bench_wgmma.py's sweep on an H200
-    (RESULTS run 104, 7168x7168, the same configs best or within 5% on 12288x7168 and 7168x12288): token
-    tiles 16 / 32 / 64 / 128 up to 16 / 32 / 64 / 1024 rows, 256 above; 64 weight rows per program up to
-    128 rows, 128 above; split-K 2 up to 32 rows (two chunks of the K loop per program pair fill more SMs),
-    1 above (the partials cost more than the wider grid gains); the deepest ring (<= 8 slots) that fits,
-    and no more slots than the program has chunks + 2 (the prologue issues STAGES - 2 of them)."""
+def wgmma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """(BN, BT, split_k, stages) for a call of m rows on `sms` SMs, from bench/bench_wgmma.py's sweep on an
+    H200 (RESULTS run 116: 7168x7168, 12288x7168, 7168x12288). Token tiles 16 / 32 / 64 / 128 up to 16 / 32 /
+    64 / 1024 rows, 256 above. Split-K is 1, 2 or 4, dividing the chunks with >= 3 chunks a program.
+    Up to 64 rows: 64 weight rows a program and the smallest split that gives `_PROGRAMS_PER_SM` programs an
+    SM (2-3 fit an SM with a 4-slot ring and hide each other's serialized chunks). 65..256 rows (one
+    program an SM fits): the (BN 64 / 128, split) whose grid is the largest single wave, the fewest
+    programs where none fits in one (fewer splits, then 64 rows, on ties). Up to 256 rows a 4-slot ring;
+    above, 128 rows, no split, the deepest ring (<= 8 slots) that fits. Never more slots than a program's
+    chunks + 2 (the prologue issues STAGES - 2)."""
     bt = next((b for b in (16, 32, 64) if m <= b), 128 if m <= 1024 else 256)
-    bn = 64 if m <= 128 else 128
     chunks = -(-k // 128)
-    split = 2 if m <= 32 and chunks % 2 == 0 else 1
+    splits = [s for s in (1, 2, 4) if chunks % s == 0 and (s == 1 or chunks // s >= 3)]
+
+    def programs(bn: int, split: int) -> int:
+        return -(-n // bn) * -(-m // bt) * split
+
+    if m <= 64:
+        bn = 64
+        want = next(p for rows, p in _PROGRAMS_PER_SM if m <= rows) * sms
+        split = next((s for s in splits if programs(bn, s) >= want), splits[-1])
+        top = 4
+    elif m <= 256:
+        cands = [(bn, s) for s in splits for bn in (64, 128)]
+        one_wave = [c for c in cands if programs(*c) <= sms]
+        if one_wave:
+            bn, split = max(one_wave, key=lambda c: (programs(*c), -c[1], -c[0]))
+        else:
+            bn, split = min(cands, key=lambda c: (programs(*c), c[1], c[0]))
+        top = 4
+    else:
+        bn, split, top = 128, 1, 8
     stages = 3
-    while stages < min(8, chunks // split + 2) and smem_bytes(bn, bt, stages + 1) <= _SMEM_BUDGET:
+    while stages < min(top, chunks // split + 2) and smem_bytes(bn, bt, stages + 1) <= _SMEM_BUDGET:
         stages += 1
     return bn, bt, split, stages
 
@@ -287,11 +350,13 @@ def nvfp4_wgmma_gemm(
     bias: torch.Tensor | None = None,
     *,
     config: tuple[int, int, int, int] | None = None,
+    ss: bool = False,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BN 64 | 128, BT a power of two in 16..256, split_k dividing the 128-wide chunks, stages: 3 to
-    the chunks per program + 2); default `wgmma_config`."""
+    the chunks per program + 2); default `wgmma_config`. ss: the A operand from shared memory (the decoded
+    tile stored to a double buffer) instead of registers: an experiment, bench/bench_wgmma.py --ss."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"nvfp4 wgmma gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
@@ -311,14 +376,14 @@ def nvfp4_wgmma_gemm(
         return y
     if k != k_pad:  # the kernel's copies are 16-byte vectors of whole chunks: zero columns up to K_pad
         x = torch.nn.functional.pad(x, (0, k_pad - k))
-    bn, bt, split, stages = config or wgmma_config(m, n, k)
+    bn, bt, split, stages = config or wgmma_config(m, n, k, _sms(x.device))
     chunks = k_pad // 128
     if (
         bn not in (64, 128)
         or bt not in (16, 32, 64, 128, 256)
         or chunks % split
         or not 3 <= stages <= chunks // max(split, 1) + 2
-        or (smem_bytes(bn, bt, stages) > 227 * 1024)
+        or (smem_bytes(bn, bt, stages, ss) > 227 * 1024)
     ):
         raise ValueError(f"nvfp4 wgmma gemm: bad config {config} for {chunks} chunks")
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bt), split)
@@ -336,7 +401,7 @@ def nvfp4_wgmma_gemm(
         K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
         OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw, LCS=lcs,
-        PS=ps, num_warps=bn // 16,
+        PS=ps, SS=ss, STATIC_NCH=ss and chunks // split >= 3, num_warps=bn // 16,
     )  # fmt: skip
     return y
 
@@ -426,7 +491,7 @@ def _wgmma_grouped_kernel(
         for c in range(0, nch):
             acc, a_lo, a_hi = _chunk(
                 acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, R, nch, STAGES, ASM,
-                DT, LW, LW2, LSW, LA,
+                DT, LW, LW2, LSW, LA, x_smem, False,
             )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
