@@ -162,11 +162,21 @@ def test_prefill_rows_take_the_compiled_dequantization(fused_everywhere, monkeyp
     assert cpu_fused.disabled is None, cpu_fused.disabled
 
 
-def test_small_matrices_keep_the_reference() -> None:
-    w, s, gs = _random_nvfp4(24, 64)
-    x = torch.randn(1, 64)
-    assert not cpu_fused.applies(24, 64)
-    assert torch.equal(cpu.nvfp4_linear_cpu(x, w, s, gs), nvfp4_linear_ref(x, w, s, gs))
+def test_small_matrices_take_the_extension_else_the_reference(monkeypatch) -> None:
+    """Below cpu_fused.MIN_WEIGHTS (no compile) the SIMD extension still runs where the CPU has it: the
+    reference's exact products summed in another order in fp32, so within K u (|x| @ |W|^T) of it (bound
+    on the relative RMS: K * 2^-24 at K = 320, with the products' magnitudes no larger than the sum's in
+    the mean); without it, the reference itself."""
+    w, s, gs = _random_nvfp4(24, 320)
+    x = torch.randn(3, 320)
+    assert not cpu_fused.applies(24, 320)
+    want = nvfp4_linear_ref(x, w, s, gs)
+    if cpu_simd.available():
+        got = cpu.nvfp4_linear_cpu(x, w, s, gs)
+        assert_close("small matrix, extension", want, got, rtol=320 * 2.0**-24 * 4)
+        assert torch.equal(got, cpu_simd.nvfp4_gemv_simd(x, w, s, gs))
+    monkeypatch.setattr(cpu_simd, "available", lambda: False)
+    assert torch.equal(cpu.nvfp4_linear_cpu(x, w, s, gs), want)
 
 
 @pytest.mark.parametrize("m", [1, 12])

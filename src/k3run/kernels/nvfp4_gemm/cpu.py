@@ -94,7 +94,8 @@ def nvfp4_linear_cpu(
     int8: cpu_simd.Vnni16Weight | None = None,
 ) -> torch.Tensor:
     """nvfp4_linear_ref's contract (x [M, K], weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], global
-    scale one element or one per row), compiled on large matrices, else the reference. int8: the weight's
+    scale one element or one per row), compiled on large matrices, the extension up to its rows on any
+    size (outside a compiled step), else the reference. int8: the weight's
     copy for the int8-activation kernel (cpu_simd.nvfp4_vnni_gemm), taken up to cpu_simd.INT8_MAX_M rows
     at every size (no compile), except inside a compiled step (the extension call is not traceable)."""
     m, k = x.shape
@@ -105,10 +106,15 @@ def nvfp4_linear_cpu(
     def reference() -> torch.Tensor:
         return nvfp4_linear_ref(x, weight, weight_scale, global_scale, bias)
 
+    avx = cpu_simd.available()
     if not cpu_fused.applies(n, k):
+        # small matrices: the extension too (no compile involved), else the reference, which decodes the
+        # whole weight on every call (~2 ms for a 4096 x 128 KDA projection, ~25x the extension's call)
+        if avx and m <= cpu_simd.NVFP4_MAX_M and k % 16 == 0 and not torch.compiler.is_compiling():
+            gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()
+            return cpu_fused.finish(cpu_simd.nvfp4_gemv_simd(x, weight, weight_scale, gs), bias, x.dtype)
         return reference()
     gs = global_scale.to(torch.float32).reshape(-1).expand(n).contiguous()  # [N]: see cpu_fused
-    avx = cpu_simd.available()
     if avx and m > cpu_fused.MAX_M and x.dtype == torch.bfloat16 and k % 32 == 0:
         y = _bf16_prefill(x, weight, weight_scale, gs)
     elif avx and m <= cpu_simd.NVFP4_MAX_M:  # x86 with AVX-512 / AVX2: the permute-decode extension
