@@ -176,9 +176,10 @@ def _wgmma_kernel(
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 2], PS)
     if STATIC_NCH:  # a constant trip count (ss only: see the module docstring)
         nch = NCH
-    A_BUFS: gl.constexpr = 4 if SS else 1
-    A_ROWS: gl.constexpr = BN if SS else 16
-    a_smem = gl.allocate_shared_memory(DT, [A_BUFS, A_ROWS, 64], XS)
+    if SS:  # two chunks' decoded [BN, 64] halves
+        a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], XS)
+    else:  # unused: the register form's operand lives in registers
+        a_smem = x_smem
     for st in gl.static_range(STAGES - 2):
         _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, nch, STAGES)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
