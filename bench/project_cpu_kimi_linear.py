@@ -117,8 +117,11 @@ def tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return experts, other
 
 
-def decode_ms(layers: int, experts: int, vocab: int, batch: int, steps: int) -> tuple[float, tuple[int, int]]:
-    """Median ms per engine decode step of the model cut to `layers` layers and `experts` experts."""
+def decode_ms(
+    layers: int, experts: int, vocab: int, batches: list[int], steps: int
+) -> tuple[dict[int, float], tuple[int, int]]:
+    """({batch: median ms per engine decode step}, tensor_bytes) of the model cut to `layers` layers and
+    `experts` experts, built once for every batch size."""
     from k3run.engine import LLM, EngineConfig, SamplingParams
     from k3run.tokenizer import load_tokenizer
 
@@ -126,22 +129,21 @@ def decode_ms(layers: int, experts: int, vocab: int, batch: int, steps: int) -> 
     hf["vocab_size"] = vocab
     model = random_model(hf, device="cpu", dtype=torch.bfloat16)
     sizes = tensor_bytes(model)
-    eng = LLM.from_model(
-        model, load_tokenizer(str(BUNDLED)), EngineConfig(max_num_seqs=batch, max_model_len=256)
-    )
-    eng = eng.engine
-    for _ in range(batch):
-        eng.add_request(
-            list(range(100, 132)), SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-        )
-    eng.step()  # the prefill
-    walls = []
-    while eng.has_unfinished():
-        t0 = time.perf_counter()
-        eng.step()
-        walls.append((time.perf_counter() - t0) * 1e3)
-    del eng, model
-    return statistics.median(walls[1:]), sizes
+    config = EngineConfig(max_num_seqs=max(batches), max_model_len=256)
+    eng = LLM.from_model(model, load_tokenizer(str(BUNDLED)), config).engine
+    ms = {}
+    for batch in batches:
+        for _ in range(batch):
+            params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+            eng.add_request(list(range(100, 132)), params)
+        eng.step()  # the prefill
+        walls = []
+        while eng.has_unfinished():
+            t0 = time.perf_counter()
+            eng.step()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        ms[batch] = statistics.median(walls[1:])
+    return ms, sizes
 
 
 def main() -> None:
@@ -171,20 +173,18 @@ def main() -> None:
         "| projected tok/s |"
     )
     print("|---|---|---|---|---|---|")
-    sizes = {}
-    for b in (int(v) for v in args.batch.split(",")):
-        t4, sizes[4] = decode_ms(4, args.experts, vocab_small, b, args.steps)
-        t8, sizes[8] = decode_ms(8, args.experts, vocab_small, b, args.steps)
+    batches = [int(v) for v in args.batch.split(",")]
+    ms4, (e4, o4) = decode_ms(4, args.experts, vocab_small, batches, args.steps)
+    ms8, (e8, o8) = decode_ms(8, args.experts, vocab_small, batches, args.steps)
+    for b in batches:
+        t4, t8 = ms4[b], ms8[b]
         step = t4 + 23 / 4 * (t8 - t4) + (h_full - h_small)
-        print(
-            f"| {b} | {t4:.1f} | {t8:.1f} | {t8 - t4:.1f} | {step:.0f} | {b * 1e3 / step:.1f} |", flush=True
-        )
-    (e4, o4), (e8, o8) = sizes[4], sizes[8]
+        print(f"| {b} | {t4:.1f} | {t8:.1f} | {t8 - t4:.1f} | {step:.0f} | {b * 1e3 / step:.1f} |")
     experts_per_layer = (e8 - e4) / 4 * n_exp / args.experts
     other = o4 + 23 / 4 * (o8 - o4) + 2 * (cfg["vocab_size"] - vocab_small) * hidden * 2
     held = other + 26 * experts_per_layer
     # caches of one 32K sequence: the 7 MLA layers' latents (kv_lora_rank + rope dims, bf16) and the 20 KDA
-    # layers' states (heads x head_dim^2, fp32) and conv windows
+    # layers' states (heads x head_dim^2, fp32; their conv windows are a few KB)
     mla = 7 * 32768 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
     lac = cfg["linear_attn_config"]
     kda = 20 * lac["num_heads"] * lac["head_dim"] ** 2 * 4

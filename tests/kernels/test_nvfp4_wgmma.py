@@ -148,7 +148,7 @@ def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str, ss: 
     consts = dict(
         K_PAD=-(-k // 128) * 128, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=True, HAS_BIAS=True,
         ASM=word_asm(dtype), OUT_SCALE=128.0, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw,
-        LCS=lcs, PS=ps, SS=ss, STATIC_NCH=ss and k // 128 // split >= 3,
+        LCS=lcs, PS=ps, SS=ss, STATIC_NCH=wg.constant_trip_count(ss, -(-k // 128) // split),
     )  # fmt: skip
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",
@@ -222,13 +222,10 @@ def wgmma_register_hazards(sass: str) -> list[tuple[str, str]]:
     loop body containing HGMMA twice (the second pass starts with what the first left in flight, the
     loop's back edge) as straight-line code: HGMMA adds its A registers (R n..n + 3) to the open group,
     `gsb0` closes it, `WARPGROUP.DEPBAR.LE gsb0, N` keeps the newest N groups."""
-    code = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    code = _sass_code(sass)
     found = []
-    for a_br, ins in code:
-        target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
-        if not target or int(target.group(1), 16) >= a_br:
-            continue
-        body = [(a, i) for a, i in code if int(target.group(1), 16) <= a <= a_br]
+    for lo, hi in _loops(code):
+        body = [(a, i) for a, i in code if lo <= a <= hi]
         if not any("HGMMA" in i for _, i in body):
             continue
         pending: list[set[int]] = []
@@ -270,18 +267,27 @@ def test_register_hazard_check_finds_a_write_to_an_in_flight_operand() -> None:
     assert wgmma_register_hazards(other + tail) == []
 
 
-def _stores_in_loops(sass: str) -> int:
-    """STS instructions inside the kernel's backward-branch ranges (its K loops)."""
-    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+def _sass_code(sass: str) -> list[tuple[int, str]]:
+    """cuobjdump -sass text as (address, instruction) pairs."""
+    return [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) addresses of each backward branch's range: the kernel's loops."""
     ranges = []
     for a, ins in code:
         target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
-        if target and int(target.group(1), 16) <= int(a, 16):
-            ranges.append((int(target.group(1), 16), int(a, 16)))
+        if target and int(target.group(1), 16) <= a:
+            ranges.append((int(target.group(1), 16), a))
+    return ranges
+
+
+def _stores_in_loops(sass: str) -> int:
+    """STS instructions inside the kernel's backward-branch ranges (its K loops)."""
+    code = _sass_code(sass)
+    ranges = _loops(code)
     return sum(
-        1
-        for a, ins in code
-        if any(lo <= int(a, 16) <= hi for lo, hi in ranges) and re.match(r"(@!?P\w+\s+)?STS", ins)
+        1 for a, ins in code if any(lo <= a <= hi for lo, hi in ranges) and re.match(r"(@!?P\w+\s+)?STS", ins)
     )
 
 

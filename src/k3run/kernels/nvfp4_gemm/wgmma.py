@@ -12,22 +12,22 @@ re-read row M - 1, never stored), its tiled128 words ([BN, 16] int32) and scale 
 wait for the slot, decode the words with the decode kernels' shift PTX (`tile.word_asm`: e2m1 * s * 2^-7,
 exact in 16 bits) straight into wgmma's A registers, issue two asynchronous wgmma (k 0..63, 64..127), refill
 the slot of chunk c - 2, and wait for the previous chunk's wgmma.
-What the SASS does with that (bench/NOTES.md, session 28): ptxas waits for every wgmma right after issuing
-it (`WARPGROUP.DEPBAR.LE gsb0, 0x0`), so one program's decode and MMAs do not overlap; programs on the same
-SM overlap each other. The PTX keeps the previous chunk's A operand alive only as 16-bit halves, not as the
-packed registers the wgmma reads, and with a constant trip count ptxas did not serialize but reused those
-registers while their wgmma was in flight (wrong values, seen in fp16). The K loops therefore run over a
+What the SASS does with that (bench/NOTES.md): ptxas waits for every wgmma right after issuing it
+(`WARPGROUP.DEPBAR.LE gsb0, 0x0`), so one program's decode and MMAs do not overlap; programs on the same SM
+overlap each other. The PTX keeps the previous chunk's A operand alive only as 16-bit halves, not as the
+packed registers the wgmma reads, and with a constant trip count ptxas does not serialize but reuses those
+registers while their wgmma is in flight (wrong values, seen in fp16). The K loops therefore run over a
 runtime trip count, and a compile test checks the SASS for writes to in-flight A registers.
 `ss=True` (an experiment, not yet timed on a GPU): the decoded tile goes to a double buffer in shared memory
 and wgmma reads it there, with one fence and barrier per chunk; no registers to protect, so the K loop
-takes a constant trip count (from 3 chunks a program) and ptxas keeps two chunks of wgmma in flight.
+takes a constant trip count (`constant_trip_count`) and ptxas keeps two chunks of wgmma in flight.
 The register placement: lane t = 2h + j of a row owns words 8h + 4j + b (b in registers), which puts physical
 k = 16t + 4b + 2p + e at the operand's k' = 16b + 8p + 2t + e (a linear layout derived from the operand's, so
 the decoded values need no data movement); `rs_columns` reorders x's columns the same way before the launch,
 so the product is unchanged.
 Why the weights are not prefetched into registers: `fence.proxy.async` (the tensor cores' reads of the
-cp.async'd x need it) lowers to a MEMBAR that waits for every outstanding load of the thread (bench/NOTES.md,
-session 25); cp.async copies are not waited by it.
+cp.async'd x need it) lowers to a MEMBAR that waits for every outstanding load of the thread (bench/NOTES.md);
+cp.async copies are not waited by it.
 Epilogue: the global scale times 2^7, the bias, the store (through a layout whose threads own 8 consecutive
 n of a token row). Split-K: the programs of a tile write fp32 partials; the last to arrive (an acq_rel
 counter) sums them in a fixed order, finishes the tile and resets the counter. The roundings are the fp32
@@ -109,11 +109,11 @@ def _chunk(
     w_hi = gl.reshape(gl.permute(gl.join(gl.join(c0, d0), gl.join(c1, d1)), [0, 3, 4, 1, 2, 5]), [BN, 64])
     if SS:
         # buffer pair c % 2: chunk c - 2's wgmma, its last reader, was waited at the end of chunk c - 1
-        a_smem.index(2 * (c % 2)).store(w_lo)
-        a_smem.index(2 * (c % 2) + 1).store(w_hi)
+        ab = 2 * (c % 2)
+        a_smem.index(ab).store(w_lo)
+        a_smem.index(ab + 1).store(w_hi)
         fence_async_shared()  # the decoded tile and the cp.async'd x visible to the tensor cores
         _cta_barrier()
-        ab = 2 * (c % 2)
         acc = warpgroup_mma(a_smem.index(ab), x_smem.index(2 * st).permute((1, 0)), acc, is_async=True)
         x_hi = x_smem.index(2 * st + 1).permute((1, 0))
         acc = warpgroup_mma(a_smem.index(ab + 1), x_hi, acc, is_async=True)
@@ -276,6 +276,13 @@ def rs_columns(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(m, k_pad // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k_pad)
 
 
+def constant_trip_count(ss: bool, chunks: int) -> bool:
+    """Whether a program of `chunks` K chunks loops over a constant trip count: the ss form only (the register
+    form's constant loop reuses in-flight operand registers, module docstring), from 3 chunks (Triton 3.6
+    mis-built constant one- and two-chunk loops around async wgmma)."""
+    return ss and chunks >= 3
+
+
 def _sms(device: torch.device) -> int:
     from . import sm_count
 
@@ -297,7 +304,7 @@ def smem_bytes(bn: int, bt: int, stages: int, ss: bool = False) -> int:
     return stages * (bt * 128 * 2 + bn * 72) + (4 * bn * 128 if ss else 0)
 
 
-# programs a grid should have, per SM, by rows up to 64 (RESULTS run 116's sweep of the three K3 shapes):
+# programs a grid should have, per SM, by rows up to 64 (bench_wgmma.py's sweep of the three K3 shapes):
 # each program's chunk chain is serialized (module docstring), so small token tiles want several an SM
 _PROGRAMS_PER_SM = ((32, 2.9), (64, 1.45))
 
@@ -305,7 +312,7 @@ _PROGRAMS_PER_SM = ((32, 2.9), (64, 1.45))
 @functools.cache
 def wgmma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
     """(BN, BT, split_k, stages) for a call of m rows on `sms` SMs, from bench/bench_wgmma.py's sweep on an
-    H200 (RESULTS run 116: 7168x7168, 12288x7168, 7168x12288). Token tiles 16 / 32 / 64 / 128 up to 16 / 32 /
+    H200 (7168x7168, 12288x7168, 7168x12288; bench/RESULTS.md). Token tiles 16 / 32 / 64 / 128 up to 16 / 32 /
     64 / 1024 rows, 256 above. Split-K is 1, 2 or 4, dividing the chunks with >= 3 chunks a program.
     Up to 64 rows: 64 weight rows a program and the smallest split that gives `_PROGRAMS_PER_SM` programs an
     SM (2-3 fit an SM with a 4-slot ring and hide each other's serialized chunks). 65..256 rows (one
@@ -402,7 +409,7 @@ def nvfp4_wgmma_gemm(
         K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
         OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw, LCS=lcs,
-        PS=ps, SS=ss, STATIC_NCH=ss and chunks // split >= 3, num_warps=bn // 16,
+        PS=ps, SS=ss, STATIC_NCH=constant_trip_count(ss, chunks // split), num_warps=bn // 16,
     )  # fmt: skip
     return y
 
