@@ -38,6 +38,7 @@ from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 PEAK_BF16 = 989e12
 VERBOSE = False
 SS = False  # --ss: the sweep adds the shared-memory A operand form
+SS_ONLY = False  # --ss-only: the default config and the ss form's configs only
 MOE_STAGES = 0  # 0: grouped_config's ring
 
 
@@ -68,6 +69,8 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
                         if smem_bytes(bn, bt, s, True) <= _SMEM_BUDGET
                     ]
                     out.update((bn, bt, split, s, "ss") for s in fits if s <= 5 or s == max(fits))
+    if SS_ONLY:
+        out = {c for c in out if len(c) == 5}
     return sorted(out, key=str)
 
 
@@ -320,13 +323,15 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print every swept config's time")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only the first")
     ap.add_argument("--ss", action="store_true", help="sweep the shared-memory A operand form too")
+    ap.add_argument("--ss-only", action="store_true", help="sweep only the ss form (beside the default)")
     ap.add_argument("--moe", default="", help="token counts for the grouped-experts stage, e.g. 1024,4096")
     ap.add_argument("--no-dense", action="store_true", help="only the --moe stage")
     ap.add_argument("--moe-stages", type=int, default=0, help="ring slots of the grouped kernel (0: default)")
     args = ap.parse_args()
-    global VERBOSE, MOE_STAGES, SS
+    global VERBOSE, MOE_STAGES, SS, SS_ONLY
     VERBOSE = args.verbose
-    SS = args.ss
+    SS = args.ss or args.ss_only
+    SS_ONLY = args.ss_only
     MOE_STAGES = args.moe_stages
     if args.moe:
         _moe([int(v) for v in args.moe.split(",")])

@@ -137,6 +137,17 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
     assert 3 <= stages <= k // 128 // split + 2 and wg.smem_bytes(bn, bt, stages) <= 227 * 1024
 
 
+@pytest.mark.parametrize("bt", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("k", [128, 1024, 2304, 3584])
+def test_grouped_config_leaves_room_for_two_programs_an_sm(bt: int, k: int) -> None:
+    """4-slot rings where they fit and the chunks fill them: two programs an SM up to 64 picks a block."""
+    r, stages = wg.grouped_config(bt, k)
+    assert r == 128 and wg.smem_bytes(r, bt, stages) <= wg._SMEM_BUDGET
+    assert stages == (3 if bt == 256 or k == 128 else 4)
+    if bt <= 64:
+        assert 2 * wg.smem_bytes(r, bt, stages) <= 227 * 1024
+
+
 def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str, ss: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

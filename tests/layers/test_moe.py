@@ -609,6 +609,28 @@ def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, 
     assert ng._WGMMA_OK == wgmma  # the wgmma kernel built (no fallback) when it was on
 
 
+@pytest.mark.gpu
+def test_gpu_decode_batches_with_many_picks_an_expert_take_the_wgmma_gemms(monkeypatch):
+    """40 decode tokens top-2 over 4 experts (20 picks an expert, over TILES_FROM_PICKS_PER_EXPERT) run the
+    grouped wgmma GEMMs on sm_90 (counted), and match the per-expert loop within the prefill test's bound."""
+    import k3run.kernels.nvfp4_gemm as ng
+    from k3run.kernels.nvfp4_gemm import wgmma
+    from k3run.layers.moe import fused_experts
+    from k3run.quant.experts import BY_EXPERT_MAX_TOKENS, TILES_FROM_PICKS_PER_EXPERT
+
+    ex, x, ids, weights = _kernel_case("situ", "cuda", kernels=None, dtype=torch.bfloat16, tokens=40)
+    if not ex.scheme.tiled or not ng._wgmma_ok(x.device):
+        pytest.skip("needs the wgmma kernel (sm_90) and the tiled128 layout")
+    assert ids.shape[0] <= BY_EXPERT_MAX_TOKENS and ids.numel() >= TILES_FROM_PICKS_PER_EXPERT * ex.num_local
+    calls = []
+    real = wgmma.nvfp4_wgmma_grouped
+    monkeypatch.setattr(wgmma, "nvfp4_wgmma_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loop = fused_experts(ex, x, ids, weights, grouped=False)
+    got = fused_experts(ex, x, ids, weights)
+    assert len(calls) == 2  # GEMM1 and GEMM2
+    assert_close("decode on the wgmma GEMMs", loop, got, rtol=2.0**-7)
+
+
 def test_wgmma_block_picks_rule():
     from k3run.quant.experts import wgmma_block_picks
 
@@ -638,11 +660,13 @@ def test_gpu_by_expert_tiles_match_the_per_expert_loop(monkeypatch, tile):
     expert) through the expert-major launches with each tile against the per-expert loop: the bound of the
     grouped test (bf16 gate/up and h, other summation orders: 2^-7)."""
     from k3run.layers.moe import fused_experts
+    from k3run.quant import experts as moe
 
     ex, x, ids, weights = _kernel_case("situ", "cuda", kernels=None, dtype=torch.bfloat16, tokens=40)
     if not ex.scheme.tiled:
         pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
     loop = fused_experts(ex, x, ids, weights, grouped=False)
+    monkeypatch.setattr(moe, "TILES_FROM_PICKS_PER_EXPERT", 1 << 20)  # the expert-major launches, not wgmma
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", tile)
     got = fused_experts(ex, x, ids, weights)
     assert_close(f"by expert tile {tile}", loop, got, rtol=2.0**-7)

@@ -441,6 +441,11 @@ BY_EXPERT_MAX_TOKENS = 128
 # tokens from which the grouped experts run on the tile GEMMs (wgmma on sm_90, else the Triton tile GEMM);
 # below, the decode launches
 TILE_FROM_TOKENS = BY_EXPERT_MAX_TOKENS + 1
+# below TILE_FROM_TOKENS, the wgmma GEMMs from this many picks per local expert on average (and 2+ tokens):
+# H200, bench/bench_wgmma.py --moe 16,32,64,128 (bench/RESULTS.md run 119): K3's experts (56 local, top-16)
+# 1.57x / 1.77x faster than the expert-major launches at 64 / 128 tokens (18 / 37 picks an expert), 0.91x at
+# 32 (9); Kimi Linear's (256, top-8, <= 4 picks an expert up to 128 tokens) 0.57-0.70x, so they stay there
+TILES_FROM_PICKS_PER_EXPERT = 12
 # CPU NVFP4 experts on the reference path (below the compiled / SIMD paths' size) keep their decoded fp32
 # weights when all of a layer's local experts take at most this much (the same values, decoded once)
 CPU_REFERENCE_CACHE_BYTES = 64 << 20
@@ -861,11 +866,16 @@ class NvFp4Experts(ExpertScheme):
         other ranks' experts give zero rows. For 2..BY_EXPERT_MAX_TOKENS tokens the launches are expert-major
         (`expert_groups` + `nvfp4_gemv_by_expert`: one program group per picked expert over all its tokens),
         up to GROUPED_MAX_PICKS picks otherwise one program group per pick (`nvfp4_gemv_grouped`; at equal
-        split_k the two give the same bits); from TILE_FROM_TOKENS tokens (prefill) the tile GEMMs
-        (`_tile_gemms`). No host synchronisation, so a decode step can be captured in a CUDA graph. Sum over a
-        token's picks in slot order, fp32."""
+        split_k the two give the same bits); from TILE_FROM_TOKENS tokens (prefill), or on the wgmma kernel
+        from TILES_FROM_PICKS_PER_EXPERT picks an expert, the tile GEMMs (`_tile_gemms`). No host
+        synchronisation, so a decode step can be captured in a CUDA graph. Sum over a token's picks in slot
+        order, fp32."""
         t, a = ids.shape
-        if t >= TILE_FROM_TOKENS or (t * a > GROUPED_MAX_PICKS and not _by_expert(t)):
+        if (
+            t >= TILE_FROM_TOKENS
+            or (t * a > GROUPED_MAX_PICKS and not _by_expert(t))
+            or (self._wgmma_decode(x, t) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_local)
+        ):
             return self._tile_gemms(ex, x, ids, weights, finish)
         from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
         from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
@@ -896,6 +906,12 @@ class NvFp4Experts(ExpertScheme):
             split2, reg2 = one_wave_split(1, d * t * a, i, sms)
             y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
+
+    @staticmethod
+    def _wgmma_decode(x: torch.Tensor, tokens: int) -> bool:
+        import k3run.kernels.nvfp4_gemm as ng
+
+        return tokens >= 2 and x.dtype in (torch.float16, torch.bfloat16) and ng._wgmma_ok(x.device)
 
     def _tile_gemms(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
