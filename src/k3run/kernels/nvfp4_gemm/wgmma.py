@@ -18,9 +18,11 @@ overlap each other. The PTX keeps the previous chunk's A operand alive only as 1
 packed registers the wgmma reads, and with a constant trip count ptxas does not serialize but reuses those
 registers while their wgmma is in flight (wrong values, seen in fp16). The K loops therefore run over a
 runtime trip count, and a compile test checks the SASS for writes to in-flight A registers.
-`ss=True` (an experiment, not yet timed on a GPU): the decoded tile goes to a double buffer in shared memory
-and wgmma reads it there, with one fence and barrier per chunk; no registers to protect, so the K loop
-takes a constant trip count (`constant_trip_count`) and ptxas keeps two chunks of wgmma in flight.
+`ss=True` (off by default): the decoded tile goes to a double buffer in shared memory and wgmma reads it
+there, with one fence and barrier per chunk; no registers to protect, so the K loop takes a constant trip
+count (`constant_trip_count`) and ptxas keeps two chunks of wgmma in flight. Measured on an H200 it is
+0.88-1.33x the register form's time: each wgmma then reads its A operand from shared memory as well as x,
+and at 16-128 tokens a tile that is the shared-memory bandwidth's bound (bench/NOTES.md).
 The register placement: lane t = 2h + j of a row owns words 8h + 4j + b (b in registers), which puts physical
 k = 16t + 4b + 2p + e at the operand's k' = 16b + 8p + 2t + e (a linear layout derived from the operand's, so
 the decoded values need no data movement); `rs_columns` reorders x's columns the same way before the launch,
@@ -364,7 +366,8 @@ def nvfp4_wgmma_gemm(
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BN 64 | 128, BT a power of two in 16..256, split_k dividing the 128-wide chunks, stages: 3 to
     the chunks per program + 2); default `wgmma_config`. ss: the A operand from shared memory (the decoded
-    tile stored to a double buffer) instead of registers: an experiment, bench/bench_wgmma.py --ss."""
+    tile stored to a double buffer) instead of registers (module docstring: at best 12% faster, often
+    slower)."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"nvfp4 wgmma gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
@@ -551,13 +554,16 @@ def grouped_layouts(r: int, bt: int, gated: bool):
 
 def grouped_config(bt: int, k: int) -> tuple[int, int]:
     """(R weight rows per program, stages) for a grouped call of BT-pick blocks: 128 rows (two warpgroups:
-    64 gate + 64 up rows of GEMM1) and a ring of 4 slots, fewer where 4 do not fit (BT 256) or the chunks are
-    fewer than 2. Measured on an H200 at 4096 tokens (bench/RESULTS.md): Kimi Linear's experts 1.40x faster
-    than with the deepest ring that fits (64-pick blocks: two programs an SM instead of one), K3's (128-pick
-    blocks, one program an SM either way) the same."""
+    64 gate + 64 up rows of GEMM1). The ring: 4 slots where that lets two programs share an SM (up to 64
+    picks a block), else the deepest (<= 8 slots, <= the chunks + 2) that fits one. Measured on an H200
+    (bench/RESULTS.md runs 118-121): Kimi Linear's experts at 4096 tokens (64-pick blocks) 1.40x faster with
+    4 slots than with the deepest ring, its 2048-token prefill 1.11x; at 128-pick blocks (its 8192-token
+    prefill, K3's experts) 4 slots were 0.98-1.01x, one program an SM either way."""
     chunks = -(-k // 128)
+    two = 2 * smem_bytes(128, bt, 4) <= 227 * 1024
+    most = min(4 if two else 8, chunks + 2)
     stages = 3
-    while stages < min(4, chunks + 2) and smem_bytes(128, bt, stages + 1) <= _SMEM_BUDGET:
+    while stages < most and smem_bytes(128, bt, stages + 1) <= _SMEM_BUDGET:
         stages += 1
     return 128, stages
 
