@@ -131,3 +131,37 @@ def test_gpu_in_place_decode_matches_gathered_states() -> None:
     assert_close("o", o_ref, o, FLA_RTOL)
     assert_close("final state", ht_ref, ht, FLA_RTOL)
     assert torch.equal(untouched, before)
+
+
+@pytest.mark.parametrize("H, K, V", [(3, 48, 40), (2, 128, 128)])
+def test_cpu_extension_prefill_matches_the_recurrent_reference(monkeypatch, H, K, V) -> None:
+    """cpu_simd.kda_prefill_recurrent through chunk_kda (varlen prompts of 0, 1, 17 and 50 tokens, random
+    initial states) against recurrent_kda_ref: the reference's products and its sums over K in another
+    order, carried through each prompt's state, so the bound is the decode step's (4 K 2^-24 relative RMS)
+    times the longest prompt. The initial states are not modified."""
+    import k3run.kernels.cpu_simd as cpu_simd
+    from k3run.kernels.kda import chunk_kda, l2norm, recurrent_kda_ref
+
+    monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    if not cpu_simd.available():
+        pytest.skip("the SIMD extension needs an AVX2 or AVX-512 CPU and a C++ compiler")
+    g = torch.Generator().manual_seed(5)
+    lens = [17, 0, 1, 50]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    T, B = int(cu[-1]), len(lens)
+    q = l2norm(torch.randn(T, H, K, generator=g))
+    k = l2norm(torch.randn(T, H, K, generator=g))
+    v = torch.randn(T, H, V, generator=g)
+    lg = -torch.rand(T, H, K, generator=g) * 0.5  # log decay in (-0.5, 0]
+    beta = torch.sigmoid(torch.randn(T, H, generator=g))
+    h0 = torch.randn(B, H, K, V, generator=g) * 0.3
+    before = h0.clone()
+    o_ref, ht_ref = recurrent_kda_ref(q, k, v, lg, beta, K**-0.5, h0, cu)
+    o, ht = chunk_kda(q, k, v, lg, beta, scale=K**-0.5, initial_state=h0, cu_seqlens=cu)
+    rtol = 4 * K * 2.0**-24 * max(lens)
+    assert_close("kda prefill o", o_ref, o, rtol)
+    assert_close("kda prefill states", ht_ref, ht, rtol)
+    assert torch.equal(ht[1], h0[1])  # the empty prompt keeps its state
+    assert torch.equal(h0, before)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        cpu_simd.kda_prefill_recurrent(q, k, v, lg.exp(), beta, h0.clone(), torch.tensor([0, 5, 3, 60, T]))

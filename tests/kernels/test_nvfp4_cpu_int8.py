@@ -135,8 +135,9 @@ def test_error_against_the_unrounded_reference(vnni) -> None:
 @needs_simd
 def test_linear_takes_it_only_when_asked(vnni, monkeypatch) -> None:
     """K3RUN_CPU_INT8=1 at load: prepare_nvfp4_weight keeps a copy in the kernel's layout, nvfp4_linear runs
-    it up to INT8_MAX_M rows (bias and the output dtype as the reference's epilogue), the exact paths above;
-    unset, no copy and no int8 rounding."""
+    it at any row count (bias and the output dtype as the reference's epilogue; more than INT8_MAX_M rows in
+    calls of that many, the same bits, since each row's activations are rounded on their own); unset, no
+    copy and no int8 rounding."""
     w, s, gs = _random_nvfp4(40, 256)
     x = torch.randn(3, 256)
     bias = torch.randn(40)
@@ -150,9 +151,13 @@ def test_linear_takes_it_only_when_asked(vnni, monkeypatch) -> None:
         cpu_simd.nvfp4_vnni_gemm(x.bfloat16(), pw.cpu_int8).bfloat16().float(),
     )
     monkeypatch.setattr(cpu_simd, "INT8_MAX_M", 2)
-    # 3 rows: the exact path (the reference's products; fp32 sums in another order: K u relative, x4 margin)
-    assert_close("exact path", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, pw), rtol=256 * EPS * 4)
+    # 3 rows in calls of 2 and 1: bit for bit the one call's rows
+    assert torch.equal(nvfp4_linear(x, pw, bias), direct + bias)
     monkeypatch.setenv("K3RUN_CPU_INT8", "0")
+    exact = prepare_nvfp4_weight(w, s, gs)
+    # without the copy: the exact path (the reference's products; fp32 sums in another order: K u relative,
+    # x4 margin)
+    assert_close("exact path", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, exact), rtol=256 * EPS * 4)
     assert prepare_nvfp4_weight(w, s, gs).cpu_int8 is None
     monkeypatch.setenv("K3RUN_CPU_INT8", "yes")
     with pytest.raises(ValueError, match="K3RUN_CPU_INT8"):

@@ -701,6 +701,50 @@ torch::Tensor kda_decode_step(torch::Tensor q_scaled, torch::Tensor kn, torch::T
   return o;
 }
 
+// ---- KDA prefill, token by token over a varlen batch, one (sequence, head) state at a time ----
+// q_scaled, kn, decay [T, H, K]; v [T, H, V]; beta [T, H]; state [B, H, K, V] (the initial states, replaced
+// by the final ones); cu_seqlens [B + 1] int64. Each (b, h) task runs kda_head over its tokens with the
+// state in L1/L2 throughout: the recurrent reference's operations (recurrent_kda_seq), not the chunked
+// form's, and one read and write of each state from memory for the whole prompt.
+torch::Tensor kda_prefill_recurrent(torch::Tensor q_scaled, torch::Tensor kn, torch::Tensor v,
+                                    torch::Tensor decay, torch::Tensor beta, torch::Tensor state,
+                                    torch::Tensor cu_seqlens) {
+  const int64_t T = q_scaled.size(0), H = q_scaled.size(1), K = q_scaled.size(2), V = v.size(2);
+  for (const auto& t : {q_scaled, kn, v, decay, beta, state})
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(),
+                "kda_prefill_recurrent: fp32 contiguous inputs");
+  TORCH_CHECK(q_scaled.dim() == 3 && kn.sizes() == q_scaled.sizes() && decay.sizes() == q_scaled.sizes() &&
+                  v.dim() == 3 && v.size(0) == T && v.size(1) == H && beta.dim() == 2 && beta.size(0) == T &&
+                  beta.size(1) == H,
+              "kda_prefill_recurrent: q, k, decay [T, H, K], v [T, H, V], beta [T, H]");
+  auto cu = cu_seqlens.to(torch::kInt64).contiguous();
+  const int64_t B = cu.numel() - 1;
+  TORCH_CHECK(state.dim() == 4 && state.size(0) == B && state.size(1) == H && state.size(2) == K &&
+                  state.size(3) == V, "kda_prefill_recurrent: state [B, H, K, V]");
+  const int64_t* cp = cu.data_ptr<int64_t>();
+  TORCH_CHECK(cp[0] == 0 && cp[B] == T, "kda_prefill_recurrent: cu_seqlens from 0 to T");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(cp[b] <= cp[b + 1], "kda_prefill_recurrent: cu_seqlens decreases");
+  auto o = torch::empty({T, H, V}, v.options());
+  float* sp = state.data_ptr<float>();
+  const float *qp = q_scaled.data_ptr<float>(), *kp = kn.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> pred(V);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      float* S = sp + i * K * V;
+      for (int64_t t = cp[b]; t < cp[b + 1]; ++t) {
+        const int64_t r = t * H + h;
+        kda_head(S, qp + r * K, kp + r * K, vp + r * V, dp + r * K, bp[r], false, K, V, op + r * V,
+                 pred.data());
+      }
+    }
+  });
+  return o;
+}
+
 // ---- bf16 weights, decode-sized M: y fp32 [M, N] = x fp32 [M, K] @ W^T, W bf16 [N, K] ----
 // bf16 -> fp32 is a 16-bit shift, exact; fp32 FMAs, R rows of W at a time so each x load serves R rows.
 // The products of torch's bf16 matmul, accumulated in fp32 in another order; 1.6-2x torch's bf16 linear at
@@ -760,7 +804,10 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w) {
 # dequantization + matmul; FP8 8.4 ms at 8 rows (compiled loop 30.5), 60 against 49 at 64 rows.
 NVFP4_MAX_M = 256
 FP8_MAX_M = 32
-INT8_MAX_M = 256  # rows up to which nvfp4_vnni_gemm runs (K3RUN_CPU_INT8=1)
+# rows per nvfp4_vnni_gemm call of a dense linear (K3RUN_CPU_INT8=1; more rows run in calls of this many): on
+# this project's 2-core AVX-512 box 0.65-0.93x the bf16 dequantize + matmul path's time at 256-512 rows, ~260
+# GMAC/s; one call of 2048 rows fell to ~210 (its activations overflow the L2)
+INT8_MAX_M = 256
 INT8_VBMI = True  # decode codes by vpermb where the CPU has AVX-512 VBMI (False: vpshufb, as without it)
 INT8_PAIRS = True  # 2-4 tokens: two 16-row blocks per pass sharing the activation broadcasts (same bits)
 
@@ -849,7 +896,7 @@ def available() -> bool:
             _clear_stale_build_lock("k3run_cpu_simd")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
                      "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv",
-                     "nvfp4_vnni_grouped"]  # fmt: skip
+                     "nvfp4_vnni_grouped", "kda_prefill_recurrent"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
@@ -1054,6 +1101,23 @@ def kda_decode_step(
     context 0 starts from a zero state). Returns o [B, H, V] fp32. Call `available()` first."""
     assert _module is not None, "kda_decode_step: call available() first"
     return _module.kda_decode_step(q_scaled, k_normed, v, decay, beta, state_pool, slots, context_lens)
+
+
+def kda_prefill_recurrent(
+    q_scaled: torch.Tensor,
+    k_normed: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor:
+    """Varlen KDA over whole prompts, token by token (the recurrent reference's operations): q_scaled,
+    k_normed, decay (exp of the log decay) [T, H, K], v [T, H, V], beta [T, H] (post-sigmoid), all fp32
+    contiguous; state [B, H, K, V] fp32, the initial states, overwritten with the final ones; cu_seqlens
+    [B + 1]. Returns o [T, H, V] fp32. Call `available()` first."""
+    assert _module is not None, "kda_prefill_recurrent: call available() first"
+    return _module.kda_prefill_recurrent(q_scaled, k_normed, v, decay, beta, state, cu_seqlens)
 
 
 BF16_MAX_M = 8  # rows up to which bf16_gemv runs

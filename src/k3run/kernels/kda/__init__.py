@@ -21,6 +21,7 @@ import torch
 from k3run.kernels.kda.ref import (
     CHUNK_SIZE,
     L2NORM_EPS,
+    _check_kda_inputs,
     causal_conv1d_decode_ref,
     causal_conv1d_ref,
     chunk_kda_ref,
@@ -110,8 +111,9 @@ def kda_forward(
     qn, kn = l2norm(q), l2norm(k)  # [T, H, K] fp32
     g = kda_gate(f, A_log, dt_bias, lower_bound)  # [T, H, K] fp32
     beta = torch.sigmoid(b.float())  # [T, H]
-    ref = recurrent_kda_ref if decode else chunk_kda_ref
-    return ref(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
+    if decode:
+        return recurrent_kda_ref(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
+    return chunk_kda(qn, kn, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
 
 
 def zero_fresh_states(pool: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor) -> None:
@@ -195,7 +197,10 @@ def chunk_kda(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen KDA for prefill (fla's chunked kernels on CUDA, elsewhere the reference in CHUNK_SIZE chunks).
+    """Varlen KDA for prefill: fla's chunked kernels on CUDA; on x86 CPUs with the SIMD extension the
+    recurrence token by token in C++ (`cpu_simd.kda_prefill_recurrent`: on a 2-core AVX-512 box ~10x the
+    chunked reference, whose many small torch ops dominate a CPU prefill); elsewhere the reference in
+    CHUNK_SIZE chunks.
 
     q, k [T, H, K] L2-normalised; v [T, H, V]; g [T, H, K] fp32 log decay; beta [T, H] post-sigmoid;
     initial_state [B, H, K, V] fp32 or None; cu_seqlens [B+1]. Returns o [T, H, V] fp32 and final states
@@ -207,6 +212,22 @@ def chunk_kda(
         return kda_fla(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, decode=False
         )
+    if not q.is_cuda and not torch.compiler.is_compiling():
+        from k3run.kernels import cpu_simd
+
+        if cpu_simd.available():  # x86 CPUs: token by token in C++, each state kept in cache for its prompt
+            _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+            n, h, kd = len(cu_seqlens) - 1, q.shape[1], q.shape[2]
+            state = (
+                initial_state.to(torch.float32).clone(memory_format=torch.contiguous_format)
+                if initial_state is not None
+                else q.new_zeros(n, h, kd, v.shape[-1], dtype=torch.float32)
+            )
+            o = cpu_simd.kda_prefill_recurrent(
+                (q.float() * scale).contiguous(), k.float().contiguous(), v.float().contiguous(),
+                g.float().exp().contiguous(), beta.float().contiguous(), state, cu_seqlens,
+            )  # fmt: skip
+            return o, state
     return chunk_kda_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 

@@ -96,12 +96,17 @@ def nvfp4_linear_cpu(
     """nvfp4_linear_ref's contract (x [M, K], weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], global
     scale one element or one per row), compiled on large matrices, the extension up to its rows on any
     size (outside a compiled step), else the reference. int8: the weight's
-    copy for the int8-activation kernel (cpu_simd.nvfp4_vnni_gemm), taken up to cpu_simd.INT8_MAX_M rows
-    at every size (no compile), except inside a compiled step (the extension call is not traceable)."""
+    copy for the int8-activation kernel (cpu_simd.nvfp4_vnni_gemm), taken at every size and row count (no
+    compile; calls of up to cpu_simd.INT8_MAX_M rows, each row's activations rounded on their own, so the
+    same bits), except inside a compiled step (the extension call is not traceable)."""
     m, k = x.shape
     n = weight.shape[0]
-    if int8 is not None and m <= cpu_simd.INT8_MAX_M and not torch.compiler.is_compiling():
-        return cpu_fused.finish(cpu_simd.nvfp4_vnni_gemm(x, int8), bias, x.dtype)
+    if int8 is not None and not torch.compiler.is_compiling():
+        rows = cpu_simd.INT8_MAX_M
+        if m <= rows:
+            return cpu_fused.finish(cpu_simd.nvfp4_vnni_gemm(x, int8), bias, x.dtype)
+        y = torch.cat([cpu_simd.nvfp4_vnni_gemm(x[i : i + rows], int8) for i in range(0, m, rows)])
+        return cpu_fused.finish(y, bias, x.dtype)
 
     def reference() -> torch.Tensor:
         return nvfp4_linear_ref(x, weight, weight_scale, global_scale, bias)
