@@ -61,11 +61,21 @@ def _check(dtype: torch.dtype, device: str, triton_kernel: bool, block_c: int = 
     assert torch.equal(pool, pool_ref), "new windows (and untouched slots) must be exact"
 
 
-def test_cpu_dispatch_is_the_reference_bit_for_bit() -> None:
-    x, weight, pool, slots, ctx = _case(torch.bfloat16, "cpu")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_dispatch_is_the_reference_bit_for_bit(dtype: torch.dtype, monkeypatch) -> None:
+    """On x86 with the SIMD extension the in-place kernel runs (counted) and gives the reference's bits: the
+    same fp32 products and sums in the same order, no fused multiply-adds."""
+    from k3run.kernels import cpu_simd
+
+    calls = []
+    if cpu_simd.available():
+        real = cpu_simd.conv_decode_in_place
+        monkeypatch.setattr(cpu_simd, "conv_decode_in_place", lambda *a: calls.append(1) or real(*a))
+    x, weight, pool, slots, ctx = _case(dtype, "cpu")
     y_ref, pool_ref = _expected(x, weight, pool, slots, ctx, groups=3)
     y = causal_conv1d_decode_in_place(x, weight, conv_pool=pool, slots=slots, context_lens=ctx, groups=3)
     assert torch.equal(y, y_ref) and torch.equal(pool, pool_ref)
+    assert len(calls) == (1 if cpu_simd.available() else 0)
 
 
 def test_triton_kernels_in_interpreter():

@@ -745,6 +745,66 @@ torch::Tensor kda_prefill_recurrent(torch::Tensor q_scaled, torch::Tensor kn, to
   return o;
 }
 
+// ---- KDA short conv, decode: one token per sequence, the windows updated in place in the cache pool ----
+// Per (b, c): window = [pool[slots[b], c, :] (zeros where context_lens[b] == 0), x[b, c]] in x's dtype,
+// acc = sum_j (weight[c, j] * window[j]) in fp32 in j order, each product and sum rounded on its own (no FMA
+// contraction), as causal_conv1d_decode_ref computes it; pool[slots[b], c, :] = window[1:]. Returns acc
+// [B, C] fp32 (the caller applies SiLU, as the reference does). x [B, C] with unit stride along C.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) static void conv_decode_rows(
+    const T* xp, int64_t sx, const float* wp, T* pp, const int64_t* sp, const int64_t* cp, int64_t B,
+    int64_t C, int64_t W, float* ap) {
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      T* row = pp + sp[b] * C * (W - 1);
+      const bool fresh = cp[b] == 0;
+      for (int64_t c = 0; c < C; ++c) {
+        T* st = row + c * (W - 1);
+        float acc = 0.f;
+        for (int64_t j = 0; j < W - 1; ++j) {
+          const float p = wp[c * W + j] * (fresh ? 0.f : static_cast<float>(st[j]));
+          acc = acc + p;
+        }
+        const T xv = xp[b * sx + c];
+        const float p = wp[c * W + W - 1] * static_cast<float>(xv);
+        acc = acc + p;
+        for (int64_t j = 0; j + 1 < W - 1; ++j) st[j] = fresh ? static_cast<T>(0.f) : st[j + 1];
+        st[W - 2] = xv;
+        ap[b * C + c] = acc;
+      }
+    }
+  });
+}
+
+torch::Tensor conv_decode_in_place(torch::Tensor x, torch::Tensor weight, torch::Tensor pool,
+                                   torch::Tensor slots, torch::Tensor context_lens) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv_decode_in_place: x [B, C] with unit stride along C");
+  const int64_t B = x.size(0), C = x.size(1);
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(0) == C && weight.size(1) >= 2,
+              "conv_decode_in_place: weight fp32 contiguous [C, W >= 2]");
+  const int64_t W = weight.size(1);
+  TORCH_CHECK(pool.dtype() == x.dtype() && pool.is_contiguous() && pool.dim() == 3 && pool.size(1) == C &&
+                  pool.size(2) == W - 1,
+              "conv_decode_in_place: pool contiguous [S, C, W - 1] in x's dtype");
+  auto sl = slots.to(torch::kInt64).contiguous(), cl = context_lens.to(torch::kInt64).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* cp = cl.data_ptr<int64_t>();
+  TORCH_CHECK(sl.numel() == B && cl.numel() == B, "conv_decode_in_place: slots, context_lens [B]");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < pool.size(0), "conv_decode_in_place: slot out of range");
+  auto acc = torch::empty({B, C}, x.options().dtype(torch::kFloat32));
+  if (x.scalar_type() == torch::kFloat32)
+    conv_decode_rows<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
+                            pool.data_ptr<float>(), sp, cp, B, C, W, acc.data_ptr<float>());
+  else if (x.scalar_type() == torch::kBFloat16)
+    conv_decode_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0), weight.data_ptr<float>(),
+                                   pool.data_ptr<at::BFloat16>(), sp, cp, B, C, W, acc.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "conv_decode_in_place: x fp32 or bf16, got ", x.scalar_type());
+  return acc;
+}
+
 // ---- bf16 weights, decode-sized M: y fp32 [M, N] = x fp32 [M, K] @ W^T, W bf16 [N, K] ----
 // bf16 -> fp32 is a 16-bit shift, exact; fp32 FMAs, R rows of W at a time so each x load serves R rows.
 // The products of torch's bf16 matmul, accumulated in fp32 in another order; 1.6-2x torch's bf16 linear at
@@ -896,7 +956,7 @@ def available() -> bool:
             _clear_stale_build_lock("k3run_cpu_simd")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
                      "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv",
-                     "nvfp4_vnni_grouped", "kda_prefill_recurrent"]  # fmt: skip
+                     "nvfp4_vnni_grouped", "kda_prefill_recurrent", "conv_decode_in_place"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=_SOURCE, functions=names, extra_cflags=["-O3", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False,
@@ -1118,6 +1178,16 @@ def kda_prefill_recurrent(
     [B + 1]. Returns o [T, H, V] fp32. Call `available()` first."""
     assert _module is not None, "kda_prefill_recurrent: call available() first"
     return _module.kda_prefill_recurrent(q_scaled, k_normed, v, decay, beta, state, cu_seqlens)
+
+
+def conv_decode_in_place(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
+    """The KDA short conv for one token per sequence, windows in the cache pool updated in place: x [B, C]
+    (fp32 or bf16, unit stride along C), weight [C, W] fp32, pool [S, C, W - 1] in x's dtype. Returns the
+    pre-activation sums [B, C] fp32, bit for bit causal_conv1d_decode_ref's. Call `available()` first."""
+    assert _module is not None, "conv_decode_in_place: call available() first"
+    return _module.conv_decode_in_place(x, weight, pool, slots, context_lens)
 
 
 BF16_MAX_M = 8  # rows up to which bf16_gemv runs

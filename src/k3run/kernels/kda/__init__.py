@@ -305,8 +305,9 @@ def causal_conv1d_decode_in_place(
     """causal_conv1d_decode with the states kept in the cache: sequence i's window is conv_pool[slots[i]]
     (zeros when context_lens[i] == 0) and its new window is written back there. x [B, C] (a column slice
     of a wider tensor is fine); weight [C, W]; conv_pool [S, C, W-1] in x's dtype. Returns y [groups, B,
-    C / groups] (planar: each group contiguous). One Triton launch on CUDA; gather, reference and scatter
-    elsewhere."""
+    C / groups] (planar: each group contiguous). One Triton launch on CUDA; on x86 CPUs with the SIMD
+    extension one call updating the windows in place (`cpu_simd.conv_decode_in_place`, the reference's
+    bits); gather, reference and scatter elsewhere."""
     if x.is_cuda:
         from k3run.kernels.kda.conv import causal_conv1d_decode_in_place_triton
 
@@ -314,6 +315,20 @@ def causal_conv1d_decode_in_place(
     B, C = x.shape
     if C % groups:
         raise ValueError(f"causal_conv1d_decode_in_place: {C} channels do not split into {groups} groups")
+    if (
+        not torch.compiler.is_compiling()
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and conv_pool.dtype == x.dtype
+        and conv_pool.is_contiguous()
+        and x.stride(1) == 1
+    ):
+        from k3run.kernels import cpu_simd
+
+        if cpu_simd.available():  # x86 CPUs: one call, the windows shifted in place
+            wf = weight.float().contiguous()
+            acc = cpu_simd.conv_decode_in_place(x, wf, conv_pool, slots, context_lens)
+            y = torch.nn.functional.silu(acc).to(x.dtype)
+            return y.reshape(B, groups, C // groups).transpose(0, 1).contiguous()
     state = torch.where((context_lens != 0)[:, None, None], conv_pool[slots], 0)
     y, final = causal_conv1d_decode_ref(x, weight, state)
     conv_pool[slots] = final.to(conv_pool.dtype)
