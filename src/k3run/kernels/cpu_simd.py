@@ -671,6 +671,15 @@ static K3_AVX2 void kda_head(float* S, const float* qs, const float* kn, const f
   }
 }
 
+// fn(b, h, i = b * H + h, pred) for every (sequence, head) pair in parallel; pred: a [V] scratch row a thread
+template <typename F>
+static void for_each_head(int64_t B, int64_t H, int64_t V, const F& fn) {
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> pred(V);
+    for (int64_t i = i0; i < i1; ++i) fn(i / H, i % H, i, pred.data());
+  });
+}
+
 // q_scaled, kn, decay [B, H, K]; v [B, H, V]; beta [B, H]; pool [S, H, K, V]; slots, context_lens [B] int64
 torch::Tensor kda_decode_step(torch::Tensor q_scaled, torch::Tensor kn, torch::Tensor v, torch::Tensor decay,
                               torch::Tensor beta, torch::Tensor pool, torch::Tensor slots,
@@ -690,13 +699,9 @@ torch::Tensor kda_decode_step(torch::Tensor q_scaled, torch::Tensor kn, torch::T
   const float *qp = q_scaled.data_ptr<float>(), *kp = kn.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float* op = o.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> pred(V);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H;
-      kda_head(pp + (sp[b] * H + h) * K * V, qp + i * K, kp + i * K, vp + i * V, dp + i * K, bp[i],
-               cp[b] == 0, K, V, op + i * V, pred.data());
-    }
+  for_each_head(B, H, V, [&](int64_t b, int64_t h, int64_t i, float* pred) {
+    kda_head(pp + (sp[b] * H + h) * K * V, qp + i * K, kp + i * K, vp + i * V, dp + i * K, bp[i], cp[b] == 0,
+             K, V, op + i * V, pred);
   });
   return o;
 }
@@ -730,16 +735,11 @@ torch::Tensor kda_prefill_recurrent(torch::Tensor q_scaled, torch::Tensor kn, to
   const float *qp = q_scaled.data_ptr<float>(), *kp = kn.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float* op = o.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> pred(V);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H;
-      float* S = sp + i * K * V;
-      for (int64_t t = cp[b]; t < cp[b + 1]; ++t) {
-        const int64_t r = t * H + h;
-        kda_head(S, qp + r * K, kp + r * K, vp + r * V, dp + r * K, bp[r], false, K, V, op + r * V,
-                 pred.data());
-      }
+  for_each_head(B, H, V, [&](int64_t b, int64_t h, int64_t i, float* pred) {
+    for (int64_t t = cp[b]; t < cp[b + 1]; ++t) {
+      const int64_t r = t * H + h;
+      kda_head(sp + i * K * V, qp + r * K, kp + r * K, vp + r * V, dp + r * K, bp[r], false, K, V, op + r * V,
+               pred);
     }
   });
   return o;

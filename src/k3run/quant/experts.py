@@ -442,7 +442,7 @@ BY_EXPERT_MAX_TOKENS = 128
 # below, the decode launches
 TILE_FROM_TOKENS = BY_EXPERT_MAX_TOKENS + 1
 # below TILE_FROM_TOKENS, the wgmma GEMMs from this many picks per local expert on average (and 2+ tokens):
-# H200, bench/bench_wgmma.py --moe 16,32,64,128 (bench/RESULTS.md run 119): K3's experts (56 local, top-16)
+# H200, bench/bench_wgmma.py --moe 16,32,64,128 (bench/RESULTS.md): K3's experts (56 local, top-16)
 # 1.57x / 1.77x faster than the expert-major launches at 64 / 128 tokens (18 / 37 picks an expert), 0.91x at
 # 32 (9); Kimi Linear's (256, top-8, <= 4 picks an expert up to 128 tokens) 0.57-0.70x, so they stay there
 TILES_FROM_PICKS_PER_EXPERT = 12
@@ -874,7 +874,7 @@ class NvFp4Experts(ExpertScheme):
         if (
             t >= TILE_FROM_TOKENS
             or (t * a > GROUPED_MAX_PICKS and not _by_expert(t))
-            or (self._wgmma_decode(x, t) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_local)
+            or (t >= 2 and self._on_wgmma(x) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_local)
         ):
             return self._tile_gemms(ex, x, ids, weights, finish)
         from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
@@ -908,10 +908,11 @@ class NvFp4Experts(ExpertScheme):
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
     @staticmethod
-    def _wgmma_decode(x: torch.Tensor, tokens: int) -> bool:
+    def _on_wgmma(x: torch.Tensor) -> bool:
+        """Whether the grouped GEMMs take the wgmma kernel for x: 16-bit activations on sm_90."""
         import k3run.kernels.nvfp4_gemm as ng
 
-        return tokens >= 2 and x.dtype in (torch.float16, torch.bfloat16) and ng._wgmma_ok(x.device)
+        return x.dtype in (torch.float16, torch.bfloat16) and ng._wgmma_ok(x.device)
 
     def _tile_gemms(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
@@ -928,7 +929,7 @@ class NvFp4Experts(ExpertScheme):
         t, a = ids.shape
         local = _local_ids(ids, ex.first)
         x = x.contiguous()
-        if x.dtype in (torch.float16, torch.bfloat16) and ng._wgmma_ok(x.device):
+        if self._on_wgmma(x):
             from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
             from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_grouped
 

@@ -298,6 +298,7 @@ def wgmma_available(device: torch.device) -> bool:
 
 # (BN, BT) tiles and stages the launcher picks from; see `wgmma_config`
 _SMEM_BUDGET = 220 * 1024
+_SMEM_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for its resident programs
 
 
 def smem_bytes(bn: int, bt: int, stages: int, ss: bool = False) -> int:
@@ -394,7 +395,7 @@ def nvfp4_wgmma_gemm(
         or bt not in (16, 32, 64, 128, 256)
         or chunks % split
         or not 3 <= stages <= chunks // max(split, 1) + 2
-        or (smem_bytes(bn, bt, stages, ss) > 227 * 1024)
+        or (smem_bytes(bn, bt, stages, ss) > _SMEM_PER_SM)
     ):
         raise ValueError(f"nvfp4 wgmma gemm: bad config {config} for {chunks} chunks")
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bt), split)
@@ -556,11 +557,11 @@ def grouped_config(bt: int, k: int) -> tuple[int, int]:
     """(R weight rows per program, stages) for a grouped call of BT-pick blocks: 128 rows (two warpgroups:
     64 gate + 64 up rows of GEMM1). The ring: 4 slots where that lets two programs share an SM (up to 64
     picks a block), else the deepest (<= 8 slots, <= the chunks + 2) that fits one. Measured on an H200
-    (bench/RESULTS.md runs 118-121): Kimi Linear's experts at 4096 tokens (64-pick blocks) 1.40x faster with
+    (bench/RESULTS.md): Kimi Linear's experts at 4096 tokens (64-pick blocks) 1.40x faster with
     4 slots than with the deepest ring, its 2048-token prefill 1.11x; at 128-pick blocks (its 8192-token
     prefill, K3's experts) 4 slots were 0.98-1.01x, one program an SM either way."""
     chunks = -(-k // 128)
-    two = 2 * smem_bytes(128, bt, 4) <= 227 * 1024
+    two = 2 * smem_bytes(128, bt, 4) <= _SMEM_PER_SM
     most = min(4 if two else 8, chunks + 2)
     stages = 3
     while stages < most and smem_bytes(128, bt, stages + 1) <= _SMEM_BUDGET:
@@ -613,7 +614,7 @@ def nvfp4_wgmma_grouped(
         return out
     r, stages = config or grouped_config(bt, k)
     chunks = k_pad // 128
-    if r not in (64, 128) or not 3 <= stages <= chunks + 2 or smem_bytes(r, bt, stages) > 227 * 1024:
+    if r not in (64, 128) or not 3 <= stages <= chunks + 2 or smem_bytes(r, bt, stages) > _SMEM_PER_SM:
         raise ValueError(f"nvfp4 wgmma grouped: bad config {config} for {chunks} chunks and {bt}-pick blocks")
     if k != k_pad:
         x = torch.nn.functional.pad(x, (0, k_pad - k))
