@@ -292,10 +292,14 @@ __global__ void __launch_bounds__((NWG + 1) * 128, 1)
   uint32_t a0[32], a1[32];
 
   const Ring ring{xs, wsm, ssm, full, empty, stages, w_off0, w_off1, s_off0, s_off1, lane};
-  for (int c = 0; c < nch; c += 2) {
+  // pairs of chunks, then an odd chunk count's last one: a conditional second half inside the loop made ptxas
+  // serialize every wgmma (C7513)
+  int c = 0;
+  for (; c + 1 < nch; c += 2) {
     consume<BT, NWG, BF16>(ring, c, acc, a0);
-    if (c + 1 < nch) consume<BT, NWG, BF16>(ring, c + 1, acc, a1);
+    consume<BT, NWG, BF16>(ring, c + 1, acc, a1);
   }
+  if (c < nch) consume<BT, NWG, BF16>(ring, c, acc, a0);
   wgmma_wait<0>();
   fence_regs(acc);
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -85,6 +86,14 @@ def _build():
     )
 
 
+def enabled() -> bool:
+    """`K3RUN_SM90_CUDA=0` keeps the Gluon wgmma kernel (read once)."""
+    return _ENABLED
+
+
+_ENABLED = os.environ.get("K3RUN_SM90_CUDA", "1") != "0"
+
+
 def available(device: torch.device | None = None) -> bool:
     """sm_90 and the extension built (building it on the first call)."""
     global _module, _error
@@ -98,7 +107,7 @@ def available(device: torch.device | None = None) -> bool:
             _module = _build()
         except Exception as e:  # no nvcc, an old toolchain: the Gluon kernel instead
             _error = f"{type(e).__name__}: {e}"
-            log.warning("the sm_90 CUDA NVFP4 GEMM could not be built; using the Gluon kernel: %s", _error[:2000])
+            log.warning("the sm_90 CUDA NVFP4 GEMM could not be built; the Gluon kernel: %s", _error[:2000])
             return False
     return True
 
