@@ -45,6 +45,8 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
                 if chunks % split:
                     continue
                 for stages in (3, 4, 6, 8):
+                    if nwg == 2 and bt > 128:
+                        continue
                     if sm90.smem_bytes(bt, nwg, stages) <= sm90.SMEM_LIMIT:
                         out.append((bt, nwg, split, stages))
     return out

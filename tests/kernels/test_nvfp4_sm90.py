@@ -65,7 +65,7 @@ def test_gpu_odd_shapes(poison_empty, m: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(
     "config",
     [(16, 1, 1, 2), (32, 2, 2, 3), (64, 1, 3, 4), (64, 2, 6, 2), (128, 2, 2, 5), (128, 1, 1, 8),
-     (256, 2, 1, 3), (256, 1, 3, 2)],
+     (256, 1, 1, 3), (256, 1, 3, 2)],
 )  # fmt: skip
 def test_gpu_configs(poison_empty, config) -> None:
     """Every token tile, one and two consumer warpgroups, split-K with 6, 3, 2 and 1 chunk per CTA (odd and
@@ -92,13 +92,14 @@ def test_gpu_repeats_are_bit_identical() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_linear_takes_it_and_matches_the_gluon_kernel() -> None:
-    """nvfp4_linear's choice for 17..256 rows on sm_90 runs this kernel; its output is within the bound of
-    the Gluon wgmma kernel's (the same products, summed in another order)."""
+def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
+    """With K3RUN_SM90_CUDA=1, nvfp4_linear's choice for 17..256 rows on sm_90 runs this kernel; its output is
+    within the bound of the Gluon wgmma kernel's (the same products, summed in another order)."""
     from k3run.kernels.nvfp4_gemm import choose_config, nvfp4_linear
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
 
     _need_kernel()
+    monkeypatch.setattr(sm90, "_ENABLED", True)
     assert choose_config(64, 4096, 4096, wgmma=True).wgmma
     w, s, gs = _random_nvfp4(4096, 4096, "cuda", False, seed=5)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
@@ -191,7 +192,7 @@ def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> No
     inside the loop), and no instruction writes a register of an A operand still in flight."""
     _, sass = standalone_build
     kernels = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]
-    assert len(kernels) == 12
+    assert len(kernels) == 11
     for f in kernels:
         code = _sass_code(f)
         assert wgmma_register_hazards(f) == [], f.split("\n")[0]

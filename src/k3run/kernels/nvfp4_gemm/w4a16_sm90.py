@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("w4a16_sm90.cu")
 TOKEN_TILES = (16, 32, 64, 128, 256)
-WARPGROUPS = (1, 2)  # consumer warpgroups a CTA: 64 weight rows each
+WARPGROUPS = (1, 2)  # consumer warpgroups a CTA: 64 weight rows each (two up to BT 128, .cu header)
 SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's dynamic shared memory
 
 
@@ -87,11 +87,12 @@ def _build():
 
 
 def enabled() -> bool:
-    """`K3RUN_SM90_CUDA=0` keeps the Gluon wgmma kernel (read once)."""
+    """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
+    (read once) until its GPU tests and timings are recorded in bench/RESULTS.md; the Gluon kernel otherwise."""
     return _ENABLED
 
 
-_ENABLED = os.environ.get("K3RUN_SM90_CUDA", "1") != "0"
+_ENABLED = os.environ.get("K3RUN_SM90_CUDA", "0") == "1"
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -127,10 +128,11 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs: one token tile
     of the smallest BT >= M up to 256 (larger M: 128-token tiles), two consumer warpgroups (128 weight rows a
     CTA), the smallest split_k dividing the chunks that gives every SM a CTA (one CTA an SM: the kernel
-    holds its registers and most of the shared memory), and the deepest ring that fits (<= 8 slots)."""
+    holds its registers and most of the shared memory; one warpgroup at BT 256), and the deepest ring that fits
+    (<= 8 slots)."""
     chunks = -(-k // 128)
     bt = next((b for b in TOKEN_TILES if b >= m), 128)
-    nwg = 2
+    nwg = 2 if bt <= 128 else 1
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
     split = next((d for d in _divisors(chunks) if tiles * d >= sms or d * 2 > chunks), chunks)
     if tiles * split > sms:  # past one wave: the largest split that stays in it, if any
@@ -182,6 +184,7 @@ def nvfp4_sm90_gemm(
     if (
         bt not in TOKEN_TILES
         or nwg not in WARPGROUPS
+        or (nwg == 2 and bt > 128)
         or chunks % split
         or stages < 2
         or smem_bytes(bt, nwg, stages) > SMEM_LIMIT
