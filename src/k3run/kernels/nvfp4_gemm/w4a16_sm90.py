@@ -88,7 +88,7 @@ def _build():
 
 def enabled() -> bool:
     """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
-    (read once) until its GPU tests and timings are recorded in bench/RESULTS.md; the Gluon kernel otherwise."""
+    (read once) until its GPU tests and timings are in bench/RESULTS.md; the Gluon kernel otherwise."""
     return _ENABLED
 
 
@@ -127,9 +127,9 @@ def _divisors(n: int) -> list[int]:
 def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs: one token tile
     of the smallest BT >= M up to 256 (larger M: 128-token tiles), two consumer warpgroups (128 weight rows a
-    CTA), the smallest split_k dividing the chunks that gives every SM a CTA (one CTA an SM: the kernel
-    holds its registers and most of the shared memory; one warpgroup at BT 256), and the deepest ring that fits
-    (<= 8 slots)."""
+    CTA; one at BT 256), the smallest split_k dividing the chunks that gives every SM a CTA (one CTA an SM:
+    the kernel holds its registers and most of the shared memory), and the deepest ring that fits (<= 8
+    slots)."""
     chunks = -(-k // 128)
     bt = next((b for b in TOKEN_TILES if b >= m), 128)
     nwg = 2 if bt <= 128 else 1
