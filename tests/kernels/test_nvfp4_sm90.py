@@ -204,3 +204,134 @@ def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> No
         assert waits and all(w.endswith("0x1") for w in waits), waits
         assert sum("HGMMA" in i for i in body) == 16
         assert all(re.search(r"HGMMA\.\S+\s+R\d+,\s+R\d+,", i) for i in body if "HGMMA" in i)
+
+
+# ---- the kernel's data movement, modelled on the CPU ------------------------------------------------------
+# Each formula below restates one line of w4a16_sm90.cu (prep_x_kernel's unit mapping, the producer's copy
+# addresses, the consumer's word / scale offsets and decode_word, the A-register fragment, the B descriptor's
+# 128-byte swizzle, the accumulator fragment and the epilogue's indices); wgmma itself is modelled by the PTX
+# ISA's fragment layouts. The model run on random data must equal the fp32 reference within the bound: a
+# wrong permutation, offset or swizzle in any of them moves values to other rows or columns.
+
+
+def _model_prep_x(x: torch.Tensor, bt: int, ch: int) -> torch.Tensor:
+    """prep_x_kernel: xt [t_tiles, CH, 2, BT, 64] (fp32 here) from x [M, K]."""
+    m, k = x.shape
+    tiles = -(-m // bt)
+    xt = torch.zeros(tiles * ch * 2 * bt * 8, 8)
+    idx = torch.arange(xt.shape[0])
+    u, rest = idx % 8, idx // 8
+    r, rest = rest % bt, rest // bt
+    h, rest = rest % 2, rest // 2
+    c, tt = rest % ch, rest // ch
+    lu = u ^ (r % 8)
+    b, p = lu >> 1, lu & 1
+    row = tt * bt + r
+    for tq in range(4):
+        col = c * 128 + h * 64 + 16 * tq + 4 * b + 2 * p
+        for e in range(2):
+            ok = (row < m) & (col + e < k)
+            v = x[row.clamp(max=m - 1), (col + e).clamp(max=k - 1)]
+            xt[:, 2 * tq + e] = torch.where(ok, v, torch.zeros_like(v))
+    return xt.reshape(tiles, ch, 2, bt, 64)
+
+
+def _model_decode_word(q: torch.Tensor, s16: torch.Tensor) -> list[torch.Tensor]:
+    """decode_word<bf16> after scale_pair: the 4 pairs of words q (int64 holding 32 bits) as fp32 [..., 2]."""
+    m32 = 0xFFFFFFFF
+    o = [
+        q & 0x81C081C0,
+        (q << 6) & 0x81C081C0,
+        ((q << 5) & 0x80008000) | ((q << 3) & 0x01C001C0),
+        ((q << 4) & 0x80008000) | ((q >> 6) & 0x01C001C0),
+    ]
+    lo_s, hi_s = s16 & 0xFF, (s16 >> 8) & 0xFF
+    scale = [torch.tensor(list(range(256)), dtype=torch.uint8).view(torch.float8_e4m3fn).float()[v.long()]
+             for v in (lo_s, hi_s)]  # fmt: skip
+    out = []
+    for j, w in enumerate(o):
+        w = w & m32
+        halves = torch.stack([w & 0xFFFF, w >> 16], -1).to(torch.int32) << 16
+        vals = halves.view(torch.float32)  # bf16 bits as fp32: e2m1 * 2^-126 (subnormal codes included)
+        # bf16 scale bits: cvt(e4m3 -> f16) >> 3 + 0x7380 = s * 2^119; product e2m1 * s * 2^-7
+        out.append(vals * (scale[0 if j < 2 else 1] * 2.0**119).unsqueeze(-1))
+    return out
+
+
+def _model_gemm(x, weight, scale_u8, gs, k, n, bt, nwg, split):
+    """y [M, n] fp32 as the kernel computes it (before the output rounding)."""
+    m = x.shape[0]
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    ch = k_pad // 128
+    xt = _model_prep_x(x.float(), bt, ch)
+    words = weight.view(torch.int32).reshape(-1).to(torch.int64) & 0xFFFFFFFF  # [N_pad/16, CH, 16, 16]
+    words = words.reshape(n_pad // 16, ch, 16, 16)
+    sbytes = scale_u8.reshape(n_pad // 16, ch, 16, 8).to(torch.int64)
+    n_tiles, t_tiles, nch = -(-n // (64 * nwg)), xt.shape[0], ch // split
+    y = torch.zeros(m, n)
+    g, t = torch.arange(32) // 4, torch.arange(32) % 4
+    for pid_n in range(n_tiles):
+        for pid_t in range(t_tiles):
+            for wg in range(nwg):
+                acc = torch.zeros(64, bt)  # rows = the warpgroup's weight rows, columns = tokens
+                for sk in range(split):
+                    for cc in range(nch):
+                        c = sk * nch + cc
+                        xs = xt[pid_t, c].reshape(2, bt * 128 // 2)  # the slot's two halves, flat in halves
+                        for warp in range(4):
+                            rb = pid_n * nwg * 4 + wg * 4 + warp
+                            if rb >= n_pad // 16:
+                                continue  # the producer copies no row block past the weight
+                            a = torch.zeros(8, 16, 16)  # k-step, row in warp, operand column k'
+                            for rows in (g, g + 8):
+                                q = words[rb, c, rows]  # [32, 16]: each lane's row
+                                q = torch.stack(
+                                    [q[i, 4 * t[i] : 4 * t[i] + 4] for i in range(32)]
+                                )  # its words 4t..4t+3
+                                sw = sbytes[rb, c, rows]  # [32, 8]
+                                pos = 4 * (t & 1) + 2 * (t >> 1)
+                                s16 = sw[torch.arange(32), pos] | (sw[torch.arange(32), pos + 1] << 8)
+                                for bb in range(4):
+                                    d = _model_decode_word(q[:, bb], s16)  # 4 x [32, 2]
+                                    # A regs of k-step bb: {R0 row g p0, R1 row g+8 p0, R2 row g p1, R3 ...}
+                                    for kstep, (p0, p1) in ((bb, (d[0], d[1])), (4 + bb, (d[2], d[3]))):
+                                        for i in range(32):
+                                            r = rows[i]
+                                            a[kstep, r, 2 * t[i] : 2 * t[i] + 2] = p0[i]
+                                            a[kstep, r, 8 + 2 * t[i] : 8 + 2 * t[i] + 2] = p1[i]
+                            for kstep in range(8):
+                                # B: token rows of the K-major 128B-swizzled half, 16 columns at 32 (k % 4)
+                                half = xs[kstep // 4].reshape(bt, 64)
+                                phys = torch.zeros(bt, 16)
+                                for kk in range(16):
+                                    lbyte = (kstep % 4) * 32 + kk * 2
+                                    unit, within = lbyte // 16, lbyte % 16
+                                    for tok in range(bt):
+                                        pu = unit ^ (tok % 8)
+                                        phys[tok, kk] = half[tok, pu * 8 + within // 2]
+                                acc[16 * warp : 16 * warp + 16] += a[kstep] @ phys.t()
+                # epilogue: thread (warp, g, t) holds d[4i + 2h + e] = acc[16 warp + g + 8h, 8i + 2t + e]
+                rows = pid_n * nwg * 64 + wg * 64 + torch.arange(64)
+                toks = pid_t * bt + torch.arange(bt)
+                rk, tk = rows < n, toks < m
+                gsv = gs if gs.numel() == 1 else gs[rows.clamp(max=n_pad - 1)]
+                out = acc * (gsv.reshape(-1, 1) if gs.numel() > 1 else gsv) * 128.0
+                y[toks[tk][:, None], rows[rk][None, :]] = out[rk][:, tk].t()
+    return y
+
+
+@pytest.mark.parametrize("m, n, k, bt, nwg, split", [(20, 200, 336, 32, 2, 1), (9, 144, 384, 16, 1, 3)])
+def test_model_of_the_kernel_indexing_matches_the_reference(m, n, k, bt, nwg, split) -> None:
+    """The numpy model of the kernel's layouts (above) against the fp32 reference: rows past M and N, the K
+    tail, a CTA whose last row blocks are absent, split-K over chunks, one and two warpgroups."""
+    from k3run.testing import assert_within
+
+    w, s, gs = _random_nvfp4(n, k, "cpu", True, seed=11)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = _model_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, bt, nwg, split)
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    assert_within(
+        f"sm90 model {m}x{n}x{k}", ref, y, 3 * k * 2.0**-24 * ((x.float().abs() @ wd.abs().t()) * gs)
+    )
