@@ -2,7 +2,8 @@
 its conversation rendered (the model's chat template, or K3's own format by `chat_xtml`), and what the
 reply is held to (a JSON schema or a tool-call structure, compiled here so the engine finds it cached).
 
-Runs on a worker thread, never on the event loop, and never touches the engine's state.
+Runs on a worker thread, never on the event loop; of the engine it touches only the grammar backend's
+compile cache, which holds a lock.
 """
 
 import dataclasses
@@ -59,7 +60,7 @@ class ChatPrompt:
 
 class RequestParser:
     """Validates and tokenizes request bodies for one model. `grammars` returns the engine's grammar
-    backend (engine/grammar.py), whose compile cache is thread-safe."""
+    backend (engine/grammar.py)."""
 
     def __init__(
         self,
