@@ -2,7 +2,8 @@
 field is a `ServeError` 400 naming it, in OpenAI's error shape), `SamplingParams` from a request body, and
 the response pieces (logprobs in the completions and chat shapes, finish reasons, usage).
 
-Pure functions of the request body: no tokenizer, no engine (`requests.RequestParser` adds those).
+Plain functions with no engine state: the checks read the body alone (`requests.RequestParser` adds the
+tokenizer's and the model's limits), the logprobs pieces take the tokenizer to spell tokens.
 """
 
 import json
