@@ -81,7 +81,7 @@ def _build():
         cpp_sources=decls,
         cuda_sources=cuda_source(),
         functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=False,
     )
 
