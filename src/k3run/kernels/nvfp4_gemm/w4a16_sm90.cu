@@ -53,13 +53,21 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// Spins on an mbarrier phase; a wait past ~2^31 polls (far beyond any copy or wgmma: seconds) traps, so a
-// protocol error fails the launch ("unspecified launch failure") instead of hanging the GPU.
+// Spins on an mbarrier phase. A wait longer than 10 s (read from %globaltimer every 1024 polls; any copy or
+// wgmma takes microseconds) traps, so a protocol error fails the launch ("unspecified launch failure") instead
+// of hanging the GPU.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  uint32_t polls = 0;
+  uint32_t done, polls = 0;
+  uint64_t t0 = 0;
   do {
-    if (++polls == 0x80000000u) __trap();
+    if ((++polls & 1023u) == 0) {
+      uint64_t now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (t0 == 0)
+        t0 = now;
+      else if (now - t0 > 10000000000ull)
+        __trap();
+    }
     asm volatile(
         "{\n.reg .pred p;\n"
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
