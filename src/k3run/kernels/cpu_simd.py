@@ -24,10 +24,11 @@ NVFP4_MAX_M / FP8_MAX_M rows (calls of `_chunk()` rows) when a C++ compiler buil
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
+
+from k3run.knobs import knobs
 
 log = logging.getLogger(__name__)
 
@@ -885,11 +886,9 @@ def cpu_level() -> str | None:
     """The instruction set the kernels run with on this CPU: "avx512" where torch's own dispatch level is
     AVX-512 (F / BW / VL) or AMX, "avx2" where it is AVX2 (AVX2 + FMA; F16C comes with every such CPU), else
     None. K3RUN_CPU_SIMD=avx2 takes the AVX2 kernels on an AVX-512 CPU; K3RUN_CPU_SIMD=0 turns both off."""
-    forced = os.environ.get("K3RUN_CPU_SIMD", "")
-    if forced in ("0", "off"):
+    forced = knobs().cpu_simd
+    if forced == "off":
         return None
-    if forced not in ("", "avx2"):
-        raise ValueError(f"K3RUN_CPU_SIMD: expected avx2, 0 or off, got {forced!r}")
     try:
         cap = torch.backends.cpu.get_cpu_capability()
     except Exception:  # older torch
@@ -1012,10 +1011,7 @@ def int8_activations_enabled() -> bool:
     """K3RUN_CPU_INT8=1: NVFP4 linears on the CPU take the int8-activation kernel (`nvfp4_vnni_gemm`) where
     the CPU has AVX-512 VNNI. Off by default: it rounds activations to int8 per 16 columns (the other CPU
     paths are the fp32 reference's products in another order)."""
-    v = os.environ.get("K3RUN_CPU_INT8", "")
-    if v not in ("", "0", "1"):
-        raise ValueError(f"K3RUN_CPU_INT8: expected 0 or 1, got {v!r}")
-    return v == "1"
+    return knobs().cpu_int8
 
 
 def vnni_available() -> bool:
