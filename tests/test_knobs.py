@@ -107,3 +107,13 @@ def test_src_reads_k3run_variables_only_through_knobs() -> None:
         if raw.search(line)
     ]
     assert not found, found
+
+
+def test_cli_refuses_a_malformed_variable_before_any_work(monkeypatch, capsys) -> None:
+    from k3run.cli import main
+
+    monkeypatch.setenv("K3RUN_MOE_OPS", "false")
+    reset_knobs()
+    assert main(["inspect", str(ROOT / "no-such-checkpoint")]) == 2
+    err = capsys.readouterr().err
+    assert "k3run: error: K3RUN_MOE_OPS: expected 0 or 1, got 'false'" in err and "no-such" not in err
