@@ -521,15 +521,19 @@ def nvfp4_linear(
     if cfg.wgmma:
         from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
 
+        from . import w4a16_sm90
         from .wgmma import nvfp4_wgmma_gemm
 
-        try:
-            y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
-        except BUILD_ERRORS as e:  # a Triton that cannot build it: other paths from now on
-            if not triton_build_failed(e):
-                raise
-            _disable_wgmma(e)
-            cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
+        if w4a16_sm90.enabled() and w4a16_sm90.available(x2.device):  # CUDA C++, built at first use
+            y = w4a16_sm90.nvfp4_sm90_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
+        else:
+            try:
+                y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
+            except BUILD_ERRORS as e:  # a Triton that cannot build it: other paths from now on
+                if not triton_build_failed(e):
+                    raise
+                _disable_wgmma(e)
+                cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
     if cfg.tile:
         from .tile import nvfp4_tile_gemm
 

@@ -1,0 +1,198 @@
+"""The CUDA C++ NVFP4 GEMM for sm_90 (kernels/nvfp4_gemm/w4a16_sm90.cu) beside the Gluon wgmma kernel, the
+engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
+
+Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
+(bench_linear.graph_ms): the CUDA kernel with its default config (`sm90_config`) and the best of a config
+sweep; the Gluon wgmma kernel's default (the path before it); the engine's M <= 16 decode kernel where M <=
+32; dequantize + cuBLAS; cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers;
+built in the background, timed in a second pass beside the CUDA kernel's best config again). The ceiling per
+cell: max(weight bytes at the copy bandwidth measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of
+the CUDA kernel's output against the fp32 reference on every cell.
+
+    PYTHONPATH=src python3 bench/bench_sm90_gemm.py [--shapes 7168x7168,...] [--ms 16,64] [--peers .peers]
+"""
+
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
+from bench_wgmma import PEAK_BF16, _weights  # noqa: E402
+
+
+def _time(fns: list, est_ms: float = 0.05) -> float:
+    return graph_ms(fns, est_ms) * 1e3
+
+
+def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    chunks = -(-k // 128)
+    bts = [b for b in sm90.TOKEN_TILES if min(m, 128) <= b <= max(16, 2 * m)]
+    out = []
+    for bt in bts:
+        for nwg in (1, 2):
+            for split in (1, 2, 4, 7, 8):
+                if chunks % split:
+                    continue
+                for stages in (3, 4, 6, 8):
+                    if nwg == 2 and bt > 128:
+                        continue
+                    if sm90.smem_bytes(bt, nwg, stages) <= sm90.SMEM_LIMIT:
+                        out.append((bt, nwg, split, stages))
+    return out
+
+
+def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
+    from k3run.kernels.nvfp4_gemm import GemmConfig, choose_config, nvfp4_linear, sm_count
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
+
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ wd.t()
+
+    def cuda(cfg):
+        return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
+                for w in ws]  # fmt: skip
+
+    y = cuda(None)[0]()
+    r = {"shape": f"{n}x{k}", "m": m, "flops": 2 * m * n * k, "cfg": sm90.sm90_config(m, n, k, sm_count(0))}
+    r["err"] = float((y.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    r["cuda"] = _time(cuda(None))
+    best = (r["cuda"], r["cfg"])
+    for cfg in sweep:
+        try:
+            t = _time(cuda(cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
+            print(f"  config {cfg}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if verbose:
+            print(f"  config {cfg}: {t:8.1f} us")
+        if t < best[0]:
+            best = (t, cfg)
+    r["best"], r["best_cfg"] = best
+    r["gluon"] = _time(
+        [lambda w=w: nvfp4_wgmma_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n) for w in ws]
+    )
+    if m <= 32:
+        dcfg = choose_config(m, n, k, sm_count(0))  # the decode kernel (no wgmma)
+        r["decode"] = _time([lambda w=w: nvfp4_linear(x, w, config=dcfg) for w in ws])
+    r["dequant"] = _time([lambda w=w: nvfp4_linear(x, w, config=GemmConfig(dequant_mm=True)) for w in ws])
+    r["cublas"] = _time([lambda w=w: x @ w.t() for w in wb])
+    wbytes = n * k * (0.5 + 1 / 16)
+    r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
+    print(
+        f"{n:>5}x{k:<5} M={m:<4} cuda {r['cuda']:7.1f} {r['cfg']} best {best[0]:7.1f} {best[1]} "
+        f"gluon {r['gluon']:7.1f} decode {r.get('decode', float('nan')):7.1f} dequant {r['dequant']:7.1f} "
+        f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}",
+        flush=True,
+    )
+    return r
+
+
+def _marlin_pass(peers: str, shapes, rows: list[dict]) -> None:
+    sys.path.insert(0, peers)
+    import gemm_peers
+    import marlin_build
+
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    mod, info = marlin_build.load()
+    print("marlin build:", {k_: v for k_, v in info.items() if k_ != "attempts"})
+    if mod is None:
+        return
+    for n, k in shapes:
+        c = gemm_peers.setup_marlin(
+            gemm_peers.weight_for(n, k), copies_for(n * k * 0.5), mod, info["stream_arg"]
+        )
+        _, _, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
+        for r in rows:
+            if r["shape"] != f"{n}x{k}" or r["m"] > 256:
+                continue
+            xh = torch.randn(r["m"], k, device="cuda").to(torch.float16)
+            xb = xh.to(torch.bfloat16)
+            r["marlin"] = _time([lambda cp=cp, xh=xh, c=c: c.run(xh, cp) for cp in c.copies])
+            r["cuda2"] = _time([
+                lambda w=w, xb=xb, cfg=r["best_cfg"]: sm90.nvfp4_sm90_gemm(
+                    xb, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
+                for w in ws
+            ])  # fmt: skip
+            r["cuda2_default"] = _time([
+                lambda w=w, xb=xb: sm90.nvfp4_sm90_gemm(xb, w.weight, w.scale_bits, w.global_scale, k, n)
+                for w in ws
+            ])  # fmt: skip
+        del c, ws
+
+
+def main() -> None:
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="7168x7168,12288x7168,7168x12288")
+    ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
+    ap.add_argument("--peers", default="")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    build = None
+    if args.peers:
+        log = open(Path(os.environ.get("OUT", "/tmp")) / "marlin_build.log", "w")
+        build = subprocess.Popen(
+            [sys.executable, str(Path(args.peers) / "marlin_build.py")], stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, MAX_JOBS="4"),
+        )  # fmt: skip
+    import time
+
+    t0 = time.time()
+    ok = sm90.available()
+    print(f"sm90 CUDA GEMM available: {ok} ({time.time() - t0:.1f} s incl. build) {sm90._error or ''}")
+    if not ok:
+        return
+    copy_tbs = copy_bandwidth()
+    print(
+        f"{torch.cuda.get_device_name()}, copy {copy_tbs:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s"
+    )
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    rows = []
+    for n, k in shapes:
+        w, wd, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
+        wb = [w.to(torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for m in ms:
+            sweep = [] if args.no_sweep or m > 256 else _sweep(m, n, k)
+            rows.append(_cell(n, k, m, wd, ws, wb, copy_tbs, sweep, args.verbose))
+        del ws, wb
+        torch.cuda.empty_cache()
+    if build is not None:
+        build.wait()
+        _marlin_pass(args.peers, shapes, rows)
+    print()
+    print(
+        "| N x K | M | CUDA default (config) | CUDA best (config) | Gluon wgmma | decode | dequant+cuBLAS | "
+        "cuBLAS bf16 | Marlin (CUDA best / default, same pass) | ceiling | x Marlin | x cuBLAS | x Gluon | "
+        "TFLOP/s | rel RMS |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mar = f"{r['marlin']:.1f} ({r['cuda2']:.1f} / {r['cuda2_default']:.1f})" if "marlin" in r else "-"
+        xm = f"{r['marlin'] / r['cuda2']:.2f}" if "marlin" in r else "-"
+        print(
+            f"| {r['shape']} | {r['m']} | {r['cuda']:.1f} {r['cfg']} | {r['best']:.1f} {r['best_cfg']} | "
+            f"{r['gluon']:.1f} | {r.get('decode', float('nan')):.1f} | {r['dequant']:.1f} | "
+            f"{r['cublas']:.1f} | {mar} | {r['ceiling']:.1f} | {xm} | {r['cublas'] / r['best']:.2f} | "
+            f"{r['gluon'] / r['best']:.2f} | "
+            f"{r['flops'] / r['best'] / 1e6:.0f} | {r['err']:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,491 @@
+// NVFP4 W4A16 GEMM for Hopper (sm_90a) in CUDA C++: y[M, N] = x[M, K] @ (e2m1(W) * s)^T * gs (+ bias).
+// Token tiles BT 16..256; two consumer warpgroups up to BT 128 (at 256 their 128 accumulators, two A sets and
+// the decode do not fit 232 registers: ptxas serializes the wgmma, C7512).
+//
+// Why CUDA C++ (bench/NOTES.md): the Gluon kernel (wgmma.py) cannot keep a chunk's wgmma in flight while the
+// next chunk decodes into registers (its operand copies are not the registers the HGMMA reads: a constant
+// trip count races, a runtime one is serialized by ptxas). Here the two A-operand register sets are arrays
+// this code owns, and the SASS check in tests/kernels/test_nvfp4_cuda.py pins that no instruction writes an
+// in-flight operand register.
+//
+// The product is the swapped one of the Gluon kernel: acc[n, t] = sum_k W[n, k] x[t, k]; the weights are
+// wgmma's A operand (64 rows per consumer warpgroup), a tile of BT tokens its B operand (K-major, 128-byte
+// swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and one producer warpgroup whose one
+// thread issues bulk copies (cp.async.bulk, completion on an mbarrier) into a ring of STAGES slots; a slot
+// holds one 128-wide K chunk: x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the tiled128
+// words of NWG * 4 16-row blocks (1 KB each) and their scale bytes (128 B each).
+// Consumer thread (warp w of its warpgroup, lane = 4g + t) owns weight rows 16w + g and 16w + g + 8 and words
+// 4t..4t+3 of each: two 16-byte shared loads per chunk. Word 4t + b decodes (the decode kernels' shift
+// decoder, tile.word_asm) into the pairs of physical k = 16t + 4b + 2p + e (low half of the chunk, p = 0, 1)
+// and 64 + the same (high half): the A registers of k-step b (and 4 + b) at operand position 16b + 8p + 2t
+// + e, so x's columns are permuted the same way (`rs_columns` in wgmma.py) and the product is unchanged.
+// Per chunk: wait for the slot, decode into the free A set, fence, 8 async wgmma (m64nBTk16), commit, wait
+// until only this chunk's group is in flight (so the previous chunk's A set and slot are free), release the
+// previous slot. Epilogue: gs * 2^7 (the decoder's weights are e2m1 * s * 2^-7), bias, one rounding.
+// Split-K: fp32 partials per consumer thread; the last CTA of a tile (an acq_rel counter) sums them in
+// split order, finishes the tile and resets the counter.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace k3w {
+
+constexpr int CHUNK = 128;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// Spins on an mbarrier phase; a wait past ~2^31 polls (far beyond any copy or wgmma: seconds) traps, so a
+// protocol error fails the launch ("unspecified launch failure") instead of hanging the GPU.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  uint32_t polls = 0;
+  do {
+    if (++polls == 0x80000000u) __trap();
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// consumer warpgroups only (named barrier 1; the producer warpgroup never joins it)
+__device__ __forceinline__ void consumer_sync(int threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+
+// K-major B operand in the 128-byte swizzle: rows of 128 B, 8-row atoms 1024 B apart (SBO), LBO unused.
+__device__ __forceinline__ uint64_t b_desc(const void* p) {
+  uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// The scale pair of a thread's 4 words (low nibbles' E4M3 scale in the low byte): (sl, sh) = each scale
+// times 2^119 (bf16) or 2^7 (fp16) duplicated in both halves (tile.word_asm's scale asm).
+template <bool BF16>
+__device__ __forceinline__ void scale_pair(uint32_t s16, uint32_t& sl, uint32_t& sh) {
+  uint32_t sc;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(sc) : "r"(s16));
+  sc = BF16 ? (sc >> 3) + 0x73807380u : sc + 0x1C001C00u;
+  sl = (sc & 0xFFFFu) * 0x10001u;
+  sh = (sc >> 16) * 0x10001u;
+}
+
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b, bool bf16) {
+  uint32_t d;
+  if (bf16)
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// One tiled128 word -> its 4 packed pairs (TILED_PAIR_BITS: pair j's sign and magnitude placed for shifts).
+template <bool BF16>
+__device__ __forceinline__ void decode_word(uint32_t q, uint32_t sl, uint32_t sh, uint32_t (&o)[4]) {
+  if (BF16) {
+    o[0] = q & 0x81C081C0u;
+    o[1] = (q << 6) & 0x81C081C0u;
+    o[2] = ((q << 5) & 0x80008000u) | ((q << 3) & 0x01C001C0u);
+    o[3] = ((q << 4) & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
+  } else {
+    o[0] = (q & 0x80008000u) | ((q << 3) & 0x0E000E00u);
+    o[1] = ((q << 6) & 0x80008000u) | ((q << 9) & 0x0E000E00u);
+    o[2] = ((q << 5) & 0x80008000u) | ((q << 6) & 0x0E000E00u);
+    o[3] = ((q << 4) & 0x80008000u) | ((q >> 3) & 0x0E000E00u);
+  }
+  o[0] = mul2(o[0], sl, BF16);
+  o[1] = mul2(o[1], sl, BF16);
+  o[2] = mul2(o[2], sh, BF16);
+  o[3] = mul2(o[3], sh, BF16);
+}
+
+template <int BT, bool BF16>
+struct Wgmma;
+
+//@@WGMMA@@
+
+template <int BT, int NWG>
+struct Smem {
+  static constexpr int X = 2 * BT * 128;  // one slot's x: two 64-column halves of BT rows, 128 B each
+  static constexpr int W = NWG * 4 * 1024;
+  static constexpr int S = NWG * 4 * 128;
+  static constexpr int per_stage = X + W + S;
+  static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
+};
+
+struct Ring {
+  uint8_t* xs;
+  uint8_t* wsm;
+  uint8_t* ssm;
+  uint64_t* full;
+  uint64_t* empty;
+  int stages, w_off0, w_off1, s_off0, s_off1, lane;
+};
+
+// Chunk c on the consumer side, decoding into the A set `a` (the other set may still be read by chunk c - 1's
+// wgmma): wait for the slot, decode, issue, keep only this chunk's group in flight, release chunk c - 1's slot.
+template <int BT, int NWG, bool BF16>
+__device__ __forceinline__ void consume(const Ring& r, int c, float (&acc)[BT / 2], uint32_t (&a)[32]) {
+  using SM = Smem<BT, NWG>;
+  const int st = c % r.stages;
+  mbar_wait(&r.full[st], (c / r.stages) & 1);
+  const uint8_t* wb = r.wsm + st * SM::W;
+  const uint8_t* sb = r.ssm + st * SM::S;
+  const uint4 q0 = *reinterpret_cast<const uint4*>(wb + r.w_off0);
+  const uint4 q1 = *reinterpret_cast<const uint4*>(wb + r.w_off1);
+  const uint32_t s0 = *reinterpret_cast<const uint16_t*>(sb + r.s_off0);
+  const uint32_t s1 = *reinterpret_cast<const uint16_t*>(sb + r.s_off1);
+  uint32_t sl0, sh0, sl1, sh1;
+  scale_pair<BF16>(s0, sl0, sh0);
+  scale_pair<BF16>(s1, sl1, sh1);
+  const uint32_t qa[4] = {q0.x, q0.y, q0.z, q0.w};
+  const uint32_t qb[4] = {q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    uint32_t d0[4], d1[4];
+    decode_word<BF16>(qa[b], sl0, sh0, d0);
+    decode_word<BF16>(qb[b], sl1, sh1, d1);
+    // k-step b (the chunk's low 64 columns) and 4 + b (high): {row g p0, row g+8 p0, row g p1, row g+8 p1}
+    a[4 * b + 0] = d0[0];
+    a[4 * b + 1] = d1[0];
+    a[4 * b + 2] = d0[1];
+    a[4 * b + 3] = d1[1];
+    a[16 + 4 * b + 0] = d0[2];
+    a[16 + 4 * b + 1] = d1[2];
+    a[16 + 4 * b + 2] = d0[3];
+    a[16 + 4 * b + 3] = d1[3];
+  }
+  fence_regs(a);
+  fence_regs(acc);
+  wgmma_fence();
+  const uint8_t* xb = r.xs + st * SM::X;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint64_t desc = b_desc(xb + (k / 4) * (BT * 128) + (k % 4) * 32);
+    Wgmma<BT, BF16>::mma(acc, a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3], desc);
+  }
+  wgmma_commit();
+  wgmma_wait<1>();  // the previous chunk's group is done: its A set and its slot are free
+  fence_regs(acc);
+  if (c > 0) {
+    __syncwarp();
+    if (r.lane == 0) mbar_arrive(&r.empty[(c - 1) % r.stages]);
+  }
+}
+
+template <int BT, int NWG, bool BF16>
+__global__ void __launch_bounds__((NWG + 1) * 128, 1)
+    w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
+                 const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
+                 int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
+                 int nch, int stages) {
+  using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
+  using SM = Smem<BT, NWG>;
+  constexpr int ACC = BT / 2;
+  extern __shared__ uint8_t smem_raw[];  // no static shared memory: all of it counts toward the 227 KB
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* xs = smem;                             // stages * X (each 1024-aligned)
+  uint8_t* wsm = xs + stages * SM::X;             // stages * W
+  uint8_t* ssm = wsm + stages * SM::W;            // stages * S
+  uint64_t* full = reinterpret_cast<uint64_t*>(ssm + stages * SM::S);
+  uint64_t* empty = full + stages;
+  int& last_flag = *reinterpret_cast<int*>(empty + stages);
+
+  const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
+  const int pid = blockIdx.x;
+  const int pid_n = pid % n_tiles;
+  const int pid_t = pid / n_tiles;
+  const int c0 = blockIdx.y * nch;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], NWG * 4);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == NWG) {  // ---- producer warpgroup: one thread issues every copy
+    if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == NWG * 128) {
+      const int rb0 = pid_n * NWG * 4;
+      const int nrb = min(NWG * 4, row_blocks - rb0);
+      const uint32_t bytes = SM::X + nrb * (1024 + 128);
+      const uint8_t* xsrc = xt + (size_t(pid_t) * CH + c0) * SM::X;
+      for (int c = 0; c < nch; ++c) {
+        const int st = c % stages;
+        if (c >= stages) mbar_wait(&empty[st], ((c / stages) & 1) ^ 1);
+        mbar_expect_tx(&full[st], bytes);
+        bulk_g2s(xs + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, &full[st]);
+        for (int rb = 0; rb < nrb; ++rb) {
+          const size_t blk = size_t(rb0 + rb) * CH + c0 + c;
+          bulk_g2s(wsm + st * SM::W + rb * 1024, w + blk * 1024, 1024, &full[st]);
+          bulk_g2s(ssm + st * SM::S + rb * 128, s + blk * 128, 128, &full[st]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  if constexpr (NWG > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int rb = wg * 4 + warp;  // this warp's 16-row block within the CTA
+  const int w_off0 = rb * 1024 + g * 64 + t * 16;
+  const int w_off1 = w_off0 + 8 * 64;
+  const int s_off0 = rb * 128 + g * 8 + 4 * (t & 1) + 2 * (t >> 1);
+  const int s_off1 = s_off0 + 8 * 8;
+
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+  uint32_t a0[32], a1[32];
+
+  const Ring ring{xs, wsm, ssm, full, empty, stages, w_off0, w_off1, s_off0, s_off1, lane};
+  // pairs of chunks, then an odd chunk count's last one: a conditional second half inside the loop made ptxas
+  // serialize every wgmma (C7513)
+  int c = 0;
+  for (; c + 1 < nch; c += 2) {
+    consume<BT, NWG, BF16>(ring, c, acc, a0);
+    consume<BT, NWG, BF16>(ring, c + 1, acc, a1);
+  }
+  if (c < nch) consume<BT, NWG, BF16>(ring, c, acc, a0);
+  wgmma_wait<0>();
+  fence_regs(acc);
+
+  // ---- epilogue
+  const int nthreads = NWG * 128;
+  const int ctid = threadIdx.x;  // consumer thread index 0 .. NWG*128-1
+  if (gridDim.y > 1) {
+    const int tiles = gridDim.x;
+    float* mine = ws + ((size_t(blockIdx.y) * tiles + pid) * nthreads + ctid) * ACC;
+#pragma unroll
+    for (int i = 0; i < ACC; i += 4)
+      *reinterpret_cast<float4*>(mine + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    __threadfence();
+    consumer_sync(nthreads);
+    if (ctid == 0) last_flag = atomicAdd(&cnt[pid], 1) == int(gridDim.y) - 1;
+    consumer_sync(nthreads);
+    if (!last_flag) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+    for (int sk = 0; sk < int(gridDim.y); ++sk) {
+      const float* part = ws + ((size_t(sk) * tiles + pid) * nthreads + ctid) * ACC;
+#pragma unroll
+      for (int i = 0; i < ACC; i += 4) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(part + i));
+        acc[i] += v.x;
+        acc[i + 1] += v.y;
+        acc[i + 2] += v.z;
+        acc[i + 3] += v.w;
+      }
+    }
+    if (ctid == 0) cnt[pid] = 0;
+  }
+  T* out = reinterpret_cast<T*>(y);
+  const T* bp = reinterpret_cast<const T*>(bias);
+  const int row_base = pid_n * NWG * 64 + wg * 64 + warp * 16 + g;
+  const int tok_base = pid_t * BT + 2 * t;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = row_base + 8 * h;
+    if (n >= N) continue;
+    const float scale = (per_col_gs ? gs[n] : gs[0]) * 128.0f;
+    const float bv = bp ? float(bp[n]) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = tok_base + 8 * i + e;
+        if (tok < M) out[size_t(tok) * ldy + n] = T(acc[4 * i + 2 * h + e] * scale + bv);
+      }
+    }
+  }
+}
+
+// x [M, K] (row stride ldx, 4-byte aligned rows) -> xt [t_tiles][CH][2][BT][64]: each 64-column half of a
+// chunk in the A registers' column order (operand position 16b + 8p + 2t + e holds column 16t + 4b + 2p + e),
+// stored in the 128-byte swizzle (16-byte unit u of row r at u ^ (r % 8)); rows past M and columns past K 0.
+template <typename T>
+__global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, int BT, int CH, T* __restrict__ xt,
+                              int total_units) {
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total_units) return;
+  const int u = idx % 8;  // stored 16-byte unit of the row
+  int rest = idx / 8;
+  const int r = rest % BT;
+  rest /= BT;
+  const int h = rest % 2;
+  rest /= 2;
+  const int c = rest % CH;
+  const int tt = rest / CH;
+  const int lu = u ^ (r % 8);
+  const int b = lu >> 1, p = lu & 1;
+  const int row = tt * BT + r;
+  uint32_t v[4] = {0, 0, 0, 0};
+  if (row < M) {
+    const T* src = x + size_t(row) * ldx;
+#pragma unroll
+    for (int tq = 0; tq < 4; ++tq) {
+      const int col = c * CHUNK + h * 64 + 16 * tq + 4 * b + 2 * p;
+      if (col < K) v[tq] = *reinterpret_cast<const uint32_t*>(src + col);
+    }
+  }
+  *reinterpret_cast<uint4*>(xt + size_t(idx) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+}  // namespace k3w
+
+#ifndef K3W_STANDALONE
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/extension.h>
+
+namespace k3w {
+
+template <int BT, int NWG, bool BF16>
+static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
+                   const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
+                   const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
+                   int stages, int t_tiles, cudaStream_t stream) {
+  auto kern = w4a16_kernel<BT, NWG, BF16>;
+  const int smem = Smem<BT, NWG>::bytes(stages);
+  static int configured = 0;
+  if (configured < smem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = smem;
+  }
+  const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
+  dim3 grid(n_tiles * t_tiles, split);
+  kern<<<grid, (NWG + 1) * 128, smem, stream>>>(
+      xt.data_ptr<uint8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), gs.data_ptr<float>(),
+      gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
+      split > 1 ? ws.data_ptr<float>() : nullptr, split > 1 ? cnt.data_ptr<int>() : nullptr, M, N,
+      int(w.size(0) / 16), CH, CH / split, stages);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace k3w
+
+int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages) {
+#define K3W_SMEM(B, G) \
+  if (bt == B && nwg == G) return k3w::Smem<B, G>::bytes(int(stages));
+  K3W_SMEM(16, 1) K3W_SMEM(32, 1) K3W_SMEM(64, 1) K3W_SMEM(128, 1) K3W_SMEM(256, 1)
+  K3W_SMEM(16, 2) K3W_SMEM(32, 2) K3W_SMEM(64, 2) K3W_SMEM(128, 2)
+#undef K3W_SMEM
+  return -1;
+}
+
+torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w4a16_prep_x: x must be 2-D with unit stride along K");
+  TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
+              "w4a16_prep_x: x rows must be 4-byte aligned");
+  const int M = x.size(0), K = x.size(1);
+  const int t_tiles = (M + bt - 1) / bt;
+  auto xt = torch::empty({t_tiles, chunks, 2, bt, 64}, x.options());
+  const int units = t_tiles * chunks * 2 * bt * 8;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int threads = 256;
+  if (x.scalar_type() == at::kBFloat16)
+    k3w::prep_x_kernel<__nv_bfloat16><<<(units + threads - 1) / threads, threads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), int(x.stride(0)), M, K, int(bt), int(chunks),
+        reinterpret_cast<__nv_bfloat16*>(xt.data_ptr()), units);
+  else
+    k3w::prep_x_kernel<__half><<<(units + threads - 1) / threads, threads, 0, stream>>>(
+        reinterpret_cast<const __half*>(x.data_ptr()), int(x.stride(0)), M, K, int(bt), int(chunks),
+        reinterpret_cast<__half*>(xt.data_ptr()), units);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return xt;
+}
+
+void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
+                c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
+                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages) {
+  const int CH = xt.size(1), t_tiles = xt.size(0);
+  TORCH_CHECK(CH % split == 0, "w4a16_gemm: split_k ", split, " must divide the ", CH, " chunks");
+  const bool bf16 = y.scalar_type() == at::kBFloat16;
+  auto stream = at::cuda::getCurrentCUDAStream();
+#define K3W_CASE(B, G)                                                                                         \
+  if (bt == B && nwg == G) {                                                                                   \
+    if (bf16)                                                                                                  \
+      k3w::launch<B, G, true>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, stream);      \
+    else                                                                                                       \
+      k3w::launch<B, G, false>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, stream);     \
+    return;                                                                                                    \
+  }
+  K3W_CASE(16, 1) K3W_CASE(32, 1) K3W_CASE(64, 1) K3W_CASE(128, 1) K3W_CASE(256, 1)
+  K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2)
+#undef K3W_CASE
+  TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups");
+}
+#endif
+
+#ifdef K3W_STANDALONE
+// Every kernel instantiated, for a compile without torch (tests/kernels/test_nvfp4_sm90.py reads its SASS).
+#define K3W_INST(B, G, F)                                                                                    \
+  template __global__ void k3w::w4a16_kernel<B, G, F>(const uint8_t*, const uint8_t*, const uint8_t*,      \
+                                                       const float*, int, const void*, void*, int, float*,  \
+                                                       int*, int, int, int, int, int, int);
+K3W_INST(16, 1, true) K3W_INST(32, 1, true) K3W_INST(64, 1, true) K3W_INST(128, 1, true) K3W_INST(256, 1, true)
+K3W_INST(16, 2, true) K3W_INST(32, 2, true) K3W_INST(64, 2, true) K3W_INST(128, 2, true)
+K3W_INST(64, 2, false) K3W_INST(128, 2, false)
+template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
+                                                            __nv_bfloat16*, int);
+#undef K3W_INST
+#endif

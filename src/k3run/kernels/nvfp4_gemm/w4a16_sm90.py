@@ -1,0 +1,203 @@
+"""The CUDA C++ NVFP4 W4A16 GEMM for sm_90 (w4a16_sm90.cu): built at first use, the Gluon kernel its fallback.
+
+`nvfp4_sm90_gemm(x, weight, scale_u8, global_scale, k, n, bias)` computes what `wgmma.nvfp4_wgmma_gemm` does
+(the same tiled128 weight, the same roundings: exact decoded weights, fp32 tensor-core sums, split-K partials
+added in a fixed order, one rounding to x's dtype) in two launches: `prep_x` writes x's columns in the A
+registers' order into swizzled [BT, 64] tiles, then the warp-specialized kernel (the .cu file's header says
+how it keeps a chunk's wgmma in flight while the next chunk decodes).
+
+The extension is compiled once per machine by torch.utils.cpp_extension (nvcc, -gencode for sm_90a; ~1-2
+minutes) and cached in torch's extension directory; `available()` is False where it cannot be built or the
+device is not sm_90, and the callers keep the Gluon kernel then.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("w4a16_sm90.cu")
+TOKEN_TILES = (16, 32, 64, 128, 256)
+WARPGROUPS = (1, 2)  # consumer warpgroups a CTA: 64 weight rows each (two up to BT 128, .cu header)
+SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's dynamic shared memory
+
+
+def wgmma_wrappers() -> str:
+    """The `Wgmma<BT, BF16>::mma` specializations: one asm statement per token tile and dtype (BT / 2 fp32
+    accumulators, the 4 A registers, the B descriptor; scale-d 1, no B transpose)."""
+    out = []
+    for bt in TOKEN_TILES:
+        nacc = bt // 2
+        for bf16 in (True, False):
+            ty = "bf16" if bf16 else "f16"
+            d = ", ".join(f"%{i}" for i in range(nacc))
+            a = ", ".join(f"%{nacc + i}" for i in range(4))
+            outs = ", ".join(f'"+f"(d[{i}])' for i in range(nacc))
+            out.append(
+                f"template <>\nstruct Wgmma<{bt}, {'true' if bf16 else 'false'}> {{\n"
+                f"  __device__ __forceinline__ static void mma(float (&d)[{nacc}], uint32_t a0, uint32_t a1, "
+                "uint32_t a2, uint32_t a3, uint64_t desc) {\n"
+                f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{bt}k16.f32.{ty}.{ty} {{{d}}}, {{{a}}}, '
+                f'%{nacc + 4}, 1, 1, 1, 0;"\n'
+                f"                 : {outs}\n"
+                '                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));\n'
+                "  }\n};\n"
+            )
+    return "\n".join(out)
+
+
+def cuda_source() -> str:
+    """The .cu file with its generated wgmma wrappers in place."""
+    return SOURCE.read_text().replace("//@@WGMMA@@", wgmma_wrappers())
+
+
+_module = None
+_error: str | None = None
+
+
+def _build():
+    from torch.utils.cpp_extension import load_inline
+
+    from k3run.kernels.cpu_simd import _clear_stale_build_lock
+
+    name = "k3run_w4a16_sm90"
+    _clear_stale_build_lock(name)
+    log.info("building the sm_90 NVFP4 GEMM (once per machine, ~1-2 min; cached after)")
+    decls = (
+        "int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages);\n"
+        "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
+        "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
+        "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
+        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages);\n"
+    )
+    return load_inline(
+        name=name,
+        cpp_sources=decls,
+        cuda_sources=cuda_source(),
+        functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"],
+        verbose=False,
+    )
+
+
+def enabled() -> bool:
+    """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
+    (read once) until its GPU tests and timings are in bench/RESULTS.md; the Gluon kernel otherwise."""
+    return _ENABLED
+
+
+_ENABLED = os.environ.get("K3RUN_SM90_CUDA", "0") == "1"
+
+
+def available(device: torch.device | None = None) -> bool:
+    """sm_90 and the extension built (building it on the first call)."""
+    global _module, _error
+    if _error is not None or not torch.cuda.is_available():
+        return False
+    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        return False
+    if _module is None:
+        try:
+            _module = _build()
+        except Exception as e:  # no nvcc, an old toolchain: the Gluon kernel instead
+            _error = f"{type(e).__name__}: {e}"
+            log.warning("the sm_90 CUDA NVFP4 GEMM could not be built; the Gluon kernel: %s", _error[:2000])
+            return False
+    return True
+
+
+def smem_bytes(bt: int, nwg: int, stages: int) -> int:
+    """Dynamic shared memory of a CTA (mirrors Smem<BT, NWG>::bytes in the .cu file)."""
+    per_stage = 2 * bt * 128 + nwg * 4 * (1024 + 128)
+    return 1024 + stages * per_stage + 2 * stages * 8 + 16
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@functools.cache
+def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs: one token tile
+    of the smallest BT >= M up to 256 (larger M: 128-token tiles), two consumer warpgroups (128 weight rows a
+    CTA; one at BT 256), the smallest split_k dividing the chunks that gives every SM a CTA (one CTA an SM:
+    the kernel holds its registers and most of the shared memory), and the deepest ring that fits (<= 8
+    slots)."""
+    chunks = -(-k // 128)
+    bt = next((b for b in TOKEN_TILES if b >= m), 128)
+    nwg = 2 if bt <= 128 else 1
+    tiles = -(-n // (64 * nwg)) * -(-m // bt)
+    split = next((d for d in _divisors(chunks) if tiles * d >= sms or d * 2 > chunks), chunks)
+    if tiles * split > sms:  # past one wave: the largest split that stays in it, if any
+        within = [d for d in _divisors(chunks) if tiles * d <= sms]
+        split = max(within) if within else 1
+    stages = 2
+    while stages < 8 and stages < chunks // split + 2 and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT:
+        stages += 1
+    return bt, nwg, split, stages
+
+
+def nvfp4_sm90_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    k: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
+    tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
+    config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks, stages >= 2);
+    default `sm90_config`. Call `available(x.device)` first."""
+    from .gluon_gemv import _counters
+    from .tile import _check_tiled
+
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"nvfp4 sm90 gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    if _module is None:
+        raise RuntimeError("nvfp4 sm90 gemm: call available() first")
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    _check_tiled(weight, scale_u8, global_scale, k, n, n_pad, k_pad, "nvfp4 sm90 gemm")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous() or bias.dtype != x.dtype):
+        raise ValueError(f"nvfp4 sm90 gemm: bias must be contiguous {x.dtype} [{n}], got {tuple(bias.shape)}")
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    from . import sm_count
+
+    chunks = k_pad // 128
+    bt, nwg, split, stages = config or sm90_config(m, n, k, sm_count(x.device.index or 0))
+    if (
+        bt not in TOKEN_TILES
+        or nwg not in WARPGROUPS
+        or (nwg == 2 and bt > 128)
+        or chunks % split
+        or stages < 2
+        or smem_bytes(bt, nwg, stages) > SMEM_LIMIT
+    ):
+        raise ValueError(f"nvfp4 sm90 gemm: bad config {(bt, nwg, split, stages)} for {chunks} chunks")
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    xt = _module.w4a16_prep_x(x, bt, chunks)
+    tiles = -(-n // (64 * nwg)) * xt.shape[0]
+    if split > 1:
+        ws = torch.empty((split * tiles * nwg * 128 * bt // 2,), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, tiles)
+    else:
+        ws = cnt = global_scale
+    _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, m, n, bt, nwg, split, stages)
+    return y

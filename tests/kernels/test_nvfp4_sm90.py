@@ -1,0 +1,337 @@
+"""The CUDA C++ NVFP4 GEMM for sm_90 (kernels/nvfp4_gemm/w4a16_sm90.cu) against the fp32 reference, and its
+sm_90a compile on the CPU (nvcc, when this machine has one).
+
+Error bound (elementwise, from the dtypes; test_nvfp4_tile.py's argument): the decoded weights are exact in
+16-bit floats, so every product x_k * w_k is exact in fp32 and the kernel and the reference differ only in the
+order of K fp32 additions (split-K adds one fixed-order level): |out - ref| <= 3 K u (|x| @ |W|^T) |gs| + one
+output ulp (the single rounding to the 16-bit output dtype).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3run.formats import dequantize_nvfp4
+from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
+from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
+from tests.kernels.test_nvfp4_wgmma import _loops, _sass_code, wgmma_register_hazards
+
+
+def _need_kernel():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    if not sm90.available():
+        pytest.fail(f"the sm_90 CUDA GEMM did not build: {sm90._error}")
+
+
+def _case(m, n, k, dtype, per_row, bias, config=None, seed=0):
+    from k3run.testing import assert_within
+
+    w, s, gs = _random_nvfp4(n, k, "cuda", per_row, seed=seed + m * 7 + n + k)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    g = torch.Generator(device="cuda").manual_seed(seed + m)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    out = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config)
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    if b is not None:
+        ref = ref + b.float()
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_within(f"sm90 gemm {m}x{n}x{k} {dtype} {config}", ref, out, _bound(x, wd, gs, ref, dtype))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 64, 100, 255, 300, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_odd_shapes(poison_empty, m: int, dtype: torch.dtype) -> None:
+    """Odd M (token tiles with rows past M; 300 and 1000 take several 128-token tiles), N not a multiple of
+    the CTA's rows (200: 208 tiled rows, the CTA's last row blocks absent), K = 336 (padded to 384),
+    per-row scales and a bias."""
+    _need_kernel()
+    _case(m, 200, 336, dtype, per_row=m % 2 == 0, bias=m in (17, 255, 300))
+    _case(m, 1024, 1024, dtype, per_row=False, bias=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [(16, 1, 1, 2), (32, 2, 2, 3), (64, 1, 3, 4), (64, 2, 6, 2), (128, 2, 2, 5), (128, 1, 1, 8),
+     (256, 1, 1, 3), (256, 1, 3, 2)],
+)  # fmt: skip
+def test_gpu_configs(poison_empty, config) -> None:
+    """Every token tile, one and two consumer warpgroups, split-K with 6, 3, 2 and 1 chunk per CTA (odd and
+    even chunk counts: the loop's pair and its tail), rings of 2 to 8 slots (deeper than the chunks too)."""
+    _need_kernel()
+    _case(150, 328, 720, torch.bfloat16, per_row=True, bias=True, config=config)
+    _case(40, 336, 768, torch.float16, per_row=False, bias=False, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_repeats_are_bit_identical() -> None:
+    """No race: ten calls of one split-K case (fixed-order partial sums) and of one unsplit case give the
+    same bits."""
+    _need_kernel()
+    w, s, gs = _random_nvfp4(1024, 2048, "cuda", False, seed=3)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(100, 2048, device="cuda").to(torch.bfloat16)
+    for cfg in [(128, 2, 8, 4), (128, 2, 1, 6)]:
+        outs = [
+            sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, 1024, config=cfg)
+            for _ in range(10)
+        ]
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), cfg
+
+
+@pytest.mark.gpu
+def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
+    """With K3RUN_SM90_CUDA=1, nvfp4_linear's choice for 17..256 rows on sm_90 runs this kernel; its output is
+    within the bound of the Gluon wgmma kernel's (the same products, summed in another order)."""
+    from k3run.kernels.nvfp4_gemm import choose_config, nvfp4_linear
+    from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
+
+    _need_kernel()
+    monkeypatch.setattr(sm90, "_ENABLED", True)
+    assert choose_config(64, 4096, 4096, wgmma=True).wgmma
+    w, s, gs = _random_nvfp4(4096, 4096, "cuda", False, seed=5)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    y = nvfp4_linear(x, tw)
+    y_gluon = nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 4096, 4096)
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    bound = 2 * _bound(x, wd, gs, ref, torch.bfloat16)
+    assert bool(((y.float() - y_gluon.float()).abs() <= bound).all())
+
+
+def test_refuses_bad_input_and_config() -> None:
+    w = torch.zeros(32, 64, dtype=torch.uint8)
+    s = torch.zeros(32, 8, dtype=torch.uint8)
+    gs = torch.ones(1)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        sm90.nvfp4_sm90_gemm(torch.zeros(4, 128), w, s, gs, 128, 32)
+
+
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(17, 7168, 7168), (64, 7168, 7168), (256, 12288, 7168), (256, 7168, 12288), (1000, 2048, 2304)],
+)
+def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None:
+    bt, nwg, split, stages = sm90.sm90_config(m, n, k, 132)
+    chunks = -(-k // 128)
+    assert bt in sm90.TOKEN_TILES and nwg in sm90.WARPGROUPS and chunks % split == 0 and stages >= 2
+    assert sm90.smem_bytes(bt, nwg, stages) <= sm90.SMEM_LIMIT
+    assert bt >= min(m, 128)
+
+
+def test_wrappers_cover_every_token_tile_and_dtype() -> None:
+    src = sm90.cuda_source()
+    assert "//@@WGMMA@@" not in src
+    for bt in sm90.TOKEN_TILES:
+        for ty in ("bf16", "f16"):
+            assert f"m64n{bt}k16.f32.{ty}.{ty} {{%0," in src
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for root in ("/usr/local/cuda/bin", "/usr/local/cuda-13.0/bin"):
+        if Path(root, name).exists():
+            return str(Path(root, name))
+    try:
+        import triton
+
+        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        return str(p) if p.exists() else None
+    except ImportError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def standalone_build(tmp_path_factory):
+    """The .cu file compiled for sm_90a without torch (every kernel instantiated): ptxas's report and SASS."""
+    nvcc, cuobjdump = _tool("nvcc"), _tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    d = tmp_path_factory.mktemp("sm90")
+    (d / "k.cu").write_text(sm90.cuda_source())
+    cmd = [nvcc, "-DK3W_STANDALONE", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+           "-Xptxas", "-v", "-o", str(d / "k.cubin"), str(d / "k.cu")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 and "Unsupported gpu architecture" in res.stderr:
+        pytest.skip(f"this nvcc cannot build sm_90a: {res.stderr[:200]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    sass = subprocess.run(
+        [cuobjdump, "-sass", str(d / "k.cubin")], capture_output=True, text=True, timeout=300
+    )
+    assert sass.returncode == 0, sass.stderr
+    return res.stderr + res.stdout, sass.stdout
+
+
+def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
+    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation."""
+    report, _ = standalone_build
+    assert "wgmma.mma_async instructions are serialized" not in report, report
+    assert re.findall(r"(\d+) bytes spill stores", report) and all(
+        v == "0" for v in re.findall(r"(\d+) bytes spill stores", report)
+    ), report
+    assert all(v == "0" for v in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
+def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> None:
+    """Inside each GEMM kernel's K loop: HGMMAs from registers, waited down to one group (0x1, never 0x0
+    inside the loop), and no instruction writes a register of an A operand still in flight."""
+    _, sass = standalone_build
+    kernels = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]
+    assert len(kernels) == 11
+    for f in kernels:
+        code = _sass_code(f)
+        assert wgmma_register_hazards(f) == [], f.split("\n")[0]
+        loops = [(lo, hi) for lo, hi in _loops(code) if any("HGMMA" in i for a, i in code if lo <= a <= hi)]
+        assert loops, f.split("\n")[0]
+        lo, hi = min(loops, key=lambda r: r[1] - r[0])  # the pair loop
+        body = [i for a, i in code if lo <= a <= hi]
+        waits = [i for i in body if "WARPGROUP.DEPBAR" in i]
+        assert waits and all(w.endswith("0x1") for w in waits), waits
+        assert sum("HGMMA" in i for i in body) == 16
+        assert all(re.search(r"HGMMA\.\S+\s+R\d+,\s+R\d+,", i) for i in body if "HGMMA" in i)
+
+
+# ---- the kernel's data movement, modelled on the CPU ------------------------------------------------------
+# Each formula below restates one line of w4a16_sm90.cu (prep_x_kernel's unit mapping, the producer's copy
+# addresses, the consumer's word / scale offsets and decode_word, the A-register fragment, the B descriptor's
+# 128-byte swizzle, the accumulator fragment and the epilogue's indices); wgmma itself is modelled by the PTX
+# ISA's fragment layouts. The model run on random data must equal the fp32 reference within the bound: a
+# wrong permutation, offset or swizzle in any of them moves values to other rows or columns.
+
+
+def _model_prep_x(x: torch.Tensor, bt: int, ch: int) -> torch.Tensor:
+    """prep_x_kernel: xt [t_tiles, CH, 2, BT, 64] (fp32 here) from x [M, K]."""
+    m, k = x.shape
+    tiles = -(-m // bt)
+    xt = torch.zeros(tiles * ch * 2 * bt * 8, 8)
+    idx = torch.arange(xt.shape[0])
+    u, rest = idx % 8, idx // 8
+    r, rest = rest % bt, rest // bt
+    h, rest = rest % 2, rest // 2
+    c, tt = rest % ch, rest // ch
+    lu = u ^ (r % 8)
+    b, p = lu >> 1, lu & 1
+    row = tt * bt + r
+    for tq in range(4):
+        col = c * 128 + h * 64 + 16 * tq + 4 * b + 2 * p
+        for e in range(2):
+            ok = (row < m) & (col + e < k)
+            v = x[row.clamp(max=m - 1), (col + e).clamp(max=k - 1)]
+            xt[:, 2 * tq + e] = torch.where(ok, v, torch.zeros_like(v))
+    return xt.reshape(tiles, ch, 2, bt, 64)
+
+
+def _model_decode_word(q: torch.Tensor, s16: torch.Tensor) -> list[torch.Tensor]:
+    """decode_word<bf16> after scale_pair: the 4 pairs of words q (int64 holding 32 bits) as fp32 [..., 2]."""
+    m32 = 0xFFFFFFFF
+    o = [
+        q & 0x81C081C0,
+        (q << 6) & 0x81C081C0,
+        ((q << 5) & 0x80008000) | ((q << 3) & 0x01C001C0),
+        ((q << 4) & 0x80008000) | ((q >> 6) & 0x01C001C0),
+    ]
+    lo_s, hi_s = s16 & 0xFF, (s16 >> 8) & 0xFF
+    scale = [torch.tensor(list(range(256)), dtype=torch.uint8).view(torch.float8_e4m3fn).float()[v.long()]
+             for v in (lo_s, hi_s)]  # fmt: skip
+    out = []
+    for j, w in enumerate(o):
+        w = w & m32
+        halves = torch.stack([w & 0xFFFF, w >> 16], -1).to(torch.int32) << 16
+        vals = halves.view(torch.float32)  # bf16 bits as fp32: e2m1 * 2^-126 (subnormal codes included)
+        # bf16 scale bits: cvt(e4m3 -> f16) >> 3 + 0x7380 = s * 2^119; product e2m1 * s * 2^-7
+        out.append(vals * (scale[0 if j < 2 else 1] * 2.0**119).unsqueeze(-1))
+    return out
+
+
+def _model_gemm(x, weight, scale_u8, gs, k, n, bt, nwg, split):
+    """y [M, n] fp32 as the kernel computes it (before the output rounding)."""
+    m = x.shape[0]
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    ch = k_pad // 128
+    xt = _model_prep_x(x.float(), bt, ch)
+    words = weight.view(torch.int32).reshape(-1).to(torch.int64) & 0xFFFFFFFF  # [N_pad/16, CH, 16, 16]
+    words = words.reshape(n_pad // 16, ch, 16, 16)
+    sbytes = scale_u8.reshape(n_pad // 16, ch, 16, 8).to(torch.int64)
+    n_tiles, t_tiles, nch = -(-n // (64 * nwg)), xt.shape[0], ch // split
+    y = torch.zeros(m, n)
+    g, t = torch.arange(32) // 4, torch.arange(32) % 4
+    for pid_n in range(n_tiles):
+        for pid_t in range(t_tiles):
+            for wg in range(nwg):
+                acc = torch.zeros(64, bt)  # rows = the warpgroup's weight rows, columns = tokens
+                for sk in range(split):
+                    for cc in range(nch):
+                        c = sk * nch + cc
+                        xs = xt[pid_t, c].reshape(2, bt * 128 // 2)  # the slot's two halves, flat in halves
+                        for warp in range(4):
+                            rb = pid_n * nwg * 4 + wg * 4 + warp
+                            if rb >= n_pad // 16:
+                                continue  # the producer copies no row block past the weight
+                            a = torch.zeros(8, 16, 16)  # k-step, row in warp, operand column k'
+                            for rows in (g, g + 8):
+                                q = words[rb, c, rows]  # [32, 16]: each lane's row
+                                q = torch.stack(
+                                    [q[i, 4 * t[i] : 4 * t[i] + 4] for i in range(32)]
+                                )  # its words 4t..4t+3
+                                sw = sbytes[rb, c, rows]  # [32, 8]
+                                pos = 4 * (t & 1) + 2 * (t >> 1)
+                                s16 = sw[torch.arange(32), pos] | (sw[torch.arange(32), pos + 1] << 8)
+                                for bb in range(4):
+                                    d = _model_decode_word(q[:, bb], s16)  # 4 x [32, 2]
+                                    # A regs of k-step bb: {R0 row g p0, R1 row g+8 p0, R2 row g p1, R3 ...}
+                                    for kstep, (p0, p1) in ((bb, (d[0], d[1])), (4 + bb, (d[2], d[3]))):
+                                        for i in range(32):
+                                            r = rows[i]
+                                            a[kstep, r, 2 * t[i] : 2 * t[i] + 2] = p0[i]
+                                            a[kstep, r, 8 + 2 * t[i] : 8 + 2 * t[i] + 2] = p1[i]
+                            for kstep in range(8):
+                                # B: token rows of the K-major 128B-swizzled half, 16 columns at 32 (k % 4)
+                                half = xs[kstep // 4].reshape(bt, 64)
+                                phys = torch.zeros(bt, 16)
+                                for kk in range(16):
+                                    lbyte = (kstep % 4) * 32 + kk * 2
+                                    unit, within = lbyte // 16, lbyte % 16
+                                    for tok in range(bt):
+                                        pu = unit ^ (tok % 8)
+                                        phys[tok, kk] = half[tok, pu * 8 + within // 2]
+                                acc[16 * warp : 16 * warp + 16] += a[kstep] @ phys.t()
+                # epilogue: thread (warp, g, t) holds d[4i + 2h + e] = acc[16 warp + g + 8h, 8i + 2t + e]
+                rows = pid_n * nwg * 64 + wg * 64 + torch.arange(64)
+                toks = pid_t * bt + torch.arange(bt)
+                rk, tk = rows < n, toks < m
+                gsv = gs if gs.numel() == 1 else gs[rows.clamp(max=n_pad - 1)]
+                out = acc * (gsv.reshape(-1, 1) if gs.numel() > 1 else gsv) * 128.0
+                y[toks[tk][:, None], rows[rk][None, :]] = out[rk][:, tk].t()
+    return y
+
+
+@pytest.mark.parametrize("m, n, k, bt, nwg, split", [(20, 200, 336, 32, 2, 1), (9, 144, 384, 16, 1, 3)])
+def test_model_of_the_kernel_indexing_matches_the_reference(m, n, k, bt, nwg, split) -> None:
+    """The numpy model of the kernel's layouts (above) against the fp32 reference: rows past M and N, the K
+    tail, a CTA whose last row blocks are absent, split-K over chunks, one and two warpgroups."""
+    from k3run.testing import assert_within
+
+    w, s, gs = _random_nvfp4(n, k, "cpu", True, seed=11)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = _model_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, bt, nwg, split)
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    assert_within(
+        f"sm90 model {m}x{n}x{k}", ref, y, 3 * k * 2.0**-24 * ((x.float().abs() @ wd.abs().t()) * gs)
+    )
