@@ -115,6 +115,10 @@ class Knobs:
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
         "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",
     )  # fmt: skip
+    sm90_cuda: bool = _knob(
+        "K3RUN_SM90_CUDA", _flag, False,
+        "CUDA sm_90: NVFP4 linears of 17..256 rows on the CUDA C++ GEMM (w4a16_sm90), not the Gluon one",
+    )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,
         "CUDA: a layer's independent branch on a second stream up to 16 rows (0: inline)",
