@@ -19,8 +19,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 from k3run.chat_output import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END  # noqa: E402
 from k3run.cli import default_model_dir  # noqa: E402
 from k3run.engine import EngineConfig, LLMEngine  # noqa: E402
+from k3run.engine.async_engine import AsyncRequest  # noqa: E402
 from k3run.engine.sequence import FinishReason, RequestOutput  # noqa: E402
-from k3run.serve import OpenAIServer, _Request, build_app  # noqa: E402
+from k3run.serve import OpenAIServer, build_app  # noqa: E402
 from k3run.tokenizer import load_tokenizer  # noqa: E402
 
 MODEL_DIR = default_model_dir()
@@ -76,8 +77,8 @@ class Scripted:
         self.prompts: list[list[int]] = []
         self._keys = itertools.count()
 
-    def submit(self, prompt_ids, params) -> _Request:
-        req = _Request(next(self._keys), prompt_ids, params, asyncio.get_running_loop())
+    def submit(self, prompt_ids, params) -> AsyncRequest:
+        req = AsyncRequest(next(self._keys), prompt_ids, params, asyncio.get_running_loop())
         self.prompts.append(prompt_ids)
         ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
         eos = self.tokenizer.token_to_id("<|im_end|>") or min(self.tokenizer.eos_token_ids)
@@ -315,7 +316,7 @@ def test_a_forced_tool_call_is_opened_in_the_prompt_and_held_to_its_schema(model
             joined, reason = _stream(client, **body)
             assert reason == "tool_calls" and joined["tool_calls"][0]["function"]["name"] == "set_mode"
             assert json.loads(joined["tool_calls"][0]["function"]["arguments"])["mode"] in ("on", "off")
-        cp = srv._chat_ids(body)
+        cp = srv.parser.chat_prompt(body)
         prompt = srv.tokenizer.decode(cp.ids, skip_special_tokens=False)
         assert prompt.endswith(f"{SECTION_BEGIN}{CALL_BEGIN}functions.set_mode:0{ARG_BEGIN}")
         assert json.loads(cp.json_schema) == MODE_TOOL["function"]["parameters"]
@@ -369,7 +370,7 @@ def test_tool_choice_required_holds_the_reply_to_calls_of_the_tools(model) -> No
                     greedy = call
             joined, reason = _stream(client, **body, temperature=0)
             assert reason == "tool_calls" and joined["tool_calls"] == [{"index": 0} | greedy]
-        cp = srv._chat_ids(body)
+        cp = srv.parser.chat_prompt(body)
         assert srv.tokenizer.decode(cp.ids, skip_special_tokens=False).endswith(SECTION_BEGIN)
         assert cp.parse.section_open and cp.structure is not None and cp.json_schema is None
     finally:

@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -258,11 +257,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
     # the shortest window's decode graphs and every prefill bucket before serving
     llm.engine.runner.warm_up_graphs(args.max_num_seqs, 1, args.max_num_batched_tokens)
-    from k3run.serve import OpenAIServer, build_app, follow
-
     if _rank() != 0:  # tensor parallel: rank 0 serves HTTP, the other ranks mirror its engine
+        from k3run.engine.async_engine import follow
+
         follow(llm.engine)
         return 0
+    from k3run.serve import OpenAIServer, build_app
 
     server = OpenAIServer(
         llm.engine,
@@ -353,15 +353,8 @@ def _heldout_text(args: argparse.Namespace, model_dir: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _windows(ids: list[int], window: int, max_tokens: int) -> list[list[int]]:
-    ids = ids[:max_tokens]
-    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
+    from k3run import eval as evaluation
     from k3run.tokenizer import load_tokenizer
 
     model_dir = _checkpoint_dir(args.dir, "DIR")
@@ -369,7 +362,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ref_dir = _checkpoint_dir(args.reference, "--reference") if args.reference else None
     text = _heldout_text(args, model_dir)
     tok = load_tokenizer(model_dir)
-    windows = _windows(tok.encode(text, add_special_tokens=False), args.window, args.max_tokens)
+    windows = evaluation.windows(tok.encode(text, add_special_tokens=False), args.window, args.max_tokens)
     if not windows:
         raise UserError("the held-out text encodes to fewer than 2 tokens")
     from k3run.api import load_model
@@ -382,113 +375,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(
             f"--reference vocab_size {ref.config.vocab_size} != {model.config.vocab_size}: not the same model"
         )
-    nll = {"model": 0.0, "ref": 0.0}
-    kl_sum, agree, count = 0.0, 0, 0
-    with torch.inference_mode():
-        for w in tqdm(windows, desc="eval", unit="window", file=sys.stderr, disable=args.no_progress):
-            ids = torch.tensor(w, dtype=torch.int64, device=device)
-            target = ids[1:]
-            logp = model.logits(ids)[:-1].float().log_softmax(-1)  # [T-1, vocab]
-            nll["model"] -= logp.gather(-1, target[:, None]).sum().item()
-            count += target.numel()
-            if ref is not None:
-                ref_logp = ref.logits(ids)[:-1].float().log_softmax(-1)
-                nll["ref"] -= ref_logp.gather(-1, target[:, None]).sum().item()
-                kl_sum += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
-    ppl = math.exp(nll["model"] / count)
-    print(f"held-out: {count} predicted tokens in {len(windows)} windows of <= {args.window}")
-    rows = [("checkpoint", "perplexity", "vs reference", "KL(ref||model)", "top-1 agreement")]
-    if ref is not None:
-        ref_ppl = math.exp(nll["ref"] / count)
-        rows.append((f"{ref_dir} (reference)", f"{ref_ppl:.4f}", "", "", ""))
-        rows.append(
-            (
-                str(model_dir),
-                f"{ppl:.4f}",
-                f"{100 * (ppl / ref_ppl - 1):+.2f}%",
-                f"{kl_sum / count:.5f}",
-                f"{100 * agree / count:.2f}%",
-            )
-        )
-    else:
-        rows.append((str(model_dir), f"{ppl:.4f}", "", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip())
+    result = evaluation.evaluate(model, windows, device, ref, progress=not args.no_progress)
+    print("\n".join(evaluation.report(result, str(model_dir), str(ref_dir), args.window)))
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from k3run.engine import SamplingParams
+    from k3run.bench import report, run_bench
 
     model_dir = _checkpoint_dir(args.dir, "DIR")
     max_bs = max(args.batch_sizes)
     llm = _load_llm(
         args, model_dir, max_bs, args.prompt_len + args.decode_tokens + 1, max_bs * args.prompt_len
     )
-    engine = llm.engine
-    vocab = engine.tokenizer.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
-    sync = torch.cuda.synchronize if engine.cache.device.type == "cuda" else (lambda: None)
-    total_steps = sum(1 + args.decode_tokens - 1 for _ in args.batch_sizes) + 2
-    results = []
-    with tqdm(
-        total=total_steps,
-        desc="bench",
-        unit="step",
-        file=sys.stderr,
-        disable=args.no_progress or _rank() != 0,
-    ) as bar:
-        # one warm-up request so first-call costs (allocator, kernel compilation) stay out of the numbers
-        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        engine.add_request(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), warm)
-        while engine.has_unfinished():
-            engine.step()
-            bar.update(1)
-        # capture the decode graphs the runs below will replay
-        engine.runner.warm_up_graphs(max_bs, args.prompt_len + args.decode_tokens, args.prompt_len)
-        for bs in args.batch_sizes:
-            for _ in range(bs):
-                engine.add_request(
-                    torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params
-                )
-            sync()
-            t0 = time.perf_counter()
-            engine.step()  # the whole batch's prefill fits the token budget: one step
-            sync()
-            t1 = time.perf_counter()
-            bar.update(1)
-            steps = 0
-            while engine.has_unfinished():
-                engine.step()
-                steps += 1
-                bar.update(1)
-            sync()
-            t2 = time.perf_counter()
-            results.append(
-                (bs, bs * args.prompt_len / (t1 - t0), bs * steps / (t2 - t1) if steps else float("nan"))
-            )
-    if _rank() != 0:
-        return 0
-    tp = f", tensor parallel over {engine.config.tp_size} ranks" if engine.config.tp_size > 1 else ""
-    decode = (
-        "eager"
-        if engine.runner.graphs is None
-        else ("CUDA graphs" if engine.cache.device.type == "cuda" else "compiled (torch.compile)")
-        + (", overlapped" if engine.overlap else "")
-    )
-    print(
-        f"{model_dir}{tp}: prompt {args.prompt_len} tokens, "
-        f"{args.decode_tokens} generated tokens per sequence; decode steps: {decode}"
-    )
-    print(f"{'batch':>6}  {'prefill tok/s':>14}  {'decode tok/s':>13}")
-    for bs, pre, dec in results:
-        print(f"{bs:>6}  {pre:>14.1f}  {dec:>13.1f}")
+    progress = not args.no_progress and _rank() == 0
+    results = run_bench(llm.engine, args.batch_sizes, args.prompt_len, args.decode_tokens, progress)
+    if _rank() == 0:
+        print("\n".join(report(llm.engine, model_dir, args.prompt_len, args.decode_tokens, results)))
     return 0
 
 
