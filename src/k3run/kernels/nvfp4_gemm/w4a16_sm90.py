@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from k3run.knobs import knobs
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,7 @@ def _build():
 def enabled() -> bool:
     """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
     (read once) until its GPU tests and timings are in bench/RESULTS.md; the Gluon kernel otherwise."""
-    return _ENABLED
-
-
-_ENABLED = os.environ.get("K3RUN_SM90_CUDA", "0") == "1"
+    return knobs().sm90_cuda
 
 
 def available(device: torch.device | None = None) -> bool:
