@@ -20,7 +20,7 @@
 #   decode  bench/bench_moe_ops.py, then bench/probe_graph_step.py --kimi-linear at batch 1 / 8 / 32 with
 #           kernels/moe_ops on (--profile 3; the first probe on a fresh machine compiles for ~60-90 s), then
 #           with K3RUN_MOE_OPS=0 (the same-run baseline)
-#   sm90    the CUDA C++ NVFP4 GEMM: its tests (the first builds it), then bench/bench_sm90_gemm.py with Marlin
+#   sm90    the CUDA C++ NVFP4 GEMM: bench/probes/sm90_sanity.py under compute-sanitizer (builds it), its tests, then bench/bench_sm90_gemm.py with Marlin
 #           from .peers (copy ../shared/peers there and carry it; SM90_ARGS adds options)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
@@ -40,7 +40,9 @@ rc=0
 for stage in "${stages[@]}"; do
     echo "== $stage"
     case $stage in
-    sm90) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_nvfp4_sm90.py \
+    sm90) timeout -s KILL 300 compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py 2>&1 \
+            | tee "$OUT/sm90_sanity.txt" | tail -8
+        timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_nvfp4_sm90.py \
             2>&1 | tee "$OUT/tests_sm90.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -20
         timeout -s KILL 480 python3 bench/bench_sm90_gemm.py --peers .peers ${SM90_ARGS:-} 2>&1 | tee "$OUT/bench_sm90.txt" \
             | grep -v "^  config" ;;

@@ -1,0 +1,54 @@
+"""Question: does the sm_90 CUDA NVFP4 GEMM (kernels/nvfp4_gemm/w4a16_sm90.cu) run to completion and agree
+with the fp32 reference on small cases, with no memory error or shared-memory race? Meant to run first, each
+case in a few milliseconds, under a hard timeout and the sanitizer:
+
+    timeout -s KILL 300 compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py
+    timeout -s KILL 300 compute-sanitizer --tool racecheck python3 bench/probes/sm90_sanity.py --one
+
+Prints one line per case (config, relative RMS error, max error over the bound) and exits non-zero on a
+failure. Answer: not yet run on a GPU (bench/NOTES.md session 30).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main() -> int:
+    from k3run.formats import dequantize_nvfp4, quantize_nvfp4
+    from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    if not sm90.available():
+        print("not available:", sm90._error)
+        return 1
+    cases = [(20, 200, 336, (32, 2, 1, 3)), (9, 144, 384, (16, 1, 3, 2)), (130, 256, 1024, (256, 1, 2, 3)),
+             (64, 512, 896, (64, 2, 7, 4))]  # fmt: skip
+    if "--one" in sys.argv:
+        cases = cases[:1]
+    bad = 0
+    for m, n, k, cfg in cases:
+        g = torch.Generator().manual_seed(m + n + k)
+        q = quantize_nvfp4(torch.randn(n, k, generator=g))
+        tw = prepare_nvfp4_weight(q.weight.cuda(), q.weight_scale.cuda(), q.weight_scale_2.cuda(), "tiled128")
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+        y = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg)
+        torch.cuda.synchronize()
+        wd = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float32)
+        ref = x.float().cpu() @ wd.t()
+        bound = 3 * k * 2.0**-24 * (x.float().abs().cpu() @ wd.abs().t()) + ref.abs() * 2.0**-8
+        err = (y.float().cpu() - ref).abs()
+        rel = float(err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+        worst = float((err / bound).max())
+        ok = bool(torch.isfinite(y).all()) and worst <= 1.0
+        bad += not ok
+        print(
+            f"{m}x{n}x{k} {cfg}: rel RMS {rel:.2e}, worst error / bound {worst:.2f} {'ok' if ok else 'FAIL'}"
+        )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
