@@ -123,14 +123,15 @@ def _divisors(n: int) -> list[int]:
 
 @functools.cache
 def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs: one token tile
-    of the smallest BT >= M up to 256 (larger M: 128-token tiles), two consumer warpgroups (128 weight rows a
-    CTA; one at BT 256), the smallest split_k dividing the chunks that gives every SM a CTA (one CTA an SM:
-    the kernel holds its registers and most of the shared memory), and the deepest ring that fits (<= 8
-    slots)."""
+    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs: token tiles of
+    the smallest BT >= M up to 128 (a 256-token tile needs one warpgroup, 64 weight rows a CTA, and then
+    every CTA reads all of x from the L2: 112 x 3.7 MB at 7168 x 7168, by estimate as long as the MMA at the
+    L2's bandwidth), two consumer warpgroups (128 weight rows a CTA), the smallest split_k dividing the
+    chunks that gives every SM a CTA within one wave (one CTA an SM: the kernel holds its registers and most
+    of the shared memory), and the deepest ring that fits (<= 8 slots). Not yet fitted to measurements."""
     chunks = -(-k // 128)
-    bt = next((b for b in TOKEN_TILES if b >= m), 128)
-    nwg = 2 if bt <= 128 else 1
+    bt = next((b for b in TOKEN_TILES if b >= m), 128) if m <= 128 else 128
+    nwg = 2
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
     split = next((d for d in _divisors(chunks) if tiles * d >= sms or d * 2 > chunks), chunks)
     if tiles * split > sms:  # past one wave: the largest split that stays in it, if any
