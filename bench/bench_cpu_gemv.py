@@ -33,6 +33,7 @@ from k3run.kernels.fp8_gemm.cpu import fp8_pb_wo_linear_cpu
 from k3run.kernels.fp8_gemm.ref import fp8_pb_wo_linear_ref
 from k3run.kernels.nvfp4_gemm.cpu import nvfp4_linear_cpu
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
+from k3run.knobs import reset_knobs
 
 
 def _ms(fn, reps: int = 7) -> float:
@@ -75,6 +76,7 @@ def _decode(steps: int = 12) -> None:
         saved = cpu_fused.MIN_WEIGHTS
         cpu_fused.MIN_WEIGHTS = 1 << 62 if what == "reference" else saved  # also decides the experts' path
         os.environ["K3RUN_CPU_SIMD"] = avx
+        reset_knobs()
         try:
             model = random_k3_model(layers=4, experts=16, device="cpu", dtype=dtype, dims=dims)
             eng = LLM.from_model(model, tok, EngineConfig(max_num_seqs=4, max_model_len=256)).engine
@@ -93,6 +95,7 @@ def _decode(steps: int = 12) -> None:
         finally:
             cpu_fused.MIN_WEIGHTS = saved
             os.environ.pop("K3RUN_CPU_SIMD")
+            reset_knobs()
 
 
 def main() -> None:
@@ -138,10 +141,13 @@ def main() -> None:
                 t_avx2 = float("nan")
                 if level == "avx512":  # the AVX2 kernels on the same CPU (what AVX2-only CPUs run)
                     os.environ["K3RUN_CPU_SIMD"] = "avx2"
+                    reset_knobs()
                     t_avx2 = _ms(lambda: fast(x))
                 os.environ["K3RUN_CPU_SIMD"] = "0"  # the compiled loop (what runs without the extension)
+                reset_knobs()
                 t_loop = _ms(lambda: fast(x))
                 os.environ.pop("K3RUN_CPU_SIMD")
+                reset_knobs()
                 t_ref = _ms(lambda: ref(x), reps=3)
                 want = ref(x)
                 err = float((fast(x).float() - want.float()).norm() / want.float().norm())

@@ -25,6 +25,7 @@ from k3run.formats import quantize_fp8_block
 from k3run.kernels.fp8_act_quant import quantize_act_1x128
 from k3run.kernels.fp8_gemm import fp8_pb_wo_linear, fp8_pb_wo_linear_ref
 from k3run.kernels.fp8_gemm.gemv import fp8_gemv, gemv_split
+from k3run.knobs import reset_knobs
 from k3run.testing import rel_rms_error
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -61,6 +62,7 @@ def main() -> None:
         nbytes = n_pad * k + n_pad * k / 128**2 * 4
         bias = torch.randn(n, device="cuda").bfloat16()
         os.environ["K3RUN_FP8_GEMV"] = "0"
+        reset_knobs()
         for m in MS:
             x = torch.randn(m, k, device="cuda").bfloat16()
             xq, sx = quantize_act_1x128(x, m_multiple=4, scale_outer_major=True)
@@ -108,6 +110,7 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
         os.environ.pop("K3RUN_FP8_GEMV")
+        reset_knobs()
         del wsp
         torch.cuda.empty_cache()
     print(

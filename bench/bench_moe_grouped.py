@@ -28,6 +28,7 @@ import sys
 import torch
 
 from k3run.distributed import TPInfo
+from k3run.knobs import reset_knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.moe import FusedExperts, fused_experts, route
 from k3run.quant.algo import QuantAlgo
@@ -76,10 +77,12 @@ def eager_us(fn, reps: int = 20) -> float:
 
 def _grouped(ex: FusedExperts, x, ids, weights, by_expert: bool) -> torch.Tensor:
     os.environ["K3RUN_MOE_BY_EXPERT"] = "1" if by_expert else "0"  # read when the launches are made
+    reset_knobs()
     try:
         return ex.scheme.grouped(ex, x, ids, weights, FP32_SUM)
     finally:
         os.environ.pop("K3RUN_MOE_BY_EXPERT")
+        reset_knobs()
 
 
 def main() -> None:
@@ -97,6 +100,7 @@ def main() -> None:
         # the default tile, and above 16 tokens both the 16- and the 32-token tile
         for bt in sorted({by_expert_tile(t)} | ({16, 32} if t > 16 else set())):
             os.environ["K3RUN_MOE_BY_EXPERT_TILE"] = str(bt)
+            reset_knobs()
             try:
                 by_exp = _grouped(ex, x, ids, weights, True)
                 err = float((by_exp - loop).norm() / loop.norm())
@@ -104,6 +108,7 @@ def main() -> None:
                 t_exp = graph_ms([lambda: _grouped(ex, x, ids, weights, True)], 1e-3) * 1e3
             finally:
                 os.environ.pop("K3RUN_MOE_BY_EXPERT_TILE")
+                reset_knobs()
             groups = sum(-(-int(c) // bt) for c in torch.bincount(ids.flatten(), minlength=E))
             tbs_exp = groups * BYTES_PER_EXPERT / (t_exp * 1e-6) / 1e12
             exp_pct = 100 * tbs_exp / copy_tbs

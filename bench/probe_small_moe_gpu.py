@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3run.api import load_model  # noqa: E402
+from k3run.knobs import reset_knobs
 from k3run.layers.moe import FusedExperts  # noqa: E402
 from k3run.testing import rel_rms_error  # noqa: E402
 from tests import k3_published  # noqa: E402
@@ -33,6 +34,7 @@ with tempfile.TemporaryDirectory() as tmp:
             row = [f"T={t:<4}", f"cpu bf16 {rel_rms_error(ref, cpu16.logits(ids).float()):.2e}"]
             for mode in ("default", "by_expert=0", "loop"):
                 os.environ["K3RUN_MOE_BY_EXPERT"] = "0" if mode == "by_expert=0" else "1"
+                reset_knobs()
                 saved = [e.grouped_ok for e in exps]
                 if mode == "loop":
                     for e in exps:

@@ -40,9 +40,9 @@ rc=0
 for stage in "${stages[@]}"; do
     echo "== $stage"
     case $stage in
-    sm90) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_nvfp4_sm90.py \
+    sm90) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_nvfp4_sm90.py \
             2>&1 | tee "$OUT/tests_sm90.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -20
-        timeout 480 python3 bench/bench_sm90_gemm.py --peers .peers ${SM90_ARGS:-} 2>&1 | tee "$OUT/bench_sm90.txt" \
+        timeout -s KILL 480 python3 bench/bench_sm90_gemm.py --peers .peers ${SM90_ARGS:-} 2>&1 | tee "$OUT/bench_sm90.txt" \
             | grep -v "^  config" ;;
     tests) timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -rfE -m gpu tests 2>&1 \
         | tee "$OUT/tests_gpu.txt" | grep -E "passed|failed|FAILED|ERROR" | tail -20 ;;

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from k3run.knobs import reset_knobs
 from k3run.testing import assert_close, nan_poisoned_empty
 
 __all__ = ["assert_close"]
@@ -38,6 +39,15 @@ def model():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _knobs_from_environment():
+    """Every test parses the K3RUN_* variables afresh, and no test's changes outlive it: a test that sets one
+    calls reset_knobs() after monkeypatch.setenv (this fixture's teardown runs after monkeypatch's undo)."""
+    reset_knobs()
+    yield
+    reset_knobs()
 
 
 def pytest_collection_modifyitems(config, items):

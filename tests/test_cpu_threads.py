@@ -7,6 +7,7 @@ import torch
 
 from k3run.cpu_threads import choose_cpu_threads, largest_matrix, set_cpu_threads
 from k3run.kernels.cpu_fused import MIN_WEIGHTS
+from k3run.knobs import reset_knobs
 
 
 def _model(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
@@ -21,6 +22,7 @@ def _model(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.n
 def no_env(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("K3RUN_CPU_THREADS", raising=False)
+    reset_knobs()
 
 
 def test_small_matrices_run_on_one_thread(no_env):
@@ -44,9 +46,11 @@ def test_overrides_in_order(no_env, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert choose_cpu_threads(m)[1] == "$OMP_NUM_THREADS"
     monkeypatch.setenv("K3RUN_CPU_THREADS", "3")
+    reset_knobs()
     assert choose_cpu_threads(m) == (3, "$K3RUN_CPU_THREADS")
     assert choose_cpu_threads(m, threads=2) == (2, "--threads")
     monkeypatch.setenv("K3RUN_CPU_THREADS", "two")
+    reset_knobs()
     with pytest.raises(ValueError, match=r"K3RUN_CPU_THREADS: expected a positive integer, got 'two'"):
         choose_cpu_threads(m)
 

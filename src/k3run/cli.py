@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from k3run.knobs import knobs
+
 if TYPE_CHECKING:
     import torch
 
@@ -267,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.served_model_name or model_dir.name,
         max_body_bytes=args.max_body_kib << 10,
         stall_s=args.stall_timeout,
-        api_key=args.api_key or os.environ.get("K3RUN_API_KEY") or None,
+        api_key=args.api_key or knobs().api_key,
         max_concurrent=args.max_concurrent_requests,
     )
     tp = f", tensor parallel over {llm.engine.config.tp_size} ranks" if llm.engine.config.tp_size > 1 else ""
@@ -632,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO, format="[k3run] %(message)s", stream=sys.stderr
     )
     try:
+        knobs()  # a malformed K3RUN_* variable is refused here, before any work
         rc = int(args.func(args))
         from k3run.distributed import exit_rank, shutdown_distributed
 

@@ -18,6 +18,7 @@ import os
 import torch
 
 from k3run.kernels.cpu_fused import MIN_WEIGHTS
+from k3run.knobs import knobs
 
 
 def largest_matrix(model: torch.nn.Module) -> tuple[str, int]:
@@ -40,14 +41,8 @@ def choose_cpu_threads(model: torch.nn.Module, threads: int | None = None) -> tu
         if threads < 1:
             raise ValueError(f"threads: expected a positive integer, got {threads}")
         return threads, "--threads"
-    env = os.environ.get("K3RUN_CPU_THREADS")
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"$K3RUN_CPU_THREADS: expected a positive integer, got {env!r}")
+    n = knobs().cpu_threads
+    if n is not None:
         return n, "$K3RUN_CPU_THREADS"
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads(), "$OMP_NUM_THREADS"

@@ -21,6 +21,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from k3run.knobs import knobs
+
 
 @dataclass(frozen=True)
 class TPInfo:
@@ -80,7 +82,7 @@ def init_distributed(backend: str | None = None) -> TPInfo:
         return TPInfo()
     rank = int(os.environ["RANK"])
     if backend is None:
-        backend = os.environ.get("K3RUN_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = knobs().dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"distributed backend: expected 'nccl' or 'gloo', got {backend!r}")
     if backend == "nccl":

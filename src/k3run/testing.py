@@ -36,6 +36,21 @@ def _same_nonfinite(name: str, ref: torch.Tensor, out: torch.Tensor) -> tuple[to
     return ref32, out32
 
 
+# Relative RMS error bounds for `assert_close`, by the dtype the compared outputs are computed or rounded in
+# (tests pass rtol=RTOL[dtype]; a test with another bound states its own and why).
+RTOL = {
+    # fp32: the same operands in another summation order. A K-term fp32 sum moves by ~K * 2^-24 relative at
+    # worst (K <= 512 in the tests: ~3e-5 worst, ~1e-7 measured), its RMS far less; any wrong formula is off
+    # by O(1)
+    torch.float32: 1e-5,
+    # fp16: 11 significant bits, one final rounding moves an output by at most 2^-11 relative; the fp32
+    # arithmetic before it adds ~1e-7
+    torch.float16: 2.0**-11,
+    # bf16: 8 significant bits, one final rounding moves an output by at most 2^-9 relative; 2^-8 leaves room
+    # for one more bf16 rounding upstream (a weight or an activation cast), which averages out over K
+    torch.bfloat16: 2.0**-8,
+}
+
 FP32_U = 2.0**-24  # fp32 unit roundoff: one round-to-nearest moves a value by at most this fraction of it
 
 

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import k3run.kernels.cpu_simd as cpu_simd
+from k3run.knobs import reset_knobs
 from k3run.testing import assert_close
 
 
 @pytest.fixture
 def avx512(monkeypatch):
     monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    reset_knobs()
     if cpu_simd.cpu_level() != "avx512" or not cpu_simd.available():
         pytest.skip("needs AVX-512 and the SIMD extension")
 

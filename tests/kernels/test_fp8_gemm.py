@@ -17,15 +17,14 @@ from k3run.kernels.fp8_gemm import (
     fp8_pb_wo_linear_ref,
     scaled_mm_shape_ok,
 )
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
+# assert_close bounds: rtol=RTOL[output dtype] (k3run.testing), which holds here because:
 # fp32 output: E4M3 x E4M3 products are exact in fp32 (8 significant bits), so only the fp32 summation order
 # differs (~K * 2^-24 relative at worst for K <= 512).
-FP32_RTOL = 1e-5
 # bf16 output: one final rounding <= 2^-9 relative; Hopper's FP8 MMA accumulates each 128-wide group in
 # reduced precision (~2^-14 relative) before the fp32 scaling, far below that. Bound 2^-8.
-BF16_RTOL = 2.0**-8
 
 
 def _padded_block_weight(n: int, k: int, device: str = "cpu"):
@@ -57,7 +56,7 @@ def test_interp_block_gemm_fp32_crop_bias(poison_empty):
     bias = torch.randn(n)
     y = fp8_block_gemm(q_x, s_x, w_pad, s_w, n, torch.float32, bias, block_m=16, block_n=64, group_m=2)
     ref = fp8_block_gemm_ref(q_x, s_x, w_pad, s_w)[:, :n] + bias
-    assert_close("fp8_block_gemm", ref, y, rtol=FP32_RTOL)
+    assert_close("fp8_block_gemm", ref, y, rtol=RTOL[torch.float32])
 
 
 @interp_only
@@ -66,7 +65,7 @@ def test_interp_linear_triton_backend(poison_empty):
     w_pad, s_w = _padded_block_weight(n, k)
     x = torch.randn(m, k)
     y = fp8_pb_wo_linear(x, w_pad, s_w, n, backend="triton")
-    assert_close("fp8_pb_wo triton", fp8_pb_wo_linear_ref(x, w_pad, s_w, n), y, rtol=FP32_RTOL)
+    assert_close("fp8_pb_wo triton", fp8_pb_wo_linear_ref(x, w_pad, s_w, n), y, rtol=RTOL[torch.float32])
 
 
 @interp_only
@@ -84,7 +83,7 @@ def test_interp_decode_gemv_fused_quant(poison_empty):
         y = fp8_gemv(x, w_pad, s_w, n, bias, block_n=bn, split_k=split, prequant=pre)
         ref = fp8_pb_wo_linear_ref(x, w_pad, s_w, n, bias)
         assert y.shape == (m, n) and y.dtype == torch.float32
-        assert_close(f"fp8_gemv m={m} split={split} bn={bn} prequant={pre}", ref, y, rtol=FP32_RTOL)
+        assert_close(f"fp8_gemv m={m} split={split} bn={bn} prequant={pre}", ref, y, rtol=RTOL[torch.float32])
 
 
 def test_ref_identity_input_returns_dequantized_weight():
@@ -147,7 +146,7 @@ def test_gpu_backends(poison_empty, backend: str, m: int, n: int):
         y = fp8_pb_wo_linear(x, w_pad, s_w, n, b, backend=backend)
         assert y.shape == (m, n) and y.is_contiguous() and y.dtype == torch.bfloat16
         ref = fp8_pb_wo_linear_ref(x.float().cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else b.cpu())
-        assert_close(f"fp8_pb_wo {backend} m={m} n={n}", ref, y, rtol=BF16_RTOL)
+        assert_close(f"fp8_pb_wo {backend} m={m} n={n}", ref, y, rtol=RTOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
@@ -155,8 +154,8 @@ def test_gpu_backends(poison_empty, backend: str, m: int, n: int):
 @pytest.mark.parametrize("n, k", [(300, 640), (2112, 7168), (333, 512)])
 def test_gpu_decode_gemv(poison_empty, m: int, n: int, k: int):
     """The decode GEMV against the fp32 reference on odd shapes (crop, pad rows, K / 128 = 5 / 56 / 4), bf16
-    in and out, with and without bias (bound: one bf16 output rounding, BF16_RTOL), and in fp32 (only the
-    summation order: FP32_RTOL); fp8_pb_wo_linear takes it for these M on CUDA."""
+    in and out, with and without bias (bound: one bf16 output rounding, RTOL[torch.bfloat16]), and in fp32
+    (only the summation order: RTOL[torch.float32]); fp8_pb_wo_linear takes it for these M on CUDA."""
     from k3run.kernels.fp8_gemm.gemv import fp8_gemv
 
     w_pad, s_w = _padded_block_weight(n, k, device="cuda")
@@ -164,17 +163,21 @@ def test_gpu_decode_gemv(poison_empty, m: int, n: int, k: int):
     bias = torch.randn(n, device="cuda")
     for b in (None, bias):
         ref = fp8_pb_wo_linear_ref(x.cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else b.cpu())
-        assert_close(f"fp8_gemv fp32 m={m} n={n}", ref, fp8_gemv(x, w_pad, s_w, n, b), rtol=FP32_RTOL)
+        assert_close(
+            f"fp8_gemv fp32 m={m} n={n}", ref, fp8_gemv(x, w_pad, s_w, n, b), rtol=RTOL[torch.float32]
+        )
         xb, bb = x.bfloat16(), None if b is None else b.bfloat16()
         refb = fp8_pb_wo_linear_ref(
             xb.float().cpu(), w_pad.cpu(), s_w.cpu(), n, None if b is None else bb.cpu()
         )
         y = fp8_pb_wo_linear(xb, w_pad, s_w, n, bb)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
-        assert_close(f"fp8_pb_wo decode m={m} n={n}", refb, y, rtol=BF16_RTOL)
+        assert_close(f"fp8_pb_wo decode m={m} n={n}", refb, y, rtol=RTOL[torch.bfloat16])
         for bn, split, pre in ((32, 1, False), (128, k // 128, False), (64, 1, True)):
             got = fp8_gemv(xb, w_pad, s_w, n, bb, block_n=bn, split_k=split, prequant=pre)
-            assert_close(f"fp8_gemv bn={bn} split={split} prequant={pre}", refb, got, rtol=BF16_RTOL)
+            assert_close(
+                f"fp8_gemv bn={bn} split={split} prequant={pre}", refb, got, rtol=RTOL[torch.bfloat16]
+            )
 
 
 @pytest.mark.gpu

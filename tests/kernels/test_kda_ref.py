@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from k3run.kernels.kda import causal_conv1d, causal_conv1d_decode, chunk_kda, kda_gate, l2norm, recurrent_kda
-from k3run.testing import assert_close, noise_floor_rtol
+from k3run.testing import RTOL, assert_close, noise_floor_rtol
 
+# assert_close bounds: rtol=RTOL[output dtype] (k3run.testing), which holds here because:
 # fp32 everywhere below. The gate, conv and recurrent forms take O(K) roundings per output on O(1) values
 # (relative RMS ~ sqrt(K) u ~ 3e-7 at K = 20, u = 2^-24), so 1e-5 is a >= 30x margin. The chunked forms
 # also solve a triangular system per chunk, whose conditioning amplifies the roundings by an amount that
 # depends on the data: those are bounded by fla's own fp32 chunk error against an fp64 recurrence instead
 # (noise_floor_rtol).
-FP32_RTOL = 1e-5
 
 
 def _recurrent_fp64(q, k, v, g, beta, scale: float, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ def test_softplus_gate_matches_fla(fla_gate: ModuleType) -> None:
     ref = fla_gate.naive_kda_gate(f, A_log, dt_bias)
     out = kda_gate(f, A_log, dt_bias, lower_bound=None)
     assert out.dtype == torch.float32
-    assert_close("softplus gate", ref, out, rtol=FP32_RTOL)
+    assert_close("softplus gate", ref, out, rtol=RTOL[torch.float32])
     assert (out < 0).all()
 
 
@@ -93,7 +93,7 @@ def test_lowerbound_gate_matches_fla(fla_gate: ModuleType) -> None:
     assert_close(
         "lower-bound gate", fla_gate.naive_kda_lowerbound_gate(f.bfloat16(), A_log, dt_bias), out, 1e-6
     )
-    assert_close("lower-bound gate fp32", ref, kda_gate(f, A_log, dt_bias, -5.0), rtol=FP32_RTOL)
+    assert_close("lower-bound gate fp32", ref, kda_gate(f, A_log, dt_bias, -5.0), rtol=RTOL[torch.float32])
     assert ((out > -5.0) & (out < 0)).all()
 
 
@@ -129,8 +129,8 @@ def test_recurrent_matches_fla_naive_varlen(fla_naive: ModuleType, lower_bound: 
             q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e],
             scale=scale, initial_state=h0[b : b + 1], output_final_state=True,
         )  # fmt: skip
-        assert_close(f"o[{b}]", o_ref[0], o[s:e], rtol=FP32_RTOL)
-        assert_close(f"state[{b}]", ht_ref[0], ht[b], rtol=FP32_RTOL)
+        assert_close(f"o[{b}]", o_ref[0], o[s:e], rtol=RTOL[torch.float32])
+        assert_close(f"state[{b}]", ht_ref[0], ht[b], rtol=RTOL[torch.float32])
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
@@ -161,8 +161,8 @@ def test_chunk_equals_recurrent_odd_lengths_strong_decay() -> None:
     o_r, ht_r = recurrent_kda(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, cu_seqlens=cu)
     o_c, ht_c = chunk_kda(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, cu_seqlens=cu)
     assert torch.isfinite(o_c).all() and torch.isfinite(ht_c).all()
-    assert_close("chunk vs recurrent o", o_r, o_c, rtol=FP32_RTOL)
-    assert_close("chunk vs recurrent state", ht_r, ht_c, rtol=FP32_RTOL)
+    assert_close("chunk vs recurrent o", o_r, o_c, rtol=RTOL[torch.float32])
+    assert_close("chunk vs recurrent state", ht_r, ht_c, rtol=RTOL[torch.float32])
 
 
 def test_split_prefill_continues_from_state() -> None:
@@ -179,8 +179,8 @@ def test_split_prefill_continues_from_state() -> None:
         q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], scale=0.5, initial_state=h1,
         cu_seqlens=torch.tensor([0, T - cut]),
     )  # fmt: skip
-    assert_close("split o", full_o, torch.cat([o1, o2]), rtol=FP32_RTOL)
-    assert_close("split state", full_h, h2, rtol=FP32_RTOL)
+    assert_close("split o", full_o, torch.cat([o1, o2]), rtol=RTOL[torch.float32])
+    assert_close("split state", full_h, h2, rtol=RTOL[torch.float32])
     assert full_o.abs().mean() > 1e-2  # not a degenerate all-zero comparison
 
 
@@ -218,7 +218,9 @@ def test_conv_matches_conv1d_and_continues_from_state() -> None:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     y, st = causal_conv1d(torch.cat(xs), weight, cu_seqlens=cu, initial_state=None)
     for b, x in enumerate(xs):
-        assert_close(f"conv seq {b}", _conv_ref(x, weight), y[int(cu[b]) : int(cu[b + 1])], rtol=FP32_RTOL)
+        assert_close(
+            f"conv seq {b}", _conv_ref(x, weight), y[int(cu[b]) : int(cu[b + 1])], rtol=RTOL[torch.float32]
+        )
     # the state is the last W-1 inputs, zero-padded on the left for a sequence shorter than W-1
     assert torch.equal(st[0], xs[0][-3:].t())
     assert torch.equal(st[1], torch.cat([torch.zeros(C, 1), xs[1].t()], dim=1))
@@ -230,7 +232,7 @@ def test_conv_matches_conv1d_and_continues_from_state() -> None:
     for b in range(3):
         full = torch.cat([xs[b], more[b]])
         ref = _conv_ref(full, weight)[lens[b] :]
-        assert_close(f"conv continued {b}", ref, y2[int(cu2[b]) : int(cu2[b + 1])], rtol=FP32_RTOL)
+        assert_close(f"conv continued {b}", ref, y2[int(cu2[b]) : int(cu2[b + 1])], rtol=RTOL[torch.float32])
         assert torch.equal(st2[b], full[-3:].t())
 
 

@@ -12,6 +12,7 @@ import torch
 
 from k3run.kernels.kda import kda_backend, kda_decode_in_place, kda_forward
 from k3run.kernels.kda.state import zero_fresh_states_ref
+from k3run.knobs import reset_knobs
 from k3run.testing import assert_close
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 from tests.kernels.test_kda_gpu import _raw_inputs
@@ -87,6 +88,7 @@ def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: in
 def test_cpu_in_place_decode_equals_gathered_states_bit_for_bit(monkeypatch) -> None:
     """Without the SIMD extension the reference runs on the gathered states: equal bit for bit."""
     monkeypatch.setenv("K3RUN_CPU_SIMD", "0")
+    reset_knobs()
     o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cpu", torch.bfloat16, H=2, K=16, V=8)
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and torch.equal(untouched, before)
 
@@ -99,6 +101,7 @@ def test_cpu_extension_decode_matches_gathered_states(monkeypatch, H, K, V) -> N
     import k3run.kernels.cpu_simd as cpu_simd
 
     monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    reset_knobs()
     if not cpu_simd.available():
         pytest.skip("the SIMD extension needs an AVX2 or AVX-512 CPU and a C++ compiler")
     o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cpu", torch.bfloat16, H=H, K=K, V=V)
@@ -143,6 +146,7 @@ def test_cpu_extension_prefill_matches_the_recurrent_reference(monkeypatch, H, K
     from k3run.kernels.kda import chunk_kda, l2norm, recurrent_kda_ref
 
     monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    reset_knobs()
     if not cpu_simd.available():
         pytest.skip("the SIMD extension needs an AVX2 or AVX-512 CPU and a C++ compiler")
     g = torch.Generator().manual_seed(5)

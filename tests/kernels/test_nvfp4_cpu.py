@@ -17,11 +17,9 @@ from k3run.formats import E2M1_VALUES, dequantize_nvfp4
 from k3run.kernels import cpu_fused
 from k3run.kernels.nvfp4_gemm import NvFp4Weight, nvfp4_linear
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.kernels.cpu_paths import needs_cxx, needs_simd
 from tests.kernels.test_nvfp4_gemm import _random_nvfp4
-
-RTOL = 1e-5
 
 
 def test_codes_decode_to_four_times_e2m1() -> None:
@@ -34,12 +32,13 @@ def test_eager_formula_matches_reference(m: int, n: int, k: int) -> None:
     w, s, gs = _random_nvfp4(n, k, per_row_global=True)
     x = torch.randn(m, k)
     got = cpu.nvfp4_gemv_fused(x[:, 0::2].contiguous(), x[:, 1::2].contiguous(), w, s, gs)
-    assert_close("fused formula", nvfp4_linear_ref(x, w, s, gs), got, rtol=RTOL)
+    assert_close("fused formula", nvfp4_linear_ref(x, w, s, gs), got, rtol=RTOL[torch.float32])
 
 
 def _linear_matches_reference(what: str, shapes: list[tuple[int, int, int]], per_row: bool) -> None:
-    """nvfp4_linear_cpu against the reference at each (M, N, K), with a bias, fp32 and bf16 inputs: RTOL for
-    fp32; bf16 outputs round the same fp32 value, one bf16 ulp (2^-8) apart where they straddle a tie."""
+    """nvfp4_linear_cpu against the reference at each (M, N, K), with a bias, fp32 and bf16 inputs:
+    RTOL[torch.float32] for fp32; bf16 outputs round the same fp32 value, one bf16 ulp (2^-8) apart where
+    they straddle a tie."""
     for m, n, k in shapes:
         w, s, gs = _random_nvfp4(n, k, per_row_global=per_row)
         bias = torch.randn(n)
@@ -48,7 +47,7 @@ def _linear_matches_reference(what: str, shapes: list[tuple[int, int, int]], per
             want = nvfp4_linear_ref(x, w, s, gs, bias)
             got = cpu.nvfp4_linear_cpu(x, w, s, gs, bias)
             assert got.dtype == dtype
-            rtol = RTOL if dtype == torch.float32 else 4e-3
+            rtol = RTOL[torch.float32] if dtype == torch.float32 else 4e-3
             assert_close(f"{what} {m}x{n}x{k} {dtype}", want, got, rtol=rtol)
 
 
@@ -58,7 +57,7 @@ def test_simd_gemv_matches_reference(monkeypatch, simd_level, per_row: bool) -> 
     """The SIMD extension (AVX-512 and AVX2): 1..8 rows and 19 (calls of <= 8 / 4 rows), K with a last half
     chunk (K / 2 = 1800 bytes: 8 past a multiple of 16) and without, N not a multiple of the thread grain,
     bf16 and fp32 inputs, a bias; nvfp4_linear_cpu takes it for up to cpu_simd.NVFP4_MAX_M rows on matrices
-    of MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL)."""
+    of MIN_WEIGHTS and up. Same products as the reference, other sum order (RTOL[torch.float32])."""
     monkeypatch.setattr(cpu_fused, "MIN_WEIGHTS", 0)
     assert cpu_simd.available(), cpu_simd._error
     shapes = [(1, 520, 3600), (3, 37, 4096), (8, 129, 48), (5, 16, 32), (19, 40, 272)]
@@ -141,7 +140,7 @@ def test_compiled_gemv_matches_reference(fused_everywhere, per_row: bool) -> Non
     x = torch.randn(2, 3, 256)
     want = nvfp4_linear_ref(x.reshape(6, 256), w, s, gs).reshape(2, 3, 40)
     weight = NvFp4Weight(w, s.view(torch.uint8), gs, 256, "checkpoint")
-    assert_close("nvfp4_linear cpu", want, nvfp4_linear(x, weight), RTOL)
+    assert_close("nvfp4_linear cpu", want, nvfp4_linear(x, weight), RTOL[torch.float32])
 
 
 @needs_cxx
@@ -213,7 +212,9 @@ def test_many_layer_shapes_never_fall_back_to_eager(fused_everywhere) -> None:
                 with torch.inference_mode(inference):
                     x = torch.randn(m, k)
                     got = cpu.nvfp4_linear_cpu(x, w[16:], s[16:], gs)
-                assert_close(f"{n}x{k} m={m}", nvfp4_linear_ref(x, w[16:], s[16:], gs), got, rtol=RTOL)
+                assert_close(
+                    f"{n}x{k} m={m}", nvfp4_linear_ref(x, w[16:], s[16:], gs), got, rtol=RTOL[torch.float32]
+                )
     limits = [key for key in counters["unimplemented"] if "recompile" in key.lower()]
     assert not limits, limits[0][:300]
 

@@ -19,6 +19,7 @@ import k3run.kernels.cpu_simd as cpu_simd
 from k3run.formats import dequantize_nvfp4
 from k3run.kernels.nvfp4_gemm import nvfp4_linear, prepare_nvfp4_weight
 from k3run.kernels.nvfp4_gemm.ref import nvfp4_linear_ref
+from k3run.knobs import reset_knobs
 from k3run.testing import assert_close
 from tests.kernels.cpu_paths import needs_simd
 from tests.kernels.test_nvfp4_gemm import _random_nvfp4
@@ -31,6 +32,7 @@ def vnni(request, monkeypatch):
     """The kernel with each code decoder: vpermb where the CPU has AVX-512 VBMI (it falls back to vpshufb
     without), vpshufb (the decoder of VNNI CPUs without VBMI) everywhere."""
     monkeypatch.delenv("K3RUN_CPU_SIMD", raising=False)
+    reset_knobs()
     if not cpu_simd.vnni_available():
         pytest.skip("this CPU has no AVX-512 VNNI (or the extension did not build)")
     monkeypatch.setattr(cpu_simd, "INT8_VBMI", request.param == "vpermb")
@@ -142,6 +144,7 @@ def test_linear_takes_it_only_when_asked(vnni, monkeypatch) -> None:
     x = torch.randn(3, 256)
     bias = torch.randn(40)
     monkeypatch.setenv("K3RUN_CPU_INT8", "1")
+    reset_knobs()
     pw = prepare_nvfp4_weight(w, s, gs)
     assert pw.cpu_int8 is not None
     direct = cpu_simd.nvfp4_vnni_gemm(x, pw.cpu_int8)
@@ -154,12 +157,14 @@ def test_linear_takes_it_only_when_asked(vnni, monkeypatch) -> None:
     # 3 rows in calls of 2 and 1: bit for bit the one call's rows
     assert torch.equal(nvfp4_linear(x, pw, bias), direct + bias)
     monkeypatch.setenv("K3RUN_CPU_INT8", "0")
+    reset_knobs()
     exact = prepare_nvfp4_weight(w, s, gs)
     # without the copy: the exact path (the reference's products; fp32 sums in another order: K u relative,
     # x4 margin)
     assert_close("exact path", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, exact), rtol=256 * EPS * 4)
     assert prepare_nvfp4_weight(w, s, gs).cpu_int8 is None
     monkeypatch.setenv("K3RUN_CPU_INT8", "yes")
+    reset_knobs()
     with pytest.raises(ValueError, match="K3RUN_CPU_INT8"):
         prepare_nvfp4_weight(w, s, gs)
 
@@ -188,6 +193,7 @@ def test_experts_repacked_in_place_run_the_int8_kernel(vnni, monkeypatch, act_na
     exact, x, ids, weights = _kernel_case(act_name, "cpu", kernels=True, d=256, i=128, tokens=7)
     want = fused_experts(exact, x, ids, weights)
     monkeypatch.setenv("K3RUN_CPU_INT8", "1")
+    reset_knobs()
     ex, _, _, _ = _kernel_case(act_name, "cpu", kernels=True, d=256, i=128, tokens=7)
     assert ex.scheme.cpu_int8 is not None
     for e in range(ex.num_local):

@@ -22,17 +22,15 @@ from k3run.kernels.nvfp4_gemm import (
     repack_split128,
     unpack_split128,
 )
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
+# assert_close bounds: rtol=RTOL[output dtype] (k3run.testing), which holds here because:
 # fp16 output: 11 significant bits, one final rounding <= 2^-11 relative per element; the decoded weights are
 # exact and the fp32 accumulation adds ~1e-7, so the relative RMS error stays below 2^-11 ~ 4.9e-4.
-FP16_RTOL = 2.0**-11
 # bf16 output: 8 significant bits, one final rounding <= 2^-9 relative; the dequantize + cuBLAS path adds
 # one more bf16 rounding of every weight (global scale folded in), averaging out across K: bound 2^-8.
-BF16_RTOL = 2.0**-8
 # fp32 with IEEE dot: only fp32 summation-order differences (~K * 2^-24)
-FP32_RTOL = 1e-5
 
 
 def _random_nvfp4(n: int, k: int, device: str = "cpu", per_row_global: bool = False):
@@ -71,7 +69,7 @@ def test_interp_gemm_fp16_odd_shape(poison_empty, split_k: int, swap_ab: bool):
         swap_ab=swap_ab,
     )
     assert y.dtype == torch.float16
-    assert_close("nvfp4_gemm fp16", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
+    assert_close("nvfp4_gemm fp16", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
 @interp_only
@@ -95,7 +93,7 @@ def test_interp_gemm_fp32_per_row_scale_bias(poison_empty):
         group_m=2,
         split_k=2,
     )
-    assert_close("nvfp4_gemm fp32 per-row", nvfp4_linear_ref(x, w, s, gs, bias), y, rtol=FP32_RTOL)
+    assert_close("nvfp4_gemm fp32 per-row", nvfp4_linear_ref(x, w, s, gs, bias), y, rtol=RTOL[torch.float32])
 
 
 @interp_only
@@ -150,7 +148,7 @@ def test_tiled128_prepare_round_trip(n: int, k: int):
     order = [c * 8 + g for g in TILED_SCALE_ORDER]  # (low 0, high 0, low 2, high 2, low 1, high 1, ...)
     assert torch.equal(pw.scale_bits.view(-1)[tile * 128 + (r % 16) * 8 :][:8], sbits[r, order])
     x = torch.randn(3, k)  # the CPU path reads it through checkpoint_tensors
-    assert_close("tiled128 cpu", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, pw), rtol=FP32_RTOL)
+    assert_close("tiled128 cpu", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, pw), rtol=RTOL[torch.float32])
 
 
 def test_tiled128_zero_scale_groups_and_bad_scales():
@@ -299,8 +297,10 @@ def test_gpu_gemv_config_falls_back_for_fp32(poison_empty, m: int):
     y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True))
     # a tiled128 weight (the default where the cp.async kernel runs) falls back to dequantize + cuBLAS
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    assert_close("tiled fallback fp32", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, tw), rtol=FP32_RTOL)
-    assert_close("gemv fallback fp32", nvfp4_linear_ref(x, w, s, gs), y, rtol=FP32_RTOL)
+    assert_close(
+        "tiled fallback fp32", nvfp4_linear_ref(x, w, s, gs), nvfp4_linear(x, tw), rtol=RTOL[torch.float32]
+    )
+    assert_close("gemv fallback fp32", nvfp4_linear_ref(x, w, s, gs), y, rtol=RTOL[torch.float32])
 
 
 @pytest.mark.gpu
@@ -317,7 +317,10 @@ def test_gpu_linear_bf16(poison_empty, m: int, per_row: bool, layout: str | None
     y = nvfp4_linear(x, pw, bias)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert_close(
-        f"nvfp4_linear m={m}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y, rtol=BF16_RTOL
+        f"nvfp4_linear m={m}",
+        nvfp4_linear_ref(x.float(), w, s, gs, bias.float()),
+        y,
+        rtol=RTOL[torch.bfloat16],
     )
 
 
@@ -343,7 +346,9 @@ def test_gpu_every_path_fp16(poison_empty, cfg: GemmConfig):
     pw = prepare_nvfp4_weight(w, s, gs, layout="split128")  # the Triton kernels read split128
     x = torch.randn(33, k, device="cuda").half()
     y = nvfp4_linear(x, pw, config=cfg)
-    rtol = 2.0**-10 if cfg.dequant_mm else FP16_RTOL  # dequant path: one more fp16 rounding per weight
+    rtol = (
+        2.0**-10 if cfg.dequant_mm else RTOL[torch.float16]
+    )  # dequant path: one more fp16 rounding per weight
     assert_close(f"nvfp4 {cfg}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=rtol)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from k3run.kernels.nvfp4_gemm import GemmConfig, nvfp4_linear, nvfp4_linear_ref, prepare_nvfp4_weight
-from k3run.testing import assert_close
-from tests.kernels.test_nvfp4_gemm import BF16_RTOL, FP16_RTOL, _random_nvfp4
+from k3run.testing import RTOL, assert_close
+from tests.kernels.test_nvfp4_gemm import _random_nvfp4
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def test_gemv_odd_shapes_bf16(
     """N = 520 (not a multiple of 16 * num_warps), K = 3600 (pads to 3712: a partial last chunk), bias,
     per-row global scales, token tiles 8 / 16 / 32 and M = 45 in two launches (32 + 13), both kernels
     (register prefetch, and cp.async stages with more stages than some programs have K tiles): bf16 output
-    rounding bounds the relative RMS error (BF16_RTOL)."""
+    rounding bounds the relative RMS error (RTOL[torch.bfloat16])."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
     pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
@@ -40,7 +40,7 @@ def test_gemv_odd_shapes_bf16(
     )
     ref = nvfp4_linear_ref(x.float(), w, s, gs, bias.float())
     y = nvfp4_linear(x, pw, bias, config=cfg)
-    assert_close(f"gemv m={m} {cfg}", ref, y, rtol=BF16_RTOL)
+    assert_close(f"gemv m={m} {cfg}", ref, y, rtol=RTOL[torch.bfloat16])
     # the split-K arrival counters are reset by every launch: a second call gives the same bits
     assert torch.equal(y, nvfp4_linear(x, pw, bias, config=cfg))
 
@@ -56,7 +56,7 @@ def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, depth: int, stage
     x = torch.randn(m, k, device="cuda").half()
     cfg = GemmConfig(gemv=True, block_k=128, split_k=split_k, depth=depth, smem_stages=stages)
     y = nvfp4_linear(x, pw, config=cfg)
-    assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=FP16_RTOL)
+    assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
 @pytest.mark.parametrize("stages", [0, 2])
@@ -71,7 +71,7 @@ def test_gemv_strided_input_and_negative_zero(poison_empty, stages: int):
     big = torch.randn(4, 2 * k, device="cuda").bfloat16()
     x = big[:, :k]
     y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, split_k=2, smem_stages=stages))
-    assert_close("gemv strided", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=BF16_RTOL)
+    assert_close("gemv strided", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -112,7 +112,7 @@ def test_gemv_tiled_layout_bit_identical(poison_empty, m: int):
     want = nvfp4_gemv(x, pw.weight, pw.scale_bits, pw.global_scale, bias, split_k=1, stages=4)
     got = nvfp4_gemv(x, tw, ts, gs_pad, bias, split_k=1, stages=4, tiled=True, rows=n)
     assert torch.equal(want, got)
-    assert_close("tiled", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), got, rtol=BF16_RTOL)
+    assert_close("tiled", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), got, rtol=RTOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -177,7 +177,7 @@ def test_gemv_stamps_keep_the_result(num_warps: int):
     assert bool((used[:, 0] > 0).all())
     assert bool((used[:, :4].diff(dim=1) >= 0).all()), "stamps out of order"
     assert int(used[:, 4].max()) < torch.cuda.get_device_properties(0).multi_processor_count
-    assert_close("stamped", nvfp4_linear_ref(x.float(), w, s, gs), got, rtol=BF16_RTOL)
+    assert_close("stamped", nvfp4_linear_ref(x.float(), w, s, gs), got, rtol=RTOL[torch.bfloat16])
     with pytest.raises(ValueError, match="stamps"):
         nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, stamps=stamps, split_k=4)  # register kernel
 
@@ -212,7 +212,7 @@ def test_gemv_grouped_matches_single_launches(per_row: bool):
             )
             assert torch.equal(y[si], want[0]), (split, si, e)
     e = int(ids[5])
-    assert_close("grouped", nvfp4_linear_ref(x[1:2].float(), *raw[e]), y[5:6], rtol=BF16_RTOL)
+    assert_close("grouped", nvfp4_linear_ref(x[1:2].float(), *raw[e]), y[5:6], rtol=RTOL[torch.bfloat16])
     with pytest.raises(ValueError, match="picks for 3 tokens"):
         nvfp4_gemv_grouped(x, w, s, gs, ids[:10], rows=n)
     with pytest.raises(ValueError, match="global scale"):

@@ -20,6 +20,7 @@ import torch
 from k3run.formats import dequantize_nvfp4
 from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
 from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+from k3run.knobs import reset_knobs
 from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
 from tests.kernels.test_nvfp4_wgmma import _loops, _sass_code, wgmma_register_hazards
 
@@ -99,7 +100,8 @@ def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
 
     _need_kernel()
-    monkeypatch.setattr(sm90, "_ENABLED", True)
+    monkeypatch.setenv("K3RUN_SM90_CUDA", "1")
+    reset_knobs()
     assert choose_config(64, 4096, 4096, wgmma=True).wgmma
     w, s, gs = _random_nvfp4(4096, 4096, "cuda", False, seed=5)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3run.layers import branch
+from k3run.knobs import override_knobs
 from k3run.layers.branch import SIDE_MAX_TOKENS, Branch, side_stream_applies
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -29,7 +29,7 @@ def _chain(w: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 @needs_cuda
 @pytest.mark.gpu
-def test_gpu_branch_equals_inline_eager_and_in_a_graph(monkeypatch) -> None:
+def test_gpu_branch_equals_inline_eager_and_in_a_graph() -> None:
     g = torch.Generator().manual_seed(0)
     w = [(torch.randn(512, 512, generator=g) / 16).cuda() for _ in range(6)]
     x = torch.randn(8, 512, generator=g).cuda()
@@ -56,6 +56,6 @@ def test_gpu_branch_equals_inline_eager_and_in_a_graph(monkeypatch) -> None:
     # inline above SIDE_MAX_TOKENS rows and with the switch off
     big = torch.randn(SIDE_MAX_TOKENS + 1, 512, device="cuda")
     assert not Branch(lambda: big, big).on_side_stream
-    monkeypatch.setattr(branch, "ENABLED", False)
-    assert not Branch(lambda: x, x).on_side_stream
+    with override_knobs(side_stream=False):
+        assert not Branch(lambda: x, x).on_side_stream
     assert not Branch(lambda: x, x, enabled=False).on_side_stream

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 
 from k3run.distributed import NO_TP, TPInfo, spawn_gloo
 from k3run.layers.kda import KimiDeltaAttention
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.step_schedule import ctx_for, feed_in_steps
 
 D, H, K, W = 37, 4, 12, 4
 P = H * K
 EPS = 1e-5
+# assert_close bounds: rtol=RTOL[output dtype] (k3run.testing), which holds here because:
 # fp32: projections, a 4-tap conv and ~100 recurrence steps each add a few 2^-24 roundings; 1e-5 relative
 # leaves a wide margin (measured ~1e-7) while any wrong formula is off by O(1)
-FP32_RTOL = 1e-5
 VARIANTS = {"k3": (True, -5.0), "kimi_linear": (False, None)}  # (use_full_rank_gate, gate_lower_bound)
 
 
@@ -153,8 +153,8 @@ def test_batched_prefill_matches_reference(variant: str, poison_empty: None) -> 
     layer = make_layer(variant, w)
     xs = [torch.randn(70, D), torch.randn(9, D)]  # one chunk + a partial chunk, and a short sequence
     y = layer(torch.cat(xs), ctx_for([70, 9], [0, 0], None), None)
-    assert_close("seq 0", reference(variant, w, xs[0]), y[:70], rtol=FP32_RTOL)
-    assert_close("seq 1", reference(variant, w, xs[1]), y[70:], rtol=FP32_RTOL)
+    assert_close("seq 0", reference(variant, w, xs[0]), y[:70], rtol=RTOL[torch.float32])
+    assert_close("seq 1", reference(variant, w, xs[1]), y[70:], rtol=RTOL[torch.float32])
     assert y.abs().mean() > 1e-2
 
 
@@ -168,7 +168,7 @@ def test_chunked_prefill_and_decode_match_full_sequence(variant: str) -> None:
     steps = [[20, 0, 1], [7, 9, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 0, 0]]
     outs = run_schedule(layer, xs, steps, slots=[2, 0, 3])
     for b, x in enumerate(xs):
-        assert_close(f"seq {b}", reference(variant, w, x), outs[b], rtol=FP32_RTOL)
+        assert_close(f"seq {b}", reference(variant, w, x), outs[b], rtol=RTOL[torch.float32])
 
 
 def test_fused_conv_and_legacy_A_log_load_the_same() -> None:
@@ -256,4 +256,4 @@ def test_tensor_parallel_2_equals_1() -> None:
         for r, outs in enumerate(ranks):
             for b in range(len(xs)):
                 # the rank-local partial o_proj products are all-reduced in a different order: fp32 noise
-                assert_close(f"{variant} rank {r} seq {b}", single[b], outs[b], rtol=FP32_RTOL)
+                assert_close(f"{variant} rank {r} seq {b}", single[b], outs[b], rtol=RTOL[torch.float32])

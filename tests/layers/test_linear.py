@@ -15,10 +15,11 @@ from k3run.layers.linear import (
 )
 from k3run.loader import InMemoryTensor
 from k3run.quant.schemes import Fp8PbWoScheme, NvFp4Scheme, UnquantizedScheme
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.tp_utils import activation_reference, checkpoint_tensors, dequantized, load_shards, make_scheme
 
-FP32_RTOL = 1e-5  # fp32 matmuls of the same operands, different summation order (see test_schemes.py)
+# assert_close bounds: rtol=RTOL[output dtype] (k3run.testing), which holds here because:
+# fp32: fp32 matmuls of the same operands, different summation order (see test_schemes.py)
 
 
 @pytest.mark.parametrize("kind", ["none", "fp8", "nvfp4"])
@@ -55,7 +56,7 @@ def test_merged_output_is_concatenation_of_shards(kind: str) -> None:
     xa = activation_reference(kind, x)
     ref = torch.cat([xa @ dequantized(kind, t).t() + b for t, b in zip(tensors, biases, strict=True)], -1)
     out = layer(x)
-    assert_close(f"{kind} merged", ref, out, rtol=FP32_RTOL)
+    assert_close(f"{kind} merged", ref, out, rtol=RTOL[torch.float32])
     q, k = layer.split(out)
     assert q.shape[-1] == 160 and k.shape[-1] == 96
 
@@ -154,7 +155,7 @@ def test_fp8_scalar_block_scale_for_single_tile() -> None:
     layer.process_after_loading()
     x = torch.randn(3, 128)
     ref = activation_reference("fp8", x) @ dequantized("fp8", {"weight": q, "weight_scale": s}).t()
-    assert_close("fp8 scalar scale", ref, layer(x), rtol=FP32_RTOL)
+    assert_close("fp8 scalar scale", ref, layer(x), rtol=RTOL[torch.float32])
     big = ReplicatedLinear(256, 96, scheme=Fp8PbWoScheme(), prefix="big")
     with pytest.raises(
         ValueError, match=r"big\.weight_scale: expected checkpoint shape \(1, 1, 2, 1\), got \(\)"
@@ -182,8 +183,8 @@ def test_row_parallel_input_not_parallel_and_bias_once() -> None:
         load_shards(layer, [{"weight": w, "bias": b}], merged=False)
         parts.append(layer(x))
     # the bias is added on rank 0 only, so the reduction adds it once
-    assert_close("row partial sums", full(x), parts[0] + parts[1], rtol=FP32_RTOL)
-    assert_close("rank 1 has no bias", x[:, 32:] @ w[:, 32:].t(), parts[1], rtol=FP32_RTOL)
+    assert_close("row partial sums", full(x), parts[0] + parts[1], rtol=RTOL[torch.float32])
+    assert_close("rank 1 has no bias", x[:, 32:] @ w[:, 32:].t(), parts[1], rtol=RTOL[torch.float32])
 
 
 def test_loaders_accept_lazy_sources() -> None:

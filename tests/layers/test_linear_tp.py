@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import save_file
 
 from k3run.distributed import TPInfo, spawn_gloo
+from k3run.knobs import reset_knobs
 from k3run.layers.linear import ColumnParallelLinear, RowParallelLinear
 from k3run.loader import load_checkpoint
 from k3run.quant.schemes import Fp8PbWoScheme, Segment
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.tp_utils import (
     KDA_REPLICATED,
     KDA_SHARDS,
@@ -36,7 +37,6 @@ from tests.tp_utils import (
     tp_block_mapping,
 )
 
-FP32_RTOL = 1e-5
 REPLICATED_NAME = KDA_SHARDS[KDA_REPLICATED][0]
 
 
@@ -78,7 +78,7 @@ def _assemble(per_rank: list[dict[str, torch.Tensor]], gathered: bool) -> dict[s
 def _compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tp: int) -> None:
     assert sorted(ref) == sorted(got)
     for key in ref:
-        assert_close(f"tp{tp} {key}", ref[key], got[key], rtol=FP32_RTOL)
+        assert_close(f"tp{tp} {key}", ref[key], got[key], rtol=RTOL[torch.float32])
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -136,7 +136,7 @@ def test_fp8_rank_rows_crossing_a_checkpoint_block_are_split() -> None:
             assert tuple(layer.weight.shape) == (256, 128)
             assert int(torch.count_nonzero(layer.weight[32:128].view(torch.uint8))) == 0
         outs.append(layer(x))
-    assert_close("fp8 split segments", ref, torch.cat(outs, -1), rtol=FP32_RTOL)
+    assert_close("fp8 split segments", ref, torch.cat(outs, -1), rtol=RTOL[torch.float32])
 
 
 def test_fp8_row_parallel_needs_128_aligned_k_per_rank() -> None:
@@ -233,5 +233,6 @@ def test_init_distributed_rejects_unknown_backend(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("K3RUN_DIST_BACKEND", "mpi")
+    reset_knobs()
     with pytest.raises(ValueError, match="'nccl' or 'gloo', got 'mpi'"):
         init_distributed()

@@ -13,15 +13,15 @@ from k3run.layers.mla import KimiMLA
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.modelopt import ModelOptConfig
 from k3run.quant.schemes import fp8_block_gemm_reference
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.step_schedule import ctx_for, feed_in_steps
 
 D, H, DN, R, DV = 37, 4, 12, 6, 10
 EPS = 1e-6
 PREFIX = "model.layers.3.self_attn"
+# assert_close bounds: rtol=RTOL[output dtype] (k3run.testing), which holds here because:
 # fp32: a few projections and a softmax over <= 40 keys, each adding a few 2^-24 roundings; 1e-5 relative
 # leaves a wide margin (measured ~1e-7) while a wrong formula is off by O(1)
-FP32_RTOL = 1e-5
 VARIANTS = {"k3": (24, True), "kimi_linear": (None, False)}  # (q_lora_rank, use_output_gate)
 
 
@@ -142,8 +142,8 @@ def test_batched_prefill_matches_reference(variant: str, poison_empty: None) -> 
     layer = make_layer(variant, w)
     xs = [torch.randn(23, D), torch.randn(5, D)]
     y = layer(torch.cat(xs), ctx_for([23, 5], [0, 0], None), None)
-    assert_close("seq 0", reference(variant, w, xs[0]), y[:23], rtol=FP32_RTOL)
-    assert_close("seq 1", reference(variant, w, xs[1]), y[23:], rtol=FP32_RTOL)
+    assert_close("seq 0", reference(variant, w, xs[0]), y[:23], rtol=RTOL[torch.float32])
+    assert_close("seq 1", reference(variant, w, xs[1]), y[23:], rtol=RTOL[torch.float32])
 
 
 @pytest.mark.parametrize("absorb", ["decode", "always", "never"])
@@ -154,7 +154,7 @@ def test_chunked_prefill_and_decode_match_full_sequence(variant: str, absorb: st
     xs = _inputs()
     outs = run_schedule(layer, xs, SCHEDULE, slots=[2, 0, 3])
     for b, x in enumerate(xs):
-        assert_close(f"{absorb} seq {b}", reference(variant, w, x), outs[b], rtol=FP32_RTOL)
+        assert_close(f"{absorb} seq {b}", reference(variant, w, x), outs[b], rtol=RTOL[torch.float32])
 
 
 def test_absorbed_decode_equals_expanded_bf16() -> None:
@@ -226,13 +226,15 @@ def test_kv_b_proj_fp8_pb_wo_gets_activation_dtype_and_dequantized_absorption() 
     assert torch.equal(layer.w_uk, w_deq["kv_b_proj"].reshape(H, DN + DV, L)[:, :DN])
     outs = run_schedule(layer, xs, SCHEDULE, [2, 0, 3])
     for b, x in enumerate(xs):
-        assert_close(f"fp8 kv_b absorbed seq {b}", reference("k3", w_deq, x), outs[b], rtol=FP32_RTOL)
+        assert_close(
+            f"fp8 kv_b absorbed seq {b}", reference("k3", w_deq, x), outs[b], rtol=RTOL[torch.float32]
+        )
 
     # expanded everywhere: kv_b_proj quantizes its own (fp32 here) latent input per token and 128 columns
     outs = run_schedule(fp8_layer(torch.float32, "never"), xs, SCHEDULE, [2, 0, 3])
     for b, x in enumerate(xs):
         ref = reference("k3", w, x, kv_b=lambda c: fp8_block_gemm_reference(c, q8, s8))
-        assert_close(f"fp8 kv_b expanded seq {b}", ref, outs[b], rtol=FP32_RTOL)
+        assert_close(f"fp8 kv_b expanded seq {b}", ref, outs[b], rtol=RTOL[torch.float32])
 
     # bf16 activations: the latent reaches kv_b_proj in bf16, never in the fp8 weight dtype
     layer = fp8_layer(torch.bfloat16, "decode")
@@ -282,4 +284,4 @@ def test_tensor_parallel_2_equals_1() -> None:
         for r, outs in enumerate(ranks):
             for b in range(len(xs)):
                 # per-rank partial o_proj products are summed by the all-reduce in another order: fp32 noise
-                assert_close(f"{variant} rank {r} seq {b}", single[b], outs[b], rtol=FP32_RTOL)
+                assert_close(f"{variant} rank {r} seq {b}", single[b], outs[b], rtol=RTOL[torch.float32])

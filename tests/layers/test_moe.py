@@ -13,6 +13,7 @@ from k3run.formats import (
     quantize_fp8_block,
     quantize_nvfp4,
 )
+from k3run.knobs import reset_knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.moe import FusedExperts, route
 from k3run.quant.algo import QuantAlgo
@@ -647,8 +648,10 @@ def test_by_expert_tile_choice(monkeypatch):
 
     assert [moe.by_expert_tile(t) for t in (2, 8, 9, moe.BY_EXPERT_MAX_TOKENS)] == [8, 8, 16, 16]
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "32")
+    reset_knobs()
     assert moe.by_expert_tile(4) == 32
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "24")
+    reset_knobs()
     with pytest.raises(ValueError, match="K3RUN_MOE_BY_EXPERT_TILE.*'24'"):
         moe.by_expert_tile(4)
 
@@ -668,6 +671,7 @@ def test_gpu_by_expert_tiles_match_the_per_expert_loop(monkeypatch, tile):
     loop = fused_experts(ex, x, ids, weights, grouped=False)
     monkeypatch.setattr(moe, "TILES_FROM_PICKS_PER_EXPERT", 1 << 20)  # the expert-major launches, not wgmma
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", tile)
+    reset_knobs()
     got = fused_experts(ex, x, ids, weights)
     assert_close(f"by expert tile {tile}", loop, got, rtol=2.0**-7)
     assert float(got.abs().max()) > 0

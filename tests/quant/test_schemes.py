@@ -24,10 +24,8 @@ from k3run.quant.schemes import (
     UnquantizedScheme,
     linear_scheme_for,
 )
-from k3run.testing import assert_close
+from k3run.testing import RTOL, assert_close
 from tests.tp_utils import activation_reference, checkpoint_tensors, dequantized, load_shards
-
-FP32_RTOL = 1e-5
 
 
 class RecordingGemm:
@@ -110,7 +108,7 @@ def test_fp8_pb_wo_numerics_match_reference() -> None:
     ref = activation_reference("fp8", x) @ torch.cat([dequantized("fp8", t) for t in tensors]).t()
     out = layer(x)
     assert tuple(out.shape) == (2, 5, 296)
-    assert_close("fp8 merged", ref, out, rtol=FP32_RTOL)
+    assert_close("fp8 merged", ref, out, rtol=RTOL[torch.float32])
     # bf16 activations: the scheme returns the activation dtype, one rounding of the fp32 result
     # (8 mantissa bits -> <= 2^-9 relative per element)
     out16 = layer(x.bfloat16())
@@ -145,7 +143,7 @@ def test_nvfp4_w4a16_matches_dequantized_reference() -> None:
     load_shards(layer, [t | {"bias": bias}], merged=False)
     layer.process_after_loading()
     x = torch.randn(7, 128)
-    assert_close("nvfp4 w4a16", x @ dequantized("nvfp4", t).t() + bias, layer(x), rtol=FP32_RTOL)
+    assert_close("nvfp4 w4a16", x @ dequantized("nvfp4", t).t() + bias, layer(x), rtol=RTOL[torch.float32])
 
 
 def test_nvfp4_fused_global_scales_unified_when_exact() -> None:
@@ -163,7 +161,7 @@ def test_nvfp4_fused_global_scales_unified_when_exact() -> None:
         assert torch.equal(_partition_dequant(layer, p), dequantized("nvfp4", t)), f"partition {p} changed"
     x = torch.randn(5, 128)
     ref = x @ torch.cat([dequantized("nvfp4", t) for t in tensors]).t()
-    assert_close("nvfp4 unified", ref, layer(x), rtol=FP32_RTOL)
+    assert_close("nvfp4 unified", ref, layer(x), rtol=RTOL[torch.float32])
 
 
 def test_nvfp4_fused_global_scales_kept_per_partition_when_inexact() -> None:
@@ -184,7 +182,7 @@ def test_nvfp4_fused_global_scales_kept_per_partition_when_inexact() -> None:
     assert not torch.allclose(upstream, dequantized("nvfp4", tensors[0]), rtol=0.1)
     x = torch.randn(6, 128)
     ref = x @ torch.cat([dequantized("nvfp4", t) for t in tensors]).t()
-    assert_close("nvfp4 per-partition", ref, layer(x), rtol=FP32_RTOL)
+    assert_close("nvfp4 per-partition", ref, layer(x), rtol=RTOL[torch.float32])
 
 
 def test_nvfp4_w4a4_emulation_uses_each_partitions_input_scale() -> None:
@@ -197,7 +195,7 @@ def test_nvfp4_w4a4_emulation_uses_each_partitions_input_scale() -> None:
         -1,
     )
     out = layer(x)
-    assert_close("nvfp4 w4a4", ref, out, rtol=FP32_RTOL)
+    assert_close("nvfp4 w4a4", ref, out, rtol=RTOL[torch.float32])
     # the activation really was quantized: weight-only output differs by NVFP4 activation error (~10%)
     w4a16 = x @ torch.cat([dequantized("nvfp4", t) for t in tensors]).t()
     assert not torch.allclose(out, w4a16, rtol=1e-2)

@@ -16,11 +16,12 @@ K3RUN_SIDE_STREAM=0 runs every branch inline (for comparisons).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
+
+from k3run.knobs import knobs
 
 T = TypeVar("T")
 
@@ -29,7 +30,6 @@ T = TypeVar("T")
 # 3.99 ms at batch 8, but at batch 32 the shared experts' GEMVs, sharing the SMs, stretch the router's cuBLAS
 # GEMM and the step runs 1-3% slower than inline
 SIDE_MAX_TOKENS = 16
-ENABLED = os.environ.get("K3RUN_SIDE_STREAM", "1") != "0"
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -44,7 +44,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def side_stream_applies(x: torch.Tensor) -> bool:
     """Whether a branch on x [T, ...] runs on the side stream: CUDA, eager or graph capture (not inside
     torch.compile), at most SIDE_MAX_TOKENS rows, not switched off."""
-    return ENABLED and x.is_cuda and x.shape[0] <= SIDE_MAX_TOKENS and not torch.compiler.is_compiling()
+    return (
+        x.is_cuda
+        and x.shape[0] <= SIDE_MAX_TOKENS
+        and not torch.compiler.is_compiling()
+        and knobs().side_stream
+    )
 
 
 class Branch(Generic[T]):

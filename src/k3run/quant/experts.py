@@ -30,7 +30,6 @@ these alphas. W4A16 mode (Hopper/Marlin) keeps activations 16-bit: a13 = a2 = 1 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -46,6 +45,7 @@ from k3run.formats import (
     nvfp4_qdq,
 )
 from k3run.kernels.moe_ops import combine
+from k3run.knobs import knobs
 from k3run.quant.algo import QuantAlgo
 
 if TYPE_CHECKING:
@@ -971,17 +971,15 @@ class NvFp4Experts(ExpertScheme):
 
 
 def _by_expert(tokens: int) -> bool:
-    return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and os.environ.get("K3RUN_MOE_BY_EXPERT", "1") != "0"
+    return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and knobs().moe_by_expert
 
 
 def by_expert_tile(tokens: int) -> int:
     """The expert-major launch's token tile for a decode batch of `tokens`: 8 up to 8 tokens, else 16;
     K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons)."""
-    forced = os.environ.get("K3RUN_MOE_BY_EXPERT_TILE")
-    if forced:
-        if forced not in ("8", "16", "32"):
-            raise ValueError(f"K3RUN_MOE_BY_EXPERT_TILE: expected 8, 16 or 32, got {forced!r}")
-        return int(forced)
+    forced = knobs().moe_by_expert_tile
+    if forced is not None:
+        return forced
     return 8 if tokens <= 8 else 16
 
 

@@ -16,13 +16,15 @@ import functools
 import torch
 
 from k3run.kernels.fp8_act_quant import quantize_act_1x128
+from k3run.knobs import knobs
 
 from .ref import fp8_block_gemm_ref, fp8_pb_wo_linear_ref
 
 BACKENDS = ("scaled_mm", "triton", "gemv", "ref")
 # decode sizes: on CUDA sm_89+, calls of up to this many rows take the split-K GEMV with the quantization
-# fused (fp8_gemm.gemv) whatever the layer's backend; K3RUN_FP8_GEMV=0 turns it off (for comparisons)
-GEMV_MAX_M = 16
+# fused (gemv.fp8_gemv, whose token tile is one 16-row mma block) whatever the layer's backend;
+# K3RUN_FP8_GEMV=0 turns it off (for comparisons). Defined here, not in gemv.py, which needs Triton.
+FP8_GEMV_MAX_M = 16
 
 
 def scaled_mm_shape_ok(k: int) -> bool:
@@ -42,9 +44,7 @@ def blockwise_scaled_mm_supported(device: torch.device) -> bool:
 
 def _gemv_on(device: torch.device) -> bool:
     """The decode GEMV's E4M3 conversions need sm_89+ (Ada, Hopper); K3RUN_FP8_GEMV=0 turns it off."""
-    import os
-
-    return os.environ.get("K3RUN_FP8_GEMV", "1") != "0" and _fp8_capable(device.index or 0)
+    return knobs().fp8_gemv and _fp8_capable(device.index or 0)
 
 
 @functools.cache
@@ -97,8 +97,8 @@ def fp8_pb_wo_linear(
 
     weight_padded: fp8 [N_pad, K], N_pad = n_logical rounded up to 128 with zero pad rows;
     scale_2d: fp32 [N_pad/128, K/128] weight tile scales. backend None means default_backend(x.device, K).
-    On CUDA, up to GEMV_MAX_M rows run the decode GEMV (quantization fused, one weight pass) instead of the
-    backend's GEMM; backend "gemv" asks for it explicitly.
+    On CUDA, up to FP8_GEMV_MAX_M rows run the decode GEMV (quantization fused, one weight pass) instead of
+    the backend's GEMM; backend "gemv" asks for it explicitly.
     """
     _check(x, weight_padded, scale_2d, n_logical, bias)
     backend = backend or default_backend(x.device, x.shape[-1])
@@ -113,7 +113,8 @@ def fp8_pb_wo_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if backend == "gemv" or (backend != "ref" and x2.is_cuda and 0 < m <= GEMV_MAX_M and _gemv_on(x2.device)):
+    decode = x2.is_cuda and 0 < m <= FP8_GEMV_MAX_M and _gemv_on(x2.device)
+    if backend == "gemv" or (backend != "ref" and decode):
         from .gemv import fp8_gemv
 
         return fp8_gemv(x2, weight_padded, scale_2d, n_logical, bias).reshape(*lead, n_logical)
@@ -154,7 +155,7 @@ def fp8_pb_wo_linear(
 
 __all__ = [
     "BACKENDS",
-    "GEMV_MAX_M",
+    "FP8_GEMV_MAX_M",
     "blockwise_scaled_mm_supported",
     "default_backend",
     "fp8_block_gemm_ref",

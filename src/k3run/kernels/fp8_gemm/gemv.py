@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from k3run.kernels.fp8_act_quant.triton import quantize_groups
-
-MAX_M = 16  # the token tile (one mma row block)
+from k3run.kernels.fp8_gemm import FP8_GEMV_MAX_M  # the token tile (one mma row block)
 
 
 @triton.jit
@@ -121,8 +120,8 @@ def fp8_gemv(
     (H200, bench/RESULTS.md: fused is faster at M = 1 on every K3 shape, prequant at M = 4..16 on all but
     one). No host synchronisation: graph-capturable."""
     m, k = x.shape
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"fp8_gemv: M={m} rows; the decode kernel takes 1..{MAX_M}")
+    if not 1 <= m <= FP8_GEMV_MAX_M:
+        raise ValueError(f"fp8_gemv: M={m} rows; the decode kernel takes 1..{FP8_GEMV_MAX_M}")
     if 128 % block_n or block_n < 16:
         raise ValueError(f"fp8_gemv: block_n={block_n} must divide 128 (and be >= 16)")
     if x.stride(1) != 1:

@@ -11,15 +11,15 @@ widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference inste
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from k3run.knobs import knobs
 
 from .ref import mla_decode_ref
 
 
 def decode_kernel_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("K3RUN_MLA_DECODE_KERNEL", "1") != "0"
+    return device.type == "cuda" and knobs().mla_decode_kernel
 
 
 def mla_decode_attention(

@@ -20,17 +20,15 @@ K3RUN_MOE_OPS=0 keeps the torch versions on CUDA too (for comparisons).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from k3run.knobs import knobs
 
 from .ref import combine_ref, gated_ref, router_logits_ref, sigmoid_topk_ref
 
-ENABLED = os.environ.get("K3RUN_MOE_OPS", "1") != "0"
-
 
 def _cuda(t: torch.Tensor) -> bool:
-    return ENABLED and t.is_cuda
+    return t.is_cuda and knobs().moe_ops
 
 
 def route_sigmoid_topk(

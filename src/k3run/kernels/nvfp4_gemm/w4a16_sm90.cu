@@ -53,13 +53,21 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// Spins on an mbarrier phase; a wait past ~2^31 polls (far beyond any copy or wgmma: seconds) traps, so a
-// protocol error fails the launch ("unspecified launch failure") instead of hanging the GPU.
+// Spins on an mbarrier phase. A wait longer than 10 s (read from %globaltimer every 1024 polls; any copy or
+// wgmma takes microseconds) traps, so a protocol error fails the launch ("unspecified launch failure") instead
+// of hanging the GPU.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  uint32_t polls = 0;
+  uint32_t done, polls = 0;
+  uint64_t t0 = 0;
   do {
-    if (++polls == 0x80000000u) __trap();
+    if ((++polls & 1023u) == 0) {
+      uint64_t now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (t0 == 0)
+        t0 = now;
+      else if (now - t0 > 10000000000ull)
+        __trap();
+    }
     asm volatile(
         "{\n.reg .pred p;\n"
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
@@ -153,6 +161,20 @@ __device__ __forceinline__ void decode_word(uint32_t q, uint32_t sl, uint32_t sh
 
 template <int BT, bool BF16>
 struct Wgmma;
+
+// explicit conversions: torch builds extensions with __CUDA_NO_HALF_CONVERSIONS__ / _BFLOAT16_CONVERSIONS__
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 //@@WGMMA@@
 
@@ -348,13 +370,13 @@ __global__ void __launch_bounds__((NWG + 1) * 128, 1)
     const int n = row_base + 8 * h;
     if (n >= N) continue;
     const float scale = (per_col_gs ? gs[n] : gs[0]) * 128.0f;
-    const float bv = bp ? float(bp[n]) : 0.0f;
+    const float bv = bp ? to_float(bp[n]) : 0.0f;
 #pragma unroll
     for (int i = 0; i < BT / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = tok_base + 8 * i + e;
-        if (tok < M) out[size_t(tok) * ldy + n] = T(acc[4 * i + 2 * h + e] * scale + bv);
+        if (tok < M) out[size_t(tok) * ldy + n] = from_float<T>(acc[4 * i + 2 * h + e] * scale + bv);
       }
     }
   }
@@ -394,7 +416,8 @@ __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, in
 }  // namespace k3w
 
 #ifndef K3W_STANDALONE
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 namespace k3w {
@@ -440,7 +463,7 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
   const int t_tiles = (M + bt - 1) / bt;
   auto xt = torch::empty({t_tiles, chunks, 2, bt, 64}, x.options());
   const int units = t_tiles * chunks * 2 * bt * 8;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const int threads = 256;
   if (x.scalar_type() == at::kBFloat16)
     k3w::prep_x_kernel<__nv_bfloat16><<<(units + threads - 1) / threads, threads, 0, stream>>>(
@@ -460,7 +483,7 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   const int CH = xt.size(1), t_tiles = xt.size(0);
   TORCH_CHECK(CH % split == 0, "w4a16_gemm: split_k ", split, " must divide the ", CH, " chunks");
   const bool bf16 = y.scalar_type() == at::kBFloat16;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G) {                                                                                   \
     if (bf16)                                                                                                  \

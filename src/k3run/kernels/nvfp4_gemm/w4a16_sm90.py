@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from k3run.knobs import knobs
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def _build():
         cpp_sources=decls,
         cuda_sources=cuda_source(),
         functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=False,
     )
 
@@ -89,10 +90,7 @@ def _build():
 def enabled() -> bool:
     """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
     (read once), since its GPU tests and timings are not in bench/RESULTS.md yet; else the Gluon kernel."""
-    return _ENABLED
-
-
-_ENABLED = os.environ.get("K3RUN_SM90_CUDA", "0") == "1"
+    return knobs().sm90_cuda
 
 
 def available(device: torch.device | None = None) -> bool:

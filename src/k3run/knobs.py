@@ -1,0 +1,195 @@
+"""k3run's own environment variables (`K3RUN_*`), parsed in one place.
+
+`knobs()` reads them all from os.environ at its first call and returns the same frozen `Knobs` after that;
+a malformed value of any of them is a ValueError naming the variable, the values it takes and the value
+found (the CLI prints it as one line and exits with code 2). An empty value is the same as an unset one.
+The table of variables, with their effects, is docs/knobs.md.
+
+Variables that are not k3run's own are read where they are used: torchrun's WORLD_SIZE / RANK / LOCAL_RANK
+(distributed.py), OMP_NUM_THREADS (cpu_threads.py), TRITON_INTERPRET (kernels/moe_ops/triton.py).
+
+Tests and benchmarks that change a variable call `reset_knobs()` after the change (the next `knobs()` parses
+the environment again), or run a block under `override_knobs(field=value)` without touching the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Each parser takes (variable, value) for a set, non-empty value; its docstring is the values it takes.
+
+
+def _malformed(name: str, expected: str, value: str) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _flag(name: str, value: str) -> bool:
+    """0 or 1"""
+    if value not in ("0", "1"):
+        raise _malformed(name, "0 or 1", value)
+    return value == "1"
+
+
+def _positive_int(name: str, value: str) -> int:
+    """a positive integer"""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise _malformed(name, "a positive integer", value)
+    return n
+
+
+def _cpu_simd(name: str, value: str) -> str:
+    """avx2, 0 or off"""
+    if value in ("0", "off"):
+        return "off"
+    if value != "avx2":
+        raise _malformed(name, "avx2, 0 or off", value)
+    return value
+
+
+def _by_expert_tile(name: str, value: str) -> int:
+    """8, 16 or 32"""
+    if value not in ("8", "16", "32"):
+        raise _malformed(name, "8, 16 or 32", value)
+    return int(value)
+
+
+def _dist_backend(name: str, value: str) -> str:
+    """nccl or gloo"""
+    if value not in ("nccl", "gloo"):
+        raise _malformed(name, "'nccl' or 'gloo'", value)
+    return value
+
+
+def _text(name: str, value: str) -> str:
+    """text"""
+    return value
+
+
+def _knob(var: str, parse: Callable[[str, str], Any], default: Any, meaning: str, **kw: Any) -> Any:
+    """A Knobs field read from $var by parse(var, value) when set and not empty, else `default`."""
+    return field(default=default, metadata={"var": var, "parse": parse, "meaning": meaning}, **kw)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One field per `K3RUN_*` variable: its parsed value (the default where the variable is unset)."""
+
+    cpu_threads: int | None = _knob(
+        "K3RUN_CPU_THREADS", _positive_int, None,
+        "CPU intra-op threads; over OMP_NUM_THREADS and the choice by the largest matrix, under `--threads`",
+    )  # fmt: skip
+    cpu_simd: str = _knob(
+        "K3RUN_CPU_SIMD", _cpu_simd, "auto",
+        "the CPU C++ extension: auto (AVX-512 or AVX2, as the CPU has), avx2 (AVX2 on an AVX-512 CPU), off",
+    )  # fmt: skip
+    cpu_int8: bool = _knob(
+        "K3RUN_CPU_INT8", _flag, False,
+        "NVFP4 linears and experts on the CPU on int8-rounded activations (AVX-512 VNNI CPUs)",
+    )  # fmt: skip
+    fp8_gemv: bool = _knob(
+        "K3RUN_FP8_GEMV", _flag, True,
+        "CUDA sm_89+: FP8_PB_WO calls of up to FP8_GEMV_MAX_M rows on the split-K decode GEMV",
+    )  # fmt: skip
+    mla_decode_kernel: bool = _knob(
+        "K3RUN_MLA_DECODE_KERNEL", _flag, True,
+        "CUDA: static MLA decode attention on the Triton kernel (0: the fp32 reference)",
+    )  # fmt: skip
+    moe_ops: bool = _knob(
+        "K3RUN_MOE_OPS", _flag, True,
+        "CUDA: the MoE's router, activation and combine as single Triton launches (0: torch's chains)",
+    )  # fmt: skip
+    moe_by_expert: bool = _knob(
+        "K3RUN_MOE_BY_EXPERT", _flag, True,
+        "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
+    )  # fmt: skip
+    moe_by_expert_tile: int | None = _knob(
+        "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
+        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",
+    )  # fmt: skip
+    sm90_cuda: bool = _knob(
+        "K3RUN_SM90_CUDA", _flag, False,
+        "CUDA sm_90: NVFP4 linears of 17..256 rows on the CUDA C++ GEMM (w4a16_sm90), not the Gluon one",
+    )  # fmt: skip
+    side_stream: bool = _knob(
+        "K3RUN_SIDE_STREAM", _flag, True,
+        "CUDA: a layer's independent branch on a second stream up to 16 rows (0: inline)",
+    )  # fmt: skip
+    dist_backend: str | None = _knob(
+        "K3RUN_DIST_BACKEND", _dist_backend, None,
+        "torch.distributed backend under torchrun, nccl or gloo (unset: NCCL with CUDA, else gloo)",
+    )  # fmt: skip
+    api_key: str | None = _knob(
+        "K3RUN_API_KEY", _text, None,
+        "`k3run serve`: the bearer key /v1 requires when --api-key is not given (unset: open)",
+        repr=False,
+    )  # fmt: skip
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Knobs:
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f.metadata["var"], "")
+            if raw:
+                values[f.name] = f.metadata["parse"](f.metadata["var"], raw)
+        return cls(**values)
+
+
+# A module global rather than functools.cache: torch.compile traces through knobs() in the compiled CPU
+# decode step, and Dynamo ignores an lru_cache wrapper (it would parse the environment inside the trace);
+# a global it reads as a guarded constant.
+_parsed: Knobs | None = None
+_overrides: list[Knobs] = []
+
+
+def knobs() -> Knobs:
+    """The parsed `K3RUN_*` variables (parsed at the first call; see the module docstring)."""
+    global _parsed
+    if _overrides:
+        return _overrides[-1]
+    if _parsed is None:
+        _parsed = Knobs.from_env(os.environ)
+    return _parsed
+
+
+def reset_knobs() -> None:
+    """Forget the parsed variables: the next `knobs()` reads the environment again."""
+    global _parsed
+    _parsed = None
+
+
+@contextlib.contextmanager
+def override_knobs(**changes: Any) -> Iterator[Knobs]:
+    """Inside the block `knobs()` returns the current knobs with `changes` (field names, parsed values)."""
+    k = dataclasses.replace(knobs(), **changes)
+    _overrides.append(k)
+    try:
+        yield k
+    finally:
+        _overrides.pop()
+
+
+def table() -> list[str]:
+    """The rows of docs/knobs.md's table, one per field: variable, field, type, values, default, effect
+    (a test keeps the document equal to them)."""
+    rows = []
+    for f in dataclasses.fields(Knobs):
+        default = (
+            "unset" if f.default is None else int(f.default) if isinstance(f.default, bool) else f.default
+        )
+        cells = [
+            f"`{f.metadata['var']}`",
+            f"`{f.name}`",
+            f"`{str(f.type).removesuffix(' | None')}`",
+            f.metadata["parse"].__doc__,
+        ]
+        rows.append("| " + " | ".join([*cells, f"{default}", f.metadata["meaning"]]) + " |")
+    return rows
