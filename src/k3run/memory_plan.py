@@ -7,7 +7,8 @@ pads them. The layouts are the CPU ones: on CUDA, NVFP4 weights also pad their r
 Beside them: the cache one sequence needs at each context length
 (MLA latents grow with the context, KDA states do not) and an estimate of the largest prefill temporaries
 for a chunk of `chunk_tokens` tokens (the routed experts' pick buffers, which dominate a Kimi prefill, and
-the expanded MLA keys and values of the longest context). No weights are read.
+the expanded MLA keys and values of the longest context). No weights are read. nvidia/Kimi-K3-NVFP4 at TP 16
+comes to 106.5 GiB of weights a rank.
 """
 
 from __future__ import annotations

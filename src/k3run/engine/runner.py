@@ -338,7 +338,7 @@ class CompiledCpuDecoder(GraphDecoder):
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             "post_grad_custom_post_pass": SmallMmAsReduction(),  # decode GEMVs as Inductor loops
             # keep pointwise chains of more than 8 ops as buffers instead of inlining them into every
-            # consumer: the FP8_PB_WO layers' activation rounding (amax, scale, e4m3 round trip) was
+            # consumer: the FP8_PB_WO layers' activation rounding (amax, scale, e4m3 round trip) is
             # otherwise recomputed inside the GEMV loops for every output column (the k3-mixed bundled
             # model's step runs 2.3x faster with 8 than with Inductor's CPU default of 50; the bf16-weights
             # model's is the same with either)

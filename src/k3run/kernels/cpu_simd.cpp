@@ -20,7 +20,7 @@ static inline K3_AVX2 float hsum256(__m256 v) {
 
 // R consecutive rows n .. n + R - 1 of y [M, N] fp32 = x [M, K] @ W^T (M, R compile-time): each 16-byte chunk
 // of the R weight rows is decoded once, each x load serves the R rows (x sits in L2 at several token rows),
-// and R rows stream at once (more memory requests in flight: 1.8-2.3x at one token, bench/RESULTS.md C4).
+// and R rows stream at once (more memory requests in flight: 1.8-2.3x at one token, bench/RESULTS.md).
 // x_even / x_odd fp32 [M, K/2] (x's even and odd columns), w uint8
 // [N, K/2] (low nibble = even column), s uint8 [N, K/16] (E4M3 bytes), gs fp32 [N], st fp32 [256] (E4M3).
 template <int M, int R>

@@ -38,14 +38,14 @@ log = logging.getLogger(__name__)
 SOURCE_PATH = Path(__file__).with_name("cpu_simd.cpp")
 
 # rows up to which the extension runs (in calls of 8 rows, each decoding the weight again); above, the
-# compiled dequantization + matmul. Measured on 7168^2 with fp32 inputs after the row blocks (bench/NOTES.md,
-# session 15): NVFP4 calls of 8 rows 28 / 56 / 109 ms at 64 / 128 / 256 rows against 56 / 84 / 151 for
+# compiled dequantization + matmul. Measured on 7168^2 with fp32 inputs, row blocks on (2-core AVX-512 box,
+# bench/NOTES.md): NVFP4 calls of 8 rows 28 / 56 / 109 ms at 64 / 128 / 256 rows against 56 / 84 / 151 for
 # dequantization + matmul; FP8 8.4 ms at 8 rows (compiled loop 30.5), 60 against 49 at 64 rows.
 NVFP4_MAX_M = 256
 FP8_MAX_M = 32
 # rows per nvfp4_vnni_gemm call of a dense linear (K3RUN_CPU_INT8=1; more rows run in calls of this many): on
 # this project's 2-core AVX-512 box 0.65-0.93x the bf16 dequantize + matmul path's time at 256-512 rows, ~260
-# GMAC/s; one call of 2048 rows fell to ~210 (its activations overflow the L2)
+# GMAC/s; one call of 2048 rows falls to ~210 (its activations overflow the L2)
 INT8_MAX_M = 256
 INT8_VBMI = True  # decode codes by vpermb where the CPU has AVX-512 VBMI (False: vpshufb, as without it)
 INT8_PAIRS = True  # 2-4 tokens: two 16-row blocks per pass sharing the activation broadcasts (same bits)

@@ -26,9 +26,9 @@ from k3run.knobs import knobs
 T = TypeVar("T")
 
 # tokens up to which a branch runs beside the chain. H200, full-depth Kimi Linear with its own routing
-# (bench/RESULTS.md, runs 99-101): the branches take 0.42 ms off a 2.53 ms step at batch 1 and 0.44 ms off
+# (bench/RESULTS.md): the branches take 0.42 ms off a 2.53 ms step at batch 1 and 0.44 ms off
 # 3.99 ms at batch 8, but at batch 32 the shared experts' GEMVs, sharing the SMs, stretch the router's cuBLAS
-# GEMM and the step ran 1-3% slower than inline
+# GEMM and the step runs 1-3% slower than inline
 SIDE_MAX_TOKENS = 16
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 

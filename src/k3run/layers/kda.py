@@ -1,6 +1,7 @@
 """Kimi Delta Attention mixer (Kimi Linear and K3), tensor parallel over heads.
 
-Rank-local computation for a flat batch x [T, D] of B sequences (kimi-architecture.md §2, §5):
+Rank-local computation for a flat batch x [T, D] of B sequences (the projections merged as vLLM's K3 model
+merges them):
     in_proj(x)  K3:          [q | k | v | g | f_a | b]    (f_a replicated: every rank needs the whole latent)
                 Kimi Linear: [q | k | v | b | f_a]        (output gate from g_b_proj(g_a_proj(x)))
     q, k, v  <- silu(causal depthwise conv, width W) continuing each sequence's conv state

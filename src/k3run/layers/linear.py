@@ -350,7 +350,7 @@ class MergedColumnParallelLinear(LinearBase):
 
     The output is the rank-local concatenation [p0_local | p1_local | ...] (`local_output_sizes`); padding
     added by a scheme never shows. `replicated_shard_id` names a partition declared as (local size * tp)
-    that every rank loads whole from its checkpoint tensor (KDA f_a_proj, see kimi-architecture.md §5).
+    that every rank loads whole from its checkpoint tensor (KDA f_a_proj: every rank needs the whole latent).
     `shard_prefixes` (the checkpoint prefixes of the fused projections) let the quant config resolve the
     fused layer's scheme.
     """

@@ -1,4 +1,4 @@
-"""Kimi gated NoPE MLA (Kimi Linear and K3), tensor parallel over heads (kimi-architecture.md §3).
+"""Kimi gated NoPE MLA (Kimi Linear and K3, as in Moonshot's modeling code), tensor parallel over heads.
 
 Per token, with d_q = d_n + R, latent width L and this rank's H heads:
     q            = q_b_proj(q_a_layernorm(q_a_proj(x)))  (K3, q_lora)   or  q_proj(x)  (Kimi Linear)  [H, d_q]

@@ -15,7 +15,8 @@ and the per-expert loop). Three schemes:
 Parameters are registered on the FusedExperts module under the checkpoint's names after vLLM's stacking:
 `w13_*` holds w1 (gate) in rows [0, I) and w3 (up) in rows [I, 2I), `w2_*` the down projection.
 
-NVFP4 scale semantics (shared/spec/modelopt-contracts.md §4-5), computed once by `nvfp4_moe_scales`:
+NVFP4 scale semantics (vLLM's ModelOpt NVFP4 fused MoE and its SiTU activation, which k3run matches),
+computed once by `nvfp4_moe_scales`:
     a13 = max over ALL experts of w13_input_scale,   a2 = max over ALL experts of w2_input_scale
     a1_gscale = 1/a13, a2_gscale = 1/a2                       (activation encode scales)
     g1_alphas[e] = w13_weight_scale_2[e, (gate, up)] * a13   (GEMM1 accumulator -> real value, per half)

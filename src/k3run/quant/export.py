@@ -6,8 +6,8 @@ Recipes (which linear layers get which scheme; every other tensor is copied unch
 - "k3-mixed": what nvidia/Kimi-K3-NVFP4 uses: routed experts NVFP4; the attention projections (KDA q/k/v/g/
   b/f_a/f_b and g_a/g_b, MLA q/q_a/q_b/kv_a_proj_with_mqa/kv_b/g, o_proj) FP8_PB_WO; everything else bf16.
 
-Tensors are what ModelOpt 0.47 exports (shared/spec/modelopt-export-on-cpu.md; checked byte for byte against
-the real exports in tests/fixtures): k3run.formats quantizes, and linears that read the same input share
+Tensors are what ModelOpt 0.47 exports (run on a CPU; checked byte for byte against the real exports in
+tests/fixtures, tests/fixtures/README.md): k3run.formats quantizes, and linears that read the same input share
 their global scale as ModelOpt's fusion pass makes them (NVFP4 `weight_scale_2`; FP8_PB_WO only when every
 member is a single 128x128 tile, the one case ModelOpt unifies). hf_quant_config.json (legacy form) and
 config.json `quantization_config` (flat form) follow ModelOpt's writer, MIXED_PRECISION as the K3 converter

@@ -1,6 +1,6 @@
 """ModelOpt quantization config: where it is read from, both of its JSON forms, and layer -> QuantAlgo.
 
-The rules follow vLLM's ModelOpt support (shared/spec/modelopt-contracts.md §1) so that a checkpoint means
+The rules follow vLLM's ModelOpt config parsing (quantization/modelopt.py) so that a checkpoint means
 the same thing here as in vLLM, with two deliberate tightenings, both raising instead of guessing:
 - a fused layer whose shards resolve to different algorithms, including "quantized" next to "not listed",
   is an error (vLLM ignores unlisted shards, which would load a bf16 shard into an fp8 parameter);

@@ -432,18 +432,20 @@ class Fp8PbWoScheme:
         return "FP8_PB_WO (fp8 e4m3 weights, 128x128 fp32 block scales, dynamic 1x128 fp8 activations)"
 
 
-# The NVFP4 -> FP8 choice (issue 6 section 2): the one place it is made. H200 measurements, bench/RESULTS.md:
-# - M > 16, where the NVFP4 path is Triton dequantize + cuBLAS bf16: the converted FP8 weight through
-#   block-scaled _scaled_mm ran 7168x7168 at M = 4096 in 0.400 ms vs 0.642 ms (1.51x cuBLAS bf16, run 2), and
-#   bare block _scaled_mm reached 1127-1138 TFLOP/s at M = 4096 on 7168x7168 and 2112x7168 against 724-745
-#   for cuBLAS bf16 (run 3, toolchain.md), so it wins at every large-M shape it accepts.
-# - M <= 16: the Gluon NVFP4 decode kernel (run 8) beats the FP8 copy: 7168x7168 in 0.0180 ms at M = 1 and
-#   0.0232 ms at M = 16, against 0.0255 ms (M = 1, run 3) and 0.0242 ms (M = 16, run 2) through FP8 (the
-#   Triton decode kernel that FP8 used to beat took 0.0418 / 0.0681 ms). So FP8 is never picked there.
-# - M = 17..32 (the Gluon kernel's 32-token tile, run 9): 0.037-0.039 ms on 7168x7168, still slower than the
-#   FP8 layer (~0.029 ms at M = 64, run 3), so FP8 keeps every M > 16.
-# - only the block-scaled _scaled_mm backend: the Triton FP8 fallback ran at 589 TFLOP/s at M = 4096 (run 3),
-#   below dequantize + cuBLAS (702-739 TFLOP/s).
+# The NVFP4 -> FP8 choice (`--nvfp4-as-fp8`, opt-in): the one place it is made. H200 measurements,
+# bench/RESULTS.md:
+# - large M: the converted FP8 weight through block-scaled _scaled_mm runs 7168x7168 at M = 4096 in 0.400 ms
+#   against 0.642 ms for NVFP4's dequantize + cuBLAS bf16 (1.51x cuBLAS bf16), and bare block _scaled_mm
+#   reaches 1127-1138 TFLOP/s at M = 4096 on 7168x7168 and 2112x7168 against 724-745 for cuBLAS bf16, so it
+#   wins at every large-M shape it accepts.
+# - M <= 16: the Gluon NVFP4 decode kernel beats the FP8 copy: 7168x7168 in 0.0180 ms at M = 1 and
+#   0.0232 ms at M = 16, against 0.0255 ms (M = 1) and 0.0242 ms (M = 16) through FP8 (the split128 Triton
+#   decode kernel takes 0.0418 / 0.0681 ms). So FP8 is never picked there.
+# - M = 17..64: the Gluon kernel's 32-token tile takes 0.037-0.039 ms on 7168x7168 at 17..32 rows and the
+#   sm_90 wgmma GEMM 0.035 ms at 64, against the FP8 layer's ~0.029 ms at M = 64, so FP8 keeps every M > 16
+#   (the wgmma GEMM's 0.027 ms at 32 rows has not been timed against the FP8 layer at 32).
+# - only the block-scaled _scaled_mm backend: the Triton FP8 fallback runs at 589 TFLOP/s at M = 4096, below
+#   dequantize + cuBLAS (702-739 TFLOP/s).
 NVFP4_DECODE_MAX_M = 16  # up to here the NVFP4 decode kernel beats the FP8 copy (measurements above)
 
 

@@ -4,7 +4,7 @@ Backends: "scaled_mm" (block-wise torch._scaled_mm, cuBLAS, sm90 only, K % 512 =
 (fp8_gemm.triton, any GPU Triton supports fp8 dots on), "ref" (fp32 torch, CPU). Resolve the backend once at
 load time with `default_backend(device, K)` and pass it to every call.
 
-Measured on an H200 (bench/RESULTS.md run 3, 7168x7168): the whole scaled_mm layer (quantize + GEMM + bias
+Measured on an H200 (bench/RESULTS.md, 7168x7168): the whole scaled_mm layer (quantize + GEMM + bias
 in the cuBLAS epilogue) takes 1.14x the time of bare _scaled_mm at M = 1 and 1.10x at M = 4096 (1037 vs
 1138 TFLOP/s); the Triton fallback reaches ~590 TFLOP/s at M = 4096.
 """

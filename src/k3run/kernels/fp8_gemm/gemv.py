@@ -2,7 +2,7 @@
 
 Why: at M = 1..16 the layer is a weight stream. Block-wise torch._scaled_mm reads 7168x7168 FP8 weights at
 ~2.35 TB/s on an H200 and the whole layer (quantize launch + GEMM + crop / bias) at ~1.9 TB/s effective
-(bench/RESULTS.md run 3). Here one launch reads each weight once and quantizes x itself, and a second, tiny
+(bench/RESULTS.md). Here one launch reads each weight once and quantizes x itself, and a second, tiny
 one sums the K splits, adds the bias and writes only the logical columns.
 
 Program (n block of BN rows, K split s) walks its 128-column groups kb: it quantizes the x group exactly as
@@ -14,7 +14,7 @@ So the result is the reference's sum of (q_x s_x)(q_w s_w) up to fp32 summation 
 an fp32 workspace [split, M, N_pad] summed in split order by `_reduce_kernel` (deterministic). Above two rows
 x is quantized once by the 1x128 kernel instead (`prequant`), which the measurements favour there.
 
-Measured on an H200 (bench/RESULTS.md run 74, bf16, against quantize + _scaled_mm + crop / bias): 1.15-1.68x
+Measured on an H200 (bench/RESULTS.md, bf16, against quantize + _scaled_mm + crop / bias): 1.15-1.68x
 faster at M = 1 on the K3 shapes (7168^2: 19.8 against 25.6 us, 2.6 TB/s), 1.03-1.43x at M = 2..16.
 """
 
@@ -64,7 +64,7 @@ def _fp8_gemv_kernel(
             scale = tl.load(sx_ptr + offs_m * stride_sxm + kb, mask=row_ok, other=0.0)
         else:
             # rows past M read 1.0, not 0: IEEE division takes a slow path for a zero numerator over the
-            # tiny floor scale (2^-43), which made M = 1 twice as slow as M = 16 (run 73); never stored
+            # tiny floor scale (2^-43), which makes M = 1 twice as slow as M = 16 (H200); never stored
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None], other=1.0)
             qb, scale = quantize_groups(x.to(tl.float32), 1, EXACT_ROUND)  # [16, 128] bits, [16]
             q8 = qb.to(tl.float8e4nv, bitcast=True)
@@ -117,7 +117,7 @@ def fp8_gemv(
     (N_pad % 128 == 0); scale_2d fp32 [N_pad / 128, K / 128]. Operands are checked by the caller
     (`fp8_pb_wo_linear`). prequant: quantize x first with the 1x128 kernel (fp8_act_quant) and let the GEMV
     read q and the scales instead of quantizing every 128-column group in every program; None: for M > 2
-    (bench/RESULTS.md run 74: fused is faster at M = 1 on every K3 shape, prequant at M = 4..16 on all but
+    (H200, bench/RESULTS.md: fused is faster at M = 1 on every K3 shape, prequant at M = 4..16 on all but
     one). No host synchronisation: graph-capturable."""
     m, k = x.shape
     if not 1 <= m <= FP8_GEMV_MAX_M:

@@ -10,7 +10,7 @@ fla's default layout (`state_v_first=False`; vLLM and the official K3 code use t
 so states are passed and returned without a copy.
 
 Two entry styles:
-- `*_fla_raw`: K3's own call (kimi-architecture.md §2 "Official K3 call"): the raw forget-gate projection f
+- `*_fla_raw`: the call Moonshot's K3 modeling code makes: the raw forget-gate projection f
   with A_log / dt_bias, the raw beta logits and un-normalised q, k; the gate (softplus, or the lower-bound
   sigmoid), sigmoid(beta) and the q/k L2 norm all run inside the kernels.
 - `*_fla`: inputs already activated (g log decay, beta post-sigmoid, q/k normalised), the contract of

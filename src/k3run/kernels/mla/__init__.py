@@ -5,8 +5,8 @@
 the Triton kernel (`triton.py`) reads only each sequence's real positions from the cache (split-context,
 flash-decoding style), with no window copies.
 
-On CUDA the kernel is the default (checked against the reference on an H200, 3-6x faster than it in
-bench/RESULTS.md runs 56-57); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead.
+On CUDA the kernel is the default (checked against the reference on an H200 and 4-14x faster than it at K3's
+widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead.
 """
 
 from __future__ import annotations

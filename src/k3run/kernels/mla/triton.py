@@ -106,11 +106,11 @@ def choose_splits(
 
 
 def decode_config(batch: int, window: int) -> dict:
-    """Launch options by the step's size, from the H200 sweeps (bench/RESULTS.md runs 57-58): 32-head blocks
+    """Launch options by the step's size, from the H200 sweeps (bench/RESULTS.md): 32-head blocks
     (3 at 96 heads) of 64 positions in the mma form; from 8 sequences on, 4-warp programs at ~4 per SM
     (1.3-2x faster there than 8 warps), below that 8-warp programs at ~2 per SM (4 warps at 4 per SM split
-    one sequence's window into too many short chunks). A positions-as-rows form on wgmma (runs 57-58,
-    commit ef5fb6c) lost to these once they were tuned and was removed."""
+    one sequence's window into too many short chunks). A positions-as-rows form on wgmma is slower than
+    these tuned launches (measured in the same sweeps; bench/NOTES.md)."""
     if batch >= 8:
         return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, per_sm=4)
     return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, per_sm=2)

@@ -11,7 +11,7 @@
   by slot, rounded to out_dtype, plus the shared experts' output (the MoE layer's last two elementwise ops).
 
 Why kernels: in a decode step each torch version is a chain of 4-11 launches of 2-3 us each on a few rows (the
-router alone was 11 launches a layer, ~28 us of GPU time, a fifth of a full-depth Kimi Linear step at
+torch router alone is 11 launches a layer, ~28 us of GPU time, a fifth of a full-depth Kimi Linear step at
 batch 1). The references (`ref.py`) are the same fp32 operations; the kernels follow torch's order of
 operations (IEEE divisions, libdevice exp / tanh), but sums run in a different order, so the tests state fp32
 bounds; the top-k picks the same experts whenever no two choices tie (ties go to the lower expert index).

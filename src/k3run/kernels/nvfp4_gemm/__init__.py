@@ -1,8 +1,11 @@
 """NVFP4 W4A16 linear: the layout prepared once at load time and the per-call implementation choice.
 
-CUDA inputs run the Triton kernels (decode in registers for M <= 16, Triton dequantize + cuBLAS above);
-everything else runs the fp32 reference. `nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8
-blocks for fp8_gemm (issue 6 section 2).
+CUDA inputs (`choose_config` picks, `nvfp4_linear` runs): the Gluon decode kernel (gluon_gemv.py) up to 32
+rows (33..64 in two launches on large matrices); on sm_90 the wgmma GEMM (wgmma.py, or with K3RUN_SM90_CUDA=1
+the CUDA C++ kernel of w4a16_sm90.cu) for 17..256 rows; elsewhere the tensor-core tile GEMM (tile.py) up to
+128 rows; dequantize + cuBLAS above. CPU inputs run cpu.py (compiled loops or the SIMD extension on large
+matrices, the fp32 reference otherwise). `nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8 blocks
+for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says where it is used).
 """
 
 from __future__ import annotations
@@ -147,8 +150,8 @@ class NvFp4Weight:
     layout "split128":   weight uint8 [N, K_pad/2], scale_bits uint8 [N, K_pad/16] (see repack_split128).
     layout "tiled128":   split128 stored tile by tile (tile_split128): [N_pad, K_pad/2] / [N_pad, K_pad/16]
                          with N_pad = N rounded up to 16 (zero rows); `rows` holds N; a per-row global_scale
-                         is padded to N_pad with ones. Read by the cp.async decode kernel (M <= 32) and the
-                         dequantize kernel (larger M).
+                         is padded to N_pad with ones. Read by the cp.async decode kernel (up to 32 rows a
+                         launch), the tile and wgmma GEMMs and the dequantize kernel.
     scale_bits are the E4M3 group scales as raw bytes (Triton loads fp8 through uint8).
     global_scale: fp32 [1] (per tensor) or [N] (fused shards with their own global scales), decode scale.
     """
@@ -188,8 +191,8 @@ class GemmConfig:
     split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel).
     swap_ab computes y^T = W x^T (decoded weights as the register operand; wgmma on sm90 when
     block_n >= 64); correct in the interpreter and compiled for sm_90, not yet timed on a GPU.
-    gemv=True runs the Gluon decode kernel (gluon_gemv.py; M <= 16, bf16/fp16): 16 * num_warps rows per
-    program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
+    gemv=True runs the Gluon decode kernel (gluon_gemv.py; M <= 32 a launch, bf16/fp16): 16 * num_warps rows
+    per program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
     K tiles of loads in flight per warp; smem_stages >= 2 stages the weights through shared memory by
     cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
@@ -276,7 +279,7 @@ def default_cuda_layout(device: torch.device) -> str:
 def nvfp4_to_fp8_block(
     weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Load-time conversion for the optional FP8 tensor-core path (issue 6 section 2; opt-in, lossy).
+    """Load-time conversion for the optional FP8 tensor-core path (`--nvfp4-as-fp8`; opt-in, lossy).
 
     Dequantizes the NVFP4 weight exactly in fp32 and re-quantizes it to 128x128-block E4M3, returning
     (fp8 [N_pad, K] with zero pad rows, fp32 scale [N_pad/128, K/128]) ready for fp8_gemm.fp8_pb_wo_linear.
@@ -315,12 +318,13 @@ def gemv_available() -> bool:
     return _GEMV_OK
 
 
-# the Triton tile kernel's decode launch (runs 2-3), used where the Gluon kernel cannot run
+# the split128 Triton tile kernel's decode launch, used where the Gluon kernel cannot run (block_n 64 beat
+# 32 and 16 on an H200: fewer instructions per weight, bench/NOTES.md)
 TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
-# rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (run 15:
-# 2.0-2.8x faster than dequantize + cuBLAS at M = 24 / 32); 33..64 rows (two launches) only on matrices of at
-# least GEMV_PAIR_MIN_WEIGHTS weights (run 27 at M = 64: 1.27x / 1.61x faster than dequantize + cuBLAS on
-# 7168^2 / 12288x7168, 0.94x on 3072x3584; the threshold sits between the measured sizes)
+# rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (H200,
+# bench/RESULTS.md: 2.0-2.8x faster than dequantize + cuBLAS at M = 24 / 32); 33..64 rows (two launches) only
+# on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights (at M = 64: 1.27x / 1.61x faster than dequantize +
+# cuBLAS on 7168^2 / 12288x7168, 0.94x on 3072x3584; the threshold sits between the measured sizes)
 GEMV_MAX_M = 64
 GEMV_AUTO_M = 32
 GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
@@ -328,7 +332,7 @@ GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
 # range). H200, bench/bench_tile.py, time of the tile GEMM / dequantize + cuBLAS on 7168x7168 and
 # 12288x7168: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at 128, 1.25 / 1.55 at 256 (slower from there)
 TILE_MAX_M = 128
-# rows for which choose_config takes the wgmma GEMM on sm_90. H200, bench/bench_wgmma.py (RESULTS run 104),
+# rows for which choose_config takes the wgmma GEMM on sm_90. H200, bench/bench_wgmma.py (bench/RESULTS.md),
 # on 7168x7168 / 12288x7168 / 7168x12288: against the decode kernel 1.31 / 1.06 / 1.67x faster at 32 rows,
 # 0.80 / 0.95 / 0.86x at 16; against dequantize + cuBLAS 1.43 / 1.30 / 1.48x at 256, 0.92 / 0.94 / 0.89x
 # at 1024 (257..1023 unmeasured: they stay on dequantize + cuBLAS)
@@ -339,7 +343,7 @@ WGMMA_MAX_M = 256
 def programs_per_sm(regs: int) -> int:
     """How many 1-warp programs of `regs` registers per thread an sm_90 SM holds at once: at most 32 blocks,
     and each of the 4 schedulers' 16384-register files holds whole warps (registers allocated 8 per thread
-    at a time). Measured on the H200 (bench/RESULTS.md run 34): 32 at 64 registers, 24 at 80, 20 uncapped
+    at a time). Measured on an H200 (bench/RESULTS.md): 32 at 64 registers, 24 at 80, 20 uncapped
     at the 16-token tile's ~90."""
     return min(32, 4 * (16384 // (-(-regs // 8) * 8 * 32)))
 
@@ -348,7 +352,7 @@ def programs_per_sm(regs: int) -> int:
 # 20 such programs per SM), 80 with no spills when capped at 80 (72 spills); the 8-token tile takes 62-64
 GEMV_REGS_T16 = 90
 GEMV_REGS_T16_CAPPED = 80
-# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; CPU compile of session 16), 12 per SM
+# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM
 GEMV_REGS_T32 = 141
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
@@ -357,11 +361,11 @@ DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     """(split_k, maxnreg or None) for M <= 32 (the token tile's rows): the largest split_k <= 8 dividing the
     128-wide chunk count whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of
-    programs starts only as the first drains (bench/NOTES.md session 11: 12288x7168 at M = 1 ran 6144 programs
-    on 132 x 32 slots). For the 16-token tile, the register cap of 80 is taken where it lets more programs in;
-    the 32-token tile runs uncapped. Where even split_k 1 takes more than one wave (the grouped expert
-    launches: rows of every pick), the smallest split_k <= 8 whose waves are on average >= 90% full (else the
-    fullest)."""
+    programs starts only as the first drains (per-program timelines on an H200, bench/NOTES.md: 12288x7168 at
+    M = 1 ran 6144 programs on 132 x 32 slots in two waves). For the 16-token tile, the register cap of 80 is
+    taken where it lets more programs in; the 32-token tile runs uncapped. Where even split_k 1 takes more
+    than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8 whose waves are
+    on average >= 90% full (else the fullest)."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
@@ -386,9 +390,9 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
 
     M <= 32: the Gluon decode kernel's cp.async variant: 1-warp programs (16 rows), 128-wide K tiles staged
     through 2 shared-memory slots, split_k programs per row block.
-    - M <= 16: `one_wave_split` (run 36 against the earlier fixed rule: 8-20% faster on 12288x7168 at
-      M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
-    - M = 17..32: 2 (N > 4096) or 4 (run 15: the best or within 3% of the best of 2/4/8 on the K3 shapes).
+    - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
+      12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
+    - M = 17..32: 2 (N > 4096) or 4 (the best or within 3% of the best of 2/4/8 on the K3 shapes).
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).

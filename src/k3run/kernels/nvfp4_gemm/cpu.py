@@ -2,11 +2,11 @@
 
 On x86 CPUs with AVX-512 or AVX2, up to cpu_simd.NVFP4_MAX_M rows: the C++ extension of cpu_simd.py (codes
 decoded by register permutes; at 7168 x 7168 and one token ~9x this loop with AVX-512 and ~4.6x with AVX2,
-RESULTS.md C4 / C6); and for bf16
-inputs above cpu_fused.MAX_M rows (prefill in a bf16 model), the extension decodes the weight exactly to bf16
-in row blocks for a bf16 matmul (`_bf16_prefill`: 3.4-11x the fp32 path at 16-256 rows, RESULTS.md C3, outputs
-within one bf16 ulp of the reference). Elsewhere, decode-sized M (<= cpu_fused.MAX_M): the weights are decoded
-inside the dot products, one compiled loop that reads each packed byte once and never materialises the weight:
+bench/RESULTS.md); and for bf16 inputs above cpu_fused.MAX_M rows (prefill in a bf16 model), the extension
+decodes the weight exactly to bf16 in row blocks for a bf16 matmul (`_bf16_prefill`: 3.4-11x the fp32 path at
+16-256 rows, bench/RESULTS.md, outputs within one bf16 ulp of the reference). Elsewhere, decode-sized M
+(<= cpu_fused.MAX_M): the weights are decoded inside the dot products, one compiled loop that reads each
+packed byte once and never materialises the weight:
 
     y[m, n] = 0.25 * gs[n] * sum_g s[n, g] * sum_{j < 8} (c_lo(w[n, 8g + j]) x[m, 16g + 2j]
                                                        + c_hi(w[n, 8g + j]) x[m, 16g + 2j + 1])
@@ -16,7 +16,7 @@ no table lookups, which Inductor would turn into scalar gathers with bounds chec
 columns are split once per call so every load is contiguous. fp32 throughout; it differs from the reference
 (`ref.py`) only in summation order. Larger M (prefill) decodes the weight once, in row blocks of ~8 MB
 (reused memory: a whole-matrix fp32 temporary costs more in page faults than in decoding), with a compiled
-one-pass dequantization, and multiplies block by block. Measured: bench/bench_cpu_gemv.py, RESULTS.md.
+one-pass dequantization, and multiplies block by block. Measured: bench/bench_cpu_gemv.py, bench/RESULTS.md.
 """
 
 from __future__ import annotations

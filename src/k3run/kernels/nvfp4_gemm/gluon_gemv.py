@@ -1,12 +1,14 @@
-"""NVFP4 W4A16 decode GEMM (M <= 16) in Gluon: weights decoded straight into mma.sync operand registers.
+"""NVFP4 W4A16 decode GEMM (M <= 32) in Gluon: weights decoded straight into mma.sync operand registers.
 
-y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumulation, M <= 16.
+y[M, N] = (x[M, K] @ (e2m1(W) * s)[N, K]^T) * global_scale (+ bias), fp32 accumulation, M <= 32 a launch
+(nvfp4_linear splits 33..64 rows into two).
 
 Why Gluon, not plain Triton: the Triton kernel (triton.py) decodes a tile in a blocked layout and lets the
 compiler move it into the dot-operand layout through shared memory; on an H200 that ran at ~0.7 TB/s of
 weight bytes (bench/NOTES.md). Here every tensor has an explicit layout:
 - The computation is swapped: acc[n, t] = sum_k W[n, k] x[t, k], so the weights are the mma A operand
-  (16 rows per warp) and the <= 16 tokens the B operand (8 or 16 columns; one mma.sync m16n8k16 per 16 k).
+  (16 rows per warp) and the <= 32 tokens the B operand (a token tile of 8, 16 or 32 columns, the smallest
+  that holds M; mma.sync m16n8k16).
 - The split128 bytes are loaded directly in the A operand layout with k_width = 8 (each thread owns 8
   consecutive bytes of a row: 64-bit loads, a full 32-byte sector per 4 lanes), seen as a 3-D tensor
   [BN, runs, 8] so each thread's group scale (one per 8-byte run) broadcasts along the register dimension.
@@ -137,8 +139,8 @@ _ASM_FP16 = gl.constexpr(word_decode_asm("fp16"))
 # 11..9 (fp16: e2m1 * 2^-14); one packed multiply by the scale times 2^119 (bf16) or 2^7 (fp16), built by the
 # scale asm below, gives e2m1 * s * 2^-7 exactly (<= 6 significant bits; no underflow: the smallest nonzero
 # product is 2^-17); the kernel multiplies the output by 2^7 (SHIFT_OUT_SCALE). bf16: 11 integer
-# instructions per 8 weights (7 on the ALU pipe, 4 shifts as IMAD on the FMA pipe), was 15 (v5) and 14 + 4
-# constant moves (the byte-permute tables).
+# instructions per 8 weights (7 on the ALU pipe, 4 shifts as IMAD on the FMA pipe), against 14 + 4 constant
+# moves for split128's byte-permute decoder (bench/NOTES.md "v6").
 SHIFT_OUT_SCALE = 128.0  # the shift decoders' weights are e2m1 * s * 2^-7
 
 
@@ -892,7 +894,7 @@ def nvfp4_gemv(
     previous kernel to finish before reading x or writing anything; and once every program of this launch has
     left its K loop, the next launch may start (its prologue overlaps this one's split-K reduction). Weights,
     scales and tables are read before the wait, so they must not be written by the kernel just before. None:
-    on where supported (sm_90+); bench/RESULTS.md run 21: 1.0-1.1 us less per back-to-back launch at M = 1.
+    on where supported (sm_90+): 1.0-1.1 us less per back-to-back launch at M = 1 (H200, bench/RESULTS.md).
     stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
     row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
     then its SM id (bench/probe_gemv_timeline.py).

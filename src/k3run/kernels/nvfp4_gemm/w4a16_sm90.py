@@ -89,7 +89,7 @@ def _build():
 
 def enabled() -> bool:
     """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
-    (read once) until its GPU tests and timings are in bench/RESULTS.md; the Gluon kernel otherwise."""
+    (read once), since its GPU tests and timings are not in bench/RESULTS.md yet; else the Gluon kernel."""
     return knobs().sm90_cuda
 
 
