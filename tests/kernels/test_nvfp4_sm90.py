@@ -337,3 +337,12 @@ def test_model_of_the_kernel_indexing_matches_the_reference(m, n, k, bt, nwg, sp
     assert_within(
         f"sm90 model {m}x{n}x{k}", ref, y, 3 * k * 2.0**-24 * ((x.float().abs() @ wd.abs().t()) * gs)
     )
+
+
+def test_config_ok_refuses_launches_the_kernel_does_not_have() -> None:
+    assert sm90.config_ok(128, 2, 2, 4, 56)
+    assert not sm90.config_ok(256, 2, 1, 3, 56)  # two warpgroups stop at 128-token tiles
+    assert not sm90.config_ok(64, 2, 3, 4, 56)  # split_k must divide the chunks
+    assert not sm90.config_ok(48, 1, 1, 4, 56)  # no 48-token tile
+    assert not sm90.config_ok(128, 2, 1, 1, 56)  # a ring needs two slots
+    assert not sm90.config_ok(256, 1, 1, 4, 56)  # four 68 KB slots exceed the shared memory

@@ -484,6 +484,25 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _wgmma(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """17..256 rows on sm_90: the CUDA C++ GEMM where enabled and built (w4a16_sm90), else the Gluon wgmma
+    GEMM; None (and the Gluon kernel disabled) when Triton cannot build it."""
+    from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
+
+    from . import w4a16_sm90
+    from .wgmma import nvfp4_wgmma_gemm
+
+    if w4a16_sm90.enabled() and w4a16_sm90.available(x2.device):  # CUDA C++, built at first use
+        return w4a16_sm90.nvfp4_sm90_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
+    try:
+        return nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
+    except BUILD_ERRORS as e:
+        if not triton_build_failed(e):
+            raise
+        _disable_wgmma(e)
+        return None
+
+
 def nvfp4_linear(
     x: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
@@ -523,21 +542,9 @@ def nvfp4_linear(
         cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
     y = None
     if cfg.wgmma:
-        from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
-
-        from . import w4a16_sm90
-        from .wgmma import nvfp4_wgmma_gemm
-
-        if w4a16_sm90.enabled() and w4a16_sm90.available(x2.device):  # CUDA C++, built at first use
-            y = w4a16_sm90.nvfp4_sm90_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
-        else:
-            try:
-                y = nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
-            except BUILD_ERRORS as e:  # a Triton that cannot build it: other paths from now on
-                if not triton_build_failed(e):
-                    raise
-                _disable_wgmma(e)
-                cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
+        y = _wgmma(x2, w, bias)
+        if y is None:  # the Gluon kernel failed to build: the other paths from now on
+            cfg = choose_config(x2.shape[0], w.n, w.k, sm_count(x2.device.index or 0))
     if cfg.tile:
         from .tile import nvfp4_tile_gemm
 

@@ -143,6 +143,36 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     return bt, nwg, split, stages
 
 
+def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
+    """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks, a ring
+    of >= 2 slots within the shared memory."""
+    pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128)
+    return (
+        pair
+        and split >= 1
+        and chunks % split == 0
+        and stages >= 2
+        and smem_bytes(bt, nwg, stages) <= SMEM_LIMIT
+    )
+
+
+def _check_inputs(x, weight, scale_u8, global_scale, k: int, n: int, bias) -> None:
+    from .tile import _check_tiled
+
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"nvfp4 sm90 gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    if _module is None:
+        raise RuntimeError("nvfp4 sm90 gemm: call available() first")
+    _check_tiled(
+        weight, scale_u8, global_scale, k, n, weight.shape[0], weight.shape[1] * 2, "nvfp4 sm90 gemm"
+    )
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous() or bias.dtype != x.dtype):
+        raise ValueError(f"nvfp4 sm90 gemm: bias must be contiguous {x.dtype} [{n}], got {tuple(bias.shape)}")
+
+
 def nvfp4_sm90_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -158,36 +188,16 @@ def nvfp4_sm90_gemm(
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks, stages >= 2);
     default `sm90_config`. Call `available(x.device)` first."""
+    from . import sm_count
     from .gluon_gemv import _counters
-    from .tile import _check_tiled
 
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"nvfp4 sm90 gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
-            f"{tuple(x.shape)}"
-        )
-    if _module is None:
-        raise RuntimeError("nvfp4 sm90 gemm: call available() first")
-    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
-    _check_tiled(weight, scale_u8, global_scale, k, n, n_pad, k_pad, "nvfp4 sm90 gemm")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous() or bias.dtype != x.dtype):
-        raise ValueError(f"nvfp4 sm90 gemm: bias must be contiguous {x.dtype} [{n}], got {tuple(bias.shape)}")
-    m = x.shape[0]
+    _check_inputs(x, weight, scale_u8, global_scale, k, n, bias)
+    m, chunks = x.shape[0], weight.shape[1] // 64
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    from . import sm_count
-
-    chunks = k_pad // 128
     bt, nwg, split, stages = config or sm90_config(m, n, k, sm_count(x.device.index or 0))
-    if (
-        bt not in TOKEN_TILES
-        or nwg not in WARPGROUPS
-        or (nwg == 2 and bt > 128)
-        or chunks % split
-        or stages < 2
-        or smem_bytes(bt, nwg, stages) > SMEM_LIMIT
-    ):
+    if not config_ok(bt, nwg, split, stages, chunks):
         raise ValueError(f"nvfp4 sm90 gemm: bad config {(bt, nwg, split, stages)} for {chunks} chunks")
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
