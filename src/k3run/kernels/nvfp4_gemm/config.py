@@ -1,0 +1,148 @@
+"""Which NVFP4 kernel and launch a call of M rows takes (`choose_config`), and the thresholds behind it, each
+from the H200 measurements in bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .layout import CHUNK
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch of `nvfp4_gemm` (dequant_mm=True: dequantize the weight, then cuBLAS).
+
+    decode=1 is the PTX decoder (bf16/fp16 on CUDA); fp32 inputs always use the portable decoder 0.
+    split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel).
+    swap_ab computes y^T = W x^T (decoded weights as the register operand; wgmma on sm90 when
+    block_n >= 64); correct in the interpreter and compiled for sm_90, not yet timed on a GPU.
+    gemv=True runs the Gluon decode kernel (gluon_gemv.py; M <= 32 a launch, bf16/fp16): 16 * num_warps rows
+    per program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
+    K tiles of loads in flight per warp; smem_stages >= 2 stages the weights through shared memory by
+    cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
+    maxnreg: the Gluon kernel's register cap (None: its default per token tile).
+    tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
+    wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
+    """
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 256
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    decode: int = 1
+    split_k: int = 1
+    swap_ab: bool = False
+    dequant_mm: bool = False
+    gemv: bool = False
+    depth: int = 2
+    smem_stages: int = 0
+    maxnreg: int | None = None
+    tile: bool = False
+    wgmma: bool = False
+
+
+# the split128 Triton tile kernel's decode launch, used where the Gluon kernel cannot run (block_n 64 beat
+# 32 and 16 on an H200: fewer instructions per weight, bench/NOTES.md)
+TRITON_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=4)
+# rows the Gluon kernel may take (in launches of <= 32), and up to where choose_config picks it (H200,
+# bench/RESULTS.md: 2.0-2.8x faster than dequantize + cuBLAS at M = 24 / 32); 33..64 rows (two launches) only
+# on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights (at M = 64: 1.27x / 1.61x faster than dequantize +
+# cuBLAS on 7168^2 / 12288x7168, 0.94x on 3072x3584; the threshold sits between the measured sizes)
+GEMV_MAX_M = 64
+GEMV_AUTO_M = 32
+GEMV_PAIR_MIN_WEIGHTS = 24 * 2**20
+# rows up to which choose_config takes the tile GEMM over dequantize + cuBLAS (outside the decode kernel's
+# range). H200, bench/bench_tile.py, time of the tile GEMM / dequantize + cuBLAS on 7168x7168 and
+# 12288x7168: 0.82 / 0.72 at M = 64, 0.98 / 0.90 at 128, 1.25 / 1.55 at 256 (slower from there)
+TILE_MAX_M = 128
+# rows for which choose_config takes the wgmma GEMM on sm_90. H200, bench/bench_wgmma.py (bench/RESULTS.md),
+# on 7168x7168 / 12288x7168 / 7168x12288: against the decode kernel 1.31 / 1.06 / 1.67x faster at 32 rows,
+# 0.80 / 0.95 / 0.86x at 16; against dequantize + cuBLAS 1.43 / 1.30 / 1.48x at 256, 0.92 / 0.94 / 0.89x
+# at 1024 (257..1023 unmeasured: they stay on dequantize + cuBLAS)
+WGMMA_MIN_M = 17
+WGMMA_MAX_M = 256
+
+
+def programs_per_sm(regs: int) -> int:
+    """How many 1-warp programs of `regs` registers per thread an sm_90 SM holds at once: at most 32 blocks,
+    and each of the 4 schedulers' 16384-register files holds whole warps (registers allocated 8 per thread
+    at a time). Measured on an H200 (bench/RESULTS.md): 32 at 64 registers, 24 at 80, 20 uncapped
+    at the 16-token tile's ~90."""
+    return min(32, 4 * (16384 // (-(-regs // 8) * 8 * 32)))
+
+
+# ptxas' registers for the decode kernel's 16-token tile (sm_90, Triton 3.6): 86-90 uncapped (the H200 held
+# 20 such programs per SM), 80 with no spills when capped at 80 (72 spills); the 8-token tile takes 62-64
+GEMV_REGS_T16 = 90
+GEMV_REGS_T16_CAPPED = 80
+# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM
+GEMV_REGS_T32 = 141
+DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
+
+
+@functools.cache  # on every eager nvfp4_linear call (choose_config) and twice per grouped MoE call
+def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
+    """(split_k, maxnreg or None) for M <= 32 (the token tile's rows): the largest split_k <= 8 dividing the
+    128-wide chunk count whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of
+    programs starts only as the first drains (per-program timelines on an H200, bench/NOTES.md: 12288x7168 at
+    M = 1 ran 6144 programs on 132 x 32 slots in two waves). For the 16-token tile, the register cap of 80 is
+    taken where it lets more programs in; the 32-token tile runs uncapped. Where even split_k 1 takes more
+    than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8 whose waves are
+    on average >= 90% full (else the fullest)."""
+    from .triton import largest_divisor
+
+    chunks, blocks = -(-k // CHUNK), -(-n // 16)
+
+    def split(per_sm: int) -> int:
+        slots = sms * per_sm
+        if blocks > slots:  # more than one wave even unsplit (grouped launches): keep the waves >= 90% full
+            fill = {d: blocks * d / slots / -(-blocks * d // slots) for d in range(1, 9) if chunks % d == 0}
+            return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
+        return largest_divisor(chunks, min(8, max(1, slots // blocks)))
+
+    if m <= 8:
+        return split(programs_per_sm(64)), None
+    if m > 16:  # the 32-token tile: no register cap (capping it spills)
+        return split(programs_per_sm(GEMV_REGS_T32)), None
+    free, capped = split(programs_per_sm(GEMV_REGS_T16)), split(programs_per_sm(GEMV_REGS_T16_CAPPED))
+    return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
+
+
+def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = False) -> GemmConfig:
+    """The launch for M rows on a GPU of `sms` SMs, from the H200 measurements in bench/RESULTS.md.
+
+    M <= 32: the Gluon decode kernel's cp.async variant: 1-warp programs (16 rows), 128-wide K tiles staged
+    through 2 shared-memory slots, split_k programs per row block.
+    - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
+      12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
+    - M = 17..32: 2 (N > 4096) or 4 (the best or within 3% of the best of 2/4/8 on the K3 shapes).
+    - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
+    Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
+    to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
+    wgmma (the device runs wgmma.py: sm_90): the wgmma GEMM for WGMMA_MIN_M <= M <= WGMMA_MAX_M instead.
+    """
+    if wgmma and WGMMA_MIN_M <= m <= WGMMA_MAX_M:
+        return GemmConfig(wgmma=True)
+    if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
+        maxnreg = None
+        if m <= 16:
+            split_k, maxnreg = one_wave_split(m, n, k, sms)
+        else:
+            split_k = 2 if n > 4096 else 4
+        return GemmConfig(
+            gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2, maxnreg=maxnreg
+        )
+    if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
+        return GemmConfig(tile=True)
+    return GemmConfig(dequant_mm=True)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The SM count of CUDA device `index` (a fixed property of the hardware)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
