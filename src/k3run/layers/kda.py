@@ -44,7 +44,7 @@ from k3run.layers.norm import GatedRMSNorm
 from k3run.loader import SliceLoader, TensorSource
 
 if TYPE_CHECKING:
-    from k3run.quant.modelopt import ModelOptConfig
+    from k3run.quant.modelopt import QuantConfig
 
 CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
 
@@ -83,7 +83,7 @@ class KimiDeltaAttention(nn.Module):
         use_full_rank_gate: bool,
         gate_lower_bound: float | None,
         rms_norm_eps: float = 1e-5,
-        qcfg: ModelOptConfig | None = None,
+        qcfg: QuantConfig | None = None,
         prefix: str = "",
         tp: TPInfo = NO_TP,
         params_dtype: torch.dtype = torch.bfloat16,

@@ -33,7 +33,9 @@ from k3run.loader import InMemoryTensor, SliceLoader, TensorSource, check_finite
 from k3run.quant.schemes import LinearScheme, LinearWeights, ParamSpec, linear_scheme_for
 
 if TYPE_CHECKING:
-    from k3run.quant.modelopt import ModelOptConfig
+    from k3run.kernels.nvfp4_gemm import NvFp4Weight
+    from k3run.quant.modelopt import QuantConfig
+    from k3run.quant.schemes import Fp8BlockCopy
 
 ShardId = int | None
 _BIAS_SPEC = ParamSpec(out_dim=0, in_dim=None, exact_dtype=False)
@@ -46,7 +48,7 @@ class LinearOptions(TypedDict, total=False):
     and documents them."""
 
     bias: bool
-    qcfg: ModelOptConfig | None
+    qcfg: QuantConfig | None
     prefix: str
     tp: TPInfo
     params_dtype: torch.dtype
@@ -65,6 +67,18 @@ class LinearBase(torch.nn.Module):
     tp: this rank's place in the TP group; params_dtype: dtype of unquantized weights and the bias.
     """
 
+    # The parameters a scheme registers (quant/schemes.py), under the checkpoint's names; which of them exist
+    # depends on the scheme (every scheme has `weight`; FP8_PB_WO and NVFP4 `weight_scale`; NVFP4
+    # `weight_scale_2` and, for NVFP4 checkpoints, `input_scale`).
+    weight: torch.nn.Parameter
+    weight_scale: torch.nn.Parameter
+    weight_scale_2: torch.nn.Parameter
+    input_scale: torch.nn.Parameter
+    # NvFp4Scheme's state, set by its process_after_loading / enable_fp8_blocks
+    nvfp4_weight: NvFp4Weight
+    nvfp4_act_groups: tuple[tuple[int, tuple[int, ...]], ...]
+    nvfp4_fp8: Fp8BlockCopy | None
+
     def __init__(
         self,
         input_size: int,
@@ -74,7 +88,7 @@ class LinearBase(torch.nn.Module):
         shard_in: bool,
         replicated: Sequence[int] = (),
         bias: bool = False,
-        qcfg: ModelOptConfig | None = None,
+        qcfg: QuantConfig | None = None,
         prefix: str = "",
         tp: TPInfo = NO_TP,
         params_dtype: torch.dtype = torch.bfloat16,

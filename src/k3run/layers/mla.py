@@ -33,7 +33,7 @@ from k3run.layers.norm import RMSNorm
 from k3run.quant.algo import QuantAlgo
 
 if TYPE_CHECKING:
-    from k3run.quant.modelopt import ModelOptConfig
+    from k3run.quant.modelopt import QuantConfig
 
 AbsorbMode = Literal["decode", "always", "never"]
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -61,7 +61,7 @@ class KimiMLA(nn.Module):
         use_output_gate: bool,
         latent_norm_eps: float = 1e-6,
         absorb: AbsorbMode = "decode",
-        qcfg: ModelOptConfig | None = None,
+        qcfg: QuantConfig | None = None,
         prefix: str = "",
         tp: TPInfo = NO_TP,
         params_dtype: torch.dtype = torch.bfloat16,

@@ -12,7 +12,7 @@ from k3run.layers.activation import GatedActivation
 from k3run.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
-    from k3run.quant.modelopt import ModelOptConfig
+    from k3run.quant.modelopt import QuantConfig
 
 
 class GatedMLP(nn.Module):
@@ -25,7 +25,7 @@ class GatedMLP(nn.Module):
         intermediate_size: int,
         activation: GatedActivation,
         *,
-        qcfg: ModelOptConfig | None = None,
+        qcfg: QuantConfig | None = None,
         prefix: str = "mlp",
         tp: TPInfo = NO_TP,
         params_dtype: torch.dtype = torch.bfloat16,

@@ -117,6 +117,18 @@ class FusedExperts(nn.Module):
     (global_expert_id, "w1" | "w2" | "w3"[, "packed"]))`.
     """
 
+    # The parameters the scheme registers (quant/experts.py `params`); which of them exist depends on the
+    # format (every one has the weights; FP8_PB_WO and NVFP4 `*_weight_scale`; NVFP4 `*_weight_scale_2` and,
+    # for NVFP4 checkpoints, `*_input_scale`).
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+    w13_weight_scale: nn.Parameter
+    w2_weight_scale: nn.Parameter
+    w13_weight_scale_2: nn.Parameter
+    w2_weight_scale_2: nn.Parameter
+    w13_input_scale: nn.Parameter
+    w2_input_scale: nn.Parameter
+
     def __init__(
         self,
         num_experts: int,

@@ -41,7 +41,7 @@ from k3run.quant.algo import QuantAlgo
 from k3run.quant.experts import NvFp4ActMode
 
 if TYPE_CHECKING:
-    from k3run.quant.modelopt import ModelOptConfig
+    from k3run.quant.modelopt import QuantConfig
     from k3run.safetensors_io import TensorInfo
 
 # The MLA latent norms use Kimi's RMSNorm default (official code and HF), not rms_norm_eps.
@@ -57,7 +57,7 @@ class KimiDecoderLayer(nn.Module):
         cfg: ModelConfig,
         idx: int,
         *,
-        qcfg: ModelOptConfig | None,
+        qcfg: QuantConfig | None,
         tp: TPInfo,
         params_dtype: torch.dtype,
         nvfp4_moe_act: NvFp4ActMode,
@@ -142,7 +142,7 @@ def _make_moe(
     cfg: ModelConfig,
     act: GatedActivation,
     prefix: str,
-    qcfg: ModelOptConfig | None,
+    qcfg: QuantConfig | None,
     tp: TPInfo,
     params_dtype: torch.dtype,
     nvfp4_moe_act: NvFp4ActMode,
@@ -202,7 +202,7 @@ class KimiForCausalLM(nn.Module):
         self,
         cfg: ModelConfig,
         *,
-        qcfg: ModelOptConfig | None = None,
+        qcfg: QuantConfig | None = None,
         tp: TPInfo = NO_TP,
         params_dtype: torch.dtype = torch.bfloat16,
         nvfp4_moe_act: NvFp4ActMode = "w4a16",

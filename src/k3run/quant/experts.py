@@ -894,11 +894,14 @@ class NvFp4Experts(ExpertScheme):
             bt = by_expert_tile(t)
             grp = expert_groups(local, ex.num_local, bt)
             split1, reg1 = one_wave_split(bt, 2 * i * grp.shape[0], d, sms)
-            kw1 = dict(picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1)
-            h = ex.gated(nvfp4_gemv_by_expert(x, w13, s13, gs13, grp, **kw1))
+            gu = nvfp4_gemv_by_expert(
+                x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1
+            )
+            h = ex.gated(gu)
             split2, reg2 = one_wave_split(bt, d * grp.shape[0], i, sms)
-            kw2 = dict(picks=t * a, slot_div=1, rows=d, split_k=split2, maxnreg=reg2)
-            y = nvfp4_gemv_by_expert(h.to(x.dtype), w2, s2, gs2, grp, **kw2)
+            y = nvfp4_gemv_by_expert(
+                h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2, maxnreg=reg2
+            )
         else:
             # every pick's rows count towards one wave
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)

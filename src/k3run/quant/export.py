@@ -284,10 +284,10 @@ def _quantize_group(members: list[_Layer], load: Callable[[str], torch.Tensor], 
         if share:
             # one 128x128 tile each: ModelOpt sees a per-tensor amax and unifies it over the group
             scale = torch.tensor(amax if amax > 0 else FP8_E4M3_MAX, dtype=torch.float32) / FP8_E4M3_MAX
-            q = (w.float() / scale).to(torch.float8_e4m3fn)
+            codes = (w.float() / scale).to(torch.float8_e4m3fn)
         else:
-            q, scale = quantize_fp8_block(w)
-        out.add(f"{m.prefix}.weight", q)
+            codes, scale = quantize_fp8_block(w)
+        out.add(f"{m.prefix}.weight", codes)
         # ModelOpt writes a single-tile scale as a 0-dim tensor
         out.add(f"{m.prefix}.weight_scale", scale.reshape(()) if scale.numel() == 1 else scale)
 
@@ -304,7 +304,7 @@ def _spellings(prefix: str) -> list[str]:
     return names
 
 
-def _fused_names(quantized: dict[str, QuantAlgo]) -> dict[str, QuantAlgo]:
+def _fused_names(quantized: Mapping[str, QuantAlgo]) -> dict[str, QuantAlgo]:
     """vLLM's fused K3 attention names, listed explicitly when every shard has one scheme."""
     out: dict[str, QuantAlgo] = {}
     fused = {
@@ -315,8 +315,9 @@ def _fused_names(quantized: dict[str, QuantAlgo]) -> dict[str, QuantAlgo]:
     for parent in sorted(parents):
         for fused_name, shards in fused.items():
             algos = {quantized.get(f"{parent}.{s}") for s in shards}
-            if len(algos) == 1 and None not in algos:
-                out[f"{parent}.{fused_name}"] = algos.pop()  # type: ignore[assignment]
+            algo = algos.pop() if len(algos) == 1 else None
+            if algo is not None:
+                out[f"{parent}.{fused_name}"] = algo
     return out
 
 
@@ -334,11 +335,12 @@ def _group_config(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def quant_configs(
-    recipe: str, quantized: dict[str, QuantAlgo], excludes: list[str]
+    recipe: str, quantized: Mapping[str, QuantAlgo], excludes: list[str]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(hf_quant_config.json, config.json quantization_config) as ModelOpt writes them for this export."""
     producer = dict(PRODUCER)
     excludes = sorted(excludes)
+    hf: dict[str, Any]
     if recipe == "nvfp4":
         hf = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NVFP4_GROUP}
         hf["exclude_modules"] = excludes
@@ -365,7 +367,7 @@ def quant_configs(
     by_entry: dict[tuple, list[str]] = {}
     for name, entry in layers.items():
         by_entry.setdefault(tuple(sorted(entry.items())), []).append(name)
-    groups = {}
+    groups: dict[str, dict[str, Any]] = {}
     for i, (key, names) in enumerate(by_entry.items()):
         groups[f"group_{i}"] = _group_config(dict(key)) | {"targets": sorted(names)}
     qc = {"config_groups": groups, "quantized_layers": layers, "ignore": excludes}

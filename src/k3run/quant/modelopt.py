@@ -28,9 +28,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from k3run.quant.algo import QuantAlgo
+
+if TYPE_CHECKING:
+    from k3run.quant.compressed_tensors import CompressedTensorsConfig
 
 MIXED_PRECISION = "MIXED_PRECISION"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -470,9 +473,14 @@ def _method(qc: object) -> object:
     return qc.get("quant_method") if isinstance(qc, Mapping) else qc
 
 
+# What `load_quant_config` returns for a quantized checkpoint: both resolve layers with the same calls
+# (`resolve`, `is_excluded`, `explain`, `summary`, `algos`).
+QuantConfig: TypeAlias = "ModelOptConfig | CompressedTensorsConfig"
+
+
 def load_quant_config(
     source: str | Path | Mapping[str, Any], *, tensors: Mapping[str, Any] | None = None
-) -> ModelOptConfig | None:
+) -> QuantConfig | None:
     """The ModelOpt config of a checkpoint directory (or of a parsed config.json dict); None if unquantized.
 
     Looks at config.json `quantization_config`, then `text_config.quantization_config`, then
@@ -507,7 +515,7 @@ def load_quant_config(
         if qc.get("quant_method") == "compressed-tensors":
             from k3run.quant.compressed_tensors import load_compressed_tensors
 
-            return load_compressed_tensors(qc, f"{where}: {key}", model_dir, tensors)  # type: ignore[return-value]
+            return load_compressed_tensors(qc, f"{where}: {key}", model_dir, tensors)
         if _is_mixed_without_layers(qc):
             if model_dir is None:
                 raise ValueError(

@@ -36,7 +36,8 @@ from k3run.quant.algo import QuantAlgo
 
 if TYPE_CHECKING:
     from k3run.kernels.nvfp4_gemm import NvFp4Weight
-    from k3run.quant.modelopt import ModelOptConfig
+    from k3run.layers.linear import LinearBase
+    from k3run.quant.modelopt import QuantConfig
 
 FP8_BLOCK = 128
 NVFP4_GROUP = 16
@@ -149,20 +150,18 @@ class LinearWeights:
 class LinearScheme(Protocol):
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: LinearBase,
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
         row_starts: Sequence[int] | None = None,
     ) -> LinearWeights: ...
 
-    def process_after_loading(self, layer: torch.nn.Module) -> None: ...
+    def process_after_loading(self, layer: LinearBase) -> None: ...
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor: ...
+    def dequantize_weight(self, layer: LinearBase) -> torch.Tensor: ...
 
     def describe(self) -> str: ...
 
@@ -172,7 +171,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _add_param(
-    layer: torch.nn.Module,
+    layer: LinearBase,
     weights: LinearWeights,
     name: str,
     shape: Sequence[int],
@@ -185,7 +184,7 @@ def _add_param(
     weights.params[name] = spec
 
 
-def _replace_param(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+def _replace_param(layer: LinearBase, name: str, value: torch.Tensor) -> None:
     setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
 
 
@@ -194,13 +193,13 @@ def _check_float_dtype(what: str, dtype: torch.dtype) -> None:
         raise ValueError(f"{what}: expected bfloat16, float16 or float32, got {dtype}")
 
 
-def _check_input(layer: torch.nn.Module, x: torch.Tensor) -> None:
+def _check_input(layer: LinearBase, x: torch.Tensor) -> None:
     k = layer.weights.input_size
     if x.shape[-1] != k:
         raise ValueError(f"{layer.prefix}: input has {x.shape[-1]} features, the layer expects {k}")
 
 
-def _logical_rows(layer: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
+def _logical_rows(layer: LinearBase, w: torch.Tensor) -> torch.Tensor:
     """Physical weight rows -> the concatenated logical partitions (drops padding rows)."""
     layout: OutputLayout = layer.weights.layout
     if layout.contiguous:
@@ -208,7 +207,7 @@ def _logical_rows(layer: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w[seg.physical : seg.physical + seg.length] for seg in layout.segments])
 
 
-def _crop(layer: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+def _crop(layer: LinearBase, y: torch.Tensor) -> torch.Tensor:
     """Physical output columns -> the concatenated logical partitions (drops every padding column)."""
     layout: OutputLayout = layer.weights.layout
     if layout.contiguous:
@@ -227,7 +226,7 @@ class UnquantizedScheme:
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: LinearBase,
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
@@ -246,12 +245,10 @@ class UnquantizedScheme:
         )
         return w
 
-    def process_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_after_loading(self, layer: LinearBase) -> None:
         return None
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         _check_input(layer, x)
         if self.gemm is F.linear and x.dtype == torch.bfloat16:
             from k3run.kernels import cpu_simd
@@ -263,7 +260,7 @@ class UnquantizedScheme:
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return self.gemm(x, layer.weight, bias)
 
-    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+    def dequantize_weight(self, layer: LinearBase) -> torch.Tensor:
         """The rank-local logical weight [N, K] in fp32."""
         return layer.weight.float()
 
@@ -324,7 +321,7 @@ def _cpu_fast_path(weight: torch.Tensor) -> bool:
     return cpu_fused.applies(weight.shape[0], weight.shape[1])
 
 
-def _cpu_dequantized(layer: torch.nn.Module) -> torch.Tensor:
+def _cpu_dequantized(layer: LinearBase) -> torch.Tensor:
     """The fp32 dequantized weight of a small CPU FP8_PB_WO layer, made once and kept on the layer while its
     weight and scale tensors are the same objects, unchanged (their storage and in-place version counters):
     the reference GEMM then gives the same bits without decoding the weight at every call (a small model's
@@ -362,7 +359,7 @@ class Fp8PbWoScheme:
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: LinearBase,
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
@@ -389,7 +386,7 @@ class Fp8PbWoScheme:
         )
         return w
 
-    def process_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_after_loading(self, layer: LinearBase) -> None:
         layout: OutputLayout = layer.weights.layout
         weight: torch.Tensor = layer.weight
         padded_rows = _round_up(layout.rows, FP8_BLOCK)
@@ -403,9 +400,7 @@ class Fp8PbWoScheme:
         scale: torch.Tensor = layer.weight_scale
         _replace_param(layer, "weight_scale", scale.reshape(scale.shape[0], scale.shape[2]).contiguous())
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         _check_input(layer, x)
         layout: OutputLayout = layer.weights.layout
         lead = x.shape[:-1]
@@ -422,7 +417,7 @@ class Fp8PbWoScheme:
                 y.add_(bias)
         return y.reshape(*lead, y.shape[-1])
 
-    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+    def dequantize_weight(self, layer: LinearBase) -> torch.Tensor:
         """The rank-local logical weight [N, K] in fp32 (before or after process_after_loading)."""
         from k3run.formats import dequantize_fp8_block
 
@@ -521,7 +516,7 @@ class NvFp4Scheme:
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: LinearBase,
         input_size_per_partition: int,
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
@@ -555,7 +550,7 @@ class NvFp4Scheme:
             )
         return w
 
-    def process_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_after_loading(self, layer: LinearBase) -> None:
         from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
 
         layout: OutputLayout = layer.weights.layout
@@ -585,7 +580,7 @@ class NvFp4Scheme:
         layer.nvfp4_act_groups = self._activation_groups(layer)
         layer.nvfp4_fp8 = None
 
-    def enable_fp8_blocks(self, layer: torch.nn.Module, backend: str | None = None) -> bool:
+    def enable_fp8_blocks(self, layer: LinearBase, backend: str | None = None) -> bool:
         """Add the FP8 128x128-block copy of the weight (after process_after_loading) if `fp8_choice` would
         use it for some M on this layer's device; returns whether it did.
 
@@ -609,7 +604,7 @@ class NvFp4Scheme:
         layer.nvfp4_fp8 = Fp8BlockCopy(weight=weight, scale=scale, n=n, backend=backend)
         return True
 
-    def _activation_groups(self, layer: torch.nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    def _activation_groups(self, layer: LinearBase) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """W4A4: partitions sharing one input_scale share one activation quant-dequant. Each group is
         (a partition holding the group's input_scale, the group's partitions); read once after loading so
         `apply` never synchronises with the device."""
@@ -621,9 +616,7 @@ class NvFp4Scheme:
             groups.setdefault(v, []).append(p)
         return tuple((ps[0], tuple(ps)) for ps in groups.values())
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         _check_input(layer, x)
         layout: OutputLayout = layer.weights.layout
         lead = x.shape[:-1]
@@ -648,7 +641,7 @@ class NvFp4Scheme:
                     y[:, rows] = full[:, rows]
         return y.reshape(*lead, y.shape[-1])
 
-    def _activation(self, layer: torch.nn.Module, x: torch.Tensor, partition: int) -> torch.Tensor:
+    def _activation(self, layer: LinearBase, x: torch.Tensor, partition: int) -> torch.Tensor:
         if not self.w4a4:
             return x
         from k3run.formats import nvfp4_qdq
@@ -658,7 +651,7 @@ class NvFp4Scheme:
         # when input_scale is a power of two (e2m1 * e4m3 has <= 6 significant bits)
         return xq if not x.is_cuda else xq.to(x.dtype)
 
-    def dequantize_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+    def dequantize_weight(self, layer: LinearBase) -> torch.Tensor:
         """The rank-local logical weight [N, K] in fp32, each partition with its own global scale."""
         from k3run.formats import dequantize_nvfp4
 
@@ -680,9 +673,13 @@ def enable_nvfp4_fp8_blocks(model: torch.nn.Module) -> list[str]:
     """The load-time NVFP4 -> FP8 conversion for every NVFP4 linear of a loaded model where the rule can
     pick it (load_model(nvfp4_as_fp8=True)); returns the prefixes converted. Routed experts (layers/moe)
     are not linears with a scheme and keep their NVFP4 path."""
+    from k3run.layers.linear import LinearBase  # here: layers.linear imports this module
+
     done = []
     for module in model.modules():
-        scheme = getattr(module, "scheme", None)
+        if not isinstance(module, LinearBase):
+            continue
+        scheme = module.scheme
         if isinstance(scheme, NvFp4Scheme) and scheme.enable_fp8_blocks(module):
             done.append(module.prefix)
     return done
@@ -729,7 +726,7 @@ def _unify_global_scales(
 
 
 def linear_scheme_for(
-    qcfg: ModelOptConfig | None,
+    qcfg: QuantConfig | None,
     prefix: str,
     shards: Sequence[str] = (),
     *,
