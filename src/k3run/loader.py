@@ -434,7 +434,7 @@ def _screen_values(
     params: dict[str, torch.nn.Parameter],
     touched: set[str],
     plan: list[tuple[str, list[Target]]],
-    infos: dict[str, Any],
+    infos: Mapping[str, TensorInfo],
 ) -> None:
     """Every loaded parameter screened where it lives (checks.screen_parameters: one reduction each, one
     host sync); a flagged parameter is confirmed from the checkpoint tensors that fed it, read back on the
@@ -488,6 +488,7 @@ def _check_filled(
 ) -> None:
     missing: list[str] = []
     tracked: set[str] = set()
+    module: torch.nn.Module  # torch leaves named_modules() unannotated (Any)
     for module_name, module in model.named_modules():
         if isinstance(module, TracksLoading):
             prefix = f"{module_name}." if module_name else ""
