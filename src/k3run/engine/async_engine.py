@@ -72,7 +72,10 @@ def _broadcast(cmd: Command | None) -> Command:
 
     box = [cmd]
     dist.broadcast_object_list(box, src=0)
-    return box[0]  # type: ignore[return-value]
+    got = box[0]
+    if got is None:
+        raise RuntimeError("tensor parallelism: rank 0 broadcast no command")
+    return got
 
 
 def follow(engine: LLMEngine) -> None:
@@ -195,9 +198,9 @@ class AsyncEngine:
             self._live[req.key] = req
             self._by_rid[req.rid] = req
         for key in aborts:
-            req = self._live.get(key)
-            if req is not None:
-                self._forget(req)
+            aborted = self._live.get(key)
+            if aborted is not None:
+                self._forget(aborted)
         if not self.engine.has_unfinished():
             self._wake.wait(timeout=1.0)
             self._wake.clear()
@@ -214,12 +217,12 @@ class AsyncEngine:
         finally:
             self._step_started = None
         for out in outs:
-            req = self._by_rid.get(out.request_id)
-            if req is None:
+            owner = self._by_rid.get(out.request_id)
+            if owner is None:
                 continue
-            delivered = self._deliver(req, out)
+            delivered = self._deliver(owner, out)
             if out.finished:
-                self._forget(req)
+                self._forget(owner)
             elif not delivered:
-                self._aborts.append(req.key)
+                self._aborts.append(owner.key)
         return False

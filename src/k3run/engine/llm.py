@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 class EngineModel(CausalLM, Protocol):
     config: ModelConfig
 
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -92,7 +94,7 @@ class Detokenizer:
         return delta
 
 
-def _model_device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+def _model_device_dtype(model: EngineModel) -> tuple[torch.device, torch.dtype]:
     # KimiForCausalLM states its activation dtype; otherwise take the first 16/32-bit matrix (the embedding;
     # quantized weights are uint8 / fp8 and their scales are not matrices of the activation dtype)
     device, dtype = None, getattr(model, "params_dtype", None)
@@ -114,10 +116,10 @@ def _token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> 
     chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
     k = max(ks)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    top_vs, top_is = top_v.tolist(), top_i.tolist()
     return [
         TokenLogprob(t, c, tuple(zip(ti[:n], tv[:n])))
-        for t, c, ti, tv, n in zip(targets, chosen, top_i, top_v, ks)
+        for t, c, ti, tv, n in zip(targets, chosen, top_is, top_vs, ks)
     ]
 
 
@@ -180,7 +182,7 @@ class LLMEngine:
                 f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                 f"{model.config.vocab_size}"
             )
-        device, act_dtype = _model_device_dtype(model)  # type: ignore[arg-type]
+        device, act_dtype = _model_device_dtype(model)
         layout = cache_layout_for(model.config, act_dtype, self.config.tp_size)
         graph_batch, self.graph_blocker = self._graph_plan(model, device)
         graphs = self.graph_blocker is None
@@ -518,12 +520,13 @@ class LLM:
         """Run every prompt to completion, batched; outputs in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        requests: list[str | list[int]] = list(prompts)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         ids: list[int] = []
         try:
-            for p, sp in zip(prompts, plist):
+            for p, sp in zip(requests, plist):
                 ids.append(self.engine.add_request(p, sp))
         except ValueError:
             # one bad prompt rejects the call; the ones already queued must not linger in the engine

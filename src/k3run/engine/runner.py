@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from k3run.engine.cache import CacheManager
 from k3run.engine.scheduler import Batch
+from k3run.engine.sequence import Sequence
 from k3run.forward_context import ForwardContext
 
 log = logging.getLogger(__name__)
@@ -212,12 +214,11 @@ class GraphDecoder:
         n = len(slots)
         b, (graph, out) = self._held(n, ctx_lens)
         pad = b - n
-        on_device = isinstance(ids, torch.Tensor)
-        host_ids = [0] * b if on_device else list(ids) + [0] * pad  # type: ignore[arg-type]
+        host_ids = [0] * b if isinstance(ids, torch.Tensor) else list(ids) + [0] * pad
         host = torch.tensor([host_ids, slots + [self.scratch] * pad, ctx_lens + [0] * pad], dtype=torch.int64)
         self.inputs[:, :b].copy_(staged(host, self.inputs.device), non_blocking=True)
-        if on_device:
-            self.inputs[0, :n].copy_(ids)  # type: ignore[arg-type]
+        if isinstance(ids, torch.Tensor):
+            self.inputs[0, :n].copy_(ids)
         graph.replay()
         return out[:n].clone()  # the next replay overwrites `out`
 
@@ -321,7 +322,7 @@ class CompiledCpuDecoder(GraphDecoder):
 
     cpp_wrapper = False  # Inductor's C++ wrapper (EngineConfig.compile_cpu_cpp_wrapper)
 
-    def _capture(self, b: int, w: int) -> Any:  # type: ignore[override]
+    def _capture(self, b: int, w: int) -> Any:
         from k3run.layers.moe import sync_free_experts
 
         self.inputs[0].zero_()  # warm-up rows: token 0 at position 0 of the scratch slot
@@ -334,7 +335,7 @@ class CompiledCpuDecoder(GraphDecoder):
         # and nothing reassigns a module attribute once the engine runs (the caches change in place)
         from k3run.engine.inductor_passes import SmallMmAsReduction
 
-        options = {
+        options: dict[str, str | int | bool | Callable[..., Any]] = {
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             "post_grad_custom_post_pass": SmallMmAsReduction(),  # decode GEMVs as Inductor loops
             # keep pointwise chains of more than 8 ops as buffers instead of inlining them into every
@@ -381,6 +382,8 @@ class ModelRunner:
         self.prefill_graphs = prefill_graphs
         self.graph_error: str | None = None  # why graphs were turned off after a failed capture
         self.prefill_graph_error: str | None = None
+        # the logits of every prompt position fed in the last `run`, by batch row (see `run`)
+        self.prompt_logits: dict[int, torch.Tensor] = {}
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         ids: list[int] = []
@@ -388,8 +391,7 @@ class ModelRunner:
         ctx_lens: list[int] = []
         slots: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.slot is None:
-                raise RuntimeError(f"sequence {seq.seq_id} is scheduled without a cache slot")
+            slot = _slot(seq)
             if seq.num_cached + n > self.cache.max_len:
                 raise RuntimeError(
                     f"sequence {seq.seq_id} would reach {seq.num_cached + n} tokens; the cache holds "
@@ -398,7 +400,7 @@ class ModelRunner:
             ids.extend(seq.all_token_ids[seq.num_cached : seq.num_cached + n])
             seqlens.append(n)
             ctx_lens.append(seq.num_cached)
-            slots.append(seq.slot)
+            slots.append(slot)
         return torch.tensor(ids, dtype=torch.int64, device=self.device), self._context(
             seqlens, ctx_lens, slots
         )
@@ -467,7 +469,7 @@ class ModelRunner:
                 return False
         return self.graph_decodes(batch.seqs)
 
-    def graph_decodes(self, seqs: list, ahead: int = 0) -> bool:
+    def graph_decodes(self, seqs: list[Sequence], ahead: int = 0) -> bool:
         """Whether a one-token decode step of `seqs`, `ahead` tokens past their recorded state (a step
         launched before the previous one's tokens are recorded: ahead = 1), replays a graph."""
         if self.graphs is None or not seqs:
@@ -478,11 +480,13 @@ class ModelRunner:
         return self.graphs.accepts(len(seqs), max(s.num_cached for s in seqs) + ahead + 1)
 
     @torch.inference_mode()
-    def decode(self, seqs: list, ids: list[int] | torch.Tensor, ctx_lens: list[int]) -> torch.Tensor:
+    def decode(
+        self, seqs: list[Sequence], ids: list[int] | torch.Tensor, ctx_lens: list[int]
+    ) -> torch.Tensor:
         """Logits [B, V] fp32 of a one-token decode step of `seqs` feeding ids[i] (a host list or a device
         tensor) at position ctx_lens[i]: a graph replay where one applies (the caller checks
         `graph_decodes`), else one eager forward. A failed capture turns graphs off and runs eagerly."""
-        slots = [s.slot for s in seqs]
+        slots = [_slot(s) for s in seqs]
         if self.graphs is not None and self.graphs.accepts(len(seqs), max(ctx_lens) + 1):
             try:
                 return self.graphs.run(ids, slots, ctx_lens)
@@ -492,7 +496,7 @@ class ModelRunner:
             input_ids = ids.to(self.device)
         else:
             input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        ctx = self._context([1] * len(seqs), list(ctx_lens), slots)  # type: ignore[arg-type]
+        ctx = self._context([1] * len(seqs), list(ctx_lens), slots)
         return self.model.compute_logits(self.model.forward(input_ids, ctx)).float()
 
     @torch.inference_mode()
@@ -506,7 +510,7 @@ class ModelRunner:
             seqs = batch.seqs
             try:
                 logits = self.graphs.run(
-                    [s.all_token_ids[s.num_cached] for s in seqs], [s.slot for s in seqs],  # type: ignore[misc]
+                    [s.all_token_ids[s.num_cached] for s in seqs], [_slot(s) for s in seqs],
                     [s.num_cached for s in seqs],
                 )  # fmt: skip
             except GraphCaptureError as e:
@@ -523,7 +527,7 @@ class ModelRunner:
             assert self.prefill_graphs is not None
             seq = batch.seqs[0]
             try:
-                logits = self.prefill_graphs.run(seq.all_token_ids[: batch.num_new_tokens[0]], seq.slot)
+                logits = self.prefill_graphs.run(seq.all_token_ids[: batch.num_new_tokens[0]], _slot(seq))
             except GraphCaptureError as e:
                 self.disable_prefill_graphs(str(e))
                 return self.run(batch)
@@ -531,7 +535,7 @@ class ModelRunner:
             return ([0], logits) if batch.samples(0) else ([], None)
         input_ids, ctx = self.prepare(batch)
         hidden = self.model.forward(input_ids, ctx)  # [T, D]
-        self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.prompt_logits = {}
         lo = 0
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_token_ids):
@@ -543,3 +547,10 @@ class ModelRunner:
         last = ctx.cu_seqlens[1:] - 1  # [B]
         pick = last[torch.tensor(rows, device=last.device)]
         return rows, self.model.compute_logits(hidden.index_select(0, pick)).float()
+
+
+def _slot(seq: Sequence) -> int:
+    """The cache slot of a scheduled sequence (the scheduler gives every one it schedules a slot)."""
+    if seq.slot is None:
+        raise RuntimeError(f"sequence {seq.seq_id} is scheduled without a cache slot")
+    return seq.slot
