@@ -12,7 +12,7 @@ fails (a failed add fails that request; a failed step every request then in flig
 client that disconnects, streaming or not, has its request aborted and its cache slot freed. `/health`
 answers 503 when the engine thread has died or one step has run longer than `stall_s`.
 
-Modules: `protocol` (field checks, sampling parameters, response pieces), `requests` (a body validated
+Modules: `protocol` (field checks, sampling parameters, response pieces), `parsing` (a body validated
 and tokenized), `server` (`OpenAIServer`: requests to the engine, outputs to responses and SSE), `metrics`,
 `app` (`build_app`: FastAPI). Needs the `serve` extra (fastapi, uvicorn, prometheus-client):
 `k3run serve [MODEL] --port 8000`.

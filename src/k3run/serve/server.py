@@ -28,8 +28,8 @@ from k3run.engine import LLMEngine
 from k3run.engine.async_engine import AsyncEngine, AsyncRequest, RequestFailed, RequestRefused
 from k3run.engine.sequence import FinishReason, RequestOutput
 from k3run.serve.metrics import Metrics
+from k3run.serve.parsing import ParsedRequest, RequestParser
 from k3run.serve.protocol import ServeError, chat_logprobs, completion_logprobs, finish_reason, usage_block
-from k3run.serve.requests import ParsedRequest, RequestParser
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128K-token prompt is ~0.5 MB as text, ~0.8 MB as a JSON id list
 DEFAULT_STALL_S = 120.0  # far above any one step's time, even a long prefill chunk on a CPU
