@@ -10,7 +10,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from k3run import chat_xtml
 from k3run.chat_output import ARG_BEGIN, CALL_BEGIN, SECTION_BEGIN, THINK_BEGIN, ParseOptions, calls_structure
@@ -28,6 +28,9 @@ from k3run.serve.protocol import (
     sampling_params,
     tool_choice,
 )
+
+if TYPE_CHECKING:
+    from k3run.engine.grammar import GrammarBackend
 
 
 @dataclass
@@ -68,7 +71,7 @@ class RequestParser:
         model_name: str,
         max_model_len: int,
         vocab_size: int,
-        grammars: Callable[[], Any],
+        grammars: Callable[[], "GrammarBackend"],
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -92,7 +95,7 @@ class RequestParser:
         """One or several prompts, each a string or a list of token ids in [0, vocab)."""
         prompt = body.get("prompt")
 
-        def is_ids(p: Any) -> bool:
+        def is_ids(p: Any) -> TypeGuard[list[int]]:
             return (
                 isinstance(p, list)
                 and bool(p)
@@ -178,11 +181,11 @@ class RequestParser:
         if choice == "required":  # open the tool-calls section, hold the reply to calls of the tools
             text += SECTION_BEGIN
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            opts = ParseOptions(names=names, parallel=parallel, section_open=True)
             structure = calls_structure(self.tokenizer, tools, parallel)
-            return ChatPrompt(ids, opts, structure=structure, constraint_field="tools")
+            required = ParseOptions(names=names, parallel=parallel, section_open=True)
+            return ChatPrompt(ids, required, structure=structure, constraint_field="tools")
         think_open = text.rstrip().endswith(THINK_BEGIN)
-        opts = None
+        opts: ParseOptions | None = None
         if (names and choice == "auto") or think_open or THINK_BEGIN in template:
             opts = ParseOptions(think_open=think_open, names=names if choice == "auto" else frozenset(),
                                 parallel=parallel)  # fmt: skip
@@ -274,8 +277,8 @@ class RequestParser:
                 try:  # compiled here, on the worker thread; the engine finds it in its cache
                     if cp.structure is not None:
                         self.grammars().compile_structure(cp.structure)
-                    else:
-                        self.grammars().compile(cp.json_schema)  # type: ignore[arg-type]
+                    elif cp.json_schema is not None:
+                        self.grammars().compile(cp.json_schema)
                 except GrammarError as e:
                     raise ServeError(400, f"{cp.constraint_field}: {e}", cp.constraint_field) from e
                 params = dataclasses.replace(params, json_schema=cp.json_schema, grammar=cp.structure)
@@ -289,6 +292,8 @@ class RequestParser:
         raw = body.get("prompt")
         texts = []
         if echo:  # the prompt as given (a string), or decoded (token ids)
+            if not isinstance(raw, (str, list)):
+                raise RuntimeError(f"echo: 'prompt' passed validation as {type(raw).__name__}")
             items = [raw] if isinstance(raw, str) or (raw and not isinstance(raw[0], (str, list))) else raw
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in items]
         return ParsedRequest(

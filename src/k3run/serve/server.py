@@ -10,7 +10,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,7 @@ class OpenAIServer:
             if not finished:
                 self.async_engine.abort(req)
 
-    async def _merged(self, reqs: list[AsyncRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, reqs: list[AsyncRequest]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(choice index, output) from every request as they come; closing it aborts what is unfinished."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -257,7 +257,7 @@ class OpenAIServer:
         rid: str,
         chat: bool,
         first: tuple[int, RequestOutput],
-        rest: AsyncIterator[tuple[int, RequestOutput]],
+        rest: AsyncGenerator[tuple[int, RequestOutput], None],
         prompt_tokens: int | None,
         plan: "_Plan | None" = None,
     ) -> AsyncIterator[str]:
@@ -345,4 +345,4 @@ class OpenAIServer:
         except ServeError as e:  # a step failed mid-stream: the status line is already sent
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
-            await rest.aclose()  # type: ignore[attr-defined]
+            await rest.aclose()
