@@ -325,9 +325,10 @@ def _parse_algo(value: object, where: str) -> str:
     return key
 
 
-def _parse_group_size(value: object, where: str) -> int:
+def _parse_group_size(value: Any, where: str) -> int:
+    """A JSON value as an int: what `int()` takes (an int, a numeric string), else a ValueError naming it."""
     try:
-        return int(value)  # type: ignore[call-overload]
+        return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: group_size must be an integer, got {value!r}") from None
 

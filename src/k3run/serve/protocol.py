@@ -349,7 +349,8 @@ def chat_logprobs(tok: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
 def finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
-    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(out.finish_reason, "stop")  # type: ignore[arg-type]
+    reasons: dict[FinishReason | None, str] = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+    return reasons.get(out.finish_reason, "stop")
 
 
 def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
