@@ -37,6 +37,7 @@ test: $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV)
