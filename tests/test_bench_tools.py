@@ -52,7 +52,7 @@ def _tp_decode(tp, root: str) -> list[list[int]]:
 def test_random_k3_shaped_model_shards_over_tensor_parallel_ranks() -> None:
     """The K3-shaped model built as one rank's shard (probe_graph_step.py under torchrun): two gloo ranks
     build and decode it through the engine with tp_size 2 and emit the same tokens."""
-    from k3run.distributed import spawn_gloo
+    from tests.gloo import spawn_gloo
 
     ranks = spawn_gloo(_tp_decode, 2, str(ROOT))
     assert ranks[0] == ranks[1] and [len(t) for t in ranks[0]] == [4, 4]

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from k3run.distributed import TPInfo, all_reduce, spawn_gloo
+from k3run.distributed import TPInfo, all_reduce
+from tests.gloo import spawn_gloo
 
 
 def _sum(tp: TPInfo) -> float:

@@ -76,7 +76,7 @@ def load_model(
     if tp_size > 1 and not torch.distributed.is_initialized():
         raise ValueError(
             f"load_model: tp_size={tp_size} needs an initialised torch.distributed process group "
-            "(k3run.distributed.init_distributed() under torchrun, or spawn_gloo on CPU)"
+            "(k3run.distributed.init_distributed() under torchrun)"
         )
     tp = TPInfo(tp_rank, tp_size, tp_group)
     dtype = dtype or checkpoint_dtype(hf, path)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from k3run.cli import ASSETS_DIR
-from k3run.distributed import TPInfo, spawn_gloo
+from k3run.distributed import TPInfo
+from tests.gloo import spawn_gloo
 from tests.tp_utils import free_port, torchrun_env
 
 MODEL_DIR = ASSETS_DIR / "default-model-bf16"

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3run.distributed import NO_TP, TPInfo, spawn_gloo
+from k3run.distributed import NO_TP, TPInfo
 from k3run.layers.kda import KimiDeltaAttention
 from k3run.testing import RTOL, assert_close
+from tests.gloo import spawn_gloo
 from tests.step_schedule import ctx_for, feed_in_steps
 
 D, H, K, W = 37, 4, 12, 4

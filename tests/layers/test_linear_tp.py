@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from k3run.distributed import TPInfo, spawn_gloo
+from k3run.distributed import TPInfo
 from k3run.knobs import reset_knobs
 from k3run.layers.linear import ColumnParallelLinear, RowParallelLinear
 from k3run.loader import load_checkpoint
 from k3run.quant.schemes import Fp8PbWoScheme, Segment
 from k3run.testing import RTOL, assert_close
+from tests.gloo import spawn_gloo
 from tests.tp_utils import (
     KDA_REPLICATED,
     KDA_SHARDS,

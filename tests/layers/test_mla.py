@@ -7,13 +7,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from k3run.distributed import NO_TP, TPInfo, spawn_gloo
+from k3run.distributed import NO_TP, TPInfo
 from k3run.formats import dequantize_fp8_block, quantize_fp8_block
 from k3run.layers.mla import KimiMLA
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.modelopt import ModelOptConfig
 from k3run.quant.schemes import fp8_block_gemm_reference
 from k3run.testing import RTOL, assert_close
+from tests.gloo import spawn_gloo
 from tests.step_schedule import ctx_for, feed_in_steps
 
 D, H, DN, R, DV = 37, 4, 12, 6, 10

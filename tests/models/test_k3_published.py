@@ -191,7 +191,7 @@ def _tp_worker(tp, d: str, ids: torch.Tensor) -> torch.Tensor:
 
 def test_mxfp4_k3_tp2_equals_tp1(dirs):
     """Each rank casts only its own experts (EP 2: 4 of 8) and its heads' A_log values."""
-    from k3run.distributed import spawn_gloo
+    from tests.gloo import spawn_gloo
 
     ranks = spawn_gloo(_tp_worker, 2, str(dirs["mxfp4"]), IDS)
     ref = load_model(dirs["mxfp4"], dtype=torch.float32).logits(IDS)

@@ -14,12 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3run.api import load_model
-from k3run.distributed import TPInfo, spawn_gloo
+from k3run.distributed import TPInfo
 from k3run.formats import dequantize_nvfp4
 from k3run.forward_context import ForwardContext
 from k3run.loader import LoadError
 from k3run.quant.export import quantize_checkpoint
 from k3run.testing import assert_close, noise_floor_rtol
+from tests.gloo import spawn_gloo
 from tests.model_builders import K3, KIMI_LINEAR, VOCAB, random_checkpoint, random_linear, write_checkpoint
 
 VARIANTS = {"kimi_linear": KIMI_LINEAR, "k3": K3}
