@@ -29,7 +29,7 @@ from k3run.knobs import reset_knobs
 from k3run.testing import rel_rms_error
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
+from common import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 # (N, K): 7168^2; MLA fused q_a + kv_a (2112); KDA in_proj per TP8 rank (6284); a K3 q/k/v-sized projection;
 # o_proj (K = 96 heads x 128); MLA kv_b_proj (N = 96 x 256, K = 512)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_linear import graph_ms  # noqa: E402
+from common import graph_ms  # noqa: E402
 
 PEAK_BF16 = 989e12
 SHAPES = {"kimi-linear": (256, 2304, 1024, 8), "k3-ep16": (56, 3584, 3072, 16)}  # E, D, I, top-k

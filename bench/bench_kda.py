@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+from common import copy_bandwidth  # noqa: E402
 from triton.testing import do_bench
 
 from k3run.kernels.kda import chunk_kda, kda_backend, kda_forward, kda_gate, l2norm
@@ -37,14 +38,6 @@ H, K, V = 96, 128, 128
 PREFILL = [("1 x 8192", [0, 8192]), ("4 x 2048", [0, 2048, 4096, 6144, 8192])]
 DECODE_B = [1, 16, 64]
 DEVICE = "cuda"
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, read + write bytes per second (256 MB each way)."""
-    a = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    return 2 * a.numel() / (t * 1e-3)
 
 
 def inputs(cu: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -157,7 +150,7 @@ def main() -> int:
         print("bench_kda: fla-core is not importable; install the gpu extra", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth() * 1e12  # bytes / s
     with torch.inference_mode():
         rows = run(args)
     print_table(rows, copy_bw)

@@ -14,6 +14,7 @@ read in place from a wider projection output, with initial states; one sequence 
 from __future__ import annotations
 
 import torch
+from common import copy_bandwidth  # noqa: E402
 from triton.testing import do_bench
 
 from k3run.kernels.kda.conv import causal_conv1d_varlen_triton
@@ -23,15 +24,8 @@ from k3run.testing import rel_rms_error
 W = 4
 
 
-def copy_bandwidth() -> float:
-    a = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    return 2 * a.numel() / (t * 1e-3)
-
-
 def main() -> None:
-    bw = copy_bandwidth()
+    bw = copy_bandwidth() * 1e12  # bytes / s
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     print("| channels | tokens | sequences | kernel us | reference us | ref / kernel | ceiling us "
           "| ceiling / kernel | rel RMS vs ref |")  # fmt: skip

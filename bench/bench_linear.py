@@ -20,13 +20,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 from triton.testing import do_bench
 
 from k3run.formats import dequantize_fp8_block, dequantize_nvfp4, quantize_fp8_block, quantize_nvfp4
@@ -46,53 +45,6 @@ NVFP4_SHAPES = [(7168, 7168), (12288, 7168), (7168, 12288), (3072, 3584), (3584,
 NVFP4_MS = [1, 4, 16, 64, 4096]
 FP8_SHAPES = [(7168, 7168), (2112, 7168), (6284, 7168)]  # 2112: MLA fused_qkv_a; 6284: KDA in_proj per TP8
 FP8_MS = [1, 16, 64, 4096]
-BYTES_PER_NVFP4_WEIGHT = 0.5 + 1 / 16  # packed nibble + one E4M3 scale per 16
-L2_BYTES = 50 * 2**20
-
-
-def copies_for(nbytes: float) -> int:
-    """Weight copies to rotate over so that one pass touches >= 3x the L2."""
-    return max(2, min(32, int(3 * L2_BYTES / max(nbytes, 1)) + 1))
-
-
-def graph_ms(fns: list[Callable[[], object]], est_ms: float) -> float:
-    """Median time per call of the round-robin over fns, captured as one CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    reps = max(1, min(64, int(4.0 / max(est_ms * len(fns), 1e-3))))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (reps * len(fns)))
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second (TB/s)."""
-    a = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
-    b = torch.empty_like(a)
-    # do_bench, not a graph: a captured device copy may run on a copy engine instead of the SMs
-    t = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    return 2 * a.numel() * 2 / t / 1e9
 
 
 def decode_candidates() -> list[GemmConfig]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_kda import copy_bandwidth
+from common import copy_bandwidth  # noqa: E402
 from triton.testing import do_bench_cudagraph
 
 from k3run.kernels.mla import mla_decode_ref
@@ -61,7 +61,7 @@ def main() -> None:
         help="block_h/block_n/warps/stages[/programs per SM], e.g. 32/64/4/2/4",
     )
     args = ap.parse_args()
-    copy_tbs = copy_bandwidth() / 1e12
+    copy_tbs = copy_bandwidth()
     mm_tflops = _mm_tflops()
     print(
         f"{torch.cuda.get_device_name()}: copy bandwidth (read + write) {copy_tbs:.2f} TB/s, "

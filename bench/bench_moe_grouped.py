@@ -35,7 +35,7 @@ from k3run.quant.algo import QuantAlgo
 from k3run.quant.experts import FP32_SUM, by_expert_tile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import copy_bandwidth, graph_ms  # noqa: E402
+from common import copy_bandwidth, graph_ms  # noqa: E402
 
 D, INTER, E, TOP_K = 3584, 3072, 64, 16
 BYTES_PER_EXPERT = 3 * D * INTER * (0.5 + 1 / 16)

@@ -29,7 +29,7 @@ from k3run.kernels.moe_ops.triton import (
 from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_graph_step import _copy_tbs  # noqa: E402
+from common import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # name: (hidden, experts, top_k, intermediate, activation)
     "kimi-linear": (2304, 256, 8, 1024, ("silu", 1.0, None)),
@@ -58,7 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
     args = ap.parse_args()
-    tbs = _copy_tbs()
+    tbs = copy_bandwidth()
     print(f"copy bandwidth {tbs:.2f} TB/s")
     head = f"{'op':<34} {'T':>3} {'torch us':>9} {'kernel us':>9} {'speedup':>8}"
     print(f"{head} {'ceiling us':>10} {'of ceiling':>10}")

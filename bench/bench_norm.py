@@ -15,7 +15,7 @@ back-to-back calls, as a decode step replays them; median).
 from __future__ import annotations
 
 import torch
-from bench_kda import copy_bandwidth
+from common import copy_bandwidth  # noqa: E402
 from triton.testing import do_bench_cudagraph
 
 from k3run.kernels.norm import attn_res_mix_ref, rms_norm_ref
@@ -37,7 +37,7 @@ def _row(name: str, shape: str, fused: float, gbs: float, copy_tbs: float, ref: 
 
 
 def main() -> None:
-    copy_tbs = copy_bandwidth() / 1e12
+    copy_tbs = copy_bandwidth()
     dt = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}: copy bandwidth (read + write) {copy_tbs:.2f} TB/s")
     head = f"{'op':<28} {'shape':>16} {'fused us':>9} {'GB/s':>7} {'%copy':>6}"

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 from bench_wgmma import PEAK_BF16, _weights  # noqa: E402
+from common import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 
 def _time(fns: list, est_ms: float = 0.05) -> float:

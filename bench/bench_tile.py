@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 from bench_moe_grouped import experts as random_experts  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 from k3run.kernels.nvfp4_gemm import GemmConfig, nvfp4_linear, prepare_nvfp4_weight  # noqa: E402
 from k3run.kernels.nvfp4_gemm.tile import expert_blocks, nvfp4_tile_gemm, nvfp4_tile_gemm_grouped  # noqa: E402

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_linear import copies_for, copy_bandwidth, graph_ms  # noqa: E402
+from common import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 PEAK_BF16 = 989e12
 VERBOSE = False

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 from k3run.formats import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight  # noqa: E402

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
 from probe_gemv_pdl import VARIANTS, launch, weights  # noqa: E402
 
 

@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -213,17 +212,6 @@ def roofline_tok_s(model, batch: int, copy_tbs: float) -> float:
     distinct, num = _expected_distinct(model, batch)
     step_bytes = dense + n_moe * per_layer * distinct / max(num, 1)
     return batch / (step_bytes / (copy_tbs * 1e12))
-
-
-def _copy_tbs() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second (TB/s), as bench_linear measures."""
-    from triton.testing import do_bench
-
-    a = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
-    b = torch.empty_like(a)
-    t = do_bench(partial(b.copy_, a), warmup=25, rep=200, return_mode="median")
-    del a, b
-    return 2 * 2**30 * 2 / t / 1e9
 
 
 def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
@@ -418,7 +406,9 @@ def main() -> None:
         _uniform_routing(model, max(sizes) * args.prompt_len)
         what += ", uniform routing"
     print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-    copy_tbs = _copy_tbs()
+    from common import copy_bandwidth
+
+    copy_tbs = copy_bandwidth()
     dense, per_layer, n_moe, top_k = _step_bytes(model)
     print(
         f"copy bandwidth {copy_tbs:.2f} TB/s; weights read per step: {dense / 1e9:.2f} GB dense + {n_moe} x "

@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kda import inputs  # noqa: E402
-from bench_linear import graph_ms  # noqa: E402
+from common import graph_ms  # noqa: E402
 
 from k3run.formats import quantize_nvfp4  # noqa: E402
 from k3run.kernels.kda import kda_forward  # noqa: E402

@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
 
 from k3run.formats import quantize_nvfp4  # noqa: E402
 from k3run.kernels.nvfp4_gemm import GemmConfig, choose_config, nvfp4_linear, prepare_nvfp4_weight  # noqa: E402
