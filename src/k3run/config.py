@@ -127,87 +127,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        if not isinstance(config, Mapping):
-            raise _fail("<config>", "a JSON object", type(config).__name__)
-        outer_type = config.get("model_type")
-        if outer_type == "kimi_k3":
-            text = config.get("text_config")
-            if not isinstance(text, Mapping):
-                raise _fail("text_config", "an object holding the kimi_linear text model", text)
-            inner_type = text.get("model_type", "kimi_linear")
-            if inner_type != "kimi_linear":
-                raise _fail("text_config.model_type", "'kimi_linear'", inner_type)
-            cfg = text
-        elif outer_type == "kimi_linear":
-            cfg = config
-        else:
-            raise _fail("model_type", "'kimi_linear' or 'kimi_k3'", outer_type)
-
+        """Both checkpoint spellings (the original and transformers-5 field names); every field checked, the
+        first bad one named with its expected and actual value."""
+        outer_type, cfg = _text_config(config)
         n_layers = _int(cfg, "num_hidden_layers")
         layer_is_kda = _parse_layer_types(cfg, n_layers)
         num_experts = _int(cfg, "num_experts", "num_local_experts", default=None)
         layer_is_moe = _parse_mlp_types(cfg, n_layers, num_experts)
-
-        hidden_act = _pick(cfg, ("hidden_act",), "silu")
-        if hidden_act not in ("silu", "situ"):
-            raise _fail("hidden_act", "'silu' or 'situ'", hidden_act)
-        situ_beta = situ_linear_beta = None
-        if hidden_act == "situ":
-            situ_beta = _float(cfg, "activation_situ_beta")
-            situ_linear_beta = _float(cfg, "activation_situ_linear_beta", default=None)
-            if situ_beta <= 0:
-                raise _fail("activation_situ_beta", "a positive number", situ_beta)
-            if situ_linear_beta is not None and situ_linear_beta <= 0:
-                raise _fail("activation_situ_linear_beta", "a positive number or null", situ_linear_beta)
-
-        lin = cfg.get("linear_attn_config") or {}
-        if not isinstance(lin, Mapping):
-            raise _fail("linear_attn_config", "an object", lin)
-        # transformers keeps both spellings of the KDA geometry: they must agree where both are written.
-        geometry = {
-            "linear_num_heads": _agree(lin, "num_heads", cfg, "linear_num_heads"),
-            "linear_head_dim": _agree(lin, "head_dim", cfg, "linear_head_dim"),
-            "linear_conv_kernel_dim": _agree(lin, "short_conv_kernel_size", cfg, "linear_conv_kernel_dim"),
-        }
-        kda_default = _MISSING if any(layer_is_kda) else None
-        kda_num_heads = _int(geometry, "linear_num_heads", default=kda_default)
-        kda_head_dim = _int(geometry, "linear_head_dim", default=kda_default)
-        conv_kernel_size = _int(geometry, "linear_conv_kernel_dim", default=4)
-
-        # K3 nests the gate fields in linear_attn_config (the official code reads them there); a top-level
-        # spelling is accepted too, and both must agree where both are written
-        gate = {
-            "gate_lower_bound": _agree(lin, "gate_lower_bound", cfg, "gate_lower_bound"),
-            "use_full_rank_gate": _agree(lin, "use_full_rank_gate", cfg, "use_full_rank_gate"),
-        }
-        gate_lower_bound = _float(gate, "gate_lower_bound", default=None)
-        if gate_lower_bound is not None and gate_lower_bound >= 0:
-            raise _fail("gate_lower_bound", "a negative number or null", gate_lower_bound)
-
-        any_moe = any(layer_is_moe)
-        routed_hidden = _int(cfg, "routed_expert_hidden_size", default=None)
-        moe_default = _MISSING if any_moe else None
-        num_expert_group = _int(cfg, "num_expert_group", "n_group", default=1)
-        topk_group = _int(cfg, "topk_group", default=1)
-        if topk_group > num_expert_group:
-            raise _fail("topk_group", f"<= num_expert_group ({num_expert_group})", topk_group)
-        router_act = _pick(cfg, ("moe_router_activation_func",), "sigmoid")
-        if router_act != "sigmoid":
-            raise _fail(
-                "moe_router_activation_func", "'sigmoid' (the only router Kimi models use)", router_act
-            )
-        top_k = _int(cfg, "num_experts_per_token", "num_experts_per_tok", default=moe_default)
-        if num_experts is not None and top_k is not None and top_k > num_experts:
-            raise _fail("num_experts_per_token", f"<= num_experts ({num_experts})", top_k)
-        if num_experts is not None and num_experts % num_expert_group:
-            raise _fail("num_expert_group", f"a divisor of num_experts ({num_experts})", num_expert_group)
-
+        activation = _activation_fields(cfg)
+        kda = _kda_fields(cfg, layer_is_kda)
+        moe = _moe_fields(cfg, num_experts, any(layer_is_moe))
         attn_res = _int(cfg, "attn_res_block_size", default=None)
-        if _pick(cfg, ("mla_use_nope",), True) is not True:
-            raise _fail("mla_use_nope", "true (Kimi MLA has no rotary embedding)", cfg.get("mla_use_nope"))
-        any_mla = not all(layer_is_kda)
-        mla_default = _MISSING if any_mla else None
-
+        mla = _mla_fields(cfg, any_mla=not all(layer_is_kda))
         return cls(
             model_type=outer_type,
             vocab_size=_int(cfg, "vocab_size"),
@@ -219,34 +150,14 @@ class ModelConfig:
             ),
             layer_is_kda=layer_is_kda,
             layer_is_moe=layer_is_moe,
-            hidden_act=hidden_act,
-            situ_beta=situ_beta,
-            situ_linear_beta=situ_linear_beta,
+            **activation,
             intermediate_size=_int(
                 cfg, "intermediate_size", default=_MISSING if not all(layer_is_moe) else 0, minimum=0
             ),
-            kda_num_heads=kda_num_heads or 0,
-            kda_head_dim=kda_head_dim or 0,
-            conv_kernel_size=conv_kernel_size,
-            use_full_rank_gate=_bool(gate, "use_full_rank_gate", default=False),
-            gate_lower_bound=gate_lower_bound,
-            num_attention_heads=_int(cfg, "num_attention_heads", default=mla_default) or 0,
-            q_lora_rank=_int(cfg, "q_lora_rank", default=None),
-            kv_lora_rank=_int(cfg, "kv_lora_rank", default=mla_default) or 0,
-            qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", default=mla_default) or 0,
-            qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", default=mla_default) or 0,
-            v_head_dim=_int(cfg, "v_head_dim", default=mla_default) or 0,
-            mla_use_output_gate=_bool(cfg, "mla_use_output_gate", default=False),
+            **kda,
+            **mla,
             num_experts=num_experts,
-            num_experts_per_token=top_k or 0,
-            num_shared_experts=_int(cfg, "num_shared_experts", "n_shared_experts", default=0, minimum=0),
-            moe_intermediate_size=_int(cfg, "moe_intermediate_size", default=moe_default) or 0,
-            routed_scaling_factor=_float(cfg, "routed_scaling_factor", default=1.0),
-            moe_renormalize=_bool(cfg, "moe_renormalize", "norm_topk_prob", default=True),
-            num_expert_group=num_expert_group,
-            topk_group=topk_group,
-            routed_expert_hidden_size=routed_hidden,
-            latent_moe_use_norm=_bool(cfg, "latent_moe_use_norm", default=False),
+            **moe,
             attn_res_block_size=attn_res,
         )
 
@@ -362,3 +273,115 @@ def _parse_mlp_types(cfg: Mapping[str, Any], n_layers: int, num_experts: int | N
             f"{[i for i, m in enumerate(from_types) if m]} (0-indexed)"
         )
     return from_types if from_types is not None else from_rule  # type: ignore[return-value]
+
+
+def _text_config(config: Any) -> tuple[str, Mapping[str, Any]]:
+    """(model_type, the text model's fields): kimi_linear at the top level, or kimi_k3's text_config."""
+    if not isinstance(config, Mapping):
+        raise _fail("<config>", "a JSON object", type(config).__name__)
+    outer_type = config.get("model_type")
+    if outer_type == "kimi_k3":
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise _fail("text_config", "an object holding the kimi_linear text model", text)
+        inner_type = text.get("model_type", "kimi_linear")
+        if inner_type != "kimi_linear":
+            raise _fail("text_config.model_type", "'kimi_linear'", inner_type)
+        return outer_type, text
+    if outer_type == "kimi_linear":
+        return outer_type, config
+    raise _fail("model_type", "'kimi_linear' or 'kimi_k3'", outer_type)
+
+
+def _activation_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """hidden_act (SiLU or K3's SiTU) and SiTU's two betas."""
+    hidden_act = _pick(cfg, ("hidden_act",), "silu")
+    if hidden_act not in ("silu", "situ"):
+        raise _fail("hidden_act", "'silu' or 'situ'", hidden_act)
+    situ_beta = situ_linear_beta = None
+    if hidden_act == "situ":
+        situ_beta = _float(cfg, "activation_situ_beta")
+        situ_linear_beta = _float(cfg, "activation_situ_linear_beta", default=None)
+        if situ_beta <= 0:
+            raise _fail("activation_situ_beta", "a positive number", situ_beta)
+        if situ_linear_beta is not None and situ_linear_beta <= 0:
+            raise _fail("activation_situ_linear_beta", "a positive number or null", situ_linear_beta)
+    return {"hidden_act": hidden_act, "situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta}
+
+
+def _kda_fields(cfg: Mapping[str, Any], layer_is_kda: list[bool]) -> dict[str, Any]:
+    """The KDA geometry and K3's gate fields (required only when a layer is KDA)."""
+    lin = cfg.get("linear_attn_config") or {}
+    if not isinstance(lin, Mapping):
+        raise _fail("linear_attn_config", "an object", lin)
+    # transformers keeps both spellings of the KDA geometry: they must agree where both are written.
+    geometry = {
+        "linear_num_heads": _agree(lin, "num_heads", cfg, "linear_num_heads"),
+        "linear_head_dim": _agree(lin, "head_dim", cfg, "linear_head_dim"),
+        "linear_conv_kernel_dim": _agree(lin, "short_conv_kernel_size", cfg, "linear_conv_kernel_dim"),
+    }
+    kda_default = _MISSING if any(layer_is_kda) else None
+    kda_num_heads = _int(geometry, "linear_num_heads", default=kda_default)
+    kda_head_dim = _int(geometry, "linear_head_dim", default=kda_default)
+    conv_kernel_size = _int(geometry, "linear_conv_kernel_dim", default=4)
+    # K3 nests the gate fields in linear_attn_config (the official code reads them there); a top-level
+    # spelling is accepted too, and both must agree where both are written
+    gate = {
+        "gate_lower_bound": _agree(lin, "gate_lower_bound", cfg, "gate_lower_bound"),
+        "use_full_rank_gate": _agree(lin, "use_full_rank_gate", cfg, "use_full_rank_gate"),
+    }
+    gate_lower_bound = _float(gate, "gate_lower_bound", default=None)
+    if gate_lower_bound is not None and gate_lower_bound >= 0:
+        raise _fail("gate_lower_bound", "a negative number or null", gate_lower_bound)
+    return {
+        "kda_num_heads": kda_num_heads or 0,
+        "kda_head_dim": kda_head_dim or 0,
+        "conv_kernel_size": conv_kernel_size,
+        "use_full_rank_gate": _bool(gate, "use_full_rank_gate", default=False),
+        "gate_lower_bound": gate_lower_bound,
+    }
+
+
+def _moe_fields(cfg: Mapping[str, Any], num_experts: int | None, any_moe: bool) -> dict[str, Any]:
+    """Routing (sigmoid router, top-k, expert groups), shared experts, K3's latent MoE width."""
+    routed_hidden = _int(cfg, "routed_expert_hidden_size", default=None)
+    moe_default = _MISSING if any_moe else None
+    num_expert_group = _int(cfg, "num_expert_group", "n_group", default=1)
+    topk_group = _int(cfg, "topk_group", default=1)
+    if topk_group > num_expert_group:
+        raise _fail("topk_group", f"<= num_expert_group ({num_expert_group})", topk_group)
+    router_act = _pick(cfg, ("moe_router_activation_func",), "sigmoid")
+    if router_act != "sigmoid":
+        raise _fail("moe_router_activation_func", "'sigmoid' (the only router Kimi models use)", router_act)
+    top_k = _int(cfg, "num_experts_per_token", "num_experts_per_tok", default=moe_default)
+    if num_experts is not None and top_k is not None and top_k > num_experts:
+        raise _fail("num_experts_per_token", f"<= num_experts ({num_experts})", top_k)
+    if num_experts is not None and num_experts % num_expert_group:
+        raise _fail("num_expert_group", f"a divisor of num_experts ({num_experts})", num_expert_group)
+    return {
+        "num_experts_per_token": top_k or 0,
+        "num_shared_experts": _int(cfg, "num_shared_experts", "n_shared_experts", default=0, minimum=0),
+        "moe_intermediate_size": _int(cfg, "moe_intermediate_size", default=moe_default) or 0,
+        "routed_scaling_factor": _float(cfg, "routed_scaling_factor", default=1.0),
+        "moe_renormalize": _bool(cfg, "moe_renormalize", "norm_topk_prob", default=True),
+        "num_expert_group": num_expert_group,
+        "topk_group": topk_group,
+        "routed_expert_hidden_size": routed_hidden,
+        "latent_moe_use_norm": _bool(cfg, "latent_moe_use_norm", default=False),
+    }
+
+
+def _mla_fields(cfg: Mapping[str, Any], any_mla: bool) -> dict[str, Any]:
+    """MLA's geometry (required only when a layer is MLA); Kimi's MLA is NoPE."""
+    if _pick(cfg, ("mla_use_nope",), True) is not True:
+        raise _fail("mla_use_nope", "true (Kimi MLA has no rotary embedding)", cfg.get("mla_use_nope"))
+    mla_default = _MISSING if any_mla else None
+    return {
+        "num_attention_heads": _int(cfg, "num_attention_heads", default=mla_default) or 0,
+        "q_lora_rank": _int(cfg, "q_lora_rank", default=None),
+        "kv_lora_rank": _int(cfg, "kv_lora_rank", default=mla_default) or 0,
+        "qk_nope_head_dim": _int(cfg, "qk_nope_head_dim", default=mla_default) or 0,
+        "qk_rope_head_dim": _int(cfg, "qk_rope_head_dim", default=mla_default) or 0,
+        "v_head_dim": _int(cfg, "v_head_dim", default=mla_default) or 0,
+        "mla_use_output_gate": _bool(cfg, "mla_use_output_gate", default=False),
+    }
