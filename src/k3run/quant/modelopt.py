@@ -364,55 +364,13 @@ def parse_quant_config(qc: Mapping[str, Any], *, source: str = "quantization_con
         raise ValueError(f"{source}: expected a JSON object, got {type(qc).__name__}")
     producer = qc.get("producer")
     if "quantization" in qc:
-        body = qc["quantization"]
-        if not isinstance(body, Mapping):
-            raise ValueError(f"{source}.quantization: expected a JSON object, got {body!r}")
-        where = f"{source}.quantization"
-        algo = _parse_algo(body.get("quant_algo"), f"{where}.quant_algo")
-        if algo == QuantAlgo.NVFP4:
-            missing = [k for k in ("group_size", "kv_cache_quant_algo", "exclude_modules") if k not in body]
-            if missing:
-                raise ValueError(f"{where}: NVFP4 config lacks required key(s) {', '.join(missing)}")
-        excludes = _parse_excludes(body.get("exclude_modules"), f"{where}.exclude_modules")
-        kv = _parse_kv(body.get("kv_cache_quant_algo"), f"{where}.kv_cache_quant_algo")
-        config_groups = None
+        where, body, algo, excludes, kv, config_groups = _legacy_form(qc, source)
     else:
-        where = source
-        method = qc.get("quant_method")
-        if not _nonempty_str(method) or not str(method).lower().startswith("modelopt"):
-            raise ValueError(
-                f"{where}.quant_method: expected modelopt, modelopt_fp4, modelopt_mixed or "
-                f"compressed-tensors, got {method!r}"
-            )
-        body = qc
-        algo = _parse_algo(qc.get("quant_algo"), f"{where}.quant_algo")
-        excl_key = "ignore" if "ignore" in qc else "exclude_modules"
-        excludes = _parse_excludes(qc.get(excl_key), f"{where}.{excl_key}")
-        kv_raw = qc.get("kv_cache_scheme", qc.get("kv_cache_quant_algo"))
-        kv = _parse_kv(kv_raw, f"{where}.kv_cache_scheme")
-        config_groups = qc.get("config_groups")
-
+        where, body, algo, excludes, kv, config_groups = _flat_form(qc, source)
     group_size = _parse_group_size(body.get("group_size", NVFP4_GROUP_SIZE), f"{where}.group_size")
     layers: dict[str, QuantAlgo] = {}
     if algo == MIXED_PRECISION:
-        raw_layers = body.get("quantized_layers")
-        if not isinstance(raw_layers, Mapping) or not raw_layers:
-            raise ValueError(
-                f"{where}.quantized_layers: MIXED_PRECISION needs a non-empty map, got {raw_layers!r}"
-            )
-        group_size = NVFP4_GROUP_SIZE
-        found_group = False
-        for name, entry in raw_layers.items():
-            at = f"{where}.quantized_layers[{name!r}]"
-            if not isinstance(entry, Mapping):
-                raise ValueError(f"{at}: expected an object with quant_algo, got {entry!r}")
-            layer_algo = _parse_algo(entry.get("quant_algo"), f"{at}.quant_algo")
-            if layer_algo == MIXED_PRECISION:
-                raise ValueError(f"{at}.quant_algo: a layer cannot be MIXED_PRECISION")
-            layers[name] = QuantAlgo(layer_algo)
-            if not found_group and layer_algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
-                group_size = _parse_group_size(entry.get("group_size", NVFP4_GROUP_SIZE), f"{at}.group_size")
-                found_group = True
+        layers, group_size = _mixed_layers(body, where)
     elif algo == QuantAlgo.NVFP4 and isinstance(config_groups, Mapping) and config_groups:
         # vLLM reads NVFP4 without any activation quantization as weight-only NVFP4
         groups = config_groups.values()
@@ -435,6 +393,66 @@ def parse_quant_config(qc: Mapping[str, Any], *, source: str = "quantization_con
         kv_cache_quant_algo=kv,
         producer=MappingProxyType(dict(producer)) if producer is not None else None,
     )
+
+
+_Form = tuple[str, Mapping[str, Any], Any, Any, Any, Any]
+
+
+def _legacy_form(qc: Mapping[str, Any], source: str) -> _Form:
+    """hf_quant_config.json's {"producer", "quantization": {...}}: (where, body, algo, excludes, kv, None)."""
+    body = qc["quantization"]
+    if not isinstance(body, Mapping):
+        raise ValueError(f"{source}.quantization: expected a JSON object, got {body!r}")
+    where = f"{source}.quantization"
+    algo = _parse_algo(body.get("quant_algo"), f"{where}.quant_algo")
+    if algo == QuantAlgo.NVFP4:
+        missing = [k for k in ("group_size", "kv_cache_quant_algo", "exclude_modules") if k not in body]
+        if missing:
+            raise ValueError(f"{where}: NVFP4 config lacks required key(s) {', '.join(missing)}")
+    excludes = _parse_excludes(body.get("exclude_modules"), f"{where}.exclude_modules")
+    kv = _parse_kv(body.get("kv_cache_quant_algo"), f"{where}.kv_cache_quant_algo")
+    return where, body, algo, excludes, kv, None
+
+
+def _flat_form(qc: Mapping[str, Any], source: str) -> _Form:
+    """config.json's flat quantization_config: (where, body, algo, excludes, kv, config_groups)."""
+    method = qc.get("quant_method")
+    if not _nonempty_str(method) or not str(method).lower().startswith("modelopt"):
+        raise ValueError(
+            f"{source}.quant_method: expected modelopt, modelopt_fp4, modelopt_mixed or "
+            f"compressed-tensors, got {method!r}"
+        )
+    algo = _parse_algo(qc.get("quant_algo"), f"{source}.quant_algo")
+    excl_key = "ignore" if "ignore" in qc else "exclude_modules"
+    excludes = _parse_excludes(qc.get(excl_key), f"{source}.{excl_key}")
+    kv_raw = qc.get("kv_cache_scheme", qc.get("kv_cache_quant_algo"))
+    kv = _parse_kv(kv_raw, f"{source}.kv_cache_scheme")
+    return source, qc, algo, excludes, kv, qc.get("config_groups")
+
+
+def _mixed_layers(body: Mapping[str, Any], where: str) -> tuple[dict[str, QuantAlgo], int]:
+    """MIXED_PRECISION's quantized_layers: each layer's algorithm, and the group size of its first NVFP4
+    layer (NVFP4_GROUP_SIZE when it has none)."""
+    raw_layers = body.get("quantized_layers")
+    if not isinstance(raw_layers, Mapping) or not raw_layers:
+        raise ValueError(
+            f"{where}.quantized_layers: MIXED_PRECISION needs a non-empty map, got {raw_layers!r}"
+        )
+    layers: dict[str, QuantAlgo] = {}
+    group_size = NVFP4_GROUP_SIZE
+    found_group = False
+    for name, entry in raw_layers.items():
+        at = f"{where}.quantized_layers[{name!r}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{at}: expected an object with quant_algo, got {entry!r}")
+        layer_algo = _parse_algo(entry.get("quant_algo"), f"{at}.quant_algo")
+        if layer_algo == MIXED_PRECISION:
+            raise ValueError(f"{at}.quant_algo: a layer cannot be MIXED_PRECISION")
+        layers[name] = QuantAlgo(layer_algo)
+        if not found_group and layer_algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4):
+            group_size = _parse_group_size(entry.get("group_size", NVFP4_GROUP_SIZE), f"{at}.group_size")
+            found_group = True
+    return layers, group_size
 
 
 def _read_json(path: Path) -> dict[str, Any]:
