@@ -1,6 +1,6 @@
 """FP8_PB_WO at decode sizes: the fused quantize + split-K GEMV (kernels/fp8_gemm/gemv.py) against the
 block-wise _scaled_mm layer (1x128 quantization launch + cuBLAS + crop / bias) and bare _scaled_mm (x already
-quantized), per shape and M, in CUDA graphs over L2-busting weight copies (bench_linear.graph_ms).
+quantized), per shape and M, in CUDA graphs over L2-busting weight copies (common.graph_ms).
 
     PYTHONPATH=src python bench/bench_fp8_gemv.py [--sweep]
 

@@ -1,6 +1,6 @@
 """Grouped FP8_PB_WO routed experts (quant/experts.py Fp8BlockExperts.grouped: kernels/fp8_grouped.py) beside
 the per-expert loop they replace and torch._grouped_mm on bf16 copies of the same experts (the two GEMMs
-only, picks pre-sorted), one H200, bf16 activations, CUDA graphs of back-to-back calls (bench_linear.graph_ms;
+only, picks pre-sorted), one H200, bf16 activations, CUDA graphs of back-to-back calls (common.graph_ms;
 the loop, which reads counts back, timed eagerly). TFLOP/s counted as 2 * T * top_k * 3 * D * I; the
 ceiling is the H200's dense bf16 peak (989 TFLOP/s).
 

@@ -2,7 +2,7 @@
 engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
-(bench_linear.graph_ms): the CUDA kernel with its default config (`sm90_config`) and the best of a config
+(common.graph_ms): the CUDA kernel with its default config (`sm90_config`) and the best of a config
 sweep; the Gluon wgmma kernel's default (the path before it); the engine's M <= 16 decode kernel where M <=
 32; dequantize + cuBLAS; cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers;
 built in the background, timed in a second pass beside the CUDA kernel's best config again). The ceiling per

@@ -4,7 +4,7 @@ Stages (all by default; --stages picks):
 - dense: NVFP4 linears at M = 16..4096 on K3 and Kimi Linear shapes: the tile GEMM over a few launch
   configs, the decode kernel where it runs (M <= 64), dequantize + cuBLAS, and cuBLAS on a bf16 copy of the
   weight (the tensor-core ceiling in practice; the bf16 dense peak is printed beside it). Each timed as CUDA
-  graphs of back-to-back calls rotating over weight copies that overflow the L2 (bench_linear.graph_ms).
+  graphs of back-to-back calls rotating over weight copies that overflow the L2 (common.graph_ms).
 - moe: routed experts at prefill sizes: K3's latent experts (3584 -> 3072, top-16, 56 local as at EP16)
   and Kimi Linear's (2304 -> 1024, top-8, 256), T = 256 / 1024 / 4096 tokens: the tile GEMM's two grouped
   launches (GEMM1 with the activation in its epilogue, + the device-side grouping) for several block

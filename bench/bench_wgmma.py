@@ -1,7 +1,7 @@
 """The NVFP4 wgmma GEMM (kernels/nvfp4_gemm/wgmma.py) beside today's paths, cuBLAS bf16 and Marlin INT4.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
-(bench_linear.graph_ms): wgmma with its default config and the best of a small config sweep; k3run's auto
+(common.graph_ms): wgmma with its default config and the best of a small config sweep; k3run's auto
 choice (quant.schemes.nvfp4_gemm) and the choice without the wgmma GEMM ("before": decode kernel / tile
 GEMM / dequantize + cuBLAS); the Triton tile GEMM;
 cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, built in the background while the rest runs; only when
