@@ -4,7 +4,7 @@ stored as one contiguous 1 KB block (`tile_split128`) stream faster than split12
 Answer: by 10-15%, not the 2x needed (bench/RESULTS.md "Runs 12-16", run 14; NOTES.md "v4"): the cp.async
 kernel on the tiled layout took 15.22 against 17.47 us on 7168^2 at M = 1 (1.90 TB/s, 1.88x cuBLAS bf16) and
 23.25 against 26.89 us on 12288x7168 (2.13 TB/s, 2.02x), bit-identical; ncu put DRAM at 31-34% of peak and the
-limit on the integer ALU pipe with ~3 warps per scheduler. The tiled order became tiled128, the default.
+limit on the integer ALU pipe with ~3 warps per scheduler. The tiled order became tiled128 (default, sm_89+).
 
 Times, in one run and with the same method as bench_gemv.py (CUDA graphs over L2-busting weight copies):
 the register-prefetch kernel and the cp.async kernel on the split128 layout (each 16-row block's K tile is
