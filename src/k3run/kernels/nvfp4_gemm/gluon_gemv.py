@@ -375,7 +375,7 @@ def _gdc(ASM: gl.constexpr):
 
 @gluon.jit
 def _globaltimer():
-    """The GPU's global nanosecond timer (32 ns steps on the H200: bench/probe_gemv_timeline.py)."""
+    """The GPU's global nanosecond timer (32 ns steps on the H200: bench/probes/gemv_timeline.py)."""
     return gl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
     )
@@ -897,7 +897,7 @@ def nvfp4_gemv(
     on where supported (sm_90+): 1.0-1.1 us less per back-to-back launch at M = 1 (H200, bench/RESULTS.md).
     stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
     row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
-    then its SM id (bench/probe_gemv_timeline.py).
+    then its SM id (bench/probes/gemv_timeline.py).
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 

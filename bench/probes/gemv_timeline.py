@@ -1,4 +1,11 @@
-"""NVFP4 decode: the timeline of back-to-back launches, program by program (bench/NOTES.md, session 11).
+"""Question: within a launch of the cp.async NVFP4 decode kernel, where does the time beyond streaming go:
+program dispatch, the PDL wait, the K loops, the split-K tail, or the gap between launches?
+
+Answer (bench/RESULTS.md "Runs 29-36", runs 29-30; NOTES.md "Session 11"): not dispatch. At 7168^2, M = 1
+(10.83 us a launch) all 3584 programs enter within 0.72 us, the K loops spread 5.0 / 6.9 / 8.6 us (min /
+median / max: ~2 us of drain), the split-K tail takes 1.25 us, and with PDL the next launch's first program
+enters 0.7-0.8 us after this one's last end (1.2-1.4 us without). %globaltimer advances in 32 ns steps.
+
 
 Each program of the cp.async kernel stamps %globaltimer at entry, after the PDL wait, after its K loop and at
 its end, and records its SM (`nvfp4_gemv(stamps=...)`). A CUDA graph of L launches over L2-busting weight
@@ -11,7 +18,7 @@ copies is replayed; from the last replay, per launch (averaged over launches 2..
 - resident: the most programs of one launch on one SM at once.
 First: the update granularity of %globaltimer (one thread reading it in a loop).
 
-    PYTHONPATH=src python bench/probe_gemv_timeline.py [--shapes 7168x7168,...] [--ms 1,16]
+    PYTHONPATH=src python bench/probes/gemv_timeline.py [--shapes 7168x7168,...] [--ms 1,16]
 """
 
 # ruff: noqa: B023
@@ -27,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
-from probe_gemv_pdl import VARIANTS, launch, weights  # noqa: E402
+from gemv_pdl import VARIANTS, launch, weights  # noqa: E402
 
 
 @triton.jit

@@ -1,9 +1,18 @@
-"""The reduced K3 in both published layouts (tests/k3_published.py: moonshotai/Kimi-K3's MXFP4
+"""Question: do both published K3 layouts load on a GPU and decode through the engine (CUDA graphs) as on
+the CPU?
+
+Answer (bench/RESULTS.md "Runs 78-81", runs 78-79): yes, once the MXFP4 experts' load on CUDA (a device
+mismatch in the cast, found by this probe in run 78) was fixed: MXFP4 logits 1.74e-02 from fp32 on the CPU,
+greedy 24/24 tokens as the CPU engine, 842.7 tok/s; NVFP4 1.55e-01, 10/24, 752.3 tok/s (its FP8 activations
+on random weights, 0.14-0.31 from fp32 on the CPU in bf16 too). tests/models/test_k3_published.py's GPU test
+now covers the load.
+
+The reduced K3 in both published layouts (tests/k3_published.py: moonshotai/Kimi-K3's MXFP4
 compressed-tensors, nvidia/Kimi-K3-NVFP4's ModelOpt MIXED_PRECISION) written to disk, loaded on a device and
 run: logits against the same checkpoint on the CPU in fp32, then greedy decode through the engine (CUDA graphs
 where they apply) against the CPU engine's tokens.
 
-    python bench/probe_k3_published.py [--device cuda] [--tokens 24]
+    python bench/probes/k3_published_gpu.py [--device cuda] [--tokens 24]
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from k3run.api import load_model  # noqa: E402
 from k3run.engine import LLM, EngineConfig, SamplingParams  # noqa: E402

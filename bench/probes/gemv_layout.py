@@ -1,4 +1,10 @@
-"""NVFP4 decode: does the weights' storage order limit the Gluon kernel? (bench/NOTES.md, run 12)
+"""Question: does the weights' storage order limit the Gluon NVFP4 decode kernel: would each 16-row K tile
+stored as one contiguous 1 KB block (`tile_split128`) stream faster than split128's 16 pieces K_pad/2 apart?
+
+Answer: by 10-15%, not the 2x needed (bench/RESULTS.md "Runs 12-16", run 14; NOTES.md "v4"): the cp.async
+kernel on the tiled layout took 15.22 against 17.47 us on 7168^2 at M = 1 (1.90 TB/s, 1.88x cuBLAS bf16) and
+23.25 against 26.89 us on 12288x7168 (2.13 TB/s, 2.02x), bit-identical; ncu put DRAM at 31-34% of peak and the
+limit on the integer ALU pipe with ~3 warps per scheduler. The tiled order became tiled128 (default, sm_89+).
 
 Times, in one run and with the same method as bench_gemv.py (CUDA graphs over L2-busting weight copies):
 the register-prefetch kernel and the cp.async kernel on the split128 layout (each 16-row block's K tile is
@@ -6,7 +12,7 @@ the register-prefetch kernel and the cp.async kernel on the split128 layout (eac
 contiguous 1 KB block, a program's tiles back to back), against cuBLAS bf16. Checks the tiled results are
 bit-identical to the split128 ones (same decode, same summation order).
 
-    PYTHONPATH=src python bench/probe_gemv_layout.py [--ncu]   (--ncu: one call of each, for ncu to profile)
+    PYTHONPATH=src python bench/probes/gemv_layout.py [--ncu]   (--ncu: one call of each, for ncu to profile)
 """
 
 # ruff: noqa: B023
@@ -20,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 from k3run.formats import dequantize_nvfp4, quantize_nvfp4  # noqa: E402

@@ -1,4 +1,12 @@
-"""NVFP4 decode: where do the fixed microseconds of a launch go? (bench/NOTES.md, session 10)
+"""Question: where do the fixed microseconds of an NVFP4 decode launch go, and do programmatic dependent
+launch or fewer, wider programs remove them?
+
+Answer (bench/RESULTS.md "Runs 20-23", runs 21-22; NOTES.md "v6"): time = 4.16 us + bytes / 3.43 TB/s over 8
+shapes at M = 1, and an empty kernel takes 0.99 / 2.91 / 4.45 us at 132 / 3584 / 6144 programs; 2- and 4-warp
+programs did not help, PDL triggered after the K loop saves 0.8-1.1 us a launch at M = 1 (7168^2 12.04 ->
+11.15 us) and became the default on sm_90. (The per-program timelines of gemv_timeline.py later showed the
+dispatch itself overlaps the first loads.)
+
 
 0. An empty kernel (one store per program) back to back in a graph: the launch + dispatch floor.
 1. Fixed cost vs streaming rate: the default launch at N = 7168 over K = 1024 .. 14336 (and N over
@@ -13,7 +21,7 @@
 
 Same timing method as bench_gemv.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
 
-    PYTHONPATH=src python bench/probe_gemv_pdl.py [--ncu]   (--ncu: one launch per variant for ncu)
+    PYTHONPATH=src python bench/probes/gemv_pdl.py [--ncu]   (--ncu: one launch per variant for ncu)
 """
 
 # ruff: noqa: B023
@@ -29,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 from bench_linear import NVFP4_SHAPES  # noqa: E402
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
