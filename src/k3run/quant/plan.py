@@ -22,7 +22,7 @@ import torch
 
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.compressed_tensors import CompressedTensorsConfig
-from k3run.quant.modelopt import ModelOptConfig, expert_bank, load_quant_config
+from k3run.quant.modelopt import ModelOptConfig, QuantConfig, expert_bank, load_quant_config
 from k3run.safetensors_io import TensorInfo, read_checkpoint_headers
 
 FP8_BLOCK = 128
@@ -398,13 +398,7 @@ def build_quant_plan(
         },
         key=_model_order,
     )
-    # each bank's expert count, as its expert ids in the headers show it
-    experts: dict[str, int] = defaultdict(int)
-    for prefix in prefixes:
-        m = _EXPERT.match(prefix)
-        if m is not None:
-            bank = m.group(1)[:-1]
-            experts[bank] = max(experts[bank], int(m.group(2)) + 1)
+    experts = _expert_counts(prefixes)
     owned: set[str] = set()
     layers: list[LayerPlan] = []
     bank_algos: dict[str, QuantAlgo] = {}
@@ -414,16 +408,7 @@ def build_quant_plan(
         is_embedding = prefix.rpartition(".")[2] in _EMBEDDING_NAMES
         bank = expert_bank(prefix)
         n_experts = experts.get(bank) if bank is not None else None
-        if is_embedding or qc is None:
-            algo = QuantAlgo.NONE
-        elif bank is not None:
-            # the resolution load_model uses: a routed expert resolves as its bank, so once per bank (a
-            # bank's resolution looks at every expert's names: K3 has 896 experts x 3 projections per bank)
-            if bank not in bank_algos:
-                bank_algos[bank] = qc.resolve(prefix, num_experts=n_experts)
-            algo = bank_algos[bank]
-        else:
-            algo = qc.resolve(prefix, num_experts=n_experts)
+        algo = _layer_algo(qc, prefix, is_embedding, bank, n_experts, bank_algos)
         if is_embedding:
             why: Callable[[], str] = lambda: "embeddings are never quantized"
         else:
@@ -436,13 +421,6 @@ def build_quant_plan(
             problems.append((prefix, str(e)))
             continue
         kind = "embedding" if is_embedding else ("expert" if _EXPERT.match(prefix) else "linear")
-        if is_embedding:
-            impl = "embedding lookup"
-        else:
-            impl = implementation_name(algo, device_name, kind)
-            nvfp4 = algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4)
-            if nvfp4_as_fp8 and nvfp4 and kind == "linear" and torch.device(device_name).type == "cuda":
-                impl = nvfp4_fp8_implementation(*logical) or impl
         layers.append(
             LayerPlan(
                 prefix=prefix,
@@ -451,7 +429,7 @@ def build_quant_plan(
                 logical_shape=logical,
                 physical_shape=physical,
                 nbytes=sum(tensors[n].nbytes for n in names),
-                implementation=impl,
+                implementation=_implementation(algo, device_name, kind, logical, nvfp4_as_fp8),
                 tensors=names,
             )
         )
@@ -493,3 +471,44 @@ def _held_dtypes(
     except ValueError as e:  # the plan is still useful; the table says why this part is missing
         return "(unknown)", (f"not computed: the model cannot be built from {path}: {e}",)
     return str(dtype).removeprefix("torch."), tuple(held_dtype_notes(model.held_dtypes(tensors), dtype))
+
+
+def _expert_counts(prefixes: list[str]) -> dict[str, int]:
+    """Each routed-expert bank's expert count, as its expert ids in the headers show it."""
+    experts: dict[str, int] = defaultdict(int)
+    for prefix in prefixes:
+        m = _EXPERT.match(prefix)
+        if m is not None:
+            bank = m.group(1)[:-1]
+            experts[bank] = max(experts[bank], int(m.group(2)) + 1)
+    return experts
+
+
+def _layer_algo(
+    qc: QuantConfig | None, prefix: str, is_embedding: bool, bank: str | None, n_experts: int | None,
+    bank_algos: dict[str, QuantAlgo],
+) -> QuantAlgo:  # fmt: skip
+    """The layer's algorithm as load_model resolves it: embeddings and unquantized checkpoints NONE; a routed
+    expert as its bank, resolved once per bank (a bank's resolution looks at every expert's names: K3 has
+    896 experts x 3 projections per bank)."""
+    if is_embedding or qc is None:
+        return QuantAlgo.NONE
+    if bank is not None:
+        if bank not in bank_algos:
+            bank_algos[bank] = qc.resolve(prefix, num_experts=n_experts)
+        return bank_algos[bank]
+    return qc.resolve(prefix, num_experts=n_experts)
+
+
+def _implementation(
+    algo: QuantAlgo, device_name: str, kind: str, logical: tuple[int, ...], nvfp4_as_fp8: bool
+) -> str:
+    """The kernel the layer runs on `device_name` (with `nvfp4_as_fp8`, NVFP4 linears on CUDA report the FP8
+    copy where quant/schemes.py's rule picks it)."""
+    if kind == "embedding":
+        return "embedding lookup"
+    impl = implementation_name(algo, device_name, kind)
+    nvfp4 = algo in (QuantAlgo.NVFP4, QuantAlgo.W4A16_NVFP4)
+    if nvfp4_as_fp8 and nvfp4 and kind == "linear" and torch.device(device_name).type == "cuda":
+        impl = nvfp4_fp8_implementation(*logical) or impl
+    return impl
