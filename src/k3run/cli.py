@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from k3run.knobs import knobs
 
@@ -482,7 +482,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     parser.add_argument("--quiet", action="store_true", help="no start-up report (cache plan, kernels)")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _add_generate(sub, common)
+    _add_serve(sub, common)
+    _add_plan(sub, common)
+    _add_inspect(sub, common)
+    _add_quantize(sub, common)
+    _add_eval(sub, common)
+    _add_bench(sub, common)
+    _add_run_default(sub, common)
+    return parser
 
+
+def _add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "generate", parents=[common], help="generate text from a prompt, streamed to the terminal"
     )
@@ -504,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "serve",
         parents=[common],
@@ -552,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_args(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "plan", parents=[common], help="per-rank memory under tensor / expert parallelism (config only)"
     )
@@ -569,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-gib", type=float, default=139.0, help="device memory to check against (H200)")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "inspect", parents=[common], help="per-layer quantization plan, bytes by scheme, kernels"
     )
@@ -584,6 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nvfp4_as_fp8(p)
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_quantize(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "quantize", parents=[common], help="write a ModelOpt-format checkpoint from a bf16 one"
     )
@@ -592,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=RECIPES, required=True)
     p.set_defaults(func=cmd_quantize)
 
+
+def _add_eval(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "eval", parents=[common], help="held-out perplexity; KL and top-1 agreement against a reference"
     )
@@ -605,6 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nvfp4_as_fp8(p)
     p.set_defaults(func=cmd_eval)
 
+
+def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("bench", parents=[common], help="prefill and decode tokens/s at several batch sizes")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="comma separated")
@@ -616,11 +639,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_args(p)
     p.set_defaults(func=cmd_bench)
 
+
+def _add_run_default(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "run-default", parents=[common], help="generate with the bundled default model (what `make run` does)"
     )
     p.set_defaults(func=cmd_run_default)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
