@@ -17,15 +17,13 @@ the CUDA kernel's output against the fp32 reference on every cell.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_wgmma import PEAK_BF16, _weights  # noqa: E402
+from bench_wgmma import PEAK_BF16, _weights, marlin_pass, start_marlin_build  # noqa: E402
 from common import copies_for, copy_bandwidth, graph_ms  # noqa: E402
 
 
@@ -99,38 +97,16 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     return r
 
 
-def _marlin_pass(peers: str, shapes, rows: list[dict]) -> None:
-    sys.path.insert(0, peers)
-    import gemm_peers
-    import marlin_build
-
+def _beside_marlin(r: dict, xb, ws, n: int, k: int) -> None:
+    """The CUDA kernel's best and default configs, in Marlin's pass."""
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
-    mod, info = marlin_build.load()
-    print("marlin build:", {k_: v for k_, v in info.items() if k_ != "attempts"})
-    if mod is None:
-        return
-    for n, k in shapes:
-        c = gemm_peers.setup_marlin(
-            gemm_peers.weight_for(n, k), copies_for(n * k * 0.5), mod, info["stream_arg"]
-        )
-        _, _, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
-        for r in rows:
-            if r["shape"] != f"{n}x{k}" or r["m"] > 256:
-                continue
-            xh = torch.randn(r["m"], k, device="cuda").to(torch.float16)
-            xb = xh.to(torch.bfloat16)
-            r["marlin"] = _time([lambda cp=cp, xh=xh, c=c: c.run(xh, cp) for cp in c.copies])
-            r["cuda2"] = _time([
-                lambda w=w, xb=xb, cfg=r["best_cfg"]: sm90.nvfp4_sm90_gemm(
-                    xb, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
-                for w in ws
-            ])  # fmt: skip
-            r["cuda2_default"] = _time([
-                lambda w=w, xb=xb: sm90.nvfp4_sm90_gemm(xb, w.weight, w.scale_bits, w.global_scale, k, n)
-                for w in ws
-            ])  # fmt: skip
-        del c, ws
+    def cuda(cfg):
+        return [lambda w=w: sm90.nvfp4_sm90_gemm(xb, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
+                for w in ws]  # fmt: skip
+
+    r["cuda2"] = _time(cuda(r["best_cfg"]))
+    r["cuda2_default"] = _time(cuda(None))
 
 
 def main() -> None:
@@ -143,13 +119,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    build = None
-    if args.peers:
-        log = open(Path(os.environ.get("OUT", "/tmp")) / "marlin_build.log", "w")
-        build = subprocess.Popen(
-            [sys.executable, str(Path(args.peers) / "marlin_build.py")], stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, MAX_JOBS="4"),
-        )  # fmt: skip
+    build = start_marlin_build(args.peers)
     import time
 
     t0 = time.time()
@@ -174,7 +144,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if build is not None:
         build.wait()
-        _marlin_pass(args.peers, shapes, rows)
+        marlin_pass(args.peers, shapes, rows, _beside_marlin)
     print()
     print(
         "| N x K | M | CUDA default (config) | CUDA best (config) | Gluon wgmma | decode | dequant+cuBLAS | "

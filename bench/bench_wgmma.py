@@ -178,8 +178,21 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
     return r
 
 
-def _marlin_pass(peers: str, shapes, rows: list[dict]) -> None:
-    """Marlin beside the best wgmma config and the auto path, in one pass per shape (M <= 256)."""
+def start_marlin_build(peers: str) -> subprocess.Popen | None:
+    """Marlin's build (the peers folder's marlin_build.py) in the background while the rest runs; None
+    without a peers folder. Its log goes to $OUT/marlin_build.log."""
+    if not peers:
+        return None
+    log = open(Path(os.environ.get("OUT", "/tmp")) / "marlin_build.log", "w")
+    return subprocess.Popen(
+        [sys.executable, str(Path(peers) / "marlin_build.py")], stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, MAX_JOBS="4"),
+    )  # fmt: skip
+
+
+def marlin_pass(peers: str, shapes, rows: list[dict], beside) -> None:
+    """Marlin INT4 g128 (fp16) timed per row of `rows` (M <= 256) as r["marlin"], one pass per shape; then
+    `beside(r, xb, ws, n, k)` times k3run's contestants on the same pass's bf16 input and weight copies."""
     sys.path.insert(0, peers)
     import gemm_peers
     import marlin_build
@@ -199,9 +212,14 @@ def _marlin_pass(peers: str, shapes, rows: list[dict]) -> None:
             xh = torch.randn(r["m"], k, device="cuda").to(torch.float16)
             xb = xh.to(torch.bfloat16)
             r["marlin"] = _time(lambda i, c=c, xh=xh: lambda: c.run(xh, c.copies[i]), len(c.copies), 0.05)
-            r["wgmma2"] = _time(_wg(xb, ws, k, n, r["best_cfg"]), len(ws), 0.05)
-            r["auto2"] = _time(_auto(xb, ws), len(ws), 0.05)
+            beside(r, xb, ws, n, k)
         del c, ws
+
+
+def _beside_marlin(r: dict, xb, ws, n: int, k: int) -> None:
+    """The best wgmma config and the auto path, in Marlin's pass."""
+    r["wgmma2"] = _time(_wg(xb, ws, k, n, r["best_cfg"]), len(ws), 0.05)
+    r["auto2"] = _time(_auto(xb, ws), len(ws), 0.05)
 
 
 def _moe(ts: list[int]) -> None:
@@ -339,13 +357,7 @@ def main() -> None:
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
-    build = None
-    if args.peers:
-        log = open(Path(os.environ.get("OUT", "/tmp")) / "marlin_build.log", "w")
-        build = subprocess.Popen(
-            [sys.executable, str(Path(args.peers) / "marlin_build.py")], stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, MAX_JOBS="4"),
-        )  # fmt: skip
+    build = start_marlin_build(args.peers)
     copy_tbs = copy_bandwidth()
     print(
         f"{torch.cuda.get_device_name()}, copy {copy_tbs:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s"
@@ -369,7 +381,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if build is not None:
         build.wait()
-        _marlin_pass(args.peers, shapes, rows)
+        marlin_pass(args.peers, shapes, rows, _beside_marlin)
     print()
     print(
         "| N x K | M | wgmma default | wgmma best (config) | auto us (before) | tile us | cuBLAS bf16 | "
