@@ -299,6 +299,24 @@ def nvfp4_tile_gemm(
     return y
 
 
+def _check_half_x(x: torch.Tensor, k: int, what: str) -> None:
+    """The 16-bit GEMMs' input: bf16 / fp16 [rows, k], unit stride along K."""
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"{what} input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+
+
+def _check_bias(bias: torch.Tensor | None, n: int, what: str, dtype: torch.dtype | None = None) -> None:
+    """A bias is contiguous [n] (and of `dtype` where the kernel reads it as that type)."""
+    if bias is None:
+        return
+    if bias.shape != (n,) or not bias.is_contiguous() or (dtype is not None and bias.dtype != dtype):
+        kind = f"{dtype} " if dtype is not None else ""
+        raise ValueError(f"{what}: bias must be contiguous {kind}[{n}], got {tuple(bias.shape)}")
+
+
 def _check_tiled(
     weight: torch.Tensor, scale_u8: torch.Tensor, gs: torch.Tensor, k: int, n: int, n_pad: int, k_pad: int,
     what: str, experts: int | None = None,

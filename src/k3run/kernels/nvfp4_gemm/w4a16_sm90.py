@@ -157,20 +157,14 @@ def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
 
 
 def _check_inputs(x, weight, scale_u8, global_scale, k: int, n: int, bias) -> None:
-    from .tile import _check_tiled
+    from .tile import _check_bias, _check_half_x, _check_tiled
 
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"nvfp4 sm90 gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
-            f"{tuple(x.shape)}"
-        )
+    _check_half_x(x, k, "nvfp4 sm90 gemm")
     if _module is None:
         raise RuntimeError("nvfp4 sm90 gemm: call available() first")
-    _check_tiled(
-        weight, scale_u8, global_scale, k, n, weight.shape[0], weight.shape[1] * 2, "nvfp4 sm90 gemm"
-    )
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous() or bias.dtype != x.dtype):
-        raise ValueError(f"nvfp4 sm90 gemm: bias must be contiguous {x.dtype} [{n}], got {tuple(bias.shape)}")
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    _check_tiled(weight, scale_u8, global_scale, k, n, n_pad, k_pad, "nvfp4 sm90 gemm")
+    _check_bias(bias, n, "nvfp4 sm90 gemm", x.dtype)  # the kernel reads the bias as the output type
 
 
 def nvfp4_sm90_gemm(

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_gemv import SHIFT_OUT_SCALE, _counters
-from .tile import _check_tiled, word_asm
+from .tile import _check_bias, _check_half_x, _check_tiled, word_asm
 
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -369,19 +369,14 @@ def nvfp4_wgmma_gemm(
     the chunks per program + 2); default `wgmma_config`. ss: the A operand from shared memory (the decoded
     tile stored to a double buffer) instead of registers (module docstring: at best 12% faster, often
     slower)."""
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"nvfp4 wgmma gemm input: expected bf16/fp16 [rows, {k}] with unit stride along K, got {x.dtype} "
-            f"{tuple(x.shape)}"
-        )
+    _check_half_x(x, k, "nvfp4 wgmma gemm")
     if not x.is_cuda or not wgmma_available(x.device):
         raise ValueError(f"nvfp4 wgmma gemm: needs an sm_90 GPU, got {x.device}")
     if x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("nvfp4 wgmma gemm input: rows must start 16-byte aligned (stride a multiple of 8)")
     n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
     _check_tiled(weight, scale_u8, global_scale, k, n, n_pad, k_pad, "nvfp4 wgmma gemm")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"nvfp4 wgmma gemm: bias must be contiguous [{n}], got {tuple(bias.shape)}")
+    _check_bias(bias, n, "nvfp4 wgmma gemm")
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
