@@ -22,7 +22,7 @@ from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
 from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 from k3run.knobs import reset_knobs
 from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
-from tests.kernels.test_nvfp4_wgmma import _loops, _sass_code, wgmma_register_hazards
+from tests.kernels.test_nvfp4_wgmma import _loops, _sass_code, check_tiled_gemm, wgmma_register_hazards
 
 
 def _need_kernel():
@@ -33,21 +33,10 @@ def _need_kernel():
 
 
 def _case(m, n, k, dtype, per_row, bias, config=None, seed=0):
-    from k3run.testing import assert_within
+    def gemm(x, tw, b):
+        return sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config)
 
-    w, s, gs = _random_nvfp4(n, k, "cuda", per_row, seed=seed + m * 7 + n + k)
-    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    g = torch.Generator(device="cuda").manual_seed(seed + m)
-    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
-    out = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config)
-    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
-    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
-    if b is not None:
-        ref = ref + b.float()
-    assert out.shape == (m, n) and out.dtype == dtype
-    assert_within(f"sm90 gemm {m}x{n}x{k} {dtype} {config}", ref, out, _bound(x, wd, gs, ref, dtype))
-    return out
+    return check_tiled_gemm(gemm, f"sm90 gemm {config}", m, n, k, dtype, per_row, bias, seed)
 
 
 @pytest.mark.gpu

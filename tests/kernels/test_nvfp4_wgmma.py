@@ -22,7 +22,9 @@ from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
 wg = pytest.importorskip("k3run.kernels.nvfp4_gemm.wgmma")
 
 
-def _case(m, n, k, dtype, per_row, bias, config=None, seed=0, ss=False):
+def check_tiled_gemm(gemm, name, m, n, k, dtype, per_row, bias, seed=0):
+    """`gemm(x, tiled weight, bias)` on a random NVFP4 weight against the fp32 reference, within the module
+    docstring's bound; returns its output. Shared by the sm_90 GEMMs' tests."""
     from k3run.testing import assert_within
 
     w, s, gs = _random_nvfp4(n, k, "cuda", per_row, seed=seed + m * 7 + n + k)
@@ -30,14 +32,23 @@ def _case(m, n, k, dtype, per_row, bias, config=None, seed=0, ss=False):
     g = torch.Generator(device="cuda").manual_seed(seed + m)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
-    out = wg.nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config, ss=ss)
+    out = gemm(x, tw, b)
     wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
     ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
     if b is not None:
         ref = ref + b.float()
     assert out.shape == (m, n) and out.dtype == dtype
-    assert_within(f"wgmma gemm {m}x{n}x{k} {dtype} {config} ss={ss}", ref, out, _bound(x, wd, gs, ref, dtype))
+    assert_within(f"{name} {m}x{n}x{k} {dtype}", ref, out, _bound(x, wd, gs, ref, dtype))
     return out
+
+
+def _case(m, n, k, dtype, per_row, bias, config=None, seed=0, ss=False):
+    def gemm(x, tw, b):
+        return wg.nvfp4_wgmma_gemm(
+            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config, ss=ss
+        )
+
+    return check_tiled_gemm(gemm, f"wgmma gemm {config} ss={ss}", m, n, k, dtype, per_row, bias, seed)
 
 
 def _need_sm90():
