@@ -103,7 +103,7 @@ def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
     assert bool(((y.float() - y_gluon.float()).abs() <= bound).all())
 
 
-def test_refuses_bad_input_and_config() -> None:
+def test_refuses_bad_input() -> None:
     w = torch.zeros(32, 64, dtype=torch.uint8)
     s = torch.zeros(32, 8, dtype=torch.uint8)
     gs = torch.ones(1)

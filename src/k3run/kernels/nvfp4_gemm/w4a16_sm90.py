@@ -93,13 +93,20 @@ def enabled() -> bool:
     return knobs().sm90_cuda
 
 
+@functools.cache  # available() runs on every nvfp4_linear call of 17..256 rows when enabled
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def available(device: torch.device | None = None) -> bool:
     """sm_90 and the extension built (building it on the first call)."""
     global _module, _error
     if _error is not None or not torch.cuda.is_available():
         return False
-    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+    if device is not None and device.type != "cuda":
+        return False
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    if not _is_sm90(index):
         return False
     if _module is None:
         try:
