@@ -17,6 +17,7 @@ the CUDA kernel's output against the fp32 reference on every cell.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -31,22 +32,21 @@ def _time(fns: list, est_ms: float = 0.05) -> float:
     return graph_ms(fns, est_ms) * 1e3
 
 
+def _cuda_calls(x, ws, k: int, n: int, cfg) -> list:
+    """One call of the CUDA kernel per weight copy, config `cfg` (None: its default)."""
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
+            for w in ws]  # fmt: skip
+
+
 def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     chunks = -(-k // 128)
     bts = [b for b in sm90.TOKEN_TILES if min(m, 128) <= b <= max(16, 2 * m)]
-    out = []
-    for bt in bts:
-        for nwg in (1, 2):
-            for split in (1, 2, 4, 7, 8):
-                if chunks % split:
-                    continue
-                for stages in (3, 4, 6, 8):
-                    if nwg == 2 and bt > 128:
-                        continue
-                    if sm90.smem_bytes(bt, nwg, stages) <= sm90.SMEM_LIMIT:
-                        out.append((bt, nwg, split, stages))
+    cands = itertools.product(bts, sm90.WARPGROUPS, (1, 2, 4, 7, 8), (3, 4, 6, 8))
+    out = [c for c in cands if sm90.config_ok(*c, chunks)]
     return out
 
 
@@ -59,8 +59,7 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     ref = x.float() @ wd.t()
 
     def cuda(cfg):
-        return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
-                for w in ws]  # fmt: skip
+        return _cuda_calls(x, ws, k, n, cfg)
 
     y = cuda(None)[0]()
     r = {"shape": f"{n}x{k}", "m": m, "flops": 2 * m * n * k, "cfg": sm90.sm90_config(m, n, k, sm_count(0))}
@@ -99,14 +98,8 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
 
 def _beside_marlin(r: dict, xb, ws, n: int, k: int) -> None:
     """The CUDA kernel's best and default configs, in Marlin's pass."""
-    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
-
-    def cuda(cfg):
-        return [lambda w=w: sm90.nvfp4_sm90_gemm(xb, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
-                for w in ws]  # fmt: skip
-
-    r["cuda2"] = _time(cuda(r["best_cfg"]))
-    r["cuda2_default"] = _time(cuda(None))
+    r["cuda2"] = _time(_cuda_calls(xb, ws, k, n, r["best_cfg"]))
+    r["cuda2_default"] = _time(_cuda_calls(xb, ws, k, n, None))
 
 
 def main() -> None:
