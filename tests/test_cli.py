@@ -273,3 +273,24 @@ def test_eval_of_the_bundled_model_uses_its_heldout_text(capsys: pytest.CaptureF
     row = next(line.split() for line in out.splitlines() if line.startswith(str(quant)))
     ppl, rel, kl, agree = row[1:]
     assert abs(float(rel.rstrip("%"))) < 5.0 and 0 < float(kl) < 0.05 and float(agree.rstrip("%")) > 90
+
+
+def test_serve_compiles_the_cpu_decode_of_a_model_of_small_matrices_unless_told() -> None:
+    """`k3run serve` on the CPU compiles a small model's decode steps by default (eager, they are per-op
+    dispatch); --eager, tensor parallelism and a model with a matrix of MIN_WEIGHTS or more keep them
+    eager."""
+    from k3run.api import load_model
+    from k3run.cli import _compile_small_model, build_parser
+    from k3run.kernels import cpu_fused
+
+    bundled = Path(__file__).resolve().parents[1] / "assets" / "default-model-k3-mixed"
+    model = load_model(bundled, device="cpu")
+    args = build_parser().parse_args(["serve", str(bundled)])
+    assert _compile_small_model(args, model, tp_size=1)
+    assert not _compile_small_model(build_parser().parse_args(["serve", str(bundled), "--eager"]), model, 1)
+    assert not _compile_small_model(args, model, tp_size=2)
+    explicit = build_parser().parse_args(["serve", str(bundled), "--compile"])
+    assert not _compile_small_model(explicit, model, 1)  # asked for: the engine config has it already
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_fused, "MIN_WEIGHTS", 1000)  # every matrix of the bundled model is over this
+        assert not _compile_small_model(args, model, 1)

@@ -300,6 +300,7 @@ def test_sigterm_drains_and_stops_within_the_drain_timeout(tmp_path: Path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     cmd = [sys.executable, "-m", "k3run.cli", "--quiet", "serve", "--port", str(port), "--device", "cpu"]
+    cmd += ["--eager"]  # no compiled decode steps: minutes of compiling are not what this test is about
     proc = subprocess.Popen(cmd + ["--drain-timeout", "20"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -133,7 +133,10 @@ def _load_llm(
     max_num_seqs: int,
     max_model_len: int,
     max_num_batched_tokens: int,
+    serving: bool = False,
 ) -> LLM:
+    """The engine for a command. `serving` (k3run serve): on the CPU, a model of small matrices gets
+    compiled decode steps unless --eager (see _compile_small_model)."""
     from k3run.distributed import init_distributed
     from k3run.engine import LLM, EngineConfig
 
@@ -164,7 +167,35 @@ def _load_llm(
         nvfp4_as_fp8=args.nvfp4_as_fp8,
     )
     _cpu_threads(args, model)
+    if serving and _compile_small_model(args, model, tp.size):
+        cfg = dataclasses.replace(cfg, compile_cpu_decode=True)
     return LLM.from_model(model, load_tokenizer(model_dir), cfg)
+
+
+def _compile_small_model(args: argparse.Namespace, model: torch.nn.Module, tp_size: int) -> bool:
+    """Whether a server compiles its CPU decode steps without being asked: a model whose largest matrix is
+    under cpu_fused.MIN_WEIGHTS decodes at the speed of per-op dispatch (the bundled models ~8x slower
+    eager than compiled, bench/RESULTS.md C25), and a server pays the compile once at start (~40-60 s a
+    path on 2 cores the first time, from Inductor's disk cache after). Larger models keep their eager
+    steps: those run the SIMD extension's kernels, which a compiled step cannot call."""
+    from k3run.cpu_threads import largest_matrix
+    from k3run.kernels.cpu_fused import MIN_WEIGHTS
+
+    if args.eager or args.compile or args.compile_cpp_wrapper or tp_size != 1:
+        return False
+    if next(model.parameters()).device.type != "cpu":
+        return False
+    name, n = largest_matrix(model)
+    if n >= MIN_WEIGHTS:
+        return False
+    logging.getLogger("k3run.cli").info(
+        "CPU decode steps compiled (largest matrix %s has %s weights < %s: eager steps would be per-op "
+        "dispatch); compiling before serving, --eager skips it",
+        name,
+        f"{n:,}",
+        f"{MIN_WEIGHTS:,}",
+    )
+    return True
 
 
 def _cpu_threads(args: argparse.Namespace, model: torch.nn.Module) -> None:
@@ -254,8 +285,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UserError(f"k3run serve needs the serve extra (pip install 'k3run[serve]'): {e}") from e
     model_dir = _model_dir(args.model)
-    llm = _load_llm(args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens)
-    # the shortest window's decode graphs and every prefill bucket before serving
+    llm = _load_llm(
+        args, model_dir, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens, serving=True
+    )
+    # the shortest window's decode graphs (compiled CPU steps: every path) and every prefill bucket
     llm.engine.runner.warm_up_graphs(args.max_num_seqs, 1, args.max_num_batched_tokens)
     if _rank() != 0:  # tensor parallel: rank 0 serves HTTP, the other ranks mirror its engine
         from k3run.engine.async_engine import follow
@@ -430,14 +463,15 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eager",
         action="store_true",
-        help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs",
+        help="run decode steps eagerly: on CUDA no captured CUDA graphs; on the CPU no compiled steps "
+        "(`serve` compiles a model of small matrices by default)",
     )
     p.add_argument(
         "--compile",
         action="store_true",
         help="on the CPU, run decode steps compiled by torch.compile (the whole step as one C++ graph: "
-        "several times faster for small models; ~40 s to compile each batch size and context window, "
-        "cached on disk for later runs)",
+        "several times faster for small models; ~40-60 s to compile each path (batch 1, small and large "
+        "batches) on 2 cores the first time, cached on disk for later runs)",
     )
     p.add_argument(
         "--compile-cpp-wrapper",

@@ -51,10 +51,12 @@ class ForwardContext:
     seqlens_list: list[int] = field(default_factory=list)
     context_lens_list: list[int] = field(default_factory=list)
     slots_list: list[int] = field(default_factory=list)
-    # static decode (a step that a CUDA graph captures once and replays): every sequence feeds one token,
-    # the device tensors above change between replays but their host copies do not, so layers must not read
-    # context_lens_list; MLA attends over the first attn_window cached positions of each slot, masked by
-    # context_lens (every context_lens[b] < attn_window). None: an ordinary step.
+    # static decode (a step that a CUDA graph captures once and replays, or torch.compile compiles with a
+    # symbolic batch): every sequence feeds one token, B is cu_seqlens' length - 1 and seqlens_list stays
+    # empty (a list of B ones would fix B in a compiled step); the device tensors above change between
+    # replays but have no host copies, so layers read neither context_lens_list nor bounds(); MLA attends
+    # over the first attn_window cached positions of each slot, masked by context_lens (every
+    # context_lens[b] < attn_window). None: an ordinary step.
     attn_window: int | None = None
     # padded prefill (a step that a CUDA graph captures once per token bucket): ONE fresh sequence of n tokens
     # padded to T rows; cu_seqlens = [0, n, T] on the device (n changes between replays), rows n..T-1 are a
@@ -78,8 +80,10 @@ class ForwardContext:
         if self.attn_window is not None:
             if self.attn_window < 1:
                 raise ValueError(f"ForwardContext: attn_window must be >= 1, got {self.attn_window}")
-            if not self.seqlens_list or any(n != 1 for n in self.seqlens_list):
-                raise ValueError("ForwardContext: a static decode step needs seqlens_list = [1] * B")
+            if self.seqlens_list:
+                raise ValueError(
+                    "ForwardContext: a static decode step takes no seqlens_list (B = len(cu_seqlens) - 1)"
+                )
             self.context_lens_list = []  # never read in a static step
             return
         if not self.seqlens_list:
@@ -91,7 +95,12 @@ class ForwardContext:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seqlens_list)
+        return self.cu_seqlens.shape[0] - 1 if self.is_static else len(self.seqlens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        """T from the host copies (no device read)."""
+        return self.num_seqs if self.is_static else sum(self.seqlens_list)
 
     @property
     def is_static(self) -> bool:
@@ -112,12 +121,12 @@ class ForwardContext:
         return self._cu_host
 
     def _host_bounds_known(self) -> None:
-        if self.padded_prefill:
-            raise RuntimeError("a padded prefill step has no host copy of its sequence bounds")
+        if self.padded_prefill or self.is_static:
+            raise RuntimeError("a padded prefill or static decode step has no host copy of its bounds")
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.seqlens_list)
+        return self.is_static or all(n == 1 for n in self.seqlens_list)
 
     @classmethod
     def single(cls, num_tokens: int, device: torch.device | str = "cpu") -> ForwardContext:

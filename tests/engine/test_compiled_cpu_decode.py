@@ -30,29 +30,46 @@ BF16_MODEL = Path(__file__).resolve().parents[2] / "assets" / "default-model-bf1
 
 
 def test_compiled_cpu_decode_equals_eager() -> None:
+    """Three sequences of different lengths: the batch runs compiled at 3, 2 and 1 rows and one prompt's
+    context crosses the 256-token window into the 512 one. With Inductor's Python wrapper the engine's
+    warm-up compiles four paths (batch 1 at the first window; batch 1 with a symbolic window; batches
+    2-3 with both symbolic: their 2-expert picks are fewer than the 8 experts; the window that is the
+    whole cache, 512, where the MLA's window slice is its whole cache tensor) and generate compiles
+    nothing more; its C++ wrapper (~2 min a path on 2 cores) decodes a batch of 2 without a warm-up, in
+    a cache of 96 positions (under the smallest window: the window is the whole cache)."""
     from k3run.api import load_model
 
     if not BF16_MODEL.is_dir():
         pytest.skip("no bundled bf16 model")
     model = load_model(BF16_MODEL, dtype=torch.float32)
     tok = load_tokenizer(BF16_MODEL)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
-    prompts = ["The os module provides", "def main():\n    "]
-    outs = {}
-    # eager; compiled with Inductor's Python wrapper; with its C++ wrapper (~2 min to compile on 2 cores)
-    for mode in ("eager", "python", "cpp"):
-        compiled = mode != "eager"
-        cfg = EngineConfig(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=256,
-                           compile_cpu_decode=compiled, compile_cpu_cpp_wrapper=mode == "cpp")  # fmt: skip
-        llm = LLM.from_model(model, tok, cfg)
-        assert isinstance(llm.engine.runner.graphs, CompiledCpuDecoder) == compiled
-        outs[mode] = llm.generate(prompts, params)
-        if compiled:  # every decode step of the batch of 2 ran compiled: one (bucket, window), nothing failed
-            assert llm.engine.runner.graph_error is None
-            assert list(llm.engine.runner.graphs.graphs) == [(2, 256)]
-            assert llm.engine.runner.graphs.cpp_wrapper == (mode == "cpp")
-    for mode in ("python", "cpp"):
-        for eager, comp in zip(outs["eager"], outs[mode], strict=True):
+    sentence = "The os module provides a portable way of using operating system functions."
+    long_prompt = " ".join([sentence] * 13)
+    assert 200 < len(tok.encode(long_prompt)) < 250
+    runs = {
+        "python": ([long_prompt, "The os module provides", "def main():\n    "], [48, 32, 16], True, 4, 512),
+        # a cache shorter than the smallest window (256): the window is the whole cache
+        "cpp": (["The os module provides", "def main():\n    "], [40, 40], False, 1, 96),
+    }
+    for mode, (prompts, lengths, warm, paths, max_len) in runs.items():
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in lengths]
+        outs = {}
+        for compiled in (False, True):
+            cfg = EngineConfig(
+                max_num_seqs=3, max_model_len=max_len, max_num_batched_tokens=512,
+                compile_cpu_decode=compiled, compile_cpu_cpp_wrapper=compiled and mode == "cpp",
+            )  # fmt: skip
+            llm = LLM.from_model(model, tok, cfg)
+            assert isinstance(llm.engine.runner.graphs, CompiledCpuDecoder) == compiled
+            if compiled and warm:
+                llm.engine.runner.warm_up_graphs(3, 512)
+                assert llm.engine.runner.graphs.compiles == paths, mode
+            outs[compiled] = llm.generate(prompts, params)
+            if compiled:  # every decode step ran compiled, nothing failed
+                assert llm.engine.runner.graph_error is None
+                assert llm.engine.runner.graphs.compiles == paths, mode
+                assert llm.engine.runner.graphs.cpp_wrapper == (mode == "cpp")
+        for eager, comp in zip(outs[False], outs[True], strict=True):
             assert comp.token_ids == eager.token_ids, mode
             a = torch.tensor([x.logprob for x in eager.logprobs])
             b = torch.tensor([x.logprob for x in comp.logprobs])

@@ -169,3 +169,29 @@ def test_cpu_extension_prefill_matches_the_recurrent_reference(monkeypatch, H, K
     assert torch.equal(h0, before)
     with pytest.raises(RuntimeError, match="cu_seqlens"):
         cpu_simd.kda_prefill_recurrent(q, k, v, lg.exp(), beta, h0.clone(), torch.tensor([0, 5, 3, 60, T]))
+
+
+def test_batched_decode_step_equals_the_per_sequence_reference() -> None:
+    """recurrent_kda_step_batched (the compiled CPU step's KDA: every sequence's one token at once, so the
+    batch stays symbolic) against recurrent_kda_seq run per sequence, on odd sizes. Both run the same fp32
+    products; the batched einsums may sum over K in another order: fp32 rounding, RTOL[fp32] per element
+    scaled by the K-term sums' magnitude (assert_close's relative measure)."""
+    from k3run.kernels.kda.ref import recurrent_kda_seq, recurrent_kda_step_batched
+    from k3run.testing import RTOL
+
+    g = torch.Generator().manual_seed(5)
+    B, H, K, V = 5, 3, 13, 11
+    q, k = torch.randn(B, H, K, generator=g), torch.randn(B, H, K, generator=g)
+    v = torch.randn(B, H, V, generator=g)
+    lg = -torch.rand(B, H, K, generator=g)  # log decay <= 0
+    beta = torch.rand(B, H, generator=g)
+    state = torch.randn(B, H, K, V, generator=g)
+    o, new = recurrent_kda_step_batched(q, k, v, lg, beta, K**-0.5, state)
+    for b in range(B):
+        o_b, s_b = recurrent_kda_seq(q[b : b + 1], k[b : b + 1], v[b : b + 1], lg[b : b + 1], beta[b : b + 1],
+                                     K**-0.5, state[b])  # fmt: skip
+        assert_close(f"o[{b}]", o_b[0], o[b], rtol=RTOL[torch.float32])
+        assert_close(f"state[{b}]", s_b, new[b], rtol=RTOL[torch.float32])
+    o0, s0 = recurrent_kda_step_batched(q, k, v, lg, beta, K**-0.5, None)  # no state: zeros
+    o1, s1 = recurrent_kda_step_batched(q, k, v, lg, beta, K**-0.5, torch.zeros_like(state))
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)

@@ -113,7 +113,6 @@ def test_static_decode_step_equals_the_eager_step(checkpoints, variant):
         context_lens=torch.tensor(context),
         slots=torch.tensor(slots),
         cache=static_cache,
-        seqlens_list=[1, 1, 1],
         attn_window=16,  # < max_len: the window, not the whole slot
     )
     with torch.no_grad(), sync_free_experts():
@@ -128,13 +127,15 @@ def test_static_decode_step_equals_the_eager_step(checkpoints, variant):
 
 def test_static_context_checks():
     with pytest.raises(ValueError, match="attn_window"):
-        ForwardContext(
-            cu_seqlens=torch.arange(2), context_lens=torch.zeros(1), seqlens_list=[1], attn_window=0
-        )
-    with pytest.raises(ValueError, match=r"\[1\] \* B"):
+        ForwardContext(cu_seqlens=torch.arange(2), context_lens=torch.zeros(1), attn_window=0)
+    with pytest.raises(ValueError, match="takes no seqlens_list"):
         ForwardContext(
             cu_seqlens=torch.tensor([0, 2]), context_lens=torch.zeros(1), seqlens_list=[2], attn_window=8
         )
+    static = ForwardContext(cu_seqlens=torch.arange(4), context_lens=torch.zeros(3), attn_window=8)
+    assert static.num_seqs == 3 and static.num_tokens == 3 and static.is_decode
+    with pytest.raises(RuntimeError, match="no host copy"):
+        static.bounds()
 
 
 def test_host_offsets_follow_the_lengths_and_are_built_once():

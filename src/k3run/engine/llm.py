@@ -66,8 +66,9 @@ class EngineConfig:
     # records step k's tokens, so the host's per-step work overlaps the GPU's. None: on where decode steps
     # replay CUDA graphs; True: wherever a step is a plain decode (the CPU too: for tests, no gain there)
     overlap_decode: bool | None = None
-    # on the CPU: decode steps compiled by torch.compile (engine/runner.py CompiledCpuDecoder; ~40 s per
-    # batch bucket and attention window on first use), at tensor-parallel size 1
+    # on the CPU: decode steps compiled by torch.compile (engine/runner.py CompiledCpuDecoder; the batch and
+    # window symbolic, ~40-60 s per path on first use: batch 1, small and large batches), at tensor-parallel
+    # size 1
     compile_cpu_decode: bool = False
     # ... with Inductor's C++ wrapper (no Python between the step's kernels): 1.25-1.7x the decode rate of the
     # bundled model against the Python wrapper, ~130 s instead of ~30 s to compile a step on 2 cores the

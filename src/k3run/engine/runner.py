@@ -5,13 +5,13 @@ On CUDA, pure decode steps (every sequence one token, no prompt log-probabilitie
 prefills of one fresh prompt of up to 4096 tokens (`PrefillGraphs`, one per token bucket). A graph
 removes the host's per-kernel launch cost (~0.1 ms per quantized linear through Triton's launcher), which
 otherwise bounds decode speed whatever the kernels do. On the CPU, with EngineConfig.compile_cpu_decode,
-the same static steps run compiled by torch.compile (`CompiledCpuDecoder`: Inductor's C++ backend, the whole
-step as one graph), which removes the per-op dispatch that bounds a small model's CPU decode.
+the same static step runs compiled by torch.compile (`CompiledCpuDecoder`: Inductor's C++ backend, the whole
+step as one graph over a symbolic batch and window), which removes the per-op dispatch that bounds a small
+model's CPU decode.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -155,7 +155,6 @@ class GraphDecoder:
             context_lens=self.inputs[2, :b],
             slots=self.inputs[1, :b],
             cache=self.cache.cache,
-            seqlens_list=[1] * b,
             attn_window=w,
         )
 
@@ -312,29 +311,46 @@ class PrefillGraphs:
 
 
 class CompiledCpuDecoder(GraphDecoder):
-    """GraphDecoder's static decode steps on the CPU, each (batch bucket, attention window) compiled once by
-    torch.compile into one graph (no breaks: the layers take their sync-free paths while compiling, such as
-    the dense experts) instead of captured. Same inputs, padding rows and scratch slot as the CUDA decoder.
-    A compile costs ~40 s on 2 cores for the bundled model (Inductor caches it on disk for later runs), so
-    it is opt-in (EngineConfig.compile_cpu_decode, `--compile`). The compiled step computes the same
-    operations in a fused order: its logits match the eager step's to the activation dtype's rounding (where
-    FP8_PB_WO layers quantize their inputs to fp8, a re-associated input can also land one fp8 step apart)."""
+    """GraphDecoder's static decode step on the CPU, compiled by torch.compile (Inductor's C++ backend) into
+    one graph per path instead of captured. The batch and the attention window become symbolic once a
+    second value of each is seen: a batch runs at its own size (no padding rows) and a longer window reuses
+    the compiled code. Dynamo compiles again where a layer takes another path for some batch sizes (the
+    bundled models: batch 1, batches whose expert picks are fewer than the experts, and larger ones), each
+    ~30-60 s on 2 cores the first time (Inductor keeps them on disk for later runs), so it is opt-in
+    (EngineConfig.compile_cpu_decode, `--compile`) and `warm_up` compiles every path before serving. The
+    layers take their sync-free paths while compiling (the dense or picked experts, no host reads). The
+    compiled step computes the same operations in a fused order: its logits match the eager step's to the
+    activation dtype's rounding (where FP8_PB_WO layers quantize their inputs to fp8, a re-associated input
+    can also land one fp8 step apart)."""
 
     cpp_wrapper = False  # Inductor's C++ wrapper (EngineConfig.compile_cpu_cpp_wrapper)
 
-    def _capture(self, b: int, w: int) -> Any:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: CacheManager,
+        max_batch: int,
+        max_step_bytes: int | None = DEFAULT_GRAPH_STEP_BYTES,
+    ) -> None:
+        super().__init__(model, cache, max_batch, max_step_bytes)
+        self._fn: Callable[[int, int], torch.Tensor] | None = None
+        self.compiles = 0  # calls that compiled (a new path); `warm_up` returns it
+
+    def _compiled(self) -> Callable[[int, int], torch.Tensor]:
+        if self._fn is not None:
+            return self._fn
+        from k3run.engine.inductor_passes import SmallMmAsReduction
         from k3run.layers.moe import sync_free_experts
 
         self.inputs[0].zero_()  # warm-up rows: token 0 at position 0 of the scratch slot
         self.inputs[1].fill_(self.scratch)
         self.inputs[2].zero_()
         with sync_free_experts():
-            self._step(b, w)  # eager first: fills the layers' CPU caches and checks the inputs once
-        t0 = time.perf_counter()
+            self._step(1, self.window(1))  # eager first: fills the layers' CPU caches, checks the inputs once
+        # a compiled path per batch-size regime: room for many before Dynamo would fall back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # no guards on the model's modules: checking them costs ~0.3-0.6 ms a step (thousands of attributes),
         # and nothing reassigns a module attribute once the engine runs (the caches change in place)
-        from k3run.engine.inductor_passes import SmallMmAsReduction
-
         options: dict[str, str | int | bool | Callable[..., Any]] = {
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             "post_grad_custom_post_pass": SmallMmAsReduction(),  # decode GEMVs as Inductor loops
@@ -346,28 +362,58 @@ class CompiledCpuDecoder(GraphDecoder):
             "realize_opcount_threshold": 8,
             "cpp_wrapper": self.cpp_wrapper,
         }
-        fn = torch.compile(
-            functools.partial(self._step, b, w), dynamic=False, fullgraph=True, options=options
-        )
+        # automatic dynamic shapes: a path compiles for the first batch and window it sees and once more, with
+        # the changed one symbolic, when another comes (dynamic=True would make the weights' and caches'
+        # shapes symbolic too: a batch-1 step of the bundled model runs ~30% slower so)
+        self._fn = torch.compile(self._step, fullgraph=True, options=options)
+        return self._fn
+
+    def _call(self, b: int, w: int) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
+        fn = self._compiled()
+        frames, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         try:
-            fn()
+            out = fn(b, w)
         except Exception as e:  # a graph break, or no C++ compiler for Inductor
             raise GraphCaptureError(
                 f"compiling the decode step (batch {b}, attention window {w}) failed: {type(e).__name__}: {e}"
             ) from e
-        log.info("compiled the CPU decode step for batch %d, attention window %d in %.1f s", b, w,
-                 time.perf_counter() - t0)  # fmt: skip
-        return fn
+        if counters["stats"]["unique_graphs"] != frames:  # Dynamo traced the step again: a new path
+            self.compiles += 1
+            log.info("compiled the CPU decode step's path for batch %d, attention window %d in %.1f s", b, w,
+                     time.perf_counter() - t0)  # fmt: skip
+        return out
+
+    def warm_up(self, max_batch: int, longest: int) -> int:
+        """Compile now every path that batches of up to `max_batch` sequences with contexts of up to
+        `longest` tokens take; returns how many calls compiled. One step at batch 1 over the windows' first
+        two (for a server, max_batch > 1, always two: then the window is symbolic in every later path and
+        longer contexts compile nothing), one at each batch size, then the largest batch at each window; a
+        step that reuses a compiled path costs milliseconds."""
+        windows = [self.window(1)]
+        while windows[-1] < self.window(max(longest, windows[0] + 1 if max_batch > 1 else 1)):
+            windows.append(self.window(2 * windows[-1]))
+        top = min(max_batch, self.max_batch)
+        self.inputs[1].fill_(self.scratch)  # every row writes to the scratch slot
+        self.inputs[0].zero_()
+        self.inputs[2].zero_()
+        calls = [(1, w) for w in windows[:2]] + [(b, windows[0]) for b in range(2, top + 1)]
+        for b, w in calls + [(top, w) for w in windows[1:]]:
+            if step_fits(self.model, b, w, self.max_step_bytes):
+                self._call(b, w)
+        return self.compiles
 
     def run(self, ids: list[int] | torch.Tensor, slots: list[int], ctx_lens: list[int]) -> torch.Tensor:
         n = len(slots)
-        b, step = self._held(n, ctx_lens)
-        pad = b - n
+        if self.bucket(n) is None:
+            raise ValueError(
+                f"{type(self).__name__}: batch of {n} is over the largest bucket {self.max_batch}"
+            )
+        self._compiled()  # before the inputs are written: its eager warm-up step overwrites them
         host_ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        self.inputs[:, :b].copy_(
-            torch.tensor([host_ids + [0] * pad, slots + [self.scratch] * pad, ctx_lens + [0] * pad])
-        )
-        return step()[:n]
+        self.inputs[:, :n].copy_(torch.tensor([host_ids, slots, ctx_lens]))
+        return self._call(n, self.window(max(ctx_lens) + 1))[:n]
 
 
 class ModelRunner:

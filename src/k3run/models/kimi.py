@@ -237,9 +237,9 @@ class KimiForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids: expected a 1-D [T] tensor, got shape {tuple(input_ids.shape)}")
-        if sum(ctx.seqlens_list) != input_ids.shape[0]:  # the host copy: no device sync
+        if ctx.num_tokens != input_ids.shape[0]:  # the host copy: no device sync
             raise ValueError(
-                f"input_ids: {input_ids.shape[0]} tokens but ctx's sequences hold {sum(ctx.seqlens_list)}"
+                f"input_ids: {input_ids.shape[0]} tokens but ctx's sequences hold {ctx.num_tokens}"
             )
         caches: Sequence[KDALayerCache | MLALayerCache | None]
         caches = ctx.cache.layers if ctx.cache is not None else [None] * len(self.layers)

@@ -98,6 +98,27 @@ def recurrent_kda_seq(
     return o, S
 
 
+def recurrent_kda_step_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """recurrent_kda_seq's one step for B sequences of one token each, batched: q, k, g [B, H, K];
+    v [B, H, V]; beta [B, H]; state [B, H, K, V] fp32 or None (zeros). Returns o [B, H, V] fp32 and the
+    new states."""
+    B, H, K = q.shape
+    S = state.float() if state is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
+    q_t, k_t, v_t = q.float() * scale, k.float(), v.float()
+    S = S * g.float().exp().unsqueeze(-1)
+    pred = torch.einsum("bhk,bhkv->bhv", k_t, S)
+    S = S + torch.einsum("bhk,bhv->bhkv", beta.float().unsqueeze(-1) * k_t, v_t - pred)
+    return torch.einsum("bhk,bhkv->bhv", q_t, S), S
+
+
 def chunk_kda_seq(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,9 +188,13 @@ def _varlen(
     _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     T, H, K = q.shape
     V = v.shape[-1]
-    # a compiled step is a decode step, one token per sequence (engine/runner.py CompiledCpuDecoder): its
-    # bounds are known without reading cu_seqlens back
-    bounds = list(range(T + 1)) if torch.compiler.is_compiling() else cu_seqlens.tolist()
+    if torch.compiler.is_compiling():
+        # a compiled step is a decode step, one token per sequence (engine/runner.py CompiledCpuDecoder):
+        # every sequence's one token as one batched step, so the batch stays symbolic (no loop over it)
+        if seq_fn is not recurrent_kda_seq:
+            raise RuntimeError("kda: only the token-by-token reference runs inside a compiled step")
+        return recurrent_kda_step_batched(q, k, v, g, beta, scale, initial_state)
+    bounds = cu_seqlens.tolist()
     B = len(bounds) - 1
     o = q.new_zeros(T, H, V, dtype=torch.float32)
     final = q.new_zeros(B, H, K, V, dtype=torch.float32)
