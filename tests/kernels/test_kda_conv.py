@@ -134,9 +134,47 @@ def _check_varlen(dtype: torch.dtype, device: str, with_state: bool, triton_kern
     assert torch.equal(final.cpu(), final_ref), "new windows are copies of inputs: exact"
 
 
-def test_cpu_planar_conv_is_the_reference_bit_for_bit() -> None:
-    _check_varlen(torch.bfloat16, "cpu", with_state=True, triton_kernel=False)
-    _check_varlen(torch.float32, "cpu", with_state=False, triton_kernel=False)
+@pytest.mark.parametrize(("dtype", "with_state"), [(torch.bfloat16, True), (torch.float32, False),
+                                                  (torch.float32, True)])  # fmt: skip
+def test_cpu_planar_conv_matches_the_reference(dtype: torch.dtype, with_state: bool, monkeypatch) -> None:
+    """On x86 with the SIMD extension the prompt conv's sums run there (counted): the reference's products
+    and additions in its order, so the pre-SiLU sums are its bits; the SiLU runs in torch over another
+    layout, whose vectorised and scalar forms may round an element 1 ulp apart (RTOL above); the new
+    windows are copies: exact."""
+    from k3run.kernels import cpu_simd
+
+    calls = []
+    if cpu_simd.available():
+        real = cpu_simd.conv_prefill
+        monkeypatch.setattr(cpu_simd, "conv_prefill", lambda *a: calls.append(1) or real(*a))
+    _check_varlen(dtype, "cpu", with_state=with_state, triton_kernel=False)
+    assert len(calls) == (1 if cpu_simd.available() else 0)
+
+
+def test_cpu_prompt_conv_sums_are_the_references() -> None:
+    """cpu_simd.conv_prefill's fp32 sums against the reference's formula (window = state | inputs, acc +=
+    w[:, j] * window[:, j : j + n] for j ascending) per sequence: every bit equal."""
+    from k3run.kernels import cpu_simd
+
+    if not cpu_simd.available():
+        pytest.skip("no SIMD extension on this machine")
+    g = torch.Generator().manual_seed(2)
+    C, B = 45, len(LENGTHS)
+    T = sum(LENGTHS)
+    x = torch.randn(T, C, generator=g).to(torch.bfloat16)
+    weight = torch.randn(C, W, generator=g)
+    state = torch.randn(B, C, W - 1, generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    acc, _ = cpu_simd.conv_prefill(x, weight, cu, state)
+    for b in range(B):
+        s, e = int(cu[b]), int(cu[b + 1])
+        window = torch.cat([state[b], x[s:e].transpose(0, 1)], dim=1)
+        want = torch.zeros(C, e - s)
+        for j in range(W):
+            want += weight[:, j : j + 1] * window[:, j : j + e - s].float()
+        assert torch.equal(acc[s:e], want.transpose(0, 1)), b
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0"):
+        cpu_simd.conv_prefill(x, weight, cu[:-1], state[:-1])
 
 
 @interp_only

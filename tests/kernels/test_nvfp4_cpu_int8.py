@@ -223,3 +223,53 @@ def test_row_block_pairs_give_the_same_bits(vnni, monkeypatch, m) -> None:
     single = cpu_simd.nvfp4_vnni_gemm(x, packed)
     assert torch.equal(paired, single)
     _check(w, s, gs, x)
+
+
+@needs_simd
+def test_grouped_call_on_gathered_rows_equals_the_gathered_input(vnni) -> None:
+    """nvfp4_vnni_grouped(x, rows=r): each of x's rows rounded once, then gathered, gives the bits of
+    passing x[r] itself (odd sizes, rows repeated and unused, experts with no rows); a row index out of
+    range is refused."""
+    g = torch.Generator().manual_seed(3)
+    e_count, n, k = 3, 16 * 3 - 7, 80
+    packed = [cpu_simd.nvfp4_vnni_pack(*_random_nvfp4(n, k)) for _ in range(e_count)]
+    w = torch.stack([p.weight for p in packed])
+    s = torch.stack([p.scale for p in packed])
+    gs = torch.stack([p.global_scale for p in packed])
+    x = torch.randn(9, k, generator=g)
+    rows = torch.tensor([4, 4, 0, 8, 1, 4, 6, 6, 2, 0, 8])  # row 3, 5, 7 unused; 4 three times
+    offsets = torch.tensor([0, 5, 5, 11])  # expert 1 has no rows
+    got = cpu_simd.nvfp4_vnni_grouped(x, w, s, gs, offsets, n, rows=rows)
+    assert torch.equal(got, cpu_simd.nvfp4_vnni_grouped(x[rows], w, s, gs, offsets, n))
+    with pytest.raises(RuntimeError, match="rows must index"):
+        cpu_simd.nvfp4_vnni_grouped(x, w, s, gs, offsets, n, rows=rows + 1)
+
+
+@needs_simd
+def test_chunked_call_gives_the_bits_of_one_pass(vnni, monkeypatch) -> None:
+    """nvfp4_vnni_gemm takes INT8_MAX_M rows at a time inside one call (the L2 holds a chunk's activations):
+    a 23-row input in chunks of 7 (the last one short) gives every bit of the one-pass call."""
+    w, s, gs = _random_nvfp4(16 * 5 - 3, 96)
+    packed = cpu_simd.nvfp4_vnni_pack(w, s, gs)
+    x = torch.randn(23, 96)
+    one = cpu_simd.nvfp4_vnni_gemm(x, packed)
+    monkeypatch.setattr(cpu_simd, "INT8_MAX_M", 7)
+    assert torch.equal(cpu_simd.nvfp4_vnni_gemm(x, packed), one)
+
+
+@needs_simd
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_moe_combine_is_index_add_bit_for_bit(dtype) -> None:
+    """cpu_simd.moe_combine (the routed experts' weighted sum in one pass) against index_add_ of the
+    rounded, weighted rows: every bit equal, tokens repeated in any order, some never hit, odd widths."""
+    g = torch.Generator().manual_seed(9)
+    t, p, d = 7, 23, 301
+    out = torch.randn(t, d, generator=g)
+    y = torch.randn(p, d, generator=g) * 3
+    tok = torch.randint(0, t - 2, (p,), generator=g)  # the last two tokens get nothing
+    w = torch.rand(p, generator=g)
+    want = out.clone().index_add_(0, tok, y.to(dtype).float() * w[:, None])
+    cpu_simd.moe_combine(out, y, tok, w, dtype)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="is not a row of out"):
+        cpu_simd.moe_combine(out, y, tok + t, w, dtype)

@@ -518,16 +518,21 @@ std::vector<torch::Tensor> nvfp4_vnni_quant(torch::Tensor x) {
 }
 
 // the rows of x (checked by the callers) through E stacked vnni16 weights, rows op[e] .. op[e + 1] - 1
-// through weight e
+// through weight e; with `rows` (int64 [P], may be undefined) row p is x's row rows[p]: each of x's rows is
+// rounded once, then the rounded rows gathered (a token picked by several experts is rounded once)
+// (y given: written there, [P, N] contiguous fp32; else allocated)
 static torch::Tensor vnni_rows(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s,
                                const torch::Tensor& gs, int64_t E, int64_t NB, const int64_t* op, int64_t N,
-                               int64_t flags) {
-  const int64_t P = x.size(0), G = x.size(1) / 16;
+                               int64_t flags, const torch::Tensor& rows = torch::Tensor(),
+                               torch::Tensor y = torch::Tensor()) {
+  const int64_t P = rows.defined() ? rows.size(0) : x.size(0), G = x.size(1) / 16;
   auto act = quant_rows(x);
+  if (rows.defined())
+    for (auto& t : act) t = t.index_select(0, rows);
   const int8_t* qp = act[0].data_ptr<int8_t>();
   const float* ap = act[1].data_ptr<float>();
   const int32_t* np = act[2].data_ptr<int32_t>();
-  auto y = torch::empty({P, N}, x.options());
+  if (!y.defined()) y = torch::empty({P, N}, x.options());
   const bool pairs = !(flags & 2);
   const int64_t NI = pairs ? (NB + 1) / 2 : NB, BI = pairs ? 2 : 1;  // work items: BI row blocks each
   std::vector<int64_t> items;  // (expert, item) of the experts that have rows
@@ -562,14 +567,22 @@ static torch::Tensor vnni_rows(const torch::Tensor& x, const torch::Tensor& w, c
   return y;
 }
 
-// Several experts' weights stacked [E, NB, G, 128] / [E, NB, G, 16] / gs [E, NB * 16]; x's rows grouped by
-// expert: rows offsets[e] .. offsets[e + 1] - 1 use expert e. Each row's result is what the one-weight call
-// gives for it alone (every token's sums are independent of the tile it shares).
+// Several experts' weights stacked [E, NB, G, 128] / [E, NB, G, 16] / gs [E, NB * 16]; the rows grouped by
+// expert: rows offsets[e] .. offsets[e + 1] - 1 use expert e. The rows are x's, or with `rows` (int64 [P];
+// empty: none) x's rows rows[0], rows[1], ... Each row's result is what the one-weight call gives for it
+// alone (every token's sums are independent of the tile it shares).
 torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
-                                 torch::Tensor offsets, int64_t N, int64_t flags) {
+                                 torch::Tensor offsets, int64_t N, int64_t flags, torch::Tensor rows) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-              "nvfp4_vnni_grouped: x fp32 [P, K]");
-  const int64_t P = x.size(0), K = x.size(1), G = K / 16, E = w.size(0), NB = w.size(1);
+              "nvfp4_vnni_grouped: x fp32 [T, K]");
+  const bool gather = rows.numel() > 0;
+  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "nvfp4_vnni_grouped: rows int64 [P]");
+  if (gather) {
+    TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < x.size(0),
+                "nvfp4_vnni_grouped: rows must index x's ", x.size(0), " rows");
+  }
+  const int64_t P = gather ? rows.size(0) : x.size(0), K = x.size(1), G = K / 16, E = w.size(0),
+                NB = w.size(1);
   TORCH_CHECK(K % 16 == 0 && w.dim() == 4 && w.size(2) == G && w.size(3) == 128 && w.is_contiguous(),
               "nvfp4_vnni_grouped: weight [E, NB, K/16, 128] for K = ", K);
   TORCH_CHECK(s.dim() == 4 && s.size(0) == E && s.size(1) == NB && s.size(2) == G && s.size(3) == 16 &&
@@ -583,13 +596,15 @@ torch::Tensor nvfp4_vnni_grouped(torch::Tensor x, torch::Tensor w, torch::Tensor
   TORCH_CHECK(op[0] == 0 && op[E] == P, "nvfp4_vnni_grouped: offsets must run from 0 to P");
   for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(op[e] <= op[e + 1], "nvfp4_vnni_grouped: offsets must not decrease");
-  return vnni_rows(x, w, s, gs, E, NB, op, N, flags);
+  return vnni_rows(x, w, s, gs, E, NB, op, N, flags, gather ? rows.contiguous() : torch::Tensor());
 }
 
 // y fp32 [M, N] from x fp32 [M, K] and one vnni16 weight: packed uint8 [NB, G, 128], scales uint8
-// [NB, G, 16], gs fp32 [NB * 16] (the global scale per row, padded): the grouped kernel with one expert
+// [NB, G, 16], gs fp32 [NB * 16] (the global scale per row, padded): the grouped kernel with one expert,
+// over at most `chunk` rows at a time (larger inputs overflow the L2 between the row blocks; each row's
+// result does not depend on the rows beside it), written into one output
 torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
-                              int64_t N, int64_t flags) {
+                              int64_t N, int64_t flags, int64_t chunk) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "nvfp4_vnni_gemm: x fp32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), G = K / 16, NB = w.size(0);
@@ -600,8 +615,18 @@ torch::Tensor nvfp4_vnni_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor s,
   TORCH_CHECK(gs.numel() == NB * 16 && gs.dtype() == torch::kFloat32 && gs.is_contiguous(),
               "nvfp4_vnni_gemm: gs fp32 [NB * 16]");
   TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "nvfp4_vnni_gemm: N = ", N, " for ", NB, " row blocks");
-  const int64_t op[2] = {0, M};
-  return vnni_rows(x, w, s, gs, 1, NB, op, N, flags);
+  TORCH_CHECK(chunk > 0, "nvfp4_vnni_gemm: chunk must be positive");
+  if (M <= chunk) {
+    const int64_t op[2] = {0, M};
+    return vnni_rows(x, w, s, gs, 1, NB, op, N, flags);
+  }
+  auto y = torch::empty({M, N}, x.options());
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t mc = std::min(chunk, M - m0);
+    const int64_t op[2] = {0, mc};
+    vnni_rows(x.narrow(0, m0, mc), w, s, gs, 1, NB, op, N, flags, torch::Tensor(), y.narrow(0, m0, mc));
+  }
+  return y;
 }
 
 
@@ -823,4 +848,121 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w) {
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { fns[M - 1](n0, n1, K, N, xp, wp, yp); });
   return y;
+}
+
+// ---- the routed experts' combine: out[tok[p]] += R(y[p]) * w[p] for p = 0, 1, ... in that order ----
+// R rounds through the activation dtype (bf16 / fp16; float: none) as the per-expert loop rounds each
+// expert's output before its weight multiplies it; the product and the add are two roundings (no FMA
+// contraction), each element's additions in p's order: the bits of index_add_(0, tok, R(y) * w[:, None]).
+// The columns are split over the threads.
+template <typename R>
+__attribute__((optimize("fp-contract=off"))) static void combine_cols(int64_t d0, int64_t d1, int64_t P,
+                                                                       int64_t D, const float* yp,
+                                                                       const int64_t* tp, const float* wp,
+                                                                       float* op) {
+  for (int64_t p = 0; p < P; ++p) {
+    const float* yr = yp + p * D;
+    float* orow = op + tp[p] * D;
+    const float wv = wp[p];
+    for (int64_t d = d0; d < d1; ++d) {
+      const float prod = static_cast<float>(static_cast<R>(yr[d])) * wv;
+      orow[d] = orow[d] + prod;
+    }
+  }
+}
+
+void moe_combine(torch::Tensor out, torch::Tensor y, torch::Tensor tok, torch::Tensor w, int64_t round) {
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
+              "moe_combine: out fp32 [T, D] contiguous");
+  const int64_t T = out.size(0), D = out.size(1);
+  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.dim() == 2 && y.is_contiguous() && y.size(1) == D,
+              "moe_combine: y fp32 [P, ", D, "] contiguous");
+  const int64_t P = y.size(0);
+  TORCH_CHECK(tok.dtype() == torch::kInt64 && tok.dim() == 1 && tok.size(0) == P && tok.is_contiguous(),
+              "moe_combine: tok int64 [", P, "]");
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 1 && w.size(0) == P && w.is_contiguous(),
+              "moe_combine: w fp32 [", P, "]");
+  TORCH_CHECK(round >= 0 && round <= 2, "moe_combine: round 0 (none), 1 (bf16) or 2 (fp16)");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(tp[p] >= 0 && tp[p] < T, "moe_combine: tok[", p, "] = ", tp[p], " is not a row of out");
+  const float* yp = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, D, 256, [&](int64_t d0, int64_t d1) {
+    if (round == 1)
+      combine_cols<c10::BFloat16>(d0, d1, P, D, yp, tp, wp, op);
+    else if (round == 2)
+      combine_cols<c10::Half>(d0, d1, P, D, yp, tp, wp, op);
+    else
+      combine_cols<float>(d0, d1, P, D, yp, tp, wp, op);
+  });
+}
+
+// ---- KDA short conv over prompts (varlen), as causal_conv1d_ref computes it ----
+// Sequence b's window is [init[b] (W-1 older inputs; zeros without init) | x[s_b .. e_b)] per channel;
+// acc[t, c] = sum_j w[c, j] * window[t + j] (fp32, each product rounded, then added, j ascending: the
+// reference's `acc += w[:, j] * window[:, j : j + n]`; no FMA contraction); final[b, c] = the window's last
+// W-1 entries. Returns acc fp32 [T, C] (SiLU left to torch, as the reference applies it) and final [B, C,
+// W-1] in x's dtype. Sequences and channel blocks are spread over the threads.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) static void conv_prefill_rows(
+    const T* xp, int64_t sx, const float* wp, const T* ip, const int64_t* cu, int64_t B, int64_t C,
+    int64_t W, float* ap, T* fp) {
+  constexpr int64_t CB = 64;
+  const int64_t nb = (C + CB - 1) / CB;
+  at::parallel_for(0, B * nb, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / nb, c0 = i % nb * CB, c1 = std::min(C, c0 + CB);
+      const int64_t s = cu[b], n = cu[b + 1] - cu[b];
+      auto window = [&](int64_t c, int64_t k) -> T {  // window index k in [0, W - 1 + n)
+        if (k >= W - 1) return xp[(s + k - (W - 1)) * sx + c];
+        return ip ? ip[(b * C + c) * (W - 1) + k] : static_cast<T>(0.f);
+      };
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = c0; c < c1; ++c) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < W; ++j) {
+            const float p = wp[c * W + j] * static_cast<float>(window(c, t + j));
+            acc = acc + p;
+          }
+          ap[(s + t) * C + c] = acc;
+        }
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t k = 0; k < W - 1; ++k) fp[(b * C + c) * (W - 1) + k] = window(c, n + k);
+    }
+  });
+}
+
+std::vector<torch::Tensor> conv_prefill(torch::Tensor x, torch::Tensor weight, torch::Tensor cu_seqlens,
+                                        torch::Tensor init) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv_prefill: x [T, C] with unit stride along C");
+  const int64_t T = x.size(0), C = x.size(1);
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(0) == C && weight.size(1) >= 2,
+              "conv_prefill: weight fp32 contiguous [C, W >= 2]");
+  const int64_t W = weight.size(1);
+  auto cu = cu_seqlens.to(torch::kInt64).contiguous();
+  const int64_t B = cu.numel() - 1;
+  const int64_t* cp = cu.data_ptr<int64_t>();
+  TORCH_CHECK(B >= 1 && cp[0] == 0 && cp[B] == T, "conv_prefill: cu_seqlens must run from 0 to T = ", T);
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(cp[b] <= cp[b + 1], "conv_prefill: cu_seqlens must not decrease");
+  const bool has_init = init.numel() > 0;
+  if (has_init)
+    TORCH_CHECK(init.dtype() == x.dtype() && init.is_contiguous() && init.dim() == 3 && init.size(0) == B &&
+                    init.size(1) == C && init.size(2) == W - 1,
+                "conv_prefill: initial state contiguous [B, C, W - 1] in x's dtype");
+  auto acc = torch::empty({T, C}, x.options().dtype(torch::kFloat32));
+  auto fin = torch::empty({B, C, W - 1}, x.options());
+  if (x.scalar_type() == torch::kFloat32)
+    conv_prefill_rows<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
+                             has_init ? init.data_ptr<float>() : nullptr, cp, B, C, W, acc.data_ptr<float>(),
+                             fin.data_ptr<float>());
+  else if (x.scalar_type() == torch::kBFloat16)
+    conv_prefill_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.stride(0), weight.data_ptr<float>(),
+                                    has_init ? init.data_ptr<at::BFloat16>() : nullptr, cp, B, C, W,
+                                    acc.data_ptr<float>(), fin.data_ptr<at::BFloat16>());
+  else
+    TORCH_CHECK(false, "conv_prefill: x fp32 or bf16, got ", x.scalar_type());
+  return {acc, fin};
 }

@@ -133,7 +133,8 @@ def available() -> bool:
             _clear_stale_build_lock("k3run_cpu_simd")
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
                      "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv",
-                     "nvfp4_vnni_grouped", "kda_prefill_recurrent", "conv_decode_in_place"]  # fmt: skip
+                     "nvfp4_vnni_grouped", "kda_prefill_recurrent", "conv_decode_in_place",
+                     "moe_combine", "conv_prefill"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=SOURCE_PATH.read_text(), functions=names,
                 extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
@@ -254,13 +255,14 @@ def nvfp4_vnni_unpack(weight: torch.Tensor, scale: torch.Tensor, n: int) -> tupl
 
 def nvfp4_vnni_gemm(x: torch.Tensor, w: Vnni16Weight) -> torch.Tensor:
     """y [M, N] fp32 = x [M, K] @ dequant(W)^T with x rounded to int8 per 16 columns (`nvfp4_vnni_quant`),
-    exact integer dot products per scale group. Call `vnni_available()` first."""
+    exact integer dot products per scale group; INT8_MAX_M rows at a time inside the one call. Call
+    `vnni_available()` first."""
     assert _module is not None, "nvfp4_vnni_gemm: call vnni_available() first"
     k = x.shape[1]
     if x.dim() != 2 or k != 16 * w.weight.shape[1]:
         raise ValueError(f"nvfp4_vnni_gemm: x [M, {16 * w.weight.shape[1]}], got {tuple(x.shape)}")
     xf = x.detach().to(torch.float32).contiguous()
-    return _module.nvfp4_vnni_gemm(xf, w.weight, w.scale, w.global_scale, w.n, _int8_flags())
+    return _module.nvfp4_vnni_gemm(xf, w.weight, w.scale, w.global_scale, w.n, _int8_flags(), INT8_MAX_M)
 
 
 def nvfp4_vnni_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,12 +396,49 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_vnni_grouped(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-    offsets: torch.Tensor, n: int,
+    offsets: torch.Tensor, n: int, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`nvfp4_vnni_gemm` for rows grouped by expert: x [P, K], rows offsets[e] .. offsets[e + 1] - 1 through
-    expert e of stacked vnni16 weights (weight uint8 [E, NB, K/16, 128], scale uint8 [E, NB, K/16, 16],
-    global_scale fp32 [E, NB * 16]); each row's result equals that expert's nvfp4_vnni_gemm of the row
-    alone. y fp32 [P, n]. Call `vnni_available()` first."""
+    """`nvfp4_vnni_gemm` for rows grouped by expert: rows offsets[e] .. offsets[e + 1] - 1 through expert e
+    of stacked vnni16 weights (weight uint8 [E, NB, K/16, 128], scale uint8 [E, NB, K/16, 16], global_scale
+    fp32 [E, NB * 16]). The rows are x's [P, K], or with `rows` (int64 [P]) x[rows] for x [T, K]: each of x's
+    rows is then rounded to int8 once and the rounded rows gathered (the same bits as passing x[rows]).
+    Each row's result equals that expert's nvfp4_vnni_gemm of the row alone. y fp32 [P, n]. Call
+    `vnni_available()` first."""
     assert _module is not None, "nvfp4_vnni_grouped: call vnni_available() first"
     xf = x.detach().to(torch.float32).contiguous()
-    return _module.nvfp4_vnni_grouped(xf, weight, scale, global_scale, offsets, n, _int8_flags())
+    r = rows.to(torch.int64) if rows is not None else torch.empty(0, dtype=torch.int64)
+    return _module.nvfp4_vnni_grouped(xf, weight, scale, global_scale, offsets, n, _int8_flags(), r)
+
+
+_COMBINE_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def moe_combine(
+    out: torch.Tensor, y: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """out[tok[p]] += y[p].to(dtype).float() * w[p] for p in order, in place: the bits of
+    `out.index_add_(0, tok, y.to(dtype).float() * w[:, None])` (the routed experts' weighted sum) in one pass
+    over y. out fp32 [T, D], y fp32 [P, D], tok int64 [P], w fp32 [P]; dtype fp32, bf16 or fp16. Call
+    `available()` first."""
+    assert _module is not None, "moe_combine: call available() first"
+    if dtype not in _COMBINE_ROUND:
+        raise ValueError(f"moe_combine: dtype must be one of {list(_COMBINE_ROUND)}, got {dtype}")
+    tok, w = tok.to(torch.int64).contiguous(), w.to(torch.float32).contiguous()
+    _module.moe_combine(out, y.contiguous(), tok, w, _COMBINE_ROUND[dtype])
+
+
+def conv_prefill(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA short conv over prompts before its SiLU: acc fp32 [T, C] with acc[t] = sum_j w[:, j] *
+    window[t + j] (the reference's products and additions in its order), and the new states [B, C, W-1] in
+    x's dtype. x fp32 / bf16 [T, C] with unit column stride (a column slice is fine), weight fp32 [C, W],
+    cu_seqlens [B + 1], initial_state [B, C, W-1] or None (fresh). Call `available()` first."""
+    assert _module is not None, "conv_prefill: call available() first"
+    init = (
+        initial_state.to(x.dtype).contiguous()
+        if initial_state is not None
+        else torch.empty(0, dtype=x.dtype)
+    )
+    acc, final = _module.conv_prefill(x, weight.to(torch.float32).contiguous(), cu_seqlens, init)
+    return acc, final

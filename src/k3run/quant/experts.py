@@ -833,7 +833,7 @@ class NvFp4Experts(ExpertScheme):
         operations (the kernel's per-row results do not depend on the rows beside them)."""
         if self.cpu_int8 is None or torch.compiler.is_compiling():
             return None
-        from k3run.kernels.cpu_simd import nvfp4_vnni_grouped
+        from k3run.kernels.cpu_simd import moe_combine, nvfp4_vnni_grouped
         from k3run.kernels.picks import sort_picks
 
         gs13, gs2 = self.cpu_int8
@@ -848,9 +848,12 @@ class NvFp4Experts(ExpertScheme):
         if hit.numel() == 0:
             return out
         tok, slot = hit // picks, hit % picks
-        gu = nvfp4_vnni_grouped(x[tok], w13, s13, gs13, offsets, 2 * i).to(x.dtype)
-        y = nvfp4_vnni_grouped(ex.gated(gu).to(x.dtype), w2, s2, gs2, offsets, d).to(x.dtype)
-        out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))
+        # each token's row rounded to int8 once, then gathered per pick (the loop's x[tok] rows, same bits)
+        gu = nvfp4_vnni_grouped(x, w13, s13, gs13, offsets, 2 * i, rows=tok).to(x.dtype)
+        y = nvfp4_vnni_grouped(ex.gated(gu).to(x.dtype), w2, s2, gs2, offsets, d)
+        # y rounded to the activation dtype as the loop's expert output, times its weight in fp32, summed in
+        # the loop's order
+        moe_combine(out, y, tok, weights[tok, slot].float(), x.dtype)
         return out
 
     # the grouped launches

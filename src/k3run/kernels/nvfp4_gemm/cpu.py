@@ -102,11 +102,7 @@ def nvfp4_linear_cpu(
     m, k = x.shape
     n = weight.shape[0]
     if int8 is not None and not torch.compiler.is_compiling():
-        rows = cpu_simd.INT8_MAX_M
-        if m <= rows:
-            return cpu_fused.finish(cpu_simd.nvfp4_vnni_gemm(x, int8), bias, x.dtype)
-        y = torch.cat([cpu_simd.nvfp4_vnni_gemm(x[i : i + rows], int8) for i in range(0, m, rows)])
-        return cpu_fused.finish(y, bias, x.dtype)
+        return cpu_fused.finish(cpu_simd.nvfp4_vnni_gemm(x, int8), bias, x.dtype)
 
     def reference() -> torch.Tensor:
         return nvfp4_linear_ref(x, weight, weight_scale, global_scale, bias)
