@@ -436,9 +436,7 @@ def conv_prefill(
     cu_seqlens [B + 1], initial_state [B, C, W-1] or None (fresh). Call `available()` first."""
     assert _module is not None, "conv_prefill: call available() first"
     init = (
-        initial_state.to(x.dtype).contiguous()
-        if initial_state is not None
-        else torch.empty(0, dtype=x.dtype)
+        initial_state.to(x.dtype).contiguous() if initial_state is not None else torch.empty(0, dtype=x.dtype)
     )
     acc, final = _module.conv_prefill(x, weight.to(torch.float32).contiguous(), cu_seqlens, init)
     return acc, final
