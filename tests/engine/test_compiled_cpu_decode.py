@@ -32,11 +32,11 @@ BF16_MODEL = Path(__file__).resolve().parents[2] / "assets" / "default-model-bf1
 def test_compiled_cpu_decode_equals_eager() -> None:
     """Three sequences of different lengths: the batch runs compiled at 3, 2 and 1 rows and one prompt's
     context crosses the 256-token window into the 512 one. With Inductor's Python wrapper the engine's
-    warm-up compiles four paths (batch 1 at the first window; batch 1 with a symbolic window; batches
+    warm-up compiles three paths (batch 1 at the first window; batch 1 with a symbolic window; batches
     2-3 with both symbolic: their 2-expert picks are fewer than the 8 experts; the window that is the
-    whole cache, 512, where the MLA's window slice is its whole cache tensor) and generate compiles
-    nothing more; its C++ wrapper (~2 min a path on 2 cores) decodes a batch of 2 without a warm-up, in
-    a cache of 96 positions (under the smallest window: the window is the whole cache)."""
+    whole cache, 512, is no path of its own) and generate compiles nothing more. Its C++ wrapper (~2 min
+    a path on 2 cores) decodes a batch of 2 without a warm-up, in a cache of 96 positions (under the
+    smallest window: the window is the whole cache)."""
     from k3run.api import load_model
 
     if not BF16_MODEL.is_dir():
@@ -47,7 +47,7 @@ def test_compiled_cpu_decode_equals_eager() -> None:
     long_prompt = " ".join([sentence] * 13)
     assert 200 < len(tok.encode(long_prompt)) < 250
     runs = {
-        "python": ([long_prompt, "The os module provides", "def main():\n    "], [48, 32, 16], True, 4, 512),
+        "python": ([long_prompt, "The os module provides", "def main():\n    "], [48, 32, 16], True, 3, 512),
         # a cache shorter than the smallest window (256): the window is the whole cache
         "cpp": (["The os module provides", "def main():\n    "], [40, 40], False, 1, 96),
     }
