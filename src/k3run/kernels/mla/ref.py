@@ -19,12 +19,10 @@ def mla_decode_ref(
     latent already stored at context_lens[b] < window). Returns o_lat [B, H, L] fp32 (softmax-weighted
     latents, before W_UV)."""
     L = q_lat.shape[-1]
-    S, N, C = store.shape
-    # the window's rows gathered from the flat cache by index (slot * N + position): the same values as
+    # the window's rows indexed by (slot, position) on the cache itself: the same values as
     # store[:, :window][slots], without a sliced view whose layout differs when window == N (a compiled
     # step would compile that window as a path of its own)
-    rows = slots[:, None] * N + torch.arange(window, device=store.device)[None, :]  # [B, W]
-    lat = store.reshape(S * N, C)[rows].float()  # [B, W, L + R]
+    lat = store[slots[:, None], torch.arange(window, device=store.device)[None, :]].float()  # [B, W, L + R]
     c, k_pe = lat[..., :L], lat[..., L:]
     scores = torch.einsum("bhl,bsl->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)
     visible = torch.arange(window, device=q_lat.device)[None, :] <= context_lens[:, None]  # [B, W]
