@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 MAX_M = 4  # rows up to which an mm becomes a reduction (measured at 1: the decode of one sequence)
@@ -19,7 +20,8 @@ MAX_M = 4  # rows up to which an mm becomes a reduction (measured at 1: the deco
 
 class SmallMmAsReduction(CustomGraphPass):
     """aten.mm / aten.addmm / aten.bmm on the CPU with at most MAX_M rows (per batch entry) as multiply + sum
-    (module docstring)."""
+    (module docstring). A symbolic row count (a compiled step's batch) is rewritten only where its range
+    keeps it at most MAX_M: asking would add a guard and split the compiled path at MAX_M."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         cvt = torch.ops.prims.convert_element_type.default
@@ -33,7 +35,9 @@ class SmallMmAsReduction(CustomGraphPass):
             else:
                 continue
             va, out_val = a.meta.get("val"), node.meta.get("val")
-            if va is None or out_val is None or va.device.type != "cpu" or va.shape[-2] > MAX_M:
+            if va is None or out_val is None or va.device.type != "cpu":
+                continue
+            if not statically_known_true(va.shape[-2] <= MAX_M):
                 continue
             batch = node.target is aten.bmm.default  # [B, M, K] x [B, K, N]: the same per batch entry
             with graph.inserting_before(node):
