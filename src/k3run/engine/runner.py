@@ -162,10 +162,21 @@ class GraphDecoder:
         hidden = self.model.forward(self.inputs[0, :b], self._ctx(b, w))
         return self.model.compute_logits(hidden).float()  # [b, V]
 
-    def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.inputs[0].zero_()  # warm-up and capture rows: token 0 at position 0 of the scratch slot
+    def _scratch_rows(self) -> None:
+        """Every input row feeds token 0 at position 0 of the scratch slot (warm-ups and captures)."""
+        self.inputs[0].zero_()
         self.inputs[1].fill_(self.scratch)
         self.inputs[2].zero_()
+
+    def _windows(self, longest: int) -> list[int]:
+        """The attention windows of steps whose longest context is 1 .. `longest` tokens, shortest first."""
+        windows = [self.window(1)]
+        while windows[-1] < self.window(longest):
+            windows.append(self.window(2 * windows[-1]))
+        return windows
+
+    def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._scratch_rows()
         graph, out, error = warm_and_capture(lambda: self._step(b, w), self.device, self.pool)
         # under tensor parallelism every rank keeps the graph or none does (a capture records the
         # collectives without running them, so a rank whose capture failed has not left the others waiting)
@@ -181,11 +192,8 @@ class GraphDecoder:
     def warm_up(self, max_batch: int, longest: int) -> int:
         """Capture now every graph that batches of up to `max_batch` sequences with contexts of up to
         `longest` tokens will replay (so no capture lands inside a timed run); returns how many are held."""
-        windows = [self.window(1)]
-        while windows[-1] < self.window(longest):
-            windows.append(self.window(2 * windows[-1]))
         for b in self.sizes:
-            for w in windows:
+            for w in self._windows(longest):
                 if (b, w) not in self.graphs and step_fits(self.model, b, w, self.max_step_bytes):
                     self.graphs[(b, w)] = self._capture(b, w)
             if b >= max_batch:
@@ -324,17 +332,8 @@ class CompiledCpuDecoder(GraphDecoder):
     can also land one fp8 step apart)."""
 
     cpp_wrapper = False  # Inductor's C++ wrapper (EngineConfig.compile_cpu_cpp_wrapper)
-
-    def __init__(
-        self,
-        model: CausalLM,
-        cache: CacheManager,
-        max_batch: int,
-        max_step_bytes: int | None = DEFAULT_GRAPH_STEP_BYTES,
-    ) -> None:
-        super().__init__(model, cache, max_batch, max_step_bytes)
-        self._fn: Callable[[int, int], torch.Tensor] | None = None
-        self.compiles = 0  # calls that compiled (a new path); `warm_up` returns it
+    compiles = 0  # calls that compiled (a new path); `warm_up` returns it
+    _fn: Callable[[int, int], torch.Tensor] | None = None  # the compiled step, made on first use
 
     def _compiled(self) -> Callable[[int, int], torch.Tensor]:
         if self._fn is not None:
@@ -342,9 +341,7 @@ class CompiledCpuDecoder(GraphDecoder):
         from k3run.engine.inductor_passes import SmallMmAsReduction
         from k3run.layers.moe import sync_free_experts
 
-        self.inputs[0].zero_()  # warm-up rows: token 0 at position 0 of the scratch slot
-        self.inputs[1].fill_(self.scratch)
-        self.inputs[2].zero_()
+        self._scratch_rows()
         with sync_free_experts():
             self._step(1, self.window(1))  # eager first: fills the layers' CPU caches, checks the inputs once
         # a compiled path per batch-size regime: room for many before Dynamo would fall back to eager
@@ -391,13 +388,9 @@ class CompiledCpuDecoder(GraphDecoder):
         two (for a server, max_batch > 1, always two: then the window is symbolic in every later path and
         longer contexts compile nothing), one at each batch size, then the largest batch at each window; a
         step that reuses a compiled path costs milliseconds."""
-        windows = [self.window(1)]
-        while windows[-1] < self.window(max(longest, windows[0] + 1 if max_batch > 1 else 1)):
-            windows.append(self.window(2 * windows[-1]))
+        windows = self._windows(max(longest, self.window(1) + 1) if max_batch > 1 else longest)
         top = min(max_batch, self.max_batch)
-        self.inputs[1].fill_(self.scratch)  # every row writes to the scratch slot
-        self.inputs[0].zero_()
-        self.inputs[2].zero_()
+        self._scratch_rows()
         calls = [(1, w) for w in windows[:2]] + [(b, windows[0]) for b in range(2, top + 1)]
         for b, w in calls + [(top, w) for w in windows[1:]]:
             if step_fits(self.model, b, w, self.max_step_bytes):

@@ -769,13 +769,18 @@ __attribute__((optimize("fp-contract=off"))) static void conv_decode_rows(
   });
 }
 
+// the short conv's weight as both conv calls take it: fp32 contiguous [C, W >= 2]
+static void check_conv_weight(const torch::Tensor& weight, int64_t C, const char* who) {
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(0) == C && weight.size(1) >= 2,
+              who, ": weight fp32 contiguous [C, W >= 2]");
+}
+
 torch::Tensor conv_decode_in_place(torch::Tensor x, torch::Tensor weight, torch::Tensor pool,
                                    torch::Tensor slots, torch::Tensor context_lens) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv_decode_in_place: x [B, C] with unit stride along C");
   const int64_t B = x.size(0), C = x.size(1);
-  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.dim() == 2 &&
-                  weight.size(0) == C && weight.size(1) >= 2,
-              "conv_decode_in_place: weight fp32 contiguous [C, W >= 2]");
+  check_conv_weight(weight, C, "conv_decode_in_place");
   const int64_t W = weight.size(1);
   TORCH_CHECK(pool.dtype() == x.dtype() && pool.is_contiguous() && pool.dim() == 3 && pool.size(1) == C &&
                   pool.size(2) == W - 1,
@@ -938,9 +943,7 @@ std::vector<torch::Tensor> conv_prefill(torch::Tensor x, torch::Tensor weight, t
                                         torch::Tensor init) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv_prefill: x [T, C] with unit stride along C");
   const int64_t T = x.size(0), C = x.size(1);
-  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.dim() == 2 &&
-                  weight.size(0) == C && weight.size(1) >= 2,
-              "conv_prefill: weight fp32 contiguous [C, W >= 2]");
+  check_conv_weight(weight, C, "conv_prefill");
   const int64_t W = weight.size(1);
   auto cu = cu_seqlens.to(torch::kInt64).contiguous();
   const int64_t B = cu.numel() - 1;

@@ -24,6 +24,7 @@ from k3run.kernels.kda.ref import (
     _check_kda_inputs,
     causal_conv1d_decode_ref,
     causal_conv1d_ref,
+    check_conv_inputs,
     chunk_kda_ref,
     kda_gate,
     l2norm,
@@ -284,38 +285,17 @@ def causal_conv1d_planar(
     T, C = x.shape
     if C % groups:
         raise ValueError(f"causal_conv1d: {C} channels do not split into {groups} groups")
-    if (
-        not torch.compiler.is_compiling()
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and weight.dim() == 2
-        and weight.shape[0] == C
-        and weight.shape[1] >= 2
-    ):
+    native = x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1 and weight.shape[-1] >= 2
+    if native and not torch.compiler.is_compiling():
         from k3run.kernels import cpu_simd
 
         if cpu_simd.available():  # x86 CPUs: the sums in one call
-            _check_conv_bounds(cu_seqlens, T, initial_state, C, weight.shape[1])
+            check_conv_inputs(x, weight, cu_seqlens, initial_state)
             acc, final = cpu_simd.conv_prefill(x, weight, cu_seqlens, initial_state)
             y = torch.nn.functional.silu(acc).to(x.dtype)
             return y.reshape(T, groups, C // groups).transpose(0, 1).contiguous(), final
     y, final = causal_conv1d_ref(x, weight, cu_seqlens, initial_state)
     return y.reshape(T, groups, C // groups).transpose(0, 1).contiguous(), final
-
-
-def _check_conv_bounds(
-    cu_seqlens: torch.Tensor, T: int, initial_state: torch.Tensor | None, C: int, W: int
-) -> None:
-    """causal_conv1d_ref's input checks, with its messages."""
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != T:
-        raise ValueError(f"causal_conv1d: cu_seqlens must run from 0 to T={T}, got {bounds}")
-    B = len(bounds) - 1
-    if initial_state is not None and tuple(initial_state.shape) != (B, C, W - 1):
-        raise ValueError(
-            f"causal_conv1d: initial_state must be {(B, C, W - 1)}, got {tuple(initial_state.shape)}"
-        )
 
 
 def causal_conv1d_decode(

@@ -234,6 +234,26 @@ def chunk_kda_ref(
     return _varlen(chunk_kda_seq, q, k, v, g, beta, scale, initial_state, cu_seqlens)
 
 
+def check_conv_inputs(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None
+) -> list[int]:
+    """causal_conv1d's shape checks (x [T, C], weight [C, W], cu_seqlens from 0 to T, initial_state [B, C,
+    W-1] or None); returns cu_seqlens as a host list."""
+    T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"causal_conv1d: weight must be [C={C}, W], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    bounds = cu_seqlens.tolist()
+    B = len(bounds) - 1
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"causal_conv1d: cu_seqlens must run from 0 to T={T}, got {bounds}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, C, W - 1):
+        raise ValueError(
+            f"causal_conv1d: initial_state must be {(B, C, W - 1)}, got {tuple(initial_state.shape)}"
+        )
+    return bounds
+
+
 def causal_conv1d_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -248,17 +268,9 @@ def causal_conv1d_ref(
     Returns y [T, C] in x.dtype (fp32 accumulation) and the new states [B, C, W-1] in x.dtype.
     """
     T, C = x.shape
-    if weight.dim() != 2 or weight.shape[0] != C:
-        raise ValueError(f"causal_conv1d: weight must be [C={C}, W], got {tuple(weight.shape)}")
-    W = weight.shape[1]
-    bounds = cu_seqlens.tolist()
+    W = weight.shape[-1]
+    bounds = check_conv_inputs(x, weight, cu_seqlens, initial_state)
     B = len(bounds) - 1
-    if bounds[0] != 0 or bounds[-1] != T:
-        raise ValueError(f"causal_conv1d: cu_seqlens must run from 0 to T={T}, got {bounds}")
-    if initial_state is not None and tuple(initial_state.shape) != (B, C, W - 1):
-        raise ValueError(
-            f"causal_conv1d: initial_state must be {(B, C, W - 1)}, got {tuple(initial_state.shape)}"
-        )
     y = torch.zeros_like(x)
     final = x.new_zeros(B, C, W - 1)
     wf = weight.float()
