@@ -22,6 +22,7 @@
 #           with K3RUN_MOE_OPS=0 (the same-run baseline)
 #   sm90    the CUDA C++ NVFP4 GEMM: bench/probes/sm90_sanity.py under compute-sanitizer (builds it), its tests, then bench/bench_sm90_gemm.py with Marlin
 #           from .peers (copy ../shared/peers there and carry it; SM90_ARGS adds options)
+#   graphs  tests/engine/test_graph_decode.py and tests/engine/test_prefill_graphs.py (GPU-marked; carry .whl)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
@@ -40,11 +41,11 @@ rc=0
 for stage in "${stages[@]}"; do
     echo "== $stage"
     case $stage in
-    sm90) timeout -s KILL 300 compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py 2>&1 \
+    sm90) timeout -s KILL "${SANITY_TIMEOUT:-300}" compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py 2>&1 \
             | tee "$OUT/sm90_sanity.txt" | tail -8
         timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_nvfp4_sm90.py \
             2>&1 | tee "$OUT/tests_sm90.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -20
-        timeout -s KILL 480 python3 bench/bench_sm90_gemm.py --peers .peers ${SM90_ARGS:-} 2>&1 | tee "$OUT/bench_sm90.txt" \
+        timeout -s KILL "${BENCH_TIMEOUT:-480}" python3 bench/bench_sm90_gemm.py --peers .peers ${SM90_ARGS:-} 2>&1 | tee "$OUT/bench_sm90.txt" \
             | grep -v "^  config" ;;
     tests) timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -rfE -m gpu tests 2>&1 \
         | tee "$OUT/tests_gpu.txt" | grep -E "passed|failed|FAILED|ERROR" | tail -20 ;;
@@ -76,6 +77,9 @@ for stage in "${stages[@]}"; do
             2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
         K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
             2>&1 | tee "$OUT/decode_kl_ops_off.txt" | grep -E "^graphs" ;;
+    graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
+            tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py >"$OUT/graphs.txt" 2>&1
+        grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30 ;;
     graphtest) timeout 250 python3 -m pytest -p no:cacheprovider -v -rfE -m gpu tests/engine/test_graph_decode.py \
             >"$OUT/graphtest.txt" 2>&1; grep -E "PASS|FAIL|Error|assert" "$OUT/graphtest.txt" | head -20
         timeout 250 python3 -c "import sys, pytest; from k3run.layers.mla import KimiMLA; \
