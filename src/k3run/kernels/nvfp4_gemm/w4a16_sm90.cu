@@ -437,7 +437,7 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   dim3 grid(n_tiles * t_tiles, split);
   kern<<<grid, (NWG + 1) * 128, smem, stream>>>(
-      xt.data_ptr<uint8_t>(), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), gs.data_ptr<float>(),
+      static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), gs.data_ptr<float>(),
       gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
       split > 1 ? ws.data_ptr<float>() : nullptr, split > 1 ? cnt.data_ptr<int>() : nullptr, M, N,
       int(w.size(0) / 16), CH, CH / split, stages);
