@@ -1,7 +1,7 @@
-"""NVFP4 decode (M <= 32): the Gluon decode kernels' launch sweep against cuBLAS bf16 and the Triton kernel.
+"""NVFP4 decode (M <= 32): the Gluon decode kernel's launch sweep against cuBLAS bf16 and the Triton kernel.
 
-The register-prefetch kernel runs on split128 weights, the cp.async kernel on the default CUDA layout
-(tiled128 on sm_89+: tile-contiguous storage and the shift decoder).
+The kernel runs on the default CUDA layout (tiled128 on sm_89+: tile-contiguous storage and the shift
+decoder).
 
 Same timing method as bench_linear.py (CUDA graphs over L2-busting weight copies, back-to-back calls).
 Prints per shape and M: the best Gluon configuration, its time, weight TB/s, % of the copy bandwidth measured
@@ -36,36 +36,24 @@ TRITON_DEFAULT = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, nu
 
 
 def candidates(full: bool, quick: bool = False) -> list[GemmConfig]:
-    """1-warp programs (16 rows each): the register-prefetch kernel (depth 1-3 x split_k) and the cp.async
-    kernel (smem_stages 2 / 4 / 8 x split_k); --full adds block_k 256 and 2-warp programs; --quick: only
-    the register kernel (block_k 128, depth 1) and the cp.async kernel at 2 stages (choose_config), split_k
-    2 / 4 / 8.
-    """
-    smem = [
-        GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1, smem_stages=st)
+    """1-warp programs (16 rows each), smem_stages 2 / 4 / 8 x split_k 2 / 4 / 8; --full adds 2- and 4-warp
+    programs; --quick: 2 stages only (choose_config's launch shape)."""
+    out = [
+        GemmConfig(gemv=True, num_warps=1, split_k=sk, smem_stages=st)
         for st in ((2,) if quick else (2, 4, 8))
         for sk in (2, 4, 8)
     ]
-    if quick:
-        reg = [GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1) for sk in (2, 4, 8)]
-        return reg + smem
-    out = smem + [
-        GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=d)
-        for d in (1, 2, 3)
-        for sk in (2, 4, 8)
-    ]
-    out += [GemmConfig(gemv=True, num_warps=1, block_k=256, split_k=sk, depth=2) for sk in (2, 4)]
     if full:
-        out += [GemmConfig(gemv=True, num_warps=1, block_k=256, split_k=sk, depth=1) for sk in (2, 4, 8)]
-        out += [GemmConfig(gemv=True, num_warps=2, block_k=128, split_k=sk, depth=2) for sk in (2, 4, 8)]
-        out += [GemmConfig(gemv=True, num_warps=4, block_k=128, split_k=sk, depth=2) for sk in (4, 8)]
+        out += [
+            GemmConfig(gemv=True, num_warps=w, split_k=sk, smem_stages=2) for w in (2, 4) for sk in (2, 4, 8)
+        ]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--full", action="store_true", help="also depth 1 and 2-warp programs")
+    ap.add_argument("--full", action="store_true", help="also 2- and 4-warp programs")
     ap.add_argument(
         "--quick", action="store_true", help="choose_config's launch shape only (3 split_k values)"
     )
@@ -102,20 +90,17 @@ def main() -> None:
             t_deq = graph_ms([lambda p=p: nvfp4_linear(x, p, config=deq) for p in pws], 0.05)
             res = []
             for c in candidates(args.full, args.quick):
-                src = pwt if c.smem_stages else pws
+                src = pwt
                 try:
                     err = rel_rms_error(exact, nvfp4_linear(x, src[0], config=c).float())
                     t = graph_ms([lambda p=p, c=c: nvfp4_linear(x, p, config=c) for p in src], t_cublas / 3)
                 except Exception as e:
-                    msg = (
-                        f"  {n}x{k} m={m} w{c.num_warps} bk{c.block_k} sk{c.split_k}: {type(e).__name__}: {e}"
-                    )
+                    msg = f"  {n}x{k} m={m} w{c.num_warps} sk{c.split_k}: {type(e).__name__}: {e}"
                     print(msg[:400])
                     continue
                 res.append((t, c, err))
                 print(
-                    f"  {n}x{k} m={m} w{c.num_warps} bk{c.block_k} sk{c.split_k} d{c.depth} "
-                    f"st{c.smem_stages}: "
+                    f"  {n}x{k} m={m} w{c.num_warps} sk{c.split_k} st{c.smem_stages}: "
                     f"{t * 1e3:7.2f} us "
                     f"{wbytes / t / 1e9:5.2f} TB/s err {err:.1e}",
                     flush=True,
@@ -139,8 +124,6 @@ def main() -> None:
                 x_dequant=t_deq / t,
                 err=err,
                 max_err=max(r[2] for r in res),
-                us_reg=min((r[0] for r in res if not r[1].smem_stages), default=float("nan")) * 1e3,
-                us_smem=min((r[0] for r in res if r[1].smem_stages), default=float("nan")) * 1e3,
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -150,8 +133,8 @@ def main() -> None:
     )
     lines = [
         header,
-        f"{'N x K':>12} {'M':>3} {'best (warps/bk/split/depth/stages)':>33} {'us':>7} {'TB/s':>6} "
-        f"{'%copy':>6} {'reg us':>7} {'smem us':>7} {'cuBLAS us':>9} {'x cuBLAS':>8} {'Triton us':>9} "
+        f"{'N x K':>12} {'M':>3} {'best (warps/split/stages)':>25} {'us':>7} {'TB/s':>6} "
+        f"{'%copy':>6} {'cuBLAS us':>9} {'x cuBLAS':>8} {'Triton us':>9} "
         f"{'x Triton':>8} {'deq+mm us':>9} {'x deq':>6} "
         f"{'err':>8}",
     ]
@@ -159,8 +142,8 @@ def main() -> None:
         c = r["cfg"]
         lines.append(
             f"{r['n']:>5}x{r['k']:<6} {r['m']:>3} "
-            f"{c['num_warps']:>19}/{c['block_k']}/{c['split_k']}/{c['depth']}/{c['smem_stages']:<4} "
-            f"{r['us']:7.2f} {r['tbs']:6.2f} {r['pct_copy']:6.1f} {r['us_reg']:7.2f} {r['us_smem']:7.2f} "
+            f"{c['num_warps']:>19}/{c['split_k']}/{c['smem_stages']:<4} "
+            f"{r['us']:7.2f} {r['tbs']:6.2f} {r['pct_copy']:6.1f} "
             f"{r['us_cublas']:9.2f} {r['x_cublas']:8.2f} "
             f"{r['us_triton']:9.2f} {r['x_triton']:8.2f} {r['us_dequant']:9.2f} {r['x_dequant']:6.2f} "
             f"{r['max_err']:8.1e}"

@@ -48,9 +48,7 @@ FP8_MS = [1, 16, 64, 4096]
 
 
 def decode_candidates() -> list[GemmConfig]:
-    plain = [GemmConfig(block_n=bn, split_k=sk) for bn in (16, 32, 64) for sk in (1, 2, 4, 8)]
-    swapped = [GemmConfig(block_n=bn, split_k=sk, swap_ab=True) for bn in (64, 128) for sk in (1, 2, 4)]
-    return plain + swapped
+    return [GemmConfig(block_n=bn, split_k=sk) for bn in (16, 32, 64) for sk in (1, 2, 4, 8)]
 
 
 def prefill_candidates(m: int) -> list[GemmConfig]:
@@ -221,10 +219,9 @@ def _cfg_name(b: dict) -> str:
     if b["dequant_mm"]:
         return "dequant+cuBLAS"
     if b.get("gemv"):
-        return f"gemv w{b['num_warps']} bk{b['block_k']} sk{b['split_k']} depth{b.get('depth', 1)}"
+        return f"gemv w{b['num_warps']} sk{b['split_k']} st{b.get('smem_stages', 2)}"
     tile = f"{b['block_m']}x{b['block_n']}x{b['block_k']}"
-    swap = " swapAB" if b.get("swap_ab") else ""
-    return f"{tile} w{b['num_warps']} s{b['num_stages']} d{b['decode']} sk{b.get('split_k', 1)}{swap}"
+    return f"{tile} w{b['num_warps']} s{b['num_stages']} d{b['decode']} sk{b.get('split_k', 1)}"
 
 
 def table(rows: list[dict], copy_tbs: float) -> str:

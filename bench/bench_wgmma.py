@@ -193,9 +193,17 @@ def start_marlin_build(peers: str) -> subprocess.Popen | None:
 def marlin_pass(peers: str, shapes, rows: list[dict], beside) -> None:
     """Marlin INT4 g128 (fp16) timed per row of `rows` (M <= 256) as r["marlin"], one pass per shape; then
     `beside(r, xb, ws, n, k)` times k3run's contestants on the same pass's bf16 input and weight copies."""
+    # The peers' folder has a `common` module of its own: import it under that name while the peers load,
+    # then give the name back to bench/common.py (the peers keep their bound references).
+    ours = sys.modules.pop("common", None)
     sys.path.insert(0, peers)
-    import gemm_peers
-    import marlin_build
+    try:
+        import gemm_peers
+        import marlin_build
+    finally:
+        sys.modules.pop("common", None)
+        if ours is not None:
+            sys.modules["common"] = ours
 
     mod, info = marlin_build.load()
     print("marlin build:", {k_: v for k_, v in info.items() if k_ != "attempts"})

@@ -22,6 +22,10 @@
 #           with K3RUN_MOE_OPS=0 (the same-run baseline)
 #   sm90    the CUDA C++ NVFP4 GEMM: bench/probes/sm90_sanity.py under compute-sanitizer (builds it), its tests, then bench/bench_sm90_gemm.py with Marlin
 #           from .peers (copy ../shared/peers there and carry it; SM90_ARGS adds options)
+#   sm90ncu ncu (full set, one launch each) of the sm90 CUDA GEMM at 7168^2, M = 16 (16,1,2,8) and M = 256
+#           (256,1,1,3): details and per-SASS-line stall samples under $OUT (bench/probes/sm90_ncu.py)
+#   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
+#           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
 #   graphs  tests/engine/test_graph_decode.py and tests/engine/test_prefill_graphs.py (GPU-marked; carry .whl)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
@@ -43,7 +47,7 @@ for stage in "${stages[@]}"; do
     case $stage in
     sm90) timeout -s KILL "${SANITY_TIMEOUT:-300}" compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py 2>&1 \
             | tee "$OUT/sm90_sanity.txt" | tail -8
-        timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_nvfp4_sm90.py \
+        timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" -q -rfE tests/kernels/test_nvfp4_sm90.py \
             2>&1 | tee "$OUT/tests_sm90.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -20
         timeout -s KILL "${BENCH_TIMEOUT:-480}" python3 bench/bench_sm90_gemm.py --peers .peers ${SM90_ARGS:-} 2>&1 | tee "$OUT/bench_sm90.txt" \
             | grep -v "^  config" ;;
@@ -77,6 +81,21 @@ for stage in "${stages[@]}"; do
             2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
         K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
             2>&1 | tee "$OUT/decode_kl_ops_off.txt" | grep -E "^graphs" ;;
+    sm90ncu) for spec in "16 16,1,2,8" "256 256,1,1,3"; do
+            set -- $spec
+            timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none -k regex:w4a16_kernel --launch-skip 3 \
+                --launch-count 1 --set full -f -o "$OUT/ncu_m$1" python3 bench/probes/sm90_ncu.py --m "$1" \
+                --config "$2" >"$OUT/ncu_m$1_run.txt" 2>&1
+            tail -2 "$OUT/ncu_m$1_run.txt"
+            ncu -i "$OUT/ncu_m$1.ncu-rep" --page details >"$OUT/ncu_m$1_details.txt" 2>&1
+            ncu -i "$OUT/ncu_m$1.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_m$1_sass.csv" 2>&1
+            grep -E "Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Achieved Occupancy|Warp Cycles Per Issued" \
+                "$OUT/ncu_m$1_details.txt" | head -8
+        done ;;
+    gemvtests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
+            -o addopts="--import-mode=importlib" -q -rfE \
+            tests/kernels/test_nvfp4_gemv_gpu.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_gemv_compile.py \
+            >"$OUT/gemvtests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/gemvtests.txt" | tail -12 ;;
     graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
             tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30 ;;

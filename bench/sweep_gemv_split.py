@@ -33,7 +33,7 @@ def main() -> None:
             res = []
             for sk in (4, 8, 16, 32):
                 for st in (2, 3):
-                    c = GemmConfig(gemv=True, num_warps=1, block_k=128, split_k=sk, depth=1, smem_stages=st)
+                    c = GemmConfig(gemv=True, num_warps=1, split_k=sk, smem_stages=st)
                     t = graph_ms([lambda p=p: nvfp4_linear(x, p, config=c) for p in pws], 0.01)
                     res.append(f"sk{sk}/st{st} {t * 1e3:.2f}")
             rule = choose_config(m, n, k)

@@ -4,8 +4,8 @@ launch or fewer, wider programs remove them?
 Answer (bench/RESULTS.md "Runs 20-23", runs 21-22; NOTES.md "v6"): time = 4.16 us + bytes / 3.43 TB/s over 8
 shapes at M = 1, and an empty kernel takes 0.99 / 2.91 / 4.45 us at 132 / 3584 / 6144 programs; 2- and 4-warp
 programs did not help, PDL triggered after the K loop saves 0.8-1.1 us a launch at M = 1 (7168^2 12.04 ->
-11.15 us) and became the default on sm_90. (The per-program timelines of gemv_timeline.py later showed the
-dispatch itself overlaps the first loads.)
+11.15 us) and became the default on sm_90. (Per-program %globaltimer stamps, a probe removed in session 32,
+later showed the dispatch itself overlaps the first loads.)
 
 
 0. An empty kernel (one store per program) back to back in a graph: the launch + dispatch floor.

@@ -17,9 +17,8 @@ triton = pytest.importorskip("triton")
 
 
 def _compile(
-    num_warps: int, block_k: int, bt: int, split_k: int, depth: int, k: int, dtype: str, maxnreg: int,
-    stages: int = 0, tiled: bool = False, pdl: bool = False, stamp: bool = False, grouped: bool = False,
-    byexp: bool = False,
+    num_warps: int, bt: int, split_k: int, k: int, dtype: str, maxnreg: int, stages: int = 2,
+    tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -29,42 +28,33 @@ def _compile(
         K=k, K_PAD=-(-k // 128) * 128, SPLIT_K=split_k, PER_COL_GS=False, HAS_BIAS=True, EVEN_N=False,
         BN=16 * num_warps, BT=bt, ASM=asm,
     )  # fmt: skip
-    if stages:
-        kernel = gemv._nvfp4_gemv_async_kernel
-        mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt)
-        if tiled:
-            asm = gemv.tiled_word_decode_asm(dtype)
-            scale_asm = gemv._SCALE_WORD_ASM_BF16 if dtype == "bf16" else gemv._SCALE_WORD_ASM_FP16
-        else:
-            scale_asm = gemv._SCALE_ASM_BF16 if dtype == "bf16" else gemv._SCALE_ASM
-        out_scale = gemv.SHIFT_OUT_SCALE if tiled else 1.0
-        consts.update(STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw)
-        consts.update(
-            LCS=lcs,
-            SMEM=smem,
-            TILED=tiled,
-            ACC2=False,
-            OUT_SCALE=out_scale,
-            PDL=pdl,
-            LSW=gemv.scale_word_layout(num_warps, bt),
-            STAMP=stamp,
-            GROUPED=grouped or byexp,
-            BYEXP=byexp,
-        )
-        if not stamp:
-            consts["stamp_ptr"] = None
-        if not grouped and not byexp:
-            consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
-        if not byexp:
-            consts["grp_ptr"] = None
+    kernel = gemv._nvfp4_gemv_async_kernel
+    mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt)
+    if tiled:
+        asm = gemv.tiled_word_decode_asm(dtype)
+        scale_asm = gemv._SCALE_WORD_ASM_BF16 if dtype == "bf16" else gemv._SCALE_WORD_ASM_FP16
     else:
-        kernel = gemv._nvfp4_gemv_kernel
-        mma, la, lw, lb = gemv.gemv_layouts(num_warps, 16 * num_warps, block_k, bt)
-        consts.update(BK=block_k, DEPTH=depth, MMA=mma, LA=la, LW=lw, LB=lb)
+        scale_asm = gemv._SCALE_ASM_BF16 if dtype == "bf16" else gemv._SCALE_ASM
+    out_scale = gemv.SHIFT_OUT_SCALE if tiled else 1.0
+    consts.update(STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw)
+    consts.update(
+        LCS=lcs,
+        SMEM=smem,
+        TILED=tiled,
+        OUT_SCALE=out_scale,
+        PDL=pdl,
+        LSW=gemv.scale_word_layout(num_warps, bt),
+        GROUPED=grouped or byexp,
+        BYEXP=byexp,
+    )
+    if not grouped and not byexp:
+        consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
+    if not byexp:
+        consts["grp_ptr"] = None
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32" if tiled else "*u8", gs_ptr="*fp32",
         b_ptr=f"*{dtype}", y_ptr=f"*{dtype}", ws_ptr="*fp32", cnt_ptr="*i32", tab_ptr="*i32", M="i32",
-        N="i32", stride_xm="i32", stride_ym="i32", stamp_ptr="*i64", ids_ptr="*i64", n_experts="i32",
+        N="i32", stride_xm="i32", stride_ym="i32", ids_ptr="*i64", n_experts="i32",
         slot_div="i32", w_estride="i64", s_estride="i64", gs_estride="i32", grp_ptr="*i32",
     )  # fmt: skip
     params = inspect.signature(kernel.fn).parameters
@@ -101,29 +91,24 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
     assert cfg.gemv
     split_k = largest_divisor(-(-k // 128), cfg.split_k)  # what nvfp4_gemv launches
     # on sm_90 the default layout is tiled128 (the shift decoder for bf16)
-    _check_compiled(
-        m, k, dtype, cfg.num_warps, cfg.block_k, split_k, cfg.depth, cfg.smem_stages, True, cfg.maxnreg
-    )
+    _check_compiled(m, k, dtype, cfg.num_warps, split_k, cfg.smem_stages, True, cfg.maxnreg)
 
 
 @pytest.mark.parametrize(
     "m, k, dtype, stages", [(1, 7168, "bf16", 4), (16, 3584, "fp16", 8), (32, 3600, "bf16", 2)]
 )
 def test_cp_async_gemv_compiles_for_sm90_without_spills(m: int, k: int, dtype: str, stages: int):
-    """The cp.async kernel on split128 and on tiled128: weights staged by cp.async, read back in the operand
-    layout, no spills; the register kernel (split128) too."""
+    """The kernel on split128 and on tiled128 at 2 to 8 slots: weights staged by cp.async, read back in the
+    operand layout, no spills."""
     for tiled in (False, True):
-        ck = _check_compiled(m, k, dtype, 1, 128, 1, 1, stages, tiled)
+        ck = _check_compiled(m, k, dtype, 1, 1, stages, tiled)
         assert "cp.async" in ck.asm["ptx"]
-    _check_compiled(m, k, dtype, 1, 128, 2, 1, 0, False)
 
 
-def _check_compiled(
-    m: int, k: int, dtype: str, num_warps, block_k, split_k, depth, stages, tiled=False, maxnreg=None
-):  # fmt: skip
+def _check_compiled(m: int, k: int, dtype: str, num_warps, split_k, stages, tiled=False, maxnreg=None):
     bt = 8 if m <= 8 else 16 if m <= 16 else 32
     maxnreg = maxnreg or gemv.MAXNREG[bt]
-    ck = _compile(num_warps, block_k, bt, split_k, depth, k, dtype, maxnreg, stages, tiled)
+    ck = _compile(num_warps, bt, split_k, k, dtype, maxnreg, stages, tiled)
     ptx = ck.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx
     # no shared-memory staging of the decoded tile: at most the split-K counter's broadcast touches smem
@@ -157,7 +142,7 @@ def _local_accesses_in_loops(sass: str) -> list[str]:
 
 def test_grouped_gemv_compiles_for_sm90():
     """The routed-expert launch (nvfp4_gemv_grouped): expert id per pick, the wait before reading the ids."""
-    ck = _compile(1, 128, 8, 7, 1, 3584, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=True)
+    ck = _compile(1, 8, 7, 3584, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=True)
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
 
@@ -168,7 +153,7 @@ def test_by_expert_gemv_compiles_for_sm90(bt: int):
     token rows gathered per column, unused groups returning before any copy; no spills in the loop."""
     from k3run.kernels.nvfp4_gemm.gluon_gemv import MAXNREG
 
-    ck = _compile(1, 128, bt, 7, 1, 3584, "bf16", MAXNREG[bt], 2, True, True, byexp=True)
+    ck = _compile(1, bt, 7, 3584, "bf16", MAXNREG[bt], 2, True, True, byexp=True)
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
     _assert_no_loop_spills(ck)
@@ -192,9 +177,3 @@ def cubin_usage_and_sass(ck) -> tuple[str, str]:
     finally:
         os.remove(path)
     return res.stdout, sass.stdout
-
-
-def test_stamped_gemv_compiles_for_sm90():
-    """The timeline stamps (%globaltimer, %smid) of the cp.async kernel."""
-    ptx = _compile(4, 128, 8, 2, 1, 7168, "bf16", gemv.MAXNREG[8], 2, True, True, stamp=True).asm["ptx"]
-    assert "%globaltimer" in ptx and "%smid" in ptx

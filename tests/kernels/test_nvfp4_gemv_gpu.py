@@ -17,27 +17,24 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 45])
 @pytest.mark.parametrize(
-    "num_warps, block_k, split_k, depth, stages",
+    "num_warps, split_k, stages, layout",
     [
-        (1, 256, 1, 1, 0), (1, 512, 3, 2, 0), (2, 256, 4, 3, 0), (4, 128, 2, 2, 0), (1, 128, 8, 3, 0),
-        (1, 128, 5, 2, 0), (1, 128, 1, 1, 4), (2, 128, 3, 1, 2), (1, 128, 7, 1, 8), (4, 128, 2, 1, 3),
+        (1, 1, 2, "split128"), (1, 3, 3, "split128"), (2, 4, 2, "split128"), (4, 2, 4, "split128"),
+        (1, 8, 2, "tiled128"), (1, 5, 2, "tiled128"), (1, 1, 4, "tiled128"), (2, 3, 2, "tiled128"),
+        (1, 7, 8, "tiled128"), (4, 2, 3, "tiled128"),
     ],
 )  # fmt: skip
-def test_gemv_odd_shapes_bf16(
-    poison_empty, m: int, num_warps: int, block_k: int, split_k: int, depth: int, stages: int
-):
+def test_gemv_odd_shapes_bf16(poison_empty, m: int, num_warps: int, split_k: int, stages: int, layout: str):
     """N = 520 (not a multiple of 16 * num_warps), K = 3600 (pads to 3712: a partial last chunk), bias,
-    per-row global scales, token tiles 8 / 16 / 32 and M = 45 in two launches (32 + 13), both kernels
-    (register prefetch, and cp.async stages with more stages than some programs have K tiles): bf16 output
-    rounding bounds the relative RMS error (RTOL[torch.bfloat16])."""
+    per-row global scales, token tiles 8 / 16 / 32 and M = 45 in two launches (32 + 13), both weight layouts
+    (split128's byte-permute decoder, tiled128's shift decoder), more slots than some programs have K tiles:
+    bf16 output rounding bounds the relative RMS error (RTOL[torch.bfloat16])."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
-    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
+    pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    cfg = GemmConfig(
-        gemv=True, num_warps=num_warps, block_k=block_k, split_k=split_k, depth=depth, smem_stages=stages
-    )
+    cfg = GemmConfig(gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=stages)
     ref = nvfp4_linear_ref(x.float(), w, s, gs, bias.float())
     y = nvfp4_linear(x, pw, bias, config=cfg)
     assert_close(f"gemv m={m} {cfg}", ref, y, rtol=RTOL[torch.bfloat16])
@@ -46,37 +43,38 @@ def test_gemv_odd_shapes_bf16(
 
 
 @pytest.mark.parametrize(
-    "m, split_k, depth, stages", [(1, 1, 2, 0), (5, 4, 3, 0), (16, 7, 1, 0), (3, 4, 1, 4)]
-)
-def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, depth: int, stages: int):
+    "m, split_k, stages, layout", [(1, 1, 2, "split128"), (5, 4, 3, "split128"), (16, 7, 2, "tiled128"),
+                                   (3, 4, 4, "tiled128")]
+)  # fmt: skip
+def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, stages: int, layout: str):
     """fp16, K a multiple of 128 (the unmasked x path), per-tensor global scale, no bias."""
     n, k = 4096 + 48, 7168
     w, s, gs = _random_nvfp4(n, k, device="cuda")
-    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
+    pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
     x = torch.randn(m, k, device="cuda").half()
-    cfg = GemmConfig(gemv=True, block_k=128, split_k=split_k, depth=depth, smem_stages=stages)
+    cfg = GemmConfig(gemv=True, split_k=split_k, smem_stages=stages)
     y = nvfp4_linear(x, pw, config=cfg)
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
-@pytest.mark.parametrize("stages", [0, 2])
-def test_gemv_strided_input_and_negative_zero(poison_empty, stages: int):
-    """x as a row-strided view; weights containing -0 codes and subnormal (2^-9) group scales; the register
-    kernel on split128 and the cp.async kernel on tiled128 (the shift decoder)."""
+@pytest.mark.parametrize("layout", ["split128", "tiled128"])
+def test_gemv_strided_input_and_negative_zero(poison_empty, layout: str):
+    """x as a row-strided view; weights containing -0 codes and subnormal (2^-9) group scales; split128 (the
+    byte-permute decoder) and tiled128 (the shift decoder)."""
     n, k = 96, 640
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     w[:, ::7] = 0x88  # -0 in both nibbles
     s.view(torch.uint8)[:, ::5] = 0x01  # E4M3 subnormal 2^-9
-    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128" if stages else "split128")
+    pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
     big = torch.randn(4, 2 * k, device="cuda").bfloat16()
     x = big[:, :k]
-    y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, split_k=2, smem_stages=stages))
+    y = nvfp4_linear(x, pw, config=GemmConfig(gemv=True, split_k=2, smem_stages=2))
     assert_close("gemv strided", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("stages", [0, 4])
-def test_gemv_every_e4m3_scale_exact(poison_empty, dtype: torch.dtype, stages: int):
+@pytest.mark.parametrize("layout, stages", [("split128", 2), ("tiled128", 4)])
+def test_gemv_every_e4m3_scale_exact(poison_empty, dtype: torch.dtype, layout: str, stages: int):
     """Every finite non-negative E4M3 group scale (0x00..0x7E: zero, subnormals, 448) with one code per
     row: the product must match the fp32 reference to one output rounding in every element (the cp.async
     kernel on tiled128 converts the scale bytes with cvt.f16x2.e4m3x2, and for bf16 decodes by shifts into
@@ -85,11 +83,11 @@ def test_gemv_every_e4m3_scale_exact(poison_empty, dtype: torch.dtype, stages: i
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     s = (torch.arange(n * k // 16, device="cuda") % 127).to(torch.uint8).reshape(n, k // 16)
     gs = torch.tensor([1.0], device="cuda")
-    pw = prepare_nvfp4_weight(w, s.view(torch.float8_e4m3fn), gs, layout="tiled128" if stages else "split128")
+    pw = prepare_nvfp4_weight(w, s.view(torch.float8_e4m3fn), gs, layout=layout)
     eye = torch.zeros(16, k, device="cuda", dtype=dtype)
     for t in range(16):  # one-hot inputs: y[t] is column k of the dequantized weight, exactly representable
         eye[t, 7 * t + 64 * (t % 3)] = 1.0
-    y = nvfp4_linear(eye, pw, config=GemmConfig(gemv=True, block_k=128, split_k=2, smem_stages=stages))
+    y = nvfp4_linear(eye, pw, config=GemmConfig(gemv=True, split_k=2, smem_stages=stages))
     ref = nvfp4_linear_ref(eye.float(), w, s.view(torch.float8_e4m3fn), gs)
     assert torch.equal(y.float(), ref.to(dtype).float()), (y.float() - ref).abs().max()
 
@@ -153,33 +151,6 @@ def test_gemv_pdl_chain_reads_each_previous_output(poison_empty, graph: bool):
             g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-
-
-@pytest.mark.parametrize("num_warps", [1, 4])
-def test_gemv_stamps_keep_the_result(num_warps: int):
-    """The measurement hook of the cp.async kernel: stamps (%globaltimer at entry, after the PDL wait, after
-    the K loop, at the end; then the SM id) are filled in that order by every program and do not change a
-    bit of the result (N = 520 not a multiple of the 64-row program, K = 3504 not a multiple of 128: 28
-    chunks, 7 per split)."""
-    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv
-
-    n, k = 520, 3504
-    w, s, gs = _random_nvfp4(n, k, device="cuda")
-    p = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(3, k, device="cuda").bfloat16()
-    kw = dict(num_warps=num_warps, split_k=4, stages=2, tiled=True, rows=n)
-    want = nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, **kw)
-    grid = -(-p.weight.shape[0] // (16 * num_warps)) * 4  # row blocks x split_k
-    stamps = torch.zeros(grid, 5, dtype=torch.int64, device="cuda")
-    got = nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, stamps=stamps, **kw)
-    assert torch.equal(got, want)
-    used = stamps
-    assert bool((used[:, 0] > 0).all())
-    assert bool((used[:, :4].diff(dim=1) >= 0).all()), "stamps out of order"
-    assert int(used[:, 4].max()) < torch.cuda.get_device_properties(0).multi_processor_count
-    assert_close("stamped", nvfp4_linear_ref(x.float(), w, s, gs), got, rtol=RTOL[torch.bfloat16])
-    with pytest.raises(ValueError, match="stamps"):
-        nvfp4_gemv(x, p.weight, p.scale_bits, p.global_scale, stamps=stamps, split_k=4)  # register kernel
 
 
 @pytest.mark.parametrize("per_row", [False, True])

@@ -122,9 +122,7 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             w.global_scale,
             bias,
             num_warps=cfg.num_warps,
-            block_k=cfg.block_k,
             split_k=cfg.split_k,
-            depth=cfg.depth,
             stages=cfg.smem_stages,
             tiled=w.layout == "tiled128",
             rows=w.n,
@@ -228,7 +226,6 @@ def nvfp4_linear(
             num_stages=cfg.num_stages,
             decode=cfg.decode if x2.dtype != torch.float32 else 0,
             split_k=cfg.split_k,
-            swap_ab=cfg.swap_ab,
         )
     return y.reshape(*lead, w.n)
 

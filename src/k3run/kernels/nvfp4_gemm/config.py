@@ -17,12 +17,10 @@ class GemmConfig:
 
     decode=1 is the PTX decoder (bf16/fp16 on CUDA); fp32 inputs always use the portable decoder 0.
     split_k > 1 splits K over that many programs per output tile (fp32 partials + one epilogue kernel).
-    swap_ab computes y^T = W x^T (decoded weights as the register operand; wgmma on sm90 when
-    block_n >= 64); correct in the interpreter and compiled for sm_90, not yet timed on a GPU.
     gemv=True runs the Gluon decode kernel (gluon_gemv.py; M <= 32 a launch, bf16/fp16): 16 * num_warps rows
-    per program, K tiles of block_k, split_k programs per row block (reduced in the same launch), `depth`
-    K tiles of loads in flight per warp; smem_stages >= 2 stages the weights through shared memory by
-    cp.async instead (block_k 128, smem_stages - 1 tiles in flight, no registers held for them).
+    per program, 128-wide K tiles staged through smem_stages (>= 2) shared-memory slots by cp.async,
+    split_k programs per row block (reduced in the same launch); block_k, block_m and num_stages are the
+    Triton kernel's and do not apply.
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
     tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
     wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
@@ -36,11 +34,9 @@ class GemmConfig:
     num_stages: int = 4
     decode: int = 1
     split_k: int = 1
-    swap_ab: bool = False
     dequant_mm: bool = False
     gemv: bool = False
-    depth: int = 2
-    smem_stages: int = 0
+    smem_stages: int = 2
     maxnreg: int | None = None
     tile: bool = False
     wgmma: bool = False
@@ -134,9 +130,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
             split_k, maxnreg = one_wave_split(m, n, k, sms)
         else:
             split_k = 2 if n > 4096 else 4
-        return GemmConfig(
-            gemv=True, num_warps=1, block_k=128, split_k=split_k, depth=1, smem_stages=2, maxnreg=maxnreg
-        )
+        return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
     return GemmConfig(dequant_mm=True)

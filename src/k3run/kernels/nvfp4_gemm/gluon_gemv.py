@@ -15,20 +15,18 @@ weight bytes (bench/NOTES.md). Here every tensor has an explicit layout:
   The PTX decoder of triton.py (byte-permute table, sign, packed multiply by the scale) turns 4 bytes into
   8 bf16/fp16 weights in place; the reshape back to [BN, BK/2] and the conversion to the dot layout are
   checked to move no data (`assert_trivial`).
-- Loads for the next K tile are issued before the current tile is decoded (register double buffering).
+- 128-wide K tiles of words and scale bytes are staged through `STAGES` shared-memory slots by cp.async
+  (STAGES - 1 tiles in flight per warp without holding registers); on sm_89+ one cvt.f16x2.e4m3x2 converts a
+  run's scale pair.
+- On the tiled128 layout (tile-contiguous, each word's bits placed by TILED_PAIR_BITS) weights are decoded
+  by shifts and masks (`tiled_word_decode_asm`: 11 integer instructions per 8 weights for bf16) and scales
+  by one exponent add; the split128 layout (sm_80 / sm_86) takes the byte-permute decoder.
 - Split-K: grid (N / BN, SPLIT_K). Each program writes an fp32 partial; the last program of a row block
   to arrive (an acq_rel counter) adds the partials in a fixed order, applies the global scale and the
   bias and writes y, then resets the counter, so one launch does everything and results are deterministic.
-
-Two kernels share the decode, mma and epilogue code:
-- `_nvfp4_gemv_kernel` (register prefetch, split128 weights; `depth` tiles of loads in flight in registers).
-- `_nvfp4_gemv_async_kernel` (the default): 128-wide K tiles of words and scale bytes staged through
-  `STAGES` shared-memory slots by cp.async, scale pairs converted by one cvt.f16x2.e4m3x2; on the tiled128
-  layout (tile-contiguous, each word's bits placed by TILED_PAIR_BITS) weights are decoded by shifts and
-  masks (`tiled_word_decode_asm`: 11 integer instructions per 8 weights for bf16) and scales by one
-  exponent add. With `pdl` (the default on sm_90+) consecutive launches overlap (programmatic dependent
-  launch).
-  Measurements and the ncu analysis that led here: bench/NOTES.md "v4" to "v6".
+- With `pdl` (the default on sm_90+) consecutive launches overlap (programmatic dependent launch).
+The same kernel runs the routed experts (`nvfp4_gemv_grouped`, `nvfp4_gemv_by_expert`). Measurements and
+the ncu analysis that led here: bench/NOTES.md "v4" to "v6" and sessions 9-12.
 """
 
 from __future__ import annotations
@@ -333,31 +331,10 @@ def _assemble(o_a, o_b, BN: gl.constexpr, HALF: gl.constexpr, LA: gl.constexpr, 
 
 
 @gluon.jit
-def _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt, K_SPLIT: gl.constexpr):
-    """The words and both scale sets of the K tile starting kt into this program's range (0 past its end)."""
-    more = kt < K_SPLIT
-    p = gl.load(w_ptr + w_off + kt // 8, mask=row_ok3 & more, other=0)
-    s_lo = gl.load(s_ptr + s_off + kt // 16, mask=row_ok2 & more, other=0)
-    s_hi = gl.load(s_ptr + s_off + (kt // 16 + 4), mask=row_ok2 & more, other=0)
-    return p, s_lo, s_hi
-
-
-@gluon.jit
-def _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr):
-    """The B operands of the K tile at kt: x columns of the low nibbles and of the high ones (64 further)."""
-    # x (a few KB, L1/L2-resident) is loaded when needed, not prefetched: it would double the registers
-    if K == K_PAD:
-        x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok, other=0.0)
-        x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=t_ok, other=0.0)
-    else:
-        x_lo = gl.load(x_ptr + x_off + kt, mask=t_ok & (k_start + kt + kx < K), other=0.0)
-        x_hi = gl.load(x_ptr + x_off + (kt + 64), mask=t_ok & (k_start + kt + kx + 64 < K), other=0.0)
-    return x_lo, x_hi
-
-
-@gluon.jit
 def _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr):
-    """_x_tile with the token index already clamped into x: masked only past K."""
+    """The B operands of the K tile at kt, the token index already clamped into x: x columns of the low
+    nibbles and of the high ones (64 further), masked only past K. x (a few KB, L1/L2-resident) is loaded
+    when needed, not staged: it would double the registers."""
     if K == K_PAD:
         x_lo = gl.load(x_ptr + x_off + kt)
         x_hi = gl.load(x_ptr + x_off + (kt + 64))
@@ -371,14 +348,6 @@ def _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K: gl.constexpr, K_PAD: gl.co
 def _gdc(ASM: gl.constexpr):
     """A grid-dependency-control instruction (programmatic dependent launch, sm_90+)."""
     gl.inline_asm_elementwise(ASM + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _globaltimer():
-    """The GPU's global nanosecond timer (32 ns steps on the H200: bench/probes/gemv_timeline.py)."""
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-    )
 
 
 @gluon.jit
@@ -442,143 +411,6 @@ def _mma_words(
 
 
 @gluon.jit
-def _tile(
-    acc, p, s_lo, s_hi, tab, x_ptr, x_off, kx, t_ok, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr,
-    BN: gl.constexpr, HALF: gl.constexpr, ASM: gl.constexpr, LA: gl.constexpr, DT: gl.constexpr,
-):  # fmt: skip
-    """acc += decode(tile) @ x(tile): two mma_v2 over the low- and high-nibble halves."""
-    x_lo, x_hi = _x_tile(x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD)
-    s_pair = gl.expand_dims(_scale_pair(s_lo, s_hi, tab[4], DT, ""), 2)
-    return _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
-
-
-@gluon.jit
-def _nvfp4_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    gs_ptr,
-    b_ptr,
-    y_ptr,
-    ws_ptr,
-    cnt_ptr,
-    tab_ptr,
-    M,
-    N,
-    stride_xm,
-    stride_ym,
-    K: gl.constexpr,
-    K_PAD: gl.constexpr,
-    SPLIT_K: gl.constexpr,
-    PER_COL_GS: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    EVEN_N: gl.constexpr,
-    BN: gl.constexpr,
-    BK: gl.constexpr,
-    BT: gl.constexpr,
-    DEPTH: gl.constexpr,
-    ASM: gl.constexpr,
-    MMA: gl.constexpr,
-    LA: gl.constexpr,
-    LW: gl.constexpr,
-    LB: gl.constexpr,
-):
-    HALF: gl.constexpr = BK // 2  # bytes per row per K tile
-    RUNS: gl.constexpr = HALF // 8
-    K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
-    N_TILES: gl.constexpr = K_SPLIT // BK
-    DT: gl.constexpr = x_ptr.dtype.element_ty
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    k_start = pid_k * K_SPLIT
-    tab = _load_tables(tab_ptr)
-
-    # ---- A side: words [BN, RUNS, 2] (w_ptr is the split128 bytes seen as int32) and each run's scales
-    L_S: gl.constexpr = gl.SliceLayout(2, LW)
-    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L_S))
-    runs = gl.arange(0, RUNS, layout=gl.SliceLayout(0, L_S))
-    wi = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
-    rows2 = gl.expand_dims(rows, 1)  # [BN, 1]
-    runs2 = gl.expand_dims(runs, 0)  # [1, RUNS]
-    if EVEN_N:
-        row_ok2 = gl.full([BN, RUNS], 1, gl.int1, layout=L_S)
-    else:
-        row_ok2 = (rows2 < N) & (runs2 >= 0)
-    # run r of the tile = bytes 8r..8r+7; chunk r // 8; its low nibbles' group = chunk * 8 + (r % 8) // 2
-    s_off = rows2.to(gl.int64) * (K_PAD // 16) + k_start // 16 + (runs2 // 8) * 8 + (runs2 % 8) // 2
-    w3 = gl.expand_dims(gl.expand_dims(wi, 0), 1)  # [1, 1, 2]
-    w_off = gl.expand_dims(rows2.to(gl.int64) * (K_PAD // 8) + k_start // 8 + runs2 * 2, 2) + w3
-    row_ok3 = gl.expand_dims(row_ok2, 2) & (w3 >= 0)
-
-    # ---- B side [HALF, BT]: x columns of the low nibbles (the high nibbles' are 64 further)
-    j = gl.arange(0, HALF, layout=gl.SliceLayout(1, LB))
-    t = gl.arange(0, BT, layout=gl.SliceLayout(0, LB))
-    kx = gl.expand_dims((j // 64) * 128 + j % 64, 1)  # [HALF, 1]
-    t2 = gl.expand_dims(t, 0)  # [1, BT]
-    x_off = t2.to(gl.int64) * stride_xm + k_start + kx
-    t_ok = (t2 < M) & (kx >= 0)
-
-    acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
-
-    # register ring of DEPTH tiles in flight: tile i is consumed, then the load of tile i + DEPTH is issued
-    # into its slot (masked off past the end of this program's K range)
-    p0, sl0, sh0 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, 0, K_SPLIT)
-    if DEPTH >= 2:
-        p1, sl1, sh1 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, BK, K_SPLIT)
-    if DEPTH >= 3:
-        p2, sl2, sh2 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, 2 * BK, K_SPLIT)
-    for it in range(0, N_TILES, DEPTH):
-        kt = it * BK
-        if DEPTH == 1:
-            p1, sl1, sh1 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + BK, K_SPLIT)
-        acc = _tile(
-            acc, p0, sl0, sh0, tab, x_ptr, x_off, kx, t_ok, k_start, kt, K, K_PAD, BN, HALF, ASM, LA, DT
-        )
-        if DEPTH == 1:
-            p0 = p1
-            sl0 = sl1
-            sh0 = sh1
-        else:
-            p0, sl0, sh0 = _load_tile(w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + DEPTH * BK, K_SPLIT)
-            if kt + BK < K_SPLIT:
-                acc = _tile(
-                    acc,
-                    p1,
-                    sl1,
-                    sh1,
-                    tab,
-                    x_ptr,
-                    x_off,
-                    kx,
-                    t_ok,
-                    k_start,
-                    kt + BK,
-                    K,
-                    K_PAD,
-                    BN,
-                    HALF,
-                    ASM,
-                    LA,
-                    DT,
-                )
-            p1, sl1, sh1 = _load_tile(
-                w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + (DEPTH + 1) * BK, K_SPLIT
-            )
-            if DEPTH >= 3:
-                if kt + 2 * BK < K_SPLIT:
-                    acc = _tile(
-                        acc, p2, sl2, sh2, tab, x_ptr, x_off, kx, t_ok, k_start, kt + 2 * BK, K, K_PAD, BN,
-                        HALF, ASM, LA, DT,
-                    )  # fmt: skip
-                p2, sl2, sh2 = _load_tile(
-                    w_ptr, s_ptr, w_off, s_off, row_ok3, row_ok2, kt + (DEPTH + 2) * BK, K_SPLIT
-                )
-
-    _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
-              HAS_BIAS, BN, BT, MMA)  # fmt: skip
-
-
-@gluon.jit
 def _issue_tile(
     smem_w, smem_s, w_src, s_src, ok_w, ok_s, tile, N_TILES: gl.constexpr, BK: gl.constexpr,
     TILED: gl.constexpr, IN_RANGE: gl.constexpr = False,
@@ -598,11 +430,11 @@ def _issue_tile(
 
 @gluon.jit
 def _async_step(
-    acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
+    acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
     K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
-    HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ACC2: gl.constexpr,
-    ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
-    DT: gl.constexpr, SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
+    HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ASM: gl.constexpr,
+    SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr, DT: gl.constexpr,
+    SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
 ):  # fmt: skip
     """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
     the caller's loop only runs while that tile exists), decode, two mma."""
@@ -632,13 +464,7 @@ def _async_step(
         s_lo = sw.slice(0, 4, 1).load(L_G)
         s_pair = _scale_pair(s_lo, sw.slice(4, 4, 1).load(L_G), tab[4], DT, SCALE_ASM)
     s_pair = gl.expand_dims(gl.expand_dims(s_pair, 2), 3)
-    if ACC2:  # two accumulator chains (low / high nibble halves): half the dependent mma latency
-        a_lo, a_hi = _decode_operands(p, s_pair, tab, BN, HALF, ASM, LA, DT)
-        acc = mma_v2(a_lo, x_lo, acc)
-        acc2 = mma_v2(a_hi, x_hi, acc2)
-    else:
-        acc = _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
-    return acc, acc2
+    return _mma_words(acc, p, s_pair, tab, x_lo, x_hi, BN, HALF, ASM, LA, DT)
 
 
 @gluon.jit
@@ -648,13 +474,12 @@ def _nvfp4_gemv_async_kernel(
     HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
     ASM: gl.constexpr, SCALE_ASM: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr,
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
-    ACC2: gl.constexpr, OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None,
-    stamp_ptr=None, STAMP: gl.constexpr = False, ids_ptr=None, n_experts=0, slot_div=1, w_estride=0,
-    s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None, BYEXP: gl.constexpr = False,
+    OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None, ids_ptr=None, n_experts=0,
+    slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None,
+    BYEXP: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
-    K tiles (128 wide) in flight per warp without holding registers (the register-prefetch kernel above
-    keeps one tile in flight; deeper register rings cost occupancy).
+    K tiles (128 wide) in flight per warp without holding registers.
     GROUPED (`nvfp4_gemv_grouped`): grid axis 2 is the pick s: one token row x[s // slot_div] times expert
     ids[s]'s weights (w / s / gs_ptr + ids[s] * their expert strides) into y row s; an id outside
     [0, n_experts) copies no weights (zero-filled: y row s = 0).
@@ -669,9 +494,6 @@ def _nvfp4_gemv_async_kernel(
     DT: gl.constexpr = x_ptr.dtype.element_ty
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
-    if STAMP:  # measurement only (stamps=): [program, (entry, after the wait, after the K loop, end, SM)]
-        stamp_ptr += (pid_k * gl.num_programs(0) + pid_n).to(gl.int64) * 5
-        gl.store(stamp_ptr, _globaltimer())
     hit = True
     if GROUPED:
         if PDL:  # the ids are the previous kernel's output (routing): wait before reading them
@@ -750,41 +572,27 @@ def _nvfp4_gemv_async_kernel(
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
     if PDL and not GROUPED:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
         _gdc("griddepcontrol.wait;")
-    if STAMP:
-        gl.store(stamp_ptr + 1, _globaltimer())
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
-    acc2 = gl.zeros([BN, BT], gl.float32, layout=MMA)
     # the loop is split where the refills stop, so neither part tests whether a tile exists
     MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
     for i in range(MAIN):
-        acc, acc2 = _async_step(
-            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
-            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
+        acc = _async_step(
+            acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
         )  # fmt: skip
     for i in range(MAIN, N_TILES):
-        acc, acc2 = _async_step(
-            acc, acc2, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
-            N_TILES, BK, BN, HALF, STAGES, TILED, ACC2, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
+        acc = _async_step(
+            acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
         )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
-    if STAMP:
-        gl.store(stamp_ptr + 2, _globaltimer())
     async_copy.wait_group(0)
-    if ACC2:
-        acc += acc2
     if OUT_SCALE != 1.0:
         acc = acc * OUT_SCALE
 
     _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
               HAS_BIAS, BN, BT, MMA, grp_ptr, BYEXP)  # fmt: skip
-    if STAMP:
-        _cta_barrier()
-        gl.store(stamp_ptr + 3, _globaltimer())
-        smid = gl.inline_asm_elementwise(
-            "mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.store(stamp_ptr + 4, smid.to(gl.int64))
 
 
 @gluon.jit
@@ -867,51 +675,40 @@ def nvfp4_gemv(
     bias: torch.Tensor | None = None,
     *,
     num_warps: int = 1,
-    block_k: int = 512,
     split_k: int = 1,
-    depth: int = 2,
+    stages: int = 2,
     maxnreg: int | None = None,
-    stages: int = 0,
     tiled: bool = False,
     rows: int | None = None,
-    acc2: bool = False,
     pdl: bool | None = None,
-    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
-    weight / scale_u8: the split128 layout (`repack_split128`). One program covers 16 * num_warps rows and
-    K_pad / split_k columns, in tiles of block_k (lowered to a multiple of 128 dividing that range), with
-    `depth` (1-3) tiles of loads in flight per warp.
-    The token tile is 8, 16 or 32 wide (the mma n dimension), the smallest that holds M.
-    maxnreg: the register cap handed to ptxas; None: 168 / 192 / 232 for token tiles 8 / 16 / 32 (ptxas' own
-    cap for a 1-warp program is 128, which spilled the block_k 256 kernel; it needs ~165 / ~187 / ~181).
-    stages >= 2: the cp.async kernel instead (block_k 128, `stages` - 1 tiles in flight through shared memory;
-    depth is ignored). tiled: weight / scale_u8 are in the `tile_split128` layout (cp.async kernel only),
-    whose rows are padded to 16; rows: the real row count N then.
-    pdl (cp.async kernel): programmatic dependent launch. The launch may start while the previous kernel on
-    the stream drains: its programs stage their first weight tile, then wait (griddepcontrol.wait) for the
-    previous kernel to finish before reading x or writing anything; and once every program of this launch has
-    left its K loop, the next launch may start (its prologue overlaps this one's split-K reduction). Weights,
-    scales and tables are read before the wait, so they must not be written by the kernel just before. None:
-    on where supported (sm_90+): 1.0-1.1 us less per back-to-back launch at M = 1 (H200, bench/RESULTS.md).
-    stamps (measurement only, cp.async kernel): int64 [split_k * row blocks, 5] that each program (pid_k *
-    row blocks + pid_n) fills with %globaltimer at entry, after the PDL wait, after its K loop and at its end,
-    then its SM id (bench/probes/gemv_timeline.py).
+    weight / scale_u8: the split128 layout (`repack_split128`), or with `tiled` the `tile_split128` layout
+    (sm_89+), whose rows are padded to 16; rows: the real row count N then. One program covers 16 *
+    num_warps rows and K_pad / split_k columns in 128-wide tiles, `stages` (>= 2) shared-memory slots
+    (stages - 1 tiles in flight). The token tile is 8, 16 or 32 wide (the mma n dimension), the smallest
+    that holds M.
+    maxnreg: the register cap handed to ptxas; None: MAXNREG of the token tile.
+    pdl: programmatic dependent launch. The launch may start while the previous kernel on the stream
+    drains: its programs stage their first weight tiles, then wait (griddepcontrol.wait) for the previous
+    kernel to finish before reading x or writing anything; and once every program of this launch has left
+    its K loop, the next launch may start (its prologue overlaps this one's split-K reduction). Weights,
+    scales and tables are read before the wait, so they must not be written by the kernel just before.
+    None: on where supported (sm_90+): 1.0-1.1 us less per back-to-back launch at M = 1 (H200,
+    bench/RESULTS.md).
     """
     from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
 
     n = _check(x, weight, scale_u8, global_scale, x.shape[-1], None if tiled else bias)
     # sm_89+: cvt.f16x2.e4m3x2 converts a run's two scale bytes in one instruction
     cap = torch.cuda.get_device_capability(x.device)
-    sm89 = bool(stages) and cap >= (8, 9)
+    sm89 = cap >= (8, 9)
     if pdl is None:
-        pdl = bool(stages) and cap >= (9, 0)
-    elif pdl and (not stages or cap < (9, 0)):
-        raise ValueError("nvfp4_gemv: pdl needs the cp.async kernel (stages >= 2) on sm_90+")
+        pdl = cap >= (9, 0)
+    elif pdl and cap < (9, 0):
+        raise ValueError("nvfp4_gemv: pdl needs sm_90+")
     if tiled:
-        if not stages:
-            raise ValueError("nvfp4_gemv: the tiled layout needs the cp.async kernel (stages >= 2)")
         if n % 16 or (rows is not None and not n - 16 < rows <= n):
             raise ValueError(f"nvfp4_gemv: a tiled weight has rows padded to 16: {n} rows for N={rows}")
         if not sm89:
@@ -924,81 +721,27 @@ def nvfp4_gemv(
         raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
     if m > 32:
         raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
-    if stamps is not None and not stages:
-        raise ValueError("nvfp4_gemv: stamps are written by the cp.async kernel only (stages >= 2)")
-    if stages == 1 or stages < 0:
-        raise ValueError(f"nvfp4_gemv: stages={stages}, expected 0 (register prefetch) or >= 2")
-    if depth not in (1, 2, 3):
-        raise ValueError(f"nvfp4_gemv: depth={depth}, expected 1, 2 or 3")
+    if stages < 2:
+        raise ValueError(f"nvfp4_gemv: stages={stages}, expected >= 2 shared-memory slots")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     k_pad = weight.shape[1] * 2
-    chunks = k_pad // CHUNK
-    split_k = largest_divisor(chunks, split_k)
-    per_split = chunks // split_k  # 128-wide chunks per program
-    bk_chunks = 1 if stages else largest_divisor(per_split, block_k // CHUNK)
-    bk = bk_chunks * CHUNK
-    bn = 16 * num_warps
+    split_k = largest_divisor(k_pad // CHUNK, split_k)
     bt = 8 if m <= 8 else 16 if m <= 16 else 32
-    grid_n = triton.cdiv(n, bn)
-    per_col = global_scale.numel() != 1  # _check: one global scale or one per row
+    grid_n = triton.cdiv(n, 16 * num_warps)
     if split_k > 1:
-        ws = torch.empty((split_k, grid_n * bn, bt), dtype=torch.float32, device=x.device)
+        ws = torch.empty((split_k, grid_n * 16 * num_warps, bt), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, grid_n)
     else:
         ws = cnt = y
-    if stages:
-        scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
-        common = (
-            x,
-            weight.view(torch.int32),
-            scales,
-            global_scale,
-            bias if bias is not None else global_scale,
-        )
-        if stamps is not None and (stamps.dtype != torch.int64 or stamps.numel() < 5 * grid_n * split_k):
-            raise ValueError(f"nvfp4_gemv: stamps must be int64 with >= {5 * grid_n * split_k} elements")
-        _launch_async(
-            (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled,
-            sm89, pdl, maxnreg, per_col, bias is not None, acc2=acc2, stamp_ptr=stamps,
-            STAMP=stamps is not None,
-        )  # fmt: skip
-        return y
-    tab = decode_tables(x.device, "bf16" if x.dtype == torch.bfloat16 else "fp16")
-    mma, la, lw, lb = gemv_layouts(num_warps, bn, bk, bt)
-    _nvfp4_gemv_kernel[(grid_n, split_k)](
-        x,
-        weight.view(torch.int32),
-        scale_u8,
-        global_scale,
-        bias if bias is not None else global_scale,
-        y,
-        ws,
-        cnt,
-        tab,
-        m,
-        n,
-        x.stride(0),
-        y.stride(0),
-        K=k,
-        K_PAD=k_pad,
-        SPLIT_K=split_k,
-        PER_COL_GS=per_col,
-        HAS_BIAS=bias is not None,
-        EVEN_N=n % bn == 0,
-        BN=bn,
-        BK=bk,
-        BT=bt,
-        DEPTH=depth,
-        ASM=_ASM_BF16 if x.dtype == torch.bfloat16 else _ASM_FP16,
-        MMA=mma,
-        LA=la,
-        LW=lw,
-        LB=lb,
-        num_warps=num_warps,
-        maxnreg=maxnreg or MAXNREG[bt],
-    )
+    scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
+    common = (x, weight.view(torch.int32), scales, global_scale, bias if bias is not None else global_scale)
+    per_col = global_scale.numel() != 1  # _check: one global scale or one per row
+    _launch_async(
+        (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled, sm89,
+        pdl, maxnreg, per_col, bias is not None,
+    )  # fmt: skip
     return y
 
 
@@ -1154,11 +897,10 @@ def _launch_grouped(
 def _launch_async(
     grid: tuple[int, ...], common: tuple, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor, m: int,
     n: int, k: int, k_pad: int, split_k: int, num_warps: int, bt: int, stages: int, tiled: bool, sm89: bool,
-    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, acc2: bool = False, **extra,
+    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, **extra,
 ) -> None:  # fmt: skip
     """Launch the cp.async kernel: the decoder (tiled128 shifts or split128 byte permutes) and its scale
-    conversion for x's dtype, the layouts of the program shape; `extra`: the stamps or the grouped
-    arguments."""
+    conversion for x's dtype, the layouts of the program shape; `extra`: the grouped arguments."""
     x = common[0]
     bf16 = x.dtype == torch.bfloat16
     if tiled:
@@ -1174,6 +916,6 @@ def _launch_async(
         y.stride(0),
         K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=has_bias, EVEN_N=n % bn == 0, BN=bn,
         BT=bt, STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs,
-        SMEM=smem, TILED=tiled, ACC2=acc2, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
+        SMEM=smem, TILED=tiled, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
         num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl, **extra,
     )  # fmt: skip

@@ -153,7 +153,6 @@ def _nvfp4_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,
-    SWAP_AB: tl.constexpr,
 ):
     G: tl.constexpr = BK // 32  # 16-byte groups per tile; each holds 16 low-nibble and 16 high-nibble weights
     K_SPLIT: tl.constexpr = K_PAD // SPLIT_K  # the wrapper makes it a multiple of BK
@@ -181,12 +180,7 @@ def _nvfp4_gemm_kernel(
     s_ptrs = s_ptr + rows_n * (K_PAD // 16) + k_start // 16 + sg_lo[None, :, None]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + k_start + k_lo[None, :, :]
 
-    # SWAP_AB computes y^T = W x^T: the decoded tile is the register (A) operand, so on sm90 it can feed
-    # wgmma directly instead of round-tripping through shared memory as the B operand does
-    if SWAP_AB:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(0, K_SPLIT, BK):
         k0 = k_start + kt
         p = tl.load(w_ptrs, mask=mask_n[:, None, None], other=0)
@@ -203,18 +197,12 @@ def _nvfp4_gemm_kernel(
         w_lo, w_hi = _decode_split(p, s_lo, s_hi, x_ptr.dtype.element_ty, DECODE)
         w_lo = tl.reshape(w_lo, (BN, BK // 2))
         w_hi = tl.reshape(w_hi, (BN, BK // 2))
-        if SWAP_AB:
-            acc = tl.dot(w_lo, tl.trans(x_lo), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(w_hi, tl.trans(x_hi), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
         w_ptrs += BK // 2
         s_ptrs += BK // 16
         x_ptrs += BK
 
-    if SWAP_AB:
-        acc = tl.trans(acc)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
         # fp32 partial sums [SPLIT_K, M, N]; _split_k_epilogue adds them and applies the scales
@@ -399,7 +387,6 @@ def nvfp4_gemm(
     num_stages: int = 3,
     decode: int = 0,
     split_k: int = 1,
-    swap_ab: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) with one fixed launch configuration.
 
@@ -450,7 +437,6 @@ def nvfp4_gemm(
         GROUP_M=group_m,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DECODE=decode,
-        SWAP_AB=swap_ab,
         num_warps=num_warps,
         num_stages=num_stages,
     )
