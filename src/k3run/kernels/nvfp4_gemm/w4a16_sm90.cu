@@ -10,8 +10,8 @@
 //
 // The product is the swapped one of the Gluon kernel: acc[n, t] = sum_k W[n, k] x[t, k]; the weights are
 // wgmma's A operand (64 rows per consumer warpgroup), a tile of BT tokens its B operand (K-major, 128-byte
-// swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and one producer warpgroup whose one
-// thread issues bulk copies (cp.async.bulk, completion on an mbarrier) into a ring of STAGES slots; a slot
+// swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and a producer (one warp beside one
+// consumer warpgroup, a warpgroup beside two: cta_threads) whose one thread issues bulk copies (cp.async.bulk, completion on an mbarrier) into a ring of STAGES slots; a slot
 // holds one 128-wide K chunk: x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the tiled128
 // words of NWG * 4 16-row blocks (1 KB each) and their scale bytes (128 B each).
 // Consumer thread (warp w of its warpgroup, lane = 4g + t) owns weight rows 16w + g and 16w + g + 8 and words
@@ -113,10 +113,25 @@ __device__ __forceinline__ void consumer_sync(int threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
 }
 
-// K-major B operand in the 128-byte swizzle: rows of 128 B, 8-row atoms 1024 B apart (SBO), LBO unused.
-__device__ __forceinline__ uint64_t b_desc(const void* p) {
-  uint64_t addr = smem_u32(p);
+// K-major B operand in the 128-byte swizzle: rows of 128 B, 8-row atoms 1024 B apart (SBO), LBO unused;
+// `addr` a shared-window address (smem_u32).
+__device__ __forceinline__ uint64_t b_desc(uint32_t addr) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// Shared-memory loads from 32-bit shared-window addresses (LDS, not the generic path's 64-bit LD).
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t lds16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 // The scale pair of a thread's 4 words (low nibbles' E4M3 scale in the low byte): (sl, sh) = each scale
@@ -187,28 +202,43 @@ struct Smem {
   static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
 };
 
+// The consumer's view of the ring as shared-window addresses: slot 0's x, this thread's words and scales
+// (already offset to its rows and columns), the barriers.
 struct Ring {
-  uint8_t* xs;
-  uint8_t* wsm;
-  uint8_t* ssm;
+  uint32_t x0, w0, s0;
   uint64_t* full;
   uint64_t* empty;
-  int stages, w_off0, w_off1, s_off0, s_off1, lane;
+  int stages, lane;
 };
 
-// Chunk c on the consumer side, decoding into the A set `a` (the other set may still be read by chunk c - 1's
-// wgmma): wait for the slot, decode, issue, keep only this chunk's group in flight, release chunk c - 1's slot.
+// The slot and phase of the next chunk, kept incrementally (a division by the runtime ring depth per chunk
+// cost ~15 instructions).
+struct Slot {
+  int st = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance(int stages) {
+    if (++st == stages) {
+      st = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Chunk c (in slot `sl`) on the consumer side, decoding into the A set `a` (the other set may still be read by
+// chunk c - 1's wgmma): wait for the slot, decode, issue, keep only this chunk's group in flight, release
+// chunk c - 1's slot.
 template <int BT, int NWG, bool BF16>
-__device__ __forceinline__ void consume(const Ring& r, int c, float (&acc)[BT / 2], uint32_t (&a)[32]) {
+__device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, float (&acc)[BT / 2],
+                                        uint32_t (&a)[32]) {
   using SM = Smem<BT, NWG>;
-  const int st = c % r.stages;
-  mbar_wait(&r.full[st], (c / r.stages) & 1);
-  const uint8_t* wb = r.wsm + st * SM::W;
-  const uint8_t* sb = r.ssm + st * SM::S;
-  const uint4 q0 = *reinterpret_cast<const uint4*>(wb + r.w_off0);
-  const uint4 q1 = *reinterpret_cast<const uint4*>(wb + r.w_off1);
-  const uint32_t s0 = *reinterpret_cast<const uint16_t*>(sb + r.s_off0);
-  const uint32_t s1 = *reinterpret_cast<const uint16_t*>(sb + r.s_off1);
+  const int st = sl.st;
+  mbar_wait(&r.full[st], sl.phase);
+  const uint32_t wb = r.w0 + st * SM::W;
+  const uint32_t sb = r.s0 + st * SM::S;
+  const uint4 q0 = lds128(wb);
+  const uint4 q1 = lds128(wb + 8 * 64);  // rows g + 8
+  const uint32_t s0 = lds16(sb);
+  const uint32_t s1 = lds16(sb + 8 * 8);
   uint32_t sl0, sh0, sl1, sh1;
   scale_pair<BF16>(s0, sl0, sh0);
   scale_pair<BF16>(s1, sl1, sh1);
@@ -232,7 +262,7 @@ __device__ __forceinline__ void consume(const Ring& r, int c, float (&acc)[BT / 
   fence_regs(a);
   fence_regs(acc);
   wgmma_fence();
-  const uint8_t* xb = r.xs + st * SM::X;
+  const uint32_t xb = r.x0 + st * SM::X;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const uint64_t desc = b_desc(xb + (k / 4) * (BT * 128) + (k % 4) * 32);
@@ -243,12 +273,28 @@ __device__ __forceinline__ void consume(const Ring& r, int c, float (&acc)[BT / 
   fence_regs(acc);
   if (c > 0) {
     __syncwarp();
-    if (r.lane == 0) mbar_arrive(&r.empty[(c - 1) % r.stages]);
+    if (r.lane == 0) mbar_arrive(&r.empty[st == 0 ? r.stages - 1 : st - 1]);
   }
 }
 
+// Threads of a CTA: NWG consumer warpgroups, then the producer. With two consumer warpgroups the producer is a
+// whole warpgroup (setmaxnreg, which moves its registers to the consumers, acts on warpgroups); with one it is
+// a single warp, so a CTA holds 5 warps and more CTAs fit an SM: the consumers' decode is latency-bound with
+// ~2 warps a scheduler (bench/NOTES.md session 32, ncu), and 3 CTAs of 160 threads fit where 2 of 256 did.
+template <int NWG>
+constexpr int cta_threads() {
+  return NWG == 1 ? 160 : (NWG + 1) * 128;
+}
+// CTAs an SM asked of ptxas (it caps the registers to fit them): 3 for one consumer warpgroup up to BT 64
+// (<= 136 registers; 99-122 used), one otherwise. Asking 4 at BT 16 (<= 102) made ptxas serialize the wgmma
+// for registers (C7512).
+template <int BT, int NWG>
+constexpr int min_ctas() {
+  return NWG == 1 && BT <= 64 ? 3 : 1;
+}
+
 template <int BT, int NWG, bool BF16>
-__global__ void __launch_bounds__((NWG + 1) * 128, 1)
+__global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
@@ -281,16 +327,17 @@ __global__ void __launch_bounds__((NWG + 1) * 128, 1)
   }
   __syncthreads();
 
-  if (wg == NWG) {  // ---- producer warpgroup: one thread issues every copy
+  if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads): one thread issues every copy
     if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == NWG * 128) {
       const int rb0 = pid_n * NWG * 4;
       const int nrb = min(NWG * 4, row_blocks - rb0);
       const uint32_t bytes = SM::X + nrb * (1024 + 128);
       const uint8_t* xsrc = xt + (size_t(pid_t) * CH + c0) * SM::X;
-      for (int c = 0; c < nch; ++c) {
-        const int st = c % stages;
-        if (c >= stages) mbar_wait(&empty[st], ((c / stages) & 1) ^ 1);
+      Slot sl;
+      for (int c = 0; c < nch; ++c, sl.advance(stages)) {
+        const int st = sl.st;
+        if (c >= stages) mbar_wait(&empty[st], sl.phase ^ 1u);
         mbar_expect_tx(&full[st], bytes);
         bulk_g2s(xs + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, &full[st]);
         for (int rb = 0; rb < nrb; ++rb) {
@@ -309,25 +356,26 @@ __global__ void __launch_bounds__((NWG + 1) * 128, 1)
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int rb = wg * 4 + warp;  // this warp's 16-row block within the CTA
-  const int w_off0 = rb * 1024 + g * 64 + t * 16;
-  const int w_off1 = w_off0 + 8 * 64;
-  const int s_off0 = rb * 128 + g * 8 + 4 * (t & 1) + 2 * (t >> 1);
-  const int s_off1 = s_off0 + 8 * 8;
+  const int w_off0 = rb * 1024 + g * 64 + t * 16;                     // rows g (+ 8 * 64: rows g + 8)
+  const int s_off0 = rb * 128 + g * 8 + 4 * (t & 1) + 2 * (t >> 1);  // (+ 8 * 8: rows g + 8)
 
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
   uint32_t a0[32], a1[32];
 
-  const Ring ring{xs, wsm, ssm, full, empty, stages, w_off0, w_off1, s_off0, s_off1, lane};
+  const Ring ring{smem_u32(xs), smem_u32(wsm) + w_off0, smem_u32(ssm) + s_off0, full, empty, stages, lane};
   // pairs of chunks, then an odd chunk count's last one: a conditional second half inside the loop made ptxas
   // serialize every wgmma (C7513)
   int c = 0;
+  Slot sl;
   for (; c + 1 < nch; c += 2) {
-    consume<BT, NWG, BF16>(ring, c, acc, a0);
-    consume<BT, NWG, BF16>(ring, c + 1, acc, a1);
+    consume<BT, NWG, BF16>(ring, c, sl, acc, a0);
+    sl.advance(stages);
+    consume<BT, NWG, BF16>(ring, c + 1, sl, acc, a1);
+    sl.advance(stages);
   }
-  if (c < nch) consume<BT, NWG, BF16>(ring, c, acc, a0);
+  if (c < nch) consume<BT, NWG, BF16>(ring, c, sl, acc, a0);
   wgmma_wait<0>();
   fence_regs(acc);
 
@@ -436,7 +484,7 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   }
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   dim3 grid(n_tiles * t_tiles, split);
-  kern<<<grid, (NWG + 1) * 128, smem, stream>>>(
+  kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
       static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), gs.data_ptr<float>(),
       gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
       split > 1 ? ws.data_ptr<float>() : nullptr, split > 1 ? cnt.data_ptr<int>() : nullptr, M, N,

@@ -128,24 +128,37 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SM_SMEM = 228 * 1024  # an sm_90 SM's shared memory, shared by its resident CTAs
+# CTAs an SM the kernel is compiled for (min_ctas in the .cu file): 3 with one consumer warpgroup up to BT 64
+CTAS_PER_SM_SMALL_BT = 3
+
+
 @functools.cache
 def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs: token tiles of
-    the smallest BT >= M up to 128 (a 256-token tile needs one warpgroup, 64 weight rows a CTA, and then
-    every CTA reads all of x from the L2: 112 x 3.7 MB at 7168 x 7168, by estimate as long as the MMA at the
-    L2's bandwidth), two consumer warpgroups (128 weight rows a CTA), the smallest split_k dividing the
-    chunks that gives every SM a CTA within one wave (one CTA an SM: the kernel holds its registers and most
-    of the shared memory), and the deepest ring that fits (<= 8 slots). Not yet fitted to measurements."""
+    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs.
+
+    One consumer warpgroup (64 weight rows a CTA): the best config of run 123's sweep in all 8 cells
+    (7168x7168, 12288x7168 at M = 16 / 32 / 64 / 256) had one. The smallest token tile >= M (up to 256);
+    up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
+    more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
+    shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
+    The occupancy rule follows the 160-thread CTA of session 32, not yet measured on a GPU."""
     chunks = -(-k // 128)
-    bt = next((b for b in TOKEN_TILES if b >= m), 128) if m <= 128 else 128
-    nwg = 2
+    bt = next(b for b in TOKEN_TILES if b >= min(m, 256))
+    nwg = 1
+    per_sm = CTAS_PER_SM_SMALL_BT if bt <= 64 else 1
+    while per_sm > 1 and per_sm * smem_bytes(bt, nwg, 2) > SM_SMEM:
+        per_sm -= 1
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
-    split = next((d for d in _divisors(chunks) if tiles * d >= sms or d * 2 > chunks), chunks)
-    if tiles * split > sms:  # past one wave: the largest split that stays in it, if any
-        within = [d for d in _divisors(chunks) if tiles * d <= sms]
-        split = max(within) if within else 1
+    within = [d for d in _divisors(chunks) if tiles * d <= per_sm * sms]
+    split = max(within) if within else 1
     stages = 2
-    while stages < 8 and stages < chunks // split + 2 and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT:
+    while (
+        stages < 8
+        and stages < chunks // split + 2
+        and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT
+        and per_sm * smem_bytes(bt, nwg, stages + 1) <= SM_SMEM
+    ):
         stages += 1
     return bt, nwg, split, stages
 
