@@ -6,8 +6,8 @@
 #   kda     bench/bench_kda.py (fla chunk_kda / fused_recurrent_kda vs the fp32 reference)
 #   gemv    bench/bench_gemv.py (the Gluon NVFP4 decode kernel's launch sweep; GEMV_ARGS adds options)
 #   linear  bench/bench_linear.py (NVFP4, FP8_PB_WO, NVFP4->FP8; LINEAR_ARGS adds options, e.g. --sweep)
-#   probe   bench/probe_scaled_mm.py (which K block-wise torch._scaled_mm gets right)
-#   host    bench/probe_host_overhead.py (eager vs CUDA-graph time of small calls: KDA decode, NVFP4 M=1)
+#   probe   bench/probes/scaled_mm.py (which K block-wise torch._scaled_mm gets right)
+#   host    bench/probes/host_overhead.py (eager vs CUDA-graph time of small calls: KDA decode, NVFP4 M=1)
 #   model   the bundled model through `k3run bench` on CUDA (graphs, then --eager) and bench/probe_graph_step.py
 #   engine  bench/probe_graph_step.py on a K3-shaped model (bench/k3_shaped.py: 4 layers, 128 local experts,
 #           decode overlap on; run the script itself with --compare-overlap for off vs on)
@@ -58,8 +58,8 @@ for stage in "${stages[@]}"; do
         | tee "$OUT/bench_gemv_stdout.txt" | grep -v '^{' | grep -v '^  ' ;;
     linear) timeout 500 python3 bench/bench_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
         | tee "$OUT/bench_linear_stdout.txt" | grep -v '^{' ;;
-    probe) python3 bench/probe_scaled_mm.py >"$OUT/probe_scaled_mm.txt" 2>&1; tail -5 "$OUT/probe_scaled_mm.txt" ;;
-    host) timeout 200 python3 bench/probe_host_overhead.py 2>&1 | tee "$OUT/probe_host.txt" | tail -8 ;;
+    probe) python3 bench/probes/scaled_mm.py >"$OUT/probe_scaled_mm.txt" 2>&1; tail -5 "$OUT/probe_scaled_mm.txt" ;;
+    host) timeout 200 python3 bench/probes/host_overhead.py 2>&1 | tee "$OUT/probe_host.txt" | tail -8 ;;
     model) for mode in "" --eager; do  # decode from CUDA graphs, then eagerly
             timeout 200 python3 -m k3run.cli bench assets/default-model-k3-mixed --device cuda --dtype bf16 \
                 --batch-sizes 1,8 --prompt-len 64 --decode-tokens 64 --no-progress $mode 2>&1 \

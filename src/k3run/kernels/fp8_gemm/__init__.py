@@ -28,7 +28,7 @@ FP8_GEMV_MAX_M = 16
 
 
 def scaled_mm_shape_ok(k: int) -> bool:
-    """Measured on an H200 (torch 2.11+cu130, bench/probe_scaled_mm.py): block-wise _scaled_mm is exact for
+    """Measured on an H200 (torch 2.11+cu130, bench/probes/scaled_mm.py): block-wise _scaled_mm is exact for
     K = 7168 (56 scale columns) but returns garbage for K = 640 and 768 (5 and 6 scale columns), with or
     without padding or bias. Only K/128 divisible by 4 is trusted; other K use the Triton GEMM."""
     return k % 512 == 0

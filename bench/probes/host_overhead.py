@@ -1,11 +1,15 @@
-"""How much of a small call's time is host work: eager back-to-back calls (do_bench: the GPU waits whenever
-the host is slower) against the same call replayed from a CUDA graph (no host work), per call.
+"""Question: how much of a small call's time is host work: eager back-to-back calls (do_bench: the GPU waits
+whenever the host is slower) against the same call replayed from a CUDA graph (no host work), per call?
 
-    PYTHONPATH=src python bench/probe_host_overhead.py
+    PYTHONPATH=src python bench/probes/host_overhead.py
 
 Cases: fla's fused recurrent KDA through our kda_forward (K3 layer: H = 96, K = V = 128) at B = 1, 16, 64, and
 the NVFP4 linear at M = 1 on 7168 x 7168 (the Gluon decode kernel). A ratio well above 1 means the eager time
 is the host's, and an engine decode step needs graph capture to see the kernel's speed.
+
+Answer (H200, bench/RESULTS.md run 10): eager / graph 21.3x for the KDA step at B = 1 (191 against 9 us),
+2.8x at B = 16, 1.1x at B = 64, 3.5x for the NVFP4 GEMV at M = 1: decode steps are host-bound eagerly, which
+led to the CUDA-graph decode (engine/runner.py GraphDecoder).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 from bench_kda import inputs  # noqa: E402
 from common import graph_ms  # noqa: E402
 

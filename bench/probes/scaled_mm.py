@@ -1,11 +1,16 @@
-"""Which block-wise torch._scaled_mm calls are exact on this GPU (issue 6 section 3: verify the layout).
+"""Question: which block-wise torch._scaled_mm calls are exact on this GPU (issue 6 section 3: verify the
+layout)?
 
 For each (N, K, M) it quantizes a random weight to 128x128 FP8 blocks (zero-padded to N_pad rows) and x to
 1x128 groups, runs _scaled_mm with the weight scales transposed and the activation scales outer-dim-major,
 reading N_pad rows or only ceil16(N) rows, with and without a bias, and prints the relative RMS error
 against the fp32 product of the dequantized operands (bf16 output: ~2e-3 expected).
 
-    PYTHONPATH=src python bench/probe_scaled_mm.py
+    PYTHONPATH=src python bench/probes/scaled_mm.py
+
+Answer (H200, torch 2.11+cu130, bench/RESULTS.md run 3): exact for K = 7168 (56 scale columns), garbage for
+K = 640 and 768 (5 and 6 scale columns) with or without padding or bias; `kernels.fp8_gemm.scaled_mm_shape_ok`
+trusts only K / 128 divisible by 4 and sends other K to the Triton GEMM.
 """
 
 from __future__ import annotations
