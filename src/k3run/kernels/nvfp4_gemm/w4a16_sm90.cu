@@ -49,14 +49,14 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {  // bar: a shared-window address
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
 // Spins on an mbarrier phase. A wait longer than 10 s (read from %globaltimer every 1024 polls; any copy or
 // wgmma takes microseconds) traps, so a protocol error fails the launch ("unspecified launch failure") instead
 // of hanging the GPU.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {  // bar: a shared-window address
   uint32_t done, polls = 0;
   uint64_t t0 = 0;
   do {
@@ -73,7 +73,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         "selp.u32 %0, 1, 0, p;\n}"
         : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
+        : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
 }
@@ -202,12 +202,12 @@ struct Smem {
   static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
 };
 
-// The consumer's view of the ring as shared-window addresses: slot 0's x, this thread's words and scales
-// (already offset to its rows and columns), the barriers.
+// The consumer's view of the ring as shared-window addresses (converting a generic pointer each chunk cost
+// ~12 instructions): this thread's words and scales of slot 0 (already offset to its rows and columns), the
+// barriers, and slot 0's B descriptor (a slot's is it plus the slot's offset / 16).
 struct Ring {
-  uint32_t x0, w0, s0;
-  uint64_t* full;
-  uint64_t* empty;
+  uint32_t w0, s0, full, empty;
+  uint64_t desc0;
   int stages, lane;
 };
 
@@ -232,7 +232,7 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
                                         uint32_t (&a)[32]) {
   using SM = Smem<BT, NWG>;
   const int st = sl.st;
-  mbar_wait(&r.full[st], sl.phase);
+  mbar_wait(r.full + 8 * st, sl.phase);
   const uint32_t wb = r.w0 + st * SM::W;
   const uint32_t sb = r.s0 + st * SM::S;
   const uint4 q0 = lds128(wb);
@@ -262,10 +262,10 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   fence_regs(a);
   fence_regs(acc);
   wgmma_fence();
-  const uint32_t xb = r.x0 + st * SM::X;
+  const uint64_t xdesc = r.desc0 + uint32_t(st * SM::X) / 16;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    const uint64_t desc = b_desc(xb + (k / 4) * (BT * 128) + (k % 4) * 32);
+    const uint64_t desc = xdesc + ((k / 4) * (BT * 128) + (k % 4) * 32) / 16;
     Wgmma<BT, BF16>::mma(acc, a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3], desc);
   }
   wgmma_commit();
@@ -273,7 +273,7 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   fence_regs(acc);
   if (c > 0) {
     __syncwarp();
-    if (r.lane == 0) mbar_arrive(&r.empty[st == 0 ? r.stages - 1 : st - 1]);
+    if (r.lane == 0) mbar_arrive(r.empty + 8 * (st == 0 ? r.stages - 1 : st - 1));
   }
 }
 
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
       Slot sl;
       for (int c = 0; c < nch; ++c, sl.advance(stages)) {
         const int st = sl.st;
-        if (c >= stages) mbar_wait(&empty[st], sl.phase ^ 1u);
+        if (c >= stages) mbar_wait(smem_u32(&empty[st]), sl.phase ^ 1u);
         mbar_expect_tx(&full[st], bytes);
         bulk_g2s(xs + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, &full[st]);
         for (int rb = 0; rb < nrb; ++rb) {
@@ -364,7 +364,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
   uint32_t a0[32], a1[32];
 
-  const Ring ring{smem_u32(xs), smem_u32(wsm) + w_off0, smem_u32(ssm) + s_off0, full, empty, stages, lane};
+  const Ring ring{smem_u32(wsm) + w_off0, smem_u32(ssm) + s_off0, smem_u32(full), smem_u32(empty),
+                  b_desc(smem_u32(xs)), stages, lane};
   // pairs of chunks, then an odd chunk count's last one: a conditional second half inside the loop made ptxas
   // serialize every wgmma (C7513)
   int c = 0;
