@@ -206,6 +206,23 @@ def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> No
         assert all(re.search(r"HGMMA\.\S+\s+R\d+,\s+R\d+,", i) for i in body if "HGMMA" in i)
 
 
+def test_k_loop_overheads_stay_out(standalone_build) -> None:
+    """What ncu found in run 125 (bench/NOTES.md session 32) stays out of each GEMM kernel's K loop: no
+    integer division for the ring's slot (MUFU.RCP), the staged words and scales read by LDS (no generic
+    LD), the wgmma descriptors in uniform registers (at most 4 R2UR, where 32 were), and under 480
+    instructions per chunk pair (621 at (16, 1) before)."""
+    _, sass = standalone_build
+    for f in [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]:
+        code = _sass_code(f)
+        loops = [(lo, hi) for lo, hi in _loops(code) if any("HGMMA" in i for a, i in code if lo <= a <= hi)]
+        body = [i for a, i in code if any(lo <= a <= hi for lo, hi in loops)]
+        name = f.split("\n")[0]
+        assert not any("MUFU" in i for i in body), name
+        assert not any(re.search(r"\bLD\.E", i) for i in body) and sum("LDS" in i for i in body) == 8, name
+        assert sum("R2UR" in i for i in body) <= 4, name
+        assert len(body) < 480, (name, len(body))
+
+
 # ---- the kernel's data movement, modelled on the CPU ------------------------------------------------------
 # Each formula below restates one line of w4a16_sm90.cu (prep_x_kernel's unit mapping, the producer's copy
 # addresses, the consumer's word / scale offsets and decode_word, the A-register fragment, the B descriptor's

@@ -262,7 +262,9 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   fence_regs(a);
   fence_regs(acc);
   wgmma_fence();
-  const uint64_t xdesc = r.desc0 + uint32_t(st * SM::X) / 16;
+  // lane 0's value: ptxas then keeps the descriptors in uniform registers (without the shuffle it cannot
+  // see that `st` is the same in every lane, and moves each of the 16 descriptors with two R2UR)
+  const uint64_t xdesc = r.desc0 + __shfl_sync(0xffffffffu, uint32_t(st * SM::X) / 16, 0);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const uint64_t desc = xdesc + ((k / 4) * (BT * 128) + (k % 4) * 32) / 16;
