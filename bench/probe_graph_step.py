@@ -121,7 +121,7 @@ def _distinct_experts(dec, model, batch: int, window: int) -> float:
     """The mean number of distinct routed experts a MoE layer reads in the static step of `batch` rows, run
     eagerly on the last step's inputs (the random model's routing is far from uniform, so this, not the
     uniform expectation, is what the step's expert bytes scale with)."""
-    from k3run.layers.moe import FusedExperts, sync_free_experts
+    from k3run.layers.moe import FusedExperts
 
     counts: list[int] = []
 
@@ -129,7 +129,7 @@ def _distinct_experts(dec, model, batch: int, window: int) -> float:
         counts.append(int(torch.unique(args[1][:batch]).numel()))
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules() if isinstance(m, FusedExperts)]
-    with torch.inference_mode(), sync_free_experts():
+    with torch.inference_mode():  # the static step's context keeps the experts on device-only paths
         dec._step(dec.bucket(batch), window)
     for h in handles:
         h.remove()
@@ -282,8 +282,6 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    from k3run.layers.moe import sync_free_experts
-
     labels: dict[str, int] = defaultdict(int)
     handles = []
     for name, module in model.named_modules():
@@ -303,7 +301,7 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     dec.inputs[2].fill_(ctx_len)
-    with torch.inference_mode(), sync_free_experts():
+    with torch.inference_mode():
         dec._step(batch, window)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -107,6 +107,13 @@ class ForwardContext:
         """A static decode step (see attn_window): device-only paths, no host reads of per-step values."""
         return self.attn_window is not None
 
+    @property
+    def sync_free(self) -> bool:
+        """A step that a CUDA graph records or a compiled step runs (a static decode step or a padded
+        prefill), and its eager warm-up: the routed experts take only paths that read nothing back from the
+        device (`fused_experts`), so the warm-up compiles the kernels the capture records."""
+        return self.is_static or self.padded_prefill
+
     def bounds(self) -> list[int]:
         """cu_seqlens as a host list, from seqlens_list (no device read)."""
         self._host_bounds_known()

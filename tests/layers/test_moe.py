@@ -498,14 +498,16 @@ def test_dense_experts_match_the_per_expert_loop():
     """The host-sync-free dense path (what a CUDA graph captures when the grouped launches do not apply):
     every local expert over every token, times its routing weight or 0, in expert order. fp32: equal to
     the loop up to the order in which one token's two slots on the same expert are added (~1e-7)."""
-    from k3run.layers.moe import DENSE_MAX_EXPERTS, fused_experts, sync_free_experts
+    from k3run.layers.moe import DENSE_MAX_EXPERTS, fused_experts
 
     ex, x, weights, ids = _bf16_ep_case(seed=6)
     ids[0, :2] = 5  # one token's two slots on one expert
     loop = fused_experts(ex, x, ids, weights)
     assert_close("dense experts", loop, fused_experts(ex, x, ids, weights, dense=True), rtol=1e-6)
-    with sync_free_experts():
-        assert_close("dense experts (context)", loop, fused_experts(ex, x, ids, weights), rtol=1e-6)
+    # a sync-free step (ForwardContext.sync_free) takes the dense path too
+    sync_free = fused_experts(ex, x, ids, weights, sync_free=True)
+    assert_close("dense experts (sync-free step)", loop, sync_free, rtol=1e-6)
+    assert torch.equal(sync_free, fused_experts(ex, x, ids, weights, dense=True))
     assert not bool(fused_experts(ex, x, torch.zeros_like(ids), weights, dense=True).any())  # all remote
     big = FusedExperts(
         DENSE_MAX_EXPERTS + 1, D, INTER, ACTS["situ"], QuantAlgo.NONE, ep=NO_TP, params_dtype=torch.float32

@@ -77,19 +77,17 @@ def warm_and_capture(
     step: Any, device: torch.device, pool: Any
 ) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, Exception | None]:
     """One eager run of `step` on a side stream (Triton compiles and autotunes there), then its capture into
-    a graph on `pool`, both with fused_experts held to its sync-free paths (`sync_free_experts`). Returns
-    (graph, output, None), or (None, None, the error) when the capture refuses the step (host syncs,
-    pageable copies, ...)."""
-    from k3run.layers.moe import sync_free_experts
-
+    a graph on `pool`; `step`'s ForwardContext is a sync-free one (`ForwardContext.sync_free`), so both take
+    the same device-only paths. Returns (graph, output, None), or (None, None, the error) when the capture
+    refuses the step (host syncs, pageable copies, ...)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with sync_free_experts(), torch.cuda.stream(side):
+    with torch.cuda.stream(side):
         step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with sync_free_experts(), torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool):
             out = step()
     except Exception as e:
         return None, None, e
@@ -108,7 +106,7 @@ class GraphDecoder:
     with batch x window) is never captured: such steps run eagerly, over each sequence's real context
     (`accepts`).
     Each graph is captured after one eager warm-up of the same step on a side stream (Triton compiles
-    there), with fused_experts held to its host-sync-free paths (`sync_free_experts`).
+    there); a static step's ForwardContext holds fused_experts to its host-sync-free paths in both.
     """
 
     def __init__(
@@ -339,11 +337,9 @@ class CompiledCpuDecoder(GraphDecoder):
         if self._fn is not None:
             return self._fn
         from k3run.engine.inductor_passes import SmallMmAsReduction
-        from k3run.layers.moe import sync_free_experts
 
         self._scratch_rows()
-        with sync_free_experts():
-            self._step(1, self.window(1))  # eager first: fills the layers' CPU caches, checks the inputs once
+        self._step(1, self.window(1))  # eager first: fills the layers' CPU caches, checks the inputs once
         # a compiled path per batch-size regime: room for many before Dynamo would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # no guards on the model's modules: checking them costs ~0.3-0.6 ms a step (thousands of attributes),

@@ -9,9 +9,7 @@ its output is the partial sum over its experts and the caller all-reduces it.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -246,6 +244,7 @@ class FusedExperts(nn.Module):
         weights: torch.Tensor,
         out_dtype: torch.dtype = torch.float32,
         add: Callable[[], torch.Tensor] | None = None,
+        sync_free: bool = False,
     ) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
@@ -253,7 +252,7 @@ class FusedExperts(nn.Module):
             raise ValueError(
                 f"{self.prefix}: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T, A]"
             )
-        return fused_experts(self, x, ids, weights, out_dtype=out_dtype, add=add)
+        return fused_experts(self, x, ids, weights, out_dtype=out_dtype, add=add, sync_free=sync_free)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One local expert e on x [n, D] -> [n, D] in x's dtype."""
@@ -282,6 +281,7 @@ def fused_experts(
     dense: bool | None = None,
     out_dtype: torch.dtype = torch.float32,
     add: Callable[[], torch.Tensor] | None = None,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """The one dispatch point for the routed-expert computation: the fp32 sum over each token's picks,
     rounded to out_dtype, plus add() when given (the shared experts' output, called just before the sum
@@ -289,18 +289,19 @@ def fused_experts(
     path ends in it.
 
     The scheme's grouped launches where they take x (`experts.grouped_ok`; grouped=False forces the loop):
-    every pick at once, no host synchronisation. While a CUDA graph is being captured (or dense=True) and
-    they do not apply: every local expert over every token, weighted by its routing weight (0 where not
-    picked), also without a host synchronisation (`_fused_experts_dense`; up to DENSE_MAX_EXPERTS local
-    experts). Otherwise a loop over the local experts that were hit: the (token, slot) picks are grouped by
-    expert with one stable sort, and the per-expert counts are read back once: one host synchronisation per
-    call (a nonzero() per expert would cost one each). Within an expert the picks stay in (token, slot)
-    order, so the fp32 accumulation order is fixed.
+    every pick at once, no host synchronisation. Where they do not apply and the step must not read back
+    from the device (`sync_free`: a step a CUDA graph records or a compiled step runs, and its warm-up; also
+    while a capture or a compile is under way), or with dense=True: every local expert over every token,
+    weighted by its routing weight (0 where not picked), also without a host synchronisation
+    (`_fused_experts_dense`; up to DENSE_MAX_EXPERTS local experts). Otherwise a loop over the local experts
+    that were hit: the (token, slot) picks are grouped by expert with one stable sort, and the per-expert
+    counts are read back once: one host synchronisation per call (a nonzero() per expert would cost one
+    each). Within an expert the picks stay in (token, slot) order, so the fp32 accumulation order is fixed.
     """
     finish = Finish(out_dtype, add)
     if grouped is not False and experts.grouped_ok(x):
         return experts.scheme.grouped(experts, x, ids, weights, finish)
-    return finish.apply(_fused_experts_fp32(experts, x, ids, weights, grouped, dense))
+    return finish.apply(_fused_experts_fp32(experts, x, ids, weights, grouped, dense, sync_free))
 
 
 def _fused_experts_fp32(
@@ -310,6 +311,7 @@ def _fused_experts_fp32(
     weights: torch.Tensor,
     grouped: bool | None,
     dense: bool | None,
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """fused_experts' paths that end in their own fp32 sum: the scheme's grouped form of the loop (the CPU
     int8 kernel), the dense form and the per-expert loop."""
@@ -320,7 +322,7 @@ def _fused_experts_fp32(
     if dense is None:
         dense = (
             torch.compiler.is_compiling()  # a compiled step cannot read counts back either
-            or _SYNC_FREE.get()
+            or sync_free
             or (x.is_cuda and torch.cuda.is_current_stream_capturing())
         )
     if dense:
@@ -348,18 +350,6 @@ def _fused_experts_fp32(
 
 
 DENSE_MAX_EXPERTS = 16  # the dense path computes every local expert for every token
-_SYNC_FREE: contextvars.ContextVar[bool] = contextvars.ContextVar("k3run_moe_sync_free", default=False)
-
-
-@contextlib.contextmanager
-def sync_free_experts() -> Iterator[None]:
-    """Within: fused_experts never reads back from the device (the grouped or the dense path). The CUDA-graph
-    runner wraps its warm-up step in it, so the warm-up compiles the kernels that the capture records."""
-    token = _SYNC_FREE.set(True)
-    try:
-        yield
-    finally:
-        _SYNC_FREE.reset(token)
 
 
 def experts_sync_free(
@@ -480,7 +470,8 @@ class KimiMoE(nn.Module):
                 f"{prefix}: num_shared_experts={num_shared_experts} but no shared expert MLP given"
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        """sync_free: the step must read nothing back from the device (ForwardContext.sync_free)."""
         shared = None
         if self.shared_experts is not None:  # they see the ORIGINAL full-width x; beside the routed chain
             mlp = self.shared_experts
@@ -489,9 +480,11 @@ class KimiMoE(nn.Module):
         weights, ids = self.gate(x)  # router on the full-width input
         if self.routed_expert_down_proj is None and self.tp.size == 1:
             # nothing between the experts' sum and the output: the cast and the shared add in its launch
-            return self.experts(x, ids, weights, x.dtype, None if shared is None else shared.result)
+            add = None if shared is None else shared.result
+            return self.experts(x, ids, weights, x.dtype, add, sync_free=sync_free)
         z = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
-        y = all_reduce(self.experts(z, ids, weights), self.tp).to(x.dtype)  # [T, D or latent]
+        y = self.experts(z, ids, weights, sync_free=sync_free)
+        y = all_reduce(y, self.tp).to(x.dtype)  # [T, D or latent]
         if self.routed_expert_down_proj is not None:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

@@ -128,14 +128,19 @@ class KimiDecoderLayer(nn.Module):
                 return self.self_attn(self.input_layernorm(x), ctx, layer_cache)  # type: ignore[arg-type]
 
             def mlp(x: torch.Tensor) -> torch.Tensor:
-                return self.mlp(self.post_attention_layernorm(x))
+                return self._mlp(self.post_attention_layernorm(x), ctx)
 
             block = self.attn_res_block_size or 0  # set whenever the state is an AttnResState
             attn_res_layer(h, self.idx, block, mixer, mlp, self.self_attention_res, self.mlp_res)
             return h, None
         x, h = self.input_layernorm.add(h, pending)
         x, h = self.post_attention_layernorm.add(h, self.self_attn(x, ctx, layer_cache))  # type: ignore[arg-type]
-        return h, self.mlp(x)
+        return h, self._mlp(x, ctx)
+
+    def _mlp(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if isinstance(self.mlp, KimiMoE):  # the step's plan reaches the routed experts
+            return self.mlp(x, sync_free=ctx.sync_free)
+        return self.mlp(x)
 
 
 def _make_moe(
