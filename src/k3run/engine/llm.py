@@ -325,8 +325,9 @@ class LLMEngine:
         return outputs
 
     def _step_sync(self, batch: Batch) -> list[RequestOutput]:
-        rows, logits = self.runner.run(batch)
-        for b, plogits in self.runner.prompt_logits.items():
+        out = self.runner.run(batch)
+        rows, logits = out.rows, out.logits
+        for b, plogits in out.prompt_logits.items():
             _record_prompt_logprobs(batch.seqs[b], plogits)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if rows:

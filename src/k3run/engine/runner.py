@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -405,6 +406,17 @@ class CompiledCpuDecoder(GraphDecoder):
         return self._call(n, self.window(max(ctx_lens) + 1))[:n]
 
 
+@dataclass
+class StepOutput:
+    """What one `ModelRunner.run` step gives back: the batch rows that end their known tokens, those rows'
+    logits [B', vocab] fp32 (None without such rows), and for the rows that asked for prompt log-probabilities
+    and fed prompt tokens, the logits of every position they fed ([n_b, vocab] fp32, by batch row)."""
+
+    rows: list[int]
+    logits: torch.Tensor | None
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, cache: CacheManager, graphs: GraphDecoder | None = None,
@@ -417,8 +429,6 @@ class ModelRunner:
         self.prefill_graphs = prefill_graphs
         self.graph_error: str | None = None  # why graphs were turned off after a failed capture
         self.prefill_graph_error: str | None = None
-        # the logits of every prompt position fed in the last `run`, by batch row (see `run`)
-        self.prompt_logits: dict[int, torch.Tensor] = {}
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         ids: list[int] = []
@@ -535,11 +545,8 @@ class ModelRunner:
         return self.model.compute_logits(self.model.forward(input_ids, ctx)).float()
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:
-        """One step; returns the batch rows that end their known tokens and those rows' logits [B', vocab].
-
-        Sequences that asked for prompt log-probabilities and feed prompt tokens in this step get the logits
-        of every position they feed in `self.prompt_logits[b]` ([n_b, vocab] fp32, set by each call)."""
+    def run(self, batch: Batch) -> StepOutput:
+        """One step: a decode or prefill graph replay where one applies, else one eager forward."""
         if self._graph_step(batch):
             assert self.graphs is not None
             seqs = batch.seqs
@@ -551,13 +558,12 @@ class ModelRunner:
             except GraphCaptureError as e:
                 self.disable_graphs(str(e))
                 return self.run(batch)
-            self.prompt_logits = {}
             rows = [b for b in range(len(seqs)) if batch.samples(b)]
             if not rows:
-                return rows, None
+                return StepOutput(rows, None)
             if len(rows) < len(seqs):
                 logits = logits[torch.tensor(rows, device=logits.device)]
-            return rows, logits
+            return StepOutput(rows, logits)
         if self._prefill_graph_step(batch):
             assert self.prefill_graphs is not None
             seq = batch.seqs[0]
@@ -566,22 +572,22 @@ class ModelRunner:
             except GraphCaptureError as e:
                 self.disable_prefill_graphs(str(e))
                 return self.run(batch)
-            self.prompt_logits = {}
-            return ([0], logits) if batch.samples(0) else ([], None)
+            return StepOutput([0], logits) if batch.samples(0) else StepOutput([], None)
         input_ids, ctx = self.prepare(batch)
         hidden = self.model.forward(input_ids, ctx)  # [T, D]
-        self.prompt_logits = {}
+        prompt_logits = {}
         lo = 0
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_token_ids):
-                self.prompt_logits[b] = self.model.compute_logits(hidden[lo : lo + n]).float()
+                prompt_logits[b] = self.model.compute_logits(hidden[lo : lo + n]).float()
             lo += n
         rows = [b for b in range(len(batch.seqs)) if batch.samples(b)]
         if not rows:
-            return rows, None
+            return StepOutput(rows, None, prompt_logits)
         last = ctx.cu_seqlens[1:] - 1  # [B]
         pick = last[torch.tensor(rows, device=last.device)]
-        return rows, self.model.compute_logits(hidden.index_select(0, pick)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, pick)).float()
+        return StepOutput(rows, logits, prompt_logits)
 
 
 def _slot(seq: Sequence) -> int:
