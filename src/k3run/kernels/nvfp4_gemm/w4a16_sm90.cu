@@ -11,9 +11,10 @@
 // The product is the swapped one of the Gluon kernel: acc[n, t] = sum_k W[n, k] x[t, k]; the weights are
 // wgmma's A operand (64 rows per consumer warpgroup), a tile of BT tokens its B operand (K-major, 128-byte
 // swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and a producer (one warp beside one
-// consumer warpgroup, a warpgroup beside two: cta_threads) whose one thread issues bulk copies (cp.async.bulk, completion on an mbarrier) into a ring of STAGES slots; a slot
-// holds one 128-wide K chunk: x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the tiled128
-// words of NWG * 4 16-row blocks (1 KB each) and their scale bytes (128 B each).
+// consumer warpgroup, a warpgroup beside two: cta_threads) whose one thread issues bulk copies
+// (cp.async.bulk, completion on an mbarrier) into a ring of STAGES slots; a slot holds one 128-wide K chunk:
+// x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the tiled128 words of NWG * 4 16-row
+// blocks (1 KB each) and their scale bytes (128 B each).
 // Consumer thread (warp w of its warpgroup, lane = 4g + t) owns weight rows 16w + g and 16w + g + 8 and words
 // 4t..4t+3 of each: two 16-byte shared loads per chunk. Word 4t + b decodes (the decode kernels' shift
 // decoder, tile.word_asm) into the pairs of physical k = 16t + 4b + 2p + e (low half of the chunk, p = 0, 1)
@@ -488,7 +489,8 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   dim3 grid(n_tiles * t_tiles, split);
   kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
-      static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), gs.data_ptr<float>(),
+      static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),
+      gs.data_ptr<float>(),
       gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
       split > 1 ? ws.data_ptr<float>() : nullptr, split > 1 ? cnt.data_ptr<int>() : nullptr, M, N,
       int(w.size(0) / 16), CH, CH / split, stages);
