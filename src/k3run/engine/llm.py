@@ -404,7 +404,6 @@ class LLMEngine:
         seqs = batch.seqs
         if prev is None:
             ids: list[int] | torch.Tensor = [s.all_token_ids[s.num_cached] for s in seqs]
-            ctx_lens = [s.num_cached for s in seqs]
         else:
             row = {id(s): i for i, s in enumerate(prev.batch.seqs)}
             idx = [row[id(s)] for s in seqs]
@@ -414,8 +413,7 @@ class LLMEngine:
                 dev = prev.tokens.device
                 rows = staged(torch.tensor(idx, dtype=torch.int64), dev).to(dev, non_blocking=True)
                 ids = prev.tokens.index_select(0, rows)
-            ctx_lens = [s.num_cached + 1 for s in seqs]
-        logits = self.runner.decode(seqs, ids, ctx_lens)
+        logits = self.runner.decode(seqs, ids, ahead=0 if prev is None else 1)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if self.config.tp_size > 1:  # rank 0's tokens, on the device, before anything reads them
             import torch.distributed as dist

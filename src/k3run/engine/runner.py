@@ -525,14 +525,15 @@ class ModelRunner:
         return self.graphs.accepts(len(seqs), max(s.num_cached for s in seqs) + ahead + 1)
 
     @torch.inference_mode()
-    def decode(
-        self, seqs: list[Sequence], ids: list[int] | torch.Tensor, ctx_lens: list[int]
-    ) -> torch.Tensor:
-        """Logits [B, V] fp32 of a one-token decode step of `seqs` feeding ids[i] (a host list or a device
-        tensor) at position ctx_lens[i]: a graph replay where one applies (the caller checks
-        `graph_decodes`), else one eager forward. A failed capture turns graphs off and runs eagerly."""
+    def decode(self, seqs: list[Sequence], ids: list[int] | torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """Logits [B, V] fp32 of a one-token decode step of `seqs`, `ahead` tokens past their recorded state,
+        feeding ids[i] (a host list or a device tensor) at position num_cached + ahead: a graph replay where
+        `graph_decodes` says one applies, else one eager forward. A failed capture turns graphs off and runs
+        eagerly."""
         slots = [_slot(s) for s in seqs]
-        if self.graphs is not None and self.graphs.accepts(len(seqs), max(ctx_lens) + 1):
+        ctx_lens = [s.num_cached + ahead for s in seqs]
+        if self.graph_decodes(seqs, ahead):
+            assert self.graphs is not None
             try:
                 return self.graphs.run(ids, slots, ctx_lens)
             except GraphCaptureError as e:
@@ -547,17 +548,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
         """One step: a decode or prefill graph replay where one applies, else one eager forward."""
-        if self._graph_step(batch):
-            assert self.graphs is not None
+        if self._graph_step(batch):  # (a failed capture: `decode` turns graphs off and runs it eagerly)
             seqs = batch.seqs
-            try:
-                logits = self.graphs.run(
-                    [s.all_token_ids[s.num_cached] for s in seqs], [_slot(s) for s in seqs],
-                    [s.num_cached for s in seqs],
-                )  # fmt: skip
-            except GraphCaptureError as e:
-                self.disable_graphs(str(e))
-                return self.run(batch)
+            logits = self.decode(seqs, [s.all_token_ids[s.num_cached] for s in seqs])
             rows = [b for b in range(len(seqs)) if batch.samples(b)]
             if not rows:
                 return StepOutput(rows, None)
