@@ -3,8 +3,10 @@ tiny widths here) quantizes as the k3-mixed recipe does and decodes through the 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -13,6 +15,21 @@ from k3run.quant.algo import QuantAlgo
 from k3run.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).parents[1]
+
+
+def bench_module(name: str, root: Path = ROOT) -> ModuleType:
+    """bench/<name>.py imported by its path (bench/ is a folder of scripts, not a package; nothing is added
+    to sys.path), once per process."""
+    key = f"k3run_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, root / "bench" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 # vocab 2056 is the bundled tokenizer's (2048 BPE tokens, the chat markers, reserved ids): the engine checks
 # that the model's vocabulary holds every tokenizer id
 TINY = dict(vocab_size=2056, hidden_size=256, num_heads=2, q_lora_rank=128, moe_intermediate_size=128,
@@ -20,12 +37,7 @@ TINY = dict(vocab_size=2056, hidden_size=256, num_heads=2, q_lora_rank=128, moe_
 
 
 def test_random_k3_shaped_model_is_k3_mixed_and_decodes() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from k3_shaped import random_k3_model
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    model = random_k3_model(layers=4, experts=8, device="cpu", dims=TINY)
+    model = bench_module("k3_shaped").random_k3_model(layers=4, experts=8, device="cpu", dims=TINY)
     kinds = [type(layer.self_attn).__name__ for layer in model.layers]
     assert kinds == ["KimiDeltaAttention"] * 3 + ["KimiMLA"]
     assert model.layers[0].self_attn.in_proj.scheme.algo is QuantAlgo.FP8_PB_WO
@@ -38,10 +50,9 @@ def test_random_k3_shaped_model_is_k3_mixed_and_decodes() -> None:
 
 
 def _tp_decode(tp, root: str) -> list[list[int]]:
-    sys.path.insert(0, str(Path(root) / "bench"))
-    from k3_shaped import random_k3_model
-
-    model = random_k3_model(layers=4, experts=8, device="cpu", dims=TINY, tp=tp)
+    model = bench_module("k3_shaped", Path(root)).random_k3_model(
+        layers=4, experts=8, device="cpu", dims=TINY, tp=tp
+    )
     assert model.layers[0].self_attn.tp.size == 2
     llm = LLM.from_model(model, load_tokenizer(Path(root) / "assets" / "default-model-k3-mixed"),
                          EngineConfig(max_num_seqs=2, max_model_len=32, tp_size=2))  # fmt: skip
@@ -58,13 +69,8 @@ def test_random_k3_shaped_model_shards_over_tensor_parallel_ranks() -> None:
     assert ranks[0] == ranks[1] and [len(t) for t in ranks[0]] == [4, 4]
 
 
-def _writer():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import write_kimi_linear
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return write_kimi_linear
+def _writer() -> ModuleType:
+    return bench_module("write_kimi_linear")
 
 
 def test_kimi_linear_tensor_table_expands_to_the_published_checkpoint() -> None:
