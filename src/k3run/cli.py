@@ -175,7 +175,7 @@ def _load_llm(
 def _compile_small_model(args: argparse.Namespace, model: torch.nn.Module, tp_size: int) -> bool:
     """Whether a server compiles its CPU decode steps without being asked: a model whose largest matrix is
     under cpu_fused.MIN_WEIGHTS decodes at the speed of per-op dispatch (the bundled models ~8x slower
-    eager than compiled, bench/RESULTS.md C25), and a server pays the compile once at start (~40-60 s a
+    eager than compiled), and a server pays the compile once at start (~40-60 s a
     path on 2 cores the first time, from Inductor's disk cache after). Larger models keep their eager
     steps: those run the SIMD extension's kernels, which a compiled step cannot call."""
     from k3run.cpu_threads import largest_matrix

@@ -25,8 +25,8 @@ weight bytes (bench/NOTES.md). Here every tensor has an explicit layout:
   to arrive (an acq_rel counter) adds the partials in a fixed order, applies the global scale and the
   bias and writes y, then resets the counter, so one launch does everything and results are deterministic.
 - With `pdl` (the default on sm_90+) consecutive launches overlap (programmatic dependent launch).
-The same kernel runs the routed experts (`nvfp4_gemv_grouped`, `nvfp4_gemv_by_expert`). Measurements and
-the ncu analysis that led here: bench/NOTES.md "v4" to "v6" and sessions 9-12.
+The same kernel runs the routed experts (`nvfp4_gemv_grouped`, `nvfp4_gemv_by_expert`). The measurements
+and the ncu analysis behind this design: bench/NOTES.md "v4" to "v6".
 """
 
 from __future__ import annotations

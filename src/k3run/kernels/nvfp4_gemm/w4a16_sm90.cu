@@ -203,8 +203,8 @@ struct Smem {
   static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
 };
 
-// The consumer's view of the ring as shared-window addresses (converting a generic pointer each chunk cost
-// ~12 instructions): this thread's words and scales of slot 0 (already offset to its rows and columns), the
+// The consumer's view of the ring as shared-window addresses, so no chunk converts a generic pointer (~12
+// instructions: the CTA's shared window read and aligned again): this thread's words and scales of slot 0 (already offset to its rows and columns), the
 // barriers, and slot 0's B descriptor (a slot's is it plus the slot's offset / 16).
 struct Ring {
   uint32_t w0, s0, full, empty;
@@ -212,8 +212,8 @@ struct Ring {
   int stages, lane;
 };
 
-// The slot and phase of the next chunk, kept incrementally (a division by the runtime ring depth per chunk
-// cost ~15 instructions).
+// The slot and phase of the next chunk, kept incrementally: no division by the runtime ring depth per chunk
+// (~15 instructions).
 struct Slot {
   int st = 0;
   uint32_t phase = 0;
@@ -282,15 +282,15 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
 
 // Threads of a CTA: NWG consumer warpgroups, then the producer. With two consumer warpgroups the producer is a
 // whole warpgroup (setmaxnreg, which moves its registers to the consumers, acts on warpgroups); with one it is
-// a single warp, so a CTA holds 5 warps and more CTAs fit an SM: the consumers' decode is latency-bound with
-// ~2 warps a scheduler (bench/NOTES.md session 32, ncu), and 3 CTAs of 160 threads fit where 2 of 256 did.
+// a single warp, so a CTA holds 5 warps and more CTAs fit an SM: the consumers' decode is latency-bound (ncu:
+// ~2 warps a scheduler at 2 CTAs of 256 threads), and 3 CTAs of 160 threads fit.
 template <int NWG>
 constexpr int cta_threads() {
   return NWG == 1 ? 160 : (NWG + 1) * 128;
 }
 // CTAs an SM asked of ptxas (it caps the registers to fit them): 3 for one consumer warpgroup up to BT 64
-// (<= 136 registers; 99-122 used), one otherwise. Asking 4 at BT 16 (<= 102) made ptxas serialize the wgmma
-// for registers (C7512).
+// (<= 136 registers; 99-122 used), one otherwise. 4 at BT 16 (<= 102) makes ptxas (CUDA 13.0) serialize the
+// wgmma for registers (C7512).
 template <int BT, int NWG>
 constexpr int min_ctas() {
   return NWG == 1 && BT <= 64 ? 3 : 1;

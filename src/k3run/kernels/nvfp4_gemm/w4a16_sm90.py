@@ -137,12 +137,12 @@ CTAS_PER_SM_SMALL_BT = 3
 def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs.
 
-    One consumer warpgroup (64 weight rows a CTA): the best config of run 123's sweep in all 8 cells
-    (7168x7168, 12288x7168 at M = 16 / 32 / 64 / 256) had one. The smallest token tile >= M (up to 256);
+    One consumer warpgroup (64 weight rows a CTA): on an H200 it beat two in every swept cell (7168x7168,
+    12288x7168 at M = 16 / 32 / 64 / 256). The smallest token tile >= M (up to 256);
     up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
     more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
     shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
-    The occupancy rule follows the 160-thread CTA of session 32, not yet measured on a GPU."""
+    The three-CTA rule (160-thread CTAs) has not been timed on a GPU."""
     chunks = -(-k // 128)
     bt = next(b for b in TOKEN_TILES if b >= min(m, 256))
     nwg = 1
