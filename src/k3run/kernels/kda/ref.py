@@ -90,12 +90,21 @@ def recurrent_kda_seq(
     S = state.float().clone()
     o = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
     for t in range(q.shape[0]):
-        q_t, k_t, v_t = q[t].float() * scale, k[t].float(), v[t].float()  # [H, K], [H, K], [H, V]
-        S = S * g[t].float().exp().unsqueeze(-1)  # decay each key row
-        pred = torch.einsum("hk,hkv->hv", k_t, S)  # what the decayed state recalls for k_t
-        S = S + torch.einsum("hk,hv->hkv", beta[t].float().unsqueeze(-1) * k_t, v_t - pred)
-        o[t] = torch.einsum("hk,hkv->hv", q_t, S)
+        o[t], S = _delta_step(q[t], k[t], v[t], g[t], beta[t], scale, S)
     return o, S
+
+
+def _delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    S: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One token of the gated delta rule, over any leading dims: q, k, g [..., H, K]; v [..., H, V]; beta
+    [..., H]; S [..., H, K, V] fp32. Returns o [..., H, V] fp32 and the new state."""
+    q_t, k_t, v_t = q.float() * scale, k.float(), v.float()
+    S = S * g.float().exp().unsqueeze(-1)  # decay each key row
+    pred = torch.einsum("...hk,...hkv->...hv", k_t, S)  # what the decayed state recalls for k_t
+    S = S + torch.einsum("...hk,...hv->...hkv", beta.float().unsqueeze(-1) * k_t, v_t - pred)
+    return torch.einsum("...hk,...hkv->...hv", q_t, S), S
 
 
 def recurrent_kda_step_batched(
@@ -112,11 +121,7 @@ def recurrent_kda_step_batched(
     new states."""
     B, H, K = q.shape
     S = state.float() if state is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
-    q_t, k_t, v_t = q.float() * scale, k.float(), v.float()
-    S = S * g.float().exp().unsqueeze(-1)
-    pred = torch.einsum("bhk,bhkv->bhv", k_t, S)
-    S = S + torch.einsum("bhk,bhv->bhkv", beta.float().unsqueeze(-1) * k_t, v_t - pred)
-    return torch.einsum("bhk,bhkv->bhv", q_t, S), S
+    return _delta_step(q, k, v, g, beta, scale, S)
 
 
 def chunk_kda_seq(
