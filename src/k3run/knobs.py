@@ -116,8 +116,8 @@ class Knobs:
         "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",
     )  # fmt: skip
     sm90_cuda: bool = _knob(
-        "K3RUN_SM90_CUDA", _flag, False,
-        "CUDA sm_90: NVFP4 linears of 17..256 rows on the CUDA C++ GEMM (w4a16_sm90), not the Gluon one",
+        "K3RUN_SM90_CUDA", _flag, True,
+        "CUDA sm_90: NVFP4 linears of 17..256 rows on the CUDA C++ GEMM (w4a16_sm90; 0: the Gluon one)",
     )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,

@@ -88,8 +88,8 @@ def _build():
 
 
 def enabled() -> bool:
-    """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90: opt-in with `K3RUN_SM90_CUDA=1`
-    (read once), since its GPU tests and timings are not in bench/RESULTS.md yet; else the Gluon kernel."""
+    """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90 (1.06-1.32x the Gluon wgmma kernel
+    there, bench/RESULTS.md run 126): on unless `K3RUN_SM90_CUDA=0` (read once)."""
     return knobs().sm90_cuda
 
 
