@@ -109,10 +109,15 @@ def _uniform_routing(model, rows: int, seed: int = 0) -> None:
         table = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
         table = table.to(mod.weight.device)
 
-        def forward(x, orig=mod.forward, table=table):
-            w, ids = orig(x)
+        tables = {None: table}  # by the appended expert (a fused shared expert), built at the first eager call
+
+        def forward(x, extra=None, orig=mod.forward, tables=tables):
+            w, ids = orig(x, extra)
             t = ids.shape[0]
-            return w, (table[:t] if t <= table.shape[0] else ids)
+            if extra not in tables:
+                tables[extra] = torch.cat([tables[None], torch.full_like(tables[None][:, :1], extra)], 1)
+            tab = tables[extra]
+            return w, (tab[:t] if t <= tab.shape[0] else ids)
 
         mod.forward = forward  # type: ignore[method-assign]
 
@@ -125,8 +130,9 @@ def _distinct_experts(dec, model, batch: int, window: int) -> float:
 
     counts: list[int] = []
 
-    def pre(mod, args):
-        counts.append(int(torch.unique(args[1][:batch]).numel()))
+    def pre(mod, args):  # routed experts only: an appended (fused shared) expert has ids >= num_local
+        ids = args[1][:batch]
+        counts.append(int(torch.unique(ids[ids < mod.num_local]).numel()))
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules() if isinstance(m, FusedExperts)]
     with torch.inference_mode():  # the static step's context keeps the experts on device-only paths

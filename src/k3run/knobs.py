@@ -111,6 +111,11 @@ class Knobs:
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
     )  # fmt: skip
+    moe_fuse_shared: bool = _knob(
+        "K3RUN_MOE_FUSE_SHARED", _flag, True,
+        "CUDA: an NVFP4 MoE's shared expert as one more expert of the routed experts' grouped decode "
+        "launches (read at load; 0: its own linears, on a side stream)",
+    )  # fmt: skip
     moe_by_expert_tile: int | None = _knob(
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
         "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",

@@ -35,17 +35,24 @@ def _logits_case(t: int, e: int, seed: int, device: str) -> tuple[torch.Tensor, 
     return logits.to(device), bias.to(device)
 
 
-def check_topk(t: int, e: int, a: int, renorm: bool, scale: float, device: str) -> None:
+def check_topk(
+    t: int, e: int, a: int, renorm: bool, scale: float, device: str, extra: int | None = None
+) -> None:
     from k3run.kernels.moe_ops.triton import sigmoid_topk_triton
 
     logits, bias = _logits_case(t, e, t * 131 + e, device)
-    ref_w, ref_ids = sigmoid_topk_ref(logits.cpu().double(), bias.cpu().double(), a, renorm, scale)
+    ref_w, ref_ids = sigmoid_topk_ref(logits.cpu().double(), bias.cpu().double(), a, renorm, scale, extra)
     choice = torch.sigmoid(logits.cpu().double()) + bias.cpu().double()
     top = choice.topk(min(e, a + 1), dim=-1).values
     assert (top[:, :-1] - top[:, 1:]).min() > 1e-5, "the random choices tie: pick another seed"
-    w, ids = sigmoid_topk_triton(logits, bias, a, renorm, scale)
-    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (t, a)
+    w, ids = sigmoid_topk_triton(logits, bias, a, renorm, scale, extra)
+    cols = a + (extra is not None)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (t, cols)
     assert torch.equal(ids.cpu(), ref_ids), "picked experts differ from torch.topk's"
+    if extra is not None:  # the appended column: that expert at weight exactly 1, the picks unchanged
+        assert (ids[:, a] == extra).all() and (w[:, a] == 1).all()
+        w_plain, ids_plain = sigmoid_topk_triton(logits, bias, a, renorm, scale)
+        assert torch.equal(ids[:, :a], ids_plain) and torch.equal(w[:, :a], w_plain)
     bound = (a + 2 * logits.abs().max().cpu().double() + 10) * U * ref_w.abs()
     assert_within("sigmoid_topk weights", ref_w.float(), w.cpu(), bound.float())
 
@@ -191,13 +198,19 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=16)
+    run_interp_tests_in_child(__file__, expected_passed=18)
 
 
 @interp_only
 @pytest.mark.parametrize("t, e, a", [(1, 37, 1), (3, 256, 8), (2, 896, 16), (5, 61, 7)])
 def test_interp_sigmoid_topk(t: int, e: int, a: int) -> None:
     check_topk(t, e, a, renorm=a > 1, scale=2.446 if a > 1 else 1.0, device="cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("t, e, a", [(3, 256, 8), (5, 61, 7)])
+def test_interp_sigmoid_topk_extra_column(t: int, e: int, a: int) -> None:
+    check_topk(t, e, a, renorm=True, scale=2.446, device="cpu", extra=e)
 
 
 @interp_only
@@ -240,6 +253,7 @@ def test_interp_combine_epilogue() -> None:
 @pytest.mark.parametrize("t, e, a", [(1, 256, 8), (32, 256, 8), (7, 896, 16), (3, 61, 1)])
 def test_gpu_sigmoid_topk(t: int, e: int, a: int) -> None:
     check_topk(t, e, a, renorm=a > 1, scale=2.446, device="cuda")
+    check_topk(t, e, a, renorm=a > 1, scale=2.446, device="cuda", extra=e)
 
 
 @needs_cuda

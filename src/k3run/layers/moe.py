@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from k3run.distributed import TPInfo, all_reduce
-from k3run.kernels.moe_ops import gated, route_sigmoid_topk, router_logits_ref, sigmoid_topk
+from k3run.kernels.moe_ops import append_pick, gated, route_sigmoid_topk, router_logits_ref, sigmoid_topk
+from k3run.knobs import knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.branch import Branch
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
 from k3run.quant.algo import QuantAlgo
-from k3run.quant.experts import Finish, NvFp4ActMode, expert_scheme_for
+from k3run.quant.experts import BY_EXPERT_MAX_TOKENS, Finish, NvFp4ActMode, expert_scheme_for
 
 _SHARDS = ("w1", "w2", "w3")
 
@@ -87,14 +88,17 @@ class MoERouter(nn.Module):
         for p in (self.weight, self.e_score_correction_bias):
             p.weight_loader = norm_weight_loader  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, extra: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, A], ids int64 [T, A]); `extra` (an expert id) appends it to every token's picks
+        at weight 1 (column A, in the top-k launch on CUDA)."""
         c = self.cfg
         if not _group_limited(c.num_expert_group, c.topk_group):  # two launches on CUDA
             return route_sigmoid_topk(
-                x, self.weight, self.e_score_correction_bias, c.top_k, c.renormalize, c.routed_scaling_factor
-            )
+                x, self.weight, self.e_score_correction_bias, c.top_k, c.renormalize, c.routed_scaling_factor,
+                extra,
+            )  # fmt: skip
         logits = router_logits_ref(x, self.weight)  # [T, E] fp32
-        return route(
+        weights, ids = route(
             logits,
             self.e_score_correction_bias,
             c.top_k,
@@ -103,6 +107,7 @@ class MoERouter(nn.Module):
             renormalize=c.renormalize,
             routed_scaling_factor=c.routed_scaling_factor,
         )
+        return append_pick(weights, ids, extra)
 
 
 class FusedExperts(nn.Module):
@@ -152,6 +157,7 @@ class FusedExperts(nn.Module):
         self.checkpoint_algo = algo
         self.scheme = expert_scheme_for(algo, nvfp4_act_mode, hidden_size, intermediate_size, prefix)
         self.algo = self.scheme.algo  # the format the experts run in (MXFP4 and W4A16_NVFP4: NVFP4)
+        self.appended = 0  # experts stacked after the local ones for the grouped launches (append_expert)
         self._filled: set[tuple[str, int, str]] = set()
         self._expected: list[tuple[str, int, str]] = []
         for p in self.scheme.params(self):
@@ -178,6 +184,12 @@ class FusedExperts(nn.Module):
         """Whether fused_experts takes the scheme's grouped launches for x (every pick at once, no host
         synchronisation): NVFP4 kernels on tiled128 weights or bf16 experts on torch._grouped_mm."""
         return self.scheme.grouped_ok(self, x)
+
+    @property
+    def num_stacked(self) -> int:
+        """Rows of the stacked expert tensors: the local experts, then any appended one (KimiMoE's shared
+        expert, which only the grouped launches run)."""
+        return self.num_local + self.appended
 
     def is_local(self, expert_id: int) -> bool:
         return self.first <= expert_id < self.first + self.num_local
@@ -423,6 +435,15 @@ class KimiMoE(nn.Module):
 
     Routed experts are split over the TP group as expert parallelism (each rank holds E/tp experts); their
     fp32 partial sums are all-reduced BEFORE the latent norm, which needs the full sum.
+
+    The shared expert as one more routed expert (`fuse_shared`, at load, where `shared_fusion_blocker` finds
+    nothing against it: one GPU, no latent projections, NVFP4 W4A16 linears of the routed experts' widths
+    and activation, the routed experts on the grouped kernels): its weights are stacked after the local
+    experts, and for decode-sized batches (up to BY_EXPERT_MAX_TOKENS tokens) the router appends it to every
+    token's picks at weight 1, so the routed experts' two grouped launches also run it (Kimi Linear: 3 of a
+    layer's ~11 decode launches fewer). Its output then joins the routed sum in fp32 and the sum is rounded
+    once, where the separate shared expert's output is added to the rounded routed sum (a one-ulp
+    difference at most). Larger batches (prefill) and non-16-bit inputs keep the separate linears.
     """
 
     def __init__(
@@ -465,13 +486,80 @@ class KimiMoE(nn.Module):
             prefix=f"{prefix}.experts",
         )
         self.shared_experts = shared_experts
+        self.shared_index: int | None = None  # the shared expert's row in the expert stacks once fused
+        self.prefix = prefix
         if num_shared_experts and shared_experts is None:
             raise ValueError(
                 f"{prefix}: num_shared_experts={num_shared_experts} but no shared expert MLP given"
             )
 
+    def process_after_loading(self) -> None:
+        """After the children's processing (the loader runs children first): the shared expert joins the
+        routed experts' grouped launches where it can (K3RUN_MOE_FUSE_SHARED=0 keeps it apart)."""
+        if self.shared_index is None and knobs().moe_fuse_shared and self.shared_fusion_blocker() is None:
+            self.fuse_shared()
+
+    def shared_fusion_blocker(self) -> str | None:
+        """None when the shared expert can run as one more expert of the routed experts' grouped launches
+        (after loading), else why not."""
+        from k3run.layers.mlp import GatedMLP
+        from k3run.quant.experts import NvFp4Experts
+        from k3run.quant.schemes import NvFp4Scheme
+
+        mlp, ex = self.shared_experts, self.experts
+        if not isinstance(mlp, GatedMLP):
+            return "no shared expert"
+        if self.tp.size > 1:
+            return "tensor parallel: the shared expert is split by rows, the routed experts by expert"
+        if self.routed_expert_down_proj is not None:
+            return "latent MoE: the routed experts see the latent, the shared expert the full width"
+        sch = ex.scheme
+        if not (isinstance(sch, NvFp4Experts) and sch.kernels and sch.tiled and sch.cpu_int8 is None):
+            return f"the routed experts ({sch.describe()}) have no grouped NVFP4 launches here"
+        gu, down = mlp.gate_up_proj, mlp.down_proj
+        for lin in (gu, down):
+            if not isinstance(lin.scheme, NvFp4Scheme) or lin.scheme.w4a4:
+                return f"{lin.prefix}: {lin.scheme.describe()}, not a W4A16 NVFP4 linear"
+            if getattr(lin, "bias", None) is not None:
+                return f"{lin.prefix}: has a bias"
+            if not hasattr(lin, "nvfp4_weight"):
+                return f"{lin.prefix}: not processed after loading"
+        d, i = ex.hidden_size, ex.intermediate_size
+        widths = (gu.input_size_per_partition, gu.local_output_sizes, down.input_size_per_partition)
+        if widths != (d, (i, i), i) or down.local_output_sizes != (d,):
+            return f"shared expert {widths[0]} -> {widths[1]} -> {down.local_output_sizes}, routed {d} -> {i}"
+        a, b = mlp.activation, ex.activation
+        if (a.kind, a.beta, a.linear_beta) != (b.kind, b.beta, b.linear_beta):
+            return f"shared expert activation {a}, routed {b}"
+        return None
+
+    def fuse_shared(self) -> None:
+        """Stack the shared expert after the local routed experts (`NvFp4Experts.append_expert`); forward
+        then appends it to the picks of decode-sized batches. Its own linears stay for the other inputs."""
+        why = self.shared_fusion_blocker()
+        if why is not None:
+            raise ValueError(f"{self.prefix}: the shared expert cannot join the routed experts: {why}")
+        mlp = self.shared_experts
+        gu, down = mlp.gate_up_proj, mlp.down_proj  # type: ignore[union-attr]
+        rows = 2 * self.experts.intermediate_size
+        gs13 = gu.nvfp4_weight.row_global_scale.float().expand(rows).contiguous()
+        gs2 = down.nvfp4_weight.row_global_scale.float().reshape(-1)
+        if gs2.numel() != 1:
+            raise ValueError(f"{down.prefix}: one decode scale expected, got {gs2.numel()}")
+        self.shared_index = self.experts.scheme.append_expert(  # type: ignore[attr-defined]
+            self.experts,
+            (gu.weight.data, gu.weight_scale.data, gs13),
+            (down.weight.data, down.weight_scale.data, gs2),
+            f"{self.prefix}.shared_experts",
+        )
+
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         """sync_free: the step must read nothing back from the device (ForwardContext.sync_free)."""
+        decode = x.shape[0] <= BY_EXPERT_MAX_TOKENS
+        if self.shared_index is not None and decode and self.experts.grouped_ok(x):
+            # the shared expert as pick A of every token, in the routed experts' grouped launches
+            weights, ids = self.gate(x, extra=self.shared_index)
+            return self.experts(x, ids, weights, x.dtype, sync_free=sync_free)
         shared = None
         if self.shared_experts is not None:  # they see the ORIGINAL full-width x; beside the routed chain
             mlp = self.shared_experts

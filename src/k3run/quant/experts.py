@@ -653,12 +653,7 @@ class NvFp4Experts(ExpertScheme):
         self.cpu_int8 = (gs13_k, gs2_k.expand(-1, ex.hidden_size).contiguous())
 
     def _pack_cuda(self, ex: FusedExperts) -> None:
-        from k3run.kernels.nvfp4_gemm import (
-            check_scale_bytes,
-            default_cuda_layout,
-            repack_split128,
-            tile_split128,
-        )
+        from k3run.kernels.nvfp4_gemm import check_scale_bytes, default_cuda_layout
 
         # K is a multiple of 128 and N (2I or D) of 16, so the kernel layouts have the checkpoint layout's
         # shape: repack in place
@@ -668,12 +663,69 @@ class NvFp4Experts(ExpertScheme):
             check_scale_bytes(ex.w2_weight_scale.data, f"{ex.prefix}.w2_weight_scale")
         for w, sc in ((ex.w13_weight, ex.w13_weight_scale), (ex.w2_weight, ex.w2_weight_scale)):
             for e in range(ex.num_local):
-                packed, bits = repack_split128(w.data[e], sc.data[e])
-                if self.tiled:
-                    packed, bits = tile_split128(packed, bits)
+                packed, bits = self._kernel_layout(w.data[e], sc.data[e])
                 w.data[e].copy_(packed)
                 sc.data[e].view(torch.uint8).copy_(bits)
         self.split128 = True
+
+    def _kernel_layout(self, codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One projection's checkpoint-layout codes [N, K/2] and e4m3 scales [N, K/16] in the layout the
+        stacks hold (split128, tiled on top where `tiled`): (codes, scale bytes) of the same shapes."""
+        from k3run.kernels.nvfp4_gemm import repack_split128, tile_split128
+
+        packed, bits = repack_split128(codes, scale)
+        if self.tiled:
+            packed, bits = tile_split128(packed, bits)
+        return packed, bits
+
+    def append_expert(
+        self, ex: FusedExperts, w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor], what: str,
+    ) -> int:  # fmt: skip
+        """Stack one more expert after the local ones, for the grouped launches only (KimiMoE's shared
+        expert, `KimiMoE.fuse_shared`); returns its index in the stacks (ex.num_stacked before the call).
+        w13 = (codes uint8 [2I, D/2], e4m3 scales [2I, D/16], fp32 decode scale per row [2I]: gate rows
+        then up rows), w2 = (codes [D, I/2], scales [D, I/16], decode scale fp32 [1]), in the checkpoint
+        layout, W4A16 (no activation scales). The per-row decode scales are what the kernel path's alphas
+        become for the routed experts (`kernel_scales`); the codes go into the stacks' layout here."""
+        if not self.kernels or self.kernel_scales is None or self.cpu_int8 is not None:
+            raise ValueError(f"{what}: only NVFP4 experts on the W4A16 kernels take an appended expert")
+        d, i = ex.hidden_size, ex.intermediate_size
+        f8 = torch.float8_e4m3fn
+        want = {
+            "gate_up codes": ((2 * i, d // 2), torch.uint8), "gate_up scales": ((2 * i, d // 16), f8),
+            "gate_up decode scales": ((2 * i,), torch.float32), "down codes": ((d, i // 2), torch.uint8),
+            "down scales": ((d, i // 16), f8), "down decode scale": ((1,), torch.float32),
+        }  # fmt: skip
+        for (name, (shape, dtype)), t in zip(want.items(), (*w13, *w2), strict=True):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"{what}: {name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        dev = ex.w13_weight.device
+        parts = []
+        for codes, scale in ((w13[0], w13[1]), (w2[0], w2[1])):
+            codes, scale = codes.to(dev), scale.to(dev)
+            if self.tiled:
+                from k3run.kernels.nvfp4_gemm import check_scale_bytes
+
+                check_scale_bytes(scale.view(torch.uint8), f"{what} block scales")
+            if self.split128:
+                codes, bits = self._kernel_layout(codes, scale)
+                scale = bits.view(f8)
+            parts.append((codes, scale))
+        index = ex.num_stacked
+        for (name, sname), (codes, scale) in zip(
+            (("w13_weight", "w13_weight_scale"), ("w2_weight", "w2_weight_scale")), parts, strict=True
+        ):
+            for pname, t in ((name, codes), (sname, scale)):
+                p = getattr(ex, pname)
+                p.data = torch.cat([p.data, t[None]])
+        gs13, gs2 = self.kernel_scales
+        self.kernel_scales = (
+            torch.cat([gs13, w13[2].to(gs13)[None]]).contiguous(),
+            torch.cat([gs2, w2[2].to(gs2).reshape(1, 1)]).contiguous(),
+        )
+        ex.appended += 1
+        return index
 
     def expert_tensors(
         self, ex: FusedExperts, e: int
@@ -878,7 +930,7 @@ class NvFp4Experts(ExpertScheme):
         if (
             t >= TILE_FROM_TOKENS
             or (t * a > GROUPED_MAX_PICKS and not _by_expert(t))
-            or (t >= 2 and self._on_wgmma(x) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_local)
+            or (t >= 2 and self._on_wgmma(x) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_stacked)
         ):
             return self._tile_gemms(ex, x, ids, weights, finish)
         from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
@@ -895,7 +947,7 @@ class NvFp4Experts(ExpertScheme):
         x = x.contiguous()
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
             bt = by_expert_tile(t)
-            grp = expert_groups(local, ex.num_local, bt)
+            grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = one_wave_split(bt, 2 * i * grp.shape[0], d, sms)
             gu = nvfp4_gemv_by_expert(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1
@@ -940,14 +992,14 @@ class NvFp4Experts(ExpertScheme):
             from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
             from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_grouped
 
-            grp = expert_blocks(local, ex.num_local, wgmma_block_picks(t * a, ex.num_local))
+            grp = expert_blocks(local, ex.num_stacked, wgmma_block_picks(t * a, ex.num_stacked))
             try:
                 return finish.combine(self._gemm_pair(ex, x, a, grp, nvfp4_wgmma_grouped), weights)
             except BUILD_ERRORS as e:  # a Triton that cannot build it: the tile GEMM
                 if not triton_build_failed(e):
                     raise
                 ng._disable_wgmma(e)
-        grp = expert_blocks(local, ex.num_local, MOE_TILE_BM)
+        grp = expert_blocks(local, ex.num_stacked, MOE_TILE_BM)
         y = self._gemm_pair(ex, x, a, grp, nvfp4_tile_gemm_grouped)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 

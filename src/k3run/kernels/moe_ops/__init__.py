@@ -1,10 +1,12 @@
 """The small operations around the routed experts as single launches on CUDA, the torch references elsewhere.
 
-- `route_sigmoid_topk(x, weight, bias, top_k, renormalize, scale)`: the router without group limits: logits
-  x [T, D] . W [E, D]^T in fp32 (x cast as it loads), sigmoid scores, the biased choice, top-k, the unbiased
-  weights renormalised and scaled. Two launches: the logits as partial sums over column blocks (many small
-  programs, so the fp32 weight streams at a useful rate even for one token; cuBLAS above
-  LOGITS_MAX_TOKENS), then one single-warp program per token that sums the partials in order and picks.
+- `route_sigmoid_topk(x, weight, bias, top_k, renormalize, scale, extra)`: the router without group limits:
+  logits x [T, D] . W [E, D]^T in fp32 (x cast as it loads), sigmoid scores, the biased choice, top-k, the
+  unbiased weights renormalised and scaled; `extra` (an expert id) appends it to every token's picks at
+  weight 1 (the shared expert run as one more expert of the grouped launches). Two launches: the logits as
+  partial sums over column blocks (many small programs, so the fp32 weight streams at a useful rate even
+  for one token; cuBLAS above LOGITS_MAX_TOKENS), then one single-warp program per token that sums the
+  partials in order and picks.
 - `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
 - `combine(y, weights, out_dtype, add)`: the top-k weighted sum of each token's expert outputs in fp32, slot
@@ -24,7 +26,7 @@ import torch
 
 from k3run.knobs import knobs
 
-from .ref import combine_ref, gated_ref, router_logits_ref, sigmoid_topk_ref
+from .ref import append_pick, combine_ref, gated_ref, router_logits_ref, sigmoid_topk_ref
 
 
 def _cuda(t: torch.Tensor) -> bool:
@@ -32,29 +34,32 @@ def _cuda(t: torch.Tensor) -> bool:
 
 
 def route_sigmoid_topk(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]): on CUDA, up to
-    LOGITS_MAX_TOKENS rows, two launches (partial logits over column blocks, then the top-k summing them);
-    otherwise torch's fp32 logits, then `sigmoid_topk`."""
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+    extra: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]; A + 1 columns
+    with `extra`): on CUDA, up to LOGITS_MAX_TOKENS rows, two launches (partial logits over column blocks,
+    then the top-k summing them); otherwise torch's fp32 logits, then `sigmoid_topk`."""
     if _cuda(x) and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous():
         from .triton import LOGITS_MAX_TOKENS, MAX_EXPERTS, router_partials, sigmoid_topk_triton
 
         if x.shape[0] <= LOGITS_MAX_TOKENS and top_k <= weight.shape[0] <= MAX_EXPERTS:
-            return sigmoid_topk_triton(router_partials(x, weight), bias, top_k, renormalize, scale)
-    return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale)
+            return sigmoid_topk_triton(router_partials(x, weight), bias, top_k, renormalize, scale, extra)
+    return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale, extra)
 
 
 def sigmoid_topk(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, A], ids int64 [T, A]) of fp32 logits [T, E] (ref.sigmoid_topk_ref)."""
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+    extra: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(weights fp32 [T, A], ids int64 [T, A]; A + 1 columns with `extra`) of fp32 logits [T, E]
+    (ref.sigmoid_topk_ref)."""
     if _cuda(logits) and bias.dtype == torch.float32:
         from .triton import MAX_EXPERTS, sigmoid_topk_triton
 
         if top_k <= logits.shape[1] <= MAX_EXPERTS:
-            return sigmoid_topk_triton(logits, bias, top_k, renormalize, scale)
-    return sigmoid_topk_ref(logits, bias, top_k, renormalize, scale)
+            return sigmoid_topk_triton(logits, bias, top_k, renormalize, scale, extra)
+    return sigmoid_topk_ref(logits, bias, top_k, renormalize, scale, extra)
 
 
 def gated(
@@ -85,6 +90,6 @@ def combine(
 
 
 __all__ = [
-    "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits_ref", "sigmoid_topk",
-    "sigmoid_topk_ref",
+    "append_pick", "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits_ref",
+    "sigmoid_topk", "sigmoid_topk_ref",
 ]  # fmt: skip

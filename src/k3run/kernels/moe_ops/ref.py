@@ -11,18 +11,34 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid_topk_ref(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+    extra: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sigmoid top-k routing without group limits: logits fp32 [T, E] -> (weights fp32 [T, A], ids int64
     [T, A]). The experts are picked by sigmoid(logits) + bias, in descending order; the weights are the
     unbiased sigmoid scores of the picks, divided by their sum (+ 1e-20) when renormalize and A > 1, times
-    scale."""
+    scale. `extra` (an expert id) appends column A: that expert, weight 1, for every token (a shared expert
+    run as one more expert: `append_pick`)."""
     scores = torch.sigmoid(logits)
     ids = (scores + bias.float()).topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize and top_k > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
+    return append_pick(weights * scale, ids, extra)
+
+
+def append_pick(
+    weights: torch.Tensor, ids: torch.Tensor, extra: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, A], ids [T, A]) with expert `extra` appended to every token at weight 1 ([T, A + 1]);
+    unchanged for None."""
+    if extra is None:
+        return weights, ids
+    t = ids.shape[0]
+    return (
+        torch.cat([weights, weights.new_ones(t, 1)], 1),
+        torch.cat([ids, ids.new_full((t, 1), extra)], 1),
+    )
 
 
 def gated_ref(

@@ -95,8 +95,8 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _sigmoid_topk_kernel(
-    l_ptr, b_ptr, w_ptr, id_ptr, T, E, S, scale, A: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, LIB: tl.constexpr,
+    l_ptr, b_ptr, w_ptr, id_ptr, T, E, S, scale, extra, A: tl.constexpr, EXTRA: tl.constexpr,
+    RENORM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, LIB: tl.constexpr,
 ):  # fmt: skip
     # one program (one warp: every reduction a shuffle) per token: the logits as the sum of S partial rows in
     # order, scores in registers, A rounds of "take the largest remaining", each round on a unique int64 key
@@ -127,23 +127,30 @@ def _sigmoid_topk_kernel(
     wv = tl.sum(tl.where(iv[:, None] == e[None, :], s[None, :], 0.0), axis=1)
     if RENORM:
         wv = tl.div_rn(wv, tl.sum(wv, axis=0) + 1e-20)
-    tl.store(w_ptr + t * A + a, wv * scale, mask=a < A)
-    tl.store(id_ptr + t * A + a, iv.to(tl.int64), mask=a < A)
+    W: tl.constexpr = A + EXTRA  # a row of the outputs: the A picks, then the appended expert if any
+    tl.store(w_ptr + t * W + a, wv * scale, mask=a < A)
+    tl.store(id_ptr + t * W + a, iv.to(tl.int64), mask=a < A)
+    if EXTRA:
+        tl.store(w_ptr + t * W + A, 1.0)
+        tl.store(id_ptr + t * W + A, extra.to(tl.int64))
 
 
 def sigmoid_topk_triton(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+    extra: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """sigmoid_topk_ref on CUDA for E <= MAX_EXPERTS (one launch); logits [T, E], or [S, T, E] partials
-    (`router_partials`) summed in order."""
+    (`router_partials`) summed in order; `extra` appends one more column as sigmoid_topk_ref does."""
     parts = logits if logits.dim() == 3 else logits.unsqueeze(0)
     splits, t, e = parts.shape
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    cols = top_k + (extra is not None)
+    weights = torch.empty(t, cols, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, cols, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     _sigmoid_topk_kernel[(t,)](
-        parts.contiguous(), bias.contiguous(), weights, ids, t, e, splits, float(scale), A=top_k,
+        parts.contiguous(), bias.contiguous(), weights, ids, t, e, splits, float(scale),
+        -1 if extra is None else int(extra), A=top_k, EXTRA=int(extra is not None),
         RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k),
         BLOCK_E=triton.next_power_of_2(e), LIB=LIBDEVICE, num_warps=1,
     )  # fmt: skip

@@ -4,9 +4,10 @@
 CUDA inputs (`choose_config` picks, `nvfp4_linear` runs): the Gluon decode kernel (gluon_gemv.py) up to 32
 rows (33..64 in two launches on large matrices); on sm_90 the CUDA C++ GEMM of w4a16_sm90.cu for 17..256
 rows (built at first use; where it cannot be built, or with K3RUN_SM90_CUDA=0, the Gluon wgmma GEMM of
-wgmma.py); elsewhere the tensor-core tile GEMM (tile.py) up to 128 rows; dequantize + cuBLAS above. CPU inputs run cpu.py (compiled loops or the SIMD extension on large
-matrices, the fp32 reference otherwise). `nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8 blocks
-for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says where it is used).
+wgmma.py); elsewhere the tensor-core tile GEMM (tile.py) up to 128 rows; dequantize + cuBLAS above. CPU
+inputs run cpu.py (compiled loops or the SIMD extension on large matrices, the fp32 reference otherwise).
+`nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`;
+quant/schemes.py says where it is used).
 """
 
 from __future__ import annotations
