@@ -27,6 +27,10 @@
 #   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
 #           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
 #   graphs  tests/engine/test_graph_decode.py and tests/engine/test_prefill_graphs.py (GPU-marked; carry .whl)
+#   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
+#           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
+#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 as shipped (--profile 3), then with the shared
+#           expert apart and the Gluon GEMM (K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0): the same-run baseline
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
@@ -96,6 +100,14 @@ for stage in "${stages[@]}"; do
             -o addopts="--import-mode=importlib" -q -rfE \
             tests/kernels/test_nvfp4_gemv_gpu.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_gemv_compile.py \
             >"$OUT/gemvtests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/gemvtests.txt" | tail -12 ;;
+    moetests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
+            -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/layers/test_moe.py \
+            tests/layers/test_moe_shared_fusion.py tests/kernels/test_moe_ops.py tests/kernels/test_nvfp4_gemm.py \
+            >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
+    decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
+            --profile 3 2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
+        K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear \
+            --batch-sizes 1,8,32 --steps 32 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs" ;;
     graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
             tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30 ;;
