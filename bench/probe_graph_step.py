@@ -109,7 +109,7 @@ def _uniform_routing(model, rows: int, seed: int = 0) -> None:
         table = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)])
         table = table.to(mod.weight.device)
 
-        tables = {None: table}  # by the appended expert (a fused shared expert), built at the first eager call
+        tables = {None: table}  # per appended expert (a fused shared one): built at the first, eager call
 
         def forward(x, extra=None, orig=mod.forward, tables=tables):
             w, ids = orig(x, extra)
