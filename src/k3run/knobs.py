@@ -122,7 +122,7 @@ class Knobs:
     )  # fmt: skip
     sm90_cuda: bool = _knob(
         "K3RUN_SM90_CUDA", _flag, True,
-        "CUDA sm_90: NVFP4 linears of 17..256 rows on the CUDA C++ GEMM (w4a16_sm90; 0: the Gluon one)",
+        "CUDA sm_90: NVFP4 linears of 17..256 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one)",
     )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,

@@ -92,24 +92,40 @@ def test_gpu_repeats_are_bit_identical() -> None:
 
 @pytest.mark.gpu
 def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
-    """With K3RUN_SM90_CUDA=1, nvfp4_linear's choice for 17..256 rows on sm_90 runs this kernel; its output is
-    within the bound of the Gluon wgmma kernel's (the same products, summed in another order)."""
+    """With K3RUN_SM90_CUDA=1, nvfp4_linear's choice for 17..256 rows on sm_90 runs this kernel on a matrix of
+    MIN_WEIGHTS weights; its output is within the bound of the Gluon wgmma kernel's (the same products,
+    summed in another order)."""
     from k3run.kernels.nvfp4_gemm import choose_config, nvfp4_linear
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
 
     _need_kernel()
     monkeypatch.setenv("K3RUN_SM90_CUDA", "1")
     reset_knobs()
-    assert choose_config(64, 4096, 4096, wgmma=True).wgmma
-    w, s, gs = _random_nvfp4(4096, 4096, "cuda", False, seed=5)
+    n, k = 8192, 4096
+    assert choose_config(64, n, k, wgmma=True).wgmma and sm90.takes(n, k)
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=5)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     y = nvfp4_linear(x, tw)
-    y_gluon = nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 4096, 4096)
+    y_gluon = nvfp4_wgmma_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n)
     wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
     ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
     bound = 2 * _bound(x, wd, gs, ref, torch.bfloat16)
     assert bool(((y.float() - y_gluon.float()).abs() <= bound).all())
+
+
+def test_large_matrices_only(monkeypatch) -> None:
+    """The kernel takes K3's matrices (7168 x 7168 and up), not Kimi Linear's (at most 12448 x 2304), and
+    none with K3RUN_SM90_CUDA=0."""
+    assert sm90.takes(7168, 7168) and sm90.takes(12288, 7168)
+    assert not sm90.takes(12448, 2304) and not sm90.takes(2304, 4096)
+    monkeypatch.setenv("K3RUN_SM90_CUDA", "0")
+    reset_knobs()
+    try:
+        assert not sm90.takes(7168, 7168)
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_CUDA")
+        reset_knobs()
 
 
 def test_refuses_bad_input() -> None:

@@ -114,9 +114,9 @@ def test_fused_shared_expert_equals_the_separate_one(act_name: str, monkeypatch)
 
 
 def test_prefill_sizes_and_fp32_keep_the_separate_shared_expert(monkeypatch) -> None:
-    """Above BY_EXPERT_MAX_TOKENS tokens (prefill) the block runs the shared MLP itself: the grouped
-    launches see only the routed picks."""
-    from k3run.quant.experts import BY_EXPERT_MAX_TOKENS
+    """Above SHARED_IN_GROUPED_MAX_TOKENS tokens the block runs the shared MLP itself: the grouped launches
+    see only the routed picks."""
+    from k3run.layers.moe import SHARED_IN_GROUPED_MAX_TOKENS as MAX
 
     moe, g = _moe("silu", "cpu", torch.float32, d=128, i=128, e=3)
     _process(moe, force_kernels=True)
@@ -126,9 +126,9 @@ def test_prefill_sizes_and_fp32_keep_the_separate_shared_expert(monkeypatch) -> 
     monkeypatch.setattr(
         moe.experts.scheme, "grouped", lambda ex, x, ids, w, f: seen.append(ids) or grouped(ex, x, ids, w, f)
     )
-    moe(torch.randn(BY_EXPERT_MAX_TOKENS + 1, 128, generator=g))
-    moe(torch.randn(3, 128, generator=g))
-    assert [tuple(ids.shape) for ids in seen] == [(BY_EXPERT_MAX_TOKENS + 1, 2), (3, 3)]
+    moe(torch.randn(MAX + 1, 128, generator=g))
+    moe(torch.randn(MAX, 128, generator=g))
+    assert [tuple(ids.shape) for ids in seen] == [(MAX + 1, 2), (MAX, 3)]
     assert bool((seen[1][:, 2] == 3).all())
 
 
@@ -160,7 +160,7 @@ def _gpu_moe(act_name: str, fuse: bool):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
 def test_gpu_fused_shared_expert_matches_the_separate_one(act_name: str) -> None:
-    """bf16 on the GPU, at 1 token (one program per pick) and 5 / 40 tokens (expert-major): the fused block
+    """bf16 on the GPU, at 1 token (one program per pick) and 5 / 8 tokens (expert-major): the fused block
     against the same weights with the shared expert apart. The two differ by where the shared output joins
     (the fp32 sum, rounded once, against the rounded routed sum plus the shared output, rounded again) and
     by the shared expert's fp32 summation order (its bf16 output one ulp apart at most): a few bf16
@@ -168,7 +168,7 @@ def test_gpu_fused_shared_expert_matches_the_separate_one(act_name: str) -> None
     fused, g = _gpu_moe(act_name, True)
     apart, _ = _gpu_moe(act_name, False)
     assert fused.shared_index == 6 and apart.shared_index is None
-    for t in (1, 5, 40):
+    for t in (1, 5, 8):
         x = (torch.randn(t, 256, generator=g) * 2).to("cuda", torch.bfloat16)
         assert_close(f"fused shared, {t} tokens", apart(x), fused(x), rtol=RTOL[torch.bfloat16])
     x = (torch.randn(8, 256, generator=g) * 2).to("cuda", torch.bfloat16)

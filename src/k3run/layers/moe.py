@@ -23,9 +23,14 @@ from k3run.layers.branch import Branch
 from k3run.layers.norm import norm_weight_loader
 from k3run.loader import SliceLoader, TensorSource
 from k3run.quant.algo import QuantAlgo
-from k3run.quant.experts import BY_EXPERT_MAX_TOKENS, Finish, NvFp4ActMode, expert_scheme_for
+from k3run.quant.experts import Finish, NvFp4ActMode, expert_scheme_for
 
 _SHARDS = ("w1", "w2", "w3")
+# tokens up to which a fused shared expert runs inside the routed experts' grouped launches (KimiMoE): the
+# sizes measured on the full-depth model (1.008x / 1.021x decode at batch 1 / 8, bench/RESULTS.md); at
+# batch 32 the fused random model's own routing spread over 162 experts where the unfused one's stayed on 8,
+# not yet explained, so from 9 tokens the shared expert runs apart
+SHARED_IN_GROUPED_MAX_TOKENS = 8
 
 
 def _group_limited(num_expert_group: int, topk_group: int) -> bool:
@@ -439,11 +444,11 @@ class KimiMoE(nn.Module):
     The shared expert as one more routed expert (`fuse_shared`, at load, where `shared_fusion_blocker` finds
     nothing against it: one GPU, no latent projections, NVFP4 W4A16 linears of the routed experts' widths
     and activation, the routed experts on the grouped kernels): its weights are stacked after the local
-    experts, and for decode-sized batches (up to BY_EXPERT_MAX_TOKENS tokens) the router appends it to every
+    experts, and for small decode batches (up to SHARED_IN_GROUPED_MAX_TOKENS) the router appends it to every
     token's picks at weight 1, so the routed experts' two grouped launches also run it (Kimi Linear: 3 of a
     layer's ~11 decode launches fewer). Its output then joins the routed sum in fp32 and the sum is rounded
     once, where the separate shared expert's output is added to the rounded routed sum (a one-ulp
-    difference at most). Larger batches (prefill) and non-16-bit inputs keep the separate linears.
+    difference at most). Larger batches and non-16-bit inputs keep the separate linears.
     """
 
     def __init__(
@@ -535,7 +540,7 @@ class KimiMoE(nn.Module):
 
     def fuse_shared(self) -> None:
         """Stack the shared expert after the local routed experts (`NvFp4Experts.append_expert`); forward
-        then appends it to the picks of decode-sized batches. Its own linears stay for the other inputs."""
+        then appends it to the picks of small decode batches. Its own linears stay for the other inputs."""
         why = self.shared_fusion_blocker()
         if why is not None:
             raise ValueError(f"{self.prefix}: the shared expert cannot join the routed experts: {why}")
@@ -555,7 +560,7 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         """sync_free: the step must read nothing back from the device (ForwardContext.sync_free)."""
-        decode = x.shape[0] <= BY_EXPERT_MAX_TOKENS
+        decode = x.shape[0] <= SHARED_IN_GROUPED_MAX_TOKENS
         if self.shared_index is not None and decode and self.experts.grouped_ok(x):
             # the shared expert as pick A of every token, in the routed experts' grouped launches
             weights, ids = self.gate(x, extra=self.shared_index)

@@ -2,12 +2,12 @@
 `config.py` picks the kernel and launch for M rows; every public name of both is re-exported here.
 
 CUDA inputs (`choose_config` picks, `nvfp4_linear` runs): the Gluon decode kernel (gluon_gemv.py) up to 32
-rows (33..64 in two launches on large matrices); on sm_90 the CUDA C++ GEMM of w4a16_sm90.cu for 17..256
-rows (built at first use; where it cannot be built, or with K3RUN_SM90_CUDA=0, the Gluon wgmma GEMM of
-wgmma.py); elsewhere the tensor-core tile GEMM (tile.py) up to 128 rows; dequantize + cuBLAS above. CPU
-inputs run cpu.py (compiled loops or the SIMD extension on large matrices, the fp32 reference otherwise).
-`nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`;
-quant/schemes.py says where it is used).
+rows (33..64 in two launches on large matrices); on sm_90 for 17..256 rows the CUDA C++ GEMM of
+w4a16_sm90.cu on matrices of >= 32M weights (built at first use), the Gluon wgmma GEMM of wgmma.py on
+smaller ones, where it cannot be built, or with K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM
+(tile.py) up to 128 rows; dequantize + cuBLAS above. CPU inputs run cpu.py (compiled loops or the SIMD
+extension on large matrices, the fp32 reference otherwise). `nvfp4_to_fp8_block` is the opt-in, lossy
+conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says where it is used).
 """
 
 from __future__ import annotations
@@ -135,14 +135,15 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
 
 
 def _wgmma(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """17..256 rows on sm_90: the CUDA C++ GEMM where enabled and built (w4a16_sm90), else the Gluon wgmma
-    GEMM; None (and the Gluon kernel disabled) when Triton cannot build it."""
+    """17..256 rows on sm_90: the CUDA C++ GEMM on large matrices where enabled and built
+    (w4a16_sm90.takes), else the Gluon wgmma GEMM; None (and the Gluon kernel disabled) when Triton cannot
+    build it."""
     from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
 
     from . import w4a16_sm90
     from .wgmma import nvfp4_wgmma_gemm
 
-    if w4a16_sm90.enabled() and w4a16_sm90.available(x2.device):  # CUDA C++, built at first use
+    if w4a16_sm90.takes(w.n, w.k) and w4a16_sm90.available(x2.device):  # CUDA C++, built at first use
         return w4a16_sm90.nvfp4_sm90_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)
     try:
         return nvfp4_wgmma_gemm(x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias)

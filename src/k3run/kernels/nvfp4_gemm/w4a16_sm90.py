@@ -87,10 +87,23 @@ def _build():
     )
 
 
+# the smallest matrix (N * K weights) nvfp4_linear runs on this kernel: K3's 7168 x 7168 and 12288 x 7168 ran
+# 1.06-1.32x the Gluon wgmma kernel at 32-256 rows; in the full-depth Kimi Linear decode at 32 rows (widths
+# 2304 / 4096, at most 29M weights a matrix) its 123 calls took 1081 us plus 169 us of x preparation (one
+# more launch a call) against the Gluon kernel's 1093 us (bench/RESULTS.md)
+MIN_WEIGHTS = 32 << 20
+
+
 def enabled() -> bool:
-    """Whether nvfp4_linear takes this kernel for 17..256 rows on sm_90 (1.06-1.32x the Gluon wgmma kernel
-    there, bench/RESULTS.md run 126): on unless `K3RUN_SM90_CUDA=0` (read once)."""
+    """Whether this kernel may run nvfp4_linear's calls of 17..256 rows on sm_90: unless `K3RUN_SM90_CUDA=0`
+    (read once)."""
     return knobs().sm90_cuda
+
+
+def takes(n: int, k: int) -> bool:
+    """Whether nvfp4_linear runs an N x K weight of 17..256 rows here (enabled, at least MIN_WEIGHTS weights)
+    rather than on the Gluon wgmma kernel; `available` still decides whether it can."""
+    return enabled() and n * k >= MIN_WEIGHTS
 
 
 @functools.cache  # available() runs on every nvfp4_linear call of 17..256 rows when enabled
