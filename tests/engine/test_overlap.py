@@ -24,10 +24,11 @@ def _count_launches(llm) -> dict[str, int]:
     counts = {"ahead": 0, "rows": 0}
     launch = llm.engine._launch
 
-    def counted(batch, prev):
+    def counted(batch, plan, prev):
+        assert plan.ahead == (prev is not None)  # a step launched ahead is planned one position on
         counts["ahead"] += prev is not None
         counts["rows"] += len(batch.seqs)
-        return launch(batch, prev)
+        return launch(batch, plan, prev)
 
     llm.engine._launch = counted
     return counts

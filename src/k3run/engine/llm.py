@@ -24,6 +24,7 @@ from k3run.engine.runner import (
     GraphDecoder,
     ModelRunner,
     PrefillGraphs,
+    StepPlan,
     prefill_buckets,
     staged,
 )
@@ -313,19 +314,20 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
-            if not self._overlaps(batch.seqs, batch, ahead=0):
-                return self._step_sync(batch)
-            cur = self._launch(batch, prev=None)
+            plan = self.runner.plan(batch)
+            if not self._overlaps(batch, plan):
+                return self._step_sync(batch, plan)
+            cur = self._launch(batch, plan, prev=None)
         nxt = self._lookahead(cur)
         if nxt is not None:
-            self._inflight = self._launch(nxt, prev=cur)
+            self._inflight = self._launch(*nxt, prev=cur)
         outputs = self._record(cur)
         if self._inflight is not None and all(s.is_finished for s in self._inflight.batch.seqs):
             self._inflight = None  # every row of the launched step belongs to a finished sequence
         return outputs
 
-    def _step_sync(self, batch: Batch) -> list[RequestOutput]:
-        out = self.runner.run(batch)
+    def _step_sync(self, batch: Batch, plan: StepPlan) -> list[RequestOutput]:
+        out = self.runner.run(batch, plan)
         rows, logits = out.rows, out.logits
         for b, plogits in out.prompt_logits.items():
             _record_prompt_logprobs(batch.seqs[b], plogits)
@@ -360,13 +362,14 @@ class LLMEngine:
             outputs.append(RequestOutput.from_sequence(seq, delta=self._postprocess(seq)))
         return outputs
 
-    def _overlaps(self, seqs: list[Sequence], batch: Batch | None, ahead: int) -> bool:
-        """Whether a decode step of `seqs` (`ahead` tokens past their recorded state) may be launched
-        without waiting: overlap on, a plain one-token decode of every sequence, no log-probabilities
+    def _overlaps(self, batch: Batch, plan: StepPlan) -> bool:
+        """Whether `batch`'s step (planned as `plan`, plan.ahead tokens past the recorded state) may be
+        launched without waiting: overlap on, a plain one-token decode of every sequence, no log-probabilities
         wanted, and (where overlap is automatic) a step that replays a graph."""
+        seqs, ahead = batch.seqs, plan.ahead
         if not self.overlap or not seqs:
             return False
-        if batch is not None and (batch.is_prefill or any(n != 1 for n in batch.num_new_tokens)):
+        if batch.is_prefill or any(n != 1 for n in batch.num_new_tokens):
             return False
         for seq in seqs:
             if seq.slot is None or seq.params.logprobs is not None or seq.params.prompt_logprobs is not None:
@@ -376,13 +379,13 @@ class LLMEngine:
             if seq.num_cached != seq.num_tokens - 1:  # exactly one token not in the cache (before `ahead`)
                 return False
         if self.config.overlap_decode is None:
-            return self.runner.graph_decodes(seqs, ahead)
+            return plan.mode == "decode_graph"
         return all(s.num_cached + ahead + 1 <= self.cache.max_len for s in seqs)
 
-    def _lookahead(self, cur: _InFlight) -> Batch | None:
-        """The decode step to launch before `cur` is recorded: the sequences of `cur` that may continue,
-        when the scheduler would run exactly them next (nothing waits for a prefill, no other sequence is
-        running). None to drain instead."""
+    def _lookahead(self, cur: _InFlight) -> tuple[Batch, StepPlan] | None:
+        """The decode step to launch before `cur` is recorded, with its plan: the sequences of `cur` that
+        may continue, when the scheduler would run exactly them next (nothing waits for a prefill, no other
+        sequence is running). None to drain instead."""
         if not self.overlap or self.scheduler.waiting:
             return None
         live = [s for s in cur.batch.seqs if not s.is_finished]
@@ -393,11 +396,11 @@ class LLMEngine:
         seqs = [
             s for s in live if len(s.output_token_ids) + 1 < s.params.max_tokens and s.num_tokens + 1 < limit
         ]
-        if not self._overlaps(seqs, None, ahead=1):
-            return None
-        return Batch(seqs=seqs, num_new_tokens=[1] * len(seqs), is_prefill=False)
+        nxt = Batch(seqs=seqs, num_new_tokens=[1] * len(seqs), is_prefill=False)
+        plan = self.runner.plan(nxt, ahead=1)
+        return (nxt, plan) if self._overlaps(nxt, plan) else None
 
-    def _launch(self, batch: Batch, prev: _InFlight | None) -> _InFlight:
+    def _launch(self, batch: Batch, plan: StepPlan, prev: _InFlight | None) -> _InFlight:
         """Enqueue a decode step and its sampling; nothing waits for the GPU. Without `prev` the fed tokens
         are the sequences' last recorded ones; with it, `prev`'s sampled tokens (not yet recorded) on the
         device, at positions one further on."""
@@ -413,7 +416,7 @@ class LLMEngine:
                 dev = prev.tokens.device
                 rows = staged(torch.tensor(idx, dtype=torch.int64), dev).to(dev, non_blocking=True)
                 ids = prev.tokens.index_select(0, rows)
-        logits = self.runner.decode(seqs, ids, ahead=0 if prev is None else 1)
+        logits = self.runner.decode(seqs, ids, plan)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if self.config.tp_size > 1:  # rank 0's tokens, on the device, before anything reads them
             import torch.distributed as dist

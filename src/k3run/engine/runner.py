@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -406,6 +406,21 @@ class CompiledCpuDecoder(GraphDecoder):
         return self._call(n, self.window(max(ctx_lens) + 1))[:n]
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step runs, decided once per step by `ModelRunner.plan` and followed by `run` / `decode` (and
+    by the engine's decode-overlap choice):
+    - "decode_graph": every sequence feeds one token, none wants prompt log-probabilities, and the decode
+      graphs (CUDA graphs, or the compiled CPU step) take the batch at its context lengths;
+    - "prefill_graph": one fresh prompt whose length a prefill graph bucket holds;
+    - "eager": one forward.
+    `ahead`: the step's tokens sit this many positions past the sequences' recorded state (1 for a decode step
+    launched before the previous step's tokens are recorded)."""
+
+    mode: Literal["decode_graph", "prefill_graph", "eager"]
+    ahead: int = 0
+
+
 @dataclass
 class StepOutput:
     """What one `ModelRunner.run` step gives back: the batch rows that end their known tokens, those rows'
@@ -503,16 +518,21 @@ class ModelRunner:
             return False
         return self.prefill_graphs.bucket(n) is not None
 
-    def _graph_step(self, batch: Batch) -> bool:
-        """Whether this step replays a decode graph: graphs on, every sequence one token (a slot, room in the
-        cache), no prompt log-probabilities wanted, and a step the decoder accepts for this batch and
-        context length (a bucket holds the batch, the temporaries fit its limit)."""
-        if any(n != 1 for n in batch.num_new_tokens):
-            return False
-        for seq in batch.seqs:
-            if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_token_ids):
-                return False
-        return self.graph_decodes(batch.seqs)
+    def plan(self, batch: Batch, ahead: int = 0) -> StepPlan:
+        """The one place a step's way of running is decided (StepPlan): a decode graph where graphs are on,
+        every sequence feeds one token (a slot, room in the cache), no prompt log-probabilities are wanted,
+        and the decoder accepts the batch at its context lengths (a bucket holds it, the temporaries fit its
+        limit); else a prefill graph for one fresh prompt a bucket holds; else eager."""
+        one_token = all(n == 1 for n in batch.num_new_tokens)
+        prompt_rows = any(
+            s.params.prompt_logprobs is not None and s.num_cached < len(s.prompt_token_ids)
+            for s in batch.seqs
+        )
+        if one_token and not prompt_rows and self.graph_decodes(batch.seqs, ahead):
+            return StepPlan("decode_graph", ahead)
+        if ahead == 0 and self._prefill_graph_step(batch):
+            return StepPlan("prefill_graph")
+        return StepPlan("eager", ahead)
 
     def graph_decodes(self, seqs: list[Sequence], ahead: int = 0) -> bool:
         """Whether a one-token decode step of `seqs`, `ahead` tokens past their recorded state (a step
@@ -525,15 +545,14 @@ class ModelRunner:
         return self.graphs.accepts(len(seqs), max(s.num_cached for s in seqs) + ahead + 1)
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], ids: list[int] | torch.Tensor, ahead: int = 0) -> torch.Tensor:
-        """Logits [B, V] fp32 of a one-token decode step of `seqs`, `ahead` tokens past their recorded state,
-        feeding ids[i] (a host list or a device tensor) at position num_cached + ahead: a graph replay where
-        `graph_decodes` says one applies, else one eager forward. A failed capture turns graphs off and runs
-        eagerly."""
+    def decode(self, seqs: list[Sequence], ids: list[int] | torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Logits [B, V] fp32 of a one-token decode step of `seqs`, plan.ahead tokens past their recorded
+        state, feeding ids[i] (a host list or a device tensor) at position num_cached + ahead: a graph replay
+        where the plan says so (and graphs are still on), else one eager forward. A failed capture turns
+        graphs off and runs eagerly."""
         slots = [_slot(s) for s in seqs]
-        ctx_lens = [s.num_cached + ahead for s in seqs]
-        if self.graph_decodes(seqs, ahead):
-            assert self.graphs is not None
+        ctx_lens = [s.num_cached + plan.ahead for s in seqs]
+        if plan.mode == "decode_graph" and self.graphs is not None:
             try:
                 return self.graphs.run(ids, slots, ctx_lens)
             except GraphCaptureError as e:
@@ -546,25 +565,28 @@ class ModelRunner:
         return self.model.compute_logits(self.model.forward(input_ids, ctx)).float()
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> StepOutput:
-        """One step: a decode or prefill graph replay where one applies, else one eager forward."""
-        if self._graph_step(batch):  # (a failed capture: `decode` turns graphs off and runs it eagerly)
+    def run(self, batch: Batch, plan: StepPlan | None = None) -> StepOutput:
+        """One step as `plan` (default: `self.plan(batch)`) says: a decode or prefill graph replay, or one
+        eager forward."""
+        plan = plan or self.plan(batch)
+        if plan.ahead:
+            raise ValueError(f"run: a step {plan.ahead} ahead of the recorded tokens is a `decode` call")
+        if plan.mode == "decode_graph":  # (a failed capture: `decode` turns graphs off and runs it eagerly)
             seqs = batch.seqs
-            logits = self.decode(seqs, [s.all_token_ids[s.num_cached] for s in seqs])
+            logits = self.decode(seqs, [s.all_token_ids[s.num_cached] for s in seqs], plan)
             rows = [b for b in range(len(seqs)) if batch.samples(b)]
             if not rows:
                 return StepOutput(rows, None)
             if len(rows) < len(seqs):
                 logits = logits[torch.tensor(rows, device=logits.device)]
             return StepOutput(rows, logits)
-        if self._prefill_graph_step(batch):
-            assert self.prefill_graphs is not None
+        if plan.mode == "prefill_graph" and self.prefill_graphs is not None:
             seq = batch.seqs[0]
             try:
                 logits = self.prefill_graphs.run(seq.all_token_ids[: batch.num_new_tokens[0]], _slot(seq))
             except GraphCaptureError as e:
                 self.disable_prefill_graphs(str(e))
-                return self.run(batch)
+                return self.run(batch, StepPlan("eager"))
             return StepOutput([0], logits) if batch.samples(0) else StepOutput([], None)
         input_ids, ctx = self.prepare(batch)
         hidden = self.model.forward(input_ids, ctx)  # [T, D]
