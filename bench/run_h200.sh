@@ -30,7 +30,10 @@
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 as shipped (--profile 3), then with the shared
-#           expert apart and the Gluon GEMM (K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0): the same-run baseline
+#           expert apart and the Gluon GEMM (K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0): the same-run baseline;
+#           uniform routing in both (the random model's own routing collapses onto a few experts)
+#   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
+#           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
@@ -105,9 +108,13 @@ for stage in "${stages[@]}"; do
             tests/layers/test_moe_shared_fusion.py tests/kernels/test_moe_ops.py tests/kernels/test_nvfp4_gemm.py \
             >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
     decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
-            --profile 3 2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
+            --uniform-routing --profile 3 2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
         K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear \
-            --batch-sizes 1,8,32 --steps 32 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs" ;;
+            --batch-sizes 1,8,32 --steps 32 --uniform-routing 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs" ;;
+    fusedspread) for n in 128 0; do
+            K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
+                --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"
+        done ;;
     graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
             tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30 ;;

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_when_unset_or_empty() -> None:
     want = Knobs(
         cpu_threads=None, cpu_simd="auto", cpu_int8=False, fp8_gemv=True, mla_decode_kernel=True,
-        moe_ops=True, moe_by_expert=True, moe_fuse_shared=True, moe_by_expert_tile=None, sm90_cuda=True,
+        moe_ops=True, moe_by_expert=True, moe_fuse_shared=8, moe_by_expert_tile=None, sm90_cuda=True,
         side_stream=True,
         dist_backend=None, api_key=None,
     )  # fmt: skip
@@ -38,7 +38,8 @@ def test_defaults_when_unset_or_empty() -> None:
         ("K3RUN_MOE_OPS", "0", "moe_ops", False),
         ("K3RUN_MOE_OPS", "1", "moe_ops", True),
         ("K3RUN_MOE_BY_EXPERT", "0", "moe_by_expert", False),
-        ("K3RUN_MOE_FUSE_SHARED", "0", "moe_fuse_shared", False),
+        ("K3RUN_MOE_FUSE_SHARED", "0", "moe_fuse_shared", 0),
+        ("K3RUN_MOE_FUSE_SHARED", "128", "moe_fuse_shared", 128),
         ("K3RUN_MOE_BY_EXPERT_TILE", "32", "moe_by_expert_tile", 32),
         ("K3RUN_SM90_CUDA", "0", "sm90_cuda", False),
         ("K3RUN_SIDE_STREAM", "0", "side_stream", False),
@@ -60,6 +61,8 @@ def test_each_variable_sets_its_field(var, value, field, parsed) -> None:
         ("K3RUN_MOE_OPS", "false", "0 or 1"),
         ("K3RUN_SIDE_STREAM", "off", "0 or 1"),
         ("K3RUN_MOE_BY_EXPERT_TILE", "24", "8, 16 or 32"),
+        ("K3RUN_MOE_FUSE_SHARED", "129", "a token count from 0 to 128"),
+        ("K3RUN_MOE_FUSE_SHARED", "on", "a token count from 0 to 128"),
         ("K3RUN_DIST_BACKEND", "mpi", "'nccl' or 'gloo'"),
     ],
 )

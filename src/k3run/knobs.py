@@ -62,6 +62,13 @@ def _by_expert_tile(name: str, value: str) -> int:
     return int(value)
 
 
+def _fuse_shared_tokens(name: str, value: str) -> int:
+    """0 to 128"""
+    if not value.isdigit() or not 0 <= int(value) <= 128:
+        raise _malformed(name, "a token count from 0 to 128", value)
+    return int(value)
+
+
 def _dist_backend(name: str, value: str) -> str:
     """nccl or gloo"""
     if value not in ("nccl", "gloo"):
@@ -111,10 +118,10 @@ class Knobs:
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
     )  # fmt: skip
-    moe_fuse_shared: bool = _knob(
-        "K3RUN_MOE_FUSE_SHARED", _flag, True,
-        "CUDA: an NVFP4 MoE's shared expert as one more expert of the routed experts' grouped decode "
-        "launches (read at load; 0: its own linears, on a side stream)",
+    moe_fuse_shared: int = _knob(
+        "K3RUN_MOE_FUSE_SHARED", _fuse_shared_tokens, 8,
+        "CUDA: up to this many tokens an NVFP4 MoE's shared expert runs as one more expert of the routed "
+        "experts' grouped decode launches (0: never, its own linears on a side stream; set up at load)",
     )  # fmt: skip
     moe_by_expert_tile: int | None = _knob(
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,

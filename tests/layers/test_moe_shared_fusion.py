@@ -114,9 +114,12 @@ def test_fused_shared_expert_equals_the_separate_one(act_name: str, monkeypatch)
 
 
 def test_prefill_sizes_and_fp32_keep_the_separate_shared_expert(monkeypatch) -> None:
-    """Above SHARED_IN_GROUPED_MAX_TOKENS tokens the block runs the shared MLP itself: the grouped launches
-    see only the routed picks."""
-    from k3run.layers.moe import SHARED_IN_GROUPED_MAX_TOKENS as MAX
+    """Above K3RUN_MOE_FUSE_SHARED tokens the block runs the shared MLP itself: the grouped launches see
+    only the routed picks."""
+    from k3run.knobs import knobs
+
+    MAX = knobs().moe_fuse_shared
+    assert MAX == 8
 
     moe, g = _moe("silu", "cpu", torch.float32, d=128, i=128, e=3)
     _process(moe, force_kernels=True)
@@ -149,7 +152,7 @@ def test_fusion_blockers_are_named() -> None:
 
 
 def _gpu_moe(act_name: str, fuse: bool):
-    with override_knobs(moe_fuse_shared=fuse):
+    with override_knobs(moe_fuse_shared=8 if fuse else 0):
         moe, g = _moe(act_name, "cuda", torch.bfloat16)
         _process(moe)
     if not moe.experts.scheme.tiled:

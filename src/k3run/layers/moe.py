@@ -26,11 +26,6 @@ from k3run.quant.algo import QuantAlgo
 from k3run.quant.experts import Finish, NvFp4ActMode, expert_scheme_for
 
 _SHARDS = ("w1", "w2", "w3")
-# tokens up to which a fused shared expert runs inside the routed experts' grouped launches (KimiMoE): the
-# sizes measured on the full-depth model (1.008x / 1.021x decode at batch 1 / 8, bench/RESULTS.md); at
-# batch 32 the fused random model's own routing spread over 162 experts where the unfused one's stayed on 8,
-# not yet explained, so from 9 tokens the shared expert runs apart
-SHARED_IN_GROUPED_MAX_TOKENS = 8
 
 
 def _group_limited(num_expert_group: int, topk_group: int) -> bool:
@@ -444,7 +439,10 @@ class KimiMoE(nn.Module):
     The shared expert as one more routed expert (`fuse_shared`, at load, where `shared_fusion_blocker` finds
     nothing against it: one GPU, no latent projections, NVFP4 W4A16 linears of the routed experts' widths
     and activation, the routed experts on the grouped kernels): its weights are stacked after the local
-    experts, and for small decode batches (up to SHARED_IN_GROUPED_MAX_TOKENS) the router appends it to every
+    experts, and for small decode batches (up to K3RUN_MOE_FUSE_SHARED tokens, default 8: the sizes measured
+    on the full-depth model, 1.008x / 1.021x decode at batch 1 / 8; at batch 32 the fused random model's own
+    routing spread over 162 experts where the unfused one's stayed on 8, not yet explained, so larger batches
+    run it apart by default) the router appends it to every
     token's picks at weight 1, so the routed experts' two grouped launches also run it (Kimi Linear: 3 of a
     layer's ~11 decode launches fewer). Its output then joins the routed sum in fp32 and the sum is rounded
     once, where the separate shared expert's output is added to the rounded routed sum (a one-ulp
@@ -501,7 +499,7 @@ class KimiMoE(nn.Module):
     def process_after_loading(self) -> None:
         """After the children's processing (the loader runs children first): the shared expert joins the
         routed experts' grouped launches where it can (K3RUN_MOE_FUSE_SHARED=0 keeps it apart)."""
-        if self.shared_index is None and knobs().moe_fuse_shared and self.shared_fusion_blocker() is None:
+        if self.shared_index is None and knobs().moe_fuse_shared > 0 and self.shared_fusion_blocker() is None:
             self.fuse_shared()
 
     def shared_fusion_blocker(self) -> str | None:
@@ -560,7 +558,7 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         """sync_free: the step must read nothing back from the device (ForwardContext.sync_free)."""
-        decode = x.shape[0] <= SHARED_IN_GROUPED_MAX_TOKENS
+        decode = x.shape[0] <= knobs().moe_fuse_shared
         if self.shared_index is not None and decode and self.experts.grouped_ok(x):
             # the shared expert as pick A of every token, in the routed experts' grouped launches
             weights, ids = self.gate(x, extra=self.shared_index)
