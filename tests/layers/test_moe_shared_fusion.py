@@ -187,3 +187,22 @@ def test_gpu_fused_shared_expert_matches_the_separate_one(act_name: str) -> None
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_up_to_128_tokens_and_identical_rows() -> None:
+    """With the fusion allowed up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128): at 12 / 20 / 24 tokens the
+    expert-major launch runs at its 16-token tile with the shared expert in two groups (the path the default
+    of 8 keeps out); against the shared expert apart within RTOL[bf16] (as above). And identical input rows
+    give bit-identical output rows, fused and apart (each row's arithmetic does not depend on its
+    neighbours): the property the full-depth random model's collapsed routing rests on."""
+    fused, g = _gpu_moe("silu", True)
+    apart, _ = _gpu_moe("silu", False)
+    with override_knobs(moe_fuse_shared=128):
+        for t in (8, 12, 20, 24):
+            x = (torch.randn(t, 256, generator=g) * 2).to("cuda", torch.bfloat16)
+            assert_close(f"fused shared, {t} tokens", apart(x), fused(x), rtol=RTOL[torch.bfloat16])
+            same = x[:1].expand(t, -1).contiguous()
+            for name, moe in (("fused", fused), ("apart", apart)):
+                y = moe(same)
+                assert bool((y == y[:1]).all()), f"{name}, {t} identical rows: outputs differ between rows"
