@@ -297,6 +297,87 @@ def _data_start(path: Path) -> int:
     return 8 + n
 
 
+class _Sources:
+    """Checkpoint tensors as loader sources: FileTensor reads from files opened once each (until close()),
+    or, in a dry run, header-only stand-ins."""
+
+    def __init__(self, dry_run: bool) -> None:
+        self.dry_run = dry_run
+        self.counter = _ReadCounter()
+        self._fds: dict[Path, tuple[int, int]] = {}
+
+    def get(self, info: TensorInfo) -> TensorSource:
+        if self.dry_run:
+            return _HeaderTensor(info.shape, info.torch_dtype)
+        if info.file not in self._fds:
+            self._fds[info.file] = (os.open(info.file, os.O_RDONLY), _data_start(info.file))
+        fd, start = self._fds[info.file]
+        return FileTensor(fd, start + info.data_offsets[0], info.shape, info.torch_dtype, self.counter)
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _plan_tensors(
+    model: torch.nn.Module, params: Mapping[str, torch.nn.Parameter], infos: Mapping[str, TensorInfo],
+    mapping: NameMapping, fail: Callable[[str], None],
+) -> tuple[list[tuple[str, list[Target]]], int]:  # fmt: skip
+    """(checkpoint tensor, its targets) in file order for every tensor the mapping sends somewhere, and how
+    many it ignores; `fail` gets a message for each tensor that maps to a missing parameter and one for all
+    the tensors with no destination."""
+    plan: list[tuple[str, list[Target]]] = []
+    unknown, ignored = [], 0
+    for name, info in sorted(infos.items(), key=lambda kv: (str(kv[1].file), kv[1].data_offsets)):
+        targets = _targets(mapping, name)
+        if targets is None:
+            unknown.append(name)
+            continue
+        if not targets:
+            ignored += 1
+            continue
+        missing = [t for t in targets if t.param not in params]
+        for t in missing:
+            fail(
+                f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) maps to parameter "
+                f"{t.param!r}, which the model does not have{_scheme_note(model, t.param)}"
+            )
+        if not missing:
+            plan.append((name, targets))
+    if unknown:
+        fail(
+            f"{len(unknown)} checkpoint tensors have no destination in the model (not consumed): "
+            f"{unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
+        )
+    return plan, ignored
+
+
+def _feed(
+    param: torch.nn.Parameter, src: TensorSource, name: str, info: TensorInfo, t: Target, raising: bool
+) -> str | None:
+    """Give checkpoint tensor `name` to its target's weight loader: None when it took it, else the error
+    message (raised as LoadError when `raising`)."""
+    loader = getattr(param, "weight_loader", None)
+    try:
+        if isinstance(loader, SliceLoader):
+            loader(param, src, t.shard_id)
+        else:
+            (loader or _default_loader)(param, src.read(), t.shard_id)
+    except LoadError as e:
+        if raising:
+            raise
+        return str(e)
+    except (ValueError, RuntimeError, IndexError, OSError) as e:
+        shard = "" if t.shard_id is None else f" shard {t.shard_id!r}"
+        where = f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) -> parameter {t.param!r}"
+        message = f"{where}{shard}: {e}"
+        if raising:
+            raise LoadError(message) from e
+        return message
+    return None
+
+
 def load_checkpoint(
     model: torch.nn.Module,
     path: str | Path,
@@ -333,82 +414,32 @@ def load_checkpoint(
             raise LoadError(message)
         errors.append(message)
 
-    plan: list[tuple[str, list[Target]]] = []
-    unknown, ignored = [], 0
-    for name, info in sorted(infos.items(), key=lambda kv: (str(kv[1].file), kv[1].data_offsets)):
-        targets = _targets(mapping, name)
-        if targets is None:
-            unknown.append(name)
-            continue
-        if not targets:
-            ignored += 1
-            continue
-        missing = [t for t in targets if t.param not in params]
-        for t in missing:
-            fail(
-                f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) maps to parameter "
-                f"{t.param!r}, which the model does not have{_scheme_note(model, t.param)}"
-            )
-        if not missing:
-            plan.append((name, targets))
-    if unknown:
-        fail(
-            f"{len(unknown)} checkpoint tensors have no destination in the model (not consumed): "
-            f"{unknown[:8]}{' ...' if len(unknown) > 8 else ''}"
-        )
-
+    plan, ignored = _plan_tensors(model, params, infos, mapping, fail)
     checked: dict[str, int] = {}
     if not dry_run:  # the small scales first: a zero or NaN scale is refused before any weight is read
         problems = scale_value_problems({n: infos[n] for n, _ in plan}, block_scales=False, stats=checked)
         if problems:
             raise CheckpointInvalid(path, problems)
 
-    counter = _ReadCounter()
+    sources = _Sources(dry_run)
     touched: set[str] = set()
-    fds: dict[Path, tuple[int, int]] = {}
     total = sum(infos[n].nbytes for n, _ in plan)
     show = progress and tp.rank == 0 and not dry_run
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show)
     try:
         for name, targets in plan:
             info = infos[name]
-            src: TensorSource
-            if dry_run:
-                src = _HeaderTensor(info.shape, info.torch_dtype)
-            else:
-                if info.file not in fds:
-                    fds[info.file] = (os.open(info.file, os.O_RDONLY), _data_start(info.file))
-                fd, start = fds[info.file]
-                src = FileTensor(fd, start + info.data_offsets[0], info.shape, info.torch_dtype, counter)
+            src = sources.get(info)
             for t in targets:
-                param = params[t.param]
-                loader = getattr(param, "weight_loader", None)
-                try:
-                    if isinstance(loader, SliceLoader):
-                        loader(param, src, t.shard_id)
-                    else:
-                        (loader or _default_loader)(param, src.read(), t.shard_id)
-                except LoadError as e:
-                    if not dry_run:
-                        raise
-                    errors.append(str(e))
-                    continue
-                except (ValueError, RuntimeError, IndexError, OSError) as e:
-                    shard = "" if t.shard_id is None else f" shard {t.shard_id!r}"
-                    message = (
-                        f"checkpoint tensor {name!r} ({info.dtype} {list(info.shape)}) -> parameter "
-                        f"{t.param!r}{shard}: {e}"
-                    )
-                    if not dry_run:
-                        raise LoadError(message) from e
+                message = _feed(params[t.param], src, name, info, t, raising=not dry_run)
+                if message is None:
+                    touched.add(t.param)
+                else:
                     errors.append(message)
-                    continue
-                touched.add(t.param)
             bar.update(info.nbytes)
     finally:
         bar.close()
-        for fd, _ in fds.values():
-            os.close(fd)
+        sources.close()
 
     try:
         _check_filled(model, params, touched, set(ignore_unfilled))
@@ -425,7 +456,10 @@ def load_checkpoint(
         if isinstance(module, PostLoad):
             module.process_after_loading()
     return LoadStats(
-        tensors=len(plan), ignored=ignored, bytes_read=counter.bytes, checked_bytes=checked.get("bytes", 0)
+        tensors=len(plan),
+        ignored=ignored,
+        bytes_read=sources.counter.bytes,
+        checked_bytes=checked.get("bytes", 0),
     )
 
 
