@@ -121,30 +121,13 @@ class RequestParser:
                 )  # fmt: skip
         return prompts
 
-    def chat_prompt(self, body: dict[str, Any]) -> ChatPrompt:
-        """The rendered, tokenized conversation, what to split out of the reply and what holds it."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ServeError(400, "'messages' must be a non-empty list", "messages")
-        messages = [check_message(i, m) for i, m in enumerate(messages)]
-        tools = check_tools(body)
-        choice = tool_choice(body, tools)
-        parallel = get_field(body, "parallel_tool_calls", (bool,), True)
-        effort = get_field(body, "reasoning_effort", (str,), None)
-        if isinstance(choice, dict) or choice == "required":
-            if body.get("response_format") not in (None, {"type": "text"}):
-                raise ServeError(
-                    400, "'response_format' and a forced 'tool_choice' exclude each other", "tool_choice"
-                )
-        if self.xtml:
-            return self._xtml_prompt(body, messages, tools, choice, parallel, effort)
-        template = self.tokenizer.chat_template
-        if template is None:
-            raise ServeError(
-                400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages"
-            )
+    def _template_fields(
+        self, template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]], effort: str | None
+    ) -> dict[str, Any]:
+        """The template arguments beyond the messages (tools, reasoning_effort). Fields the model's template
+        does not read would be silently ignored: they are refused instead, as are tool messages it cannot
+        render."""
         extra: dict[str, Any] = {}
-        # fields the model's template does not read would be silently ignored: refuse them instead
         if tools:
             if "tools" not in template:
                 raise ServeError(
@@ -169,6 +152,31 @@ class RequestParser:
                     400, f"the chat template of '{self.model_name}' does not render tool messages",
                     f"messages[{i}]",
                 )  # fmt: skip
+        return extra
+
+    def chat_prompt(self, body: dict[str, Any]) -> ChatPrompt:
+        """The rendered, tokenized conversation, what to split out of the reply and what holds it."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ServeError(400, "'messages' must be a non-empty list", "messages")
+        messages = [check_message(i, m) for i, m in enumerate(messages)]
+        tools = check_tools(body)
+        choice = tool_choice(body, tools)
+        parallel = get_field(body, "parallel_tool_calls", (bool,), True)
+        effort = get_field(body, "reasoning_effort", (str,), None)
+        if isinstance(choice, dict) or choice == "required":
+            if body.get("response_format") not in (None, {"type": "text"}):
+                raise ServeError(
+                    400, "'response_format' and a forced 'tool_choice' exclude each other", "tool_choice"
+                )
+        if self.xtml:
+            return self._xtml_prompt(body, messages, tools, choice, parallel, effort)
+        template = self.tokenizer.chat_template
+        if template is None:
+            raise ServeError(
+                400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages"
+            )
+        extra = self._template_fields(template, messages, tools, effort)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         names = frozenset(t["function"]["name"] for t in tools)
         if isinstance(choice, dict):  # a forced call: open it in the prompt, hold the reply to its schema
@@ -239,17 +247,7 @@ class RequestParser:
         else:
             prompts = self.prompt_ids(body)
         n = get_field(body, "n", (int,), 1)
-        if not 1 <= n <= MAX_CHOICES:
-            raise ServeError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
-        if len(prompts) * n > MAX_CHOICES:
-            raise ServeError(400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices", "n")
-        longest = max(len(ids) for ids in prompts)
-        if longest >= self.max_model_len:
-            raise ServeError(
-                400,
-                f"the prompt has {longest} tokens; this server's max_model_len is {self.max_model_len}",
-                "messages" if chat else "prompt",
-            )
+        longest = self._check_sizes(prompts, n, chat)
         stream = get_field(body, "stream", (bool,), False)
         echo = not chat and get_field(body, "echo", (bool,), False)
         if echo and stream:
@@ -270,32 +268,51 @@ class RequestParser:
                 name,
             )
         if chat_prompt is not None:
-            cp = chat_prompt
-            if cp.json_schema is not None or cp.structure is not None:
-                from k3run.engine.grammar import GrammarError
-
-                try:  # compiled here, on the worker thread; the engine finds it in its cache
-                    if cp.structure is not None:
-                        self.grammars().compile_structure(cp.structure)
-                    elif cp.json_schema is not None:
-                        self.grammars().compile(cp.json_schema)
-                except GrammarError as e:
-                    raise ServeError(400, f"{cp.constraint_field}: {e}", cp.constraint_field) from e
-                params = dataclasses.replace(params, json_schema=cp.json_schema, grammar=cp.structure)
-            if cp.stop_ids:
-                params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *cp.stop_ids))
+            params = self._chat_constraints(chat_prompt, params)
         options = get_field(body, "stream_options", (dict,), {})
         for key in options:
             if key != "include_usage":
                 raise ServeError(400, f"stream_options.{key} is not supported", f"stream_options.{key}")
         include_usage = get_field(options, "include_usage", (bool,), False)
-        raw = body.get("prompt")
-        texts = []
-        if echo:  # the prompt as given (a string), or decoded (token ids)
-            if not isinstance(raw, (str, list)):
-                raise RuntimeError(f"echo: 'prompt' passed validation as {type(raw).__name__}")
-            items = [raw] if isinstance(raw, str) or (raw and not isinstance(raw[0], (str, list))) else raw
-            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in items]
-        return ParsedRequest(
-            prompts, params, n, texts if echo else None, stream, include_usage, score_only, opts
-        )
+        texts = self._echo_texts(body.get("prompt")) if echo else None
+        return ParsedRequest(prompts, params, n, texts, stream, include_usage, score_only, opts)
+
+    def _check_sizes(self, prompts: list[list[int]], n: int, chat: bool) -> int:
+        """Refuse too many choices or a prompt at max_model_len; returns the longest prompt's length."""
+        if not 1 <= n <= MAX_CHOICES:
+            raise ServeError(400, f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
+        if len(prompts) * n > MAX_CHOICES:
+            raise ServeError(400, f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices", "n")
+        longest = max(len(ids) for ids in prompts)
+        if longest >= self.max_model_len:
+            raise ServeError(
+                400,
+                f"the prompt has {longest} tokens; this server's max_model_len is {self.max_model_len}",
+                "messages" if chat else "prompt",
+            )
+        return longest
+
+    def _chat_constraints(self, cp: ChatPrompt, params: SamplingParams) -> SamplingParams:
+        """params with the chat request's output constraint (its grammar compiled here, on the worker
+        thread, so the engine finds it in its cache) and its template's stop tokens."""
+        if cp.json_schema is not None or cp.structure is not None:
+            from k3run.engine.grammar import GrammarError
+
+            try:
+                if cp.structure is not None:
+                    self.grammars().compile_structure(cp.structure)
+                elif cp.json_schema is not None:
+                    self.grammars().compile(cp.json_schema)
+            except GrammarError as e:
+                raise ServeError(400, f"{cp.constraint_field}: {e}", cp.constraint_field) from e
+            params = dataclasses.replace(params, json_schema=cp.json_schema, grammar=cp.structure)
+        if cp.stop_ids:
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *cp.stop_ids))
+        return params
+
+    def _echo_texts(self, raw: object) -> list[str]:
+        """The prompts as given (strings) or decoded (token ids), for echo."""
+        if not isinstance(raw, (str, list)):
+            raise RuntimeError(f"echo: 'prompt' passed validation as {type(raw).__name__}")
+        items = [raw] if isinstance(raw, str) or (raw and not isinstance(raw[0], (str, list))) else raw
+        return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in items]
