@@ -252,6 +252,20 @@ class OpenAIServer:
             reason = "tool_calls" if reason == "stop" else reason
         return msg, reason
 
+    def _new_logprobs(
+        self, i: int, logprobs: list[Any], chat: bool, sent: dict[int, int], offset: dict[int, int]
+    ) -> dict[str, Any]:
+        """Choice i's log-probabilities not yet streamed, in the chat or the completions form; `sent` counts
+        the tokens already sent per choice, `offset` their characters (completions' text_offset)."""
+        new = logprobs[sent.get(i, 0) :]
+        sent[i] = len(logprobs)
+        if chat:
+            return chat_logprobs(self.tokenizer, new)
+        lps = completion_logprobs(self.tokenizer, new, offset.get(i, 0))
+        if new:
+            offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+        return lps
+
     async def _sse(
         self,
         rid: str,
@@ -297,16 +311,11 @@ class OpenAIServer:
             return merged, bool(parser.calls)
 
         def chunk(i: int, out: RequestOutput) -> str:
-            lps = None
-            if out.logprobs is not None:
-                new = out.logprobs[sent_lps.get(i, 0) :]
-                sent_lps[i] = len(out.logprobs)
-                if chat:
-                    lps = chat_logprobs(self.tokenizer, new)
-                else:
-                    lps = completion_logprobs(self.tokenizer, new, lp_offset.get(i, 0))
-                    if new:
-                        lp_offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            lps = (
+                None
+                if out.logprobs is None
+                else self._new_logprobs(i, out.logprobs, chat, sent_lps, lp_offset)
+            )
             choice: dict[str, Any] = {"index": i}
             reason = finish_reason(out)
             if chat:
