@@ -302,6 +302,12 @@ def test_chat_logprobs(client, server):
                 e["logprob"] <= 0 and e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 2
             )
             assert e["top_logprobs"][0]["logprob"] == e["logprob"]  # greedy: the chosen token is the top one
+        with client.stream("POST", "/v1/chat/completions", json=req | {"stream": True}) as st:
+            chunks = [json.loads(line[6:]) for line in st.iter_lines() if line and line != "data: [DONE]"]
+        streamed = [
+            e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]
+        ]
+        assert streamed == content  # streamed in pieces that add up to the same entries
     finally:
         server.tokenizer.chat_template = saved
 
