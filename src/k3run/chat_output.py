@@ -263,65 +263,86 @@ class StreamParser(DeltaStream):
         return [{key: piece}] if piece else []
 
     def _step(self, final: bool) -> list[dict[str, Any]]:
-        if self.opts.forced is not None:  # the arguments of the opened call: held to the end
-            if not final or self.state == "done":
-                return []
-            self.state = "done"
-            co = _forced(self.buf, self.opts)
-            self.buf, self.calls = "", co.tool_calls
-            if co.tool_calls:
-                return [{"tool_calls": [co.tool_calls[0].openai(0)]}]
-            return [{"content": co.content}]
-        if self.opts.section_open:  # the calls of the opened section: held to its end
-            if self.state == "done" or (not final and SECTION_END not in self.buf):
-                return []
-            self.state = "done"
-            co = _opened_section(self.buf, self.opts)
-            self.buf, self.calls = "", co.tool_calls
-            if co.tool_calls:
-                return [{"tool_calls": [c.openai(i) for i, c in enumerate(co.tool_calls)]}]
-            return [{"content": co.content}]
-        if self.state == "start":  # does the output open a reasoning block?
-            stripped = self.buf.lstrip()
-            if stripped.startswith(THINK_BEGIN):
-                self.buf, self.state = stripped[len(THINK_BEGIN) :], "think"
-            elif final or not THINK_BEGIN.startswith(stripped):
-                self.state = "content"
+        if self.opts.forced is not None:
+            return self._forced_call(final)
+        if self.opts.section_open:
+            return self._held_section(final)
+        step = {
+            "start": self._start, "think": self._think, "after_think": self._after_think,
+            "content": self._content, "section": self._section,
+        }.get(self.state, self._content_only)  # fmt: skip
+        return step(final)
+
+    def _forced_call(self, final: bool) -> list[dict[str, Any]]:
+        """The arguments of the call the prompt opened: held to the end."""
+        if not final or self.state == "done":
             return []
-        if self.state == "think":
-            i = self.buf.find(THINK_END)
+        self.state = "done"
+        co = _forced(self.buf, self.opts)
+        self.buf, self.calls = "", co.tool_calls
+        if co.tool_calls:
+            return [{"tool_calls": [co.tool_calls[0].openai(0)]}]
+        return [{"content": co.content}]
+
+    def _held_section(self, final: bool) -> list[dict[str, Any]]:
+        """The calls of the tool-calls section the prompt opened: held to its end."""
+        if self.state == "done" or (not final and SECTION_END not in self.buf):
+            return []
+        self.state = "done"
+        co = _opened_section(self.buf, self.opts)
+        self.buf, self.calls = "", co.tool_calls
+        if co.tool_calls:
+            return [{"tool_calls": [c.openai(i) for i, c in enumerate(co.tool_calls)]}]
+        return [{"content": co.content}]
+
+    def _start(self, final: bool) -> list[dict[str, Any]]:
+        """Does the output open a reasoning block?"""
+        stripped = self.buf.lstrip()
+        if stripped.startswith(THINK_BEGIN):
+            self.buf, self.state = stripped[len(THINK_BEGIN) :], "think"
+        elif final or not THINK_BEGIN.startswith(stripped):
+            self.state = "content"
+        return []
+
+    def _think(self, final: bool) -> list[dict[str, Any]]:
+        i = self.buf.find(THINK_END)
+        if i >= 0:
+            out = self._emit("reasoning_content", i)
+            self.buf = self.buf[len(THINK_END) :]
+            self.state = "after_think"
+            return out
+        return self._emit("reasoning_content", len(self.buf) - (0 if final else _held(self.buf, THINK_END)))
+
+    def _after_think(self, final: bool) -> list[dict[str, Any]]:
+        """The newlines right after </think> are not content."""
+        self.buf = self.buf.lstrip("\n")
+        if self.buf or final:
+            self.state = "content"
+        return []
+
+    def _content(self, final: bool) -> list[dict[str, Any]]:
+        if self.opts.names:
+            i = self.buf.find(SECTION_BEGIN)
             if i >= 0:
-                out = self._emit("reasoning_content", i)
-                self.buf = self.buf[len(THINK_END) :]
-                self.state = "after_think"
+                out = self._emit("content", i)
+                self.state = "section"
                 return out
-            return self._emit(
-                "reasoning_content", len(self.buf) - (0 if final else _held(self.buf, THINK_END))
-            )
-        if self.state == "after_think":  # the newlines right after </think> are not content
-            self.buf = self.buf.lstrip("\n")
-            if self.buf or final:
-                self.state = "content"
+            return self._emit("content", len(self.buf) - (0 if final else _held(self.buf, SECTION_BEGIN)))
+        return self._emit("content", len(self.buf))
+
+    def _section(self, final: bool) -> list[dict[str, Any]]:
+        body, sep, _ = self.buf[len(SECTION_BEGIN) :].partition(SECTION_END)
+        if not sep and not final:
             return []
-        if self.state == "content":
-            if self.opts.names:
-                i = self.buf.find(SECTION_BEGIN)
-                if i >= 0:
-                    out = self._emit("content", i)
-                    self.state = "section"
-                    return out
-                return self._emit("content", len(self.buf) - (0 if final else _held(self.buf, SECTION_BEGIN)))
-            return self._emit("content", len(self.buf))
-        if self.state == "section":
-            body, sep, _ = self.buf[len(SECTION_BEGIN) :].partition(SECTION_END)
-            if not sep and not final:
-                return []
-            parsed = parse_section(body, self.opts.names) if sep else None
-            if parsed is None:  # not valid: the section's text is content
-                self.state = "content_only"
-                return self._emit("content", len(self.buf))
-            self.calls = parsed if self.opts.parallel else parsed[:1]
-            self.buf = self.buf[len(SECTION_BEGIN) + len(body) + len(SECTION_END) :]
+        parsed = parse_section(body, self.opts.names) if sep else None
+        if parsed is None:  # not valid: the section's text is content
             self.state = "content_only"
-            return [{"tool_calls": [c.openai(i) for i, c in enumerate(self.calls)]}]
-        return self._emit("content", len(self.buf))  # content_only: after the section
+            return self._emit("content", len(self.buf))
+        self.calls = parsed if self.opts.parallel else parsed[:1]
+        self.buf = self.buf[len(SECTION_BEGIN) + len(body) + len(SECTION_END) :]
+        self.state = "content_only"
+        return [{"tool_calls": [c.openai(i) for i, c in enumerate(self.calls)]}]
+
+    def _content_only(self, final: bool) -> list[dict[str, Any]]:
+        """After the section: everything is content."""
+        return self._emit("content", len(self.buf))
