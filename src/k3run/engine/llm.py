@@ -25,6 +25,7 @@ from k3run.engine.runner import (
     ModelRunner,
     PrefillGraphs,
     StepPlan,
+    batch_ids,
     prefill_buckets,
     staged,
 )
@@ -406,7 +407,7 @@ class LLMEngine:
         device, at positions one further on."""
         seqs = batch.seqs
         if prev is None:
-            ids: list[int] | torch.Tensor = [s.all_token_ids[s.num_cached] for s in seqs]
+            ids: list[int] | torch.Tensor = batch_ids(batch)
         else:
             row = {id(s): i for i, s in enumerate(prev.batch.seqs)}
             idx = [row[id(s)] for s in seqs]
@@ -416,7 +417,8 @@ class LLMEngine:
                 dev = prev.tokens.device
                 rows = staged(torch.tensor(idx, dtype=torch.int64), dev).to(dev, non_blocking=True)
                 ids = prev.tokens.index_select(0, rows)
-        logits = self.runner.decode(seqs, ids, plan)
+        logits = self.runner.run(batch, plan, ids).logits
+        assert logits is not None
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if self.config.tp_size > 1:  # rank 0's tokens, on the device, before anything reads them
             import torch.distributed as dist

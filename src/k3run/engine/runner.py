@@ -408,8 +408,8 @@ class CompiledCpuDecoder(GraphDecoder):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How one step runs, decided once per step by `ModelRunner.plan` and followed by `run` / `decode` (and
-    by the engine's decode-overlap choice):
+    """How one step runs, decided once per step by `ModelRunner.plan` and followed by `run` (and by the
+    engine's decode-overlap choice):
     - "decode_graph": every sequence feeds one token, none wants prompt log-probabilities, and the decode
       graphs (CUDA graphs, or the compiled CPU step) take the batch at its context lengths;
     - "prefill_graph": one fresh prompt whose length a prefill graph bucket holds;
@@ -544,8 +544,7 @@ class ModelRunner:
                 return False
         return self.graphs.accepts(len(seqs), max(s.num_cached for s in seqs) + ahead + 1)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], ids: list[int] | torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], ids: list[int] | torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """Logits [B, V] fp32 of a one-token decode step of `seqs`, plan.ahead tokens past their recorded
         state, feeding ids[i] (a host list or a device tensor) at position num_cached + ahead: a graph replay
         where the plan says so (and graphs are still on), else one eager forward. A failed capture turns
@@ -565,15 +564,24 @@ class ModelRunner:
         return self.model.compute_logits(self.model.forward(input_ids, ctx)).float()
 
     @torch.inference_mode()
-    def run(self, batch: Batch, plan: StepPlan | None = None) -> StepOutput:
+    def run(
+        self, batch: Batch, plan: StepPlan | None = None, ids: list[int] | torch.Tensor | None = None
+    ) -> StepOutput:
         """One step as `plan` (default: `self.plan(batch)`) says: a decode or prefill graph replay, or one
-        eager forward."""
+        eager forward. `ids`: a one-token decode step's fed tokens when they are not the sequences' recorded
+        ones (decode overlap: the previous step's samples, still on the device, plan.ahead = 1); every row
+        then samples."""
         plan = plan or self.plan(batch)
-        if plan.ahead:
-            raise ValueError(f"run: a step {plan.ahead} ahead of the recorded tokens is a `decode` call")
-        if plan.mode == "decode_graph":  # (a failed capture: `decode` turns graphs off and runs it eagerly)
+        if (ids is not None or plan.ahead) and (
+            plan.mode == "prefill_graph" or any(n != 1 for n in batch.num_new_tokens)
+        ):
+            raise ValueError("run: fed ids and steps ahead of the recorded tokens are one-token decode steps")
+        if ids is not None or plan.ahead:
+            logits = self._decode(batch.seqs, batch_ids(batch) if ids is None else ids, plan)
+            return StepOutput(list(range(len(batch.seqs))), logits)
+        if plan.mode == "decode_graph":  # (a failed capture: `_decode` turns graphs off and runs it eagerly)
             seqs = batch.seqs
-            logits = self.decode(seqs, [s.all_token_ids[s.num_cached] for s in seqs], plan)
+            logits = self._decode(seqs, batch_ids(batch), plan)
             rows = [b for b in range(len(seqs)) if batch.samples(b)]
             if not rows:
                 return StepOutput(rows, None)
@@ -603,6 +611,11 @@ class ModelRunner:
         pick = last[torch.tensor(rows, device=last.device)]
         logits = self.model.compute_logits(hidden.index_select(0, pick)).float()
         return StepOutput(rows, logits, prompt_logits)
+
+
+def batch_ids(batch: Batch) -> list[int]:
+    """The token each sequence of a one-token decode step feeds: its first one not in the cache."""
+    return [s.all_token_ids[s.num_cached] for s in batch.seqs]
 
 
 def _slot(seq: Sequence) -> int:
