@@ -572,17 +572,13 @@ class ModelRunner:
         ones (decode overlap: the previous step's samples, still on the device, plan.ahead = 1); every row
         then samples."""
         plan = plan or self.plan(batch)
-        if (ids is not None or plan.ahead) and (
-            plan.mode == "prefill_graph" or any(n != 1 for n in batch.num_new_tokens)
-        ):
+        fed = ids is not None or plan.ahead > 0
+        if fed and (plan.mode == "prefill_graph" or any(n != 1 for n in batch.num_new_tokens)):
             raise ValueError("run: fed ids and steps ahead of the recorded tokens are one-token decode steps")
-        if ids is not None or plan.ahead:
-            logits = self._decode(batch.seqs, batch_ids(batch) if ids is None else ids, plan)
-            return StepOutput(list(range(len(batch.seqs))), logits)
-        if plan.mode == "decode_graph":  # (a failed capture: `_decode` turns graphs off and runs it eagerly)
+        if fed or plan.mode == "decode_graph":  # (a failed capture: `_decode` turns graphs off, runs eagerly)
             seqs = batch.seqs
-            logits = self._decode(seqs, batch_ids(batch), plan)
-            rows = [b for b in range(len(seqs)) if batch.samples(b)]
+            logits = self._decode(seqs, batch_ids(batch) if ids is None else ids, plan)
+            rows = [b for b in range(len(seqs)) if fed or batch.samples(b)]
             if not rows:
                 return StepOutput(rows, None)
             if len(rows) < len(seqs):
