@@ -80,7 +80,10 @@ def warm_and_capture(
     """One eager run of `step` on a side stream (Triton compiles and autotunes there), then its capture into
     a graph on `pool`; `step`'s ForwardContext is a sync-free one (`ForwardContext.sync_free`), so both take
     the same device-only paths. Returns (graph, output, None), or (None, None, the error) when the capture
-    refuses the step (host syncs, pageable copies, ...)."""
+    refuses the step (host syncs, pageable copies, ...). The kernels' split-K counters are zeroed after the
+    capture (kernels/nvfp4_gemm/counters.py: one made during it is zeroed only by this graph's replays)."""
+    from k3run.kernels.nvfp4_gemm.counters import zero_counters
+
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -92,6 +95,8 @@ def warm_and_capture(
             out = step()
     except Exception as e:
         return None, None, e
+    finally:
+        zero_counters()
     return graph, out, None
 
 

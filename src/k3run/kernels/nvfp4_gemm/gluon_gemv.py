@@ -45,6 +45,7 @@ from k3run.kernels.nvfp4_gemm import (  # noqa: F401 (re-exported)
     tile_split128,
     untile_split128,
 )
+from k3run.kernels.nvfp4_gemm.counters import counters
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
@@ -653,18 +654,6 @@ def _finish(
 
 
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per row block; every launch leaves them zero again. One buffer per
-    (device, stream): launches on one stream run in order, so they never share a counter while in flight."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def nvfp4_gemv(
@@ -732,7 +721,7 @@ def nvfp4_gemv(
     grid_n = triton.cdiv(n, 16 * num_warps)
     if split_k > 1:
         ws = torch.empty((split_k, grid_n * 16 * num_warps, bt), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid_n)
+        cnt = counters(x.device, grid_n)
     else:
         ws = cnt = y
     scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
@@ -883,7 +872,7 @@ def _launch_grouped(
     grid_n = n_pad // 16
     if split_k > 1:
         ws = torch.empty((items, split_k, grid_n * 16, bt), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, items * grid_n)
+        cnt = counters(x.device, items * grid_n)
     else:
         ws = cnt = y
     common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)

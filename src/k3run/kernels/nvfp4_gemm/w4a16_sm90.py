@@ -216,7 +216,7 @@ def nvfp4_sm90_gemm(
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks, stages >= 2);
     default `sm90_config`. Call `available(x.device)` first."""
     from . import sm_count
-    from .gluon_gemv import _counters
+    from .counters import counters
 
     _check_inputs(x, weight, scale_u8, global_scale, k, n, bias)
     m, chunks = x.shape[0], weight.shape[1] // 64
@@ -232,7 +232,7 @@ def nvfp4_sm90_gemm(
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
     if split > 1:
         ws = torch.empty((split * tiles * nwg * 128 * bt // 2,), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, tiles)
+        cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, m, n, bt, nwg, split, stages)

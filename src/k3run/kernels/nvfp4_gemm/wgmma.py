@@ -51,7 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_gemv import SHIFT_OUT_SCALE, _counters
+from .counters import counters
+from .gluon_gemv import SHIFT_OUT_SCALE
 from .tile import _check_bias, _check_half_x, _check_tiled, word_asm
 
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -396,7 +397,7 @@ def nvfp4_wgmma_gemm(
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bt), split)
     if split > 1:
         ws = torch.empty((split, grid[0], bn, bt), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid[0])
+        cnt = counters(x.device, grid[0])
     else:
         ws, cnt = y, y
     lw, lw2, lx, acc, la, lo, xs, lcw, lcs, ps = layouts(bn, bt)
