@@ -26,7 +26,8 @@
 #           (256,1,1,3): details and per-SASS-line stall samples under $OUT (bench/probes/sm90_ncu.py)
 #   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
 #           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
-#   graphs  tests/engine/test_graph_decode.py and tests/engine/test_prefill_graphs.py (GPU-marked; carry .whl)
+#   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py and tests/kernels/test_split_k_counters.py
+#           (GPU-marked; carry .whl)
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 as shipped (--profile 3), then with the shared
@@ -116,7 +117,8 @@ for stage in "${stages[@]}"; do
                 --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"
         done ;;
     graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
-            tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py >"$OUT/graphs.txt" 2>&1
+            tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py \
+            tests/kernels/test_split_k_counters.py >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30 ;;
     graphtest) timeout 250 python3 -m pytest -p no:cacheprovider -v -rfE -m gpu tests/engine/test_graph_decode.py \
             >"$OUT/graphtest.txt" 2>&1; grep -E "PASS|FAIL|Error|assert" "$OUT/graphtest.txt" | head -20
