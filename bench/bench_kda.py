@@ -9,7 +9,8 @@ Rows:
 Each row also times the fp32 torch reference on the same GPU (skip with --no-ref) and prints the relative
 RMS error of the kernel against it.
 
-Timing: triton.testing.do_bench (back-to-back launches, L2 flushed before each call, median).
+Timing: common.eager_ms (back-to-back eager calls, L2 flushed before each, median): fla's chunk path reads
+sequence lengths back to the host, so it cannot be captured in a graph.
 
     PYTHONPATH=src python bench/bench_kda.py [--out DIR] [--no-ref] [--lower-bound -5 | --softplus]
 """
@@ -27,8 +28,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from common import copy_bandwidth  # noqa: E402
-from triton.testing import do_bench
+from common import copy_bandwidth, eager_ms  # noqa: E402
 
 from k3run.kernels.kda import chunk_kda, kda_backend, kda_forward, kda_gate, l2norm
 from k3run.kernels.kda.ref import chunk_kda_ref, recurrent_kda_ref
@@ -59,8 +59,8 @@ def inputs(cu: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def time_ms(fn: Callable[[], object], slow: bool = False) -> float:
     # the reference takes ~0.1-1 s per call: one warm-up, one timed repetition
     if slow:
-        return do_bench(fn, warmup=1, rep=1, return_mode="median")
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return eager_ms(fn, warmup=1, rep=1)
+    return eager_ms(fn, rep=200)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -14,8 +14,7 @@ read in place from a wider projection output, with initial states; one sequence 
 from __future__ import annotations
 
 import torch
-from common import copy_bandwidth  # noqa: E402
-from triton.testing import do_bench
+from common import copy_bandwidth, eager_ms, graph_ms  # noqa: E402
 
 from k3run.kernels.kda.conv import causal_conv1d_varlen_triton
 from k3run.kernels.kda.ref import causal_conv1d_ref
@@ -41,8 +40,8 @@ def main() -> None:
                 y, _ = causal_conv1d_varlen_triton(x, weight, cu, state, groups=3)
                 ref, _ = causal_conv1d_ref(x, weight, cu, state)
                 err = rel_rms_error(ref.float(), y.transpose(0, 1).reshape(T, C).float())
-                t_k = do_bench(lambda: causal_conv1d_varlen_triton(x, weight, cu, state, groups=3), rep=100)
-                t_r = do_bench(lambda: causal_conv1d_ref(x, weight, cu, state), rep=100)
+                t_k = graph_ms([lambda: causal_conv1d_varlen_triton(x, weight, cu, state, groups=3)])
+                t_r = eager_ms(lambda: causal_conv1d_ref(x, weight, cu, state))  # host loop per sequence
                 ceil = 2 * T * C * 2 / bw * 1e6
                 print(f"| {C} | {T} | {B} | {t_k * 1e3:.1f} | {t_r * 1e3:.1f} | {t_r / t_k:.1f} | {ceil:.1f} "
                       f"| {ceil / (t_k * 1e3):.0%} | {err:.1e} |")  # fmt: skip

@@ -25,8 +25,7 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
-from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, graph_ms  # noqa: E402
-from triton.testing import do_bench
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, copy_bandwidth, eager_ms, graph_ms  # noqa: E402
 
 from k3run.formats import dequantize_fp8_block, dequantize_nvfp4, quantize_fp8_block, quantize_nvfp4
 from k3run.kernels.fp8_act_quant import quantize_act_1x128
@@ -83,13 +82,12 @@ def bench_nvfp4(rows: list[dict], copy_tbs: float, shapes, ms, sweep: bool) -> N
             # the formats dequantizer validates codes with a host sync, so it cannot be graph-captured; at
             # ~1 ms per call launch overhead does not matter
             q0 = qs[0]
-            t_naive = do_bench(
+            t_naive = eager_ms(
                 lambda: F.linear(
                     x, dequantize_nvfp4(q0.weight, q0.weight_scale, q0.weight_scale_2, dtype=torch.bfloat16)
                 ),
                 warmup=10,
                 rep=50,
-                return_mode="median",
             )
             cfg = choose_config(m, n, k)
             cands = [cfg]

@@ -8,7 +8,7 @@ latents read once + queries + output) as TB/s and % of the device copy bandwidth
 and % of a cuBLAS bf16 matmul, both ceilings measured in the same run (at 96 heads the tensor cores bind
 first); the reference's time (the baseline), the speed-up and the relative RMS error against the reference.
 Every sequence of a batch has the same context (no empty splits). --variants times other launch options.
-Timing: triton.testing.do_bench_cudagraph (a graph of back-to-back calls; median).
+Timing: common.graph_ms (a graph of back-to-back calls; median).
 
     PYTHONPATH=src python bench/bench_mla_decode.py [--contexts 1024,8192,32768] [--batches 1,8,32]
 """
@@ -21,8 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import copy_bandwidth  # noqa: E402
-from triton.testing import do_bench_cudagraph
+from common import copy_bandwidth, graph_ms  # noqa: E402
 
 from k3run.kernels.mla import mla_decode_ref
 from k3run.kernels.mla.triton import mla_decode_triton
@@ -33,9 +32,7 @@ REF_MAX_BYTES = 24 << 30  # skip the reference where its fp32 window copies woul
 
 
 def _time(fn) -> float:
-    torch.cuda.synchronize()  # the inputs were made on the default stream; fn runs on a side stream
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3  # us
+    return graph_ms([fn]) * 1e3  # us
 
 
 def _mm_tflops(n: int = 8192) -> float:

@@ -22,7 +22,6 @@ second and as % of the device copy bandwidth measured in the same run (the ceili
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
@@ -35,7 +34,7 @@ from k3run.quant.algo import QuantAlgo
 from k3run.quant.experts import FP32_SUM, by_expert_tile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth, graph_ms  # noqa: E402
+from common import copy_bandwidth, eager_ms, graph_ms  # noqa: E402
 
 D, INTER, E, TOP_K = 3584, 3072, 64, 16
 BYTES_PER_EXPERT = 3 * D * INTER * (0.5 + 1 / 16)
@@ -60,19 +59,9 @@ def experts(e: int = E, d: int = D, inter: int = INTER, act: GatedActivation | N
     return ex
 
 
-def eager_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+def eager_us(fn) -> float:
+    """us per eager call (the per-expert loop reads counts back to the host: no graph can hold it)."""
+    return eager_ms(fn) * 1e3
 
 
 def _grouped(ex: FusedExperts, x, ids, weights, by_expert: bool) -> torch.Tensor:
@@ -94,8 +83,7 @@ def main() -> None:
         x = torch.randn(t, D, device="cuda").bfloat16()
         weights, ids = route(torch.randn(t, E, device="cuda"), torch.zeros(E, device="cuda"), TOP_K)
         loop = fused_experts(ex, x, ids, weights, grouped=False)
-        reps = 20 if t <= 16 else 4
-        t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False), reps=reps)
+        t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False))
         picks, distinct = t * TOP_K, int(ids.unique().numel())
         # the default tile, and above 16 tokens both the 16- and the 32-token tile
         for bt in sorted({by_expert_tile(t)} | ({16, 32} if t > 16 else set())):

@@ -1,7 +1,7 @@
 """kernels/moe_ops against the torch chains they replace, at Kimi Linear 48B and K3 widths, decode batches.
 
 Each row: us per call of the torch version (the baseline, the same launches the model ran before) and of the
-kernel, both timed inside CUDA graphs (triton.testing.do_bench_cudagraph: GPU time, no host launch cost), and
+kernel, both timed inside CUDA graphs (common.graph_ms: GPU time, no host launch cost), and
 the bandwidth ceiling: the bytes the operation must read and write at the copy bandwidth measured in the same
 run. Also the expert grouping (`expert_groups`) at the same sizes, and the old and new outputs compared.
 Needs CUDA.
@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 from k3run.kernels.moe_ops import ref
 from k3run.kernels.moe_ops.triton import (
@@ -29,7 +28,7 @@ from k3run.kernels.moe_ops.triton import (
 from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth, graph_ms  # noqa: E402
 
 SHAPES = {  # name: (hidden, experts, top_k, intermediate, activation)
     "kimi-linear": (2304, 256, 8, 1024, ("silu", 1.0, None)),
@@ -38,7 +37,7 @@ SHAPES = {  # name: (hidden, experts, top_k, intermediate, activation)
 
 
 def _us(fn) -> float:
-    return do_bench_cudagraph(fn, rep=100) * 1e3
+    return graph_ms([fn]) * 1e3
 
 
 def _torch_router(x, w, bias, k, scale):

@@ -3,7 +3,7 @@ K3's decode and prefill shapes, on one GPU.
 
 Per row: the fused kernel's time, its bytes (inputs read once + output written once) as GB/s and as % of
 the device copy bandwidth measured in the same run (the ceiling), the torch reference's time (the baseline:
-what the layers ran before), and the speed-up. Timing: triton.testing.do_bench_cudagraph (a graph of
+what the layers ran before), and the speed-up. Timing: common.graph_ms (a graph of
 back-to-back calls, as a decode step replays them; median).
 
     PYTHONPATH=src python bench/bench_norm.py
@@ -15,8 +15,7 @@ back-to-back calls, as a decode step replays them; median).
 from __future__ import annotations
 
 import torch
-from common import copy_bandwidth  # noqa: E402
-from triton.testing import do_bench_cudagraph
+from common import copy_bandwidth, graph_ms  # noqa: E402
 
 from k3run.kernels.norm import attn_res_mix_ref, rms_norm_ref
 from k3run.kernels.norm.triton import attn_res_mix_triton, rms_norm_triton
@@ -26,8 +25,7 @@ D, H, HD = 7168, 96, 128  # K3: hidden, KDA heads, head dim (o_norm normalises p
 
 
 def _time(fn) -> float:
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3  # us
+    return graph_ms([fn]) * 1e3  # us
 
 
 def _row(name: str, shape: str, fused: float, gbs: float, copy_tbs: float, ref: float, err: float) -> None:

@@ -1,7 +1,9 @@
 """What every bench script shares: one way to time GPU work (back-to-back calls captured in a CUDA graph,
-rotating over copies that overflow the L2) and one copy-bandwidth ceiling.
+rotating over copies that overflow the L2: `graph_ms`) and one copy-bandwidth ceiling. `eager_ms` only for
+what a graph cannot hold (torch references and fla calls that read values back to the host) and for
+questions about the host's share of a call.
 
-    from common import copies_for, copy_bandwidth, graph_ms   (bench/ on sys.path, as each script sets it)
+    from common import copies_for, copy_bandwidth, eager_ms, graph_ms   (bench/ on sys.path)
 """
 
 from __future__ import annotations
@@ -20,11 +22,20 @@ def copies_for(nbytes: float) -> int:
     return max(2, min(32, int(3 * L2_BYTES / max(nbytes, 1)) + 1))
 
 
-def graph_ms(fns: list[Callable[[], object]], est_ms: float) -> float:
-    """Median time per call of the round-robin over fns, captured as one CUDA graph."""
+def graph_ms(fns: list[Callable[[], object]], est_ms: float | None = None) -> float:
+    """Median time per call of the round-robin over fns, captured as one CUDA graph; est_ms (a call's
+    expected time, which sets how many rounds the graph holds) is measured on one eager round when None."""
     for f in fns:
         f()
     torch.cuda.synchronize()
+    if est_ms is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for f in fns:
+            f()
+        end.record()
+        end.synchronize()
+        est_ms = start.elapsed_time(end) / len(fns)
     reps = max(1, min(64, int(4.0 / max(est_ms * len(fns), 1e-3))))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -53,10 +64,16 @@ def graph_ms(fns: list[Callable[[], object]], est_ms: float) -> float:
 
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, bytes read + written per second, in TB/s."""
-    from triton.testing import do_bench
-
     a = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
     b = torch.empty_like(a)
     # do_bench, not a graph: a captured device copy may run on a copy engine instead of the SMs
-    t = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    t = eager_ms(lambda: b.copy_(a), rep=200)
     return 2 * 2**30 * 2 / t / 1e9
+
+
+def eager_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of eager back-to-back calls (triton's do_bench: the L2 flushed before each), host work
+    included: for calls a graph cannot capture. `rep` is do_bench's time budget in ms."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")

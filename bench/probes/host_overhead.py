@@ -1,5 +1,5 @@
-"""Question: how much of a small call's time is host work: eager back-to-back calls (do_bench: the GPU waits
-whenever the host is slower) against the same call replayed from a CUDA graph (no host work), per call?
+"""Question: how much of a small call's time is host work: eager back-to-back calls (common.eager_ms: the GPU
+waits whenever the host is slower) against the same call replayed from a CUDA graph (no host work), per call?
 
     PYTHONPATH=src python bench/probes/host_overhead.py
 
@@ -18,11 +18,10 @@ import os
 import sys
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 from bench_kda import inputs  # noqa: E402
-from common import graph_ms  # noqa: E402
+from common import eager_ms, graph_ms  # noqa: E402
 
 from k3run.formats import quantize_nvfp4  # noqa: E402
 from k3run.kernels.kda import kda_forward  # noqa: E402
@@ -49,12 +48,12 @@ def main() -> None:
                 lower_bound=-5.0, scale=128**-0.5, initial_state=x["h0"], cu_seqlens=x["cu"], decode=True,
             )  # fmt: skip
 
-        rows.append((f"KDA recurrent B={b}", do_bench(kda, warmup=25, rep=100) * 1e3, _graph_or_nan(kda)))
+        rows.append((f"KDA recurrent B={b}", eager_ms(kda) * 1e3, _graph_or_nan(kda)))
     q = quantize_nvfp4(torch.randn(7168, 7168, device="cuda"))
     w = prepare_nvfp4_weight(q.weight, q.weight_scale, q.weight_scale_2)
     xm = torch.randn(1, 7168, device="cuda").bfloat16()
     lin = lambda: nvfp4_linear(xm, w)  # noqa: E731
-    rows.append(("NVFP4 7168^2 M=1", do_bench(lin, warmup=25, rep=100) * 1e3, _graph_or_nan(lin)))
+    rows.append(("NVFP4 7168^2 M=1", eager_ms(lin) * 1e3, _graph_or_nan(lin)))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'case':>22} {'eager us':>9} {'graph us':>9} {'eager/graph':>11}")
     for name, eager, graph in rows:
