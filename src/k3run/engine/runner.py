@@ -581,22 +581,37 @@ class ModelRunner:
         if fed and (plan.mode == "prefill_graph" or any(n != 1 for n in batch.num_new_tokens)):
             raise ValueError("run: fed ids and steps ahead of the recorded tokens are one-token decode steps")
         if fed or plan.mode == "decode_graph":  # (a failed capture: `_decode` turns graphs off, runs eagerly)
-            seqs = batch.seqs
-            logits = self._decode(seqs, batch_ids(batch) if ids is None else ids, plan)
-            rows = [b for b in range(len(seqs)) if fed or batch.samples(b)]
-            if not rows:
-                return StepOutput(rows, None)
-            if len(rows) < len(seqs):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            return StepOutput(rows, logits)
+            return self._run_decode(batch, plan, ids, fed)
         if plan.mode == "prefill_graph" and self.prefill_graphs is not None:
-            seq = batch.seqs[0]
-            try:
-                logits = self.prefill_graphs.run(seq.all_token_ids[: batch.num_new_tokens[0]], _slot(seq))
-            except GraphCaptureError as e:
-                self.disable_prefill_graphs(str(e))
-                return self.run(batch, StepPlan("eager"))
-            return StepOutput([0], logits) if batch.samples(0) else StepOutput([], None)
+            out = self._run_prefill_graph(batch)
+            if out is not None:
+                return out
+        return self._run_eager(batch)
+
+    def _run_decode(
+        self, batch: Batch, plan: StepPlan, ids: list[int] | torch.Tensor | None, fed: bool
+    ) -> StepOutput:
+        seqs = batch.seqs
+        logits = self._decode(seqs, batch_ids(batch) if ids is None else ids, plan)
+        rows = [b for b in range(len(seqs)) if fed or batch.samples(b)]
+        if not rows:
+            return StepOutput(rows, None)
+        if len(rows) < len(seqs):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return StepOutput(rows, logits)
+
+    def _run_prefill_graph(self, batch: Batch) -> StepOutput | None:
+        """The prefill graph's step; None when its capture failed (prefill graphs are then off)."""
+        assert self.prefill_graphs is not None
+        seq = batch.seqs[0]
+        try:
+            logits = self.prefill_graphs.run(seq.all_token_ids[: batch.num_new_tokens[0]], _slot(seq))
+        except GraphCaptureError as e:
+            self.disable_prefill_graphs(str(e))
+            return None
+        return StepOutput([0], logits) if batch.samples(0) else StepOutput([], None)
+
+    def _run_eager(self, batch: Batch) -> StepOutput:
         input_ids, ctx = self.prepare(batch)
         hidden = self.model.forward(input_ids, ctx)  # [T, D]
         prompt_logits = {}

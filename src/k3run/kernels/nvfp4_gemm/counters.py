@@ -57,6 +57,11 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 def zero_counters() -> None:
     """Zero every counter buffer (outside a capture: after one, so that no graph replays counters that only
     another graph's memset would have zeroed)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if not _COUNTERS.every:
+        return
+    if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("zero_counters: called during a CUDA graph capture")
+    # no launch on any stream may hold a counter while it is zeroed, and none may start before it is
+    torch.cuda.synchronize()
     _COUNTERS.zero_all()
+    torch.cuda.synchronize()
