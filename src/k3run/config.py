@@ -206,30 +206,33 @@ def _type_list_flags(
     return tuple(t == flagged for t in types)
 
 
+def _kda_layer_lists(lin: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
+    """Per-layer KDA flag from linear_attn_config's kda_layers / full_attn_layers (1-indexed, disjoint,
+    covering every layer)."""
+    kda = lin.get("kda_layers")
+    full = lin.get("full_attn_layers")
+    for name, lst in (("kda_layers", kda), ("full_attn_layers", full)):
+        if not isinstance(lst, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in lst):
+            raise _fail(f"linear_attn_config.{name}", "a list of 1-indexed layer numbers", lst)
+        bad = [x for x in lst if not 1 <= x <= n_layers]
+        if bad:
+            raise _fail(f"linear_attn_config.{name}", f"layer numbers in 1..{n_layers} (1-indexed)", bad)
+    assert isinstance(kda, list) and isinstance(full, list)
+    both = sorted(set(kda) & set(full))
+    if both:
+        raise _fail("linear_attn_config.kda_layers", "no layer also in full_attn_layers", both)
+    missing = sorted(set(range(1, n_layers + 1)) - set(kda) - set(full))
+    if missing:
+        raise _fail("linear_attn_config.kda_layers", "every layer in kda_layers or full_attn_layers", missing)
+    return tuple((i + 1) in kda for i in range(n_layers))
+
+
 def _parse_layer_types(cfg: Mapping[str, Any], n_layers: int) -> tuple[bool, ...]:
     """Per-layer KDA flag from `linear_attn_config` (1-indexed lists) and/or `layer_types` (must agree)."""
     from_lists: tuple[bool, ...] | None = None
     lin = cfg.get("linear_attn_config")
     if isinstance(lin, Mapping) and ("kda_layers" in lin or "full_attn_layers" in lin):
-        kda = lin.get("kda_layers")
-        full = lin.get("full_attn_layers")
-        for name, lst in (("kda_layers", kda), ("full_attn_layers", full)):
-            if not isinstance(lst, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in lst
-            ):
-                raise _fail(f"linear_attn_config.{name}", "a list of 1-indexed layer numbers", lst)
-            bad = [x for x in lst if not 1 <= x <= n_layers]
-            if bad:
-                raise _fail(f"linear_attn_config.{name}", f"layer numbers in 1..{n_layers} (1-indexed)", bad)
-        both = sorted(set(kda) & set(full))
-        if both:
-            raise _fail("linear_attn_config.kda_layers", "no layer also in full_attn_layers", both)
-        missing = sorted(set(range(1, n_layers + 1)) - set(kda) - set(full))
-        if missing:
-            raise _fail(
-                "linear_attn_config.kda_layers", "every layer in kda_layers or full_attn_layers", missing
-            )
-        from_lists = tuple((i + 1) in kda for i in range(n_layers))
+        from_lists = _kda_layer_lists(lin, n_layers)
 
     from_types: tuple[bool, ...] | None = None
     types = cfg.get("layer_types")

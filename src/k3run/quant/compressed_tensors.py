@@ -231,6 +231,19 @@ class CompressedTensorsConfig:
         return dict(out)
 
     def _bank(self, bank: str, num_experts: int | None) -> QuantAlgo:
+        want = self._bank_wanted(bank)
+        if self.stored is None:
+            return QuantAlgo.MXFP4 if want else QuantAlgo.NONE
+        names = name_variants(bank)
+        members = next((self._bank_members[n] for n in names if n in self._bank_members), {})
+        if num_experts is not None and any(
+            (e, w) not in members for e in range(num_experts) for w in ("w1", "w2", "w3")
+        ):
+            return QuantAlgo.MXFP4 if want else QuantAlgo.NONE  # the loader names the missing tensors
+        return self._bank_stored(bank, members, want)
+
+    def _bank_wanted(self, bank: str) -> bool:
+        """Whether the config quantizes the bank's experts (expert 0's projections speak for the bank)."""
         names = name_variants(bank)
         probe = [name_variants(f"{bank}.0.{w}") for w in ("w1", "w2", "w3")]
         quantized = [not self._ignored(n) and self._group(n) is not None for n in probe]
@@ -239,16 +252,12 @@ class CompressedTensorsConfig:
                 f"Mixed quant_algo within fused layer {bank}: {self.source} quantizes some of its expert "
                 "projections and not others; a bank runs under one scheme"
             )
-        want = quantized[0]
-        if self.stored is None:
-            return QuantAlgo.MXFP4 if want else QuantAlgo.NONE
-        members = next((self._bank_members[n] for n in names if n in self._bank_members), {})
-        if num_experts is not None:
-            missing = [
-                (e, w) for e in range(num_experts) for w in ("w1", "w2", "w3") if (e, w) not in members
-            ]
-            if missing:
-                return QuantAlgo.MXFP4 if want else QuantAlgo.NONE  # the loader names the missing tensors
+        return quantized[0]
+
+    def _bank_stored(
+        self, bank: str, members: dict[tuple[int, str], tuple[str, str]], want: bool
+    ) -> QuantAlgo:
+        """The bank's algorithm from how its experts are stored (every expert present), against `want`."""
         kinds = {kind for _, kind in members.values()}
         if len(kinds) > 1 and _PACKED in kinds:
             packed = next(k for k, (_, v) in members.items() if v == _PACKED)
@@ -258,23 +267,23 @@ class CompressedTensorsConfig:
                 f"weight_packed (MXFP4), expert {plain[0]} {plain[1]} as a plain weight; a bank runs under "
                 "one scheme"
             )
-        if kinds == {_PACKED}:
-            if not want:
+        if kinds != {_PACKED}:
+            if want and kinds:
+                self._stored_unquantized[bank] = "/".join(sorted(kinds))
+            return QuantAlgo.NONE
+        if not want:
+            raise ValueError(
+                f"{bank}: its experts are stored weight_packed (MXFP4), but {self.source} does not "
+                "quantize them (ignored or not targeted); the checkpoint and its config disagree"
+            )
+        # entries could single out experts by id: every expert's checkpoint name must be quantized too
+        for (e, w), (name, _) in members.items():
+            if self._ignored((name,)) or self._group((name,)) is None:
                 raise ValueError(
-                    f"{bank}: its experts are stored weight_packed (MXFP4), but {self.source} does not "
-                    "quantize them (ignored or not targeted); the checkpoint and its config disagree"
+                    f"Mixed quant_algo within fused layer {bank}: {self.source} leaves expert {e} {w} "
+                    "unquantized but quantizes expert 0; a bank runs under one scheme"
                 )
-            # entries could single out experts by id: every expert's checkpoint name must be quantized too
-            for (e, w), (name, _) in members.items():
-                if self._ignored((name,)) or self._group((name,)) is None:
-                    raise ValueError(
-                        f"Mixed quant_algo within fused layer {bank}: {self.source} leaves expert {e} {w} "
-                        "unquantized but quantizes expert 0; a bank runs under one scheme"
-                    )
-            return QuantAlgo.MXFP4
-        if want and kinds:
-            self._stored_unquantized[bank] = "/".join(sorted(kinds))
-        return QuantAlgo.NONE
+        return QuantAlgo.MXFP4
 
     def resolve(
         self, prefix: str, shards: Sequence[str] = (), *, num_experts: int | None = None
