@@ -421,43 +421,62 @@ def config_problems(
     f = _Fields(hf, cfg)
     expected = expected_tensors(cfg, f)
     flipped: dict[int, list[tuple[str, str, set[str]]]] = {}
-    style = _Style(tensors)
     shapes: list[Problem] = []
     extra: list[Problem] = []
     seen: set[str] = set()
     for name in sorted(tensors, key=_natural):
-        info = tensors[name]
         if _IGNORED.match(name):
             continue
-        key = _canonical(name)
+        key = _expected_key(name, cfg, expected)
         if key is None:
             extra.append(
                 Problem(f"tensor {name}: not a Kimi text-decoder name (no known root), not used", tensor=name)
             )
-            continue
-        base, _, suffix = key.rpartition(".")
-        if key.startswith("lm_head.") and cfg.tie_word_embeddings:
-            continue  # tied: the logits use embed_tokens, a saved copy of it is not read
-        if suffix == "weight_packed":  # compressed-tensors (MXFP4 experts): the packed codes are the weight
-            key = base + ".weight"
-        exp = expected.get(key)
-        if exp is None and suffix in SCALE_SUFFIXES:
-            owner = expected.get(base + ".weight")
-            if owner is not None and owner.linear:
-                continue  # the layer checks (quant/plan.py) decide whether the scheme has this scale
-        if exp is None:
+        elif key == "":
+            continue  # read elsewhere or not at all (a tied head's copy, a linear's scale)
+        elif key not in expected:
             extra.append(_unused(name, key, cfg, f, flipped))
-            continue
-        seen.add(key)
-        problem = _shape_problem(name, info, exp)
-        if problem is not None:
-            shapes.append(problem)
-        elif not exp.linear and info.dtype not in _FLOAT_CODES:
-            shapes.append(
-                Problem(
-                    f"tensor {name}: expected dtype {', '.join(_FLOAT_CODES)}, got {info.dtype}", tensor=name
-                )
-            )
+        else:
+            seen.add(key)
+            shapes.extend(_tensor_problems(name, tensors[name], expected[key]))
+    return shapes + extra + _missing(expected, seen, cfg, _Style(tensors))
+
+
+def _expected_key(name: str, cfg: ModelConfig, expected: Mapping[str, Expected]) -> str | None:
+    """The canonical key a checkpoint tensor is checked as; None for a name of no known root, "" for one
+    that is not checked here (lm_head when tied: the logits use embed_tokens; a scale of an expected linear:
+    the layer checks in quant/plan.py decide whether its scheme has it)."""
+    key = _canonical(name)
+    if key is None:
+        return None
+    base, _, suffix = key.rpartition(".")
+    if key.startswith("lm_head.") and cfg.tie_word_embeddings:
+        return ""
+    if suffix == "weight_packed":  # compressed-tensors (MXFP4 experts): the packed codes are the weight
+        key = base + ".weight"
+    if key not in expected and suffix in SCALE_SUFFIXES:
+        owner = expected.get(base + ".weight")
+        if owner is not None and owner.linear:
+            return ""
+    return key
+
+
+def _tensor_problems(name: str, info: TensorInfo, exp: Expected) -> list[Problem]:
+    """A present tensor's shape against the config, and a float dtype for an unquantized vector."""
+    problem = _shape_problem(name, info, exp)
+    if problem is not None:
+        return [problem]
+    if not exp.linear and info.dtype not in _FLOAT_CODES:
+        return [
+            Problem(f"tensor {name}: expected dtype {', '.join(_FLOAT_CODES)}, got {info.dtype}", tensor=name)
+        ]
+    return []
+
+
+def _missing(
+    expected: Mapping[str, Expected], seen: set[str], cfg: ModelConfig, style: _Style
+) -> list[Problem]:
+    """The expected tensors the checkpoint lacks, in its own naming style."""
     missing = []
     for key, exp in expected.items():
         if key in seen:
@@ -470,7 +489,7 @@ def config_problems(
         rendered = style.render(key, m is not None and cfg.is_moe_layer(int(m.group(1))))
         because = f" ({exp.because})" if exp.because else ""
         missing.append(Problem(f"tensor {rendered} is missing{because}"))
-    return shapes + extra + missing
+    return missing
 
 
 def _alternative_present(key: str, alternative: str, seen: set[str]) -> bool:
