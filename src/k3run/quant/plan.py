@@ -154,6 +154,17 @@ class QuantPlan:
         qc = self.quant_config
         head = "unquantized (no quantization config)" if qc is None else qc.summary()
         lines = [f"{self.model_dir}: {head}; device {self.device}", ""]
+        lines += self._layer_rows()
+        lines += ["", "parameter bytes by scheme:", *self._scheme_rows()]
+        if self.config_notes:
+            lines += ["", "quantization config:", *(f"  {note}" for note in self.config_notes)]
+        if self.held_dtype_notes:
+            lines += ["", f"tensors held in another dtype than the model's {self.model_dtype}:"]
+            lines += [f"  {note}" for note in self.held_dtype_notes]
+        return "\n".join(lines)
+
+    def _layer_rows(self) -> list[str]:
+        """The layer table, columns padded to their widest cell."""
         rows = [("layer", "scheme", "logical [N, K]", "physical", "padding", "bytes", "implementation")]
         for label, lp, count in _folded(self.layers):
             pad = lp.padding
@@ -169,9 +180,10 @@ class QuantPlan:
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        lines += ["", "parameter bytes by scheme:"]
+        return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+    def _scheme_rows(self) -> list[str]:
+        """Parameter bytes by scheme, largest first, with each one's share, layer count and weights."""
         by_scheme = self.bytes_by_scheme()
         total = sum(by_scheme.values())
         counts: dict[str, int] = defaultdict(int)
@@ -180,19 +192,15 @@ class QuantPlan:
             key = lp.algo.value if lp.kind != "embedding" else lp.kind
             counts[key] += 1
             params[key] += lp.logical_shape[0] * lp.logical_shape[1]
+        out = []
         for key, nbytes in sorted(by_scheme.items(), key=lambda kv: -kv[1]):
             n = self.other_tensors if key == "other" else counts[key]
             what = f"{n} {'tensor' if key == 'other' else 'layer'}{'' if n == 1 else 's'}"
             extra = "" if key == "other" else f", {params[key] / 1e6:.2f}M weights"
             share = 100.0 * nbytes / total if total else 0.0
-            lines.append(f"  {key:<12} {_human(nbytes):>11}  {share:5.1f}%  ({what}{extra})")
-        lines.append(f"  {'total':<12} {_human(total):>11}")
-        if self.config_notes:
-            lines += ["", "quantization config:", *(f"  {note}" for note in self.config_notes)]
-        if self.held_dtype_notes:
-            lines += ["", f"tensors held in another dtype than the model's {self.model_dtype}:"]
-            lines += [f"  {note}" for note in self.held_dtype_notes]
-        return "\n".join(lines)
+            out.append(f"  {key:<12} {_human(nbytes):>11}  {share:5.1f}%  ({what}{extra})")
+        out.append(f"  {'total':<12} {_human(total):>11}")
+        return out
 
 
 def _shape(s: tuple[int, ...]) -> str:

@@ -124,28 +124,34 @@ def check_message(i: int, m: Any) -> dict[str, Any]:
             )
     calls = m.get("tool_calls")
     if calls is not None:
-        if not isinstance(calls, list) or not calls:
-            raise ServeError(400, f"{where}.tool_calls must be a non-empty list", f"{where}.tool_calls")
-        for j, c in enumerate(calls):
-            at = f"{where}.tool_calls[{j}]"
-            fn = c.get("function") if isinstance(c, dict) else None
-            if (
-                not isinstance(fn, dict)
-                or not isinstance(c.get("id"), str)
-                or c.get("type", "function") != "function"
-                or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("arguments"), str)
-            ):
-                raise ServeError(
-                    400, f"{at} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
-                    "'arguments': str}}}}", at,
-                )  # fmt: skip
+        _check_tool_calls(where, calls)
     if role == "assistant" and m.get("reasoning_content") is not None:
         if not isinstance(m["reasoning_content"], str):
             raise ServeError(400, f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
     if role == "tool" and not isinstance(m.get("tool_call_id"), str):
         raise ServeError(400, f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
     return _text(i, m, nullable=role == "assistant" and calls is not None)
+
+
+def _check_tool_calls(where: str, calls: Any) -> None:
+    """An assistant message's tool_calls: a non-empty list of {'id', 'type': 'function', 'function':
+    {'name', 'arguments'}} with string values."""
+    if not isinstance(calls, list) or not calls:
+        raise ServeError(400, f"{where}.tool_calls must be a non-empty list", f"{where}.tool_calls")
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(c.get("id"), str)
+            or c.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise ServeError(
+                400, f"{at} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                "'arguments': str}}}}", at,
+            )  # fmt: skip
 
 
 def check_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -257,6 +263,24 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return k
 
 
+def _stops(body: dict[str, Any], vocab_size: int | None) -> tuple[list[str], list[int]]:
+    """The request's stop strings ('stop': a string or a list of them) and stop_token_ids (in the
+    vocabulary when its size is known)."""
+    stop = get_field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise ServeError(400, "'stop' must be a string or a list of strings", "stop")
+    stop_ids = get_field(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ServeError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
+        bad = [t for t in stop_ids if not 0 <= t < vocab_size][:5]
+        raise ServeError(
+            400, f"'stop_token_ids' {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+        )
+    return stop, stop_ids
+
+
 def sampling_params(
     body: dict[str, Any], max_tokens_default: int, chat: bool = False, vocab_size: int | None = None
 ) -> SamplingParams:
@@ -271,18 +295,7 @@ def sampling_params(
     max_tokens = get_field(
         body, "max_tokens", (int,), max_tokens if max_tokens is not None else max_tokens_default
     )
-    stop = get_field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise ServeError(400, "'stop' must be a string or a list of strings", "stop")
-    stop_ids = get_field(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise ServeError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
-        bad = [t for t in stop_ids if not 0 <= t < vocab_size][:5]
-        raise ServeError(
-            400, f"'stop_token_ids' {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids"
-        )
+    stop, stop_ids = _stops(body, vocab_size)
     values = {
         "max_tokens": max_tokens,
         "temperature": float(get_field(body, "temperature", (int, float), 1.0)),
