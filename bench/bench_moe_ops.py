@@ -22,6 +22,8 @@ from k3run.kernels.moe_ops import ref
 from k3run.kernels.moe_ops.triton import (
     combine_triton,
     gated_triton,
+    route_one_launch_triton,
+    router_one_launch_fits,
     router_partials,
     sigmoid_topk_triton,
 )
@@ -78,6 +80,12 @@ def main() -> None:
                 ("router (logits + top-k)", partial(_torch_router, x, w, bias, k, 2.0),
                  partial(_kernel_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
             )  # fmt: skip
+            if router_one_launch_fits(t, e, d):  # baseline column: the two launches it replaces
+                one = partial(route_one_launch_triton, x, w, bias, k, True, 2.0)
+                rows.append(
+                    ("router in one launch (vs two)", partial(_kernel_router, x, w, bias, k, 2.0), one,
+                     w.numel() * 4 + x.numel() * 2)
+                )  # fmt: skip
             gu = torch.randn(t * k, 2 * i, device="cuda", generator=g).bfloat16()
             rows.append(
                 (f"gated {kind} (routed, {t * k} rows)", partial(_torch_gated, gu, kind, beta, lb),

@@ -30,8 +30,8 @@
 #           (GPU-marked; carry .whl)
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
-#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 as shipped (--profile 3), then with the shared
-#           expert apart and the Gluon GEMM (K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0): the same-run baseline;
+#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 with the router in one launch
+#           (K3RUN_MOE_ROUTER_ONE_LAUNCH=1, --profile 3), then as shipped (two launches): the same-run baseline;
 #           uniform routing in both (the random model's own routing collapses onto a few experts)
 #   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
 #           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
@@ -108,10 +108,11 @@ for stage in "${stages[@]}"; do
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/layers/test_moe.py \
             tests/layers/test_moe_shared_fusion.py tests/kernels/test_moe_ops.py tests/kernels/test_nvfp4_gemm.py \
             >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
-    decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
-            --uniform-routing --profile 3 2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
-        K3RUN_MOE_FUSE_SHARED=0 K3RUN_SM90_CUDA=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear \
-            --batch-sizes 1,8,32 --steps 32 --uniform-routing 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs" ;;
+    decodeab) K3RUN_MOE_ROUTER_ONE_LAUNCH=1 timeout 300 python3 bench/probe_graph_step.py --kimi-linear \
+            --batch-sizes 1,8,32 --steps 32 --uniform-routing --profile 3 2>&1 | tee "$OUT/decode_kl.txt" \
+            | grep -E "^graphs|kernels per step" | head -8
+        timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
+            --uniform-routing 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs" ;;
     fusedspread) for n in 128 0; do
             K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
                 --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"

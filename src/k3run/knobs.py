@@ -114,6 +114,11 @@ class Knobs:
         "K3RUN_MOE_OPS", _flag, True,
         "CUDA: the MoE's router, activation and combine as single Triton launches (0: torch's chains)",
     )  # fmt: skip
+    moe_router_one_launch: bool = _knob(
+        "K3RUN_MOE_ROUTER_ONE_LAUNCH", _flag, False,
+        "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 128 KB (Kimi "
+        "Linear up to 8 tokens, K3 at 1; 1: on, unmeasured on a GPU so far; 0: two launches)",
+    )  # fmt: skip
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",

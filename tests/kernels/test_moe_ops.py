@@ -108,6 +108,42 @@ def check_router(t: int, e: int, d: int, a: int, device: str) -> None:
     assert_within("router weights", ref_w[clear].float(), w_out.cpu()[clear], bound[clear].float())
 
 
+def check_router_one_launch(t: int, e: int, d: int, a: int, extra: int | None, device: str) -> None:
+    """The one-launch router against the two launches it replaces, on the same inputs: the same picks (the
+    same logits and scores: its last program sums the same partials in the same order), the renormalised
+    weights within the bound of an fp32 sum's reordering ((A + 2) u |w|), the extra column as appended; and
+    against the fp64 reference as check_router states it. A second call gives the same result: the arrival
+    counter was put back to 0."""
+    from k3run.kernels.moe_ops.triton import route_one_launch_triton as one_launch
+    from k3run.kernels.moe_ops.triton import router_logits_triton, router_partials, sigmoid_topk_triton
+
+    g = torch.Generator().manual_seed(t * 7 + e + d)
+    x = torch.randn(t, d, generator=g).to(torch.float16).to(device)
+    w = (torch.randn(e, d, generator=g) / d**0.5).to(device)
+    bias = (torch.randn(e, generator=g) * 0.1).to(device)
+    two_w, two_ids = sigmoid_topk_triton(router_partials(x, w), bias, a, True, 1.5, extra)
+    one_w, one_ids = one_launch(x, w, bias, a, True, 1.5, extra)
+    cols = a + (extra is not None)
+    assert one_ids.shape == one_w.shape == (t, cols) and one_ids.dtype == torch.int64
+    assert torch.equal(one_ids.cpu(), two_ids.cpu()), "the one-launch router picked other experts"
+    assert_within("one-launch router weights", two_w.cpu(), one_w.cpu(), (a + 2) * U * two_w.cpu().abs())
+    if extra is not None:
+        assert (one_ids[:, a] == extra).all() and (one_w[:, a] == 1).all()
+    again_w, again_ids = one_launch(x, w, bias, a, True, 1.5, extra)
+    assert torch.equal(again_ids, one_ids) and torch.equal(again_w, one_w)
+    # against the reference on the logits summed in the kernel's order (router_logits_triton), as check_router
+    logits = router_logits_triton(x, w).cpu().double()
+    ref_w, ref_ids = sigmoid_topk_ref(logits, bias.cpu().double(), a, True, 1.5, extra)
+    choice = torch.sigmoid(logits) + bias.cpu().double()
+    top = choice.topk(min(e, a + 1), dim=-1).values
+    clear = (top[:, :-1] - top[:, 1:]).min(-1).values > 1e-5
+    assert torch.equal(one_ids.cpu()[clear], ref_ids[clear])
+    bound = (a + 2 * logits.abs().max() + 10) * U * ref_w.abs()
+    assert_within(
+        "one-launch router vs the reference", ref_w[clear].float(), one_w.cpu()[clear], bound[clear].float()
+    )
+
+
 def check_gated(
     n: int, i: int, kind: str, beta: float, lb: float | None, dtype: torch.dtype, device: str
 ) -> None:
@@ -198,7 +234,7 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=18)
+    run_interp_tests_in_child(__file__, expected_passed=21)
 
 
 @interp_only
@@ -228,6 +264,14 @@ def test_interp_router_logits(t: int, e: int, d: int) -> None:
 @pytest.mark.parametrize("t, e, d, a", [(1, 37, 300, 4), (6, 256, 2304, 8)])
 def test_interp_router_partials_then_topk(t: int, e: int, d: int, a: int) -> None:
     check_router(t, e, d, a, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize(
+    "t, e, d, a, extra", [(1, 37, 300, 4, None), (6, 256, 2304, 8, 256), (3, 61, 999, 7, 5)]
+)
+def test_interp_router_one_launch(t: int, e: int, d: int, a: int, extra: int | None) -> None:
+    check_router_one_launch(t, e, d, a, extra, "cpu")
 
 
 @interp_only
@@ -266,6 +310,37 @@ def test_gpu_sigmoid_topk_ties_and_nan() -> None:
 def test_gpu_router_logits(t: int, e: int, d: int) -> None:
     check_logits(t, e, d, torch.bfloat16, "cuda")
     check_router(t, e, d, min(e, 16), "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "t, e, d, a, extra", [(1, 256, 2304, 8, 256), (8, 256, 2304, 8, None), (1, 896, 7168, 16, None),
+                          (5, 61, 1001, 7, 3)]
+)  # fmt: skip
+def test_gpu_router_one_launch(t: int, e: int, d: int, a: int, extra: int | None) -> None:
+    check_router_one_launch(t, e, d, a, extra, "cuda")
+
+
+@needs_cuda
+def test_gpu_router_one_launch_in_a_graph() -> None:
+    """Captured in a CUDA graph (as a decode step holds it) and replayed three times: the eager result bit
+    for bit each time (the arrival counter is back at 0 after every launch)."""
+    from k3run.engine.runner import warm_and_capture
+    from k3run.kernels.moe_ops.triton import route_one_launch_triton
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2304, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(256, 2304, generator=g) / 48).cuda()
+    bias = (torch.randn(256, generator=g) * 0.1).cuda()
+    want_w, want_ids = route_one_launch_triton(x, w, bias, 8, True, 2.446, 256)
+    graph, out, err = warm_and_capture(
+        lambda: route_one_launch_triton(x, w, bias, 8, True, 2.446, 256), torch.device("cuda"), None
+    )
+    assert err is None and graph is not None and out is not None
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], want_w) and torch.equal(out[1], want_ids)
 
 
 @needs_cuda

@@ -1,4 +1,4 @@
-"""The split-K arrival counters (kernels/nvfp4_gemm/counters.py): buffers that CUDA graphs keep the address of
+"""The split-K arrival counters (kernels/counters.py): buffers that CUDA graphs keep the address of
 are never freed, and every one of them can be zeroed after a capture."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from k3run.kernels.nvfp4_gemm.counters import SplitKCounters
+from k3run.kernels.counters import SplitKCounters
 
 
 def test_a_buffer_handed_out_is_never_dropped() -> None:
@@ -50,8 +50,8 @@ def test_gpu_graph_keeps_its_counters_when_a_later_capture_grows_them() -> None:
     eager output bit for bit: A's counters were neither freed to that capture's temporaries nor left
     unzeroed (the capture helper zeros them after each capture)."""
     from k3run.engine.runner import warm_and_capture
+    from k3run.kernels.counters import counters
     from k3run.kernels.nvfp4_gemm import GemmConfig, nvfp4_linear, prepare_nvfp4_weight
-    from k3run.kernels.nvfp4_gemm.counters import counters
     from tests.kernels.test_nvfp4_gemm import _random_nvfp4
 
     dev = torch.device("cuda")

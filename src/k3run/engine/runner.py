@@ -81,8 +81,8 @@ def warm_and_capture(
     a graph on `pool`; `step`'s ForwardContext is a sync-free one (`ForwardContext.sync_free`), so both take
     the same device-only paths. Returns (graph, output, None), or (None, None, the error) when the capture
     refuses the step (host syncs, pageable copies, ...). The kernels' split-K counters are zeroed after the
-    capture (kernels/nvfp4_gemm/counters.py: one made during it is zeroed only by this graph's replays)."""
-    from k3run.kernels.nvfp4_gemm.counters import zero_counters
+    capture (kernels/counters.py: one made during it is zeroed only by this graph's replays)."""
+    from k3run.kernels.counters import zero_counters
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

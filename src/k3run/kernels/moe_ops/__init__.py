@@ -39,12 +39,18 @@ def route_sigmoid_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]; A + 1 columns
     with `extra`): on CUDA, up to LOGITS_MAX_TOKENS rows, two launches (partial logits over column blocks,
-    then the top-k summing them); otherwise torch's fp32 logits, then `sigmoid_topk`."""
+    then the top-k summing them), or with K3RUN_MOE_ROUTER_ONE_LAUNCH=1 one where the partials are small
+    (`route_one_launch_triton`: its last program picks); otherwise torch's fp32 logits, then
+    `sigmoid_topk`."""
     if _cuda(x) and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous():
-        from .triton import LOGITS_MAX_TOKENS, MAX_EXPERTS, router_partials, sigmoid_topk_triton
+        from . import triton as kt
 
-        if x.shape[0] <= LOGITS_MAX_TOKENS and top_k <= weight.shape[0] <= MAX_EXPERTS:
-            return sigmoid_topk_triton(router_partials(x, weight), bias, top_k, renormalize, scale, extra)
+        t, e = x.shape[0], weight.shape[0]
+        if t <= kt.LOGITS_MAX_TOKENS and top_k <= e <= kt.MAX_EXPERTS:
+            if knobs().moe_router_one_launch and kt.router_one_launch_fits(t, e, x.shape[1]):
+                return kt.route_one_launch_triton(x, weight, bias, top_k, renormalize, scale, extra)
+            parts = kt.router_partials(x, weight)
+            return kt.sigmoid_topk_triton(parts, bias, top_k, renormalize, scale, extra)
     return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale, extra)
 
 

@@ -158,6 +158,124 @@ def sigmoid_topk_triton(
 
 
 @triton.jit
+def _router_one_launch_kernel(
+    x_ptr, w_ptr, part_ptr, cnt_ptr, b_ptr, wo_ptr, io_ptr, T, E, D, sx, scale, extra, BE: tl.constexpr,
+    BD: tl.constexpr, BT: tl.constexpr, A: tl.constexpr, EXTRA: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, TB: tl.constexpr, LIB: tl.constexpr,
+):  # fmt: skip
+    # The router in one launch. Every program first computes its partial logits exactly as
+    # _router_partials_kernel does; the last program to arrive (an arrival counter, reset by it) then sums
+    # the partials in block order and picks as _sigmoid_topk_kernel does, TB tokens at a time: the same
+    # logits and scores bit for bit, the same picks.
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    sd = tl.program_id(1)
+    d = sd * BD + tl.arange(0, BD)
+    dm = d < D
+    wv = tl.load(
+        w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0
+    )
+    tt = tl.arange(0, BT)
+    for t0 in range(0, T, BT):
+        t = t0 + tt
+        xv = tl.load(
+            x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
+        )
+        part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
+        tl.store(
+            part_ptr + (sd * T + t[:, None]).to(tl.int64) * E + e[None, :],
+            part,
+            mask=(t < T)[:, None] & (e < E)[None, :],
+        )
+    tl.debug_barrier()  # every thread's partials stored before the arrival is counted
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        S = tl.num_programs(1)
+        ee = tl.arange(0, BLOCK_E)
+        em = ee < E
+        bias = tl.load(b_ptr + ee, mask=em, other=0.0)
+        a = tl.arange(0, BLOCK_A)
+        sentinel = (tl.full([TB, BLOCK_E], -2147483647 - 1, tl.int32).to(tl.int64)) << 32
+        W: tl.constexpr = A + EXTRA
+        for t0 in range(0, T, TB):
+            t = t0 + tl.arange(0, TB)
+            tm = t < T
+            m2 = tm[:, None] & em[None, :]
+            row = t[:, None].to(tl.int64) * E + ee[None, :]
+            lg = tl.load(part_ptr + row, mask=m2, other=0.0, cache_modifier=".cg")
+            for s in range(1, S):
+                lg += tl.load(part_ptr + s * T * E + row, mask=m2, other=0.0, cache_modifier=".cg")
+            sc = tl.div_rn(1.0, 1.0 + _exp(-lg, LIB))
+            bits = (sc + bias[None, :]).to(tl.int32, bitcast=True)
+            k32 = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            k32 = tl.maximum(k32, -2147483647)
+            key = (k32.to(tl.int64) << 32) | (BLOCK_E - 1 - ee).to(tl.int64)[None, :]
+            key = tl.where(em[None, :], key, sentinel)
+            iv = tl.full([TB, BLOCK_A], -1, tl.int32)
+            wk = tl.zeros([TB, BLOCK_A], tl.float32)
+            for k in tl.static_range(A):
+                best = tl.max(key, axis=1)
+                idx = (BLOCK_E - 1) - (best & (BLOCK_E - 1)).to(tl.int32)  # [TB]
+                hit = ee[None, :] == idx[:, None]
+                pick = tl.sum(tl.where(hit, sc, 0.0), axis=1)  # the pick's unbiased score (one term)
+                iv = tl.where(a[None, :] == k, idx[:, None], iv)
+                wk = tl.where(a[None, :] == k, pick[:, None], wk)
+                key = tl.where(hit, sentinel, key)
+            if RENORM:
+                wk = tl.div_rn(wk, tl.sum(wk, axis=1)[:, None] + 1e-20)
+            om = tm[:, None] & (a[None, :] < A)
+            out = t[:, None].to(tl.int64) * W + a[None, :]
+            tl.store(wo_ptr + out, wk * scale, mask=om)
+            tl.store(io_ptr + out, iv.to(tl.int64), mask=om)
+            if EXTRA:
+                tl.store(wo_ptr + t.to(tl.int64) * W + A, tl.full([TB], 1.0, tl.float32), mask=tm)
+                tl.store(io_ptr + t.to(tl.int64) * W + A, tl.zeros([TB], tl.int64) + extra, mask=tm)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+# partial logits the one-launch router's last program reads at most (T x column blocks x experts x 4 bytes):
+# beyond, its one program summing them takes longer than the second launch it saves (one program streams
+# ~100 GB/s from L2; Kimi Linear's router is 9 x 256 x 4 bytes a token: up to 8 tokens; K3's one token)
+ROUTER_ONE_LAUNCH_MAX_BYTES = 128 << 10
+
+
+def router_one_launch_fits(t: int, e: int, d: int) -> bool:
+    """Whether `route_one_launch_triton` takes a router of e experts over d columns at t tokens."""
+    return t * triton.cdiv(d, 256) * e * 4 <= ROUTER_ONE_LAUNCH_MAX_BYTES
+
+
+def route_one_launch_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+    extra: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`sigmoid_topk_triton(router_partials(x, weight), ...)` in one launch (the same logits, scores and
+    picks; the renormalised weights within an fp32 sum's reordering): x [T, D], the contiguous fp32 weight
+    [E, D], E <= MAX_EXPERTS."""
+    from k3run.kernels.counters import counters
+
+    t, d = x.shape
+    e = weight.shape[0]
+    bd = 256
+    splits = triton.cdiv(d, bd)
+    cols = top_k + (extra is not None)
+    weights = torch.empty(t, cols, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, cols, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    parts = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
+    block_e = triton.next_power_of_2(e)
+    _router_one_launch_kernel[(triton.cdiv(e, 8), splits)](
+        x, weight, parts, counters(x.device, 1), bias.contiguous(), weights, ids, t, e, d, x.stride(0),
+        float(scale), -1 if extra is None else int(extra), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)),
+        A=top_k, EXTRA=int(extra is not None), RENORM=bool(renormalize and top_k > 1),
+        BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+        TB=max(1, min(triton.next_power_of_2(t), 2048 // block_e)), LIB=LIBDEVICE, num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
 def _gated_kernel(
     x_ptr, out_ptr, n_half, sx, so, beta, rbeta, lbeta, rlbeta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
     BLOCK: tl.constexpr, LIB: tl.constexpr,

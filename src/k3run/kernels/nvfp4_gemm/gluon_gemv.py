@@ -39,13 +39,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from k3run.kernels.counters import counters
 from k3run.kernels.nvfp4_gemm import (  # noqa: F401 (re-exported)
     CHUNK,
     TILED_PAIR_BITS,
     tile_split128,
     untile_split128,
 )
-from k3run.kernels.nvfp4_gemm.counters import counters
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases

@@ -215,8 +215,9 @@ def nvfp4_sm90_gemm(
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks, stages >= 2);
     default `sm90_config`. Call `available(x.device)` first."""
+    from k3run.kernels.counters import counters
+
     from . import sm_count
-    from .counters import counters
 
     _check_inputs(x, weight, scale_u8, global_scale, k, n, bias)
     m, chunks = x.shape[0], weight.shape[1] // 64

@@ -51,7 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .counters import counters
+from k3run.kernels.counters import counters
+
 from .gluon_gemv import SHIFT_OUT_SCALE
 from .tile import _check_bias, _check_half_x, _check_tiled, word_asm
 

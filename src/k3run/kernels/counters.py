@@ -1,8 +1,9 @@
-"""The split-K arrival counters of the NVFP4 GPU kernels (the decode GEMV, the grouped expert launches, the
-wgmma and sm_90 CUDA GEMMs).
+"""The arrival counters of the GPU kernels whose last program to finish does a final reduction: split-K in
+the NVFP4 kernels (the decode GEMV, the grouped expert launches, the wgmma and sm_90 CUDA GEMMs) and the
+one-launch router (moe_ops).
 
-A split-K program adds 1 to its output block's int32 counter after storing its partial sums; the one that
-arrives last sums the partials and puts the counter back to 0. So a counter buffer is all zeros between
+A program adds 1 to its output block's int32 counter after storing its partial results; the one that
+arrives last combines them and puts the counter back to 0. So a counter buffer is all zeros between
 launches, and launches need no memset of their own. One buffer per (device, stream): launches on one stream
 run in order, so two of them never hold a counter at the same time.
 
@@ -50,18 +51,20 @@ _COUNTERS = SplitKCounters()
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed int32 arrival counters on `device` for a launch on its current stream."""
-    return _COUNTERS.get(device, torch.cuda.current_stream(device).cuda_stream, n)
+    """At least n zeroed int32 arrival counters on `device` for a launch on its current stream (one buffer
+    for a CPU device: the Triton interpreter runs the programs one by one)."""
+    key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _COUNTERS.get(device, key, n)
 
 
 def zero_counters() -> None:
     """Zero every counter buffer (outside a capture: after one, so that no graph replays counters that only
     another graph's memset would have zeroed)."""
-    if not _COUNTERS.every:
-        return
-    if torch.cuda.is_current_stream_capturing():
+    cuda = torch.cuda.is_available() and any(b.is_cuda for b in _COUNTERS.every)
+    if cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("zero_counters: called during a CUDA graph capture")
-    # no launch on any stream may hold a counter while it is zeroed, and none may start before it is
-    torch.cuda.synchronize()
+    if cuda:  # no launch on any stream may hold a counter while it is zeroed, and none may start before it is
+        torch.cuda.synchronize()
     _COUNTERS.zero_all()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
