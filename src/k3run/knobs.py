@@ -116,8 +116,8 @@ class Knobs:
     )  # fmt: skip
     moe_router_one_launch: bool = _knob(
         "K3RUN_MOE_ROUTER_ONE_LAUNCH", _flag, False,
-        "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 128 KB (Kimi "
-        "Linear up to 8 tokens, K3 at 1; 1: on, unmeasured on a GPU so far; 0: two launches)",
+        "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 64 KB (Kimi "
+        "Linear up to 4 tokens; 1: on, not yet measured on a GPU; 0: two launches)",
     )  # fmt: skip
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,

@@ -232,10 +232,11 @@ def _router_one_launch_kernel(
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
-# partial logits the one-launch router's last program reads at most (T x column blocks x experts x 4 bytes):
-# beyond, its one program summing them takes longer than the second launch it saves (one program streams
-# ~100 GB/s from L2; Kimi Linear's router is 9 x 256 x 4 bytes a token: up to 8 tokens; K3's one token)
-ROUTER_ONE_LAUNCH_MAX_BYTES = 128 << 10
+# partial logits the one-launch router's last program reads at most (T x column blocks x experts x 4 bytes).
+# One program sums them (~100 GB/s from L2) and picks for TB tokens at a time, where the two-launch form runs
+# a program per token: the saved launch (~1.5-2.5 us in a decode step) pays only for a few tokens. Kimi
+# Linear's router is 9 x 256 x 4 bytes a token: up to 4 tokens; K3's (28 x 896 x 4) stays on two launches.
+ROUTER_ONE_LAUNCH_MAX_BYTES = 64 << 10
 
 
 def router_one_launch_fits(t: int, e: int, d: int) -> bool:
