@@ -35,6 +35,7 @@
 #           uniform routing in both (the random model's own routing collapses onto a few experts)
 #   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
 #           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
+#   kdatests KDA's GPU tests (tests/kernels/test_kda_conv.py, test_kda_state.py, test_kda_gpu.py; carry .whl)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
 set -o pipefail
@@ -117,6 +118,9 @@ for stage in "${stages[@]}"; do
             K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
                 --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"
         done ;;
+    kdatests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" \
+            -q -rfE -m gpu tests/kernels/test_kda_conv.py tests/kernels/test_kda_state.py tests/kernels/test_kda_gpu.py \
+            >"$OUT/kdatests.txt" 2>&1; tail -15 "$OUT/kdatests.txt" ;;
     graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
             tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py \
             tests/kernels/test_split_k_counters.py >"$OUT/graphs.txt" 2>&1

@@ -61,6 +61,30 @@ def _check(dtype: torch.dtype, device: str, triton_kernel: bool, block_c: int = 
     assert torch.equal(pool, pool_ref), "new windows (and untouched slots) must be exact"
 
 
+def _check_zero_pool(device: str, triton_kernel: bool) -> None:
+    """zero_pool: the same launch zeroes the recurrent states of the fresh rows' slots (rows 1 and 4: slots
+    0 and 5) and touches no other slot; the conv's output and windows are as without it. The state rows
+    (3 x 50 x 50 = 7500 fp32) are not a multiple of the zeroing block and are split over the row's
+    programs (111 channels in blocks of 64: two)."""
+    x, weight, pool, slots, ctx = _case(torch.float32, device)
+    y_ref, pool_ref = _expected(x, weight, pool, slots, ctx, groups=3)
+    rec = torch.randn(S, 3, 50, 50, device=device)
+    rec_ref = rec.clone()
+    rec_ref[[0, 5]] = 0
+    if triton_kernel:
+        from k3run.kernels.kda.conv import causal_conv1d_decode_in_place_triton
+
+        y = causal_conv1d_decode_in_place_triton(
+            x, weight, pool, slots, ctx, groups=3, block_c=64, zero_pool=rec
+        )
+    else:
+        y = causal_conv1d_decode_in_place(
+            x, weight, conv_pool=pool, slots=slots, context_lens=ctx, groups=3, zero_pool=rec
+        )
+    assert_close("conv decode y", y_ref, y, RTOL[torch.float32])
+    assert torch.equal(pool, pool_ref) and torch.equal(rec, rec_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_dispatch_is_the_reference_bit_for_bit(dtype: torch.dtype, monkeypatch) -> None:
     """On x86 with the SIMD extension the in-place kernel runs (counted) and gives the reference's bits: the
@@ -80,13 +104,26 @@ def test_cpu_dispatch_is_the_reference_bit_for_bit(dtype: torch.dtype, monkeypat
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=6)
+    run_interp_tests_in_child(__file__, expected_passed=7)
 
 
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_interp_conv_decode_in_place(dtype: torch.dtype) -> None:
     _check(dtype, "cpu", triton_kernel=True)  # 111 channels in blocks of 64: the second block is masked
+
+
+@interp_only
+def test_interp_conv_decode_zeroes_fresh_recurrent_states() -> None:
+    _check_zero_pool("cpu", triton_kernel=True)
+
+
+def test_zero_pool_is_for_the_cuda_kernel_only() -> None:
+    x, weight, pool, slots, ctx = _case(torch.float32, "cpu")
+    with pytest.raises(ValueError, match="zero_pool is for the CUDA kernel only"):
+        causal_conv1d_decode_in_place(
+            x, weight, conv_pool=pool, slots=slots, context_lens=ctx, zero_pool=torch.zeros(S, 4)
+        )
 
 
 def test_adjacent_columns_is_a_view_of_the_merged_projection() -> None:
@@ -105,6 +142,12 @@ def test_adjacent_columns_is_a_view_of_the_merged_projection() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_conv_decode_in_place(dtype: torch.dtype) -> None:
     _check(dtype, "cuda", triton_kernel=False)  # the dispatcher picks the kernel on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_conv_decode_zeroes_fresh_recurrent_states() -> None:
+    _check_zero_pool("cuda", triton_kernel=False)
 
 
 LENGTHS = [1, 2, 0, 5, 23, 9]  # shorter than the window, empty, and several blocks of tokens

@@ -66,8 +66,10 @@ def test_interp_zero_fresh_states_kernel(block: int) -> None:
     _check_zeroed(pool, before, slots, ctx)
 
 
-def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: int):
-    """kda_decode_in_place on a pool with stale slots vs kda_forward on the gathered (fresh: zero) states."""
+def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: int, conv_zeroes: bool = False):
+    """kda_decode_in_place on a pool with stale slots vs kda_forward on the gathered (fresh: zero) states.
+    conv_zeroes: the fresh slots are zeroed by the conv launch before it (`zero_pool`, as the layer does on
+    CUDA) and the decode is told so (`fresh_zeroed`)."""
     B, S = 5, 9
     x = _raw_inputs(list(range(B + 1)), H, K, V, dtype, device)  # one token per sequence
     pool = torch.randn(S, H, K, V, device=device) * 0.5
@@ -81,7 +83,17 @@ def _in_place_vs_gathered(device: str, dtype: torch.dtype, H: int, K: int, V: in
     )
     untouched = [s for s in range(S) if s not in slots.tolist()]
     before = pool[untouched].clone()
-    o = kda_decode_in_place(*qkvfb, **gate, state_pool=pool, slots=slots, context_lens=ctx)
+    if conv_zeroes:
+        from k3run.kernels.kda import causal_conv1d_decode_in_place
+
+        conv_pool = torch.randn(S, 3 * 16, 3, device=device, dtype=dtype)
+        xc, wc = torch.randn(B, 3 * 16, device=device, dtype=dtype), torch.randn(3 * 16, 4, device=device)
+        causal_conv1d_decode_in_place(
+            xc, wc, conv_pool=conv_pool, slots=slots, context_lens=ctx, groups=3, zero_pool=pool
+        )
+    o = kda_decode_in_place(
+        *qkvfb, **gate, state_pool=pool, slots=slots, context_lens=ctx, fresh_zeroed=conv_zeroes
+    )
     return o, o_ref, pool[slots], ht_ref, pool[untouched], before
 
 
@@ -124,13 +136,17 @@ def test_gpu_zero_fresh_states_kernel() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_in_place_decode_matches_gathered_states() -> None:
-    # fla in place vs fla on gathered states: same kernel arithmetic, so equal up to fla's bf16 bound
+@pytest.mark.parametrize("conv_zeroes", [False, True])
+def test_gpu_in_place_decode_matches_gathered_states(conv_zeroes: bool) -> None:
+    # fla in place vs fla on gathered states: same kernel arithmetic, so equal up to fla's bf16 bound; with
+    # conv_zeroes the fresh states were zeroed by the conv launch (the layer's CUDA path), not by the decode
     assert kda_backend("cuda") == "fla", "fla-core must be installed on the GPU machine (the gpu extra)"
     from k3run.kernels.kda.fla import _fused_recurrent_fwd
 
     assert _fused_recurrent_fwd() is not None, "this fla-core has no in-place decode"
-    o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered("cuda", torch.bfloat16, H=3, K=128, V=128)
+    o, o_ref, ht, ht_ref, untouched, before = _in_place_vs_gathered(
+        "cuda", torch.bfloat16, H=3, K=128, V=128, conv_zeroes=conv_zeroes
+    )
     assert_close("o", o_ref, o, FLA_RTOL)
     assert_close("final state", ht_ref, ht, FLA_RTOL)
     assert torch.equal(untouched, before)

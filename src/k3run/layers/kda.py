@@ -287,9 +287,11 @@ class KimiDeltaAttention(nn.Module):
         conv_final = None
         if in_place:  # one launch on CUDA: states in the cache, q | k | v read in place, planar output
             assert layer_cache is not None and ctx.slots is not None
+            # on CUDA the same launch zeroes the fresh sequences' recurrent states (read by the next one)
+            fresh = layer_cache.recurrent if x.is_cuda else None
             q, k, v = causal_conv1d_decode_in_place(
                 _adjacent_columns(q, k, v), self.conv_weight, conv_pool=layer_cache.conv, slots=ctx.slots,
-                context_lens=ctx.context_lens, groups=3,
+                context_lens=ctx.context_lens, groups=3, zero_pool=fresh,
             ).reshape(3, T, H, K)  # fmt: skip
         elif ctx.is_decode:  # one token per sequence: batched, no host read of cu_seqlens
             qkv, conv_final = causal_conv1d_decode(
@@ -311,7 +313,7 @@ class KimiDeltaAttention(nn.Module):
             assert layer_cache is not None and ctx.slots is not None
             o = kda_decode_in_place(
                 q, k, v, f, b, **gate_args, state_pool=layer_cache.recurrent, slots=ctx.slots,
-                context_lens=ctx.context_lens, cu_seqlens=ctx.cu_seqlens,
+                context_lens=ctx.context_lens, cu_seqlens=ctx.cu_seqlens, fresh_zeroed=x.is_cuda,
             )  # fmt: skip
         else:
             o, rec_final = kda_forward(

@@ -139,12 +139,14 @@ def kda_decode_in_place(
     slots: torch.Tensor,
     context_lens: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
+    fresh_zeroed: bool = False,
 ) -> torch.Tensor:
     """kda_forward for one token per sequence with the recurrent states kept in the cache pool: sequence i
     starts from state_pool[slots[i]] (zero when context_lens[i] == 0) and its final state is written back
     there. state_pool [S, H, K, V] fp32; q, k, f [B, H, K]; v [B, H, V]; b [B, H]; cu_seqlens: arange(B + 1)
     int64 on q's device if the caller has it (the step's ForwardContext does), else made here. Returns o
-    [B, H, V] fp32.
+    [B, H, V] fp32. fresh_zeroed: the fresh sequences' states are already zero in the pool (the conv launch
+    zeroed them: `causal_conv1d_decode_in_place(zero_pool=...)`), so the fla path skips its zeroing launch.
 
     On CUDA with fla-core the kernel reads and writes the pool in place (no gather / scatter of the states:
     at K3's 96 heads a state is 6.3 MB per sequence); on x86 CPUs with the SIMD extension
@@ -158,7 +160,8 @@ def kda_decode_in_place(
     if cu.shape != (n + 1,):
         raise ValueError(f"kda_decode_in_place: cu_seqlens must be [{n + 1}], got {tuple(cu.shape)}")
     if _backend(q) == "fla":
-        zero_fresh_states(state_pool, slots, context_lens)
+        if not fresh_zeroed:
+            zero_fresh_states(state_pool, slots, context_lens)
         from k3run.kernels.kda.fla import kda_fla_raw_decode_in_place
 
         o = kda_fla_raw_decode_in_place(
@@ -313,17 +316,24 @@ def causal_conv1d_decode_in_place(
     slots: torch.Tensor,
     context_lens: torch.Tensor,
     groups: int = 1,
+    zero_pool: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """causal_conv1d_decode with the states kept in the cache: sequence i's window is conv_pool[slots[i]]
     (zeros when context_lens[i] == 0) and its new window is written back there. x [B, C] (a column slice
     of a wider tensor is fine); weight [C, W]; conv_pool [S, C, W-1] in x's dtype. Returns y [groups, B,
     C / groups] (planar: each group contiguous). One Triton launch on CUDA; on x86 CPUs with the SIMD
     extension one call updating the windows in place (`cpu_simd.conv_decode_in_place`, the reference's
-    bits); gather, reference and scatter elsewhere."""
+    bits); gather, reference and scatter elsewhere. zero_pool (CUDA only; the recurrent states of KDA's
+    in-place decode): zero_pool[slots[i]] = 0 for every fresh sequence i in the same launch, so that
+    `kda_decode_in_place(..., fresh_zeroed=True)` needs no launch of its own for it."""
     if x.is_cuda:
         from k3run.kernels.kda.conv import causal_conv1d_decode_in_place_triton
 
-        return causal_conv1d_decode_in_place_triton(x, weight, conv_pool, slots, context_lens, groups)
+        return causal_conv1d_decode_in_place_triton(
+            x, weight, conv_pool, slots, context_lens, groups, zero_pool=zero_pool
+        )
+    if zero_pool is not None:
+        raise ValueError("causal_conv1d_decode_in_place: zero_pool is for the CUDA kernel only")
     B, C = x.shape
     if C % groups:
         raise ValueError(f"causal_conv1d_decode_in_place: {C} channels do not split into {groups} groups")

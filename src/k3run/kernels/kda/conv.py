@@ -120,10 +120,19 @@ def causal_conv1d_varlen_triton(
 
 @triton.jit
 def _conv_decode_kernel(
-    x_ptr, stride_x, w_ptr, pool_ptr, stride_s0, slots_ptr, ctx_ptr, y_ptr, B, C, CG,
-    W: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, stride_x, w_ptr, pool_ptr, stride_s0, slots_ptr, ctx_ptr, y_ptr, B, C, CG, rec_ptr, stride_r0,
+    rec_elems, W: tl.constexpr, BLOCK_C: tl.constexpr, ZERO_REC: tl.constexpr, ZBLOCK: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    if ZERO_REC:  # a fresh row's recurrent state (the next launch reads it) zeroed by the row's programs
+        if tl.load(ctx_ptr + b) == 0:
+            per = tl.cdiv(tl.cdiv(rec_elems, tl.num_programs(1)), ZBLOCK) * ZBLOCK
+            lo = tl.program_id(1) * per
+            row = rec_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_r0
+            zero = tl.zeros([ZBLOCK], dtype=rec_ptr.dtype.element_ty)
+            for o in range(lo, lo + per, ZBLOCK):
+                offs = o + tl.arange(0, ZBLOCK)
+                tl.store(row + offs, zero, mask=offs < rec_elems)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cs < C
     # a fresh row (context 0) starts from a zero window (the flag broadcast to a vector mask)
@@ -156,9 +165,11 @@ def causal_conv1d_decode_in_place_triton(
     context_lens: torch.Tensor,
     groups: int = 1,
     block_c: int = 512,
+    zero_pool: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [B, C] (unit column stride); weight [C, W]; pool [S, C, W-1] in x's dtype; slots, context_lens [B].
-    Returns y [groups, B, C / groups] in x.dtype; updates pool[slots] in place."""
+    Returns y [groups, B, C / groups] in x.dtype; updates pool[slots] in place. zero_pool [S, ...] (rows
+    contiguous): zero_pool[slots[i]] = 0 for every fresh row i (context_lens[i] == 0), in the same launch."""
     B, C = x.shape
     W = weight.shape[1]
     if x.stride(1) != 1:
@@ -170,12 +181,18 @@ def causal_conv1d_decode_in_place_triton(
         )
     if C % groups:
         raise ValueError(f"causal_conv1d_decode_in_place: {C} channels do not split into {groups} groups")
+    if zero_pool is not None and (zero_pool.dim() < 2 or not zero_pool[0].is_contiguous()):
+        raise ValueError(
+            f"causal_conv1d_decode_in_place: zero_pool must be [S, ...] with contiguous rows, got "
+            f"{tuple(zero_pool.shape)}"
+        )
     y = torch.empty(groups, B, C // groups, dtype=x.dtype, device=x.device)
     if B == 0:
         return y
     grid = (B, triton.cdiv(C, block_c))
+    rec = zero_pool if zero_pool is not None else y
     _conv_decode_kernel[grid](
         x, x.stride(0), weight.contiguous(), pool, pool.stride(0), slots, context_lens, y, B, C, C // groups,
-        W=W, BLOCK_C=block_c,
+        rec, rec.stride(0), rec[0].numel(), W=W, BLOCK_C=block_c, ZERO_REC=zero_pool is not None, ZBLOCK=1024,
     )  # fmt: skip
     return y
