@@ -136,6 +136,12 @@ class Knobs:
         "K3RUN_SM90_CUDA", _flag, True,
         "CUDA sm_90: NVFP4 linears of 17..256 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one)",
     )  # fmt: skip
+    pdl_all: bool = _knob(
+        "K3RUN_PDL_ALL", _flag, False,
+        "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "
+        "expert grouping) launched with programmatic dependent launch, as the NVFP4 GEMVs are (1: on; not "
+        "yet measured on a GPU)",
+    )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,
         "CUDA: a layer's independent branch on a second stream up to 16 rows (0: inline)",

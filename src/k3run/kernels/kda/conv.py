@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _conv_varlen_kernel(
@@ -122,7 +124,9 @@ def causal_conv1d_varlen_triton(
 def _conv_decode_kernel(
     x_ptr, stride_x, w_ptr, pool_ptr, stride_s0, slots_ptr, ctx_ptr, y_ptr, B, C, CG, rec_ptr, stride_r0,
     rec_elems, W: tl.constexpr, BLOCK_C: tl.constexpr, ZERO_REC: tl.constexpr, ZBLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     b = tl.program_id(0)
     if ZERO_REC:  # a fresh row's recurrent state (the next launch reads it) zeroed by the row's programs
         if tl.load(ctx_ptr + b) == 0:
@@ -194,5 +198,6 @@ def causal_conv1d_decode_in_place_triton(
     _conv_decode_kernel[grid](
         x, x.stride(0), weight.contiguous(), pool, pool.stride(0), slots, context_lens, y, B, C, C // groups,
         rec, rec.stride(0), rec[0].numel(), W=W, BLOCK_C=block_c, ZERO_REC=zero_pool is not None, ZBLOCK=1024,
+        **pdl_args(x),
     )  # fmt: skip
     return y

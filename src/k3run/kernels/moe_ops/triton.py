@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from k3run.kernels.pdl import pdl_args, pdl_enter
+
 # libdevice's exp / tanh (what torch's CUDA build calls) on the GPU; the interpreter has no libdevice, so
 # there exp is tl.exp and tanh its formula (a series near 0)
 LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
@@ -39,11 +41,13 @@ def _tanh(x, LIB: tl.constexpr):
 
 @triton.jit
 def _router_partials_kernel(
-    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr
+    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     # program (expert block, column block): part[s, t, e] = x[t, cols] . W[e, cols] for its BE experts and BD
     # columns, every token; the weight tile is read once (one load round: many small programs keep enough
     # bytes in flight), x cast to fp32 as it loads
+    pdl_enter(PDL)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)
@@ -78,7 +82,18 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     _router_partials_kernel[(triton.cdiv(e, 8), splits)](
-        x, weight, out, t, e, d, x.stride(0), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)), num_warps=4
+        x,
+        weight,
+        out,
+        t,
+        e,
+        d,
+        x.stride(0),
+        BE=8,
+        BD=bd,
+        BT=min(4, triton.next_power_of_2(t)),
+        num_warps=4,
+        **pdl_args(x),
     )
     return out
 
@@ -97,7 +112,9 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _sigmoid_topk_kernel(
     l_ptr, b_ptr, w_ptr, id_ptr, T, E, S, scale, extra, A: tl.constexpr, EXTRA: tl.constexpr,
     RENORM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, LIB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # one program (one warp: every reduction a shuffle) per token: the logits as the sum of S partial rows in
     # order, scores in registers, A rounds of "take the largest remaining", each round on a unique int64 key
     # (the choice's order-preserving int32 bits, then the lower expert index), so ties go to the lower index
@@ -152,7 +169,7 @@ def sigmoid_topk_triton(
         parts.contiguous(), bias.contiguous(), weights, ids, t, e, splits, float(scale),
         -1 if extra is None else int(extra), A=top_k, EXTRA=int(extra is not None),
         RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k),
-        BLOCK_E=triton.next_power_of_2(e), LIB=LIBDEVICE, num_warps=1,
+        BLOCK_E=triton.next_power_of_2(e), LIB=LIBDEVICE, num_warps=1, **pdl_args(parts),
     )  # fmt: skip
     return weights, ids
 
@@ -162,7 +179,9 @@ def _router_one_launch_kernel(
     x_ptr, w_ptr, part_ptr, cnt_ptr, b_ptr, wo_ptr, io_ptr, T, E, D, sx, scale, extra, BE: tl.constexpr,
     BD: tl.constexpr, BT: tl.constexpr, A: tl.constexpr, EXTRA: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, TB: tl.constexpr, LIB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # The router in one launch. Every program first computes its partial logits exactly as
     # _router_partials_kernel does; the last program to arrive (an arrival counter, reset by it) then sums
     # the partials in block order and picks as _sigmoid_topk_kernel does, TB tokens at a time: the same
@@ -272,6 +291,7 @@ def route_one_launch_triton(
         A=top_k, EXTRA=int(extra is not None), RENORM=bool(renormalize and top_k > 1),
         BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e,
         TB=max(1, min(triton.next_power_of_2(t), 2048 // block_e)), LIB=LIBDEVICE, num_warps=4,
+        **pdl_args(x),
     )  # fmt: skip
     return weights, ids
 
@@ -279,8 +299,9 @@ def route_one_launch_triton(
 @triton.jit
 def _gated_kernel(
     x_ptr, out_ptr, n_half, sx, so, beta, rbeta, lbeta, rlbeta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
-    BLOCK: tl.constexpr, LIB: tl.constexpr,
+    BLOCK: tl.constexpr, LIB: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # torch's operations one by one in fp32 (silu = x / (1 + exp(-x)), sigmoid = 1 / (1 + exp(-x)), IEEE
     # divisions, a division by a constant as torch does it: times the fp32 reciprocal), one rounding at the
     # end
@@ -320,17 +341,19 @@ def gated_triton(
     block = min(1024, triton.next_power_of_2(i))
     _gated_kernel[(n, triton.cdiv(i, block))](
         gu, out, i, gu.stride(0), out.stride(0), b, _f32_reciprocal(b), lb, _f32_reciprocal(lb), SITU=situ,
-        CAP_UP=situ and linear_beta is not None, BLOCK=block, LIB=LIBDEVICE, num_warps=4,
+        CAP_UP=situ and linear_beta is not None, BLOCK=block, LIB=LIBDEVICE, num_warps=4, **pdl_args(gu),
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, w_ptr, add_ptr, out_ptr, D, A: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr
-):
+    y_ptr, w_ptr, add_ptr, out_ptr, D, A: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
     # out[t] = sum over the token's A picks, in slot order, of w[t, k] * y[t * A + k] in fp32, rounded to
     # out's dtype; with add: that rounded sum + add[t], rounded again (as a cast and torch's add would)
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = d < D
@@ -362,6 +385,6 @@ def combine_triton(
     block = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, triton.cdiv(d, block))](
         y.contiguous(), weights.float().contiguous(), out if add is None else add.contiguous(), out, d, A=a,
-        HAS_ADD=add is not None, BLOCK=block, num_warps=4,
+        HAS_ADD=add is not None, BLOCK=block, num_warps=4, **pdl_args(y),
     )  # fmt: skip
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.kernels.pdl import pdl_args, pdl_enter
+
 MAX_D = 16384
 
 
@@ -24,8 +26,10 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # BLOCK_R rows per program (several for short rows such as o_norm's 128), the whole row in registers
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
@@ -83,12 +87,25 @@ def rms_norm_triton(
         _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
             xc, weight.contiguous(), gc, rc, s, out, rows, d, eps, HAS_GATE=gate is not None,
             HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_D=block, num_warps=_warps(block_r * block),
+            **pdl_args(xc),
         )  # fmt: skip
     return out if residual is None else (out, s)
 
 
 @triton.jit
-def _attn_res_mix_kernel(v_ptr, q_ptr, out_ptr, N, T, D, eps, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_res_mix_kernel(
+    v_ptr,
+    q_ptr,
+    out_ptr,
+    N,
+    T,
+    D,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -126,6 +143,6 @@ def attn_res_mix_triton(cands: list[torch.Tensor], query: torch.Tensor, eps: flo
     block = triton.next_power_of_2(d)
     _attn_res_mix_kernel[(t,)](
         v, query.float().contiguous(), out, n, t, d, eps, BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block,
-        num_warps=_warps(block),
+        num_warps=_warps(block), **pdl_args(v),
     )  # fmt: skip
     return out

@@ -19,12 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _expert_groups_kernel(
     ids_ptr, grp_ptr, cnt_ptr, first_ptr, rank_ptr, P, E, G, BT: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # One program, four passes over scratch cnt [E], first [E], rank [P] (barriers between them):
     # 1. grp = -1, cnt = 0; 2. picks in chunks of BLOCK_P, in order: a pick's rank among its expert's picks =
     # the expert's count before the chunk + its earlier picks in the chunk (a pairwise compare), and the
@@ -94,7 +97,7 @@ def expert_groups(ids: torch.Tensor, n_experts: int, bt: int) -> torch.Tensor:
     _expert_groups_kernel[(1,)](
         ids, grp, scratch, scratch[n_experts:], scratch[2 * n_experts :], picks, n_experts, groups, BT=bt,
         BLOCK_P=64, BLOCK_E=min(1024, triton.next_power_of_2(n_experts)), BLOCK_G=64,
-        BLOCK_C=triton.next_power_of_2(bt + 1), num_warps=4,
+        BLOCK_C=triton.next_power_of_2(bt + 1), num_warps=4, **pdl_args(ids),
     )  # fmt: skip
     return grp
 
