@@ -26,14 +26,15 @@
 #           (256,1,1,3): details and per-SASS-line stall samples under $OUT (bench/probes/sm90_ncu.py)
 #   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
 #           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
-#   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py and
-#           test_pdl_gpu.py (GPU-marked; carry .whl), then test_graph_decode.py again with K3RUN_PDL_ALL=1
-#           K3RUN_MOE_ROUTER_ONE_LAUNCH=1
+#   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py,
+#           test_pdl_gpu.py and tests/layers/test_moe_combine_in_norm.py (GPU-marked; carry .whl), then
+#           test_graph_decode.py again with K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32: as shipped (the same-run baseline), with
-#           K3RUN_PDL_ALL=1, and with K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 (--profile 3); uniform
-#           routing in all three (the random model's own routing collapses onto a few experts)
+#           K3RUN_PDL_ALL=1, and with that, K3RUN_MOE_ROUTER_ONE_LAUNCH=1 and K3RUN_MOE_COMBINE_IN_NORM=1
+#           (--profile 3); uniform routing in all three (the random model's own routing collapses onto a few
+#           experts)
 #   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
 #           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
 #   kdatests KDA's GPU tests (tests/kernels/test_kda_conv.py, test_kda_state.py, test_kda_gpu.py; carry .whl)
@@ -114,8 +115,9 @@ for stage in "${stages[@]}"; do
             --uniform-routing 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs"
         K3RUN_PDL_ALL=1 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 \
             --steps 32 --uniform-routing 2>&1 | tee "$OUT/decode_kl_pdl.txt" | grep -E "^graphs"
-        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 timeout 250 python3 bench/probe_graph_step.py --kimi-linear \
-            --batch-sizes 1,8,32 --steps 32 --uniform-routing --profile 3 2>&1 | tee "$OUT/decode_kl.txt" \
+        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 timeout 250 python3 \
+            bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --uniform-routing --profile 3 \
+            2>&1 | tee "$OUT/decode_kl.txt" \
             | grep -E "^graphs|kernels per step" | head -8 ;;
     fusedspread) for n in 128 0; do
             K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
@@ -126,9 +128,11 @@ for stage in "${stages[@]}"; do
             >"$OUT/kdatests.txt" 2>&1; tail -15 "$OUT/kdatests.txt" ;;
     graphs) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -m gpu \
             tests/engine/test_graph_decode.py tests/engine/test_prefill_graphs.py \
-            tests/kernels/test_split_k_counters.py tests/kernels/test_pdl_gpu.py >"$OUT/graphs.txt" 2>&1
+            tests/kernels/test_split_k_counters.py tests/kernels/test_pdl_gpu.py tests/layers/test_moe_combine_in_norm.py \
+            >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30
-        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest \
+        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 timeout -s KILL "${TEST_TIMEOUT:-300}" \
+            python3 -m pytest \
             -p no:cacheprovider -q -rfE -m gpu tests/engine/test_graph_decode.py >"$OUT/graphs_pdl.txt" 2>&1
         tail -3 "$OUT/graphs_pdl.txt" ;;
     graphtest) timeout 250 python3 -m pytest -p no:cacheprovider -v -rfE -m gpu tests/engine/test_graph_decode.py \

@@ -119,6 +119,11 @@ class Knobs:
         "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 64 KB (Kimi "
         "Linear up to 4 tokens; 1: on, not yet measured on a GPU; 0: two launches)",
     )  # fmt: skip
+    moe_combine_in_norm: bool = _knob(
+        "K3RUN_MOE_COMBINE_IN_NORM", _flag, False,
+        "CUDA: an MoE layer's top-k sum on the grouped launches runs inside the next RMSNorm's launch (1: "
+        "on; not yet measured on a GPU; 0: its own launch)",
+    )  # fmt: skip
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",

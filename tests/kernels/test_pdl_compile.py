@@ -26,6 +26,9 @@ def _kernels():
     return {
         "rms_norm": (norm._rms_norm_kernel, "bf16", f32,
                      dict(HAS_GATE=False, HAS_RES=True, BLOCK_R=1, BLOCK_D=4096)),
+        "rms_norm with the MoE's combine": (norm._rms_norm_kernel, "bf16", {**f32, "cw_ptr": "*fp32"},
+                                            dict(HAS_GATE=False, HAS_RES=True, BLOCK_R=1, BLOCK_D=4096, A=9,
+                                                 HAS_ADD=True)),
         "gated rms_norm": (norm._rms_norm_kernel, "fp32", f32,
                            dict(HAS_GATE=True, HAS_RES=False, BLOCK_R=16, BLOCK_D=128)),
         "attn_res_mix": (norm._attn_res_mix_kernel, "bf16", f32, dict(BLOCK_N=4, BLOCK_D=4096)),
@@ -50,9 +53,13 @@ def _ptx(kernel, dtype: str, scalars: dict[str, str], consts: dict[str, object],
 
     consts = {**consts, "PDL": pdl}
     sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
+    for name, param in inspect.signature(kernel.fn).parameters.items():
+        if name not in consts and "constexpr" in str(param.annotation):
+            consts[name] = param.default  # a constexpr left at its default
         if name in consts:
             sig[name] = "constexpr"
+        elif name in scalars:
+            sig[name] = scalars[name]
         elif name.endswith("_ptr"):
             sig[name] = (
                 f"*{dtype}"

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from k3run.distributed import TPInfo, all_reduce
-from k3run.kernels.moe_ops import append_pick, gated, route_sigmoid_topk, router_logits_ref, sigmoid_topk
+from k3run.kernels.moe_ops import (
+    PendingCombine,
+    append_pick,
+    gated,
+    route_sigmoid_topk,
+    router_logits_ref,
+    sigmoid_topk,
+)
 from k3run.knobs import knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.branch import Branch
@@ -257,14 +264,17 @@ class FusedExperts(nn.Module):
         out_dtype: torch.dtype = torch.float32,
         add: Callable[[], torch.Tensor] | None = None,
         sync_free: bool = False,
-    ) -> torch.Tensor:
+        defer: bool = False,
+    ) -> torch.Tensor | PendingCombine:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"{self.prefix}: expected x [T, {self.hidden_size}], got {tuple(x.shape)}")
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"{self.prefix}: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T, A]"
             )
-        return fused_experts(self, x, ids, weights, out_dtype=out_dtype, add=add, sync_free=sync_free)
+        return fused_experts(
+            self, x, ids, weights, out_dtype=out_dtype, add=add, sync_free=sync_free, defer=defer
+        )
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One local expert e on x [n, D] -> [n, D] in x's dtype."""
@@ -294,11 +304,13 @@ def fused_experts(
     out_dtype: torch.dtype = torch.float32,
     add: Callable[[], torch.Tensor] | None = None,
     sync_free: bool = False,
-) -> torch.Tensor:
+    defer: bool = False,
+) -> torch.Tensor | PendingCombine:
     """The one dispatch point for the routed-expert computation: the fp32 sum over each token's picks,
     rounded to out_dtype, plus add() when given (the shared experts' output, called just before the sum
     so a side-stream branch is joined as late as possible): in the top-k combine's one launch where the
-    path ends in it.
+    path ends in it, or, with `defer` on the grouped launches, left to the consumer as a PendingCombine
+    (the next RMSNorm runs it in its own launch).
 
     The scheme's grouped launches where they take x (`experts.grouped_ok`; grouped=False forces the loop):
     every pick at once, no host synchronisation. Where they do not apply and the step must not read back
@@ -310,7 +322,7 @@ def fused_experts(
     counts are read back once: one host synchronisation per call (a nonzero() per expert would cost one
     each). Within an expert the picks stay in (token, slot) order, so the fp32 accumulation order is fixed.
     """
-    finish = Finish(out_dtype, add)
+    finish = Finish(out_dtype, add, defer)
     if grouped is not False and experts.grouped_ok(x):
         return experts.scheme.grouped(experts, x, ids, weights, finish)
     return finish.apply(_fused_experts_fp32(experts, x, ids, weights, grouped, dense, sync_free))
@@ -558,13 +570,17 @@ class KimiMoE(nn.Module):
             f"{self.prefix}.shared_experts",
         )
 
-    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
-        """sync_free: the step must read nothing back from the device (ForwardContext.sync_free)."""
+    def forward(
+        self, x: torch.Tensor, sync_free: bool = False, defer: bool = False
+    ) -> torch.Tensor | PendingCombine:
+        """sync_free: the step must read nothing back from the device (ForwardContext.sync_free). defer: the
+        caller takes a PendingCombine (the next RMSNorm's `add` runs the top-k sum in its launch) where the
+        routed sum is the layer's last operation on the grouped launches; a tensor otherwise."""
         decode = x.shape[0] <= knobs().moe_fuse_shared
         if self.shared_index is not None and decode and self.experts.grouped_ok(x):
             # the shared expert as pick A of every token, in the routed experts' grouped launches
             weights, ids = self.gate(x, extra=self.shared_index)
-            return self.experts(x, ids, weights, x.dtype, sync_free=sync_free)
+            return self.experts(x, ids, weights, x.dtype, sync_free=sync_free, defer=defer)
         shared = None
         if self.shared_experts is not None:  # they see the ORIGINAL full-width x; beside the routed chain
             mlp = self.shared_experts
@@ -574,9 +590,10 @@ class KimiMoE(nn.Module):
         if self.routed_expert_down_proj is None and self.tp.size == 1:
             # nothing between the experts' sum and the output: the cast and the shared add in its launch
             add = None if shared is None else shared.result
-            return self.experts(x, ids, weights, x.dtype, add, sync_free=sync_free)
+            return self.experts(x, ids, weights, x.dtype, add, sync_free=sync_free, defer=defer)
         z = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
         y = self.experts(z, ids, weights, sync_free=sync_free)
+        assert isinstance(y, torch.Tensor)
         y = all_reduce(y, self.tp).to(x.dtype)  # [T, D or latent]
         if self.routed_expert_down_proj is not None:
             if self.routed_expert_norm is not None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3run.kernels.norm import add_rms_norm
+from k3run.kernels.moe_ops import PendingCombine
+from k3run.kernels.norm import add_combine_rms_norm, add_rms_norm
 from k3run.kernels.norm import rms_norm as kernel_rms_norm
 from k3run.loader import TensorSource, as_source
 
@@ -67,13 +68,22 @@ class RMSNorm(_NormBase):
             raise ValueError(f"RMSNorm: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
         return rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | PendingCombine | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(s), s) for s = x + residual (s = x when residual is None): the pre-norm residual stream's
-        add fused with this norm (one launch on CUDA, the same bits as the add followed by forward)."""
+        add fused with this norm (one launch on CUDA, the same bits as the add followed by forward). A
+        PendingCombine residual (the MoE's routed sum left to this norm) is summed in the same launch on
+        CUDA (`add_combine_rms_norm`)."""
         if residual is None:
             return self(x), x
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"RMSNorm: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        if isinstance(residual, PendingCombine):
+            if residual.out_dtype != x.dtype:
+                return add_rms_norm(x, residual.materialize(), self.weight, self.eps)
+            add = None if residual.add is None else residual.add()
+            return add_combine_rms_norm(x, residual.y, residual.weights, add, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:

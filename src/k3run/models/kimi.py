@@ -28,6 +28,8 @@ from torch import nn
 from k3run.config import ModelConfig
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache, MLALayerCache, ModelCache
+from k3run.kernels.moe_ops import PendingCombine
+from k3run.knobs import knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.attn_res import AttnResState, AttnResWeights, attn_res_layer
 from k3run.layers.kda import KimiDeltaAttention
@@ -114,12 +116,13 @@ class KimiDecoderLayer(nn.Module):
         h: torch.Tensor | AttnResState,
         ctx: ForwardContext,
         layer_cache: KDALayerCache | MLALayerCache | None,
-        pending: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | AttnResState, torch.Tensor | None]:
+        pending: torch.Tensor | PendingCombine | None = None,
+    ) -> tuple[torch.Tensor | AttnResState, torch.Tensor | PendingCombine | None]:
         """The plain pre-norm stream: h is the residual stream without `pending`, the previous layer's MLP
         output, whose add runs fused into this layer's input norm (as the attention output's into the
-        post-attention norm); returns (the stream after the attention, this layer's MLP output). K3's
-        AttnResState is updated in place and returned with None."""
+        post-attention norm); returns (the stream after the attention, this layer's MLP output: with
+        K3RUN_MOE_COMBINE_IN_NORM=1 an MoE's routed sum still to be taken, which the next norm does in its
+        launch). K3's AttnResState is updated in place and returned with None."""
         if isinstance(h, AttnResState):
             if pending is not None:
                 raise ValueError(f"layer {self.idx}: an AttnRes stream carries no pending residual")
@@ -128,18 +131,22 @@ class KimiDecoderLayer(nn.Module):
                 return self.self_attn(self.input_layernorm(x), ctx, layer_cache)  # type: ignore[arg-type]
 
             def mlp(x: torch.Tensor) -> torch.Tensor:
-                return self._mlp(self.post_attention_layernorm(x), ctx)
+                out = self._mlp(self.post_attention_layernorm(x), ctx)
+                assert isinstance(out, torch.Tensor)
+                return out
 
             block = self.attn_res_block_size or 0  # set whenever the state is an AttnResState
             attn_res_layer(h, self.idx, block, mixer, mlp, self.self_attention_res, self.mlp_res)
             return h, None
         x, h = self.input_layernorm.add(h, pending)
         x, h = self.post_attention_layernorm.add(h, self.self_attn(x, ctx, layer_cache))  # type: ignore[arg-type]
-        return h, self._mlp(x, ctx)
+        return h, self._mlp(x, ctx, defer=knobs().moe_combine_in_norm)
 
-    def _mlp(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _mlp(
+        self, x: torch.Tensor, ctx: ForwardContext, defer: bool = False
+    ) -> torch.Tensor | PendingCombine:
         if isinstance(self.mlp, KimiMoE):  # the step's plan reaches the routed experts
-            return self.mlp(x, sync_free=ctx.sync_free)
+            return self.mlp(x, sync_free=ctx.sync_free, defer=defer)
         return self.mlp(x)
 
 
@@ -252,7 +259,7 @@ class KimiForCausalLM(nn.Module):
             raise ValueError(f"ctx.cache has {len(caches)} layers, the model {len(self.layers)}")
         x = self.embed_tokens(input_ids)  # [T, D]
         h: torch.Tensor | AttnResState = AttnResState(prefix=x) if self.config.uses_attn_res else x
-        pending: torch.Tensor | None = None  # the last MLP output, added inside the next norm
+        pending: torch.Tensor | PendingCombine | None = None  # the last MLP output, added in the next norm
         for layer, cache in zip(self.layers, caches, strict=True):
             h, pending = layer(h, ctx, cache, pending)
         if isinstance(h, AttnResState):

@@ -44,7 +44,7 @@ from k3run.formats import (
     mxfp4_scales_to_nvfp4,
     nvfp4_qdq,
 )
-from k3run.kernels.moe_ops import combine
+from k3run.kernels.moe_ops import PendingCombine, combine
 from k3run.knobs import knobs
 from k3run.quant.algo import QuantAlgo
 
@@ -134,6 +134,9 @@ class ExpertParam:
     local: bool = True
 
 
+ExpertsOut = torch.Tensor | PendingCombine  # a deferred top-k sum only where Finish.defer asks for one
+
+
 @dataclass(frozen=True)
 class Finish:
     """What the routed experts' fp32 sum becomes: rounded to out_dtype, plus add() (the shared experts'
@@ -141,9 +144,13 @@ class Finish:
 
     out_dtype: torch.dtype = torch.float32
     add: Callable[[], torch.Tensor] | None = None
+    defer: bool = False  # leave the sum to the consumer (a PendingCombine: the next norm runs it)
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """y [T * A, D] per pick (x's dtype) -> the weighted sum over each token's picks, fp32, slot order."""
+    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | PendingCombine:
+        """y [T * A, D] per pick (x's dtype) -> the weighted sum over each token's picks, fp32, slot order
+        (with `defer`, y and the weights as a PendingCombine)."""
+        if self.defer:
+            return PendingCombine(y, weights, self.out_dtype, self.add)
         return combine(y, weights, self.out_dtype, None if self.add is None else self.add())
 
     def apply(self, out: torch.Tensor) -> torch.Tensor:
@@ -190,7 +197,7 @@ class ExpertScheme:
 
     def grouped(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
-    ) -> torch.Tensor:
+    ) -> ExpertsOut:
         raise NotImplementedError
 
     def loop_sum(
@@ -317,7 +324,7 @@ class UnquantizedExperts(ExpertScheme):
 
     def grouped(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
-    ) -> torch.Tensor:
+    ) -> ExpertsOut:
         return grouped_mm_experts(ex, x, ids, weights, finish)
 
     def all_experts(self, ex: FusedExperts, x: torch.Tensor) -> torch.Tensor | None:
@@ -331,7 +338,7 @@ class UnquantizedExperts(ExpertScheme):
 
 def grouped_mm_experts(
     ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish = FP32_SUM
-) -> torch.Tensor:
+) -> ExpertsOut:
     """16-bit experts as two grouped GEMMs over the picks sorted by expert (torch._grouped_mm; on CPU tensors
     torch's own loop, which the tests use): the same operations as `expert` per expert (GEMM1 out in x's
     dtype, the activation, GEMM2), no host synchronisation (counts and offsets stay on the device), then the
@@ -406,7 +413,7 @@ class Fp8BlockExperts(ExpertScheme):
 
     def grouped(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
-    ) -> torch.Tensor:
+    ) -> ExpertsOut:
         """GEMM1 over every pick (gate and up rows on their own scale grids, as `expert` dequantizes them),
         the activation in x's dtype, GEMM2, the fp32 sum over each token's picks: `expert`'s operations per
         pick, in three launches over the picks grouped by expert on the device (`expert_blocks`)."""
@@ -917,7 +924,7 @@ class NvFp4Experts(ExpertScheme):
 
     def grouped(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
-    ) -> torch.Tensor:
+    ) -> ExpertsOut:
         """GEMM1, the activation and GEMM2 for every (token, slot) pick in two grouped launches; picks of
         other ranks' experts give zero rows. For 2..BY_EXPERT_MAX_TOKENS tokens the launches are expert-major
         (`expert_groups` + `nvfp4_gemv_by_expert`: one program group per picked expert over all its tokens),
@@ -975,7 +982,7 @@ class NvFp4Experts(ExpertScheme):
 
     def _tile_gemms(
         self, ex: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, finish: Finish
-    ) -> torch.Tensor:
+    ) -> ExpertsOut:
         """The grouped experts on the tensor cores: the picks grouped by expert into blocks on the device
         (`expert_blocks`), GEMM1 over every block with the activation in its epilogue (gate and up rows with
         their own decode scales, each rounded to x's dtype first as the decode path stores them), GEMM2, and

@@ -22,6 +22,9 @@ K3RUN_MOE_OPS=0 keeps the torch versions on CUDA too (for comparisons).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from k3run.knobs import knobs
@@ -95,7 +98,22 @@ def combine(
     return combine_ref(y, weights, out_dtype, add)
 
 
+@dataclass(frozen=True)
+class PendingCombine:
+    """The routed experts' per-pick outputs y [T * A, D] and routing weights [T, A] whose top-k sum (rounded
+    to out_dtype, plus add(): the shared experts' output, joined when called) the consumer computes: the next
+    RMSNorm runs it inside its own launch (`RMSNorm.add`), anything else calls `materialize()`."""
+
+    y: torch.Tensor
+    weights: torch.Tensor
+    out_dtype: torch.dtype
+    add: Callable[[], torch.Tensor] | None = None
+
+    def materialize(self) -> torch.Tensor:
+        return combine(self.y, self.weights, self.out_dtype, None if self.add is None else self.add())
+
+
 __all__ = [
-    "append_pick", "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk", "router_logits_ref",
-    "sigmoid_topk", "sigmoid_topk_ref",
+    "PendingCombine", "append_pick", "combine", "combine_ref", "gated", "gated_ref", "route_sigmoid_topk",
+    "router_logits_ref", "sigmoid_topk", "sigmoid_topk_ref",
 ]  # fmt: skip

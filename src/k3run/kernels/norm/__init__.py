@@ -4,6 +4,9 @@
   sigmoid(gate) (KDA's o_norm), rounded once to out_dtype (default x.dtype).
 - `add_rms_norm(x, residual, weight, eps)`: the residual stream's add (rounded to x.dtype as torch's add)
   and the RMSNorm of the sum in one launch: returns (normed, sum).
+- `add_combine_rms_norm(x, y, weights, add, weight, eps)`: the same with the residual being the routed
+  experts' top-k sum (moe_ops' combine) of their per-pick outputs y: the MoE's last launch and the next
+  norm's in one.
 - `attn_res_mix(cands, query, eps)`: K3's block attention-residual mix over n candidate vectors per token.
 
 Why kernels: in a decode step these run on a few rows, where each of the ~8-10 elementwise / reduction
@@ -50,6 +53,27 @@ def add_rms_norm(
 
         return rms_norm_triton(x, weight, eps, residual=residual)  # type: ignore[return-value]
     return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def add_combine_rms_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    add: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, r, weight, eps) for r = moe_ops.combine(y, weights, x.dtype, add): the routed experts'
+    per-pick outputs y [T * A, D] summed with their weights [T, A] (fp32, slot order, rounded to x's dtype,
+    plus add), added to the residual stream x [T, D] and normalised; one launch on CUDA, the same bits as the
+    two launches on the reference path."""
+    if _use_triton(x) and x.dtype != torch.float32:
+        from .triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual=y, combine=(weights, add))  # type: ignore[return-value]
+    from k3run.kernels.moe_ops import combine
+
+    return add_rms_norm(x, combine(y, weights, x.dtype, add), weight, eps)
 
 
 def attn_res_mix(cands: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:

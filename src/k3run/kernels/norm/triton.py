@@ -27,6 +27,10 @@ def _rms_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
+    cw_ptr=None,
+    add_ptr=None,
+    A: tl.constexpr = 0,
+    HAS_ADD: tl.constexpr = False,
 ):
     # BLOCK_R rows per program (several for short rows such as o_norm's 128), the whole row in registers
     pdl_enter(PDL)
@@ -36,7 +40,18 @@ def _rms_norm_kernel(
     offs = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:  # s = x + residual rounded to x's dtype (as torch's add), stored, then normalised
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        if A > 0:  # the residual is the routed experts' top-k sum, as moe_ops' combine kernel computes it
+            acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+            for k in tl.static_range(A):
+                wk = tl.load(cw_ptr + rows * A + k, mask=rows < R, other=0.0)
+                yk = tl.load(r_ptr + (rows[:, None] * A + k) * D + cols[None, :], mask=mask, other=0.0)
+                acc += wk[:, None] * yk.to(tl.float32)
+            r = acc.to(s_ptr.dtype.element_ty)
+            if HAS_ADD:  # the shared experts' output, added after the rounding
+                a = tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                r = (r.to(tl.float32) + a).to(s_ptr.dtype.element_ty)
+        else:
+            r = tl.load(r_ptr + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + offs, x, mask=mask)
     x = x.to(tl.float32)
@@ -61,14 +76,21 @@ def rms_norm_triton(
     *,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    combine: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm_ref / add_rms_norm_ref in one launch (residual given: returns (y, x + residual))."""
+    """rms_norm_ref / add_rms_norm_ref in one launch (residual given: returns (y, x + residual)). With
+    combine = (weights fp32 [T, A], add [T, D] or None), residual is the routed experts' per-pick output
+    [T * A, D] and the residual added is their top-k sum as moe_ops' combine (slot order in fp32, rounded to
+    x's dtype, plus add rounded again): the combine, the add and the norm in one launch."""
     d = x.shape[-1]
     if weight.numel() != d:
         raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x's last dim is {d}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"rms_norm: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    a = 0 if combine is None else combine[0].shape[1]
+    if combine is not None:
+        _check_combine(x, residual, combine)
+    elif residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
             f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
             f"{tuple(x.shape)} {x.dtype}"
@@ -84,12 +106,33 @@ def rms_norm_triton(
         block = triton.next_power_of_2(d)
         block_r = max(1, 2048 // block)
         gc = gate.contiguous() if gate is not None else xc
+        cw = combine[0].float().contiguous() if combine is not None else xc
+        add = combine[1].contiguous() if combine is not None and combine[1] is not None else xc
         _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
             xc, weight.contiguous(), gc, rc, s, out, rows, d, eps, HAS_GATE=gate is not None,
             HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_D=block, num_warps=_warps(block_r * block),
+            cw_ptr=cw, add_ptr=add, A=a, HAS_ADD=combine is not None and combine[1] is not None,
             **pdl_args(xc),
         )  # fmt: skip
     return out if residual is None else (out, s)
+
+
+def _check_combine(
+    x: torch.Tensor, y: torch.Tensor | None, combine: tuple[torch.Tensor, torch.Tensor | None]
+) -> None:
+    weights, add = combine
+    if x.dim() != 2 or y is None or weights.dim() != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"rms_norm with a combine: x [T, D], per-pick y [T * A, D] and weights [T, A] expected, got x "
+            f"{tuple(x.shape)}, y {None if y is None else tuple(y.shape)}, weights {tuple(weights.shape)}"
+        )
+    t, d = x.shape
+    if tuple(y.shape) != (t * weights.shape[1], d) or y.dtype != x.dtype:
+        raise ValueError(f"rms_norm with a combine: y must be {x.dtype} [{t * weights.shape[1]}, {d}], got "
+                         f"{y.dtype} {tuple(y.shape)}")  # fmt: skip
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
+        raise ValueError(f"rms_norm with a combine: add must be {x.dtype} {tuple(x.shape)}, got {add.dtype} "
+                         f"{tuple(add.shape)}")  # fmt: skip
 
 
 @triton.jit
