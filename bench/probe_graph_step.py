@@ -238,17 +238,22 @@ def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
     while engine.has_unfinished():
         engine.step()
     by_name: dict[str, list[float]] = defaultdict(list)
+    spans: list[tuple[float, float]] = []
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             by_name[e.name].append(e.time_range.elapsed_us())
+            spans.append((e.time_range.start, e.time_range.end))
     total = sum(sum(v) for v in by_name.values()) / steps
     count = sum(len(v) for v in by_name.values()) / steps
     fam: dict[str, float] = defaultdict(float)
     for name, ts in by_name.items():
         fam[_family(name)] += sum(ts) / steps
+    busy, window = _busy(spans)
     print(
         f"\nprofile, batch {batch}, {steps} steps: {total:.0f} us of kernels per step, "
-        f"{count:.0f} kernels per step"
+        f"{count:.0f} kernels per step; some kernel running {busy / steps:.0f} us a step, the GPU idle "
+        f"{(window - busy) / steps:.0f} us a step between the first kernel and the last "
+        f"({busy / window:.1%} busy)"
     )
     print(f"{'family':<32} {'us/step':>9} {'share':>6}")
     for f, t in sorted(fam.items(), key=lambda kv: -kv[1]):
@@ -257,6 +262,23 @@ def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
     for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:30]:
         t = sum(ts) / steps
         print(f"{name[:70]:<70} {len(ts) / steps:>6.1f} {t:>9.1f} {t / total:>6.1%}")
+
+
+def _busy(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by at least one kernel, first start to last end) of (start, end) spans in us: the idle
+    part of the window is the launch gaps that PDL and fewer launches attack."""
+    if not spans:
+        return 0.0, 1.0
+    spans = sorted(spans)
+    covered, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            covered += hi - lo
+            lo, hi = a, b
+        else:
+            hi = max(hi, b)
+    covered += hi - lo
+    return covered, max(spans[-1][1], hi) - spans[0][0]
 
 
 def _label(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str | None:

@@ -112,7 +112,7 @@ for stage in "${stages[@]}"; do
             tests/layers/test_moe_shared_fusion.py tests/kernels/test_moe_ops.py tests/kernels/test_nvfp4_gemm.py \
             >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
     decodeab) timeout 250 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
-            --uniform-routing 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs"
+            --uniform-routing --profile 3 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs|kernels per step"
         K3RUN_PDL_ALL=1 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 \
             --steps 32 --uniform-routing 2>&1 | tee "$OUT/decode_kl_pdl.txt" | grep -E "^graphs"
         K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 timeout 250 python3 \
