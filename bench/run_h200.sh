@@ -35,6 +35,8 @@
 #           K3RUN_PDL_ALL=1, and with that, K3RUN_MOE_ROUTER_ONE_LAUNCH=1 and K3RUN_MOE_COMBINE_IN_NORM=1
 #           (--profile 3); uniform routing in all three (the random model's own routing collapses onto a few
 #           experts)
+#   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
+#           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
 #   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
 #           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
 #   kdatests KDA's GPU tests (tests/kernels/test_kda_conv.py, test_kda_state.py, test_kda_gpu.py; carry .whl)
@@ -119,6 +121,11 @@ for stage in "${stages[@]}"; do
             bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --uniform-routing --profile 3 \
             2>&1 | tee "$OUT/decode_kl.txt" \
             | grep -E "^graphs|kernels per step" | head -8 ;;
+    tileab) for tile in 8 ""; do
+            K3RUN_MOE_BY_EXPERT_TILE=$tile timeout 250 python3 bench/probe_graph_step.py --kimi-linear \
+                --batch-sizes 16,32,64 --steps 24 --uniform-routing 2>&1 | tee "$OUT/tile_${tile:-default}.txt" \
+                | grep -E "^graphs"
+        done ;;
     fusedspread) for n in 128 0; do
             K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
                 --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"
