@@ -82,21 +82,9 @@ def rms_norm_triton(
     combine = (weights fp32 [T, A], add [T, D] or None), residual is the routed experts' per-pick output
     [T * A, D] and the residual added is their top-k sum as moe_ops' combine (slot order in fp32, rounded to
     x's dtype, plus add rounded again): the combine, the add and the norm in one launch."""
+    _check_inputs(x, weight, gate, residual, combine)
     d = x.shape[-1]
-    if weight.numel() != d:
-        raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x's last dim is {d}")
-    if gate is not None and gate.shape != x.shape:
-        raise ValueError(f"rms_norm: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
     a = 0 if combine is None else combine[0].shape[1]
-    if combine is not None:
-        _check_combine(x, residual, combine)
-    elif residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
-            f"{tuple(x.shape)} {x.dtype}"
-        )
-    if d > MAX_D:
-        raise ValueError(f"rms_norm: last dim {d} is over the kernel's {MAX_D}")
     xc = x.contiguous()
     out = torch.empty_like(xc, dtype=out_dtype or x.dtype)
     rc = residual.contiguous() if residual is not None else xc
@@ -115,6 +103,29 @@ def rms_norm_triton(
             **pdl_args(xc),
         )  # fmt: skip
     return out if residual is None else (out, s)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gate: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    combine: tuple[torch.Tensor, torch.Tensor | None] | None,
+) -> None:
+    d = x.shape[-1]
+    if weight.numel() != d:
+        raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x's last dim is {d}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"rms_norm: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+    if combine is not None:
+        _check_combine(x, residual, combine)
+    elif residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
+            f"{tuple(x.shape)} {x.dtype}"
+        )
+    if d > MAX_D:
+        raise ValueError(f"rms_norm: last dim {d} is over the kernel's {MAX_D}")
 
 
 def _check_combine(
