@@ -170,10 +170,14 @@ def nvfp4_linear(
         return y.reshape(*lead, w.n)
     if w.layout not in ("split128", "tiled128"):
         raise ValueError(f"nvfp4 linear: CUDA inputs need a split128 or tiled128 weight, got {w.layout!r}")
-    from .triton import nvfp4_dequantize, nvfp4_gemm
-
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    return _cuda_linear(x2, w, bias, _cuda_config(x2, w, config)).reshape(*lead, w.n)
+
+
+def _cuda_config(x2: torch.Tensor, w: NvFp4Weight, config: GemmConfig | None) -> GemmConfig:
+    """The launch for x2 [M, K] on CUDA: `config` or `choose_config`'s, moved to a path this weight's layout,
+    x's dtype and this Triton have."""
     tiled = w.layout == "tiled128"
     half = x2.dtype in (torch.bfloat16, torch.float16)
     cfg = config or choose_config(
@@ -191,6 +195,17 @@ def nvfp4_linear(
         x2.shape[0] <= GEMV_MAX_M and x2.dtype in (torch.bfloat16, torch.float16) and gemv_available()
     ):
         cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
+    return cfg
+
+
+def _cuda_linear(
+    x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: GemmConfig
+) -> torch.Tensor:
+    """y [M, N] on CUDA by `cfg`'s path; a kernel that fails to build turns itself off and the next path in
+    line runs (wgmma -> choose_config's next, the Gluon GEMV -> dequantize + cuBLAS or the Triton GEMM)."""
+    from .triton import nvfp4_dequantize, nvfp4_gemm
+
+    tiled = w.layout == "tiled128"
     y = None
     if cfg.wgmma:
         y = _wgmma(x2, w, bias)
@@ -229,7 +244,7 @@ def nvfp4_linear(
             decode=cfg.decode if x2.dtype != torch.float32 else 0,
             split_k=cfg.split_k,
         )
-    return y.reshape(*lead, w.n)
+    return y
 
 
 __all__ = [
