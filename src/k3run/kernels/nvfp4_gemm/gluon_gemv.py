@@ -656,6 +656,38 @@ def _finish(
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
 
 
+def _gemv_checks(
+    x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
+    bias: torch.Tensor | None, stages: int, tiled: bool, rows: int | None, pdl: bool | None,
+) -> tuple[int, bool, bool]:  # fmt: skip
+    """nvfp4_gemv's operand checks: (N, whether the GPU is sm_89+, pdl resolved for it)."""
+    from k3run.kernels.nvfp4_gemm.triton import _check
+
+    n = _check(x, weight, scale_u8, global_scale, x.shape[-1], None if tiled else bias)
+    # sm_89+: cvt.f16x2.e4m3x2 converts a run's two scale bytes in one instruction
+    cap = torch.cuda.get_device_capability(x.device)
+    sm89 = cap >= (8, 9)
+    if pdl is None:
+        pdl = cap >= (9, 0)
+    elif pdl and cap < (9, 0):
+        raise ValueError("nvfp4_gemv: pdl needs sm_90+")
+    if tiled:
+        if n % 16 or (rows is not None and not n - 16 < rows <= n):
+            raise ValueError(f"nvfp4_gemv: a tiled weight has rows padded to 16: {n} rows for N={rows}")
+        if not sm89:
+            raise ValueError("nvfp4_gemv: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
+        n = n if rows is None else rows
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
+    if x.shape[0] > 32:
+        raise ValueError(f"nvfp4_gemv: M={x.shape[0]} > 32 (split the rows, or use the tiled GEMM)")
+    if stages < 2:
+        raise ValueError(f"nvfp4_gemv: stages={stages}, expected >= 2 shared-memory slots")
+    return n, sm89, pdl
+
+
 def nvfp4_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -687,31 +719,10 @@ def nvfp4_gemv(
     None: on where supported (sm_90+): 1.0-1.1 us less per back-to-back launch at M = 1 (H200,
     bench/RESULTS.md).
     """
-    from k3run.kernels.nvfp4_gemm.triton import _check, largest_divisor
+    from k3run.kernels.nvfp4_gemm.triton import largest_divisor
 
-    n = _check(x, weight, scale_u8, global_scale, x.shape[-1], None if tiled else bias)
-    # sm_89+: cvt.f16x2.e4m3x2 converts a run's two scale bytes in one instruction
-    cap = torch.cuda.get_device_capability(x.device)
-    sm89 = cap >= (8, 9)
-    if pdl is None:
-        pdl = cap >= (9, 0)
-    elif pdl and cap < (9, 0):
-        raise ValueError("nvfp4_gemv: pdl needs sm_90+")
-    if tiled:
-        if n % 16 or (rows is not None and not n - 16 < rows <= n):
-            raise ValueError(f"nvfp4_gemv: a tiled weight has rows padded to 16: {n} rows for N={rows}")
-        if not sm89:
-            raise ValueError("nvfp4_gemv: the tiled layout's decoder needs sm_89+ (cvt from E4M3)")
-        n = n if rows is None else rows
-        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"nvfp4 bias: expected contiguous [{n}], got {tuple(bias.shape)}")
+    n, sm89, pdl = _gemv_checks(x, weight, scale_u8, global_scale, bias, stages, tiled, rows, pdl)
     m, k = x.shape
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4_gemv: needs bf16/fp16 input on CUDA, got {x.dtype} on {x.device}")
-    if m > 32:
-        raise ValueError(f"nvfp4_gemv: M={m} > 32 (split the rows, or use the tiled GEMM)")
-    if stages < 2:
-        raise ValueError(f"nvfp4_gemv: stages={stages}, expected >= 2 shared-memory slots")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
