@@ -55,10 +55,10 @@ def test_gpu_graph_keeps_its_counters_when_a_later_capture_grows_them() -> None:
     from tests.kernels.test_nvfp4_gemm import _random_nvfp4
 
     dev = torch.device("cuda")
-    w, s, gs = _random_nvfp4(520, 3600, device="cuda")
+    w, s, gs = _random_nvfp4(520, 4096, device="cuda")
     pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(3, 3600, device="cuda").bfloat16()
-    cfg = GemmConfig(gemv=True, split_k=5, smem_stages=2)
+    x = torch.randn(3, 4096, device="cuda").bfloat16()
+    cfg = GemmConfig(gemv=True, split_k=4, smem_stages=2)  # 32 chunks: 4 splits, so the counters are used
     want = nvfp4_linear(x, pw, config=cfg)
     pool = torch.cuda.graph_pool_handle()
     first, _, err = warm_and_capture(lambda: nvfp4_linear(x, pw, config=cfg), dev, pool)
