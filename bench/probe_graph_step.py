@@ -281,6 +281,26 @@ def _busy(spans: list[tuple[float, float]]) -> tuple[float, float]:
     return covered, max(spans[-1][1], hi) - spans[0][0]
 
 
+def _memory(model, tp) -> None:
+    """Per rank: the parameter and buffer bytes it holds, and the CUDA allocator's peak (weights, caches,
+    graphs' pools and temporaries) and reserved bytes so far, gathered to rank 0 (issue 23: the measured side
+    of `k3run plan`'s per-rank estimate)."""
+    seen: set[int] = set()
+    held = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_cuda and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            held += t.numel() * t.element_size()
+    mine = (tp.rank, held, torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved())
+    rows = [mine]
+    if tp.size > 1:
+        rows = [None] * tp.size
+        torch.distributed.all_gather_object(rows, mine)
+    print(f"{'rank':>4} {'weights GiB':>12} {'peak allocated GiB':>19} {'reserved GiB':>13}")
+    for rank, w, peak, reserved in rows:
+        print(f"{rank:>4} {w / 2**30:>12.2f} {peak / 2**30:>19.2f} {reserved / 2**30:>13.2f}")
+
+
 def _label(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str | None:
     """The module family a static step's time is charged to (nested labels each get their own row)."""
     parts = name.split(".")
@@ -493,6 +513,7 @@ def main() -> None:
     if args.modules:
         for b in sizes:
             _module_profile(dec, model, dec.bucket(b), dec.window(args.prompt_len + 1), args.prompt_len, 4)
+    _memory(model, tp)
     if args.eager:
         del engine, dec
         torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,11 +54,11 @@ if shutdown_distributed():
 """
 
 
-def _run(world: int, both: bool) -> list[dict]:
+def _run(world: int, both: bool, model_dir: Path = MODEL_DIR) -> list[dict]:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _SCRIPT, str(MODEL_DIR), "1" if both else "0"],
+            [sys.executable, "-c", _SCRIPT, str(model_dir), "1" if both else "0"],
             env=torchrun_env(r, world, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -92,4 +93,29 @@ def test_tp2_nccl_graph_decode_matches_eager_and_one_gpu():
     assert tp[0]["graphs"]["tokens"] == tp[0]["eager"]["tokens"]
     single = _run(1, False)[0]["graphs"]
     assert single["blocker"] is None
+    assert tp[0]["graphs"]["tokens"][:3] == single["tokens"][:3]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_tp4_and_tp8_nccl_graph_decode(tmp_path, world: int):
+    """Issue 23's first run on 4 and 8 GPUs of one host: the tiny Kimi Linear widened to 8 KDA and 8 MLA heads
+    (one head and one routed expert a rank at 8) under TP = 4 / 8 on NCCL, graphs captured on every rank, the
+    same tokens on every rank, greedy tokens equal to the eager TP run's and one GPU's (fp32)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    from k3run.kernels.kda import kda_backend
+    from tests.engine.conftest import CHARS, write_char_tokenizer
+    from tests.model_builders import KIMI_LINEAR, VOCAB, write_checkpoint
+    from tests.models.test_kimi_model import _wide
+
+    if kda_backend(torch.device("cuda")) != "fla":
+        pytest.skip("KDA graphs need fla-core")
+    d = write_checkpoint(tmp_path / "wide", _wide(KIMI_LINEAR), 5)
+    write_char_tokenizer(d, CHARS[: VOCAB - 2])
+    tp = _run(world, True, d)
+    for o in tp:
+        assert o["graphs"]["blocker"] is None and o["graphs"]["graphs"] > 0, o
+    assert all(o["graphs"]["tokens"] == tp[0]["graphs"]["tokens"] for o in tp[1:])
+    assert tp[0]["graphs"]["tokens"] == tp[0]["eager"]["tokens"]
+    single = _run(1, False, d)[0]["graphs"]
     assert tp[0]["graphs"]["tokens"][:3] == single["tokens"][:3]

@@ -579,6 +579,20 @@ def test_two_torchrun_nodes_of_two_ranks(tmp_path):
     gloo): the 4 ranks split the wide Kimi Linear over 4; global rank 0 prints what one process prints, the
     others print nothing, and both launchers and their four ranks exit cleanly within the timeout, the
     shutdown barrier included (issue 23's multi-node path, on the CPU)."""
+    _two_torchrun_nodes(tmp_path, 2, "cpu")
+
+
+@pytest.mark.gpu
+def test_two_torchrun_nodes_nccl(tmp_path):
+    """The same on the GPUs of one host over NCCL: two "nodes" of half the GPUs each (4 + 4 on eight; the
+    wide model splits over 4 or 8 ranks)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n not in (4, 8):
+        pytest.skip(f"needs 4 or 8 GPUs, found {n}")
+    _two_torchrun_nodes(tmp_path, n // 2, "cuda")
+
+
+def _two_torchrun_nodes(tmp_path, nproc: int, device: str) -> None:
     import os
     import subprocess
     import sys
@@ -589,17 +603,22 @@ def test_two_torchrun_nodes_of_two_ranks(tmp_path):
     d = write_checkpoint(tmp_path / "wide", _wide(KIMI_LINEAR), 5)
     write_char_tokenizer(d, CHARS[: VOCAB - 2])  # ids 0..95: the model's vocabulary
     gen = ["-m", "k3run.cli", "generate", str(d), "--prompt", "def f(x):", "--max-tokens", "8"]
-    gen += ["--temperature", "0", "--device", "cpu", "--dtype", "fp32", "--quiet"]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "K3RUN_DIST_BACKEND": "gloo"}
+    gen += ["--temperature", "0", "--device", device, "--dtype", "fp32", "--quiet"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    if device == "cpu":
+        env["K3RUN_DIST_BACKEND"] = "gloo"
     single = subprocess.run([sys.executable, *gen], env=env, capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr[-2000:]
     port = free_port()
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
               "--master-addr", "127.0.0.1", "--master-port", port]  # fmt: skip
+    # each "node" sees its own GPUs, as two hosts would (local ranks 0.. on both)
+    own = [",".join(str(r * nproc + i) for i in range(nproc)) for r in range(2)]
+    gpus = [{} if device == "cpu" else {"CUDA_VISIBLE_DEVICES": own[r]} for r in range(2)]
     nodes = [
         subprocess.Popen(
             [*launch, "--node-rank", str(r), *gen],
-            env=env,
+            env=env | gpus[r],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
