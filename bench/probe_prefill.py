@@ -4,6 +4,7 @@ router / routed experts / shared experts, norms, AttnRes), the host time and the
 
     PYTHONPATH=src python bench/probe_prefill.py --model kimi-linear --tokens 8192     # GPU, full depth
     PYTHONPATH=src python bench/probe_prefill.py --model tiny --tokens 64 --device cpu  # the logic, on a CPU
+    PYTHONPATH=src torchrun --nproc-per-node 8 bench/probe_prefill.py --model kimi-linear --no-profile  # TP 8
 
 `kimi-linear`: the full-depth random Kimi Linear 48B-A3B NVFP4 of bench/k3_shaped.py (27 layers, 256
 experts, in memory); `kimi-linear-bf16`: the same in bf16 (the official checkpoint's dtype, 96 GB); `k3`:
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -27,32 +29,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from k3_shaped import kimi_linear_48b_config, random_k3_model, random_model  # noqa: E402
 
+from k3run.distributed import NO_TP, TPInfo, init_distributed, shutdown_distributed  # noqa: E402
 from k3run.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from k3run.tokenizer import load_tokenizer  # noqa: E402
 
 
-def build(name: str, device: str):
+def build(name: str, device: str, tp: TPInfo = NO_TP):
     if Path(name).is_dir():  # a checkpoint on disk (bench/write_kimi_linear.py writes the full-size one)
         from k3run.api import load_model
 
         t0 = time.perf_counter()
-        model = load_model(name, dtype=torch.bfloat16, device=device)
+        model = load_model(name, dtype=torch.bfloat16, device=device, tp_rank=tp.rank, tp_size=tp.size)
         print(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
         return model
     if name == "kimi-linear":
-        return random_model(kimi_linear_48b_config(), device=device)
+        return random_model(kimi_linear_48b_config(), device=device, tp=tp)
     if name == "kimi-linear-bf16":  # the official checkpoint's form: every weight bf16 (96 GB)
         hf = kimi_linear_48b_config()
         hf.pop("quantization_config")
-        return random_model(hf, device=device)
+        return random_model(hf, device=device, tp=tp)
     if name == "k3":
-        return random_k3_model(4, 64, device=device)
+        return random_k3_model(4, 64, device=device, tp=tp)
     hf = kimi_linear_48b_config(layers=2, experts=8)
     hf.pop("quantization_config")
     hf |= {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 512, "vocab_size": 4096,
            "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 128}  # fmt: skip
     hf["linear_attn_config"]["num_heads"] = 4
-    return random_model(hf, device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+    return random_model(hf, device=device, dtype=torch.bfloat16 if device != "cpu" else torch.float32, tp=tp)
 
 
 def label(name: str) -> str | None:
@@ -96,13 +99,18 @@ def main() -> None:
         help="one more prefill with perf_counter hooks: the host time spent issuing each module's work",
     )  # fmt: skip
     args = ap.parse_args()
-    model = build(args.model, args.device)
+    tp = init_distributed()  # TPInfo() without torchrun; under it every rank runs the same prefills
+    if tp.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (rank 0 prints)
+    model = build(args.model, args.device, tp)
     kinds = {
         i: ("KDA" if model.config.is_kda_layer(i) else "MLA") for i in range(model.config.num_hidden_layers)
     }
     tok = load_tokenizer("assets/default-model-k3-mixed")
     lengths = [int(t) for t in args.tokens.split(",")]
-    cfg = EngineConfig(max_num_seqs=1, max_model_len=max(lengths) + 8, max_num_batched_tokens=max(lengths))
+    cfg = EngineConfig(
+        max_num_seqs=1, max_model_len=max(lengths) + 8, max_num_batched_tokens=max(lengths), tp_size=tp.size
+    )
     llm = LLM.from_model(model, tok, cfg)
     pg = llm.engine.runner.prefill_graphs
     print(f"prefill graphs: {pg.sizes if pg else llm.engine.prefill_graph_blocker}")
@@ -111,6 +119,7 @@ def main() -> None:
         eager = LLM.from_model(model, tok, dataclasses.replace(cfg, prefill_graph_tokens=0))
     for n_tok in lengths:
         one(args, model, llm, kinds, n_tok, eager)
+    shutdown_distributed()
 
 
 def sync_sites(llm, prompt, params, n_tok: int) -> None:
@@ -269,7 +278,7 @@ def graph_logits_check(model, llm, prompt: list[int]) -> None:
 
 
 def one(args, model, llm, kinds, n_tok: int, eager=None) -> None:
-    prompt = torch.randint(10, 2000, (n_tok,)).tolist()
+    prompt = torch.randint(10, 2000, (n_tok,), generator=torch.Generator().manual_seed(n_tok)).tolist()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     import k3run.kernels.nvfp4_gemm as ng
 

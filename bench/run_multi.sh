@@ -9,6 +9,8 @@
 #            times two: 112 x N in all) against one GPU holding 112: decode at batch 1 / 8 / 32 / 64 with uniform
 #            routing, --profile 3 (the all-reduce share), and each rank's weights and peak memory
 #   kl       the full-depth Kimi Linear 48B-A3B (random NVFP4) at TP N against one GPU, the same measures
+#   prefill  one 2048- and one 8192-token prefill of the full-depth Kimi Linear at TP N against one GPU
+#            (bench/probe_prefill.py, unprofiled repeats)
 #   nodes    `torchrun --nnodes 2` on this host, two "nodes" of N / 2 ranks (separate launchers, static
 #            rendezvous): the widened tiny Kimi Linear through `k3run generate`; both launchers must exit 0
 #            (the shutdown barrier included) and print what one process prints
@@ -44,6 +46,10 @@ for stage in "${@:-tptests}"; do
         run_tp 1 slice_one.txt --k3-shaped 4,112 --batch-sizes 1,8,32,64 --steps 24 --uniform-routing ;;
     kl) run_tp "$N" kl_tp.txt --kimi-linear --batch-sizes 1,8,32,64 --steps 24 --uniform-routing --profile 3
         run_tp 1 kl_one.txt --kimi-linear --batch-sizes 1,8,32,64 --steps 24 --uniform-routing ;;
+    prefill) timeout 600 torchrun --nproc-per-node "$N" bench/probe_prefill.py --model kimi-linear --tokens 2048,8192 \
+            --no-profile 2>&1 | tee "$OUT/prefill_tp.txt" | grep -E "unprofiled|graphs"
+        timeout 600 python3 bench/probe_prefill.py --model kimi-linear --tokens 2048,8192 --no-profile 2>&1 \
+            | tee "$OUT/prefill_one.txt" | grep -E "unprofiled|graphs" ;;
     nodes) timeout -s KILL 600 python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" -v -rfE \
             tests/models/test_kimi_model.py -k two_torchrun_nodes >"$OUT/nodes.txt" 2>&1
         tail -5 "$OUT/nodes.txt" ;;
