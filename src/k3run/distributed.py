@@ -79,10 +79,14 @@ def init_distributed(backend: str | None = None) -> TPInfo:
         backend = knobs().dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"distributed backend: expected 'nccl' or 'gloo', got {backend!r}")
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        # device_id binds the NCCL group to this rank's GPU: its barrier (shutdown_distributed's) then runs
+        # there, not on a device guessed from the global rank
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, device_id=device)
     return TPInfo(rank=rank, size=world, group=None)
 
 
