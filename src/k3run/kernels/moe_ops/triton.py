@@ -40,14 +40,10 @@ def _tanh(x, LIB: tl.constexpr):
 
 
 @triton.jit
-def _router_partials_kernel(
-    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    # program (expert block, column block): part[s, t, e] = x[t, cols] . W[e, cols] for its BE experts and BD
-    # columns, every token; the weight tile is read once (one load round: many small programs keep enough
-    # bytes in flight), x cast to fp32 as it loads
-    pdl_enter(PDL)
+def _partials(x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    # this program's (expert block, column block): part[s, t, e] = x[t, cols] . W[e, cols] for its BE
+    # experts and BD columns, every token; the weight tile is read once (one load round: many small
+    # programs keep enough bytes in flight), x cast to fp32 as it loads
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)
@@ -67,6 +63,15 @@ def _router_partials_kernel(
             part,
             mask=(t < T)[:, None] & (e < E)[None, :],
         )
+
+
+@triton.jit
+def _router_partials_kernel(
+    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_enter(PDL)
+    _partials(x_ptr, w_ptr, out_ptr, T, E, D, sx, BE, BD, BT)
 
 
 def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -186,25 +191,7 @@ def _router_one_launch_kernel(
     # _router_partials_kernel does; the last program to arrive (an arrival counter, reset by it) then sums
     # the partials in block order and picks as _sigmoid_topk_kernel does, TB tokens at a time: the same
     # logits and scores bit for bit, the same picks.
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    sd = tl.program_id(1)
-    d = sd * BD + tl.arange(0, BD)
-    dm = d < D
-    wv = tl.load(
-        w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0
-    )
-    tt = tl.arange(0, BT)
-    for t0 in range(0, T, BT):
-        t = t0 + tt
-        xv = tl.load(
-            x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
-        )
-        part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
-        tl.store(
-            part_ptr + (sd * T + t[:, None]).to(tl.int64) * E + e[None, :],
-            part,
-            mask=(t < T)[:, None] & (e < E)[None, :],
-        )
+    _partials(x_ptr, w_ptr, part_ptr, T, E, D, sx, BE, BD, BT)
     tl.debug_barrier()  # every thread's partials stored before the arrival is counted
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
