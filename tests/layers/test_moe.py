@@ -364,10 +364,10 @@ def test_k3_latent_moe_block_matches_formula():
 
 def _kernel_case(
     act_name: str, device: str, kernels: bool | None, dtype=torch.float32, seed: int = 3, d: int = 128,
-    i: int = 128, tokens: int = 9,
+    i: int = 128, tokens: int = 9, ep: TPInfo = NO_TP,
 ):  # fmt: skip
     """NVFP4 experts with D = I = 128 (the kernel path's multiple of 128) loaded from a ModelOpt-style
-    checkpoint, and a batch routed over them."""
+    checkpoint, and a batch routed over them (over all 4 experts; with `ep` this rank holds its share)."""
     e = 4
     g = torch.Generator().manual_seed(seed)
     w1, w3, w2 = (
@@ -379,14 +379,24 @@ def _kernel_case(
         for key, tensors in _nvfp4_checkpoint(w1, w3, w2).items()
     }
     with torch.device(device):
-        ex = FusedExperts(
-            e, d, i, ACTS[act_name], QuantAlgo.W4A16_NVFP4, ep=TPInfo(), params_dtype=torch.float32
-        )
+        ex = FusedExperts(e, d, i, ACTS[act_name], QuantAlgo.W4A16_NVFP4, ep=ep, params_dtype=torch.float32)
     ex.scheme.kernels = kernels
     _load_nvfp4(ex, ckpt)
     x = (torch.randn(tokens, d, generator=g) * 2).to(device=device, dtype=dtype)
     weights, ids = route(torch.randn(tokens, e, generator=g).to(device), torch.zeros(e, device=device), 2)
     return ex, x, ids, weights
+
+
+def test_kernel_case_splits_over_expert_parallel_ranks() -> None:
+    """The kernel case's EP form (the GPU grouped test's miss case): each rank holds its 2 of the 4 experts,
+    and the two ranks' sums add up to the whole (fp32 grouping only)."""
+    full, x, ids, weights = _kernel_case("silu", "cpu", kernels=False)
+    parts = []
+    for rank in range(2):
+        ex, *_ = _kernel_case("silu", "cpu", kernels=False, ep=TPInfo(rank, 2))
+        assert ex.num_local == 2 and ex.first == 2 * rank
+        parts.append(ex(x, ids, weights))
+    assert_close("kernel case, ep 2 vs 1", full(x, ids, weights), parts[0] + parts[1], rtol=1e-6)
 
 
 def test_large_cpu_experts_take_the_fused_cpu_gemv() -> None:
@@ -570,21 +580,23 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
     """Decode through the two grouped launches (one pick per program row, no host sync) against the
     per-expert loop on the same repacked weights: the same products, other split_k and summation orders;
     gate/up and h are rounded to bf16 in both (<= 2^-9 each, and one ulp apart where the fp32 sums round
-    differently): bound 2^-7. Picks of experts outside this rank's range (ids shifted past the 4 local
-    experts, as on another EP rank) contribute nothing in both paths."""
+    differently): bound 2^-7. On EP rank 0 of 2 (experts 0-1 local) the picks of experts 2-3 contribute
+    nothing in both paths, one token (a program per pick) and 9 (expert-major); the EP 1 launches skip
+    their outputs' zero fill (every pick is in a group), so every row they return must be written."""
     from k3run.layers.moe import fused_experts
 
-    ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16)
-    if not ex.scheme.tiled:
-        pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
-    for shift in (0, 2):
-        ids_s = ids + shift
+    for ep in (NO_TP, TPInfo(0, 2)):
+        ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, ep=ep)
+        if not ex.scheme.tiled:
+            pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
         assert ex.grouped_ok(x)
-        loop = fused_experts(ex, x, ids_s, weights, grouped=False)
-        got = fused_experts(ex, x, ids_s, weights)
-        assert_close(f"grouped experts {act_name} shift {shift}", loop, got, rtol=2.0**-7)
+        for t in (1, x.shape[0]):
+            loop = fused_experts(ex, x[:t], ids[:t], weights[:t], grouped=False)
+            got = fused_experts(ex, x[:t], ids[:t], weights[:t])
+            assert_close(f"grouped experts {act_name} ep {ep.size} {t} tokens", loop, got, rtol=2.0**-7)
+            assert bool(got.isfinite().all())
         assert float(got.abs().max()) > 0
-    only_misses = torch.full_like(ids, 4)
+    only_misses = torch.full_like(ids, 3)  # every pick on the other rank's experts
     assert not bool(fused_experts(ex, x, only_misses, weights).any())
 
 

@@ -956,14 +956,17 @@ class NvFp4Experts(ExpertScheme):
             bt = by_expert_tile(t)
             grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = one_wave_split(bt, 2 * i * grp.shape[0], d, sms)
+            full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             gu = nvfp4_gemv_by_expert(
-                x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1
-            )
+                x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
+                all_in_groups=full,
+            )  # fmt: skip
             h = ex.gated(gu)
             split2, reg2 = one_wave_split(bt, d * grp.shape[0], i, sms)
             y = nvfp4_gemv_by_expert(
-                h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2, maxnreg=reg2
-            )
+                h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
+                maxnreg=reg2, all_in_groups=full,
+            )  # fmt: skip
         else:
             # every pick's rows count towards one wave
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
