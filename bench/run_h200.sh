@@ -29,10 +29,12 @@
 #   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py,
 #           test_pdl_gpu.py and tests/layers/test_moe_combine_in_norm.py (GPU-marked; carry .whl), then
 #           test_graph_decode.py again with K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1
+#           K3RUN_MOE_ACT_IN_GEMM1=1
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32: as shipped (the same-run baseline), with
-#           K3RUN_PDL_ALL=1, and with that, K3RUN_MOE_ROUTER_ONE_LAUNCH=1 and K3RUN_MOE_COMBINE_IN_NORM=1
+#           K3RUN_PDL_ALL=1, and with that, K3RUN_MOE_ROUTER_ONE_LAUNCH=1, K3RUN_MOE_COMBINE_IN_NORM=1 and
+#           K3RUN_MOE_ACT_IN_GEMM1=1
 #           (--profile 3); uniform routing in all three (the random model's own routing collapses onto a few
 #           experts)
 #   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
@@ -117,7 +119,7 @@ for stage in "${stages[@]}"; do
             --uniform-routing --profile 3 2>&1 | tee "$OUT/decode_kl_base.txt" | grep -E "^graphs|kernels per step"
         K3RUN_PDL_ALL=1 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 \
             --steps 32 --uniform-routing 2>&1 | tee "$OUT/decode_kl_pdl.txt" | grep -E "^graphs"
-        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 timeout 250 python3 \
+        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 K3RUN_MOE_ACT_IN_GEMM1=1 timeout 250 python3 \
             bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --uniform-routing --profile 3 \
             2>&1 | tee "$OUT/decode_kl.txt" \
             | grep -E "^graphs|kernels per step" | head -8 ;;
@@ -138,7 +140,8 @@ for stage in "${stages[@]}"; do
             tests/kernels/test_split_k_counters.py tests/kernels/test_pdl_gpu.py tests/layers/test_moe_combine_in_norm.py \
             >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30
-        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 timeout -s KILL "${TEST_TIMEOUT:-300}" \
+        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 K3RUN_MOE_ACT_IN_GEMM1=1 \
+            timeout -s KILL "${TEST_TIMEOUT:-300}" \
             python3 -m pytest \
             -p no:cacheprovider -q -rfE -m gpu tests/engine/test_graph_decode.py >"$OUT/graphs_pdl.txt" 2>&1
         tail -3 "$OUT/graphs_pdl.txt" ;;

@@ -124,6 +124,11 @@ class Knobs:
         "CUDA: an MoE layer's top-k sum on the grouped launches runs inside the next RMSNorm's launch (1: "
         "on; not yet measured on a GPU; 0: its own launch)",
     )  # fmt: skip
+    moe_act_in_gemm1: bool = _knob(
+        "K3RUN_MOE_ACT_IN_GEMM1", _flag, False,
+        "CUDA: NVFP4 routed experts' decode GEMM1 applies the gated activation in its epilogue (1: on, one "
+        "launch fewer a MoE layer; not yet measured on a GPU; 0: its own launch)",
+    )  # fmt: skip
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 def _compile(
     num_warps: int, bt: int, split_k: int, k: int, dtype: str, maxnreg: int, stages: int = 2,
-    tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False,
+    tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False, act: int = 0,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -57,6 +57,9 @@ def _compile(
         N="i32", stride_xm="i32", stride_ym="i32", ids_ptr="*i64", n_experts="i32",
         slot_div="i32", w_estride="i64", s_estride="i64", gs_estride="i32", grp_ptr="*i32",
     )  # fmt: skip
+    if act:  # GEMM1 with its activation: the betas and the up rows' offset are runtime arguments
+        consts["ACT"] = act
+        ptrs.update(act_beta="fp32", act_rbeta="fp32", act_lbeta="fp32", act_rlbeta="fp32", half_n="i32")
     params = inspect.signature(kernel.fn).parameters
     order = list(params)
     for name, par in params.items():  # experiment switches left at their defaults
@@ -156,6 +159,20 @@ def test_by_expert_gemv_compiles_for_sm90(bt: int):
     ck = _compile(1, bt, 7, 3584, "bf16", MAXNREG[bt], 2, True, True, byexp=True)
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
+    _assert_no_loop_spills(ck)
+
+
+@pytest.mark.parametrize("act, bt, byexp", [(1, 8, True), (3, 16, True), (2, 32, True), (1, 8, False)])
+def test_gemm1_with_its_activation_compiles_for_sm90(act: int, bt: int, byexp: bool):
+    """An expert's GEMM1 with the gated activation in its epilogue (ACT: SiLU, SiTU, SiTU with the up half
+    capped), expert-major and one pick a program: gate and up meet through shared memory (a store besides
+    the weight ring's cp.async), exp in the epilogue, no spills in the loop."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import MAXNREG
+
+    ck = _compile(1, bt, 7, 2304, "bf16", MAXNREG[bt], 2, True, True, grouped=not byexp, byexp=byexp, act=act)
+    ptx = ck.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and re.search(r"\bst\.shared|\bstmatrix", ptx)
+    assert "ex2.approx" in ptx  # the sigmoid's exp
     _assert_no_loop_spills(ck)
 
 

@@ -18,7 +18,7 @@ from k3run.layers.activation import GatedActivation
 from k3run.layers.moe import FusedExperts, route
 from k3run.quant.algo import QuantAlgo
 from k3run.quant.experts import compute_g1_scale_c, nvfp4_moe_scales
-from k3run.testing import assert_close, rel_rms_error
+from k3run.testing import RTOL, assert_close, rel_rms_error
 
 E, D, INTER, T, TOPK = 4, 32, 32, 7, 2
 ACTS = {"silu": GatedActivation("silu"), "situ": GatedActivation("situ", 4.0, 25.0)}
@@ -598,6 +598,29 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
         assert float(got.abs().max()) > 0
     only_misses = torch.full_like(ids, 3)  # every pick on the other rank's experts
     assert not bool(fused_experts(ex, x, only_misses, weights).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_gpu_activation_in_gemm1_matches_the_separate_launch(act_name):
+    """K3RUN_MOE_ACT_IN_GEMM1: GEMM1's epilogue applies the gated activation (gate row j and up row j + 8 of
+    each 16-row block), against GEMM1 then moe_ops' gated kernel, at 1 token (a program per pick) and 9
+    (expert-major), every expert local and on EP rank 0 of 2. Both round gate / up to bf16 first and h to
+    bf16 last; the epilogue's exp and tanh are Triton's approximations where the gated kernel uses libdevice
+    (a few fp32 ulps), so h differs by at most a bf16 ulp here and there: RTOL[bf16] on the output."""
+    from k3run.knobs import override_knobs
+    from k3run.layers.moe import fused_experts
+
+    for ep in (NO_TP, TPInfo(0, 2)):
+        ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, ep=ep)
+        if not ex.scheme.tiled:
+            pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
+        for t in (1, x.shape[0]):
+            want = fused_experts(ex, x[:t], ids[:t], weights[:t])
+            with override_knobs(moe_act_in_gemm1=True):
+                got = fused_experts(ex, x[:t], ids[:t], weights[:t])
+            assert_close(f"activation in GEMM1, {act_name}, ep {ep.size}, {t} tokens", want, got,
+                         rtol=RTOL[torch.bfloat16])  # fmt: skip
 
 
 @pytest.mark.gpu

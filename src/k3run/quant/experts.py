@@ -952,6 +952,11 @@ class NvFp4Experts(ExpertScheme):
         w13, s13 = ex.w13_weight, ex.w13_weight_scale.view(torch.uint8)
         w2, s2 = ex.w2_weight, ex.w2_weight_scale.view(torch.uint8)
         x = x.contiguous()
+        # K3RUN_MOE_ACT_IN_GEMM1: GEMM1's epilogue applies the activation (h, not gate | up, comes back)
+        kind = ex.activation.kind
+        act = None
+        if knobs().moe_act_in_gemm1 and kind in ("silu", "situ"):
+            act = (kind, ex.activation.beta or 1.0, ex.activation.linear_beta)
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
             bt = by_expert_tile(t)
             grp = expert_groups(local, ex.num_stacked, bt)
@@ -959,9 +964,9 @@ class NvFp4Experts(ExpertScheme):
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             gu = nvfp4_gemv_by_expert(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
-                all_in_groups=full,
+                all_in_groups=full, act=act,
             )  # fmt: skip
-            h = ex.gated(gu)
+            h = gu if act else ex.gated(gu)
             split2, reg2 = one_wave_split(bt, d * grp.shape[0], i, sms)
             y = nvfp4_gemv_by_expert(
                 h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
@@ -970,8 +975,10 @@ class NvFp4Experts(ExpertScheme):
         else:
             # every pick's rows count towards one wave
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
-            gu = nvfp4_gemv_grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1)
-            h = ex.gated(gu)
+            gu = nvfp4_gemv_grouped(
+                x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act
+            )
+            h = gu if act else ex.gated(gu)
             split2, reg2 = one_wave_split(1, d * t * a, i, sms)
             y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero

@@ -477,7 +477,8 @@ def _nvfp4_gemv_async_kernel(
     LB: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, SMEM: gl.constexpr, TILED: gl.constexpr,
     OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None, ids_ptr=None, n_experts=0,
     slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None,
-    BYEXP: gl.constexpr = False,
+    BYEXP: gl.constexpr = False, ACT: gl.constexpr = 0, act_beta=1.0, act_rbeta=1.0, act_lbeta=1.0,
+    act_rlbeta=1.0, half_n=0,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers.
@@ -487,7 +488,10 @@ def _nvfp4_gemv_async_kernel(
     BYEXP (`nvfp4_gemv_by_expert`, with GROUPED): grid axis 2 is a group g of the table grp [G, 1 + BT]
     (`expert_groups`): expert grp[g, 0] (-1: an unused group, whose programs return at once) times the
     token rows x[grp[g, 1 + t] // slot_div] of its picks (-1 pads the columns past the group's count) into
-    y rows grp[g, 1 + t]: each expert's weights are read once for all its tokens."""
+    y rows grp[g, 1 + t]: each expert's weights are read once for all its tokens.
+    ACT (an expert's GEMM1 with its gated activation, `_ACT_CODES`; 16-row programs): program b reads gate
+    rows 8b..8b+7 and the matching up rows half_n + 8b.. as its 16 rows, and its epilogue writes
+    h = act(gate, up) into y's columns 8b..8b+7 (y [.., half_n]): rows r and r + 8 of the accumulator."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
@@ -525,6 +529,8 @@ def _nvfp4_gemv_async_kernel(
 
     # ---- copy sources: words [BN, 16] (16-byte cp.async per thread) and scale bytes [BN, 8] (4 bytes)
     rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCW))
+    if ACT:
+        rw = _act_rows(rw, half_n)
     cw = gl.arange(0, 16, layout=gl.SliceLayout(0, LCW))
     rw2 = gl.expand_dims(rw, 1)
     CH: gl.constexpr = K_PAD // 128
@@ -537,6 +543,8 @@ def _nvfp4_gemv_async_kernel(
     LCS_: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [gl.num_warps(), 1], [1, 0]) if TILED else LCS
     SW: gl.constexpr = 2 if TILED else 8
     rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LCS_))
+    if ACT:
+        rs = _act_rows(rs, half_n)
     cs = gl.arange(0, SW, layout=gl.SliceLayout(0, LCS_))
     rs2 = gl.expand_dims(rs, 1)
     if TILED:  # [rows / 16, K_PAD / 128, 16 rows, 2 words of 4 scales]
@@ -593,17 +601,19 @@ def _nvfp4_gemv_async_kernel(
         acc = acc * OUT_SCALE
 
     _epilogue(acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K, PER_COL_GS,
-              HAS_BIAS, BN, BT, MMA, grp_ptr, BYEXP)  # fmt: skip
+              HAS_BIAS, BN, BT, MMA, grp_ptr, BYEXP, ACT, act_beta, act_rbeta, act_lbeta, act_rlbeta, half_n,
+              SMEM)  # fmt: skip
 
 
 @gluon.jit
 def _epilogue(
     acc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, SPLIT_K: gl.constexpr,
     PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, MMA: gl.constexpr,
-    grp_ptr=None, BYEXP: gl.constexpr = False,
+    grp_ptr=None, BYEXP: gl.constexpr = False, ACT: gl.constexpr = 0, act_beta=1.0, act_rbeta=1.0,
+    act_lbeta=1.0, act_rlbeta=1.0, half_n=0, SMEM: gl.constexpr = None,
 ):  # fmt: skip
     """acc[n, t] -> y[t, n] (BYEXP: y[grp[1 + t], n]); with split-K the last program of the row block to
-    arrive sums the partials."""
+    arrive sums the partials. ACT: the gated activation of the gate / up row pairs (`_finish_act`)."""
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     t_idx = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA))
     n2 = gl.expand_dims(n_idx, 1)
@@ -623,7 +633,27 @@ def _epilogue(
                 part_off = (sk * (gl.num_programs(0) * BN) + n2).to(gl.int64) * BT + te
                 acc += gl.load(ws_ptr + part_off, mask=te < M, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, yrow, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
+            _store(
+                acc, gs_ptr, b_ptr, y_ptr, pid_n, n_idx, n2, yrow, out_ok, stride_ym, M, N, PER_COL_GS,
+                HAS_BIAS, BN, BT, grp_ptr, BYEXP, ACT, act_beta, act_rbeta, act_lbeta, act_rlbeta, half_n,
+                SMEM,
+            )  # fmt: skip
+    else:
+        _store(
+            acc, gs_ptr, b_ptr, y_ptr, pid_n, n_idx, n2, yrow, out_ok, stride_ym, M, N, PER_COL_GS, HAS_BIAS,
+            BN, BT, grp_ptr, BYEXP, ACT, act_beta, act_rbeta, act_lbeta, act_rlbeta, half_n, SMEM,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _store(
+    acc, gs_ptr, b_ptr, y_ptr, pid_n, n_idx, n2, yrow, out_ok, stride_ym, M, N, PER_COL_GS: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, grp_ptr, BYEXP: gl.constexpr,
+    ACT: gl.constexpr, act_beta, act_rbeta, act_lbeta, act_rlbeta, half_n, SMEM: gl.constexpr,
+):  # fmt: skip
+    if ACT:
+        _finish_act(acc, gs_ptr, y_ptr, pid_n, n_idx, stride_ym, M, PER_COL_GS, BN, BT, grp_ptr, BYEXP, ACT,
+                    act_beta, act_rbeta, act_lbeta, act_rlbeta, half_n, SMEM)  # fmt: skip
     else:
         _finish(acc, gs_ptr, b_ptr, y_ptr, n_idx, n2, yrow, out_ok, stride_ym, PER_COL_GS, HAS_BIAS, N)
 
@@ -651,6 +681,79 @@ def _finish(
     if HAS_BIAS:
         acc += gl.expand_dims(gl.load(b_ptr + n_idx, mask=n_ok, other=0.0).to(gl.float32), 1)
     gl.store(y_ptr + yrow.to(gl.int64) * stride_ym + n2, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+# the activations GEMM1's epilogue applies (ACT): SiLU, SiTU, SiTU with the up half capped (linear_beta)
+_ACT_CODES = {("silu", False): 1, ("situ", False): 2, ("situ", True): 3}
+GateAct = tuple[str, float, float | None]  # (kind, beta, linear_beta) as GatedActivation holds them
+
+
+def _act_args(act: GateAct | None, rows: int) -> dict:
+    """The kernel arguments of GEMM1 with its activation (none without `act`); rows: 2I, gate then up."""
+    if act is None:
+        return {}
+    kind, beta, lbeta = act
+    code = _ACT_CODES.get((kind, lbeta is not None))
+    if code is None:
+        raise ValueError(f"nvfp4 grouped: no epilogue activation {kind!r}; expected silu or situ")
+    if rows % 16:
+        raise ValueError(f"nvfp4 grouped: the epilogue activation needs 2I a multiple of 16, got {rows}")
+    b = float(beta) if kind == "situ" else 1.0
+    lb = float(lbeta) if lbeta is not None else 1.0
+    return dict(ACT=code, act_beta=b, act_rbeta=1.0 / b, act_lbeta=lb, act_rlbeta=1.0 / lb, half_n=rows // 2)
+
+
+@gluon.jit
+def _act_rows(r, half_n):
+    """The weight rows an ACT program's 16 rows hold: gate rows 8b..8b+7 for block b's first 8, the up rows
+    half_n + 8b.. for its last 8."""
+    j = r % 16
+    return (r // 16) * 8 + j % 8 + (j // 8) * half_n
+
+
+@gluon.jit
+def _tanh_g(x):
+    x2 = x * x  # small |x|: the series to x^9 (the exp formula cancels there)
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return gl.where(gl.abs(x) < 0.2, series, 1.0 - 2.0 / (gl.exp(2.0 * x) + 1.0))
+
+
+@gluon.jit
+def _finish_act(
+    acc, gs_ptr, y_ptr, pid_n, n_idx, stride_ym, M, PER_COL_GS: gl.constexpr, BN: gl.constexpr,
+    BT: gl.constexpr, grp_ptr, BYEXP: gl.constexpr, ACT: gl.constexpr, beta, rbeta, lbeta, rlbeta, half_n,
+    SMEM: gl.constexpr,
+):  # fmt: skip
+    """GEMM1's epilogue with the gated activation: gate and up scaled by their rows' decode scales and
+    rounded to y's dtype (what GEMM1 stores on the separate path), through shared memory so that gate row j
+    meets up row j + 8, then h = act(gate, up) in fp32 (moe_ops' gated kernel's formulas), rounded, into
+    y[token, 8 * pid_n + j]."""
+    rows = _act_rows(n_idx, half_n)
+    if PER_COL_GS:
+        acc = acc * gl.expand_dims(gl.load(gs_ptr + rows), 1)
+    else:
+        acc = acc * gl.load(gs_ptr)
+    buf = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [BN, BT], SMEM)
+    buf.store(acc.to(y_ptr.dtype.element_ty))
+    _cta_barrier()
+    LH: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [gl.num_warps(), 1], [1, 0])
+    g = buf.slice(0, 8, 0).load(LH).to(gl.float32)
+    u = buf.slice(8, 8, 0).load(LH).to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-g))
+    if ACT == 1:
+        h = g * sig * u
+    else:
+        if ACT == 3:
+            u = lbeta * _tanh_g(u * rlbeta)
+        h = beta * _tanh_g(g * rbeta) * sig * u
+    c = gl.expand_dims(pid_n * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, LH)), 1)
+    te = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, LH)), 0)
+    yrow = te
+    if BYEXP:
+        yrow = gl.load(grp_ptr + 1 + gl.minimum(te, M - 1))
+    gl.store(
+        y_ptr + yrow.to(gl.int64) * stride_ym + c, h.to(y_ptr.dtype.element_ty), mask=(te < M) & (c < half_n)
+    )
 
 
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
@@ -803,8 +906,10 @@ def nvfp4_gemv_grouped(
     split_k: int = 1,
     maxnreg: int | None = None,
     pdl: bool | None = None,
+    act: GateAct | None = None,
 ) -> torch.Tensor:
-    """Routed experts in one launch: y [P, N], row s = x[s // (P / T)] @ W[ids[s]]^T * global_scale[ids[s]].
+    """Routed experts in one launch: y [P, N], row s = x[s // (P / T)] @ W[ids[s]]^T * global_scale[ids[s]];
+    with `act` (GEMM1 of gated experts: gate rows then up rows) h [P, N / 2] = act(gate, up) instead.
 
     x [T, K] bf16/fp16; weight / scale_u8: E experts in the tiled128 layout ([E, N_pad, K_pad / 2] and
     [E, N_pad, K_pad / 16] uint8, rows padded to 16; `rows` = N); global_scale fp32 [E, N_pad] (per row) or
@@ -820,11 +925,12 @@ def nvfp4_gemv_grouped(
     picks, t = ids.shape[0], x.shape[0]
     if t == 0 or picks % t:
         raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
-    y = torch.empty((picks, rows), dtype=x.dtype, device=x.device)
+    act_kw = _act_args(act, rows)
+    y = torch.empty((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
     if picks == 0:
         return y
     _launch_grouped(x, weight, scale_u8, global_scale, y, picks, 8, 1, split_k, maxnreg, pdl, ids_ptr=ids,
-                    n_experts=n_exp, slot_div=picks // t)  # fmt: skip
+                    n_experts=n_exp, slot_div=picks // t, n=rows, **act_kw)  # fmt: skip
     return y
 
 
@@ -842,12 +948,13 @@ def nvfp4_gemv_by_expert(
     maxnreg: int | None = None,
     pdl: bool | None = None,
     all_in_groups: bool = False,
+    act: GateAct | None = None,
 ) -> torch.Tensor:
     """Routed experts in one launch, expert-major: y [picks, N], row s = x[s // slot_div] @ W[e(s)]^T *
     global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from `expert_groups`, BT
     is 8, 16 or 32: expert per group, then its picks), zero for the picks in no group (other ranks' experts).
     all_in_groups: the caller knows every pick is in a group (no expert parallelism), so every row is
-    written and y needs no zero fill (one memset fewer a call).
+    written and y needs no zero fill (one memset fewer a call). act: as in `nvfp4_gemv_grouped`.
     One program per (16 rows, K split, group) runs the BT-token tile over the group's tokens, so each picked
     expert's weights are read once per launch however many tokens picked it (the per-pick `nvfp4_gemv_grouped`
     reads them once per pick). Each column of the tile is computed exactly as the one-token launch computes
@@ -864,22 +971,27 @@ def nvfp4_gemv_by_expert(
         raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
     if slot_div < 1 or picks > x.shape[0] * slot_div:
         raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
+    act_kw = _act_args(act, rows)
     new = torch.empty if all_in_groups else torch.zeros  # rows of missed picks stay zero
-    y = new((picks, rows), dtype=x.dtype, device=x.device)
+    y = new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
     if picks == 0 or n_groups == 0:
         return y
-    kw = dict(ids_ptr=groups, n_experts=n_exp, slot_div=slot_div, grp_ptr=groups, BYEXP=True)
+    kw = dict(
+        ids_ptr=groups, n_experts=n_exp, slot_div=slot_div, grp_ptr=groups, BYEXP=True, n=rows, **act_kw
+    )
     _launch_grouped(x, weight, scale_u8, global_scale, y, n_groups, bt, bt, split_k, maxnreg, pdl, **kw)
     return y
 
 
 def _launch_grouped(
     x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
-    y: torch.Tensor, items: int, bt: int, m: int, split_k: int, maxnreg: int | None, pdl: bool, **extra,
+    y: torch.Tensor, items: int, bt: int, m: int, split_k: int, maxnreg: int | None, pdl: bool,
+    n: int | None = None, **extra,
 ) -> None:  # fmt: skip
     """The cp.async kernel over stacked tiled128 experts with grid axis 2 = `items` (picks, or groups for the
-    expert-major form), split-K workspace and counters per item; `extra`: the mode's kernel arguments."""
+    expert-major form), split-K workspace and counters per item; n: the weight rows computed (default y's
+    width); `extra`: the mode's kernel arguments."""
     from k3run.kernels.nvfp4_gemm.triton import largest_divisor
 
     n_pad, k_pad, k = weight.shape[1], weight.shape[2] * 2, x.shape[1]
@@ -891,8 +1003,9 @@ def _launch_grouped(
     else:
         ws = cnt = y
     common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)
+    n = n or y.shape[1]
     _launch_async(
-        (grid_n, split_k, items), common, y, ws, cnt, m, y.shape[1], k, k_pad, split_k, 1, bt, 2, True, True,
+        (grid_n, split_k, items), common, y, ws, cnt, m, n, k, k_pad, split_k, 1, bt, 2, True, True,
         pdl, maxnreg, global_scale.shape[1] != 1, False, w_estride=n_pad * k_pad // 8,
         s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1], GROUPED=True, **extra,
     )  # fmt: skip
