@@ -149,8 +149,8 @@ class Knobs:
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, False,
         "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "
-        "expert grouping) launched with programmatic dependent launch, as the NVFP4 GEMVs are (1: on; not "
-        "yet measured on a GPU)",
+        "expert grouping, MLA decode attention) launched with programmatic dependent launch, as the NVFP4 "
+        "GEMVs are (1: on; not yet measured on a GPU)",
     )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,

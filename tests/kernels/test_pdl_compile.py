@@ -18,11 +18,13 @@ _MEMORY = re.compile(r"\b(ld|st|atom|red)\.(global|shared)|\bcp\.async")
 
 def _kernels():
     from k3run.kernels.kda import conv
+    from k3run.kernels.mla import triton as mla
     from k3run.kernels.moe_ops import triton as moe
     from k3run.kernels.norm import triton as norm
     from k3run.kernels.nvfp4_gemm import groups
 
     f32 = dict(eps="fp32", scale="fp32", beta="fp32", rbeta="fp32", lbeta="fp32", rlbeta="fp32")
+    mla_ptrs = dict(q_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32", slots_ptr="*i64", ctx_ptr="*i64")
     return {
         "rms_norm": (norm._rms_norm_kernel, "bf16", f32,
                      dict(HAS_GATE=False, HAS_RES=True, BLOCK_R=1, BLOCK_D=4096)),
@@ -42,6 +44,9 @@ def _kernels():
         "combine": (moe._combine_kernel, "bf16", f32, dict(A=9, HAS_ADD=False, BLOCK=1024)),
         "conv decode": (conv._conv_decode_kernel, "bf16", f32,
                         dict(W=4, BLOCK_C=512, ZERO_REC=True, ZBLOCK=1024)),
+        "MLA decode splits": (mla._mla_decode_split_kernel, "bf16", {**f32, **mla_ptrs},
+                              dict(L=512, R=64, BLOCK_H=32, BLOCK_N=64, IEEE=False)),
+        "MLA merge": (mla._mla_merge_kernel, "fp32", f32, dict(L=512, BLOCK_S=8)),
         "expert_groups": (groups._expert_groups_kernel, "i64", f32,
                           dict(BT=16, BLOCK_P=64, BLOCK_E=512, BLOCK_G=64, BLOCK_C=32)),
     }  # fmt: skip

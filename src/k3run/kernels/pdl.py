@@ -3,8 +3,8 @@
 A kernel launched with PDL may be scheduled before the previous kernel on its stream has finished, once that
 kernel's programs have all signalled (`griddepcontrol.launch_dependents`) or exited. The NVFP4 GEMVs already
 work this way: they stage their first weight tiles, then wait. The step's other kernels (norms, the router,
-the gated activation, the top-k combine, KDA's conv, the expert grouping) are short; between two of them, or
-before a GEMV, the GPU otherwise idles for a launch's latency.
+the gated activation, the top-k combine, KDA's conv, the expert grouping, MLA's decode attention and its
+merge) are short; between two of them, or before a GEMV, the GPU otherwise idles for a launch's latency.
 
 `pdl_enter(PDL)` at the top of such a kernel: with PDL it first waits for the previous kernel (and its
 writes) to be complete, then lets the next kernel launch at once. Nothing is read or written before the

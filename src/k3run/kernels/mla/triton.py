@@ -18,12 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _mla_decode_split_kernel(
     q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
     scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     b = tl.program_id(0)
     sp = tl.program_id(1)
     hb = tl.program_id(2)
@@ -77,9 +81,12 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(o_ptr, lse_ptr, out_ptr, H, SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr):
+def _mla_merge_kernel(
+    o_ptr, lse_ptr, out_ptr, H, SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False
+):
     """out[b, h] = sum over splits s of softmax_s(lse[b, s, h]) * o[b, s, h]; splits with lse = -inf (empty)
     weigh 0 and their o (never written) is not read."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -157,9 +164,9 @@ def mla_decode_triton(
     _mla_decode_split_kernel[(B, splits, head_blocks)](
         q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
         scale, L=L, R=R, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=store.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
     )  # fmt: skip
     out = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     block_s = triton.next_power_of_2(splits)
-    _mla_merge_kernel[(B, H)](o, lse, out, H, splits, L=L, BLOCK_S=block_s, num_warps=4)
+    _mla_merge_kernel[(B, H)](o, lse, out, H, splits, L=L, BLOCK_S=block_s, num_warps=4, **pdl_args(q))
     return out
