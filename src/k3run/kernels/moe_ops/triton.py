@@ -87,19 +87,9 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     _router_partials_kernel[(triton.cdiv(e, 8), splits)](
-        x,
-        weight,
-        out,
-        t,
-        e,
-        d,
-        x.stride(0),
-        BE=8,
-        BD=bd,
-        BT=min(4, triton.next_power_of_2(t)),
-        num_warps=4,
+        x, weight, out, t, e, d, x.stride(0), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)), num_warps=4,
         **pdl_args(x),
-    )
+    )  # fmt: skip
     return out
 
 
