@@ -698,9 +698,12 @@ def _act_args(act: GateAct | None, rows: int) -> dict:
         raise ValueError(f"nvfp4 grouped: no epilogue activation {kind!r}; expected silu or situ")
     if rows % 16:
         raise ValueError(f"nvfp4 grouped: the epilogue activation needs 2I a multiple of 16, got {rows}")
+    from k3run.kernels.moe_ops.triton import _f32_reciprocal  # the gated kernel's reciprocals, bit for bit
+
     b = float(beta) if kind == "situ" else 1.0
     lb = float(lbeta) if lbeta is not None else 1.0
-    return dict(ACT=code, act_beta=b, act_rbeta=1.0 / b, act_lbeta=lb, act_rlbeta=1.0 / lb, half_n=rows // 2)
+    rb, rlb = _f32_reciprocal(b), _f32_reciprocal(lb)
+    return dict(ACT=code, act_beta=b, act_rbeta=rb, act_lbeta=lb, act_rlbeta=rlb, half_n=rows // 2)
 
 
 @gluon.jit
