@@ -24,6 +24,10 @@ from typing import Any
 # Each parser takes (variable, value) for a set, non-empty value; its docstring is the values it takes.
 
 
+# Measured only together (the three on against all off, PDL on in both): bench/RESULTS.md run 134.
+_MOE_TRIO = "With the other two of this router / combine / activation trio: +0.7% at batch 1, -1.7% at 32"
+
+
 def _malformed(name: str, expected: str, value: str) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {value!r}")
 
@@ -117,17 +121,17 @@ class Knobs:
     moe_router_one_launch: bool = _knob(
         "K3RUN_MOE_ROUTER_ONE_LAUNCH", _flag, False,
         "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 64 KB (Kimi "
-        "Linear up to 4 tokens; 1: on, not yet measured on a GPU; 0: two launches)",
+        "Linear up to 4 tokens; 1: on; 0: two launches). " + _MOE_TRIO,
     )  # fmt: skip
     moe_combine_in_norm: bool = _knob(
         "K3RUN_MOE_COMBINE_IN_NORM", _flag, False,
         "CUDA: an MoE layer's top-k sum on the grouped launches runs inside the next RMSNorm's launch (1: "
-        "on; not yet measured on a GPU; 0: its own launch)",
+        "on; 0: its own launch). " + _MOE_TRIO,
     )  # fmt: skip
     moe_act_in_gemm1: bool = _knob(
         "K3RUN_MOE_ACT_IN_GEMM1", _flag, False,
         "CUDA: NVFP4 routed experts' decode GEMM1 applies the gated activation in its epilogue (1: on, one "
-        "launch fewer a MoE layer; not yet measured on a GPU; 0: its own launch)",
+        "launch fewer a MoE layer; 0: its own launch). " + _MOE_TRIO,
     )  # fmt: skip
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,
@@ -147,10 +151,10 @@ class Knobs:
         "CUDA sm_90: NVFP4 linears of 17..256 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one)",
     )  # fmt: skip
     pdl_all: bool = _knob(
-        "K3RUN_PDL_ALL", _flag, False,
+        "K3RUN_PDL_ALL", _flag, True,
         "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "
         "expert grouping, MLA decode attention) launched with programmatic dependent launch, as the NVFP4 "
-        "GEMVs are (1: on; not yet measured on a GPU)",
+        "GEMVs are (0: plain launches)",
     )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,

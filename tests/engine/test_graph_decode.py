@@ -252,9 +252,9 @@ def test_gpu_decode_overlap_gives_the_same_tokens() -> None:
         assert llm.engine.runner.graphs is not None and llm.engine.overlap == (overlap is None)
         launch, count = llm.engine._launch, [0]
 
-        def counted(batch, prev, launch=launch, count=count):
+        def counted(batch, plan, prev, launch=launch, count=count):
             count[0] += prev is not None
-            return launch(batch, prev)
+            return launch(batch, plan, prev)
 
         llm.engine._launch = counted
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
