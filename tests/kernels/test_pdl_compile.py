@@ -1,7 +1,8 @@
 """The decode step's small Triton kernels compiled for sm_90 on the CPU (no GPU needed), with and without
 programmatic dependent launch (kernels/pdl.py): each builds, and with PDL its first instructions are the
 grid-dependency wait and the early launch of the next kernel, before any global load, store or atomic (so it
-reads and writes nothing the previous kernel may still be writing or reading); without PDL there is neither.
+reads and writes nothing the previous kernel may still be writing or reading), except the router kernels'
+loads of their weight tile, a parameter; without PDL there is neither.
 What the kernels compute is checked by their interpreter and GPU tests."""
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import pytest
 triton = pytest.importorskip("triton")
 
 _MEMORY = re.compile(r"\b(ld|st|atom|red)\.(global|shared)|\bcp\.async")
+# kernels that read a parameter (the router's fp32 weight tile) before the wait, as the NVFP4 GEMVs stage
+# their first weight tiles: there only global loads may precede it
+_PREFETCH = {"router partials", "router in one launch"}
+# integer pointer arguments by name; every other pointer has the case's dtype
+_INT_PTRS = {"cnt_ptr": "*i32", "grp_ptr": "*i32", "first_ptr": "*i32", "rank_ptr": "*i32", "id_ptr": "*i64",
+             "io_ptr": "*i64"}  # fmt: skip
 
 
 def _kernels():
@@ -36,10 +43,10 @@ def _kernels():
         "attn_res_mix": (norm._attn_res_mix_kernel, "bf16", f32, dict(BLOCK_N=4, BLOCK_D=4096)),
         "router partials": (moe._router_partials_kernel, "fp32", f32, dict(BE=8, BD=256, BT=1)),
         "top-k": (moe._sigmoid_topk_kernel, "fp32", f32,
-                  dict(A=8, EXTRA=1, RENORM=True, BLOCK_A=8, BLOCK_E=256, LIB=True)),
+                  dict(S=9, G=8, A=8, EXTRA=1, RENORM=True, BLOCK_A=8, BLOCK_E=256, LIB=True)),
         "router in one launch": (moe._router_one_launch_kernel, "fp32", f32,
-                                 dict(BE=8, BD=256, BT=1, A=8, EXTRA=1, RENORM=True, BLOCK_A=8, BLOCK_E=256,
-                                      TB=1, LIB=True)),
+                                 dict(BE=8, BD=256, BT=1, S=9, G=8, A=8, EXTRA=1, RENORM=True, BLOCK_A=8,
+                                      BLOCK_E=256, TB=1, LIB=True)),
         "gated": (moe._gated_kernel, "bf16", f32, dict(SITU=True, CAP_UP=True, BLOCK=1024, LIB=True)),
         "combine": (moe._combine_kernel, "bf16", f32, dict(A=9, HAS_ADD=False, BLOCK=1024)),
         "conv decode": (conv._conv_decode_kernel, "bf16", f32,
@@ -53,6 +60,12 @@ def _kernels():
 
 
 def _ptx(kernel, dtype: str, scalars: dict[str, str], consts: dict[str, object], pdl: bool) -> str:
+    return _compile(kernel, dtype, scalars, consts, pdl).asm["ptx"]
+
+
+def _compile(
+    kernel, dtype: str, scalars: dict[str, str], consts: dict[str, object], pdl: bool, num_warps: int = 4
+):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -66,15 +79,12 @@ def _ptx(kernel, dtype: str, scalars: dict[str, str], consts: dict[str, object],
         elif name in scalars:
             sig[name] = scalars[name]
         elif name.endswith("_ptr"):
-            sig[name] = (
-                f"*{dtype}"
-                if name in ("x_ptr", "y_ptr", "out_ptr", "v_ptr", "s_ptr", "r_ptr")
-                else ("*i32" if name in ("cnt_ptr", "grp_ptr", "first_ptr", "rank_ptr") else f"*{dtype}")
-            )
+            sig[name] = _INT_PTRS.get(name, f"*{dtype}")
         else:
             sig[name] = scalars.get(name, "i32")
-    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
-    return compiled.asm["ptx"]
+    return triton.compile(
+        ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
 
 
 @pytest.mark.parametrize("name", list(_kernels()))
@@ -82,11 +92,47 @@ def test_pdl_waits_before_any_memory_access(name: str) -> None:
     kernel, dtype, scalars, consts = _kernels()[name]
     body = _ptx(kernel, dtype, scalars, consts, pdl=True).split(".entry", 1)[1]
     wait, launch = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
-    first = _MEMORY.search(body)
     assert wait >= 0 and launch > wait, f"{name}: no grid-dependency wait and launch"
+    before = [m.group(0) for m in _MEMORY.finditer(body[:wait])]
+    if name in _PREFETCH:
+        assert before and set(before) == {"ld.global"}, f"{name}: before the wait {sorted(set(before))}"
+    else:
+        assert not before, f"{name}: {before[0]} before the wait"
+    first = _MEMORY.search(body, wait)
     assert first is not None and first.start() > launch, (
-        f"{name}: {first.group(0) if first else ''} before the wait"
+        f"{name}: {first.group(0) if first else ''} before the launch"
     )
     assert "griddepcontrol" not in _ptx(kernel, dtype, scalars, consts, pdl=False), (
         f"{name}: PDL off still waits"
     )
+
+
+@pytest.mark.parametrize(
+    "experts, top_k, splits, one_launch",
+    [(256, 8, 9, False), (256, 8, 9, True), (896, 16, 28, False)],
+)  # Kimi Linear's router (2304 columns, 256 experts) and K3's (7168, 896), as the launchers configure them
+def test_router_kernels_compile_for_sm90_without_spills(
+    experts: int, top_k: int, splits: int, one_launch: bool
+):
+    """The top-k sums `G` partial blocks' loads at once; with them and the keys in registers nothing may spill
+    (K3's 1024 expert columns in one warp spilled 360 bytes, hence 4 warps there)."""
+    from k3run.kernels.moe_ops import triton as moe
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    block_e = triton.next_power_of_2(experts)
+    consts = dict(
+        A=top_k, EXTRA=1, RENORM=True, BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e, LIB=True
+    )
+    if one_launch:
+        tb = max(1, min(4, 2048 // block_e))  # 4 tokens, the most the one-launch router takes at 256 experts
+        kernel, warps = moe._router_one_launch_kernel, 4
+        consts.update(BE=8, BD=256, BT=4, S=splits, G=moe._in_flight(tb * block_e // 128, splits), TB=tb)
+    else:
+        kernel, warps = moe._sigmoid_topk_kernel, max(1, block_e // 256)
+        consts.update(S=splits, G=moe._in_flight(block_e // (32 * warps), splits))
+    scalars = {"scale": "fp32"}
+    compiled = _compile(kernel, "fp32", scalars, consts, pdl=True, num_warps=warps)
+    res, _ = cubin_usage_and_sass(compiled)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None, res
+    assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"

@@ -40,17 +40,26 @@ def _tanh(x, LIB: tl.constexpr):
 
 
 @triton.jit
-def _partials(x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
-    # this program's (expert block, column block): part[s, t, e] = x[t, cols] . W[e, cols] for its BE
-    # experts and BD columns, every token; the weight tile is read once (one load round: many small
-    # programs keep enough bytes in flight), x cast to fp32 as it loads
+def _weight_tile(w_ptr, E, D, BE: tl.constexpr, BD: tl.constexpr):
+    # this program's (expert block, column block) of the fp32 router weight [E, D]. The weight is a
+    # parameter that no kernel of the step writes, so the router kernels fetch it before their PDL wait: the
+    # fetch overlaps the previous kernel's tail, as the NVFP4 GEMVs' first weight tiles do. (So a caller
+    # must not pass a weight that the launch just before wrote, such as a fresh `.contiguous()` copy.)
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    return tl.load(
+        w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & (d < D)[None, :], other=0.0
+    )
+
+
+@triton.jit
+def _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    # part[s, t, e] = x[t, cols] . W[e, cols] for this program's BE experts and BD columns (the tile wv,
+    # read once: many small programs keep enough bytes in flight), every token; x cast to fp32 as it loads
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)
     dm = d < D
-    wv = tl.load(
-        w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & dm[None, :], other=0.0
-    )
     tt = tl.arange(0, BT)
     for t0 in range(0, T, BT):
         t = t0 + tt
@@ -66,17 +75,47 @@ def _partials(x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.const
 
 
 @triton.jit
+def _sum_partials(p_ptr, off, m, stride, S: tl.constexpr, G: tl.constexpr):
+    # the S partial blocks p[s] (at p_ptr + s * stride + off) summed in block order, so the logits are the
+    # same bits in every kernel that sums them. G blocks' loads are unrolled together and so in flight at
+    # once; a loop that waited for each load in turn spent an L2 round trip per block, which K3's 28 blocks
+    # made most of the top-k kernel's time
+    lg = tl.load(p_ptr + off, mask=m, other=0.0, cache_modifier=".cg")
+    for s0 in range(1, S, G):
+        for j in tl.static_range(G):
+            lg += tl.load(
+                p_ptr + (s0 + j) * stride + off, mask=m & (s0 + j < S), other=0.0, cache_modifier=".cg"
+            )
+    return lg
+
+
+@triton.jit
 def _router_partials_kernel(
     x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wv = _weight_tile(w_ptr, E, D, BE, BD)
     pdl_enter(PDL)
-    _partials(x_ptr, w_ptr, out_ptr, T, E, D, sx, BE, BD, BT)
+    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT)
+
+
+def _check_weight(weight: torch.Tensor) -> None:
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(
+            f"router weight: expected a contiguous fp32 [E, D] parameter, got {weight.dtype} with strides "
+            f"{tuple(weight.stride())}"
+        )
+
+
+def _in_flight(elements_per_thread: int, splits: int) -> int:
+    """G of `_sum_partials`: partial blocks loaded at once, ~128 registers of loads a thread at most."""
+    return max(1, min(splits - 1, 128 // max(1, elements_per_thread), 16))
 
 
 def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Partial router logits [S, T, E] fp32 of x [T, D] and the contiguous fp32 weight [E, D] over S column
     blocks (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are)."""
+    _check_weight(weight)
     t, d = x.shape
     e = weight.shape[0]
     bd = 256
@@ -105,21 +144,19 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _sigmoid_topk_kernel(
-    l_ptr, b_ptr, w_ptr, id_ptr, T, E, S, scale, extra, A: tl.constexpr, EXTRA: tl.constexpr,
-    RENORM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, LIB: tl.constexpr,
-    PDL: tl.constexpr = False,
+    l_ptr, b_ptr, w_ptr, id_ptr, T, E, scale, extra, S: tl.constexpr, G: tl.constexpr, A: tl.constexpr,
+    EXTRA: tl.constexpr, RENORM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
+    LIB: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(PDL)
-    # one program (one warp: every reduction a shuffle) per token: the logits as the sum of S partial rows in
-    # order, scores in registers, A rounds of "take the largest remaining", each round on a unique int64 key
-    # (the choice's order-preserving int32 bits, then the lower expert index), so ties go to the lower index
-    # and every pick is a different expert
+    # one program per token (one warp up to 256 experts: every reduction a shuffle): the logits as the sum
+    # of S partial rows in order, scores in registers, A rounds of "take the largest remaining", each round
+    # on a unique int64 key (the choice's order-preserving int32 bits, then the lower expert index), so ties
+    # go to the lower index and every pick is a different expert
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     m = e < E
-    lg = tl.load(l_ptr + t * E + e, mask=m, other=0.0)
-    for s in range(1, S):
-        lg += tl.load(l_ptr + (s * T + t) * E + e, mask=m, other=0.0)
+    pdl_enter(PDL)
+    lg = _sum_partials(l_ptr, t * E + e, m, T * E, S, G)
     s = tl.div_rn(1.0, 1.0 + _exp(-lg, LIB))  # torch's sigmoid: 1 / (1 + exp(-x)), IEEE division
     c = s + tl.load(b_ptr + e, mask=m, other=0.0)
     bits = c.to(tl.int32, bitcast=True)
@@ -130,13 +167,16 @@ def _sigmoid_topk_kernel(
     key = tl.where(m, key, sentinel)
     a = tl.arange(0, BLOCK_A)
     iv = tl.full([BLOCK_A], -1, tl.int32)
+    wv = tl.zeros([BLOCK_A], tl.float32)
     for k in tl.static_range(A):  # the chain: one max per pick
         best = tl.max(key, axis=0)
         idx = (BLOCK_E - 1) - (best & (BLOCK_E - 1)).to(tl.int32)
+        hit = e == idx
+        # the pick's unbiased score (exact: one nonzero term), gathered in its round; one [A, E] reduction
+        # after the loop held A x E / 32 values a lane, 512 at K3's 16 x 1024, and spilled
+        wv = tl.where(a == k, tl.sum(tl.where(hit, s, 0.0), axis=0), wv)
         iv = tl.where(a == k, idx, iv)
-        key = tl.where(e == idx, sentinel, key)
-    # the picks' unbiased scores in one [A, E] reduction (exact: one nonzero term per row)
-    wv = tl.sum(tl.where(iv[:, None] == e[None, :], s[None, :], 0.0), axis=1)
+        key = tl.where(hit, sentinel, key)
     if RENORM:
         wv = tl.div_rn(wv, tl.sum(wv, axis=0) + 1e-20)
     W: tl.constexpr = A + EXTRA  # a row of the outputs: the A picks, then the appended expert if any
@@ -160,11 +200,16 @@ def sigmoid_topk_triton(
     ids = torch.empty(t, cols, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
+    block_e = triton.next_power_of_2(e)
+    # one warp up to 256 experts (every reduction a shuffle); more above, 8 scores a thread: K3's 1024
+    # columns in one warp (32 int64 keys, 32 scores and the loads a lane) spilled
+    warps = max(1, block_e // 256)
     _sigmoid_topk_kernel[(t,)](
-        parts.contiguous(), bias.contiguous(), weights, ids, t, e, splits, float(scale),
-        -1 if extra is None else int(extra), A=top_k, EXTRA=int(extra is not None),
-        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k),
-        BLOCK_E=triton.next_power_of_2(e), LIB=LIBDEVICE, num_warps=1, **pdl_args(parts),
+        parts.contiguous(), bias.contiguous(), weights, ids, t, e, float(scale),
+        -1 if extra is None else int(extra), S=splits, G=_in_flight(block_e // (32 * warps), splits), A=top_k,
+        EXTRA=int(extra is not None), RENORM=bool(renormalize and top_k > 1),
+        BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e, LIB=LIBDEVICE, num_warps=warps,
+        **pdl_args(parts),
     )  # fmt: skip
     return weights, ids
 
@@ -172,20 +217,20 @@ def sigmoid_topk_triton(
 @triton.jit
 def _router_one_launch_kernel(
     x_ptr, w_ptr, part_ptr, cnt_ptr, b_ptr, wo_ptr, io_ptr, T, E, D, sx, scale, extra, BE: tl.constexpr,
-    BD: tl.constexpr, BT: tl.constexpr, A: tl.constexpr, EXTRA: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, TB: tl.constexpr, LIB: tl.constexpr,
-    PDL: tl.constexpr = False,
+    BD: tl.constexpr, BT: tl.constexpr, S: tl.constexpr, G: tl.constexpr, A: tl.constexpr,
+    EXTRA: tl.constexpr, RENORM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
+    TB: tl.constexpr, LIB: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(PDL)
     # The router in one launch. Every program first computes its partial logits exactly as
     # _router_partials_kernel does; the last program to arrive (an arrival counter, reset by it) then sums
     # the partials in block order and picks as _sigmoid_topk_kernel does, TB tokens at a time: the same
-    # logits and scores bit for bit, the same picks.
-    _partials(x_ptr, w_ptr, part_ptr, T, E, D, sx, BE, BD, BT)
+    # logits and scores bit for bit, the same picks. S is the grid's column blocks.
+    wv = _weight_tile(w_ptr, E, D, BE, BD)
+    pdl_enter(PDL)
+    _partials(wv, x_ptr, part_ptr, T, E, D, sx, BE, BD, BT)
     tl.debug_barrier()  # every thread's partials stored before the arrival is counted
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        S = tl.num_programs(1)
         ee = tl.arange(0, BLOCK_E)
         em = ee < E
         bias = tl.load(b_ptr + ee, mask=em, other=0.0)
@@ -197,9 +242,7 @@ def _router_one_launch_kernel(
             tm = t < T
             m2 = tm[:, None] & em[None, :]
             row = t[:, None].to(tl.int64) * E + ee[None, :]
-            lg = tl.load(part_ptr + row, mask=m2, other=0.0, cache_modifier=".cg")
-            for s in range(1, S):
-                lg += tl.load(part_ptr + s * T * E + row, mask=m2, other=0.0, cache_modifier=".cg")
+            lg = _sum_partials(part_ptr, row, m2, T * E, S, G)
             sc = tl.div_rn(1.0, 1.0 + _exp(-lg, LIB))
             bits = (sc + bias[None, :]).to(tl.int32, bitcast=True)
             k32 = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -249,6 +292,7 @@ def route_one_launch_triton(
     [E, D], E <= MAX_EXPERTS."""
     from k3run.kernels.counters import counters
 
+    _check_weight(weight)
     t, d = x.shape
     e = weight.shape[0]
     bd = 256
@@ -262,13 +306,13 @@ def route_one_launch_triton(
         x = x.contiguous()
     parts = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     block_e = triton.next_power_of_2(e)
+    tb = max(1, min(triton.next_power_of_2(t), 2048 // block_e))
     _router_one_launch_kernel[(triton.cdiv(e, 8), splits)](
         x, weight, parts, counters(x.device, 1), bias.contiguous(), weights, ids, t, e, d, x.stride(0),
         float(scale), -1 if extra is None else int(extra), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)),
-        A=top_k, EXTRA=int(extra is not None), RENORM=bool(renormalize and top_k > 1),
-        BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-        TB=max(1, min(triton.next_power_of_2(t), 2048 // block_e)), LIB=LIBDEVICE, num_warps=4,
-        **pdl_args(x),
+        S=splits, G=_in_flight(tb * block_e // 128, splits), A=top_k, EXTRA=int(extra is not None),
+        RENORM=bool(renormalize and top_k > 1), BLOCK_A=triton.next_power_of_2(top_k), BLOCK_E=block_e, TB=tb,
+        LIB=LIBDEVICE, num_warps=4, **pdl_args(x),
     )  # fmt: skip
     return weights, ids
 
