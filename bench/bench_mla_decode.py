@@ -8,6 +8,7 @@ latents read once + queries + output) as TB/s and % of the device copy bandwidth
 and % of a cuBLAS bf16 matmul, both ceilings measured in the same run (at 96 heads the tensor cores bind
 first); the reference's time (the baseline), the speed-up and the relative RMS error against the reference.
 Every sequence of a batch has the same context (no empty splits). --variants times other launch options.
+Then the absorb kernels around the attention (`absorb_table`) against the torch chain, at 32 and 96 heads.
 Timing: common.graph_ms (a graph of back-to-back calls; median).
 
     PYTHONPATH=src python bench/bench_mla_decode.py [--contexts 1024,8192,32768] [--batches 1,8,32]
@@ -108,6 +109,44 @@ def main() -> None:
             row += "".join(f" {_time(lambda: kern(v)):>14.1f}" for v in variants)
             print(row, flush=True)
             torch.cuda.empty_cache()
+    batches = [int(v) for v in args.batches.split(",")]
+    absorb_table(copy_tbs, batches, heads=32)  # Kimi Linear's MLA
+    absorb_table(copy_tbs, batches)  # K3's
+
+
+def absorb_table(copy_tbs: float, batches: list[int], heads: int = H, dn: int = 128, dv: int = 128) -> None:
+    """The query absorption and output projection around the attention (K3RUN_MLA_ABSORB_KERNELS): the two
+    Triton launches against the torch chain they replace (q.float(), einsum with W_UK, the join with the RoPE
+    part; einsum with W_UV, the cast to bf16), us per step's pair. Ceiling: W_UK + W_UV (fp32) once over the
+    copy bandwidth. Back-to-back in a graph both read the same weights, which may stay in L2 (2 x 8 MB at 32
+    heads): the ratio is the comparison, the ceiling a DRAM one."""
+    from k3run.kernels.mla import mla_o_absorb_ref, mla_q_absorb_ref
+    from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w_uk = torch.randn(heads, dn, L, device="cuda", generator=g) / dn**0.5
+    w_uv = torch.randn(heads, dv, L, device="cuda", generator=g) / L**0.5
+    nbytes = (w_uk.numel() + w_uv.numel()) * 4
+    ceil = nbytes / copy_tbs / 1e6
+    print(f"\nabsorb kernels, {heads} heads (d_n {dn}, L {L}, R {R}, d_v {dv}); ceiling {ceil:.1f} us")
+    print(f"{'B':>3} {'kernels us':>10} {'torch us':>9} {'speed-up':>8} {'of ceiling':>10} {'rel err':>8}")
+    for b in batches:
+        q = (torch.randn(b, heads, dn + R, device="cuda", generator=g) / 4).to(torch.bfloat16)
+        o_lat = torch.randn(b, heads, L, device="cuda", generator=g)
+
+        def kernels():
+            return mla_q_absorb_triton(q, w_uk), mla_o_absorb_triton(o_lat, w_uv, torch.bfloat16)
+
+        def torch_chain():
+            return mla_q_absorb_ref(q, w_uk), mla_o_absorb_ref(o_lat, w_uv, torch.bfloat16)
+
+        t_k, t_t = _time(kernels), _time(torch_chain)
+        (jk, ok), (jt, ot) = kernels(), torch_chain()
+        err = max(rel_rms_error(jt, jk), rel_rms_error(ot.float(), ok.float()))
+        print(
+            f"{b:>3} {t_k:>10.1f} {t_t:>9.1f} {t_t / t_k:>7.2f}x {100 * ceil / t_k:>9.0f}% {err:>8.1e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -114,6 +114,12 @@ class Knobs:
         "K3RUN_MLA_DECODE_KERNEL", _flag, True,
         "CUDA: static MLA decode attention on the Triton kernel (0: the fp32 reference)",
     )  # fmt: skip
+    mla_absorb_kernels: bool = _knob(
+        "K3RUN_MLA_ABSORB_KERNELS", _flag, False,
+        "CUDA: a static MLA decode step's query absorption (q_nope . W_UK, joined with the RoPE part) and "
+        "output projection (. W_UV, rounded to the activation dtype) as one Triton launch each, where "
+        "torch's einsums, casts and concatenation take 5-6 (1: on; 0: torch)",
+    )  # fmt: skip
     moe_ops: bool = _knob(
         "K3RUN_MOE_OPS", _flag, True,
         "CUDA: the MoE's router, activation and combine as single Triton launches (0: torch's chains)",

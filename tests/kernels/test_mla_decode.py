@@ -62,7 +62,7 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=3)
+    run_interp_tests_in_child(__file__, expected_passed=6)
 
 
 @interp_only
@@ -78,6 +78,81 @@ def test_interp_mla_decode_kernel_never_reads_past_the_window() -> None:
     # a context length past the window (a corrupt length) attends the whole window, as the reference's mask
     # does, instead of reading positions beyond it
     _check(torch.float32, "cpu", H=3, L=16, R=8, contexts=[2, 10_000], window=16, splits=2, block_n=16)
+
+
+def _absorb_case(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(B * 1000 + H * 10 + dn)
+    q = torch.randn(B, H, dn + R, generator=g).to(dtype).to(device)
+    w_uk = (torch.randn(H, dn, L, generator=g) / dn**0.5).to(device)
+    w_uv = (torch.randn(H, dv, L, generator=g) / L**0.5).to(device)
+    return q, w_uk, w_uv
+
+
+def check_absorb(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.dtype, device: str) -> None:
+    """The two absorb kernels against their references. The joined queries are fp32 sums of dn products in
+    another order: relative RMS <= RTOL[fp32]. The output is an fp32 sum of L products rounded once to
+    dtype: where the two orders straddle a rounding boundary they land one ulp apart, so the bound is one
+    rounding of dtype (fp32: the order alone)."""
+    from k3run.kernels.mla import mla_o_absorb_ref, mla_q_absorb_ref
+    from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
+    from k3run.testing import RTOL as DTYPE_RTOL
+
+    q, w_uk, w_uv = _absorb_case(B, H, dn, L, R, dv, dtype, device)
+    joined = mla_q_absorb_triton(q, w_uk)
+    ref = mla_q_absorb_ref(q.cpu(), w_uk.cpu())
+    assert joined.shape == (B, H, L + R) and joined.dtype == torch.float32
+    assert_close("absorbed queries", ref, joined.cpu(), RTOL[torch.float32])
+    assert torch.equal(joined[..., L:].cpu(), q[..., dn:].float().cpu()), "the RoPE part is a plain copy"
+    o_lat = torch.randn(B, H, L, device=device)
+    out = mla_o_absorb_triton(o_lat, w_uv, dtype)
+    ref_o = mla_o_absorb_ref(o_lat.cpu(), w_uv.cpu(), dtype)
+    assert out.shape == (B, H, dv) and out.dtype == dtype
+    assert_close("output out of latent space", ref_o.float(), out.float().cpu(), DTYPE_RTOL[dtype])
+
+
+def check_decode_absorbed(dtype: torch.dtype, device: str, H: int, dn: int, L: int, R: int, dv: int,
+                          contexts: list[int], window: int) -> None:  # fmt: skip
+    """The four-launch static decode attention against the composed references: the decode kernel's
+    bound for the cache dtype (the absorb kernels' fp32 order is far below it) plus one rounding of the
+    activation dtype (the cache's here)."""
+    from k3run.kernels.mla import mla_decode_absorbed, mla_o_absorb_ref, mla_q_absorb_ref
+    from k3run.testing import RTOL as DTYPE_RTOL
+
+    B = len(contexts)
+    q, w_uk, w_uv = _absorb_case(B, H, dn, L, R, dv, dtype, device)
+    _, _, store, slots, ctx, _, scale = _case(dtype, device, H, L, R, contexts, window)
+    out = mla_decode_absorbed(q, w_uk, w_uv, store, slots, ctx, window, scale, dtype)
+    joined = mla_q_absorb_ref(q.cpu(), w_uk.cpu())
+    o_lat = mla_decode_ref(
+        joined[..., :L], joined[..., L:], store.cpu(), slots.cpu(), ctx.cpu(), window, scale
+    )
+    ref = mla_o_absorb_ref(o_lat, w_uv.cpu(), torch.float32)
+    assert out.shape == (B, H, dv) and out.dtype == dtype
+    assert_close("absorbed decode attention", ref, out.float().cpu(), RTOL[dtype] + DTYPE_RTOL[dtype])
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_absorb_kernels(dtype: torch.dtype) -> None:
+    # 24 NoPE columns (a block of 32, masked), 20 output columns (blocks of 8, the last masked)
+    check_absorb(3, 5, 24, 64, 16, 20, dtype, "cpu")
+
+
+@interp_only
+def test_interp_decode_absorbed() -> None:
+    check_decode_absorbed(torch.float32, "cpu", H=5, dn=24, L=32, R=16, dv=20, contexts=[0, 7, 20], window=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gpu_absorb_kernels_and_decode_at_kimi_widths(batch: int) -> None:
+    """Kimi Linear's and K3's MLA widths (128 NoPE, 512 latent, 64 RoPE, 128 value columns), 32 heads."""
+    check_absorb(batch, 32, 128, 512, 64, 128, torch.bfloat16, "cuda")
+    check_absorb(batch, 32, 128, 512, 64, 128, torch.float32, "cuda")
+    contexts = [0, 100, 1000, 4095, 7, 2047, 3000, 1][:batch]
+    check_decode_absorbed(torch.bfloat16, "cuda", H=32, dn=128, L=512, R=64, dv=128, contexts=contexts,
+                          window=4096)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -135,3 +210,36 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
     in_loop = _local_accesses_in_loops(sass)
     if cfg["num_warps"] == 8:
         assert not in_loop, f"spilled inside a loop ({use.group(0)}): {in_loop}"
+
+
+@pytest.mark.parametrize("which", ["q", "o"])
+def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
+    """At Kimi's widths (128 NoPE, 512 latent, 64 RoPE, 128 value columns) the weight tile each program holds
+    (32 latent x 128 NoPE, or 8 value x 512 latent, fp32) fits its 128 threads' registers."""
+    import inspect
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3run.kernels.mla import triton as mt
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    if which == "q":
+        kernel = mt._mla_q_absorb_kernel
+        consts = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True)
+        types = dict(q_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32")
+    else:
+        kernel = mt._mla_o_absorb_kernel
+        consts = dict(DV=128, L=512, BV=8, PDL=True)
+        types = dict(o_ptr="*fp32", w_ptr="*fp32", out_ptr="*bf16")
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in params}
+    src = ASTSource(kernel, sig, {(params.index(c),): v for c, v in consts.items()})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "griddepcontrol.wait" in ck.asm["ptx"]
+    res, _ = cubin_usage_and_sass(ck)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None, res
+    assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"

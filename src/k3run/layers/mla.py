@@ -26,7 +26,12 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, MLALayerCache
-from k3run.kernels.mla import decode_kernel_enabled, mla_decode_attention
+from k3run.kernels.mla import (
+    absorb_kernels_enabled,
+    decode_kernel_enabled,
+    mla_decode_absorbed,
+    mla_decode_attention,
+)
 from k3run.layers.branch import Branch
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from k3run.layers.norm import RMSNorm
@@ -278,7 +283,8 @@ class KimiMLA(nn.Module):
         """A static decode step (ctx.attn_window, one token per sequence, T = B): store each sequence's new
         latent at position context_lens[b] of its slot, then absorbed attention over the first attn_window
         positions of the slot with the positions after context_lens[b] masked. Device tensors only, so a
-        CUDA graph can capture it. q [B, H, d_q], latent [B, L + R] -> [B, H, d_v] fp32."""
+        CUDA graph can capture it. q [B, H, d_q], latent [B, L + R] -> [B, H, d_v] fp32 (in the activation
+        dtype from the absorb kernels, K3RUN_MLA_ABSORB_KERNELS=1, when no output gate follows)."""
         if cache is None or ctx.slots is None:
             raise ValueError(f"{self.prefix}: a static decode step needs the MLA cache and ctx.slots")
         if self.w_uk is None or self.w_uv is None:
@@ -292,6 +298,12 @@ class KimiMLA(nn.Module):
             )
         dn = self.qk_nope_head_dim
         store[ctx.slots, ctx.context_lens] = latent.to(store.dtype)
+        if absorb_kernels_enabled(q.device) and decode_kernel_enabled(q.device):
+            # [B, H, d_v] in the activation dtype (fp32 where an output gate follows, applied in fp32)
+            out_dtype = torch.float32 if self.use_output_gate else q.dtype
+            return mla_decode_absorbed(
+                q, self.w_uk, self.w_uv, store, ctx.slots, ctx.context_lens, W, self.scale, out_dtype
+            )
         qf = q.float()
         q_lat = torch.einsum("bhd,hdl->bhl", qf[..., :dn], self.w_uk)  # [B, H, L]
         o_lat = mla_decode_attention(q_lat, qf[..., dn:], store, ctx.slots, ctx.context_lens, W, self.scale)
@@ -352,7 +364,7 @@ class KimiMLA(nn.Module):
         latent = torch.cat([c, kv_a[:, self.kv_lora_rank :]], dim=-1)  # [T, L + R]
         q = q_branch.result().reshape(T, H, self.qk_head_dim)
         if ctx.is_static:
-            o = self._attend_static(q, latent, ctx, layer_cache)  # [T, H, d_v] fp32
+            o = self._attend_static(q, latent, ctx, layer_cache)  # [T, H, d_v]
         elif ctx.padded_prefill:
             o = self._attend_padded_prefill(q, latent, ctx, layer_cache)
         else:

@@ -6,7 +6,9 @@ the Triton kernel (`triton.py`) reads only each sequence's real positions from t
 flash-decoding style), with no window copies.
 
 On CUDA the kernel is the default (checked against the reference on an H200 and 4-14x faster than it at K3's
-widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead.
+widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead. With
+K3RUN_MLA_ABSORB_KERNELS=1, `mla_decode_absorbed` also does the query absorption (q_nope . W_UK) and the
+output projection (. W_UV) in one launch each.
 """
 
 from __future__ import annotations
@@ -15,11 +17,38 @@ import torch
 
 from k3run.knobs import knobs
 
-from .ref import mla_decode_ref
+from .ref import mla_decode_ref, mla_o_absorb_ref, mla_q_absorb_ref
 
 
 def decode_kernel_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and knobs().mla_decode_kernel
+
+
+def absorb_kernels_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and knobs().mla_absorb_kernels
+
+
+def mla_decode_absorbed(
+    q: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    store: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The whole absorbed decode attention of a static step on CUDA in four launches: the queries absorbed
+    and joined (`mla_q_absorb_triton`), the split kernel and its merge, the output out of latent space
+    rounded to out_dtype (`mla_o_absorb_triton`). q [B, H, d_n + R] -> [B, H, d_v]; the reference is
+    mla_o_absorb_ref(mla_decode_ref(*split(mla_q_absorb_ref(q, w_uk))), w_uv, out_dtype)."""
+    from .triton import mla_decode_joined_triton, mla_o_absorb_triton, mla_q_absorb_triton
+
+    L = w_uk.shape[2]
+    joined = mla_q_absorb_triton(q, w_uk)
+    o_lat = mla_decode_joined_triton(joined, L, store, slots, context_lens, window, scale)
+    return mla_o_absorb_triton(o_lat, w_uv, out_dtype)
 
 
 def mla_decode_attention(
@@ -39,4 +68,7 @@ def mla_decode_attention(
     return mla_decode_ref(q_lat, q_pe, store, slots, context_lens, window, scale)
 
 
-__all__ = ["decode_kernel_enabled", "mla_decode_attention", "mla_decode_ref"]
+__all__ = [
+    "absorb_kernels_enabled", "decode_kernel_enabled", "mla_decode_absorbed", "mla_decode_attention",
+    "mla_decode_ref", "mla_o_absorb_ref", "mla_q_absorb_ref",
+]  # fmt: skip

@@ -28,3 +28,18 @@ def mla_decode_ref(
     visible = torch.arange(window, device=q_lat.device)[None, :] <= context_lens[:, None]  # [B, W]
     p = torch.softmax((scores * scale).masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
     return torch.einsum("bhs,bsl->bhl", p, c)  # [B, H, L]
+
+
+def mla_q_absorb_ref(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [B, H, d_n + R] (the query: NoPE then RoPE part), w_uk [H, d_n, L] fp32 -> [B, H, L + R] fp32: the
+    NoPE query absorbed into latent space (q_nope . W_UK per head), then the RoPE part, as the decode kernel
+    takes its queries."""
+    dn = w_uk.shape[1]
+    qf = q.float()
+    return torch.cat([torch.einsum("bhd,hdl->bhl", qf[..., :dn], w_uk), qf[..., dn:]], dim=-1)
+
+
+def mla_o_absorb_ref(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """o_lat [B, H, L] fp32, w_uv [H, d_v, L] fp32 -> [B, H, d_v] in out_dtype: the attention output out of
+    latent space (o_lat . W_UV^T per head) in fp32, rounded once."""
+    return torch.einsum("bhl,hvl->bhv", o_lat.float(), w_uv).to(out_dtype)

@@ -103,6 +103,99 @@ def _mla_merge_kernel(
     tl.store(out_ptr + (b * H + h).to(tl.int64) * L + cl, acc)
 
 
+@triton.jit
+def _mla_q_absorb_kernel(
+    q_ptr, w_ptr, out_ptr, B, H, sqb, sqh, DN: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (head h, latent block): out[b, h, block] = q[b, h, :DN] . W_UK[h, :, block] in fp32 for every
+    b, and (block 0's program) out[b, h, L:] = q[b, h, DN:] in fp32: the decode kernel's [B, H, L + R]
+    queries in one launch. W_UK is a parameter: its tile loads before the PDL wait."""
+    h = tl.program_id(0)
+    lb = tl.program_id(1)
+    d = tl.arange(0, BLOCK_DN)
+    dm = d < DN
+    cl = lb * BL + tl.arange(0, BL)
+    w = tl.load(w_ptr + (h * DN + d).to(tl.int64)[:, None] * L + cl[None, :], mask=dm[:, None], other=0.0)
+    pdl_enter(PDL)
+    cr = tl.arange(0, R)
+    for b in range(0, B):
+        q_row = q_ptr + b * sqb + h * sqh
+        qn = tl.load(q_row + d, mask=dm, other=0.0).to(tl.float32)
+        out_row = out_ptr + (b * H + h) * (L + R)
+        tl.store(out_row + cl, tl.sum(qn[:, None] * w, axis=0))
+        if lb == 0:
+            tl.store(out_row + L + cr, tl.load(q_row + DN + cr).to(tl.float32))
+
+
+@triton.jit
+def _mla_o_absorb_kernel(
+    o_ptr, w_ptr, out_ptr, B, H, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (head h, block of BV output columns): out[b, h, v] = o_lat[b, h, :] . W_UV[h, v, :] in fp32,
+    rounded once to out's dtype, for every b. W_UV's tile loads before the PDL wait."""
+    h = tl.program_id(0)
+    v = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = v < DV
+    cl = tl.arange(0, L)
+    w = tl.load(w_ptr + (h * DV + v).to(tl.int64)[:, None] * L + cl[None, :], mask=vm[:, None], other=0.0)
+    pdl_enter(PDL)
+    for b in range(0, B):
+        ol = tl.load(o_ptr + (b * H + h) * L + cl)
+        acc = tl.sum(w * ol[None, :], axis=1)
+        tl.store(out_ptr + (b * H + h) * DV + v, acc.to(out_ptr.dtype.element_ty), mask=vm)
+
+
+def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """mla_q_absorb_ref in one launch: q [B, H, d_n + R] (unit last stride), w_uk [H, d_n, L] fp32
+    contiguous, L and R powers of two -> [B, H, L + R] fp32."""
+    B, H, dq = q.shape
+    _, dn, L = w_uk.shape
+    R = dq - dn
+    if (
+        w_uk.shape[0] != H
+        or R < 1
+        or q.stride(2) != 1
+        or not w_uk.is_contiguous()
+        or w_uk.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"mla_q_absorb: expected q [B, H, d_n + R] with a unit last stride and a contiguous fp32 W_UK "
+            f"[H, d_n, L]; got q {tuple(q.shape)} strides {q.stride()}, W_UK {tuple(w_uk.shape)} {w_uk.dtype}"
+        )
+    if L & (L - 1) or R & (R - 1):
+        raise ValueError(f"mla_q_absorb: L = {L} and R = {R} must be powers of two")
+    out = torch.empty(B, H, L + R, dtype=torch.float32, device=q.device)
+    bl = min(32, L)
+    _mla_q_absorb_kernel[(H, L // bl)](
+        q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=triton.next_power_of_2(dn),
+        BL=bl, num_warps=4, **pdl_args(q),
+    )  # fmt: skip
+    return out
+
+
+def mla_o_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """mla_o_absorb_ref in one launch: o_lat [B, H, L] fp32 contiguous, w_uv [H, d_v, L] fp32 contiguous,
+    L a power of two -> [B, H, d_v] in out_dtype."""
+    B, H, L = o_lat.shape
+    dv = w_uv.shape[1]
+    if (
+        w_uv.shape[0] != H or w_uv.shape[2] != L or not (o_lat.is_contiguous() and w_uv.is_contiguous())
+        or o_lat.dtype != torch.float32 or w_uv.dtype != torch.float32 or L & (L - 1)
+    ):  # fmt: skip
+        raise ValueError(
+            f"mla_o_absorb: expected contiguous fp32 o_lat [B, H, L] and W_UV [H, d_v, L], L a power of two; "
+            f"got o_lat {tuple(o_lat.shape)} {o_lat.dtype}, W_UV {tuple(w_uv.shape)} {w_uv.dtype}"
+        )
+    out = torch.empty(B, H, dv, dtype=out_dtype, device=o_lat.device)
+    bv = 8
+    _mla_o_absorb_kernel[(H, triton.cdiv(dv, bv))](
+        o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, num_warps=4, **pdl_args(o_lat)
+    )
+    return out
+
+
 def choose_splits(
     batch: int, window: int, head_blocks: int, sms: int = 132, min_chunk: int = 64, per_sm: int = 2
 ) -> int:
@@ -139,7 +232,31 @@ def mla_decode_triton(
     (block_h, block_n, num_warps, num_stages, per_sm) default to `decode_config(B, window)`; `launch`
     overrides some of them (benchmarks, tests)."""
     B, H, L = q_lat.shape
-    R = q_pe.shape[-1]
+    _check_store(store, L, q_pe.shape[-1], window)
+    cfg = decode_config(B, window)
+    unknown = set(launch) - set(cfg)
+    if unknown:
+        raise ValueError(f"mla_decode: unknown launch options {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update({key: v for key, v in launch.items() if v is not None})
+    q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()  # [B, H, L + R]
+    return _decode(q, L, store, slots, context_lens, window, scale, splits, cfg)
+
+
+def mla_decode_joined_triton(
+    q: torch.Tensor, L: int, store: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    window: int, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """mla_decode_triton with the queries already joined: q [B, H, L + R] fp32 contiguous, as
+    `mla_q_absorb_triton` writes them (no concatenation launch)."""
+    B, H, LR = q.shape
+    R = LR - L
+    _check_store(store, L, R, window)
+    if q.dtype != torch.float32 or not q.is_contiguous():
+        raise ValueError(f"mla_decode: joined queries must be contiguous fp32, got {q.dtype} {q.stride()}")
+    return _decode(q, L, store, slots, context_lens, window, scale, None, decode_config(B, window))
+
+
+def _check_store(store: torch.Tensor, L: int, R: int, window: int) -> None:
     if store.dim() != 3 or store.shape[2] != L + R or window > store.shape[1]:
         raise ValueError(f"mla_decode: store must be [S, >= {window}, {L + R}], got {tuple(store.shape)}")
     if store.stride(2) != 1:
@@ -148,12 +265,14 @@ def mla_decode_triton(
         raise ValueError(f"mla_decode: L = {L} and R = {R} must be powers of two")
     if window * store.stride(1) >= 2**31:
         raise ValueError(f"mla_decode: window {window} x row stride {store.stride(1)} overflows int32")
-    cfg = decode_config(B, window)
-    unknown = set(launch) - set(cfg)
-    if unknown:
-        raise ValueError(f"mla_decode: unknown launch options {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update({key: v for key, v in launch.items() if v is not None})
-    q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()  # [B, H, L + R]
+
+
+def _decode(
+    q: torch.Tensor, L: int, store: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    window: int, scale: float, splits: int | None, cfg: dict,
+) -> torch.Tensor:  # fmt: skip
+    B, H, LR = q.shape
+    R = LR - L
     head_blocks = triton.cdiv(H, cfg["block_h"])
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
