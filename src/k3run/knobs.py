@@ -116,9 +116,9 @@ class Knobs:
     )  # fmt: skip
     mla_absorb_kernels: bool = _knob(
         "K3RUN_MLA_ABSORB_KERNELS", _flag, False,
-        "CUDA: a static MLA decode step's query absorption (q_nope . W_UK, joined with the RoPE part) and "
-        "output projection (. W_UV, rounded to the activation dtype) as one Triton launch each, where "
-        "torch's einsums, casts and concatenation take 5-6 (1: on; 0: torch)",
+        "CUDA: a static MLA decode step's latent (norm, join, cache store), query absorption (q_nope . "
+        "W_UK, joined with the RoPE part) and output projection (. W_UV, rounded to the activation dtype) "
+        "as one Triton launch each, where torch's take 9-10 (1: on; 0: torch)",
     )  # fmt: skip
     moe_ops: bool = _knob(
         "K3RUN_MOE_OPS", _flag, True,

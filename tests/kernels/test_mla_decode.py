@@ -62,7 +62,7 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=6)
+    run_interp_tests_in_child(__file__, expected_passed=8)
 
 
 @interp_only
@@ -131,6 +131,44 @@ def check_decode_absorbed(dtype: torch.dtype, device: str, H: int, dn: int, L: i
     assert_close("absorbed decode attention", ref, out.float().cpu(), RTOL[dtype] + DTYPE_RTOL[dtype])
 
 
+def check_latent_store(B: int, L: int, R: int, dtype: torch.dtype, device: str) -> None:
+    """The latent store kernel against the reference: the normalised columns are one rounding of dtype from
+    fp32 values computed in another order (a multiply by 1 / sqrt where the reference divides): bound
+    RTOL[dtype]; the RoPE columns are copies. Untouched cache rows stay as they were, and a position past
+    the cache (the last row's) writes nothing."""
+    from k3run.kernels.mla import mla_latent_store_ref
+    from k3run.kernels.mla.triton import mla_latent_store_triton
+    from k3run.testing import RTOL as DTYPE_RTOL
+
+    g = torch.Generator().manual_seed(B * 7 + L)
+    kv_a = (torch.randn(B, L + R + 3, generator=g) * 2).to(dtype)[:, : L + R]  # a row stride past L + R
+    weight = torch.rand(L, generator=g) + 0.5
+    S, N = B + 2, 9
+    store = torch.randn(S, N, L + R, generator=g).to(dtype)
+    slots = torch.randperm(S, generator=g)[:B]
+    positions = torch.randint(0, N, (B,), generator=g)
+    positions[-1] = N + 4  # corrupt: past the cache
+    want = store.clone()
+    mla_latent_store_ref(kv_a[:-1], weight, 1e-6, want, slots[:-1], positions[:-1])
+    got = store.to(device)
+    mla_latent_store_triton(
+        kv_a.to(device), weight.to(device), 1e-6, got, slots.to(device), positions.to(device)
+    )
+    got = got.cpu()
+    rows = (slots[:-1], positions[:-1])
+    assert_close("normalised latents", want[rows][:, :L].float(), got[rows][:, :L].float(), DTYPE_RTOL[dtype])
+    assert torch.equal(got[rows][:, L:], want[rows][:, L:]), "the RoPE columns are copies"
+    untouched = torch.ones(S, N, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(got[untouched], store[untouched]), "a row no token owns was written"
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_latent_store(dtype: torch.dtype) -> None:
+    check_latent_store(4, 32, 16, dtype, "cpu")
+
+
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_interp_absorb_kernels(dtype: torch.dtype) -> None:
@@ -150,6 +188,7 @@ def test_gpu_absorb_kernels_and_decode_at_kimi_widths(batch: int) -> None:
     """Kimi Linear's and K3's MLA widths (128 NoPE, 512 latent, 64 RoPE, 128 value columns), 32 heads."""
     check_absorb(batch, 32, 128, 512, 64, 128, torch.bfloat16, "cuda")
     check_absorb(batch, 32, 128, 512, 64, 128, torch.float32, "cuda")
+    check_latent_store(batch + 1, 512, 64, torch.bfloat16, "cuda")
     contexts = [0, 100, 1000, 4095, 7, 2047, 3000, 1][:batch]
     check_decode_absorbed(torch.bfloat16, "cuda", H=32, dn=128, L=512, R=64, dv=128, contexts=contexts,
                           window=4096)  # fmt: skip

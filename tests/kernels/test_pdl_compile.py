@@ -1,8 +1,8 @@
 """The decode step's small Triton kernels compiled for sm_90 on the CPU (no GPU needed), with and without
 programmatic dependent launch (kernels/pdl.py): each builds, and with PDL its first instructions are the
 grid-dependency wait and the early launch of the next kernel, before any global load, store or atomic (so it
-reads and writes nothing the previous kernel may still be writing or reading), except the router kernels'
-loads of their weight tile, a parameter; without PDL there is neither.
+reads and writes nothing the previous kernel may still be writing or reading), except the loads of a
+parameter's tile (the router's weight, MLA's W_UK / W_UV); without PDL there is neither.
 What the kernels compute is checked by their interpreter and GPU tests."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 triton = pytest.importorskip("triton")
 
 _MEMORY = re.compile(r"\b(ld|st|atom|red)\.(global|shared)|\bcp\.async")
-# kernels that read a parameter (the router's fp32 weight tile) before the wait, as the NVFP4 GEMVs stage
-# their first weight tiles: there only global loads may precede it
-_PREFETCH = {"router partials", "router in one launch"}
+# kernels that read a parameter (the router's fp32 weight tile, MLA's W_UK / W_UV tile) before the wait, as
+# the NVFP4 GEMVs stage their first weight tiles: there only global loads may precede it
+_PREFETCH = {"router partials", "router in one launch", "MLA q absorb", "MLA o absorb"}
 # integer pointer arguments by name; every other pointer has the case's dtype
 _INT_PTRS = {"cnt_ptr": "*i32", "grp_ptr": "*i32", "first_ptr": "*i32", "rank_ptr": "*i32", "id_ptr": "*i64",
-             "io_ptr": "*i64"}  # fmt: skip
+             "io_ptr": "*i64", "slots_ptr": "*i64", "pos_ptr": "*i64"}  # fmt: skip
 
 
 def _kernels():
@@ -54,6 +54,10 @@ def _kernels():
         "MLA decode splits": (mla._mla_decode_split_kernel, "bf16", {**f32, **mla_ptrs},
                               dict(L=512, R=64, BLOCK_H=32, BLOCK_N=64, IEEE=False)),
         "MLA merge": (mla._mla_merge_kernel, "fp32", f32, dict(L=512, BLOCK_S=8)),
+        "MLA q absorb": (mla._mla_q_absorb_kernel, "fp32", f32,
+                         dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32)),
+        "MLA o absorb": (mla._mla_o_absorb_kernel, "fp32", f32, dict(DV=128, L=512, BV=8)),
+        "MLA latent store": (mla._mla_latent_store_kernel, "bf16", f32, dict(L=512, R=64)),
         "expert_groups": (groups._expert_groups_kernel, "i64", f32,
                           dict(BT=16, BLOCK_P=64, BLOCK_E=512, BLOCK_G=64, BLOCK_C=32)),
     }  # fmt: skip

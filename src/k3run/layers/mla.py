@@ -31,6 +31,7 @@ from k3run.kernels.mla import (
     decode_kernel_enabled,
     mla_decode_absorbed,
     mla_decode_attention,
+    mla_latent_store,
 )
 from k3run.layers.branch import Branch
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -278,32 +279,36 @@ class KimiMLA(nn.Module):
         return batch * window * (width * (act + 4) + 4 * 4 * self.local_heads)
 
     def _attend_static(
-        self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
+        self, q: torch.Tensor, kv_a: torch.Tensor, ctx: ForwardContext, cache: MLALayerCache | None
     ) -> torch.Tensor:
         """A static decode step (ctx.attn_window, one token per sequence, T = B): store each sequence's new
-        latent at position context_lens[b] of its slot, then absorbed attention over the first attn_window
-        positions of the slot with the positions after context_lens[b] masked. Device tensors only, so a
-        CUDA graph can capture it. q [B, H, d_q], latent [B, L + R] -> [B, H, d_v] fp32 (in the activation
-        dtype from the absorb kernels, K3RUN_MLA_ABSORB_KERNELS=1, when no output gate follows)."""
+        latent (from kv_a [B, L + R]) at position context_lens[b] of its slot, then absorbed attention over
+        the first attn_window positions of the slot with the positions after context_lens[b] masked. Device
+        tensors only, so a CUDA graph can capture it. q [B, H, d_q] -> [B, H, d_v] fp32; with
+        K3RUN_MLA_ABSORB_KERNELS=1 on CUDA, the four launches of `mla_decode_absorbed` after one that
+        normalises and stores the latent, the output in the activation dtype unless an output gate follows."""
         if cache is None or ctx.slots is None:
             raise ValueError(f"{self.prefix}: a static decode step needs the MLA cache and ctx.slots")
         if self.w_uk is None or self.w_uv is None:
             raise RuntimeError(f"{self.prefix}: call process_after_loading() before absorbed attention")
         store, W = cache.latent, ctx.attn_window
         assert W is not None
-        if store.dim() != 3 or store.shape[2] != latent.shape[1] or W > store.shape[1]:
+        width = kv_a.shape[1]
+        if store.dim() != 3 or store.shape[2] != width or W > store.shape[1]:
             raise ValueError(
-                f"{self.prefix}: latent cache must be [S, >= {W}, {latent.shape[1]}] for a static step of "
-                f"window {W}, got {tuple(store.shape)}"
+                f"{self.prefix}: latent cache must be [S, >= {W}, {width}] for a static step of window {W}, "
+                f"got {tuple(store.shape)}"
             )
         dn = self.qk_nope_head_dim
-        store[ctx.slots, ctx.context_lens] = latent.to(store.dtype)
         if absorb_kernels_enabled(q.device) and decode_kernel_enabled(q.device):
+            norm = self.kv_a_layernorm
+            mla_latent_store(kv_a, norm.weight, norm.eps, store, ctx.slots, ctx.context_lens)
             # [B, H, d_v] in the activation dtype (fp32 where an output gate follows, applied in fp32)
             out_dtype = torch.float32 if self.use_output_gate else q.dtype
             return mla_decode_absorbed(
                 q, self.w_uk, self.w_uv, store, ctx.slots, ctx.context_lens, W, self.scale, out_dtype
             )
+        store[ctx.slots, ctx.context_lens] = self._latent(kv_a).to(store.dtype)
         qf = q.float()
         q_lat = torch.einsum("bhd,hdl->bhl", qf[..., :dn], self.w_uk)  # [B, H, L]
         o_lat = mla_decode_attention(q_lat, qf[..., dn:], store, ctx.slots, ctx.context_lens, W, self.scale)
@@ -345,6 +350,12 @@ class KimiMLA(nn.Module):
 
     # forward
 
+    def _latent(self, kv_a: torch.Tensor) -> torch.Tensor:
+        """kv_a [T, L + R] -> the latent [T, L + R]: the first L columns through kv_a_layernorm, then the
+        RoPE columns as they are."""
+        c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
+        return torch.cat([c, kv_a[:, self.kv_lora_rank :]], dim=-1)
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is not None:
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -360,11 +371,10 @@ class KimiMLA(nn.Module):
         # the query beside the latent's chain (column-parallel: no collective on the side stream)
         q_branch = Branch(lambda: self._query(x), x)
         kv_a = self.kv_a_proj_with_mqa(x)  # [T, L + R]
-        c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
-        latent = torch.cat([c, kv_a[:, self.kv_lora_rank :]], dim=-1)  # [T, L + R]
+        latent = None if ctx.is_static else self._latent(kv_a)  # a static step stores its own
         q = q_branch.result().reshape(T, H, self.qk_head_dim)
-        if ctx.is_static:
-            o = self._attend_static(q, latent, ctx, layer_cache)  # [T, H, d_v]
+        if latent is None:
+            o = self._attend_static(q, kv_a, ctx, layer_cache)  # [T, H, d_v]
         elif ctx.padded_prefill:
             o = self._attend_padded_prefill(q, latent, ctx, layer_cache)
         else:

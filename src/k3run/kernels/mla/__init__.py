@@ -7,8 +7,9 @@ flash-decoding style), with no window copies.
 
 On CUDA the kernel is the default (checked against the reference on an H200 and 4-14x faster than it at K3's
 widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead. With
-K3RUN_MLA_ABSORB_KERNELS=1, `mla_decode_absorbed` also does the query absorption (q_nope . W_UK) and the
-output projection (. W_UV) in one launch each.
+K3RUN_MLA_ABSORB_KERNELS=1, `mla_latent_store` normalises, joins and stores the step's latents in one
+launch, and `mla_decode_absorbed` also does the query absorption (q_nope . W_UK) and the output projection
+(. W_UV) in one launch each.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from k3run.knobs import knobs
 
-from .ref import mla_decode_ref, mla_o_absorb_ref, mla_q_absorb_ref
+from .ref import mla_decode_ref, mla_latent_store_ref, mla_o_absorb_ref, mla_q_absorb_ref
 
 
 def decode_kernel_enabled(device: torch.device) -> bool:
@@ -26,6 +27,20 @@ def decode_kernel_enabled(device: torch.device) -> bool:
 
 def absorb_kernels_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and knobs().mla_absorb_kernels
+
+
+def mla_latent_store(
+    kv_a: torch.Tensor, weight: torch.Tensor, eps: float, store: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:  # fmt: skip
+    """Normalise, join and store each row's latent in the cache (mla_latent_store_ref); one launch on CUDA
+    with K3RUN_MLA_ABSORB_KERNELS=1."""
+    if absorb_kernels_enabled(kv_a.device):
+        from .triton import mla_latent_store_triton
+
+        mla_latent_store_triton(kv_a, weight, eps, store, slots, positions)
+    else:
+        mla_latent_store_ref(kv_a, weight, eps, store, slots, positions)
 
 
 def mla_decode_absorbed(
@@ -70,5 +85,5 @@ def mla_decode_attention(
 
 __all__ = [
     "absorb_kernels_enabled", "decode_kernel_enabled", "mla_decode_absorbed", "mla_decode_attention",
-    "mla_decode_ref", "mla_o_absorb_ref", "mla_q_absorb_ref",
+    "mla_decode_ref", "mla_latent_store", "mla_latent_store_ref", "mla_o_absorb_ref", "mla_q_absorb_ref",
 ]  # fmt: skip

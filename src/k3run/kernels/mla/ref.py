@@ -43,3 +43,16 @@ def mla_o_absorb_ref(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.d
     """o_lat [B, H, L] fp32, w_uv [H, d_v, L] fp32 -> [B, H, d_v] in out_dtype: the attention output out of
     latent space (o_lat . W_UV^T per head) in fp32, rounded once."""
     return torch.einsum("bhl,hvl->bhv", o_lat.float(), w_uv).to(out_dtype)
+
+
+def mla_latent_store_ref(
+    kv_a: torch.Tensor, weight: torch.Tensor, eps: float, store: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:  # fmt: skip
+    """Store each row's latent in the cache: kv_a [B, L + R] (L = weight's length), the first L columns
+    RMS-normalised in fp32 (x / sqrt(mean(x^2) + eps) * weight) and rounded to kv_a's dtype, joined with the
+    RoPE columns, written in the store's dtype at store[slots[b], positions[b]]."""
+    L = weight.shape[0]
+    x = kv_a[:, :L].float()
+    c = (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(kv_a.dtype)
+    store[slots, positions] = torch.cat([c, kv_a[:, L:]], dim=-1).to(store.dtype)

@@ -147,6 +147,57 @@ def _mla_o_absorb_kernel(
         tl.store(out_ptr + (b * H + h) * DV + v, acc.to(out_ptr.dtype.element_ty), mask=vm)
 
 
+@triton.jit
+def _mla_latent_store_kernel(
+    kv_ptr, w_ptr, store_ptr, slots_ptr, pos_ptr, sk, stride_slot, stride_pos, max_len, eps, L: tl.constexpr,
+    R: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program b: the latent of row b of kv_a [B, L + R] (the first L columns RMS-normalised with w, in fp32
+    and rounded to kv_a's dtype as the norm kernel does; the RoPE columns as they are) stored in the cache's
+    dtype at position pos[b] of slot slots[b]. A position past the cache is not written (a corrupt length
+    must not write out of bounds)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    cl = tl.arange(0, L)
+    cr = tl.arange(0, R)
+    row = kv_ptr + b.to(tl.int64) * sk
+    x = tl.load(row + cl).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+    y = (x * r * tl.load(w_ptr + cl).to(tl.float32)).to(kv_ptr.dtype.element_ty)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    dst = store_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_slot + pos * stride_pos
+    dt = store_ptr.dtype.element_ty
+    tl.store(dst + cl, y.to(dt), mask=(cl * 0 + pos) < max_len)
+    tl.store(dst + L + cr, tl.load(row + L + cr).to(dt), mask=(cr * 0 + pos) < max_len)
+
+
+def mla_latent_store_triton(
+    kv_a: torch.Tensor, weight: torch.Tensor, eps: float, store: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:  # fmt: skip
+    """mla_latent_store_ref in one launch: kv_a [B, L + R] (unit last stride), the norm's weight [L], the
+    cache store [S, N, L + R] (unit last stride), slots and positions [B]; L and R powers of two."""
+    B, LR = kv_a.shape
+    L = weight.shape[0]
+    R = LR - L
+    if (
+        store.dim() != 3 or store.shape[2] != LR or store.stride(2) != 1 or kv_a.stride(1) != 1 or R < 1
+        or L & (L - 1) or R & (R - 1) or slots.shape != (B,) or positions.shape != (B,)
+    ):  # fmt: skip
+        raise ValueError(
+            f"mla_latent_store: expected kv_a [B, L + R] and store [S, N, L + R] with unit last strides, L "
+            f"and R powers of two, slots and positions [B]; got kv_a {tuple(kv_a.shape)}, weight "
+            f"{tuple(weight.shape)}, store {tuple(store.shape)}, slots {tuple(slots.shape)}, positions "
+            f"{tuple(positions.shape)}"
+        )
+    if B == 0:
+        return
+    _mla_latent_store_kernel[(B,)](
+        kv_a, weight, store, slots, positions, kv_a.stride(0), store.stride(0), store.stride(1),
+        store.shape[1], float(eps), L=L, R=R, num_warps=max(1, min(16, L // 512)), **pdl_args(kv_a),
+    )  # fmt: skip
+
+
 def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """mla_q_absorb_ref in one launch: q [B, H, d_n + R] (unit last stride), w_uk [H, d_n, L] fp32
     contiguous, L and R powers of two -> [B, H, L + R] fp32."""
