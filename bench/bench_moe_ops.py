@@ -6,7 +6,7 @@ the bandwidth ceiling: the bytes the operation must read and write at the copy b
 run. Also the expert grouping (`expert_groups`) at the same sizes, and the old and new outputs compared.
 Needs CUDA.
 
-    python3 bench/bench_moe_ops.py [--batches 1,8,32]
+    python3 bench/bench_moe_ops.py [--batches 1,8,16,32,64]
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ def _kernel_router(x, w, bias, k, scale):
     return sigmoid_topk_triton(router_partials(x, w), bias, k, True, scale)
 
 
+def _cublas_router(x, w, bias, k, scale):  # the model's router above LOGITS_MAX_TOKENS today
+    return sigmoid_topk_triton(x.float() @ w.t(), bias, k, True, scale)
+
+
+def _dot_router(x, w, bias, k, scale):  # K3RUN_MOE_ROUTER_DOT's path
+    return sigmoid_topk_triton(router_partials(x, w, dot=True), bias, k, True, scale)
+
+
 def _torch_gated(gu, kind, beta, lb):
     i = gu.shape[1] // 2
     return ref.gated_ref(gu[:, :i], gu[:, i:], kind, beta, lb).to(gu.dtype)
@@ -57,7 +65,7 @@ def _torch_gated(gu, kind, beta, lb):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,8,16,32,64")
     args = ap.parse_args()
     tbs = copy_bandwidth()
     print(f"copy bandwidth {tbs:.2f} TB/s")
@@ -80,6 +88,11 @@ def main() -> None:
                 ("router (logits + top-k)", partial(_torch_router, x, w, bias, k, 2.0),
                  partial(_kernel_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
             )  # fmt: skip
+            if t >= 9:  # baseline column: cuBLAS logits + the top-k kernel, the model's path above 16 tokens
+                rows.append(
+                    ("router, dot partials (vs cuBLAS)", partial(_cublas_router, x, w, bias, k, 2.0),
+                     partial(_dot_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
+                )  # fmt: skip
             if router_one_launch_fits(t, e, d):  # baseline column: the two launches it replaces
                 one = partial(route_one_launch_triton, x, w, bias, k, True, 2.0)
                 rows.append(

@@ -34,8 +34,8 @@
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 after a compiling warm-up probe: as shipped,
-#           K3RUN_PDL_ALL=0, each of K3RUN_MOE_ROUTER_ONE_LAUNCH=1 / K3RUN_MOE_COMBINE_IN_NORM=1 /
-#           K3RUN_MOE_ACT_IN_GEMM1=1 / K3RUN_MLA_ABSORB_KERNELS=1 alone, as shipped again; uniform routing (the
+#           each of K3RUN_MOE_ROUTER_ONE_LAUNCH=1 / K3RUN_MOE_COMBINE_IN_NORM=1 / K3RUN_MOE_ACT_IN_GEMM1=1 /
+#           K3RUN_MLA_ABSORB_KERNELS=1 / K3RUN_MOE_ROUTER_DOT=64 alone, as shipped again; uniform routing (the
 #           random model's own routing collapses onto a few experts); every probe's output in decodeab.txt
 #   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
 #           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
@@ -91,7 +91,7 @@ for stage in "${stages[@]}"; do
         | grep -v '^ ' | tail -40 ;;
     prefill) timeout 300 python3 bench/probe_prefill.py --model kimi-linear --tokens 8192 2>&1 \
         | tee "$OUT/probe_prefill.txt" | grep -v -i warn | tail -16 ;;
-    decode) timeout 90 python3 bench/bench_moe_ops.py 2>&1 | tee "$OUT/bench_moe_ops.txt" | tail -30
+    decode) timeout 150 python3 bench/bench_moe_ops.py 2>&1 | tee "$OUT/bench_moe_ops.txt" | tail -44
         timeout 320 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --profile 3 \
             2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
         K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
@@ -117,8 +117,8 @@ for stage in "${stages[@]}"; do
             >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
     decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1 --steps 4 --uniform-routing \
             >"$OUT/decode_warm.txt" 2>&1  # a fresh machine compiles every kernel here; its row is not used
-        for cfg in K3RUN_PDL_ALL=1 K3RUN_PDL_ALL=0 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 \
-                K3RUN_MOE_ACT_IN_GEMM1=1 K3RUN_MLA_ABSORB_KERNELS=1 K3RUN_PDL_ALL=1; do
+        for cfg in K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 \
+                K3RUN_MOE_ACT_IN_GEMM1=1 K3RUN_MLA_ABSORB_KERNELS=1 K3RUN_MOE_ROUTER_DOT=64 K3RUN_PDL_ALL=1; do
             echo "-- $cfg" | tee -a "$OUT/decodeab.txt"
             env "$cfg" timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
                 --uniform-routing 2>&1 | tee -a "$OUT/decodeab.txt" | grep -E "^graphs|Error"

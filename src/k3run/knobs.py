@@ -73,6 +73,13 @@ def _fuse_shared_tokens(name: str, value: str) -> int:
     return int(value)
 
 
+def _router_dot_tokens(name: str, value: str) -> int:
+    """0 to 256"""
+    if not value.isdigit() or not 0 <= int(value) <= 256:
+        raise _malformed(name, "a token count from 0 to 256", value)
+    return int(value)
+
+
 def _dist_backend(name: str, value: str) -> str:
     """nccl or gloo"""
     if value not in ("nccl", "gloo"):
@@ -128,6 +135,11 @@ class Knobs:
         "K3RUN_MOE_ROUTER_ONE_LAUNCH", _flag, False,
         "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 64 KB (Kimi "
         "Linear up to 4 tokens; 1: on; 0: two launches). " + _MOE_TRIO,
+    )  # fmt: skip
+    moe_router_dot: int = _knob(
+        "K3RUN_MOE_ROUTER_DOT", _router_dot_tokens, 0,
+        "CUDA: from 9 up to this many tokens the router's partial logits run as fp32 dots over 16-token "
+        "blocks, where the broadcast kernel (up to 16) or cuBLAS (above) run today (0: off)",
     )  # fmt: skip
     moe_combine_in_norm: bool = _knob(
         "K3RUN_MOE_COMBINE_IN_NORM", _flag, False,

@@ -72,30 +72,31 @@ def check_topk_ties_and_nan(device: str) -> None:
     assert torch.allclose(w[0].cpu(), torch.full((8,), 1 / 8))
 
 
-def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str) -> None:
+def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str, dot: bool = False) -> None:
     from k3run.kernels.moe_ops.triton import router_logits_triton
 
     g = torch.Generator().manual_seed(t + e + d)
     x = torch.randn(t, d, generator=g).to(dtype)
     w = torch.randn(e, d, generator=g) / d**0.5
     ref = router_logits_ref(x.double(), w.double())
-    out = router_logits_triton(x.to(device), w.to(device))
+    out = router_logits_triton(x.to(device), w.to(device), dot)
     s = x.double().abs() @ w.double().abs().t()
     assert_within("router logits", ref.float(), out.cpu(), (2 * (d + 1) * U * s).float())
 
 
-def check_router(t: int, e: int, d: int, a: int, device: str) -> None:
+def check_router(t: int, e: int, d: int, a: int, device: str, dot: bool = False) -> None:
     """The two-launch router: the top-k kernel summing the partial logits in block order picks what the
-    reference picks on the same logits (router_logits_triton sums them in that order), weights in bound."""
+    reference picks on the same logits (router_logits_triton sums them in that order), weights in bound.
+    `dot`: the partials of the dot form."""
     from k3run.kernels.moe_ops.triton import router_logits_triton, router_partials, sigmoid_topk_triton
 
     g = torch.Generator().manual_seed(t * e + d)
     x = torch.randn(t, d, generator=g).to(torch.float16).to(device)
     w = (torch.randn(e, d, generator=g) / d**0.5).to(device)
     bias = (torch.randn(e, generator=g) * 0.1).to(device)
-    parts = router_partials(x, w)
+    parts = router_partials(x, w, dot)
     assert parts.shape == (-(-d // 256), t, e)
-    logits = router_logits_triton(x, w).cpu()
+    logits = router_logits_triton(x, w, dot).cpu()
     ref_w, ref_ids = sigmoid_topk_ref(logits.double(), bias.cpu().double(), a, True, 1.5)
     w_out, ids = sigmoid_topk_triton(parts, bias, a, True, 1.5)
     # rows whose choices come within 1e-5 of a tie may order differently between fp32 and fp64: not compared
@@ -234,7 +235,7 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=24)
+    run_interp_tests_in_child(__file__, expected_passed=26)
 
 
 @interp_only
@@ -264,6 +265,14 @@ def test_interp_router_logits(t: int, e: int, d: int) -> None:
 @pytest.mark.parametrize("t, e, d, a", [(1, 37, 300, 4), (6, 256, 2304, 8), (2, 900, 1700, 16)])
 def test_interp_router_partials_then_topk(t: int, e: int, d: int, a: int) -> None:
     check_router(t, e, d, a, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("t, e, d, a", [(20, 37, 300, 4), (33, 256, 2304, 8)])
+def test_interp_router_dot_partials(t: int, e: int, d: int, a: int) -> None:
+    # 16-token blocks, the last masked; 37 experts in blocks of 16 (the last masked); 300 columns (2 blocks)
+    check_logits(t, e, d, torch.float16, "cpu", dot=True)
+    check_router(t, e, d, a, "cpu", dot=True)
 
 
 @interp_only
@@ -315,6 +324,48 @@ def test_gpu_sigmoid_topk_ties_and_nan() -> None:
 def test_gpu_router_logits(t: int, e: int, d: int) -> None:
     check_logits(t, e, d, torch.bfloat16, "cuda")
     check_router(t, e, d, min(e, 16), "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("t, e, d", [(32, 256, 2304), (64, 896, 7168), (17, 37, 1001), (9, 256, 2304)])
+def test_gpu_router_dot_partials(t: int, e: int, d: int) -> None:
+    check_logits(t, e, d, torch.bfloat16, "cuda", dot=True)
+    check_router(t, e, d, min(e, 16), "cuda", dot=True)
+
+
+@needs_cuda
+def test_gpu_route_sigmoid_topk_takes_the_dot_form_under_its_knob() -> None:
+    """K3RUN_MOE_ROUTER_DOT=64: 32 tokens route through the dot partials, not cuBLAS. Wherever no two
+    choices come within 1e-5, the picks equal the knob-off picks. Each logit then differs by at most
+    2 (d + 1) u s (s: the row's largest sum of |x| |w|, two fp32 sums of d terms), so a renormalised weight
+    differs by at most twice that relatively, plus the top-k's own roundings ((a + 10) u, as check_topk)."""
+    from k3run.kernels.moe_ops import route_sigmoid_topk
+    from k3run.knobs import override_knobs
+
+    d, a = 2304, 8
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, d, generator=g).bfloat16().cuda()
+    w = (torch.randn(256, d, generator=g) / d**0.5).cuda()
+    bias = (torch.randn(256, generator=g) * 0.1).cuda()
+    with override_knobs(moe_router_dot=64):
+        w_dot, ids_dot = route_sigmoid_topk(x, w, bias, a, True, 2.5)
+    with override_knobs(moe_router_dot=0):
+        w_off, ids_off = route_sigmoid_topk(x, w, bias, a, True, 2.5)
+    logits = router_logits_ref(x.double(), w.double()).cpu()
+    choice = torch.sigmoid(logits) + bias.cpu().double()
+    top = choice.topk(a + 1, dim=-1).values
+    clear = (top[:, :-1] - top[:, 1:]).min(-1).values > 1e-5
+    assert clear.float().mean() >= 0.5
+    assert torch.equal(ids_dot.cpu()[clear], ids_off.cpu()[clear])
+    s_row = (x.double().abs() @ w.double().abs().t()).max(-1).values.cpu()
+    rel = 4 * (d + 1) * U * s_row[:, None] + (a + 10) * U
+    ref_w = w_off.cpu().double()
+    assert_within(
+        "dot-form router weights",
+        ref_w[clear].float(),
+        w_dot.cpu()[clear],
+        (rel * ref_w.abs())[clear].float(),
+    )
 
 
 @needs_cuda

@@ -17,7 +17,13 @@ triton = pytest.importorskip("triton")
 _MEMORY = re.compile(r"\b(ld|st|atom|red)\.(global|shared)|\bcp\.async")
 # kernels that read a parameter (the router's fp32 weight tile, MLA's W_UK / W_UV tile) before the wait, as
 # the NVFP4 GEMVs stage their first weight tiles: there only global loads may precede it
-_PREFETCH = {"router partials", "router in one launch", "MLA q absorb", "MLA o absorb"}
+_PREFETCH = {
+    "router partials",
+    "router partials (dot)",
+    "router in one launch",
+    "MLA q absorb",
+    "MLA o absorb",
+}
 # integer pointer arguments by name; every other pointer has the case's dtype
 _INT_PTRS = {"cnt_ptr": "*i32", "grp_ptr": "*i32", "first_ptr": "*i32", "rank_ptr": "*i32", "id_ptr": "*i64",
              "io_ptr": "*i64", "slots_ptr": "*i64", "pos_ptr": "*i64"}  # fmt: skip
@@ -42,6 +48,7 @@ def _kernels():
                            dict(HAS_GATE=True, HAS_RES=False, BLOCK_R=16, BLOCK_D=128)),
         "attn_res_mix": (norm._attn_res_mix_kernel, "bf16", f32, dict(BLOCK_N=4, BLOCK_D=4096)),
         "router partials": (moe._router_partials_kernel, "fp32", f32, dict(BE=8, BD=256, BT=1)),
+        "router partials (dot)": (moe._router_partials_dot_kernel, "fp32", f32, dict(BE=16, BD=256, BT=16)),
         "top-k": (moe._sigmoid_topk_kernel, "fp32", f32,
                   dict(S=9, G=8, A=8, EXTRA=1, RENORM=True, BLOCK_A=8, BLOCK_E=256, LIB=True)),
         "router in one launch": (moe._router_one_launch_kernel, "fp32", f32,
@@ -137,6 +144,18 @@ def test_router_kernels_compile_for_sm90_without_spills(
     scalars = {"scale": "fp32"}
     compiled = _compile(kernel, "fp32", scalars, consts, pdl=True, num_warps=warps)
     res, _ = cubin_usage_and_sass(compiled)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None, res
+    assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
+
+
+def test_router_dot_partials_compile_for_sm90_without_spills() -> None:
+    """The dot form's [16, 256] weight and token tiles (fp32) and its [16, 16] product fit 128 threads."""
+    from k3run.kernels.moe_ops import triton as moe
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    ck = _compile(moe._router_partials_dot_kernel, "fp32", {}, dict(BE=16, BD=256, BT=16), pdl=True)
+    res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"

@@ -5,8 +5,8 @@
   unbiased weights renormalised and scaled; `extra` (an expert id) appends it to every token's picks at
   weight 1 (the shared expert run as one more expert of the grouped launches). Two launches: the logits as
   partial sums over column blocks (many small programs, so the fp32 weight streams at a useful rate even
-  for one token; cuBLAS above LOGITS_MAX_TOKENS), then one single-warp program per token that sums the
-  partials in order and picks.
+  for one token; with K3RUN_MOE_ROUTER_DOT=N, fp32 dots over 16-token blocks from 9 to N tokens; cuBLAS
+  above LOGITS_MAX_TOKENS or N), then one program per token that sums the partials in order and picks.
 - `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
 - `combine(y, weights, out_dtype, add)`: the top-k weighted sum of each token's expert outputs in fp32, slot
@@ -49,10 +49,11 @@ def route_sigmoid_topk(
         from . import triton as kt
 
         t, e = x.shape[0], weight.shape[0]
-        if t <= kt.LOGITS_MAX_TOKENS and top_k <= e <= kt.MAX_EXPERTS:
+        dot_max = knobs().moe_router_dot
+        if top_k <= e <= kt.MAX_EXPERTS and (t <= kt.LOGITS_MAX_TOKENS or t <= dot_max):
             if knobs().moe_router_one_launch and kt.router_one_launch_fits(t, e, x.shape[1]):
                 return kt.route_one_launch_triton(x, weight, bias, top_k, renormalize, scale, extra)
-            parts = kt.router_partials(x, weight)
+            parts = kt.router_partials(x, weight, dot=kt.DOT_FROM <= t <= dot_max)
             return kt.sigmoid_topk_triton(parts, bias, top_k, renormalize, scale, extra)
     return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale, extra)
 

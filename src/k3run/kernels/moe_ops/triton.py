@@ -19,8 +19,10 @@ LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 # the largest expert count the top-k kernel holds in one program's registers (K3: 896)
 MAX_EXPERTS = 1024
 # token rows up to which the router logits run on the partials kernel (H200, Kimi Linear's router: 2.6 / 6 /
-# 17 us a call at 1 / 8 / 32 tokens; cuBLAS after an fp32 cast ~13 us whatever the rows)
+# 17 us a call at 1 / 8 / 32 tokens; cuBLAS after an fp32 cast ~13 us whatever the rows); with
+# K3RUN_MOE_ROUTER_DOT=N, the broadcast form up to DOT_FROM - 1 tokens, the dot form from DOT_FROM to N
 LOGITS_MAX_TOKENS = 16
+DOT_FROM = 9
 
 
 @triton.jit
@@ -99,6 +101,34 @@ def _router_partials_kernel(
     _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT)
 
 
+@triton.jit
+def _router_partials_dot_kernel(
+    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    # the partials of `_router_partials_kernel` for many tokens: BT tokens at a time as one fp32 dot
+    # ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32), where the broadcast form reduces a
+    # [BT, BE, BD] product across threads for every 4 tokens
+    wt = tl.trans(_weight_tile(w_ptr, E, D, BE, BD))  # [BD, BE], before the PDL wait
+    pdl_enter(PDL)
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    sd = tl.program_id(1)
+    d = sd * BD + tl.arange(0, BD)
+    dm = d < D
+    tt = tl.arange(0, BT)
+    for t0 in range(0, T, BT):
+        t = t0 + tt
+        xv = tl.load(
+            x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
+        )
+        part = tl.dot(xv.to(tl.float32), wt, input_precision="ieee")  # [BT, BE]
+        tl.store(
+            out_ptr + (sd * T + t[:, None]).to(tl.int64) * E + e[None, :],
+            part,
+            mask=(t < T)[:, None] & (e < E)[None, :],
+        )
+
+
 def _check_weight(weight: torch.Tensor) -> None:
     if weight.dtype != torch.float32 or not weight.is_contiguous():
         raise ValueError(
@@ -112,9 +142,10 @@ def _in_flight(elements_per_thread: int, splits: int) -> int:
     return max(1, min(splits - 1, 128 // max(1, elements_per_thread), 16))
 
 
-def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_partials(x: torch.Tensor, weight: torch.Tensor, dot: bool = False) -> torch.Tensor:
     """Partial router logits [S, T, E] fp32 of x [T, D] and the contiguous fp32 weight [E, D] over S column
-    blocks (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are)."""
+    blocks of 256 (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are).
+    `dot`: the tokens in blocks of 16 as fp32 dots (`_router_partials_dot_kernel`, for many tokens)."""
     _check_weight(weight)
     t, d = x.shape
     e = weight.shape[0]
@@ -125,6 +156,11 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    if dot:
+        _router_partials_dot_kernel[(triton.cdiv(e, 16), splits)](
+            x, weight, out, t, e, d, x.stride(0), BE=16, BD=bd, BT=16, num_warps=4, **pdl_args(x)
+        )
+        return out
     _router_partials_kernel[(triton.cdiv(e, 8), splits)](
         x, weight, out, t, e, d, x.stride(0), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)), num_warps=4,
         **pdl_args(x),
@@ -132,10 +168,10 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """router_logits_ref for x [T, D] with a contiguous fp32 weight [E, D]: the partials summed in block
-    order (for tests; the router passes the partials to the top-k kernel)."""
-    parts = router_partials(x, weight)
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, dot: bool = False) -> torch.Tensor:
+    """router_logits_ref for x [T, D] with a contiguous fp32 weight [E, D]: the partials (`router_partials`,
+    either form) summed in block order (for tests; the router passes the partials to the top-k kernel)."""
+    parts = router_partials(x, weight, dot)
     out = parts[0].clone()
     for s in range(1, parts.shape[0]):
         out += parts[s]
