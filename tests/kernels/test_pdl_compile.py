@@ -48,7 +48,8 @@ def _kernels():
                            dict(HAS_GATE=True, HAS_RES=False, BLOCK_R=16, BLOCK_D=128)),
         "attn_res_mix": (norm._attn_res_mix_kernel, "bf16", f32, dict(BLOCK_N=4, BLOCK_D=4096)),
         "router partials": (moe._router_partials_kernel, "fp32", f32, dict(BE=8, BD=256, BT=1)),
-        "router partials (dot)": (moe._router_partials_dot_kernel, "fp32", f32, dict(BE=16, BD=256, BT=16)),
+        "router partials (dot)": (moe._router_partials_kernel, "fp32", f32,
+                                  dict(BE=16, BD=256, BT=16, DOT=True)),
         "top-k": (moe._sigmoid_topk_kernel, "fp32", f32,
                   dict(S=9, G=8, A=8, EXTRA=1, RENORM=True, BLOCK_A=8, BLOCK_E=256, LIB=True)),
         "router in one launch": (moe._router_one_launch_kernel, "fp32", f32,
@@ -154,7 +155,7 @@ def test_router_dot_partials_compile_for_sm90_without_spills() -> None:
     from k3run.kernels.moe_ops import triton as moe
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    ck = _compile(moe._router_partials_dot_kernel, "fp32", {}, dict(BE=16, BD=256, BT=16), pdl=True)
+    ck = _compile(moe._router_partials_kernel, "fp32", {}, dict(BE=16, BD=256, BT=16, DOT=True), pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res

@@ -55,20 +55,30 @@ def _weight_tile(w_ptr, E, D, BE: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+def _partials(
+    wv, x_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    DOT: tl.constexpr = False,
+):  # fmt: skip
     # part[s, t, e] = x[t, cols] . W[e, cols] for this program's BE experts and BD columns (the tile wv,
-    # read once: many small programs keep enough bytes in flight), every token; x cast to fp32 as it loads
+    # read once: many small programs keep enough bytes in flight), every token; x cast to fp32 as it loads.
+    # BT tokens at a time: a [BT, BE, BD] product reduced across threads (a few tokens), or with DOT one fp32
+    # dot ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32) for many tokens
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)
     dm = d < D
     tt = tl.arange(0, BT)
+    if DOT:
+        wt = tl.trans(wv)  # [BD, BE]
     for t0 in range(0, T, BT):
         t = t0 + tt
         xv = tl.load(
             x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
         )
-        part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
+        if DOT:
+            part = tl.dot(xv.to(tl.float32), wt, input_precision="ieee")  # [BT, BE]
+        else:
+            part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
         tl.store(
             out_ptr + (sd * T + t[:, None]).to(tl.int64) * E + e[None, :],
             part,
@@ -94,39 +104,11 @@ def _sum_partials(p_ptr, off, m, stride, S: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _router_partials_kernel(
     x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    DOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wv = _weight_tile(w_ptr, E, D, BE, BD)
     pdl_enter(PDL)
-    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT)
-
-
-@triton.jit
-def _router_partials_dot_kernel(
-    x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    # the partials of `_router_partials_kernel` for many tokens: BT tokens at a time as one fp32 dot
-    # ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32), where the broadcast form reduces a
-    # [BT, BE, BD] product across threads for every 4 tokens
-    wt = tl.trans(_weight_tile(w_ptr, E, D, BE, BD))  # [BD, BE], before the PDL wait
-    pdl_enter(PDL)
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    sd = tl.program_id(1)
-    d = sd * BD + tl.arange(0, BD)
-    dm = d < D
-    tt = tl.arange(0, BT)
-    for t0 in range(0, T, BT):
-        t = t0 + tt
-        xv = tl.load(
-            x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
-        )
-        part = tl.dot(xv.to(tl.float32), wt, input_precision="ieee")  # [BT, BE]
-        tl.store(
-            out_ptr + (sd * T + t[:, None]).to(tl.int64) * E + e[None, :],
-            part,
-            mask=(t < T)[:, None] & (e < E)[None, :],
-        )
+    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT, DOT)
 
 
 def _check_weight(weight: torch.Tensor) -> None:
@@ -145,7 +127,7 @@ def _in_flight(elements_per_thread: int, splits: int) -> int:
 def router_partials(x: torch.Tensor, weight: torch.Tensor, dot: bool = False) -> torch.Tensor:
     """Partial router logits [S, T, E] fp32 of x [T, D] and the contiguous fp32 weight [E, D] over S column
     blocks of 256 (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are).
-    `dot`: the tokens in blocks of 16 as fp32 dots (`_router_partials_dot_kernel`, for many tokens)."""
+    `dot`: the tokens in blocks of 16 as fp32 dots (`_partials`' DOT form, for many tokens)."""
     _check_weight(weight)
     t, d = x.shape
     e = weight.shape[0]
@@ -156,15 +138,10 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, dot: bool = False) ->
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    if dot:
-        _router_partials_dot_kernel[(triton.cdiv(e, 16), splits)](
-            x, weight, out, t, e, d, x.stride(0), BE=16, BD=bd, BT=16, num_warps=4, **pdl_args(x)
-        )
-        return out
-    _router_partials_kernel[(triton.cdiv(e, 8), splits)](
-        x, weight, out, t, e, d, x.stride(0), BE=8, BD=bd, BT=min(4, triton.next_power_of_2(t)), num_warps=4,
-        **pdl_args(x),
-    )  # fmt: skip
+    be, bt = (16, 16) if dot else (8, min(4, triton.next_power_of_2(t)))
+    _router_partials_kernel[(triton.cdiv(e, be), splits)](
+        x, weight, out, t, e, d, x.stride(0), BE=be, BD=bd, BT=bt, DOT=dot, num_warps=4, **pdl_args(x)
+    )
     return out
 
 
