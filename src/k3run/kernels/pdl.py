@@ -10,8 +10,7 @@ merge) are short; between two of them, or before a GEMV, the GPU otherwise idles
 writes) to be complete, then lets the next kernel launch at once. Nothing is read or written before the
 wait, so the kernel sees exactly what it would without PDL; what overlaps is only the next kernel's launch
 and, for a GEMV, its weight prefetch. `launch_pdl(t)` says whether to launch with it: on sm_90+ unless
-K3RUN_PDL_ALL=0. On the full-depth Kimi Linear's graph decode step it gave +12% at batch 1 and +4% at batch 8
-(bench/RESULTS.md, run 129).
+K3RUN_PDL_ALL=0.
 """
 
 from __future__ import annotations

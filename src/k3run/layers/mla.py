@@ -299,7 +299,6 @@ class KimiMLA(nn.Module):
                 f"{self.prefix}: latent cache must be [S, >= {W}, {width}] for a static step of window {W}, "
                 f"got {tuple(store.shape)}"
             )
-        dn = self.qk_nope_head_dim
         if absorb_kernels_enabled(q.device) and decode_kernel_enabled(q.device):
             norm = self.kv_a_layernorm
             mla_latent_store(kv_a, norm.weight, norm.eps, store, ctx.slots, ctx.context_lens)
@@ -309,6 +308,7 @@ class KimiMLA(nn.Module):
                 q, self.w_uk, self.w_uv, store, ctx.slots, ctx.context_lens, W, self.scale, out_dtype
             )
         store[ctx.slots, ctx.context_lens] = self._latent(kv_a).to(store.dtype)
+        dn = self.qk_nope_head_dim
         qf = q.float()
         q_lat = torch.einsum("bhd,hdl->bhl", qf[..., :dn], self.w_uk)  # [B, H, L]
         o_lat = mla_decode_attention(q_lat, qf[..., dn:], store, ctx.slots, ctx.context_lens, W, self.scale)

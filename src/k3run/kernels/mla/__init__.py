@@ -33,14 +33,11 @@ def mla_latent_store(
     kv_a: torch.Tensor, weight: torch.Tensor, eps: float, store: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor,
 ) -> None:  # fmt: skip
-    """Normalise, join and store each row's latent in the cache (mla_latent_store_ref); one launch on CUDA
-    with K3RUN_MLA_ABSORB_KERNELS=1."""
-    if absorb_kernels_enabled(kv_a.device):
-        from .triton import mla_latent_store_triton
+    """Normalise, join and store each row's latent in the cache in one launch on CUDA (the reference:
+    mla_latent_store_ref); a static step calls it with K3RUN_MLA_ABSORB_KERNELS=1."""
+    from .triton import mla_latent_store_triton
 
-        mla_latent_store_triton(kv_a, weight, eps, store, slots, positions)
-    else:
-        mla_latent_store_ref(kv_a, weight, eps, store, slots, positions)
+    mla_latent_store_triton(kv_a, weight, eps, store, slots, positions)
 
 
 def mla_decode_absorbed(

@@ -185,8 +185,8 @@ def _sigmoid_topk_kernel(
         best = tl.max(key, axis=0)
         idx = (BLOCK_E - 1) - (best & (BLOCK_E - 1)).to(tl.int32)
         hit = e == idx
-        # the pick's unbiased score (exact: one nonzero term), gathered in its round; one [A, E] reduction
-        # after the loop held A x E / 32 values a lane, 512 at K3's 16 x 1024, and spilled
+        # the pick's unbiased score (exact: one nonzero term), gathered in its round: one [A, E] reduction
+        # after the loop would hold A x E / 32 values a lane (512 at K3's 16 x 1024) and spill
         wv = tl.where(a == k, tl.sum(tl.where(hit, s, 0.0), axis=0), wv)
         iv = tl.where(a == k, idx, iv)
         key = tl.where(hit, sentinel, key)
@@ -215,7 +215,7 @@ def sigmoid_topk_triton(
         return weights, ids
     block_e = triton.next_power_of_2(e)
     # one warp up to 256 experts (every reduction a shuffle); more above, 8 scores a thread: K3's 1024
-    # columns in one warp (32 int64 keys, 32 scores and the loads a lane) spilled
+    # columns in one warp (32 int64 keys, 32 scores and the loads a lane) would spill
     warps = max(1, block_e // 256)
     _sigmoid_topk_kernel[(t,)](
         parts.contiguous(), bias.contiguous(), weights, ids, t, e, float(scale),
