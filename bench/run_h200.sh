@@ -29,13 +29,13 @@
 #   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py,
 #           test_pdl_gpu.py, tests/layers/test_moe_combine_in_norm.py and tests/kernels/test_mla_decode.py
 #           (GPU-marked; carry .whl), then
-#           test_graph_decode.py again with K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1
-#           K3RUN_MOE_ACT_IN_GEMM1=1 K3RUN_MLA_ABSORB_KERNELS=1
+#           test_graph_decode.py again with K3RUN_MOE_ROUTER_ONE_LAUNCH=1 and the small-step trio off
+#           (K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0 K3RUN_MLA_ABSORB_KERNELS=0)
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
-#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 32 after a compiling warm-up probe: as shipped,
-#           each of K3RUN_MOE_ROUTER_ONE_LAUNCH=1 / K3RUN_MOE_COMBINE_IN_NORM=1 / K3RUN_MOE_ACT_IN_GEMM1=1 /
-#           K3RUN_MLA_ABSORB_KERNELS=1 / K3RUN_MOE_ROUTER_DOT=64 alone, as shipped again; uniform routing (the
+#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32 after a compiling warm-up probe: as
+#           shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS, K3RUN_MOE_COMBINE_IN_NORM,
+#           K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, as shipped again; uniform routing (the
 #           random model's own routing collapses onto a few experts); every probe's output in decodeab.txt
 #   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
 #           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
@@ -117,10 +117,11 @@ for stage in "${stages[@]}"; do
             >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
     decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1 --steps 4 --uniform-routing \
             >"$OUT/decode_warm.txt" 2>&1  # a fresh machine compiles every kernel here; its row is not used
-        for cfg in K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 \
-                K3RUN_MOE_ACT_IN_GEMM1=1 K3RUN_MLA_ABSORB_KERNELS=1 K3RUN_MOE_ROUTER_DOT=64 K3RUN_PDL_ALL=1; do
+        trio="K3RUN_MLA_ABSORB_KERNELS K3RUN_MOE_COMBINE_IN_NORM K3RUN_MOE_ACT_IN_GEMM1"
+        for cfg in K3RUN_PDL_ALL=1 "$(printf '%s=0 ' $trio)" "$(printf '%s=16 ' $trio)" K3RUN_PDL_ALL=1; do
             echo "-- $cfg" | tee -a "$OUT/decodeab.txt"
-            env "$cfg" timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
+            # shellcheck disable=SC2086  # cfg holds several VAR=value words
+            env $cfg timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,16,32 --steps 32 \
                 --uniform-routing 2>&1 | tee -a "$OUT/decodeab.txt" | grep -E "^graphs|Error"
         done ;;
     tileab) for tile in 8 ""; do
@@ -140,8 +141,8 @@ for stage in "${stages[@]}"; do
             tests/kernels/test_split_k_counters.py tests/kernels/test_pdl_gpu.py tests/layers/test_moe_combine_in_norm.py \
             tests/kernels/test_mla_decode.py >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30
-        K3RUN_PDL_ALL=1 K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=1 K3RUN_MOE_ACT_IN_GEMM1=1 \
-            K3RUN_MLA_ABSORB_KERNELS=1 timeout -s KILL "${TEST_TIMEOUT:-300}" \
+        K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0 \
+            K3RUN_MLA_ABSORB_KERNELS=0 timeout -s KILL "${TEST_TIMEOUT:-300}" \
             python3 -m pytest \
             -p no:cacheprovider -q -rfE -m gpu tests/engine/test_graph_decode.py >"$OUT/graphs_pdl.txt" 2>&1
         tail -3 "$OUT/graphs_pdl.txt" ;;

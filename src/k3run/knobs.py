@@ -24,8 +24,8 @@ from typing import Any
 # Each parser takes (variable, value) for a set, non-empty value; its docstring is the values it takes.
 
 
-# the three knobs below that carry it were measured only together, against all three off
-_MOE_TRIO = "With the other two of this router / combine / activation trio: +0.7% at batch 1, -1.7% at 32"
+# the launch-saving decode knobs below help small steps and lose at 32 tokens (bench/NOTES.md session 36)
+_SMALL_STEPS = "on by default up to 8, where the full-depth decode measured it faster"
 
 
 def _malformed(name: str, expected: str, value: str) -> ValueError:
@@ -66,7 +66,7 @@ def _by_expert_tile(name: str, value: str) -> int:
     return int(value)
 
 
-def _fuse_shared_tokens(name: str, value: str) -> int:
+def _tokens_128(name: str, value: str) -> int:
     """0 to 128"""
     if not value.isdigit() or not 0 <= int(value) <= 128:
         raise _malformed(name, "a token count from 0 to 128", value)
@@ -121,11 +121,12 @@ class Knobs:
         "K3RUN_MLA_DECODE_KERNEL", _flag, True,
         "CUDA: static MLA decode attention on the Triton kernel (0: the fp32 reference)",
     )  # fmt: skip
-    mla_absorb_kernels: bool = _knob(
-        "K3RUN_MLA_ABSORB_KERNELS", _flag, False,
-        "CUDA: a static MLA decode step's latent (norm, join, cache store), query absorption (q_nope . "
-        "W_UK, joined with the RoPE part) and output projection (. W_UV, rounded to the activation dtype) "
-        "as one Triton launch each, where torch's take 9-10 (1: on; 0: torch)",
+    mla_absorb_kernels: int = _knob(
+        "K3RUN_MLA_ABSORB_KERNELS", _tokens_128, 8,
+        "CUDA: static MLA decode steps of up to this many sequences run the latent (norm, join, cache "
+        "store), query absorption (q_nope . W_UK, joined with the RoPE part) and output projection (. W_UV, "
+        "rounded to the activation dtype) as one Triton launch each, where torch's take 9-10 (0: torch "
+        "always); " + _SMALL_STEPS,
     )  # fmt: skip
     moe_ops: bool = _knob(
         "K3RUN_MOE_OPS", _flag, True,
@@ -134,29 +135,29 @@ class Knobs:
     moe_router_one_launch: bool = _knob(
         "K3RUN_MOE_ROUTER_ONE_LAUNCH", _flag, False,
         "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 64 KB (Kimi "
-        "Linear up to 4 tokens; 1: on; 0: two launches). " + _MOE_TRIO,
+        "Linear up to 4 tokens; 1: on; 0: two launches); measured no faster than two",
     )  # fmt: skip
     moe_router_dot: int = _knob(
         "K3RUN_MOE_ROUTER_DOT", _router_dot_tokens, 0,
         "CUDA: from 9 up to this many tokens the router's partial logits run as fp32 dots over 16-token "
         "blocks, instead of the broadcast kernel (up to 16) or cuBLAS (above) (0: off)",
     )  # fmt: skip
-    moe_combine_in_norm: bool = _knob(
-        "K3RUN_MOE_COMBINE_IN_NORM", _flag, False,
-        "CUDA: an MoE layer's top-k sum on the grouped launches runs inside the next RMSNorm's launch (1: "
-        "on; 0: its own launch). " + _MOE_TRIO,
+    moe_combine_in_norm: int = _knob(
+        "K3RUN_MOE_COMBINE_IN_NORM", _tokens_128, 8,
+        "CUDA: up to this many tokens an MoE layer's top-k sum on the grouped launches runs inside the next "
+        "RMSNorm's launch (0: always its own launch); " + _SMALL_STEPS,
     )  # fmt: skip
-    moe_act_in_gemm1: bool = _knob(
-        "K3RUN_MOE_ACT_IN_GEMM1", _flag, False,
-        "CUDA: NVFP4 routed experts' decode GEMM1 applies the gated activation in its epilogue (1: on, one "
-        "launch fewer a MoE layer; 0: its own launch). " + _MOE_TRIO,
+    moe_act_in_gemm1: int = _knob(
+        "K3RUN_MOE_ACT_IN_GEMM1", _tokens_128, 8,
+        "CUDA: up to this many tokens NVFP4 routed experts' decode GEMM1 applies the gated activation in its "
+        "epilogue, one launch fewer a MoE layer (0: always its own launch); " + _SMALL_STEPS,
     )  # fmt: skip
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
     )  # fmt: skip
     moe_fuse_shared: int = _knob(
-        "K3RUN_MOE_FUSE_SHARED", _fuse_shared_tokens, 8,
+        "K3RUN_MOE_FUSE_SHARED", _tokens_128, 8,
         "CUDA: up to this many tokens an NVFP4 MoE's shared expert runs as one more expert of the routed "
         "experts' grouped decode launches (0: never, its own linears on a side stream; set up at load)",
     )  # fmt: skip

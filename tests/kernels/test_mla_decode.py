@@ -52,6 +52,19 @@ def test_cpu_dispatch_is_the_reference() -> None:
     assert torch.equal(mla_decode_attention(*args), mla_decode_ref(*args))
 
 
+def test_absorb_kernels_run_up_to_the_knobs_batch_on_cuda_only() -> None:
+    """K3RUN_MLA_ABSORB_KERNELS is a batch bound: the one-launch absorptions lose to torch's chain at 32."""
+    from k3run.kernels.mla import absorb_kernels_enabled
+    from k3run.knobs import override_knobs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with override_knobs(mla_absorb_kernels=8):
+        assert absorb_kernels_enabled(cuda, 1) and absorb_kernels_enabled(cuda, 8)
+        assert not absorb_kernels_enabled(cuda, 9) and not absorb_kernels_enabled(cpu, 1)
+    with override_knobs(mla_absorb_kernels=0):
+        assert not absorb_kernels_enabled(cuda, 1)
+
+
 def test_choose_splits_fills_the_machine_within_the_window() -> None:
     from k3run.kernels.mla.triton import choose_splits
 

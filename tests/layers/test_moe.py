@@ -603,7 +603,7 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
 def test_gpu_activation_in_gemm1_matches_the_separate_launch(act_name):
-    """K3RUN_MOE_ACT_IN_GEMM1: GEMM1's epilogue applies the gated activation (gate row j and up row j + 8 of
+    """K3RUN_MOE_ACT_IN_GEMM1 (128 against 0): GEMM1's epilogue applies the gated activation (gate row j and up row j + 8 of
     each 16-row block), against GEMM1 then moe_ops' gated kernel, at 1 token (a program per pick) and 9
     (expert-major), every expert local and on EP rank 0 of 2. Both round gate / up to bf16 first and h to
     bf16 last; the epilogue's exp and tanh are Triton's approximations where the gated kernel uses libdevice
@@ -616,8 +616,9 @@ def test_gpu_activation_in_gemm1_matches_the_separate_launch(act_name):
         if not ex.scheme.tiled:
             pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
         for t in (1, x.shape[0]):
-            want = fused_experts(ex, x[:t], ids[:t], weights[:t])
-            with override_knobs(moe_act_in_gemm1=True):
+            with override_knobs(moe_act_in_gemm1=0):
+                want = fused_experts(ex, x[:t], ids[:t], weights[:t])
+            with override_knobs(moe_act_in_gemm1=128):
                 got = fused_experts(ex, x[:t], ids[:t], weights[:t])
             assert_close(f"activation in GEMM1, {act_name}, ep {ep.size}, {t} tokens", want, got,
                          rtol=RTOL[torch.bfloat16])  # fmt: skip

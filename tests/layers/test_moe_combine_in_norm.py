@@ -1,4 +1,4 @@
-"""An MoE layer's top-k sum run inside the next RMSNorm's launch (K3RUN_MOE_COMBINE_IN_NORM=1): the routed
+"""An MoE layer's top-k sum run inside the next RMSNorm's launch (up to K3RUN_MOE_COMBINE_IN_NORM tokens): the routed
 experts' grouped path returns a PendingCombine (per-pick outputs and routing weights) and `RMSNorm.add`
 sums it in the norm's launch (`kernels/norm.add_combine_rms_norm`, the rms_norm kernel's combine mode).
 

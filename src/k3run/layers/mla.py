@@ -284,9 +284,10 @@ class KimiMLA(nn.Module):
         """A static decode step (ctx.attn_window, one token per sequence, T = B): store each sequence's new
         latent (from kv_a [B, L + R]) at position context_lens[b] of its slot, then absorbed attention over
         the first attn_window positions of the slot with the positions after context_lens[b] masked. Device
-        tensors only, so a CUDA graph can capture it. q [B, H, d_q] -> [B, H, d_v] fp32; with
-        K3RUN_MLA_ABSORB_KERNELS=1 on CUDA, the four launches of `mla_decode_absorbed` after one that
-        normalises and stores the latent, the output in the activation dtype unless an output gate follows."""
+        tensors only, so a CUDA graph can capture it. q [B, H, d_q] -> [B, H, d_v] fp32; where
+        `absorb_kernels_enabled` (CUDA, up to K3RUN_MLA_ABSORB_KERNELS sequences), the four launches of
+        `mla_decode_absorbed` after one that normalises and stores the latent, the output in the activation
+        dtype unless an output gate follows."""
         if cache is None or ctx.slots is None:
             raise ValueError(f"{self.prefix}: a static decode step needs the MLA cache and ctx.slots")
         if self.w_uk is None or self.w_uv is None:
@@ -299,7 +300,7 @@ class KimiMLA(nn.Module):
                 f"{self.prefix}: latent cache must be [S, >= {W}, {width}] for a static step of window {W}, "
                 f"got {tuple(store.shape)}"
             )
-        if absorb_kernels_enabled(q.device) and decode_kernel_enabled(q.device):
+        if absorb_kernels_enabled(q.device, q.shape[0]) and decode_kernel_enabled(q.device):
             norm = self.kv_a_layernorm
             mla_latent_store(kv_a, norm.weight, norm.eps, store, ctx.slots, ctx.context_lens)
             # [B, H, d_v] in the activation dtype (fp32 where an output gate follows, applied in fp32)

@@ -121,8 +121,8 @@ class KimiDecoderLayer(nn.Module):
         """The plain pre-norm stream: h is the residual stream without `pending`, the previous layer's MLP
         output, whose add runs fused into this layer's input norm (as the attention output's into the
         post-attention norm); returns (the stream after the attention, this layer's MLP output: with
-        K3RUN_MOE_COMBINE_IN_NORM=1 an MoE's routed sum still to be taken, which the next norm does in its
-        launch). K3's AttnResState is updated in place and returned with None."""
+        K3RUN_MOE_COMBINE_IN_NORM >= the step's tokens an MoE's routed sum still to be taken, which the next
+        norm does in its launch). K3's AttnResState is updated in place and returned with None."""
         if isinstance(h, AttnResState):
             if pending is not None:
                 raise ValueError(f"layer {self.idx}: an AttnRes stream carries no pending residual")
@@ -140,7 +140,7 @@ class KimiDecoderLayer(nn.Module):
             return h, None
         x, h = self.input_layernorm.add(h, pending)
         x, h = self.post_attention_layernorm.add(h, self.self_attn(x, ctx, layer_cache))  # type: ignore[arg-type]
-        return h, self._mlp(x, ctx, defer=knobs().moe_combine_in_norm)
+        return h, self._mlp(x, ctx, defer=0 < x.shape[0] <= knobs().moe_combine_in_norm)
 
     def _mlp(
         self, x: torch.Tensor, ctx: ForwardContext, defer: bool = False

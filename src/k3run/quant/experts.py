@@ -952,10 +952,11 @@ class NvFp4Experts(ExpertScheme):
         w13, s13 = ex.w13_weight, ex.w13_weight_scale.view(torch.uint8)
         w2, s2 = ex.w2_weight, ex.w2_weight_scale.view(torch.uint8)
         x = x.contiguous()
-        # K3RUN_MOE_ACT_IN_GEMM1: GEMM1's epilogue applies the activation (h, not gate | up, comes back)
+        # up to K3RUN_MOE_ACT_IN_GEMM1 tokens GEMM1's epilogue applies the activation (h, not gate | up,
+        # comes back)
         kind = ex.activation.kind
         act = None
-        if knobs().moe_act_in_gemm1 and kind in ("silu", "situ"):
+        if t <= knobs().moe_act_in_gemm1 and kind in ("silu", "situ"):
             act = (kind, ex.activation.beta or 1.0, ex.activation.linear_beta)
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
             bt = by_expert_tile(t)

@@ -6,10 +6,10 @@ the Triton kernel (`triton.py`) reads only each sequence's real positions from t
 flash-decoding style), with no window copies.
 
 On CUDA the kernel is the default (checked against the reference on an H200 and 4-14x faster than it at K3's
-widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead. With
-K3RUN_MLA_ABSORB_KERNELS=1, `mla_latent_store` normalises, joins and stores the step's latents in one
-launch, and `mla_decode_absorbed` also does the query absorption (q_nope . W_UK) and the output projection
-(. W_UV) in one launch each.
+widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead. For static steps
+of up to K3RUN_MLA_ABSORB_KERNELS sequences (default 8), `mla_latent_store` normalises, joins and stores
+the step's latents in one launch, and `mla_decode_absorbed` also does the query absorption (q_nope . W_UK)
+and the output projection (. W_UV) in one launch each.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def decode_kernel_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and knobs().mla_decode_kernel
 
 
-def absorb_kernels_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and knobs().mla_absorb_kernels
+def absorb_kernels_enabled(device: torch.device, batch: int) -> bool:
+    """The absorb kernels for a static step of `batch` sequences: up to K3RUN_MLA_ABSORB_KERNELS of them (at
+    32 sequences torch's cuBLAS chain is faster than the one-launch absorptions)."""
+    return device.type == "cuda" and batch <= knobs().mla_absorb_kernels
 
 
 def mla_latent_store(
@@ -34,7 +36,7 @@ def mla_latent_store(
     positions: torch.Tensor,
 ) -> None:  # fmt: skip
     """Normalise, join and store each row's latent in the cache in one launch on CUDA (the reference:
-    mla_latent_store_ref); a static step calls it with K3RUN_MLA_ABSORB_KERNELS=1."""
+    mla_latent_store_ref); a static step calls it where `absorb_kernels_enabled`."""
     from .triton import mla_latent_store_triton
 
     mla_latent_store_triton(kv_a, weight, eps, store, slots, positions)
