@@ -603,11 +603,12 @@ def test_gpu_grouped_experts_match_the_per_expert_loop(act_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
 def test_gpu_activation_in_gemm1_matches_the_separate_launch(act_name):
-    """K3RUN_MOE_ACT_IN_GEMM1 (128 against 0): GEMM1's epilogue applies the gated activation (gate row j and up row j + 8 of
-    each 16-row block), against GEMM1 then moe_ops' gated kernel, at 1 token (a program per pick) and 9
-    (expert-major), every expert local and on EP rank 0 of 2. Both round gate / up to bf16 first and h to
-    bf16 last; the epilogue's exp and tanh are Triton's approximations where the gated kernel uses libdevice
-    (a few fp32 ulps), so h differs by at most a bf16 ulp here and there: RTOL[bf16] on the output."""
+    """K3RUN_MOE_ACT_IN_GEMM1 (128 against 0): GEMM1's epilogue applies the gated activation (gate row j and
+    up row j + 8 of each 16-row block), against GEMM1 then moe_ops' gated kernel, at 1 token (a program per
+    pick) and 9 (expert-major), every expert local and on EP rank 0 of 2. Both round gate / up to bf16 first
+    and h to bf16 last; the epilogue's exp and tanh are Triton's approximations where the gated kernel uses
+    libdevice (a few fp32 ulps), so h differs by at most a bf16 ulp here and there: RTOL[bf16] on the
+    output."""
     from k3run.knobs import override_knobs
     from k3run.layers.moe import fused_experts
 

@@ -1,6 +1,7 @@
-"""An MoE layer's top-k sum run inside the next RMSNorm's launch (up to K3RUN_MOE_COMBINE_IN_NORM tokens): the routed
-experts' grouped path returns a PendingCombine (per-pick outputs and routing weights) and `RMSNorm.add`
-sums it in the norm's launch (`kernels/norm.add_combine_rms_norm`, the rms_norm kernel's combine mode).
+"""An MoE layer's top-k sum run inside the next RMSNorm's launch (up to K3RUN_MOE_COMBINE_IN_NORM tokens):
+the routed experts' grouped path returns a PendingCombine (per-pick outputs and routing weights) and
+`RMSNorm.add` sums it in the norm's launch (`kernels/norm.add_combine_rms_norm`, the rms_norm kernel's
+combine mode).
 
 The residual stream s = x + combine(y, w) is computed with the combine kernel's operations in its order (slot
 by slot in fp32, rounded to x's dtype, plus the shared add rounded again, plus x rounded again), so it equals
