@@ -1,9 +1,10 @@
 """The NVFP4 wgmma GEMM (kernels/nvfp4_gemm/wgmma.py) beside today's paths, cuBLAS bf16 and Marlin INT4.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
-(common.graph_ms): wgmma with its default config and the best of a small config sweep; k3run's auto
-choice (quant.schemes.nvfp4_gemm) and the choice without the wgmma GEMM ("before": decode kernel / tile
-GEMM / dequantize + cuBLAS); the Triton tile GEMM;
+(common.graph_ms): wgmma with its default config (x reordered by a torch copy, and with `gather`: copied
+in the operand's order by the kernel itself, launched with PDL) and the best of a small config sweep;
+k3run's auto choice (quant.schemes.nvfp4_gemm) and the choice without the wgmma GEMM ("before": decode
+kernel / tile GEMM / dequantize + cuBLAS); the Triton tile GEMM;
 cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, built in the background while the rest runs; only when
 its folder is given). The ceiling per cell: max(weight bytes at the copy bandwidth measured in the same run,
 FLOPs at 989 TFLOP/s, the H200's dense bf16 peak). Relative RMS of the wgmma output against the fp32
@@ -97,14 +98,14 @@ def _time(fn_for, copies: int, est_ms: float) -> float:
     return graph_ms([fn_for(i) for i in range(copies)], est_ms) * 1e3
 
 
-def _wg(x, ws, k: int, n: int, cfg):
+def _wg(x, ws, k: int, n: int, cfg, gather: bool = False):
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
 
     ss = cfg is not None and len(cfg) == 5
     cfg = cfg[:4] if ss else cfg
     return lambda i: (
         lambda: nvfp4_wgmma_gemm(
-            x, ws[i].weight, ws[i].scale_bits, ws[i].global_scale, k, n, config=cfg, ss=ss
+            x, ws[i].weight, ws[i].scale_bits, ws[i].global_scale, k, n, config=cfg, ss=ss, gather=gather
         )
     )
 
@@ -144,6 +145,8 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
     y = nvfp4_wgmma_gemm(x, ws[0].weight, ws[0].scale_bits, ws[0].global_scale, k, n)
     r["err"] = float((y.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
     r["wgmma"] = _time(_wg(x, ws, k, n, None), len(ws), 0.05)
+    # x copied in the operand's order by the kernel, PDL between the back-to-back calls
+    r["gather"] = _time(_wg(x, ws, k, n, None, gather=True), len(ws), 0.05)
     best = (r["wgmma"], None)
     for cfg in sweep:
         try:
@@ -169,7 +172,8 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
     r["cublas"] = _time(_cublas(x, wb), len(wb), 0.05)
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
-        f"{n:>5}x{k:<5} M={m:<5} wgmma {r['wgmma']:8.1f} (best {best[0]:8.1f} {best[1]}) "
+        f"{n:>5}x{k:<5} M={m:<5} wgmma {r['wgmma']:8.1f} gather {r['gather']:8.1f} "
+        f"(best {best[0]:8.1f} {best[1]}) "
         f"auto {r['auto']:8.1f} before {r['before']:8.1f} tile {r.get('tile', float('nan')):8.1f} "
         f"cuBLAS {r['cublas']:8.1f} "
         f"ceiling {r['ceiling']:7.1f} | {r['flops'] / best[0] / 1e6:6.1f} TFLOP/s err {r['err']:.1e}",
@@ -392,16 +396,18 @@ def main() -> None:
         marlin_pass(args.peers, shapes, rows, _beside_marlin)
     print()
     print(
-        "| N x K | M | wgmma default | wgmma best (config) | auto us (before) | tile us | cuBLAS bf16 | "
+        "| N x K | M | wgmma default | x gathered + PDL | wgmma best (config) | auto us (before) | tile us | "
+        "cuBLAS bf16 | "
         "Marlin us (same pass: wgmma best / auto) | ceiling us | wgmma best TFLOP/s | x Marlin | x cuBLAS | "
         "x auto | rel RMS |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mar = f"{r['marlin']:.1f} ({r['wgmma2']:.1f} / {r['auto2']:.1f})" if "marlin" in r else "-"
         xm = f"{r['marlin'] / r['wgmma2']:.2f}" if "marlin" in r else "-"
         print(
-            f"| {r['shape']} | {r['m']} | {r['wgmma']:.1f} | {r['wgmma_best']:.1f} {r['best_cfg']} | "
+            f"| {r['shape']} | {r['m']} | {r['wgmma']:.1f} | {r['gather']:.1f} | {r['wgmma_best']:.1f} "
+            f"{r['best_cfg']} | "
             f"{r['auto']:.1f} ({r['before']:.1f}) | {r.get('tile', float('nan')):.1f} | {r['cublas']:.1f} | "
             f"{mar} | "
             f"{r['ceiling']:.1f} | {r['flops'] / r['wgmma_best'] / 1e6:.0f} | {xm} | "

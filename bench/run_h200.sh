@@ -41,6 +41,9 @@
 #           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
 #   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
 #           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
+#   gatherab the dense wgmma GEMM reading x in place with PDL (K3RUN_WGMMA_X_GATHER): its GPU tests, bench_wgmma
+#           at Kimi Linear's projection shapes (17 / 32 / 64 rows: copy + launch vs gathered + PDL, same run),
+#           then the full-depth Kimi Linear decode at batch 16 / 32 (uniform routing) off / on / off / on
 #   kdatests KDA's GPU tests (tests/kernels/test_kda_conv.py, test_kda_state.py, test_kda_gpu.py; carry .whl)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
@@ -132,6 +135,16 @@ for stage in "${stages[@]}"; do
     fusedspread) for n in 128 0; do
             K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
                 --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"
+        done ;;
+    gatherab) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE -m gpu \
+            tests/kernels/test_nvfp4_wgmma.py -k "gather or pdl_chain" >"$OUT/gather_tests.txt" 2>&1
+        tail -3 "$OUT/gather_tests.txt"
+        timeout 200 python3 bench/bench_wgmma.py --shapes 12448x2304,2304x4096,2048x2304,2304x1024 \
+            --ms 17,32,64 --no-sweep 2>&1 | tee "$OUT/wgmma_gather.txt" | grep -E "^ *[0-9]+x"
+        for n in 0 64 0 64; do
+            echo "-- K3RUN_WGMMA_X_GATHER=$n" | tee -a "$OUT/gatherab.txt"
+            K3RUN_WGMMA_X_GATHER=$n timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 16,32 \
+                --steps 24 --uniform-routing 2>&1 | tee -a "$OUT/gatherab.txt" | grep -E "^graphs|Error"
         done ;;
     kdatests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" \
             -q -rfE -m gpu tests/kernels/test_kda_conv.py tests/kernels/test_kda_state.py tests/kernels/test_kda_gpu.py \

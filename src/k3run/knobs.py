@@ -73,7 +73,7 @@ def _tokens_128(name: str, value: str) -> int:
     return int(value)
 
 
-def _router_dot_tokens(name: str, value: str) -> int:
+def _tokens_256(name: str, value: str) -> int:
     """0 to 256"""
     if not value.isdigit() or not 0 <= int(value) <= 256:
         raise _malformed(name, "a token count from 0 to 256", value)
@@ -138,7 +138,7 @@ class Knobs:
         "Linear up to 4 tokens; 1: on; 0: two launches); measured no faster than two",
     )  # fmt: skip
     moe_router_dot: int = _knob(
-        "K3RUN_MOE_ROUTER_DOT", _router_dot_tokens, 0,
+        "K3RUN_MOE_ROUTER_DOT", _tokens_256, 0,
         "CUDA: from 9 up to this many tokens the router's partial logits run as fp32 dots over 16-token "
         "blocks, instead of the broadcast kernel (up to 16) or cuBLAS (above) (0: off)",
     )  # fmt: skip
@@ -164,6 +164,11 @@ class Knobs:
     moe_by_expert_tile: int | None = _knob(
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
         "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",
+    )  # fmt: skip
+    wgmma_x_gather: int = _knob(
+        "K3RUN_WGMMA_X_GATHER", _tokens_256, 0,
+        "CUDA sm_90: up to this many rows the dense NVFP4 wgmma GEMM copies x in its operand order itself "
+        "and launches with PDL, instead of a torch copy reordering x before each call (0: never)",
     )  # fmt: skip
     sm90_cuda: bool = _knob(
         "K3RUN_SM90_CUDA", _flag, True,

@@ -42,13 +42,14 @@ def check_tiled_gemm(gemm, name, m, n, k, dtype, per_row, bias, seed=0):
     return out
 
 
-def _case(m, n, k, dtype, per_row, bias, config=None, seed=0, ss=False):
+def _case(m, n, k, dtype, per_row, bias, config=None, seed=0, ss=False, gather=False):
     def gemm(x, tw, b):
         return wg.nvfp4_wgmma_gemm(
-            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config, ss=ss
+            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, config=config, ss=ss, gather=gather
         )
 
-    return check_tiled_gemm(gemm, f"wgmma gemm {config} ss={ss}", m, n, k, dtype, per_row, bias, seed)
+    name = f"wgmma gemm {config} ss={ss} gather={gather}"
+    return check_tiled_gemm(gemm, name, m, n, k, dtype, per_row, bias, seed)
 
 
 def _need_sm90():
@@ -119,6 +120,91 @@ def test_gpu_split_k_is_deterministic() -> None:
     assert torch.equal(y1, y2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, config", [(1, None), (17, None), (32, None), (37, (64, 16, 6, 3)), (64, (128, 32, 3, 4)), (255, None)]
+)
+def test_gpu_x_gathered_in_the_kernel_equals_the_reordered_copy(poison_empty, m, config, dtype) -> None:
+    """gather=True: the kernel's copies take x as it is, in the operand's column order (4-byte pieces), and
+    the launch is PDL (its first weight chunks copied before it waits). The same products are summed in the
+    same order as with x reordered by `rs_columns` first, so the outputs are the same bits, and within the
+    module docstring's bound. Odd M (token rows past M), N and K (336 pads to 384), split-K with 1 and 2
+    chunks a program."""
+    _need_sm90()
+    for n, k, cfg in ((200, 336, None), (328, 720, config)):
+        got = _case(m, n, k, dtype, per_row=m % 2 == 1, bias=m > 30, config=cfg, gather=True)
+        want = _case(m, n, k, dtype, per_row=m % 2 == 1, bias=m > 30, config=cfg, gather=False)
+        assert torch.equal(got, want), f"{m}x{n}x{k} {cfg}"
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_reads_each_previous_output_in_a_graph() -> None:
+    """Three gathered (PDL) calls back to back, each reading the one before's output, eager and replayed from
+    a CUDA graph: the same bits as the chain without PDL (x reordered by a copy). A launch that read its x
+    before the previous kernel finished would read stale rows. (Values grow ~50x a layer: 1e5 at the end,
+    far inside bf16's range.)"""
+    _need_sm90()
+    dims = [2304, 1536, 2304, 1024]
+    tws = []
+    for i in range(3):
+        w, s, gs = _random_nvfp4(dims[i + 1], dims[i], "cuda", False, seed=40 + i)
+        tws.append(prepare_nvfp4_weight(w, s, gs, layout="tiled128"))
+    x = torch.randn(32, dims[0], device="cuda").to(torch.bfloat16)
+
+    def chain(gather: bool) -> torch.Tensor:
+        h = x
+        for i, tw in enumerate(tws):
+            h = wg.nvfp4_wgmma_gemm(
+                h, tw.weight, tw.scale_bits, tw.global_scale, dims[i], dims[i + 1], gather=gather
+            )
+        return h
+
+    want = chain(False)
+    assert torch.equal(chain(True), want)
+    chain(True)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+def test_x_gather_copies_4_byte_pieces_and_stages_weights_before_the_pdl_wait() -> None:
+    """The sm_90 PTX of the gathered build: x's 16-byte copies become four 4-byte copies each (the weight
+    and scale copies unchanged); with PDL the prologue copies only weight words (16-byte) and scale words
+    (4-byte) before `griddepcontrol.wait`, signals its dependents after the K loop's last wgmma issue, and
+    keeps the SASS checks of the register form (no spills, no stores in the K loop, no write to an
+    in-flight A operand)."""
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    def copies(ptx: str) -> tuple[int, int]:
+        sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(0x10|0x4)\s*,", ptx)
+        return sizes.count("0x10"), sizes.count("0x4")
+
+    bn, bt, stages = 128, 32, 4
+    plain = _compile(bn, bt, 1, stages, 2304, "bf16")
+    gathered = _compile(bn, bt, 1, stages, 2304, "bf16", xg=True, pdl=True)
+    (p16, p4), (g16, g4) = copies(plain.asm["ptx"]), copies(gathered.asm["ptx"])
+    x16 = p16 - g16  # the x copies that were 16 bytes
+    assert x16 > 0 and g4 == p4 + 4 * x16, ((p16, p4), (g16, g4))
+    ptx = gathered.asm["ptx"]
+    # (the compiler may duplicate the wait on a branch that skips the K loop; the first is the main path's)
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    head = ptx[: ptx.index("griddepcontrol.wait")]
+    # the prologue's STAGES - 2 chunks: 2 word copies (a [128, 16] int32 tile over 256 threads) and 1
+    # scale-word copy each, nothing else
+    assert copies(head) == (2 * (stages - 2), stages - 2), copies(head)
+    assert ptx.index("griddepcontrol.launch_dependents") > ptx.rindex("wgmma.mma_async")
+    res, sass = cubin_usage_and_sass(gathered)
+    assert _stores_in_loops(sass) == 0 and wgmma_register_hazards(sass) == []
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None and int(use.group(2)) == 0, res
+
+
 def test_refuses_bad_input_and_config() -> None:
     w = torch.zeros(32, 64, dtype=torch.uint8)
     s = torch.zeros(32, 8, dtype=torch.uint8)
@@ -163,7 +249,10 @@ def test_grouped_config_ring(bt: int, k: int) -> None:
         assert deeper > min(8, chunks + 2) or wg.smem_bytes(r, bt, deeper) > wg._SMEM_BUDGET
 
 
-def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str, ss: bool = False):
+def _compile(
+    bn: int, bt: int, split: int, stages: int, k: int, dtype: str, ss: bool = False, xg: bool = False,
+    pdl: bool = False,
+):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -174,7 +263,7 @@ def _compile(bn: int, bt: int, split: int, stages: int, k: int, dtype: str, ss: 
     consts = dict(
         K_PAD=-(-k // 128) * 128, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=True, HAS_BIAS=True,
         ASM=word_asm(dtype), OUT_SCALE=128.0, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw,
-        LCS=lcs, PS=ps, SS=ss, STATIC_NCH=wg.constant_trip_count(ss, -(-k // 128) // split),
+        LCS=lcs, PS=ps, SS=ss, STATIC_NCH=wg.constant_trip_count(ss, -(-k // 128) // split), XG=xg, PDL=pdl,
     )  # fmt: skip
     ptrs = dict(
         x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*i32", gs_ptr="*fp32", b_ptr=f"*{dtype}", y_ptr=f"*{dtype}",

@@ -25,8 +25,11 @@ count (`constant_trip_count`) and ptxas keeps two chunks of wgmma in flight. Mea
 and at 16-128 tokens a tile that is the shared-memory bandwidth's bound (bench/NOTES.md).
 The register placement: lane t = 2h + j of a row owns words 8h + 4j + b (b in registers), which puts physical
 k = 16t + 4b + 2p + e at the operand's k' = 16b + 8p + 2t + e (a linear layout derived from the operand's, so
-the decoded values need no data movement); `rs_columns` reorders x's columns the same way before the launch,
-so the product is unchanged.
+the decoded values need no data movement); x's columns are permuted the same way, so the product is
+unchanged: by `rs_columns` (one torch copy) before the launch, or with `gather` by the kernel's own copies,
+four 4-byte pieces for each 16-byte slot of the shared tile (`_x_columns`). The gathered launch also uses
+programmatic dependent launch: its first chunks' weight and scale words are copied before it waits for the
+previous kernel, as the decode GEMVs do.
 Why the weights are not prefetched into registers: `fence.proxy.async` (the tensor cores' reads of the
 cp.async'd x need it) lowers to a MEMBAR that waits for every outstanding load of the thread (bench/NOTES.md);
 cp.async copies are not waited by it.
@@ -52,6 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from k3run.kernels.counters import counters
+from k3run.kernels.pdl import launch_pdl
+from k3run.knobs import knobs
 
 from .gluon_gemv import SHIFT_OUT_SCALE
 from .tile import _check_bias, _check_half_x, _check_tiled, word_asm
@@ -69,16 +74,49 @@ def _halves16(o, DT: gl.constexpr):
 
 
 @gluon.jit
-def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, nch, STAGES: gl.constexpr):
-    """cp.async chunk c (x[:, 128c ..] halves, the words, the scale words) into ring slot c % STAGES; nothing
-    past the last chunk. x has K_PAD columns (the launcher pads a narrower x)."""
+def _copy_x(x_smem, x_rows, kx, c, nch, STAGES: gl.constexpr):
+    """cp.async chunk c's x columns (two [BT, 64] halves) into ring slot c % STAGES; nothing past the last
+    chunk. x has K_PAD columns (the launcher pads a narrower x)."""
     if c < nch:
         st = c % STAGES
         _async_load(x_smem.index(2 * st), x_rows + (kx + c * 128))
         _async_load(x_smem.index(2 * st + 1), x_rows + (kx + (c * 128 + 64)))
+
+
+@gluon.jit
+def _copy_w(w_smem, s_smem, w_src, s_src, c, nch, STAGES: gl.constexpr):
+    """cp.async chunk c's weight words and scale words into ring slot c % STAGES; nothing past the last."""
+    if c < nch:
+        st = c % STAGES
         _async_load(w_smem.index(st), w_src + c * 256)
         _async_load(s_smem.index(st), s_src + c * 32)
-    async_copy.commit_group()  # an empty group past the end keeps the wait counts uniform
+
+
+@gluon.jit
+def _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, c, nch, STAGES: gl.constexpr):
+    """cp.async chunk c (x[:, 128c ..] halves, the words, the scale words) into ring slot c % STAGES as one
+    group; an empty group past the last chunk keeps the wait counts uniform."""
+    _copy_x(x_smem, x_rows, kx, c, nch, STAGES)
+    _copy_w(w_smem, s_smem, w_src, s_src, c, nch, STAGES)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _x_columns(LX: gl.constexpr, XG: gl.constexpr):
+    """The x column each of a 64-column half's operand positions reads: with XG (x in its natural order) the
+    register order, position 16b + 8p + 2t + e <- column 16t + 4b + 2p + e, so each 16-byte slot of the
+    shared tile is gathered from four 4-byte pairs (`rs_columns` is the same reorder as a copy); without, x
+    was reordered before the launch and position k reads column k."""
+    k = gl.arange(0, 64, layout=gl.SliceLayout(0, LX))
+    if XG:
+        k = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
+    return k
+
+
+@gluon.jit
+def _gdc(ASM: gl.constexpr):
+    """A grid-dependency-control instruction (programmatic dependent launch, sm_90+)."""
+    gl.inline_asm_elementwise(ASM + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -142,7 +180,8 @@ def _wgmma_kernel(
     PER_COL_GS: gl.constexpr, HAS_BIAS: gl.constexpr, ASM: gl.constexpr, OUT_SCALE: gl.constexpr,
     LW: gl.constexpr, LW2: gl.constexpr, LX: gl.constexpr, ACC: gl.constexpr, LA: gl.constexpr,
     LO: gl.constexpr, XS: gl.constexpr, LCW: gl.constexpr, LCS: gl.constexpr, PS: gl.constexpr,
-    SS: gl.constexpr = False, STATIC_NCH: gl.constexpr = False,
+    SS: gl.constexpr = False, STATIC_NCH: gl.constexpr = False, XG: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):  # fmt: skip
     CH: gl.constexpr = K_PAD // 128
     NCH: gl.constexpr = CH // SPLIT_K  # chunks per program
@@ -164,12 +203,13 @@ def _wgmma_kernel(
     rs2 = gl.expand_dims(rsc, 1)
     s_src = s_ptr + (((rs2 // 16).to(gl.int64) * CH + c0) * 32 + (rs2 % 16) * 2
                      + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LCS)), 0))  # fmt: skip
-    # x (its columns in the A registers' order, `rs_columns`): [BT, 64] halves, 8 consecutive columns per
-    # thread (16-byte copies); token rows past M re-read row M - 1
+    # x: [BT, 64] halves in the A registers' order, 8 operand positions per thread: 16-byte copies of x
+    # reordered by `rs_columns`, or with XG four 4-byte copies of x as it is (`_x_columns`); token rows past
+    # M re-read row M - 1
     t = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, LX))
     trow = gl.expand_dims(gl.minimum(t, M - 1), 1).to(gl.int64)
     x_rows = x_ptr + trow * stride_xm
-    kx = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LX)), 0) + c0 * 128
+    kx = gl.expand_dims(_x_columns(LX, XG), 0) + c0 * 128
     # the scale half of each decode lane: h of word index 8h + 4j + b
     LSW: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, LW))
     h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
@@ -184,8 +224,20 @@ def _wgmma_kernel(
         a_smem = gl.allocate_shared_memory(DT, [4, BN, 64], XS)
     else:  # unused: the register form's operand lives in registers
         a_smem = x_smem
-    for st in gl.static_range(STAGES - 2):
-        _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, nch, STAGES)
+    if PDL:
+        # the first chunks' weight and scale words (parameters: no kernel of the step writes them) are copied
+        # while the previous kernel drains; x, the partials and the counters only after it has finished.
+        # Group st holds chunk st's x (group 0 also every prologue weight copy), so the loop's wait counts
+        # stay those of the one-group-a-chunk prologue below
+        for st in gl.static_range(STAGES - 2):
+            _copy_w(w_smem, s_smem, w_src, s_src, st, nch, STAGES)
+        _gdc("griddepcontrol.wait;")
+        for st in gl.static_range(STAGES - 2):
+            _copy_x(x_smem, x_rows, kx, st, nch, STAGES)
+            async_copy.commit_group()
+    else:
+        for st in gl.static_range(STAGES - 2):
+            _issue(x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, st, nch, STAGES)
     acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
     a_lo = gl.zeros([BN, 64], DT, layout=LA)
     a_hi = gl.zeros([BN, 64], DT, layout=LA)
@@ -194,6 +246,8 @@ def _wgmma_kernel(
             acc, a_lo, a_hi, c, x_smem, w_smem, s_smem, x_rows, kx, w_src, s_src, h4, BN, nch, STAGES, ASM,
             DT, LW, LW2, LSW, LA, a_smem, SS,
         )  # fmt: skip
+    if PDL:  # the next launch may stage its own weights now (it waits for this grid before reading outputs)
+        _gdc("griddepcontrol.launch_dependents;")
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -364,13 +418,17 @@ def nvfp4_wgmma_gemm(
     *,
     config: tuple[int, int, int, int] | None = None,
     ss: bool = False,
+    gather: bool | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BN 64 | 128, BT a power of two in 16..256, split_k dividing the 128-wide chunks, stages: 3 to
     the chunks per program + 2); default `wgmma_config`. ss: the A operand from shared memory (the decoded
     tile stored to a double buffer) instead of registers (module docstring: at best 12% faster, often
-    slower)."""
+    slower). gather: the kernel's copies read x as it is, in the operand's column order (`_x_columns`), and
+    it launches with PDL where `launch_pdl` (its first weight chunks staged before it waits for the previous
+    kernel); otherwise one torch copy reorders x first (`rs_columns`). Default: up to
+    K3RUN_WGMMA_X_GATHER rows."""
     _check_half_x(x, k, "nvfp4 wgmma gemm")
     if not x.is_cuda or not wgmma_available(x.device):
         raise ValueError(f"nvfp4 wgmma gemm: needs an sm_90 GPU, got {x.device}")
@@ -383,8 +441,11 @@ def nvfp4_wgmma_gemm(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    if k != k_pad:  # the kernel's copies are 16-byte vectors of whole chunks: zero columns up to K_pad
+    if k != k_pad:  # the kernel's copies are of whole chunks: zero columns up to K_pad
         x = torch.nn.functional.pad(x, (0, k_pad - k))
+    if gather is None:
+        gather = m <= knobs().wgmma_x_gather
+    pdl = gather and launch_pdl(x)
     bn, bt, split, stages = config or wgmma_config(m, n, k, _sms(x.device))
     chunks = k_pad // 128
     if (
@@ -402,7 +463,8 @@ def nvfp4_wgmma_gemm(
     else:
         ws, cnt = y, y
     lw, lw2, lx, acc, la, lo, xs, lcw, lcs, ps = layouts(bn, bt)
-    x = rs_columns(x)
+    if not gather:
+        x = rs_columns(x)
     _wgmma_kernel[grid](
         x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale,
         bias if bias is not None else global_scale, y, ws, cnt, m, n, n_pad, x.stride(0), y.stride(0),
@@ -410,7 +472,8 @@ def nvfp4_wgmma_gemm(
         K_PAD=k_pad, BN=bn, BT=bt, SPLIT_K=split, STAGES=stages, PER_COL_GS=global_scale.numel() != 1,
         HAS_BIAS=bias is not None, ASM=word_asm("bf16" if x.dtype == torch.bfloat16 else "fp16"),
         OUT_SCALE=SHIFT_OUT_SCALE, LW=lw, LW2=lw2, LX=lx, ACC=acc, LA=la, LO=lo, XS=xs, LCW=lcw, LCS=lcs,
-        PS=ps, SS=ss, STATIC_NCH=constant_trip_count(ss, chunks // split), num_warps=bn // 16,
+        PS=ps, SS=ss, STATIC_NCH=constant_trip_count(ss, chunks // split), XG=gather, PDL=pdl,
+        num_warps=bn // 16, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
 
