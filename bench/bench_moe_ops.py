@@ -50,7 +50,7 @@ def _kernel_router(x, w, bias, k, scale):
     return sigmoid_topk_triton(router_partials(x, w), bias, k, True, scale)
 
 
-def _cublas_router(x, w, bias, k, scale):  # the model's router above LOGITS_MAX_TOKENS today
+def _cublas_router(x, w, bias, k, scale):  # the model's router above K3RUN_MOE_ROUTER_PARTIALS
     return sigmoid_topk_triton(x.float() @ w.t(), bias, k, True, scale)
 
 
@@ -88,6 +88,11 @@ def main() -> None:
                 ("router (logits + top-k)", partial(_torch_router, x, w, bias, k, 2.0),
                  partial(_kernel_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
             )  # fmt: skip
+            if t >= 8:  # baseline column: each token block's x loaded after the last block's store
+                rows.append(
+                    ("router partials, x a block ahead", partial(router_partials, x, w, ahead=False),
+                     partial(router_partials, x, w), w.numel() * 4 + x.numel() * 2)
+                )  # fmt: skip
             if t >= 9:  # baseline column: cuBLAS logits + the top-k kernel, the model's path above 16 tokens
                 rows.append(
                     ("router, dot partials (vs cuBLAS)", partial(_cublas_router, x, w, bias, k, 2.0),

@@ -137,10 +137,15 @@ class Knobs:
         "CUDA: the MoE router's logits and top-k in one launch where its partial logits are <= 64 KB (Kimi "
         "Linear up to 4 tokens; 1: on; 0: two launches); measured no faster than two",
     )  # fmt: skip
+    moe_router_partials: int = _knob(
+        "K3RUN_MOE_ROUTER_PARTIALS", _tokens_256, 16,
+        "CUDA: up to this many tokens the router's logits run on the partials kernel (broadcast products, x "
+        "loaded a token block ahead), above it cuBLAS's fp32 GEMM",
+    )  # fmt: skip
     moe_router_dot: int = _knob(
         "K3RUN_MOE_ROUTER_DOT", _tokens_256, 0,
         "CUDA: from 9 up to this many tokens the router's partial logits run as fp32 dots over 16-token "
-        "blocks, instead of the broadcast kernel (up to 16) or cuBLAS (above) (0: off)",
+        "blocks, instead of the broadcast kernel or cuBLAS (0: off)",
     )  # fmt: skip
     moe_combine_in_norm: int = _knob(
         "K3RUN_MOE_COMBINE_IN_NORM", _tokens_128, 8,

@@ -235,7 +235,7 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=26)
+    run_interp_tests_in_child(__file__, expected_passed=29)
 
 
 @interp_only
@@ -265,6 +265,20 @@ def test_interp_router_logits(t: int, e: int, d: int) -> None:
 @pytest.mark.parametrize("t, e, d, a", [(1, 37, 300, 4), (6, 256, 2304, 8), (2, 900, 1700, 16)])
 def test_interp_router_partials_then_topk(t: int, e: int, d: int, a: int) -> None:
     check_router(t, e, d, a, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("t, e, d, dot", [(7, 37, 300, False), (1, 20, 513, False), (19, 37, 300, True)])
+def test_interp_router_partials_loaded_ahead_are_the_same_bits(t: int, e: int, d: int, dot: bool) -> None:
+    """x loaded a token block ahead (the default) or each block after the last: the same products and sums.
+    7 tokens: two 4-token blocks, the second part masked and the prefetch past it fully masked; 1 token: one
+    block; the dot form's 16-token blocks over 19 tokens."""
+    from k3run.kernels.moe_ops.triton import router_partials
+
+    g = torch.Generator().manual_seed(t + e + d)
+    x = torch.randn(t, d, generator=g).to(torch.float16)
+    w = torch.randn(e, d, generator=g) / d**0.5
+    assert torch.equal(router_partials(x, w, dot, ahead=True), router_partials(x, w, dot, ahead=False))
 
 
 @interp_only
@@ -334,11 +348,13 @@ def test_gpu_router_dot_partials(t: int, e: int, d: int) -> None:
 
 
 @needs_cuda
-def test_gpu_route_sigmoid_topk_takes_the_dot_form_under_its_knob() -> None:
-    """K3RUN_MOE_ROUTER_DOT=64: 32 tokens route through the dot partials, not cuBLAS. Wherever no two
-    choices come within 1e-5, the picks equal the knob-off picks. Each logit then differs by at most
-    2 (d + 1) u s (s: the row's largest sum of |x| |w|, two fp32 sums of d terms), so a renormalised weight
-    differs by at most twice that relatively, plus the top-k's own roundings ((a + 10) u, as check_topk)."""
+@pytest.mark.parametrize("knob", ["moe_router_dot", "moe_router_partials"])
+def test_gpu_route_sigmoid_topk_takes_the_partials_under_its_knob(knob: str) -> None:
+    """K3RUN_MOE_ROUTER_DOT=64 or K3RUN_MOE_ROUTER_PARTIALS=64: 32 tokens route through the dot or the
+    broadcast partials, not cuBLAS (both knobs at their defaults). Wherever no two choices come within 1e-5,
+    the picks equal cuBLAS's. Each logit then differs by at most 2 (d + 1) u s (s: the row's largest sum of
+    |x| |w|, two fp32 sums of d terms), so a renormalised weight differs by at most twice that relatively,
+    plus the top-k's own roundings ((a + 10) u, as check_topk)."""
     from k3run.kernels.moe_ops import route_sigmoid_topk
     from k3run.knobs import override_knobs
 
@@ -347,9 +363,9 @@ def test_gpu_route_sigmoid_topk_takes_the_dot_form_under_its_knob() -> None:
     x = torch.randn(32, d, generator=g).bfloat16().cuda()
     w = (torch.randn(256, d, generator=g) / d**0.5).cuda()
     bias = (torch.randn(256, generator=g) * 0.1).cuda()
-    with override_knobs(moe_router_dot=64):
+    with override_knobs(**{knob: 64}):
         w_dot, ids_dot = route_sigmoid_topk(x, w, bias, a, True, 2.5)
-    with override_knobs(moe_router_dot=0):
+    with override_knobs(moe_router_dot=0, moe_router_partials=16):
         w_off, ids_off = route_sigmoid_topk(x, w, bias, a, True, 2.5)
     logits = router_logits_ref(x.double(), w.double()).cpu()
     choice = torch.sigmoid(logits) + bias.cpu().double()
@@ -361,7 +377,7 @@ def test_gpu_route_sigmoid_topk_takes_the_dot_form_under_its_knob() -> None:
     rel = 4 * (d + 1) * U * s_row[:, None] + (a + 10) * U
     ref_w = w_off.cpu().double()
     assert_within(
-        "dot-form router weights",
+        f"router weights under {knob}",
         ref_w[clear].float(),
         w_dot.cpu()[clear],
         (rel * ref_w.abs())[clear].float(),

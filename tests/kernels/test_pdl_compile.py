@@ -150,12 +150,14 @@ def test_router_kernels_compile_for_sm90_without_spills(
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
 
 
-def test_router_dot_partials_compile_for_sm90_without_spills() -> None:
-    """The dot form's [16, 256] weight and token tiles (fp32) and its [16, 16] product fit 128 threads."""
+@pytest.mark.parametrize("be, bt, dot", [(8, 4, False), (16, 16, True)])
+def test_router_partials_compile_for_sm90_without_spills(be: int, bt: int, dot: bool) -> None:
+    """The broadcast form's [4, 8, 256] product and the dot form's [16, 256] weight and token tiles (fp32)
+    with their [16, 16] product fit 128 threads, each with the next token block's x loaded ahead."""
     from k3run.kernels.moe_ops import triton as moe
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    ck = _compile(moe._router_partials_kernel, "fp32", {}, dict(BE=16, BD=256, BT=16, DOT=True), pdl=True)
+    ck = _compile(moe._router_partials_kernel, "fp32", {}, dict(BE=be, BD=256, BT=bt, DOT=dot), pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res

@@ -18,10 +18,7 @@ LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # the largest expert count the top-k kernel holds in one program's registers (K3: 896)
 MAX_EXPERTS = 1024
-# token rows up to which the router logits run on the partials kernel (H200, Kimi Linear's router: 2.6 / 6 /
-# 17 us a call at 1 / 8 / 32 tokens; cuBLAS after an fp32 cast ~13 us whatever the rows); with
-# K3RUN_MOE_ROUTER_DOT=N, the broadcast form up to DOT_FROM - 1 tokens, the dot form from DOT_FROM to N
-LOGITS_MAX_TOKENS = 16
+# with K3RUN_MOE_ROUTER_DOT=N, the broadcast form up to DOT_FROM - 1 tokens, the dot form from DOT_FROM to N
 DOT_FROM = 9
 
 
@@ -55,26 +52,39 @@ def _weight_tile(w_ptr, E, D, BE: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _x_block(x_ptr, t, d, T, D, sx):
+    return tl.load(
+        x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & (d < D)[None, :], other=0.0
+    )
+
+
+@triton.jit
 def _partials(
     wv, x_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    DOT: tl.constexpr = False,
+    DOT: tl.constexpr = False, AHEAD: tl.constexpr = True,
 ):  # fmt: skip
     # part[s, t, e] = x[t, cols] . W[e, cols] for this program's BE experts and BD columns (the tile wv,
     # read once: many small programs keep enough bytes in flight), every token; x cast to fp32 as it loads.
     # BT tokens at a time: a [BT, BE, BD] product reduced across threads (a few tokens), or with DOT one fp32
-    # dot ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32) for many tokens
+    # dot ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32) for many tokens. With AHEAD the
+    # next block's x is loaded before this block's product, so its L2 round trip overlaps the product, the
+    # reduction and the store (without, each block waits for its own load first: a program's time grew by
+    # one round trip per block); the sums are the same either way
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)
-    dm = d < D
     tt = tl.arange(0, BT)
     if DOT:
         wt = tl.trans(wv)  # [BD, BE]
+    if AHEAD:
+        xn = _x_block(x_ptr, tt, d, T, D, sx)
     for t0 in range(0, T, BT):
         t = t0 + tt
-        xv = tl.load(
-            x_ptr + t[:, None].to(tl.int64) * sx + d[None, :], mask=(t < T)[:, None] & dm[None, :], other=0.0
-        )
+        if AHEAD:
+            xv = xn
+            xn = _x_block(x_ptr, t + BT, d, T, D, sx)  # past T: masked, nothing read
+        else:
+            xv = _x_block(x_ptr, t, d, T, D, sx)
         if DOT:
             part = tl.dot(xv.to(tl.float32), wt, input_precision="ieee")  # [BT, BE]
         else:
@@ -104,11 +114,11 @@ def _sum_partials(p_ptr, off, m, stride, S: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _router_partials_kernel(
     x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    DOT: tl.constexpr = False, PDL: tl.constexpr = False,
+    DOT: tl.constexpr = False, PDL: tl.constexpr = False, AHEAD: tl.constexpr = True,
 ):  # fmt: skip
     wv = _weight_tile(w_ptr, E, D, BE, BD)
     pdl_enter(PDL)
-    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT, DOT)
+    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT, DOT, AHEAD)
 
 
 def _check_weight(weight: torch.Tensor) -> None:
@@ -124,10 +134,13 @@ def _in_flight(elements_per_thread: int, splits: int) -> int:
     return max(1, min(splits - 1, 128 // max(1, elements_per_thread), 16))
 
 
-def router_partials(x: torch.Tensor, weight: torch.Tensor, dot: bool = False) -> torch.Tensor:
+def router_partials(
+    x: torch.Tensor, weight: torch.Tensor, dot: bool = False, ahead: bool = True
+) -> torch.Tensor:
     """Partial router logits [S, T, E] fp32 of x [T, D] and the contiguous fp32 weight [E, D] over S column
     blocks of 256 (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are).
-    `dot`: the tokens in blocks of 16 as fp32 dots (`_partials`' DOT form, for many tokens)."""
+    `dot`: the tokens in blocks of 16 as fp32 dots (`_partials`' DOT form, for many tokens). `ahead`: each
+    token block's x loaded one block ahead (the default; False only for the benchmark's comparison)."""
     _check_weight(weight)
     t, d = x.shape
     e = weight.shape[0]
@@ -140,8 +153,9 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, dot: bool = False) ->
         x = x.contiguous()
     be, bt = (16, 16) if dot else (8, min(4, triton.next_power_of_2(t)))
     _router_partials_kernel[(triton.cdiv(e, be), splits)](
-        x, weight, out, t, e, d, x.stride(0), BE=be, BD=bd, BT=bt, DOT=dot, num_warps=4, **pdl_args(x)
-    )
+        x, weight, out, t, e, d, x.stride(0), BE=be, BD=bd, BT=bt, DOT=dot, AHEAD=ahead, num_warps=4,
+        **pdl_args(x),
+    )  # fmt: skip
     return out
 
 
