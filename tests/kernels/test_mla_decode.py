@@ -75,7 +75,7 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=8)
+    run_interp_tests_in_child(__file__, expected_passed=10)
 
 
 @interp_only
@@ -190,6 +190,20 @@ def test_interp_absorb_kernels(dtype: torch.dtype) -> None:
 
 
 @interp_only
+@pytest.mark.parametrize("B", [1, 4])
+def test_interp_absorb_kernels_loaded_ahead_are_the_same_bits(B: int) -> None:
+    """Each sequence's row loaded while the previous one's is used (the default) or after it: the same
+    products and sums, so the same bits (one sequence: the prefetch past it fully masked)."""
+    from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
+
+    q, w_uk, w_uv = _absorb_case(B, 3, 24, 64, 16, 20, torch.float16, "cpu")
+    assert torch.equal(mla_q_absorb_triton(q, w_uk), mla_q_absorb_triton(q, w_uk, ahead=False))
+    o_lat = torch.randn(B, 3, 64, generator=torch.Generator().manual_seed(B))
+    ahead = mla_o_absorb_triton(o_lat, w_uv, torch.float16)
+    assert torch.equal(ahead, mla_o_absorb_triton(o_lat, w_uv, torch.float16, False))
+
+
+@interp_only
 def test_interp_decode_absorbed() -> None:
     check_decode_absorbed(torch.float32, "cpu", H=5, dn=24, L=32, R=16, dv=20, contexts=[0, 7, 20], window=24)
 
@@ -267,7 +281,8 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
 @pytest.mark.parametrize("which", ["q", "o"])
 def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
     """At Kimi's widths (128 NoPE, 512 latent, 64 RoPE, 128 value columns) the weight tile each program holds
-    (32 latent x 128 NoPE, or 8 value x 512 latent, fp32) fits its 128 threads' registers."""
+    (32 latent x 128 NoPE, or 8 value x 512 latent, fp32) fits its 128 threads' registers, with the next
+    sequence's row loaded ahead."""
     import inspect
     import re
 
@@ -280,11 +295,11 @@ def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
 
     if which == "q":
         kernel = mt._mla_q_absorb_kernel
-        consts = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True)
+        consts = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, AHEAD=True)
         types = dict(q_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32")
     else:
         kernel = mt._mla_o_absorb_kernel
-        consts = dict(DV=128, L=512, BV=8, PDL=True)
+        consts = dict(DV=128, L=512, BV=8, PDL=True, AHEAD=True)
         types = dict(o_ptr="*fp32", w_ptr="*fp32", out_ptr="*bf16")
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in params}

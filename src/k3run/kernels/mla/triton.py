@@ -106,11 +106,13 @@ def _mla_merge_kernel(
 @triton.jit
 def _mla_q_absorb_kernel(
     q_ptr, w_ptr, out_ptr, B, H, sqb, sqh, DN: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-    BLOCK_DN: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_DN: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr = False, AHEAD: tl.constexpr = True,
 ):  # fmt: skip
     """Program (head h, latent block): out[b, h, block] = q[b, h, :DN] . W_UK[h, :, block] in fp32 for every
     b, and (block 0's program) out[b, h, L:] = q[b, h, DN:] in fp32: the decode kernel's [B, H, L + R]
-    queries in one launch. W_UK is a parameter: its tile loads before the PDL wait."""
+    queries in one launch. W_UK is a parameter: its tile loads before the PDL wait. With AHEAD each
+    sequence's q row is loaded while the previous one's product is formed and stored (without, every
+    sequence waited for its own load: one L2 round trip each)."""
     h = tl.program_id(0)
     lb = tl.program_id(1)
     d = tl.arange(0, BLOCK_DN)
@@ -119,30 +121,49 @@ def _mla_q_absorb_kernel(
     w = tl.load(w_ptr + (h * DN + d).to(tl.int64)[:, None] * L + cl[None, :], mask=dm[:, None], other=0.0)
     pdl_enter(PDL)
     cr = tl.arange(0, R)
+    rope = cr + lb * R < R  # only block 0's programs copy the RoPE part
+    if AHEAD:  # (the launcher runs no program for B = 0, so row 0 exists)
+        qn_next = tl.load(q_ptr + h * sqh + d, mask=dm, other=0.0)
+        qr_next = tl.load(q_ptr + h * sqh + DN + cr)
     for b in range(0, B):
         q_row = q_ptr + b * sqb + h * sqh
-        qn = tl.load(q_row + d, mask=dm, other=0.0).to(tl.float32)
+        if AHEAD:
+            qn = qn_next.to(tl.float32)
+            qr = qr_next
+            nxt = q_ptr + tl.minimum(b + 1, B - 1) * sqb + h * sqh  # the last sequence re-reads its own row
+            qn_next = tl.load(nxt + d, mask=dm, other=0.0)
+            qr_next = tl.load(nxt + DN + cr)
+        else:
+            qn = tl.load(q_row + d, mask=dm, other=0.0).to(tl.float32)
+            qr = tl.load(q_row + DN + cr)
         out_row = out_ptr + (b * H + h) * (L + R)
         tl.store(out_row + cl, tl.sum(qn[:, None] * w, axis=0))
-        if lb == 0:
-            tl.store(out_row + L + cr, tl.load(q_row + DN + cr).to(tl.float32))
+        tl.store(out_row + L + cr, qr.to(tl.float32), mask=rope)
 
 
 @triton.jit
 def _mla_o_absorb_kernel(
     o_ptr, w_ptr, out_ptr, B, H, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, AHEAD: tl.constexpr = True,
 ):  # fmt: skip
     """Program (head h, block of BV output columns): out[b, h, v] = o_lat[b, h, :] . W_UV[h, v, :] in fp32,
-    rounded once to out's dtype, for every b. W_UV's tile loads before the PDL wait."""
+    rounded once to out's dtype, for every b. W_UV's tile loads before the PDL wait. With AHEAD the next
+    sequence's latent row loads while this one's sum is formed and stored."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BV + tl.arange(0, BV)
     vm = v < DV
     cl = tl.arange(0, L)
     w = tl.load(w_ptr + (h * DV + v).to(tl.int64)[:, None] * L + cl[None, :], mask=vm[:, None], other=0.0)
     pdl_enter(PDL)
+    if AHEAD:  # (the launcher runs no program for B = 0, so row 0 exists)
+        ol_next = tl.load(o_ptr + h * L + cl)
     for b in range(0, B):
-        ol = tl.load(o_ptr + (b * H + h) * L + cl)
+        if AHEAD:
+            ol = ol_next
+            # (the last sequence re-reads its own row)
+            ol_next = tl.load(o_ptr + (tl.minimum(b + 1, B - 1) * H + h) * L + cl)
+        else:
+            ol = tl.load(o_ptr + (b * H + h) * L + cl)
         acc = tl.sum(w * ol[None, :], axis=1)
         tl.store(out_ptr + (b * H + h) * DV + v, acc.to(out_ptr.dtype.element_ty), mask=vm)
 
@@ -198,9 +219,10 @@ def mla_latent_store_triton(
     )  # fmt: skip
 
 
-def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, ahead: bool = True) -> torch.Tensor:
     """mla_q_absorb_ref in one launch: q [B, H, d_n + R] (unit last stride), w_uk [H, d_n, L] fp32
-    contiguous, L and R powers of two -> [B, H, L + R] fp32."""
+    contiguous, L and R powers of two -> [B, H, L + R] fp32. `ahead`: each sequence's row loaded while the
+    previous one's is used (the default; False only for the benchmark's comparison)."""
     B, H, dq = q.shape
     _, dn, L = w_uk.shape
     R = dq - dn
@@ -218,17 +240,21 @@ def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     if L & (L - 1) or R & (R - 1):
         raise ValueError(f"mla_q_absorb: L = {L} and R = {R} must be powers of two")
     out = torch.empty(B, H, L + R, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out
     bl = min(32, L)
     _mla_q_absorb_kernel[(H, L // bl)](
         q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=triton.next_power_of_2(dn),
-        BL=bl, num_warps=4, **pdl_args(q),
+        BL=bl, AHEAD=ahead, num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return out
 
 
-def mla_o_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def mla_o_absorb_triton(
+    o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, ahead: bool = True
+) -> torch.Tensor:
     """mla_o_absorb_ref in one launch: o_lat [B, H, L] fp32 contiguous, w_uv [H, d_v, L] fp32 contiguous,
-    L a power of two -> [B, H, d_v] in out_dtype."""
+    L a power of two -> [B, H, d_v] in out_dtype. `ahead` as in `mla_q_absorb_triton`."""
     B, H, L = o_lat.shape
     dv = w_uv.shape[1]
     if (
@@ -240,9 +266,11 @@ def mla_o_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torc
             f"got o_lat {tuple(o_lat.shape)} {o_lat.dtype}, W_UV {tuple(w_uv.shape)} {w_uv.dtype}"
         )
     out = torch.empty(B, H, dv, dtype=out_dtype, device=o_lat.device)
+    if B == 0:
+        return out
     bv = 8
     _mla_o_absorb_kernel[(H, triton.cdiv(dv, bv))](
-        o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, num_warps=4, **pdl_args(o_lat)
+        o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, AHEAD=ahead, num_warps=4, **pdl_args(o_lat)
     )
     return out
 
