@@ -35,8 +35,8 @@
 #           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32 after a compiling warm-up probe: as
 #           shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS, K3RUN_MOE_COMBINE_IN_NORM,
-#           K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the router's partials up to 64 tokens
-#           (K3RUN_MOE_ROUTER_PARTIALS=64), as shipped again; uniform routing (the
+#           K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the MLA absorb kernels up to 32, the router's
+#           partials up to 64 tokens (K3RUN_MOE_ROUTER_PARTIALS=64), as shipped again; uniform routing (the
 #           random model's own routing collapses onto a few experts); every probe's output in decodeab.txt
 #   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
 #           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
@@ -122,8 +122,8 @@ for stage in "${stages[@]}"; do
     decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1 --steps 4 --uniform-routing \
             >"$OUT/decode_warm.txt" 2>&1  # a fresh machine compiles every kernel here; its row is not used
         trio="K3RUN_MLA_ABSORB_KERNELS K3RUN_MOE_COMBINE_IN_NORM K3RUN_MOE_ACT_IN_GEMM1"
-        for cfg in K3RUN_PDL_ALL=1 "$(printf '%s=0 ' $trio)" "$(printf '%s=16 ' $trio)" K3RUN_MOE_ROUTER_PARTIALS=64 \
-                K3RUN_PDL_ALL=1; do
+        for cfg in K3RUN_PDL_ALL=1 "$(printf '%s=0 ' $trio)" "$(printf '%s=16 ' $trio)" K3RUN_MLA_ABSORB_KERNELS=32 \
+                K3RUN_MOE_ROUTER_PARTIALS=64 K3RUN_PDL_ALL=1; do
             echo "-- $cfg" | tee -a "$OUT/decodeab.txt"
             # shellcheck disable=SC2086  # cfg holds several VAR=value words
             env $cfg timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,16,32 --steps 32 \
