@@ -17,7 +17,8 @@
 #   fp8gemv bench/bench_fp8_gemv.py (the FP8_PB_WO decode GEMV vs the _scaled_mm layer; FP8GEMV_ARGS, e.g. --sweep)
 #   tile    bench/bench_tile.py (the NVFP4 tile GEMM, grouped experts at prefill sizes, time to first token)
 #   prefill bench/probe_prefill.py (one 8192-token prefill of the full-depth Kimi Linear, per module)
-#   decode  bench/bench_moe_ops.py, then bench/probe_graph_step.py --kimi-linear at batch 1 / 8 / 32 with
+#   decode  bench/bench_moe_ops.py, bench/bench_sampling.py, then bench/probe_graph_step.py --kimi-linear at
+#           batch 1 / 8 / 32 with
 #           kernels/moe_ops on (--profile 3; the first probe on a fresh machine compiles for ~60-90 s), then
 #           with K3RUN_MOE_OPS=0 (the same-run baseline)
 #   sm90    the CUDA C++ NVFP4 GEMM: bench/probes/sm90_sanity.py under compute-sanitizer (builds it), its tests, then bench/bench_sm90_gemm.py with Marlin
@@ -96,6 +97,7 @@ for stage in "${stages[@]}"; do
     prefill) timeout 300 python3 bench/probe_prefill.py --model kimi-linear --tokens 8192 2>&1 \
         | tee "$OUT/probe_prefill.txt" | grep -v -i warn | tail -16 ;;
     decode) timeout 150 python3 bench/bench_moe_ops.py 2>&1 | tee "$OUT/bench_moe_ops.txt" | tail -44
+        timeout 100 python3 bench/bench_sampling.py 2>&1 | tee "$OUT/bench_sampling.txt"
         timeout 320 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --profile 3 \
             2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
         K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \

@@ -78,7 +78,7 @@ def test_seed_makes_a_request_reproducible_whatever_shares_its_batch() -> None:
 
 def test_chunked_cdf_equals_one_cumsum() -> None:
     # float64 sums of fp32 inputs: the chunked and the single scan agree to float64 rounding
-    from k3run.engine.sampler import _cdf
+    from k3run.kernels.sampling import chunked_cdf as _cdf
 
     for v in (1, 511, 512, 513, 3001):
         probs = torch.rand(3, v).softmax(-1)

@@ -35,9 +35,11 @@ def _kernels():
     from k3run.kernels.moe_ops import triton as moe
     from k3run.kernels.norm import triton as norm
     from k3run.kernels.nvfp4_gemm import groups
+    from k3run.kernels.sampling import triton as sampling
 
     f32 = dict(eps="fp32", scale="fp32", beta="fp32", rbeta="fp32", lbeta="fp32", rlbeta="fp32")
     mla_ptrs = dict(q_ptr="*fp32", o_ptr="*fp32", lse_ptr="*fp32", slots_ptr="*i64", ctx_ptr="*i64")
+    smp = dict(spec_ptr="*fp64", sum_ptr="*fp64", out_ptr="*i64")  # the float64 spec and sums, int64 tokens
     return {
         "rms_norm": (norm._rms_norm_kernel, "bf16", f32,
                      dict(HAS_GATE=False, HAS_RES=True, BLOCK_R=1, BLOCK_D=4096)),
@@ -68,6 +70,11 @@ def _kernels():
         "MLA latent store": (mla._mla_latent_store_kernel, "bf16", f32, dict(L=512, R=64)),
         "expert_groups": (groups._expert_groups_kernel, "i64", f32,
                           dict(BT=16, BLOCK_P=64, BLOCK_E=512, BLOCK_G=64, BLOCK_C=32)),
+        "sampling chunk max": (sampling._chunk_max_kernel, "fp32", smp, dict(SCALED=False, C=4096)),
+        "sampling chunk sums": (sampling._chunk_sum_kernel, "fp32", smp,
+                                dict(SCALED=False, C=4096, BLOCK_NC=64, LIB=True)),
+        "sampling pick": (sampling._pick_kernel, "fp32", smp,
+                          dict(SCALED=True, C=4096, BLOCK_NC=64, LIB=True)),
     }  # fmt: skip
 
 
