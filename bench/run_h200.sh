@@ -32,12 +32,14 @@
 #           (GPU-marked; carry .whl), then
 #           test_graph_decode.py again with K3RUN_MOE_ROUTER_ONE_LAUNCH=1 and the small-step trio off
 #           (K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0 K3RUN_MLA_ABSORB_KERNELS=0)
-#   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py)
-#           and the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM)
+#   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py),
+#           the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM), the
+#           sampler kernels' and the KDA layer's (tests/kernels/test_sampling.py, tests/layers/test_kda.py)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32 after a compiling warm-up probe: as
 #           shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS, K3RUN_MOE_COMBINE_IN_NORM,
 #           K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the MLA absorb kernels up to 32, the router's
-#           partials up to 64 tokens (K3RUN_MOE_ROUTER_PARTIALS=64), as shipped again; uniform routing (the
+#           partials up to 64 tokens (K3RUN_MOE_ROUTER_PARTIALS=64), KDA's f_b on the side stream
+#           (K3RUN_KDA_FB_SIDE=1), as shipped again; uniform routing (the
 #           random model's own routing collapses onto a few experts); every probe's output in decodeab.txt
 #   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
 #           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
@@ -120,12 +122,12 @@ for stage in "${stages[@]}"; do
     moetests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/layers/test_moe.py \
             tests/layers/test_moe_shared_fusion.py tests/kernels/test_moe_ops.py tests/kernels/test_nvfp4_gemm.py \
-            >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
+            tests/kernels/test_sampling.py tests/layers/test_kda.py >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
     decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1 --steps 4 --uniform-routing \
             >"$OUT/decode_warm.txt" 2>&1  # a fresh machine compiles every kernel here; its row is not used
         trio="K3RUN_MLA_ABSORB_KERNELS K3RUN_MOE_COMBINE_IN_NORM K3RUN_MOE_ACT_IN_GEMM1"
         for cfg in K3RUN_PDL_ALL=1 "$(printf '%s=0 ' $trio)" "$(printf '%s=16 ' $trio)" K3RUN_MLA_ABSORB_KERNELS=32 \
-                K3RUN_MOE_ROUTER_PARTIALS=64 K3RUN_PDL_ALL=1; do
+                K3RUN_MOE_ROUTER_PARTIALS=64 K3RUN_KDA_FB_SIDE=1 K3RUN_PDL_ALL=1; do
             echo "-- $cfg" | tee -a "$OUT/decodeab.txt"
             # shellcheck disable=SC2086  # cfg holds several VAR=value words
             env $cfg timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,16,32 --steps 32 \

@@ -189,6 +189,11 @@ class Knobs:
         "K3RUN_SIDE_STREAM", _flag, True,
         "CUDA: a layer's independent branch on a second stream up to 16 rows (0: inline)",
     )  # fmt: skip
+    kda_fb_side: bool = _knob(
+        "K3RUN_KDA_FB_SIDE", _flag, False,
+        "CUDA: KDA's forget-gate up-projection (f_b) as a side-stream branch beside the conv, joined before "
+        "the recurrence (1: on; 0: in the chain)",
+    )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,
         "torch.distributed backend under torchrun, nccl or gloo (unset: NCCL with CUDA, else gloo)",

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3run.distributed import NO_TP, TPInfo
+from k3run.forward_context import ForwardContext
 from k3run.layers.kda import KimiDeltaAttention
 from k3run.testing import RTOL, assert_close
 from tests.gloo import spawn_gloo
@@ -258,3 +259,52 @@ def test_tensor_parallel_2_equals_1() -> None:
             for b in range(len(xs)):
                 # the rank-local partial o_proj products are all-reduced in a different order: fp32 noise
                 assert_close(f"{variant} rank {r} seq {b}", single[b], outs[b], rtol=RTOL[torch.float32])
+
+
+def _decode_steps(layer: KimiDeltaAttention, device: str, steps: int = 3) -> list[torch.Tensor]:
+    """A 6-token prefill of two sequences, then `steps` decode steps of both: the outputs of every step."""
+    g = torch.Generator().manual_seed(11)
+    cache = layer.init_cache(4, torch.float32, device)
+    outs = []
+
+    def ctx(lens: list[int], ctx_lens: list[int]) -> ForwardContext:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        return ForwardContext(
+            cu_seqlens=cu.to(device), context_lens=torch.tensor(ctx_lens).to(device),
+            slots=torch.tensor([1, 3]).to(device), seqlens_list=lens, context_lens_list=ctx_lens,
+            slots_list=[1, 3],
+        )  # fmt: skip
+
+    outs.append(layer(torch.randn(12, D, generator=g).to(device), ctx([6, 6], [0, 0]), cache))
+    for i in range(steps):
+        outs.append(layer(torch.randn(2, D, generator=g).to(device), ctx([1, 1], [6 + i, 6 + i]), cache))
+    return outs
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forget_gate_branch_knob_gives_the_same_outputs(variant: str) -> None:
+    """K3RUN_KDA_FB_SIDE: f_b_proj as a branch (inline on the CPU, queued first) gives the same bits."""
+    from k3run.knobs import override_knobs
+
+    layer = make_layer(variant, make_weights(VARIANTS[variant][0]))
+    with override_knobs(kda_fb_side=False):
+        want = _decode_steps(layer, "cpu")
+    with override_knobs(kda_fb_side=True):
+        got = _decode_steps(layer, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_forget_gate_branch_on_the_side_stream_gives_the_same_bits(variant: str) -> None:
+    """On CUDA the branch runs on the side stream beside the conv and is joined before the recurrence: the
+    same kernels on the same inputs, so the same bits as in the chain, prefill and decode steps."""
+    from k3run.knobs import override_knobs
+
+    layer = make_layer(variant, make_weights(VARIANTS[variant][0])).cuda()
+    with override_knobs(kda_fb_side=False):
+        want = _decode_steps(layer, "cuda")
+    with override_knobs(kda_fb_side=True):
+        got = _decode_steps(layer, "cuda")
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -33,6 +33,7 @@ from k3run.kernels.kda import (
     kda_decode_in_place,
     kda_forward,
 )
+from k3run.knobs import knobs
 from k3run.layers.branch import Branch
 from k3run.layers.linear import (
     ColumnParallelLinear,
@@ -284,6 +285,9 @@ class KimiDeltaAttention(nn.Module):
             q, k, v, gate, f_a, b = parts
         else:
             q, k, v, b, f_a = parts
+        # the raw forget-gate projection: with K3RUN_KDA_FB_SIDE a branch beside the conv (queued after the
+        # gate branch), else in the chain after the conv
+        f_branch = Branch(lambda: self.f_b_proj(f_a), x) if knobs().kda_fb_side else None
         conv_final = None
         if in_place:  # one launch on CUDA: states in the cache, q | k | v read in place, planar output
             assert layer_cache is not None and ctx.slots is not None
@@ -304,7 +308,7 @@ class KimiDeltaAttention(nn.Module):
                 groups=3,
             )  # fmt: skip
             q, k, v = planes.reshape(3, T, H, K)
-        f = self.f_b_proj(f_a).reshape(T, H, K)  # raw forget-gate projection
+        f = (f_branch.result() if f_branch is not None else self.f_b_proj(f_a)).reshape(T, H, K)
         # gate, beta sigmoid and q/k L2 norm happen inside kda_forward (in-kernel on the fla GPU path)
         gate_args = dict(
             A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound, scale=self.scale
