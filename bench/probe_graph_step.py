@@ -22,6 +22,10 @@ the graph steps by their own time (cProfile; prefills included).
 own routing collapses onto a few experts (the probe prints the distinct experts a step read).
 --compare-overlap also times the graph steps with decode overlap off (EngineConfig.overlap_decode=False;
 mode "no-ovl"; "graphs" rows have it on, the default).
+--configs 'K3RUN_A=1 K3RUN_B=0;K3RUN_C=16;' times each knob setting (';'-separated, an empty one as shipped)
+with its own engine and graphs on the one model, printing "-- setting" before its rows; --repeat N makes N
+passes, alternating them. Knobs read only at load (K3RUN_MOE_FUSE_SHARED) keep the process's value; the
+--profile / --host / --modules passes use the last setting's engine.
 Prints per batch size: wall ms per step, GPU ms per replay, the share of the step the GPU is busy, and
 decode tokens/s, with the bandwidth roofline beside them: the bytes a step must read (every weight but the
 embedding table, the routed experts counted by the expected number of distinct experts a batch of uniformly
@@ -32,6 +36,7 @@ models).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -44,6 +49,7 @@ import torch
 from k3run.api import load_model
 from k3run.distributed import init_distributed, shutdown_distributed
 from k3run.engine import LLM, EngineConfig, SamplingParams
+from k3run.knobs import Knobs, override_knobs
 from k3run.tokenizer import load_tokenizer
 
 DEFAULT = Path(__file__).parents[1] / "assets" / "default-model-k3-mixed"
@@ -393,6 +399,64 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
         )
 
 
+def _configs(spec: str) -> list[tuple[str | None, dict]]:
+    """--configs as (label, Knobs fields to override): "" is one run with the process's knobs (no label)."""
+    if not spec:
+        return [(None, {})]
+    out = []
+    for part in spec.split(";"):
+        env = dict(os.environ)
+        for word in part.split():
+            var, _, value = word.partition("=")
+            if not var.startswith("K3RUN_") or not value:
+                raise SystemExit(f"--configs: expected K3RUN_NAME=value words, got {word!r}")
+            env[var] = value
+        out.append((part.strip(), dataclasses.asdict(Knobs.from_env(env))))
+    return out
+
+
+def _timed_engine(args, model, tokenizer, sizes: list[int], max_len: int, tp, overlap, copy_tbs: float):
+    """One engine with graphs on the model: its rows (and the distinct experts line) printed; returns
+    (engine, its graph decoder)."""
+    engine = _engine(model, tokenizer, sizes, max_len, graphs=True, tp_size=tp.size, overlap=overlap)
+    dec = engine.runner.graphs
+    if dec is None:
+        raise SystemExit(f"decode runs eagerly: {engine.graph_blocker}")
+    with torch.inference_mode():
+        dec.warm_up(max(sizes), max_len - 1)
+    gpu_ms: list = []
+    replay = dec.run
+
+    def timed(ids, slots: list[int], ctx_lens: list[int], replay=replay, gpu_ms=gpu_ms) -> torch.Tensor:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(ids, slots, ctx_lens)
+        end.record()
+        gpu_ms.append((start, end))
+        return out
+
+    dec.run = timed  # type: ignore[method-assign]
+    mode = "graphs" if engine.overlap else "no-ovl"
+    distinct: dict[int, float] = {}
+
+    def count(b: int, dec=dec, distinct=distinct) -> None:
+        distinct[b] = _distinct_experts(dec, model, b, dec.window(args.prompt_len + args.steps))
+
+    for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms, after=count):
+        roof = roofline_tok_s(model, b, copy_tbs)
+        tok_s = b / wall * 1e3
+        print(
+            f"{mode:>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {tok_s:>13.1f} {roof:>9.0f} "
+            f"{tok_s / roof:>7.1%}"
+        )
+    dec.run = replay  # type: ignore[method-assign]
+    print(
+        "distinct routed experts per MoE layer in the last step (uniform routing's expectation): "
+        + ", ".join(f"batch {b} {d:.1f} ({_expected_distinct(model, b)[0]:.1f})" for b, d in distinct.items())
+    )
+    return engine, dec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=str(DEFAULT))
@@ -412,6 +476,12 @@ def main() -> None:
     ap.add_argument(
         "--uniform-routing", action="store_true", help="router picks drawn uniformly per (layer, row)"
     )
+    ap.add_argument(
+        "--configs", default="", metavar="'K3RUN_A=1 K3RUN_B=0;...'",
+        help="knob settings separated by ';' (an empty one: as shipped), each timed with its own engine and "
+        "graphs on the one model, in order, --repeat times",
+    )  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1, help="passes over --configs (alternated)")
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     tp = init_distributed()  # TPInfo() without torchrun
@@ -463,48 +533,16 @@ def main() -> None:
     head = f"{'mode':>6} {'batch':>5} {'wall ms/step':>13} {'replay GPU ms':>14} {'GPU busy':>9}"
     print(f"{head} {'decode tok/s':>13} {'roofline':>9} {'of roof':>7}")
     engine = dec = None
-    for overlap in (None, False) if args.compare_overlap else (None,):
-        if overlap is False:  # free the first engine's graphs and cache first
+    overlaps = (None, False) if args.compare_overlap else (None,)
+    runs = [(c, o) for c in _configs(args.configs) * args.repeat for o in overlaps]
+    for (label, config), overlap in runs:
+        if engine is not None:  # free the last engine's graphs and cache first
             engine = dec = None
             torch.cuda.empty_cache()
-        engine = _engine(model, tokenizer, sizes, max_len, graphs=True, tp_size=tp.size, overlap=overlap)
-        dec = engine.runner.graphs
-        if dec is None:
-            raise SystemExit(f"decode runs eagerly: {engine.graph_blocker}")
-        with torch.inference_mode():
-            dec.warm_up(max(sizes), max_len - 1)
-        gpu_ms: list = []
-        replay = dec.run
-
-        def timed(ids, slots: list[int], ctx_lens: list[int], replay=replay, gpu_ms=gpu_ms) -> torch.Tensor:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = replay(ids, slots, ctx_lens)
-            end.record()
-            gpu_ms.append((start, end))
-            return out
-
-        dec.run = timed  # type: ignore[method-assign]
-        mode = "graphs" if engine.overlap else "no-ovl"
-        distinct: dict[int, float] = {}
-
-        def count(b: int, dec=dec, distinct=distinct) -> None:
-            distinct[b] = _distinct_experts(dec, model, b, dec.window(args.prompt_len + args.steps))
-
-        for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms, after=count):
-            roof = roofline_tok_s(model, b, copy_tbs)
-            tok_s = b / wall * 1e3
-            print(
-                f"{mode:>6} {b:>5} {wall:>13.3f} {gpu:>14.3f} {gpu / wall:>8.0%} {tok_s:>13.1f} {roof:>9.0f} "
-                f"{tok_s / roof:>7.1%}"
-            )
-        dec.run = replay  # type: ignore[method-assign]
-        print(
-            "distinct routed experts per MoE layer in the last step (uniform routing's expectation): "
-            + ", ".join(
-                f"batch {b} {d:.1f} ({_expected_distinct(model, b)[0]:.1f})" for b, d in distinct.items()
-            )
-        )
+        if label is not None:
+            print(f"-- {label or 'as shipped'}", flush=True)
+        with override_knobs(**config):
+            engine, dec = _timed_engine(args, model, tokenizer, sizes, max_len, tp, overlap, copy_tbs)
     if args.host:
         _host_profile(engine, sizes, args.steps, args.prompt_len, args.host)
     if args.profile:

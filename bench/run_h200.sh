@@ -35,19 +35,21 @@
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py),
 #           the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM), the
 #           sampler kernels' and the KDA layer's (tests/kernels/test_sampling.py, tests/layers/test_kda.py)
-#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32 after a compiling warm-up probe: as
-#           shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS, K3RUN_MOE_COMBINE_IN_NORM,
-#           K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the MLA absorb kernels up to 32, the router's
+#   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32, one model and an engine per setting
+#           (probe_graph_step --configs): as shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS,
+#           K3RUN_MOE_COMBINE_IN_NORM, K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the MLA absorb kernels up to 32, the router's
 #           partials up to 64 tokens (K3RUN_MOE_ROUTER_PARTIALS=64), KDA's f_b on the side stream
 #           (K3RUN_KDA_FB_SIDE=1), as shipped again; uniform routing (the
-#           random model's own routing collapses onto a few experts); every probe's output in decodeab.txt
+#           random model's own routing collapses onto a few experts); the probe's output in decodeab.txt
 #   tileab  the full-depth Kimi Linear decode at batch 16 / 32 / 64 (uniform routing) with the expert-major
-#           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens)
+#           launches' 8-token tile forced (K3RUN_MOE_BY_EXPERT_TILE=8), then with the default (16 above 8 tokens),
+#           twice, one model (probe_graph_step --configs)
 #   fusedspread the shared expert fused up to 128 tokens (K3RUN_MOE_FUSE_SHARED=128) against apart, batch 32, the
 #           model's own routing: the distinct experts each reads (bench/NOTES.md session 33)
 #   gatherab the dense wgmma GEMM reading x in place with PDL (K3RUN_WGMMA_X_GATHER): its GPU tests, bench_wgmma
 #           at Kimi Linear's projection shapes (17 / 32 / 64 rows: copy + launch vs gathered + PDL, same run),
-#           then the full-depth Kimi Linear decode at batch 16 / 32 (uniform routing) off / on / off / on
+#           then the full-depth Kimi Linear decode at batch 16 / 32 (uniform routing) off / on / off / on, one
+#           model (probe_graph_step --configs)
 #   kdatests KDA's GPU tests (tests/kernels/test_kda_conv.py, test_kda_state.py, test_kda_gpu.py; carry .whl)
 #   graphtest tests/engine/test_graph_decode.py alone, then again with MLA prefill on its fp32 form
 # fla-core (pure Python) travels as wheels: see bench/NOTES.md "KDA on GPU" and the device README.
@@ -123,21 +125,15 @@ for stage in "${stages[@]}"; do
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/layers/test_moe.py \
             tests/layers/test_moe_shared_fusion.py tests/kernels/test_moe_ops.py tests/kernels/test_nvfp4_gemm.py \
             tests/kernels/test_sampling.py tests/layers/test_kda.py >"$OUT/moetests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/moetests.txt" | tail -12 ;;
-    decodeab) timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1 --steps 4 --uniform-routing \
-            >"$OUT/decode_warm.txt" 2>&1  # a fresh machine compiles every kernel here; its row is not used
-        trio="K3RUN_MLA_ABSORB_KERNELS K3RUN_MOE_COMBINE_IN_NORM K3RUN_MOE_ACT_IN_GEMM1"
-        for cfg in K3RUN_PDL_ALL=1 "$(printf '%s=0 ' $trio)" "$(printf '%s=16 ' $trio)" K3RUN_MLA_ABSORB_KERNELS=32 \
-                K3RUN_MOE_ROUTER_PARTIALS=64 K3RUN_KDA_FB_SIDE=1 K3RUN_PDL_ALL=1; do
-            echo "-- $cfg" | tee -a "$OUT/decodeab.txt"
-            # shellcheck disable=SC2086  # cfg holds several VAR=value words
-            env $cfg timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,16,32 --steps 32 \
-                --uniform-routing 2>&1 | tee -a "$OUT/decodeab.txt" | grep -E "^graphs|Error"
-        done ;;
-    tileab) for tile in 8 ""; do
-            K3RUN_MOE_BY_EXPERT_TILE=$tile timeout 250 python3 bench/probe_graph_step.py --kimi-linear \
-                --batch-sizes 16,32,64 --steps 24 --uniform-routing 2>&1 | tee "$OUT/tile_${tile:-default}.txt" \
-                | grep -E "^graphs"
-        done ;;
+    decodeab) trio="K3RUN_MLA_ABSORB_KERNELS K3RUN_MOE_COMBINE_IN_NORM K3RUN_MOE_ACT_IN_GEMM1"
+        # shellcheck disable=SC2086  # the knob names, one word each
+        cfgs=";$(printf '%s=0 ' $trio);$(printf '%s=16 ' $trio);K3RUN_MLA_ABSORB_KERNELS=32"
+        cfgs="$cfgs;K3RUN_MOE_ROUTER_PARTIALS=64;K3RUN_KDA_FB_SIDE=1;"
+        timeout 590 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,16,32 --steps 32 \
+            --uniform-routing --configs "$cfgs" 2>&1 | tee "$OUT/decodeab.txt" | grep -E "^--|^graphs|Error" ;;
+    tileab) timeout 400 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 16,32,64 --steps 24 \
+            --uniform-routing --configs "K3RUN_MOE_BY_EXPERT_TILE=8;" --repeat 2 2>&1 | tee "$OUT/tileab.txt" \
+            | grep -E "^--|^graphs|Error" ;;
     fusedspread) for n in 128 0; do
             K3RUN_MOE_FUSE_SHARED=$n timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 32 \
                 --steps 16 2>&1 | tee "$OUT/spread_$n.txt" | grep -E "^graphs|distinct"
@@ -147,11 +143,9 @@ for stage in "${stages[@]}"; do
         tail -3 "$OUT/gather_tests.txt"
         timeout 200 python3 bench/bench_wgmma.py --shapes 12448x2304,2304x4096,2048x2304,2304x1024 \
             --ms 17,32,64 --no-sweep 2>&1 | tee "$OUT/wgmma_gather.txt" | grep -E "^ *[0-9]+x"
-        for n in 0 64 0 64; do
-            echo "-- K3RUN_WGMMA_X_GATHER=$n" | tee -a "$OUT/gatherab.txt"
-            K3RUN_WGMMA_X_GATHER=$n timeout 150 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 16,32 \
-                --steps 24 --uniform-routing 2>&1 | tee -a "$OUT/gatherab.txt" | grep -E "^graphs|Error"
-        done ;;
+        timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 16,32 --steps 24 --uniform-routing \
+            --configs "K3RUN_WGMMA_X_GATHER=0;K3RUN_WGMMA_X_GATHER=64" --repeat 2 2>&1 | tee "$OUT/gatherab.txt" \
+            | grep -E "^--|^graphs|Error" ;;
     kdatests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" \
             -q -rfE -m gpu tests/kernels/test_kda_conv.py tests/kernels/test_kda_state.py tests/kernels/test_kda_gpu.py \
             >"$OUT/kdatests.txt" 2>&1; tail -15 "$OUT/kdatests.txt" ;;

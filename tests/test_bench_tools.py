@@ -106,3 +106,21 @@ def test_written_kimi_linear_slice_loads_with_every_check(tmp_path, monkeypatch)
     assert model.layers[1].mlp.experts.algo is QuantAlgo.NVFP4
     logits = model.compute_logits(model(torch.tensor([1, 2, 3, 4, 5]), ForwardContext.single(5)))
     assert bool(torch.isfinite(logits).all()) and 0.3 < float(logits.std()) < 3.0
+
+
+def test_probe_configs_parse_knob_settings_per_engine(monkeypatch) -> None:
+    """probe_graph_step --configs: ';'-separated K3RUN_ settings, each parsed by the knobs' own parsers on top
+    of the process's environment ('' is the shipped settings); a malformed word stops the probe."""
+    import pytest
+
+    probe = bench_module("probe_graph_step")
+    monkeypatch.setenv("K3RUN_MOE_ROUTER_PARTIALS", "24")
+    assert probe._configs("") == [(None, {})]
+    (l1, c1), (l2, c2) = probe._configs("K3RUN_MLA_ABSORB_KERNELS=32 K3RUN_KDA_FB_SIDE=1; ")
+    assert l1 == "K3RUN_MLA_ABSORB_KERNELS=32 K3RUN_KDA_FB_SIDE=1" and l2 == ""
+    assert c1["mla_absorb_kernels"] == 32 and c1["kda_fb_side"] is True and c1["moe_router_partials"] == 24
+    assert c2["mla_absorb_kernels"] == 8 and c2["kda_fb_side"] is False and c2["moe_router_partials"] == 24
+    with pytest.raises(SystemExit, match="K3RUN_NAME=value"):
+        probe._configs("MLA=1")
+    with pytest.raises(ValueError, match="K3RUN_MLA_ABSORB_KERNELS"):
+        probe._configs("K3RUN_MLA_ABSORB_KERNELS=999")
