@@ -68,8 +68,8 @@ def _partials(
     # BT tokens at a time: a [BT, BE, BD] product reduced across threads (a few tokens), or with DOT one fp32
     # dot ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32) for many tokens. With AHEAD the
     # next block's x is loaded before this block's product, so its L2 round trip overlaps the product, the
-    # reduction and the store (without, each block waits for its own load first: a program's time grew by
-    # one round trip per block); the sums are the same either way
+    # reduction and the store (without, each block waits for its own load first: one round trip a block);
+    # the sums are the same either way
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)

@@ -58,7 +58,7 @@ from k3run.kernels.counters import counters
 from k3run.kernels.pdl import launch_pdl
 from k3run.knobs import knobs
 
-from .gluon_gemv import SHIFT_OUT_SCALE
+from .gluon_gemv import SHIFT_OUT_SCALE, _gdc
 from .tile import _check_bias, _check_half_x, _check_tiled, word_asm
 
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -111,12 +111,6 @@ def _x_columns(LX: gl.constexpr, XG: gl.constexpr):
     if XG:
         k = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
     return k
-
-
-@gluon.jit
-def _gdc(ASM: gl.constexpr):
-    """A grid-dependency-control instruction (programmatic dependent launch, sm_90+)."""
-    gl.inline_asm_elementwise(ASM + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
