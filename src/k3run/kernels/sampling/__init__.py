@@ -15,18 +15,34 @@ tokens).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .ref import chunked_cdf, sample_inverse_cdf_ref
+
+_TRITON_OK = True
 
 
 def sample_inverse_cdf(
     logits: torch.Tensor, spec: torch.Tensor, out: torch.Tensor, scaled: bool = False
 ) -> torch.Tensor:
-    if logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1:
+    """The Triton kernels on CUDA (fp32 logits, unit column stride); the reference elsewhere, and from the
+    first time Triton cannot build them (a warning names the error)."""
+    global _TRITON_OK
+    if _TRITON_OK and logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
+
         from .triton import sample_inverse_cdf_triton
 
-        return sample_inverse_cdf_triton(logits, spec, out, scaled)
+        try:
+            return sample_inverse_cdf_triton(logits, spec, out, scaled)
+        except BUILD_ERRORS as e:
+            if not triton_build_failed(e):
+                raise
+            log = logging.getLogger(__name__)
+            log.warning("sampling: Triton cannot build the kernels, the torch reference runs: %s", e)
+            _TRITON_OK = False
     return sample_inverse_cdf_ref(logits, spec, out, scaled)
 
 
