@@ -24,8 +24,8 @@ from typing import Any
 # Each parser takes (variable, value) for a set, non-empty value; its docstring is the values it takes.
 
 
-# the launch-saving decode knobs below help small steps and lose at 32 tokens (bench/NOTES.md session 36)
-_SMALL_STEPS = "on by default up to 8, where the full-depth decode measured it faster"
+# the launch-saving decode knobs below help small steps and lose at 32 tokens (bench/NOTES.md)
+_SMALL_STEPS = "on by default up to 8, where the full-depth decode is faster with it"
 
 
 def _malformed(name: str, expected: str, value: str) -> ValueError:
@@ -66,18 +66,20 @@ def _by_expert_tile(name: str, value: str) -> int:
     return int(value)
 
 
-def _tokens_128(name: str, value: str) -> int:
-    """0 to 128"""
-    if not value.isdigit() or not 0 <= int(value) <= 128:
-        raise _malformed(name, "a token count from 0 to 128", value)
-    return int(value)
+def _tokens_up_to(most: int) -> Callable[[str, str], int]:
+    """The parser of a token count from 0 to `most`."""
+
+    def parse(name: str, value: str) -> int:
+        if not value.isdigit() or not 0 <= int(value) <= most:
+            raise _malformed(name, f"a token count from 0 to {most}", value)
+        return int(value)
+
+    parse.__doc__ = f"0 to {most}"
+    return parse
 
 
-def _tokens_256(name: str, value: str) -> int:
-    """0 to 256"""
-    if not value.isdigit() or not 0 <= int(value) <= 256:
-        raise _malformed(name, "a token count from 0 to 256", value)
-    return int(value)
+_tokens_128 = _tokens_up_to(128)
+_tokens_256 = _tokens_up_to(256)
 
 
 def _dist_backend(name: str, value: str) -> str:

@@ -111,8 +111,8 @@ def _mla_q_absorb_kernel(
     """Program (head h, latent block): out[b, h, block] = q[b, h, :DN] . W_UK[h, :, block] in fp32 for every
     b, and (block 0's program) out[b, h, L:] = q[b, h, DN:] in fp32: the decode kernel's [B, H, L + R]
     queries in one launch. W_UK is a parameter: its tile loads before the PDL wait. With AHEAD each
-    sequence's q row is loaded while the previous one's product is formed and stored (without, every
-    sequence waited for its own load: one L2 round trip each)."""
+    sequence's q row is loaded while the previous one's product is formed and stored (without, each
+    sequence waits for its own load: one L2 round trip each)."""
     h = tl.program_id(0)
     lb = tl.program_id(1)
     d = tl.arange(0, BLOCK_DN)

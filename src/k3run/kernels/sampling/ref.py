@@ -1,4 +1,4 @@
-"""The torch reference of inverse-CDF sampling (what engine/sampler.py ran before the Triton kernels)."""
+"""The torch reference of inverse-CDF sampling: the oracle of the Triton kernels and the path off CUDA."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import torch
 
 def chunked_cdf(probs: torch.Tensor, chunk: int = 512, chunked: bool | None = None) -> torch.Tensor:
     """Inclusive cumulative sums float64 of probs [B, V], contiguous, [B, >= V]: columns past V (zero padding)
-    repeat the total. A scan over one long row runs on few GPU blocks (~200 us for 8 rows of K3's 163840
-    tokens on an H200), so on CUDA the row is scanned in chunks of `chunk` (many rows, in parallel) and each
-    chunk's offset added after."""
+    repeat the total. A scan over one long row runs on few GPU blocks, so on CUDA the row is scanned in
+    chunks of `chunk` (many rows, in parallel) and each chunk's offset added after."""
     b, v = probs.shape
     p = probs.double()
     if chunked is None:

@@ -3,17 +3,13 @@ column chunks. The torch reference is ref.py."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from k3run.kernels.moe_ops.triton import LIBDEVICE, _exp
 from k3run.kernels.pdl import pdl_args, pdl_enter
 
-# libdevice's expf (what torch's CUDA exp calls) on the GPU; the interpreter has no libdevice
-LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 CHUNK = 4096  # columns a program: K3's 163840-token vocabulary in 40 programs a row
 
 
@@ -29,15 +25,6 @@ def _scaled_chunk(x_ptr, spec_ptr, i, c, V, sx, SCALED: tl.constexpr, C: tl.cons
     t = tl.load(spec_ptr + i * 5 + 1).to(tl.float32)
     x = tl.load(x_ptr + r * sx + cols, mask=ok, other=float("-inf"))
     return tl.where(ok, tl.div_rn(x, t), float("-inf")), cols
-
-
-@triton.jit
-def _weights(s, m, LIB: tl.constexpr):
-    # exp(s - max) in fp32, as torch's exp of the fp32 difference
-    z = s - m
-    if LIB:
-        return libdevice.exp(z)
-    return tl.exp(z)
 
 
 @triton.jit
@@ -69,7 +56,7 @@ def _chunk_sum_kernel(
     c = tl.program_id(1)
     m = _row_max(m_ptr, i, NC, BLOCK_NC)
     s, _ = _scaled_chunk(x_ptr, spec_ptr, i, c, V, sx, SCALED, C)
-    w = _weights(s, m, LIB)
+    w = _exp(s - m, LIB)  # exp(s - max) in fp32: libdevice's on the GPU, as torch's exp
     tl.store(sum_ptr + i * NC + c, tl.sum(w.to(tl.float64), axis=0))
 
 
@@ -95,7 +82,7 @@ def _pick_kernel(
         before = tl.sum(tl.where(cc == j - 1, pre, 0.0), axis=0)  # 0 for j = 0
         m = _row_max(m_ptr, i, NC, BLOCK_NC)
         s, cols = _scaled_chunk(x_ptr, spec_ptr, i, j, V, sx, SCALED, C)
-        cw = before + tl.cumsum(_weights(s, m, LIB).to(tl.float64), axis=0)
+        cw = before + tl.cumsum(_exp(s - m, LIB).to(tl.float64), axis=0)
         tok = tl.minimum(j * C + tl.sum((cw <= target).to(tl.int32), axis=0), V - 1)
     r = tl.load(spec_ptr + i * 5).to(tl.int64)
     tl.store(out_ptr + r, tok.to(tl.int64))
