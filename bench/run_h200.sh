@@ -35,6 +35,9 @@
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py),
 #           the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM), the
 #           sampler kernels' and the KDA layer's (tests/kernels/test_sampling.py, tests/layers/test_kda.py)
+#   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
+#           fused tests), bench/bench_kda_decode.py (against the three-launch chain), then the full-depth
+#           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice (carry .whl)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32, one model and an engine per setting
 #           (probe_graph_step --configs): as shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS,
 #           K3RUN_MOE_COMBINE_IN_NORM, K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the MLA absorb kernels up to 32, the router's
@@ -146,6 +149,13 @@ for stage in "${stages[@]}"; do
         timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 16,32 --steps 24 --uniform-routing \
             --configs "K3RUN_WGMMA_X_GATHER=0;K3RUN_WGMMA_X_GATHER=64" --repeat 2 2>&1 | tee "$OUT/gatherab.txt" \
             | grep -E "^--|^graphs|Error" ;;
+    kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
+            -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \
+            tests/layers/test_kda.py -k "fused" >"$OUT/kdafused_tests.txt" 2>&1; tail -3 "$OUT/kdafused_tests.txt"
+        timeout 200 python3 bench/bench_kda_decode.py 2>&1 | tee "$OUT/bench_kda_decode.txt"
+        timeout 400 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --uniform-routing \
+            --configs "K3RUN_KDA_FUSED_DECODE=0;K3RUN_KDA_FUSED_DECODE=256" --repeat 2 2>&1 \
+            | tee "$OUT/kdafusedab.txt" | grep -E "^--|^graphs|Error" ;;
     kdatests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" \
             -q -rfE -m gpu tests/kernels/test_kda_conv.py tests/kernels/test_kda_state.py tests/kernels/test_kda_gpu.py \
             >"$OUT/kdatests.txt" 2>&1; tail -15 "$OUT/kdatests.txt" ;;

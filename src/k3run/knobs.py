@@ -196,6 +196,12 @@ class Knobs:
         "CUDA: KDA's forget-gate up-projection (f_b) as a side-stream branch beside the conv, joined before "
         "the recurrence (1: on; 0: in the chain)",
     )  # fmt: skip
+    kda_fused_decode: int = _knob(
+        "K3RUN_KDA_FUSED_DECODE", _tokens_256, 0,
+        "CUDA: KDA decode steps of up to this many sequences run the conv, the gates, the q/k norm, the "
+        "recurrent step and the gated output norm as one Triton launch (kernels/kda/decode.py), where the "
+        "chain is three launches (0: never)",
+    )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,
         "torch.distributed backend under torchrun, nccl or gloo (unset: NCCL with CUDA, else gloo)",

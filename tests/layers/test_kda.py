@@ -308,3 +308,31 @@ def test_gpu_forget_gate_branch_on_the_side_stream_gives_the_same_bits(variant: 
     with override_knobs(kda_fb_side=True):
         got = _decode_steps(layer, "cuda")
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def _fused_against_chain(variant: str, device: str) -> None:
+    """K3RUN_KDA_FUSED_DECODE: decode steps through kernels/kda/decode.py (its fp32 reference on the CPU)
+    against the chain of conv, recurrence and gated norm. An fp32 layer: the two differ only in the order of
+    fp32 sums (K-term norms and state products, the projections unchanged), relative RMS <= 1e-5."""
+    from k3run.knobs import override_knobs
+
+    layer = make_layer(variant, make_weights(VARIANTS[variant][0])).to(device)
+    with override_knobs(kda_fused_decode=0):
+        want = _decode_steps(layer, device)
+    with override_knobs(kda_fused_decode=2):
+        got = _decode_steps(layer, device)
+    assert torch.equal(want[0], got[0])  # the prefill takes the chunked path either way
+    for i, (a, b) in enumerate(zip(want[1:], got[1:], strict=True)):
+        assert_close(f"decode step {i}", a, b, 1e-5)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_decode_knob_matches_the_chain(variant: str) -> None:
+    _fused_against_chain(variant, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_fused_decode_matches_the_chain(variant: str) -> None:
+    _fused_against_chain(variant, "cuda")

@@ -10,6 +10,8 @@ merges them):
     beta     <- sigmoid(b) in fp32
     o        <- KDA recurrence from each sequence's state (zero for a fresh sequence), fp32
     out      <- o_proj(o_norm(o, gate))   (gated RMSNorm per head, row-parallel o_proj with all-reduce)
+A decode step with a cache of up to K3RUN_KDA_FUSED_DECODE sequences runs everything from the conv to o_norm
+as one launch (`kda_decode_fused`).
 
 Checkpoint names -> parameters (model table): {q,k,v}_proj, g_proj, f_a_proj, b_proj -> in_proj shards
 (see `in_proj_shard_ids`); {q,k,v}_conv1d.weight [P, 1, W] -> conv_weight shards 0/1/2, or a fused
@@ -30,6 +32,7 @@ from k3run.kernels.kda import (
     causal_conv1d_decode,
     causal_conv1d_decode_in_place,
     causal_conv1d_planar,
+    kda_decode_fused,
     kda_decode_in_place,
     kda_forward,
 )
@@ -285,6 +288,19 @@ class KimiDeltaAttention(nn.Module):
             q, k, v, gate, f_a, b = parts
         else:
             q, k, v, b, f_a = parts
+        if in_place and T <= knobs().kda_fused_decode:  # conv, recurrence and o_norm in one launch
+            assert layer_cache is not None and ctx.slots is not None
+            f = self.f_b_proj(f_a)
+            if gate_branch is not None:
+                gate = gate_branch.result()
+            o = kda_decode_fused(
+                _adjacent_columns(q, k, v), b, f, gate, conv_weight=self.conv_weight,
+                conv_pool=layer_cache.conv, A_log=self.A_log, dt_bias=self.dt_bias,
+                lower_bound=self.gate_lower_bound, scale=self.scale, state_pool=layer_cache.recurrent,
+                slots=ctx.slots, context_lens=ctx.context_lens, norm_weight=self.o_norm.weight,
+                eps=self.o_norm.eps, out_dtype=x.dtype,
+            )  # fmt: skip
+            return self.o_proj(o)
         # the raw forget-gate projection: with K3RUN_KDA_FB_SIDE a branch beside the conv (queued after the
         # gate branch), else in the chain after the conv
         f_branch = Branch(lambda: self.f_b_proj(f_a), x) if knobs().kda_fb_side else None

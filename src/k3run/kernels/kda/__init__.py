@@ -11,7 +11,9 @@ Two levels of entry:
 - `chunk_kda` / `recurrent_kda` take the activated inputs (g, post-sigmoid beta, normalised q, k).
 The causal conv runs one Triton launch for prefill on CUDA (conv.py) and the reference elsewhere; decode steps
 with a cache run `causal_conv1d_decode_in_place` and `kda_decode_in_place`, which keep the conv and recurrent
-states in the cache pool (one Triton launch for the conv and fla's in-place recurrence on CUDA).
+states in the cache pool (one Triton launch for the conv and fla's in-place recurrence on CUDA), or, up to
+K3RUN_KDA_FUSED_DECODE sequences, `kda_decode_fused`: the conv, the recurrence and the gated output norm in
+one launch (decode.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from k3run.kernels.kda.ref import (
     causal_conv1d_ref,
     check_conv_inputs,
     chunk_kda_ref,
+    kda_decode_fused_ref,
     kda_gate,
     l2norm,
     recurrent_kda_ref,
@@ -40,6 +43,7 @@ __all__ = [
     "causal_conv1d_planar",
     "chunk_kda",
     "kda_backend",
+    "kda_decode_fused",
     "kda_decode_in_place",
     "kda_forward",
     "kda_gate",
@@ -115,6 +119,24 @@ def kda_forward(
     if decode:
         return recurrent_kda_ref(qn, kn, v, g, beta, scale, initial_state, cu_seqlens)
     return chunk_kda(qn, kn, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+
+
+def kda_decode_fused(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    f: torch.Tensor,
+    gate: torch.Tensor,
+    **kw,
+) -> torch.Tensor:
+    """A whole decode step of a KDA head after the projections: conv (windows in conv_pool), gates, q/k L2
+    norm, the recurrent step (states in state_pool) and the gated output norm. One Triton launch on CUDA
+    (kernels/kda/decode.py, whose docstring has the math and the arguments); the fp32 torch reference
+    (`kda_decode_fused_ref`) elsewhere. Returns the normed output [B, P]; both pools are updated at slots."""
+    if qkv.is_cuda:
+        from k3run.kernels.kda.decode import kda_decode_fused_triton
+
+        return kda_decode_fused_triton(qkv, b, f, gate, **kw)
+    return kda_decode_fused_ref(qkv, b, f, gate, **kw)
 
 
 def zero_fresh_states(pool: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor) -> None:

@@ -314,3 +314,47 @@ def causal_conv1d_decode_ref(
     for j in range(W):
         acc += wf[:, j] * window[:, :, j].float()
     return F.silu(acc).to(x.dtype), window[:, :, 1:]
+
+
+def kda_decode_fused_ref(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    f: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The decode step in fp32 torch, the oracle of kernels/kda/decode.py (same contract): the conv on the
+    gathered windows (zero for fresh sequences; its output kept in fp32, not rounded to qkv's dtype),
+    l2norm, kda_gate and sigmoid(b), one delta-rule step on the gathered states, then
+    RMSNorm(o) * norm_weight * sigmoid(gate); both pools updated at slots."""
+    B, C = qkv.shape
+    H = A_log.numel()
+    P = C // 3
+    K = P // H
+    old = context_lens != 0
+    window = torch.where(old[:, None, None], conv_pool[slots], 0)
+    y, new_window = causal_conv1d_decode_ref(qkv.float(), conv_weight, window.float())  # q, k, v kept fp32
+    q, k, v = (t.reshape(B, H, K) for t in y.split(P, dim=-1))
+    state = torch.where(old[:, None, None, None], state_pool[slots], 0)
+    g = kda_gate(f.reshape(B, H, K), A_log, dt_bias, lower_bound)
+    o, new_state = recurrent_kda_step_batched(
+        l2norm(q), l2norm(k), v, g, torch.sigmoid(b.float()), scale, state
+    )
+    conv_pool[slots] = new_window.to(conv_pool.dtype)
+    state_pool[slots] = new_state
+    of = o.reshape(B, P).view(B, H, K)
+    normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    normed = normed * torch.sigmoid(gate.float().reshape(B, H, K))
+    return normed.reshape(B, P).to(out_dtype or qkv.dtype)

@@ -1,0 +1,222 @@
+"""KDA's decode step in one Triton launch: the short conv, the gates, the q/k L2 norm, the recurrent step and
+the gated output norm, with the conv windows and the recurrent states read and written in the cache pools.
+
+The unfused step is three launches in a chain (`causal_conv1d_decode_in_place`, fla's
+`fused_recurrent_kda_fwd`, the gated RMSNorm), each a few microseconds at batch 1, most of it launch and
+dependency latency. Here the programs of one (sequence, head) split its value columns into NV blocks of BV
+(fla's split: a [K, BV] fp32 state block fits a program's registers, where the whole [K, K] state does not).
+Each convolves the head's q and k channels and its own v channels, normalises q and k, forms the decay and
+beta, and runs the delta rule on its state block (read from and written back to the state pool in place). The
+output norm needs the whole row: each program stores its output block in fp32, and the last of the head's
+programs to arrive (an arrival counter, kernels/counters.py) normalises the row with the gate and shifts
+the q and k windows, which every program of the head read. Per head, in order (K = V = the head dim, fp32):
+
+    q, k, v  = silu(conv(window, x))              (kept in fp32: the unfused path rounds them to x's dtype
+                                                  between its launches)
+    q        = scale * q / sqrt(sum(q^2) + 1e-6);  k = k / sqrt(sum(k^2) + 1e-6)
+    g        = kda_gate(f, A_log, dt_bias, lower_bound);  beta = sigmoid(b)
+    S        = S * exp(g)[:, None];  v' = beta * (v - k^T S);  S = S + k v'^T;  o = q^T S
+    y        = o * rsqrt(mean(o^2) + eps) * w * sigmoid(gate)      (stored in out's dtype)
+
+A fresh sequence (context length 0) starts from a zero window and a zero state; neither pool row is read, both
+are written. The fp32 reference is `kda_decode_fused_ref` (the conv, recurrence and norm references in a row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3run.kernels.pdl import pdl_args, pdl_enter
+
+
+@triton.jit
+def _conv_head(x_ptr, cw_ptr, win_ptr, cs, mask, old, write, W: tl.constexpr):
+    """silu(conv) of channels cs in fp32 (zero where masked); the windows of channels `write` shifted in
+    place (old: the channels whose windows are read, the rest start from zeros)."""
+    x = tl.load(x_ptr + cs, mask=mask, other=0.0)
+    win = win_ptr + cs * (W - 1)
+    acc = tl.zeros(cs.shape, dtype=tl.float32)
+    for j in tl.static_range(W - 1):
+        s = tl.load(win + j, mask=old, other=0.0)
+        w = tl.load(cw_ptr + cs * W + j, mask=mask, other=0.0).to(tl.float32)
+        acc += w * s.to(tl.float32)
+        if j > 0:
+            tl.store(win + (j - 1), s, mask=write)
+    w_last = tl.load(cw_ptr + cs * W + (W - 1), mask=mask, other=0.0).to(tl.float32)
+    acc += w_last * x.to(tl.float32)
+    tl.store(win + (W - 2), x.to(win_ptr.dtype.element_ty), mask=write)
+    y = acc / (1.0 + tl.exp(-acc))
+    return tl.where(mask, y, 0.0)
+
+
+@triton.jit
+def _shift_windows(x_ptr, win_ptr, cs, mask, old, W: tl.constexpr):
+    """The windows of channels cs shifted by one, x appended (what _conv_head writes with `write`)."""
+    win = win_ptr + cs * (W - 1)
+    for j in tl.static_range(1, W - 1):
+        tl.store(win + (j - 1), tl.load(win + j, mask=old, other=0.0), mask=mask)
+    x = tl.load(x_ptr + cs, mask=mask, other=0.0)
+    tl.store(win + (W - 2), x.to(win_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kda_decode_fused_kernel(
+    x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
+    a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
+    stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    LOWER: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    P = H * K
+    ks = tl.arange(0, BK)
+    mk = ks < K
+    vs = vb * BV + tl.arange(0, BV)
+    mv = vs < K
+    ctx = tl.load(ctx_ptr + b)
+    old = mk & ((ks * 0 + ctx) != 0)  # a fresh sequence (context 0) reads no window and no state
+    old_v = mv & ((vs * 0 + ctx) != 0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    row = x_ptr + b.to(tl.int64) * stride_x
+    win = conv_ptr + slot * stride_c0
+    c = h * K + ks
+    # every program of the head reads the q and k windows: with NV > 1 the last to finish shifts them
+    own = mk & (NV == 1)
+    q = _conv_head(row, cw_ptr, win, c, mk, old, own, W)
+    k = _conv_head(row, cw_ptr, win, P + c, mk, old, own, W)
+    v = _conv_head(row, cw_ptr, win, 2 * P + h * K + vs, mv, old_v, mv, W)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+
+    z = tl.load(f_ptr + b.to(tl.int64) * stride_f + c, mask=mk, other=0.0).to(tl.float32)
+    z += tl.load(dtb_ptr + c, mask=mk, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(a_ptr + h).to(tl.float32))
+    if LOWER:
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    g = tl.where(mk, g, 0.0)
+    beta = tl.sigmoid(tl.load(b_ptr + b.to(tl.int64) * stride_b + h).to(tl.float32))
+
+    st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
+    S = tl.load(st, mask=old[:, None] & mv[None, :], other=0.0)
+    S = S * tl.exp(g)[:, None]
+    v = beta * (v - tl.sum(S * k[:, None], 0))
+    S = S + k[:, None] * v[None, :]
+    o = tl.sum(S * q[:, None], 0)
+    tl.store(st, S, mask=mk[:, None] & mv[None, :])
+
+    out_row = b.to(tl.int64) * stride_o + h * K
+    if NV == 1:
+        gate = tl.load(gate_ptr + b.to(tl.int64) * stride_g + h * K + vs, mask=mv, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + vs, mask=mv, other=0.0).to(tl.float32)
+        y = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / K + eps)) * w * tl.sigmoid(gate)
+        tl.store(out_ptr + out_row + vs, y.to(out_ptr.dtype.element_ty), mask=mv)
+    else:  # the head's output row is split over NV programs: the last to finish normalises it
+        o_row = o_ptr + b.to(tl.int64) * P + h * K
+        tl.store(o_row + vs, o, mask=mv)
+        tl.debug_barrier()  # every thread's part stored before the arrival is counted
+        cnt = cnt_ptr + b * H + h
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == NV - 1:
+            of = tl.load(o_row + ks, mask=mk, other=0.0)
+            gate = tl.load(gate_ptr + b.to(tl.int64) * stride_g + c, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + ks, mask=mk, other=0.0).to(tl.float32)
+            y = of * (1.0 / tl.sqrt(tl.sum(of * of, 0) / K + eps)) * w * tl.sigmoid(gate)
+            tl.store(out_ptr + out_row + ks, y.to(out_ptr.dtype.element_ty), mask=mk)
+            _shift_windows(row, win, c, mk, old, W)
+            _shift_windows(row, win, P + c, mk, old, W)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+    if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+        want = f"{list(shape)}" + (f" {dtype}" if dtype is not None else "")
+        raise ValueError(f"kda_decode_fused: {name} must be {want}, got {list(t.shape)} {t.dtype}")
+
+
+def kda_decode_fused_triton(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    f: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """One decode token per sequence, B sequences, H heads of dim K (P = H K):
+    qkv [B, 3P] (q | k | v before the conv; unit column stride, any row stride, e.g. a column slice of the
+    merged projection output); b [B, H] raw beta logits; f [B, P] raw forget-gate projection; gate [B, P] the
+    output gate's logits; conv_weight [3P, W]; conv_pool [S, 3P, W-1] in qkv's dtype with contiguous rows;
+    A_log [H]; dt_bias [P]; state_pool [S, H, K, K] fp32, contiguous; slots, context_lens [B];
+    norm_weight [K]; block_v: BV, the value columns of one program. Returns the gated-normed output [B, P]
+    in out_dtype (default qkv's dtype); updates conv_pool[slots] and state_pool[slots] in place."""
+    B, C = qkv.shape
+    H = A_log.numel()
+    if H == 0 or C % (3 * H):
+        raise ValueError(
+            f"kda_decode_fused: qkv [B, 3P] must split into 3 x {H} heads, got {list(qkv.shape)}"
+        )
+    P = C // 3
+    K = P // H
+    W = conv_weight.shape[-1]
+    if qkv.stride(1) != 1:
+        raise ValueError(f"kda_decode_fused: qkv needs unit column stride, got {qkv.stride()}")
+    _check("conv_weight", conv_weight, (C, W))
+    conv_ok = conv_pool.dtype == qkv.dtype and conv_pool[0].is_contiguous()
+    if tuple(conv_pool.shape[1:]) != (C, W - 1) or not conv_ok:
+        raise ValueError(
+            f"kda_decode_fused: conv_pool must be [S, {C}, {W - 1}] {qkv.dtype} with contiguous rows, got "
+            f"{list(conv_pool.shape)} {conv_pool.dtype}"
+        )
+    state_ok = state_pool.dtype == torch.float32 and state_pool.is_contiguous()
+    if tuple(state_pool.shape[1:]) != (H, K, K) or not state_ok:
+        raise ValueError(
+            f"kda_decode_fused: state_pool must be a contiguous [S, {H}, {K}, {K}] float32, got "
+            f"{list(state_pool.shape)} {state_pool.dtype}"
+        )
+    _check("b", b, (B, H))
+    _check("f", f, (B, P))
+    _check("gate", gate, (B, P))
+    _check("dt_bias", dt_bias.reshape(-1), (P,))
+    _check("norm_weight", norm_weight, (K,))
+    _check("slots", slots, (B,))
+    _check("context_lens", context_lens, (B,))
+    for name, t in (("b", b), ("f", f), ("gate", gate)):
+        if t.stride(1) != 1:
+            raise ValueError(f"kda_decode_fused: {name} needs unit column stride, got {t.stride()}")
+    out = torch.empty(B, P, dtype=out_dtype or qkv.dtype, device=qkv.device)
+    if B == 0:
+        return out
+    BK = triton.next_power_of_2(K)
+    BV = min(BK, block_v)
+    NV = triton.cdiv(K, BV)
+    if NV > 1:
+        from k3run.kernels.counters import counters
+
+        o_part, cnt = torch.empty(B, P, dtype=torch.float32, device=qkv.device), counters(qkv.device, B * H)
+    else:
+        o_part = cnt = out  # not read
+    _kda_decode_fused_kernel[(B, H, NV)](
+        qkv, qkv.stride(0), b, b.stride(0), f, f.stride(0), gate, gate.stride(0), conv_weight.contiguous(),
+        conv_pool, conv_pool.stride(0), A_log.contiguous(), dt_bias.contiguous(),
+        0.0 if lower_bound is None else float(lower_bound), float(scale), state_pool, state_pool.stride(0),
+        slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, W=W,
+        BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None, num_warps=4, **pdl_args(qkv),
+    )  # fmt: skip
+    return out

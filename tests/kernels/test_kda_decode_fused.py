@@ -1,0 +1,149 @@
+"""KDA's one-launch decode step (kernels/kda/decode.py) against the fp32 torch reference
+(`kda_decode_fused_ref`: the conv, recurrence and gated norm references in a row), on odd sizes: 3 heads of
+dim 24 (the kernel's 32-wide blocks masked), 5 sequences in 7 slots, two of them fresh in slots holding NaN
+(which must not be read), q | k | v, b and the gate as column slices of wider rows, both gate forms (Kimi
+Linear's softplus decay, K3's sigmoid with a lower bound).
+
+Error bound: both sides run the same fp32 operations; they differ in the order of the K-term sums (the L2
+norms, k^T S, q^T S, the output's mean square) and in FMA contraction, each a few fp32 roundings (relative
+RMS <= 1e-5 at K = 24). Both keep the conv's output in fp32; with bf16 inputs the output alone is rounded,
+once, to bf16, and the two roundings differ by at most one bf16 ulp (<= 2^-7 relative; the interpreter
+rounds toward zero where the GPU and torch round to nearest). The windows are copies of inputs: exact.
+Slots outside the batch: untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3run.kernels.kda.ref import kda_decode_fused_ref
+from k3run.testing import assert_close
+from tests.interpreter_utils import interp_only, run_interp_tests_in_child
+
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
+H, K, W, S = 3, 24, 4, 7
+
+
+def _case(dtype: torch.dtype, device: str, lower_bound: float | None, B: int = 5, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    P = H * K
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    wide = rnd(B, 3 * P + 2 * H + 9).to(dtype)  # q | k | v, then b among other columns
+    slots = torch.tensor([4, 0, 6, 2, 5][:B], device=device)
+    ctx = torch.tensor([3, 0, 9, 1, 0][:B], device=device)  # rows 1 and 4 fresh, in slots 0 and 5
+    conv_pool = rnd(S, 3 * P, W - 1).to(dtype)
+    state_pool = rnd(S, H, K, K, scale=0.3)
+    conv_pool[[0, 5]] = float("nan")  # a fresh row's stale slot is never read
+    state_pool[[0, 5]] = float("nan")
+    gate_wide = rnd(B, P + 5).to(dtype)
+    return dict(
+        qkv=wide[:, : 3 * P], b=wide[:, 3 * P + 3 : 3 * P + 3 + H], f=rnd(B, P).to(dtype),
+        gate=gate_wide[:, 5:], conv_weight=rnd(3 * P, W, scale=0.5), conv_pool=conv_pool,
+        A_log=rnd(H, scale=0.5), dt_bias=rnd(P, scale=0.5), lower_bound=lower_bound, scale=K**-0.5,
+        state_pool=state_pool, slots=slots, context_lens=ctx, norm_weight=rnd(K).abs() + 0.5, eps=1e-6,
+    )  # fmt: skip
+
+
+def _check(dtype: torch.dtype, device: str, lower_bound: float | None, B: int = 5, block_v: int = 8) -> None:
+    from k3run.kernels.kda.decode import kda_decode_fused_triton
+
+    case = _case(dtype, device, lower_bound, B)
+    want_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    want = kda_decode_fused_ref(**want_case)
+    conv_before, state_before = case["conv_pool"].clone(), case["state_pool"].clone()
+    got = kda_decode_fused_triton(**case, block_v=block_v)
+    assert got.shape == want.shape == (B, H * K) and got.dtype == dtype
+    assert_close("fused decode output", want.float(), got.float(), RTOL[dtype])
+    used = case["slots"].tolist()
+    other = [s for s in range(S) if s not in used]
+    assert torch.equal(case["conv_pool"][used], want_case["conv_pool"][used]), "new windows must be exact"
+    assert_close("new states", want_case["state_pool"][used], case["state_pool"][used], RTOL[dtype])
+    assert torch.equal(case["conv_pool"][other], conv_before[other]) and torch.equal(
+        case["state_pool"][other], state_before[other]
+    ), "slots outside the batch must be untouched"
+
+
+def test_triton_kernels_in_interpreter() -> None:
+    run_interp_tests_in_child(__file__, expected_passed=9)
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("block_v", [8, 32])
+def test_interp_fused_decode_equals_the_reference(
+    dtype: torch.dtype, lower_bound: float | None, block_v: int
+) -> None:
+    """block_v 8: a head's 24 value columns over 3 programs (the last normalises the row and shifts the q / k
+    windows); 32: one program a head."""
+    _check(dtype, "cpu", lower_bound, block_v=block_v)
+
+
+@interp_only
+def test_interp_empty_batch_launches_nothing() -> None:
+    from k3run.kernels.kda.decode import kda_decode_fused_triton
+
+    case = _case(torch.float32, "cpu", None, B=0)
+    state = case["state_pool"].clone()
+    assert kda_decode_fused_triton(**case).shape == (0, H * K)
+    assert torch.equal(case["state_pool"].nan_to_num(), state.nan_to_num())
+
+
+def test_wrong_shapes_name_the_tensor() -> None:
+    from k3run.kernels.kda.decode import kda_decode_fused_triton
+
+    case = _case(torch.float32, "cpu", None)
+    case["f"] = case["f"][:, :-1]
+    with pytest.raises(ValueError, match=r"f must be \[5, 72\]"):
+        kda_decode_fused_triton(**case)
+    case = _case(torch.float32, "cpu", None)
+    case["state_pool"] = case["state_pool"].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="state_pool must be a contiguous"):
+        kda_decode_fused_triton(**case)
+
+
+def test_kernel_compiles_for_sm90_without_spills() -> None:
+    """At Kimi's head dim (128; a program's [128, 32] fp32 state block in 128 threads) the kernel builds
+    for sm_90 with PDL and keeps everything in registers (no stack)."""
+    import inspect
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3run.kernels.kda.decode import _kda_decode_fused_kernel
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    for lower in (False, True):
+        kernel = _kda_decode_fused_kernel
+        params = list(inspect.signature(kernel.fn).parameters)
+        consts = dict(W=4, BK=128, BV=32, NV=4, LOWER=lower, PDL=True)
+        types = dict(x_ptr="*bf16", b_ptr="*bf16", f_ptr="*bf16", gate_ptr="*bf16", cw_ptr="*fp32",
+                     conv_ptr="*bf16", a_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64",
+                     ctx_ptr="*i64", nw_ptr="*fp32", out_ptr="*bf16", lower_bound="fp32", scale="fp32",
+                     eps="fp32", stride_c0="i64", stride_s0="i64", o_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
+        sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in params}
+        src = ASTSource(kernel, sig, {(params.index(c),): v for c, v in consts.items()})
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "griddepcontrol.wait" in ck.asm["ptx"]
+        res, _ = cubin_usage_and_sass(ck)
+        use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        assert use is not None, res
+        assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("block_v", [8, 32])
+def test_gpu_fused_decode_equals_the_reference(
+    dtype: torch.dtype, lower_bound: float | None, batch: int, block_v: int
+) -> None:
+    _check(dtype, "cuda", lower_bound, batch, block_v)
