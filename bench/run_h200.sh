@@ -35,6 +35,11 @@
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py),
 #           the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM), the
 #           sampler kernels' and the KDA layer's (tests/kernels/test_sampling.py, tests/layers/test_kda.py)
+#   pending  the GPU tests of the CPU-built decode changes not yet run on a GPU (KDA fused decode, the gathered
+#           wgmma x, sampling kernels, KDA's f_b branch, router partials), bench_kda_decode, bench_wgmma gather
+#   pendingab the full-depth Kimi Linear decode at batch 1 / 8 / 32, one model, an engine per setting: shipped,
+#           then each pending knob alone (gather 64, KDA fused 256, router partials 64, f_b side, MLA absorb
+#           32), the small-step trio off, shipped again
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
 #           fused tests), bench/bench_kda_decode.py (against the three-launch chain), then the full-depth
 #           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice (carry .whl)
@@ -149,6 +154,19 @@ for stage in "${stages[@]}"; do
         timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 16,32 --steps 24 --uniform-routing \
             --configs "K3RUN_WGMMA_X_GATHER=0;K3RUN_WGMMA_X_GATHER=64" --repeat 2 2>&1 | tee "$OUT/gatherab.txt" \
             | grep -E "^--|^graphs|Error" ;;
+    pending) timeout -s KILL "${TEST_TIMEOUT:-330}" python3 -m pytest -p no:cacheprovider \
+            -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \
+            tests/layers/test_kda.py tests/kernels/test_sampling.py tests/kernels/test_nvfp4_wgmma.py \
+            tests/kernels/test_moe_ops.py -k "fused or gather or pdl_chain or sampling or side or partials" \
+            >"$OUT/pending_tests.txt" 2>&1; grep -E "passed|failed|FAILED|ERROR" "$OUT/pending_tests.txt" | tail -12
+        timeout 120 python3 bench/bench_kda_decode.py 2>&1 | tee "$OUT/bench_kda_decode.txt"
+        timeout 120 python3 bench/bench_wgmma.py --shapes 12448x2304,2304x4096,2048x2304 --ms 17,32,64 --no-sweep \
+            2>&1 | tee "$OUT/wgmma_gather.txt" | grep -E "^ *[0-9]+x|^ *M|gather" ;;
+    pendingab) cfgs=";K3RUN_WGMMA_X_GATHER=64;K3RUN_KDA_FUSED_DECODE=256;K3RUN_MOE_ROUTER_PARTIALS=64"
+        cfgs="$cfgs;K3RUN_KDA_FB_SIDE=1;K3RUN_MLA_ABSORB_KERNELS=32;K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0"
+        cfgs="$cfgs K3RUN_MLA_ABSORB_KERNELS=0;"
+        timeout 590 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
+            --uniform-routing --configs "$cfgs" 2>&1 | tee "$OUT/pendingab.txt" | grep -E "^--|^graphs|Error" ;;
     kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \
             tests/layers/test_kda.py -k "fused" >"$OUT/kdafused_tests.txt" 2>&1; tail -3 "$OUT/kdafused_tests.txt"
