@@ -173,7 +173,7 @@ class Knobs:
         "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
-        "K3RUN_WGMMA_X_GATHER", _tokens_256, 0,
+        "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,
         "CUDA sm_90: up to this many rows the dense NVFP4 wgmma GEMM copies x in its operand order itself "
         "and launches with PDL, instead of a torch copy reordering x before each call (0: never)",
     )  # fmt: skip

@@ -32,9 +32,9 @@ from k3run.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
-def _conv_head(x_ptr, cw_ptr, win_ptr, cs, mask, old, write, W: tl.constexpr):
-    """silu(conv) of channels cs in fp32 (zero where masked); the windows of channels `write` shifted in
-    place (old: the channels whose windows are read, the rest start from zeros)."""
+def _conv_head(x_ptr, cw_ptr, win_ptr, cs, mask, old, W: tl.constexpr):
+    """silu(conv) of channels cs in fp32, zero where masked (old: the channels whose windows are read; the
+    rest start from zeros). Reads only: `_shift_windows` writes the new windows."""
     x = tl.load(x_ptr + cs, mask=mask, other=0.0)
     win = win_ptr + cs * (W - 1)
     acc = tl.zeros(cs.shape, dtype=tl.float32)
@@ -42,31 +42,33 @@ def _conv_head(x_ptr, cw_ptr, win_ptr, cs, mask, old, write, W: tl.constexpr):
         s = tl.load(win + j, mask=old, other=0.0)
         w = tl.load(cw_ptr + cs * W + j, mask=mask, other=0.0).to(tl.float32)
         acc += w * s.to(tl.float32)
-        if j > 0:
-            tl.store(win + (j - 1), s, mask=write)
     w_last = tl.load(cw_ptr + cs * W + (W - 1), mask=mask, other=0.0).to(tl.float32)
     acc += w_last * x.to(tl.float32)
-    tl.store(win + (W - 2), x.to(win_ptr.dtype.element_ty), mask=write)
     y = acc / (1.0 + tl.exp(-acc))
     return tl.where(mask, y, 0.0)
 
 
 @triton.jit
-def _shift_windows(x_ptr, win_ptr, cs, mask, old, W: tl.constexpr):
-    """The windows of channels cs shifted by one, x appended (what _conv_head writes with `write`)."""
-    win = win_ptr + cs * (W - 1)
-    for j in tl.static_range(1, W - 1):
-        tl.store(win + (j - 1), tl.load(win + j, mask=old, other=0.0), mask=mask)
+def _shift_windows(x_ptr, win_ptr, cs, mask, old, W: tl.constexpr, WP: tl.constexpr):
+    """The windows of channels cs shifted by one with x appended. A channel's value may live in several
+    threads (a replicated layout), so every read of the old windows (these and the conv's) is done before
+    the barrier and every write after it."""
+    js = tl.arange(0, WP)
+    at = win_ptr + cs[:, None] * (W - 1) + js[None, :]
+    kept = mask[:, None] & (js[None, :] >= 1) & (js[None, :] < W - 1)
+    s = tl.load(at, mask=kept & old[:, None], other=0.0)
     x = tl.load(x_ptr + cs, mask=mask, other=0.0)
-    tl.store(win + (W - 2), x.to(win_ptr.dtype.element_ty), mask=mask)
+    tl.debug_barrier()
+    tl.store(at - 1, s, mask=kept)
+    tl.store(win_ptr + cs * (W - 1) + (W - 2), x.to(win_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _kda_decode_fused_kernel(
     x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
     a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
-    stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    LOWER: tl.constexpr, PDL: tl.constexpr = False,
+    stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -84,11 +86,9 @@ def _kda_decode_fused_kernel(
     row = x_ptr + b.to(tl.int64) * stride_x
     win = conv_ptr + slot * stride_c0
     c = h * K + ks
-    # every program of the head reads the q and k windows: with NV > 1 the last to finish shifts them
-    own = mk & (NV == 1)
-    q = _conv_head(row, cw_ptr, win, c, mk, old, own, W)
-    k = _conv_head(row, cw_ptr, win, P + c, mk, old, own, W)
-    v = _conv_head(row, cw_ptr, win, 2 * P + h * K + vs, mv, old_v, mv, W)
+    q = _conv_head(row, cw_ptr, win, c, mk, old, W)
+    k = _conv_head(row, cw_ptr, win, P + c, mk, old, W)
+    v = _conv_head(row, cw_ptr, win, 2 * P + h * K + vs, mv, old_v, W)
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
 
@@ -108,7 +108,14 @@ def _kda_decode_fused_kernel(
     v = beta * (v - tl.sum(S * k[:, None], 0))
     S = S + k[:, None] * v[None, :]
     o = tl.sum(S * q[:, None], 0)
+    tl.debug_barrier()  # a small block is replicated over threads: every copy read before any is written
     tl.store(st, S, mask=mk[:, None] & mv[None, :])
+    # the windows: a program's own v channels; every program of the head read the q and k windows, so with
+    # NV > 1 the last to finish shifts those
+    _shift_windows(row, win, 2 * P + h * K + vs, mv, old_v, W, WP)
+    if NV == 1:
+        _shift_windows(row, win, c, mk, old, W, WP)
+        _shift_windows(row, win, P + c, mk, old, W, WP)
 
     out_row = b.to(tl.int64) * stride_o + h * K
     if NV == 1:
@@ -128,8 +135,8 @@ def _kda_decode_fused_kernel(
             w = tl.load(nw_ptr + ks, mask=mk, other=0.0).to(tl.float32)
             y = of * (1.0 / tl.sqrt(tl.sum(of * of, 0) / K + eps)) * w * tl.sigmoid(gate)
             tl.store(out_ptr + out_row + ks, y.to(out_ptr.dtype.element_ty), mask=mk)
-            _shift_windows(row, win, c, mk, old, W)
-            _shift_windows(row, win, P + c, mk, old, W)
+            _shift_windows(row, win, c, mk, old, W, WP)
+            _shift_windows(row, win, P + c, mk, old, W, WP)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
@@ -217,6 +224,7 @@ def kda_decode_fused_triton(
         conv_pool, conv_pool.stride(0), A_log.contiguous(), dt_bias.contiguous(),
         0.0 if lower_bound is None else float(lower_bound), float(scale), state_pool, state_pool.stride(0),
         slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, W=W,
-        BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None, num_warps=4, **pdl_args(qkv),
+        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None, num_warps=4,
+        **pdl_args(qkv),
     )  # fmt: skip
     return out
