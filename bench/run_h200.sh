@@ -42,7 +42,8 @@
 #           32), the small-step trio off, shipped again
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
 #           fused tests), bench/bench_kda_decode.py (against the three-launch chain), then the full-depth
-#           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice (carry .whl)
+#           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice, and the profile
+#           of the last (fused) engine (carry .whl)
 #   decodeab the full-depth Kimi Linear decode at batch 1 / 8 / 16 / 32, one model and an engine per setting
 #           (probe_graph_step --configs): as shipped, the small-step trio (K3RUN_MLA_ABSORB_KERNELS,
 #           K3RUN_MOE_COMBINE_IN_NORM, K3RUN_MOE_ACT_IN_GEMM1) off, the trio up to 16 tokens, the MLA absorb kernels up to 32, the router's
@@ -172,8 +173,8 @@ for stage in "${stages[@]}"; do
             tests/layers/test_kda.py -k "fused" >"$OUT/kdafused_tests.txt" 2>&1; tail -3 "$OUT/kdafused_tests.txt"
         timeout 200 python3 bench/bench_kda_decode.py 2>&1 | tee "$OUT/bench_kda_decode.txt"
         timeout 400 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 --uniform-routing \
-            --configs "K3RUN_KDA_FUSED_DECODE=0;K3RUN_KDA_FUSED_DECODE=256" --repeat 2 2>&1 \
-            | tee "$OUT/kdafusedab.txt" | grep -E "^--|^graphs|Error" ;;
+            --configs "K3RUN_KDA_FUSED_DECODE=0;K3RUN_KDA_FUSED_DECODE=256" --repeat 2 --profile 3 2>&1 \
+            | tee "$OUT/kdafusedab.txt" | grep -E "^--|^graphs|Error|^profile|decode_fused|recurrent|_conv_dec" ;;
     kdatests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" \
             -q -rfE -m gpu tests/kernels/test_kda_conv.py tests/kernels/test_kda_state.py tests/kernels/test_kda_gpu.py \
             >"$OUT/kdatests.txt" 2>&1; tail -15 "$OUT/kdatests.txt" ;;
