@@ -175,7 +175,8 @@ class Knobs:
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,
         "CUDA sm_90: up to this many rows the dense NVFP4 wgmma GEMM copies x in its operand order itself "
-        "and launches with PDL, instead of a torch copy reordering x before each call (0: never)",
+        "and launches with PDL, instead of a torch copy reordering x before each call, where its programs' "
+        "copies read at most 20 MiB (wgmma.GATHER_MAX_BYTES; 0: never)",
     )  # fmt: skip
     sm90_cuda: bool = _knob(
         "K3RUN_SM90_CUDA", _flag, True,

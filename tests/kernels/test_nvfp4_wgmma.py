@@ -499,3 +499,21 @@ def test_grouped_compiles_for_sm90_with_async_wgmma_and_no_spills(r, bt, stages,
     assert wgmma_register_hazards(sass) == []
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None and int(use.group(2)) == 0, res
+
+
+def test_x_gather_default_follows_the_measured_bound() -> None:
+    """The default gather decision against bench_wgmma's H200 cases (bench/RESULTS.md run 141), BN 64 as
+    wgmma_config picks up to 64 rows: gathered where it measured faster, reordered where slower; never with
+    the knob at 0, never above the knob's rows."""
+    from k3run.kernels.nvfp4_gemm.wgmma import gather_x
+    from k3run.knobs import override_knobs
+
+    faster = [(17, 12448, 2304), (32, 2304, 4096), (64, 2304, 4096), (32, 2048, 2304), (64, 2048, 2304)]
+    slower = [(32, 12448, 2304), (64, 12448, 2304)]
+    with override_knobs(wgmma_x_gather=64):
+        assert all(gather_x(m, n, k, 64) for m, n, k in faster)
+        assert not any(gather_x(m, n, k, 64) for m, n, k in slower)
+    with override_knobs(wgmma_x_gather=0):
+        assert not any(gather_x(m, n, k, 64) for m, n, k in faster)
+    with override_knobs(wgmma_x_gather=32):
+        assert gather_x(32, 2048, 2304, 64) and not gather_x(33, 2048, 2304, 64)

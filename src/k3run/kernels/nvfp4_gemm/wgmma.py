@@ -362,6 +362,18 @@ def smem_bytes(bn: int, bt: int, stages: int, ss: bool = False) -> int:
 _PROGRAMS_PER_SM = ((32, 2.9), (64, 1.45))
 
 
+# The gathered x copies are 4-byte cp.async from L2, every column tile of weight rows reading all of x: their
+# cost grows with cdiv(n, BN) * m * K_pad * 2 bytes. bench_wgmma on an H200 (bench/RESULTS.md run 141): the
+# gather won at 4.7-18.9 MB (by 0.5-3.3 us a call) and lost at 28.7 MB (3.6 us) and 57.5 MB (9.9 us).
+GATHER_MAX_BYTES = 20 << 20
+
+
+def gather_x(m: int, n: int, k_pad: int, bn: int) -> bool:
+    """Whether an m-row call on BN-row column tiles gathers x in the kernel by default: up to
+    K3RUN_WGMMA_X_GATHER rows and GATHER_MAX_BYTES of gathered copies."""
+    return m <= knobs().wgmma_x_gather and -(-n // bn) * m * k_pad * 2 <= GATHER_MAX_BYTES
+
+
 @functools.cache
 def wgmma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
     """(BN, BT, split_k, stages) for a call of m rows on `sms` SMs, from bench/bench_wgmma.py's sweep on an
@@ -422,7 +434,7 @@ def nvfp4_wgmma_gemm(
     slower). gather: the kernel's copies read x as it is, in the operand's column order (`_x_columns`), and
     it launches with PDL where `launch_pdl` (its first weight chunks staged before it waits for the previous
     kernel); otherwise one torch copy reorders x first (`rs_columns`). Default: up to
-    K3RUN_WGMMA_X_GATHER rows."""
+    K3RUN_WGMMA_X_GATHER rows, where the programs' gathers read at most GATHER_MAX_BYTES."""
     _check_half_x(x, k, "nvfp4 wgmma gemm")
     if not x.is_cuda or not wgmma_available(x.device):
         raise ValueError(f"nvfp4 wgmma gemm: needs an sm_90 GPU, got {x.device}")
@@ -437,10 +449,10 @@ def nvfp4_wgmma_gemm(
         return y
     if k != k_pad:  # the kernel's copies are of whole chunks: zero columns up to K_pad
         x = torch.nn.functional.pad(x, (0, k_pad - k))
-    if gather is None:
-        gather = m <= knobs().wgmma_x_gather
-    pdl = gather and launch_pdl(x)
     bn, bt, split, stages = config or wgmma_config(m, n, k, _sms(x.device))
+    if gather is None:
+        gather = gather_x(m, n, k_pad, bn)
+    pdl = gather and launch_pdl(x)
     chunks = k_pad // 128
     if (
         bn not in (64, 128)
