@@ -29,8 +29,14 @@ _INT_PTRS = {"cnt_ptr": "*i32", "grp_ptr": "*i32", "first_ptr": "*i32", "rank_pt
              "io_ptr": "*i64", "slots_ptr": "*i64", "pos_ptr": "*i64"}  # fmt: skip
 
 
+# the fused KDA decode's non-activation arguments: fp32 parameters and states, int64 indices, int32 counters
+KDA_FUSED_SCALARS = dict(cw_ptr="*fp32", a_ptr="*fp32", dtb_ptr="*fp32", state_ptr="*fp32", ctx_ptr="*i64",
+                         nw_ptr="*fp32", o_ptr="*fp32", lower_bound="fp32", scale="fp32", eps="fp32",
+                         stride_c0="i64", stride_s0="i64")  # fmt: skip
+
+
 def _kernels():
-    from k3run.kernels.kda import conv
+    from k3run.kernels.kda import conv, decode
     from k3run.kernels.mla import triton as mla
     from k3run.kernels.moe_ops import triton as moe
     from k3run.kernels.norm import triton as norm
@@ -61,6 +67,8 @@ def _kernels():
         "combine": (moe._combine_kernel, "bf16", f32, dict(A=9, HAS_ADD=False, BLOCK=1024)),
         "conv decode": (conv._conv_decode_kernel, "bf16", f32,
                         dict(W=4, BLOCK_C=512, ZERO_REC=True, ZBLOCK=1024)),
+        "KDA decode in one launch": (decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS,
+                                     dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False)),
         "MLA decode splits": (mla._mla_decode_split_kernel, "bf16", {**f32, **mla_ptrs},
                               dict(L=512, R=64, BLOCK_H=32, BLOCK_N=64, IEEE=False)),
         "MLA merge": (mla._mla_merge_kernel, "fp32", f32, dict(L=512, BLOCK_S=8)),
@@ -165,6 +173,21 @@ def test_router_partials_compile_for_sm90_without_spills(be: int, bt: int, dot: 
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
     ck = _compile(moe._router_partials_kernel, "fp32", {}, dict(BE=be, BD=256, BT=bt, DOT=dot), pdl=True)
+    res, _ = cubin_usage_and_sass(ck)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None, res
+    assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
+
+
+@pytest.mark.parametrize("lower", [False, True])
+def test_kda_fused_decode_compiles_for_sm90_without_spills(lower: bool) -> None:
+    """At Kimi's head dim (128) a program's [128, 32] fp32 state block, its q / k / gate vectors and the
+    window tiles fit 128 threads' registers (no stack), for both gate forms."""
+    from k3run.kernels.kda import decode
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=lower)
+    ck = _compile(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res
