@@ -40,6 +40,8 @@
 #   pendingab the full-depth Kimi Linear decode at batch 1 / 8 / 32, one model, an engine per setting: shipped,
 #           then each pending knob alone (gather 64, KDA fused 256, router partials 64, f_b side, MLA absorb
 #           32), the small-step trio off, shipped again
+#   l2prefetch bench/probes/l2_prefetch.py: a batch-1 GEMV chain shaped like Kimi Linear's KDA layers, plain
+#           and with the next layers' dense weights prefetched into L2 from a side stream
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
 #           fused tests), bench/bench_kda_decode.py (against the three-launch chain), then the full-depth
 #           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice, and the profile
@@ -168,6 +170,7 @@ for stage in "${stages[@]}"; do
         cfgs="$cfgs K3RUN_MLA_ABSORB_KERNELS=0;"
         timeout 590 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
             --uniform-routing --configs "$cfgs" 2>&1 | tee "$OUT/pendingab.txt" | grep -E "^--|^graphs|Error" ;;
+    l2prefetch) timeout 200 python3 bench/probes/l2_prefetch.py 2>&1 | tee "$OUT/l2_prefetch.txt" | grep -v -i warn ;;
     kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \
             tests/layers/test_kda.py -k "fused" >"$OUT/kdafused_tests.txt" 2>&1; tail -3 "$OUT/kdafused_tests.txt"
