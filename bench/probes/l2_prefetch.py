@@ -8,7 +8,8 @@ far larger than the L2):
     x -> "experts" 16384x2304 (21 MB: eight routed experts' bytes, streaming through the L2)
     next x = o_proj's output + the first 2304 columns of the other two
 and times it as one CUDA graph replay, plain and with a side stream that, at each layer's start, prefetches
-the dense weights and scales of layer i + AHEAD (`cp.async.bulk.prefetch.L2`: no registers, no SM loads),
+the dense weights and scales of layer i + AHEAD (kernels/prefetch.py: `cp.async.bulk.prefetch.L2`, one
+launch a layer),
 joined at the chain's end. Prints us per layer for each, their ratio, and the dense bytes' time at the copy
 bandwidth. Needs an sm_90 GPU.
 
@@ -26,44 +27,20 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 from k3run.kernels.nvfp4_gemm import nvfp4_linear, prepare_nvfp4_weight
+from k3run.kernels.prefetch import PrefetchTable, prefetch_l2
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from common import copy_bandwidth  # noqa: E402
 
 D, P, K_HEAD, N_IN, N_EXPERTS = 2304, 4096, 128, 12448, 16384
-CHUNK = 32 << 10  # bytes one program prefetches with one instruction
-
-
-@triton.jit
-def _prefetch_kernel(base, nbytes, CHUNK: tl.constexpr):
-    # one bulk prefetch into L2 per program: [base + off, + size), size a multiple of 16 (the tail dropped)
-    off = tl.program_id(0).to(tl.int64) * CHUNK
-    size = (tl.minimum(nbytes - off, CHUNK) // 16 * 16).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-def prefetch(t: torch.Tensor) -> None:
-    """Bulk-prefetch t's bytes into the L2 (t contiguous, 16-byte aligned)."""
-    n = t.numel() * t.element_size()
-    _prefetch_kernel[(triton.cdiv(n, CHUNK),)](t.data_ptr(), n, CHUNK=CHUNK, num_warps=1)
 
 
 def _weight(n: int, k: int, g: torch.Generator):
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
     s = torch.full((n, k // 16), 0.5, device="cuda").to(torch.float8_e4m3fn)
     return prepare_nvfp4_weight(w, s, torch.tensor(1.0 / k, device="cuda"))
-
-
-def _tensors(w) -> list[torch.Tensor]:
-    return [t for t in (w.weight, w.scale_bits) if t.is_contiguous() and t.data_ptr() % 16 == 0]
 
 
 def main() -> None:
@@ -79,8 +56,11 @@ def main() -> None:
         )
         for _ in range(args.layers)
     ]
-    dense = [[t for k in ("inp", "fb", "o") for t in _tensors(lay[k])] for lay in layers]
-    dense_bytes = sum(t.numel() * t.element_size() for ts in dense for t in ts)
+    dense = [
+        PrefetchTable([t for k in ("inp", "fb", "o") for t in (lay[k].weight, lay[k].scale_bits)])
+        for lay in layers
+    ]
+    dense_bytes = sum(table.nbytes for table in dense)
     x0 = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
     main_s, side = torch.cuda.current_stream(), torch.cuda.Stream()
 
@@ -89,14 +69,13 @@ def main() -> None:
         if ahead:
             side.wait_stream(main_s)
             with torch.cuda.stream(side):  # the first layers' weights before the chain starts
-                for t in (t for ts in dense[:ahead] for t in ts):
-                    prefetch(t)
+                for table in dense[:ahead]:
+                    prefetch_l2(table)
         for i, lay in enumerate(layers):
             if ahead and i + ahead < len(layers):
                 side.wait_stream(main_s)
                 with torch.cuda.stream(side):
-                    for t in dense[i + ahead]:
-                        prefetch(t)
+                    prefetch_l2(dense[i + ahead])
             y = nvfp4_linear(x, lay["inp"])
             f = nvfp4_linear(y[:, P : P + K_HEAD], lay["fb"])
             o = nvfp4_linear(y[:, :P], lay["o"])

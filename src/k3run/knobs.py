@@ -78,6 +78,13 @@ def _tokens_up_to(most: int) -> Callable[[str, str], int]:
     return parse
 
 
+def _layers_ahead(name: str, value: str) -> int:
+    """0 to 4"""
+    if value not in ("0", "1", "2", "3", "4"):
+        raise _malformed(name, "a layer count from 0 to 4", value)
+    return int(value)
+
+
 _tokens_128 = _tokens_up_to(128)
 _tokens_256 = _tokens_up_to(256)
 
@@ -202,6 +209,11 @@ class Knobs:
         "CUDA: KDA decode steps of up to this many sequences run the conv, the gates, the q/k norm, the "
         "recurrent step and the gated output norm as one Triton launch (kernels/kda/decode.py), where the "
         "chain is three launches (0: never)",
+    )  # fmt: skip
+    l2_prefetch: int = _knob(
+        "K3RUN_L2_PREFETCH", _layers_ahead, 0,
+        "CUDA sm_90: decode steps of up to 16 tokens prefetch the dense weights of the decoder layer this "
+        "many layers ahead into the L2, from a stream of their own (kernels/prefetch.py; 0: never)",
     )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,
