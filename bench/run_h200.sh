@@ -41,6 +41,8 @@
 #   pendingab the full-depth Kimi Linear decode at batch 1 / 8 / 32, one model, an engine per setting: shipped,
 #           then each pending knob alone (gather 64, KDA fused 256, router partials 64, f_b side, MLA absorb
 #           32), the small-step trio off, shipped again
+#   smallab  the full-depth Kimi Linear at batch 24 / 32 as shipped (17..32 rows on matrices under 32M weights
+#           on the decode kernel), then with WGMMA_SMALL_M_MIN_WEIGHTS=0 (the wgmma GEMM from 17 rows, as before)
 #   l2prefetch bench/probes/l2_prefetch.py: a batch-1 GEMV chain shaped like Kimi Linear's KDA layers, plain
 #           and with the next layers' dense weights prefetched into L2 from a side stream; the prefetch's GPU
 #           test; the full-depth Kimi Linear at batch 1 / 8 with K3RUN_L2_PREFETCH 0 / 1 / 2, twice
@@ -172,6 +174,11 @@ for stage in "${stages[@]}"; do
         cfgs="$cfgs K3RUN_MLA_ABSORB_KERNELS=0;"
         timeout 590 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
             --uniform-routing --configs "$cfgs" 2>&1 | tee "$OUT/pendingab.txt" | grep -E "^--|^graphs|Error" ;;
+    smallab) for patch in "" "k3run.kernels.nvfp4_gemm.config:WGMMA_SMALL_M_MIN_WEIGHTS=0"; do
+            echo "-- ${patch:-as shipped}"
+            timeout 250 python3 ${patch:+bench/probes/patched_constant.py $patch} bench/probe_graph_step.py --kimi-linear \
+                --batch-sizes 24,32 --steps 32 --uniform-routing 2>&1 | tee -a "$OUT/smallab.txt" | grep -E "^graphs|Error"
+        done ;;
     l2prefetch) timeout 200 python3 bench/probes/l2_prefetch.py 2>&1 | tee "$OUT/l2_prefetch.txt" | grep -v -i warn
         timeout -s KILL 120 python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" -q -rfE -m gpu \
             tests/kernels/test_prefetch.py 2>&1 | tail -2

@@ -587,3 +587,20 @@ def test_shift_decoder_scale_asm_emulated_on_every_e4m3_pair(kind: str):
             out = _emulate_ptx(asm, {"$2": lo | hi << 8 | lo2 << 16 | hi2 << 24})
             assert halves(out["$0"]) == [want[lo].item(), want[hi].item()], (kind, lo, hi)
             assert halves(out["$1"]) == [want[lo2].item(), want[hi2].item()], (kind, lo2, hi2)
+
+
+def test_small_matrices_keep_the_decode_kernel_up_to_32_rows_on_sm90() -> None:
+    """choose_config with the wgmma GEMM available (sm_90): Kimi Linear's dense shapes (under 32M weights)
+    take the decode kernel at 17..32 rows, where bench_wgmma measured it 1.03-1.6x faster (run 141), and
+    the wgmma GEMM from 33; K3's large matrices take the wgmma path (the CUDA GEMM) from 17."""
+    from k3run.kernels.nvfp4_gemm import WGMMA_SMALL_M_MIN_WEIGHTS
+
+    for n, k in ((12448, 2304), (2304, 4096), (2048, 2304), (4096, 128)):
+        assert n * k < WGMMA_SMALL_M_MIN_WEIGHTS
+        for m in (17, 24, 32):
+            cfg = choose_config(m, n, k, wgmma=True)
+            assert cfg.gemv and not cfg.wgmma, (n, k, m, cfg)
+        assert choose_config(33, n, k, wgmma=True).wgmma and choose_config(64, n, k, wgmma=True).wgmma
+    for n, k in ((7168, 7168), (12288, 7168), (7168, 12288)):
+        assert all(choose_config(m, n, k, wgmma=True).wgmma for m in (17, 32, 64, 256))
+    assert choose_config(16, 7168, 7168, wgmma=True).gemv

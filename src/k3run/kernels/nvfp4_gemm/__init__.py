@@ -4,7 +4,8 @@
 CUDA inputs (`choose_config` picks, `nvfp4_linear` runs): the Gluon decode kernel (gluon_gemv.py) up to 32
 rows (33..64 in two launches on large matrices); on sm_90 for 17..256 rows the CUDA C++ GEMM of
 w4a16_sm90.cu on matrices of >= 32M weights (built at first use), the Gluon wgmma GEMM of wgmma.py on
-smaller ones, where it cannot be built, or with K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM
+smaller ones from 33 rows (17..32 rows stay on the decode kernel there), where the CUDA GEMM cannot be
+built, or with K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM
 (tile.py) up to 128 rows; dequantize + cuBLAS above. CPU inputs run cpu.py (compiled loops or the SIMD
 extension on large matrices, the fp32 reference otherwise). `nvfp4_to_fp8_block` is the opt-in, lossy
 conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says where it is used).
@@ -29,6 +30,7 @@ from .config import (
     TRITON_DECODE,
     WGMMA_MAX_M,
     WGMMA_MIN_M,
+    WGMMA_SMALL_M_MIN_WEIGHTS,
     GemmConfig,
     choose_config,
     one_wave_split,
@@ -263,6 +265,7 @@ __all__ = [
     "TRITON_DECODE",
     "WGMMA_MAX_M",
     "WGMMA_MIN_M",
+    "WGMMA_SMALL_M_MIN_WEIGHTS",
     "GemmConfig",
     "NvFp4Weight",
     "check_scale_bytes",

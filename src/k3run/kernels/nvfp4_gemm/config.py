@@ -62,6 +62,13 @@ TILE_MAX_M = 128
 # at 1024 (257..1023 unmeasured: they stay on dequantize + cuBLAS)
 WGMMA_MIN_M = 17
 WGMMA_MAX_M = 256
+# ...but at 17..32 rows only on matrices of at least this many weights (the CUDA C++ GEMM's bound,
+# w4a16_sm90.MIN_WEIGHTS); smaller ones stay on the decode kernel. H200, bench_wgmma at Kimi Linear's shapes
+# (bench/RESULTS.md run 141), the decode kernel against the wgmma GEMM (x reordered / gathered) at 17 and 32
+# rows: 12448x2304 14.3 / 16.1 us against 23.3 / 16.6 (20.0 / 20.2), 2304x4096 8.9 / 9.4 against 15.4 / 15.4
+# (12.3 / 12.5), 2048x2304 7.1 / 7.5 against 12.3 / 12.2 (9.2 / 9.4); at 64 rows the wgmma GEMM is faster
+# (19.4 / 20.9 / 14.5 against the decode kernel's two launches or the tile GEMM: 34.1 / 37.7 / 22.6)
+WGMMA_SMALL_M_MIN_WEIGHTS = 32 << 20
 
 
 def programs_per_sm(regs: int) -> int:
@@ -120,9 +127,10 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
-    wgmma (the device runs wgmma.py: sm_90): the wgmma GEMM for WGMMA_MIN_M <= M <= WGMMA_MAX_M instead.
+    wgmma (the device runs wgmma.py: sm_90): the wgmma GEMM for WGMMA_MIN_M <= M <= WGMMA_MAX_M instead,
+    except at M <= 32 on matrices under WGMMA_SMALL_M_MIN_WEIGHTS weights.
     """
-    if wgmma and WGMMA_MIN_M <= m <= WGMMA_MAX_M:
+    if wgmma and WGMMA_MIN_M <= m <= WGMMA_MAX_M and (m > GEMV_AUTO_M or n * k >= WGMMA_SMALL_M_MIN_WEIGHTS):
         return GemmConfig(wgmma=True)
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
         maxnreg = None
