@@ -1,9 +1,9 @@
 """Weights prefetched into the L2 ahead of their use (sm_90: `cp.async.bulk.prefetch.L2`).
 
 At decode sizes most NVFP4 matrices are 0.2-16 MB and a GEMV spends most of its time ramping up, not
-streaming: a batch-1 step reads its dense weights at ~25% of the copy bandwidth (bench/NOTES.md, session
-37). A prefetch of the next layers' dense weights, queued on a stream of its own while the current layer
-runs, lets those GEMVs read from the L2. The prefetch is a hint: it reads nothing into registers and writes
+streaming: a batch-1 step reads its dense weights at ~25% of the copy bandwidth (bench/NOTES.md). A
+prefetch of the next layers' dense weights, queued on a stream of its own while the current layer runs,
+lets those GEMVs read from the L2. The prefetch is a hint: it reads nothing into registers and writes
 nothing, so results are unchanged bit for bit; a prefetched line the L2 evicts before use costs only its
 DRAM read.
 

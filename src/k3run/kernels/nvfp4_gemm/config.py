@@ -64,7 +64,7 @@ WGMMA_MIN_M = 17
 WGMMA_MAX_M = 256
 # ...but at 17..32 rows only on matrices of at least this many weights (the CUDA C++ GEMM's bound,
 # w4a16_sm90.MIN_WEIGHTS); smaller ones stay on the decode kernel. H200, bench_wgmma at Kimi Linear's shapes
-# (bench/RESULTS.md run 141), the decode kernel against the wgmma GEMM (x reordered / gathered) at 17 and 32
+# (bench/RESULTS.md), the decode kernel against the wgmma GEMM (x reordered / gathered) at 17 and 32
 # rows: 12448x2304 14.3 / 16.1 us against 23.3 / 16.6 (20.0 / 20.2), 2304x4096 8.9 / 9.4 against 15.4 / 15.4
 # (12.3 / 12.5), 2048x2304 7.1 / 7.5 against 12.3 / 12.2 (9.2 / 9.4); at 64 rows the wgmma GEMM is faster
 # (19.4 / 20.9 / 14.5 against the decode kernel's two launches or the tile GEMM: 34.1 / 37.7 / 22.6)

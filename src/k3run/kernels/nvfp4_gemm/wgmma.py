@@ -363,7 +363,7 @@ _PROGRAMS_PER_SM = ((32, 2.9), (64, 1.45))
 
 
 # The gathered x copies are 4-byte cp.async from L2, every column tile of weight rows reading all of x: their
-# cost grows with cdiv(n, BN) * m * K_pad * 2 bytes. bench_wgmma on an H200 (bench/RESULTS.md run 141): the
+# cost grows with cdiv(n, BN) * m * K_pad * 2 bytes. bench_wgmma on an H200 (bench/RESULTS.md): the
 # gather won at 4.7-18.9 MB (by 0.5-3.3 us a call) and lost at 28.7 MB (3.6 us) and 57.5 MB (9.9 us).
 GATHER_MAX_BYTES = 20 << 20
 
