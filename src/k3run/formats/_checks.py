@@ -1,4 +1,5 @@
-"""Input validation shared by the format modules: every failure names the tensor, expected and actual."""
+"""Input validation shared by the format modules and kernel wrappers: every failure names the tensor,
+expected and actual."""
 
 from __future__ import annotations
 

@@ -66,8 +66,8 @@ class PrefetchTable:
             t for t in tensors if t.is_cuda and t.is_contiguous() and t.numel() and t.data_ptr() % 16 == 0
         ]
         self.device = keep[0].device if keep else None
-        self.nbytes = sum(t.numel() * t.element_size() for t in keep)
         sizes = [t.numel() * t.element_size() for t in keep]
+        self.nbytes = sum(sizes)
         starts = chunk_starts(sizes)
         self.chunks = starts[-1]
         rows = [[t.data_ptr(), n, s] for t, n, s in zip(keep, sizes, starts, strict=False)]

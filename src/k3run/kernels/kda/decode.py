@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3run.formats._checks import check_shape
 from k3run.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -142,12 +143,6 @@ def _kda_decode_fused_kernel(
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
-def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
-    if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
-        want = f"{list(shape)}" + (f" {dtype}" if dtype is not None else "")
-        raise ValueError(f"kda_decode_fused: {name} must be {want}, got {list(t.shape)} {t.dtype}")
-
-
 def kda_decode_fused_triton(
     qkv: torch.Tensor,
     b: torch.Tensor,
@@ -186,7 +181,7 @@ def kda_decode_fused_triton(
     W = conv_weight.shape[-1]
     if qkv.stride(1) != 1:
         raise ValueError(f"kda_decode_fused: qkv needs unit column stride, got {qkv.stride()}")
-    _check("conv_weight", conv_weight, (C, W))
+    check_shape("kda_decode_fused: conv_weight", conv_weight, (C, W))
     conv_ok = conv_pool.dtype == qkv.dtype and conv_pool[0].is_contiguous()
     if tuple(conv_pool.shape[1:]) != (C, W - 1) or not conv_ok:
         raise ValueError(
@@ -199,13 +194,13 @@ def kda_decode_fused_triton(
             f"kda_decode_fused: state_pool must be a contiguous [S, {H}, {K}, {K}] float32, got "
             f"{list(state_pool.shape)} {state_pool.dtype}"
         )
-    _check("b", b, (B, H))
-    _check("f", f, (B, P))
-    _check("gate", gate, (B, P))
-    _check("dt_bias", dt_bias.reshape(-1), (P,))
-    _check("norm_weight", norm_weight, (K,))
-    _check("slots", slots, (B,))
-    _check("context_lens", context_lens, (B,))
+    check_shape("kda_decode_fused: b", b, (B, H))
+    check_shape("kda_decode_fused: f", f, (B, P))
+    check_shape("kda_decode_fused: gate", gate, (B, P))
+    check_shape("kda_decode_fused: dt_bias", dt_bias.reshape(-1), (P,))
+    check_shape("kda_decode_fused: norm_weight", norm_weight, (K,))
+    check_shape("kda_decode_fused: slots", slots, (B,))
+    check_shape("kda_decode_fused: context_lens", context_lens, (B,))
     for name, t in (("b", b), ("f", f), ("gate", gate)):
         if t.stride(1) != 1:
             raise ValueError(f"kda_decode_fused: {name} needs unit column stride, got {t.stride()}")

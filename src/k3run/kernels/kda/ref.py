@@ -354,7 +354,6 @@ def kda_decode_fused_ref(
     )
     conv_pool[slots] = new_window.to(conv_pool.dtype)
     state_pool[slots] = new_state
-    of = o.reshape(B, P).view(B, H, K)
-    normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     normed = normed * torch.sigmoid(gate.float().reshape(B, H, K))
     return normed.reshape(B, P).to(out_dtype or qkv.dtype)
