@@ -86,7 +86,7 @@ def main() -> None:
         t_loop = eager_us(lambda: fused_experts(ex, x, ids, weights, grouped=False))
         picks, distinct = t * TOP_K, int(ids.unique().numel())
         # the default tile, and above 16 tokens both the 16- and the 32-token tile
-        for bt in sorted({by_expert_tile(t)} | ({16, 32} if t > 16 else set())):
+        for bt in sorted({by_expert_tile(t, TOP_K, E)} | ({16, 32} if t > 16 else set())):
             os.environ["K3RUN_MOE_BY_EXPERT_TILE"] = str(bt)
             reset_knobs()
             try:
@@ -109,7 +109,7 @@ def main() -> None:
                 vs_pick = f"{t_pick / t_exp:4.2f}x per pick"
             else:
                 err_pp, pick, vs_pick = "-", f"{'per pick -':>30}", f"{'-':>14}"
-            default = "*" if bt == by_expert_tile(t) else " "
+            default = "*" if bt == by_expert_tile(t, TOP_K, E) else " "
             rows.append(
                 f"T={t:<3} picks {picks:4d} experts {distinct:3d} | loop {t_loop:8.1f} us | {pick} "
                 f"| tile {bt:2d}{default} "

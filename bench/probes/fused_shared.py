@@ -75,7 +75,7 @@ def main() -> None:
         fused = graph_ms([lambda: fused_experts(ex, x, ids9, w9, out_dtype=torch.bfloat16)], 0.05) * 1e3
         apart_fns = [lambda m=m: nvfp4_linear(ex.gated(nvfp4_linear(x, m[0])), m[1]) for m in mlps]
         apart = graph_ms(apart_fns, 0.02) * 1e3
-        tile = by_expert_tile(t) if t > 1 else 0
+        tile = by_expert_tile(t, TOP_K + 1, E + 1) if t > 1 else 0
         row = (t, tile, routed, fused, apart, fused - routed, routed + apart)
         print(" ".join(f"{v:>13}" if isinstance(v, int) else f"{v:13.1f}" for v in row))
 

@@ -66,6 +66,13 @@ def _by_expert_tile(name: str, value: str) -> int:
     return int(value)
 
 
+def _split_k(name: str, value: str) -> int:
+    """0 to 8"""
+    if value not in tuple("012345678"):
+        raise _malformed(name, "a split from 0 to 8", value)
+    return int(value)
+
+
 def _tokens_up_to(most: int) -> Callable[[str, str], int]:
     """The parser of a token count from 0 to `most`."""
 
@@ -177,7 +184,13 @@ class Knobs:
     )  # fmt: skip
     moe_by_expert_tile: int | None = _knob(
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
-        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens, else 16)",
+        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens or 2 picks a local "
+        "expert, else 16)",
+    )  # fmt: skip
+    moe_expert_split: int = _knob(
+        "K3RUN_MOE_EXPERT_SPLIT", _split_k, 1,
+        "CUDA: split_k of the NVFP4 routed experts' grouped decode launches, 1..8 (0: sized to fill the "
+        "GPU's waves, one_wave_split)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,

@@ -681,18 +681,40 @@ def test_wgmma_block_picks_rule():
 
 
 def test_by_expert_tile_choice(monkeypatch):
-    """The expert-major token tile: 8 up to 8 tokens, then 16 (up to BY_EXPERT_MAX_TOKENS); the environment
-    override takes only 8 / 16 / 32 and names the variable otherwise."""
+    """The expert-major token tile: 8 up to 8 tokens or up to 2 expected picks a local expert, then 16 (up
+    to BY_EXPERT_MAX_TOKENS); the environment override takes only 8 / 16 / 32 and names the variable
+    otherwise."""
     from k3run.quant import experts as moe
 
-    assert [moe.by_expert_tile(t) for t in (2, 8, 9, moe.BY_EXPERT_MAX_TOKENS)] == [8, 8, 16, 16]
+    # K3's experts at EP: 64 local, top-16 (2 picks an expert at 8 tokens)
+    assert [moe.by_expert_tile(t, 16, 64) for t in (2, 8, 9, moe.BY_EXPERT_MAX_TOKENS)] == [8, 8, 16, 16]
+    # Kimi Linear's: 256, top-8 (2 picks an expert at 64 tokens)
+    assert [moe.by_expert_tile(t, 8, 256) for t in (2, 16, 32, 64, 65)] == [8, 8, 8, 8, 16]
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "32")
     reset_knobs()
-    assert moe.by_expert_tile(4) == 32
+    assert moe.by_expert_tile(4, 8, 256) == 32
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "24")
     reset_knobs()
     with pytest.raises(ValueError, match="K3RUN_MOE_BY_EXPERT_TILE.*'24'"):
-        moe.by_expert_tile(4)
+        moe.by_expert_tile(4, 8, 256)
+
+
+def test_expert_split_choice(monkeypatch):
+    """The grouped expert launches' split_k: 1 by default, K3RUN_MOE_EXPERT_SPLIT=N fixes it, 0 hands it to
+    one_wave_split (here Kimi Linear's w2 at 8 tokens: 64 groups of 2304 rows over K = 1024 on 132 SMs)."""
+    from k3run.kernels.nvfp4_gemm import one_wave_split
+    from k3run.quant import experts as moe
+
+    monkeypatch.delenv("K3RUN_MOE_EXPERT_SPLIT", raising=False)
+    reset_knobs()
+    assert moe.expert_split(8, 2304 * 64, 1024, 132) == (1, None)
+    monkeypatch.setenv("K3RUN_MOE_EXPERT_SPLIT", "0")
+    reset_knobs()
+    assert moe.expert_split(8, 2304 * 64, 1024, 132) == one_wave_split(8, 2304 * 64, 1024, 132) == (4, None)
+    monkeypatch.setenv("K3RUN_MOE_EXPERT_SPLIT", "2")
+    reset_knobs()
+    assert moe.expert_split(8, 2304 * 64, 1024, 132) == (2, None)
+    reset_knobs()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

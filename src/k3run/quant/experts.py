@@ -940,7 +940,7 @@ class NvFp4Experts(ExpertScheme):
             or (t >= 2 and self._on_wgmma(x) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_stacked)
         ):
             return self._tile_gemms(ex, x, ids, weights, finish)
-        from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
+        from k3run.kernels.nvfp4_gemm import sm_count
         from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
         from k3run.kernels.nvfp4_gemm.groups import expert_groups
 
@@ -959,28 +959,28 @@ class NvFp4Experts(ExpertScheme):
         if t <= knobs().moe_act_in_gemm1 and kind in ("silu", "situ"):
             act = (kind, ex.activation.beta or 1.0, ex.activation.linear_beta)
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
-            bt = by_expert_tile(t)
+            bt = by_expert_tile(t, a, ex.num_local)
             grp = expert_groups(local, ex.num_stacked, bt)
-            split1, reg1 = one_wave_split(bt, 2 * i * grp.shape[0], d, sms)
+            split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             gu = nvfp4_gemv_by_expert(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
                 all_in_groups=full, act=act,
             )  # fmt: skip
             h = gu if act else ex.gated(gu)
-            split2, reg2 = one_wave_split(bt, d * grp.shape[0], i, sms)
+            split2, reg2 = expert_split(bt, d * grp.shape[0], i, sms)
             y = nvfp4_gemv_by_expert(
                 h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
                 maxnreg=reg2, all_in_groups=full,
             )  # fmt: skip
         else:
             # every pick's rows count towards one wave
-            split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
+            split1, reg1 = expert_split(1, 2 * i * t * a, d, sms)
             gu = nvfp4_gemv_grouped(
                 x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act
             )
             h = gu if act else ex.gated(gu)
-            split2, reg2 = one_wave_split(1, d * t * a, i, sms)
+            split2, reg2 = expert_split(1, d * t * a, i, sms)
             y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
@@ -1050,13 +1050,35 @@ def _by_expert(tokens: int) -> bool:
     return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and knobs().moe_by_expert
 
 
-def by_expert_tile(tokens: int) -> int:
-    """The expert-major launch's token tile for a decode batch of `tokens`: 8 up to 8 tokens, else 16;
+# expected picks per local expert up to which the expert-major launches take the 8-token tile at any batch.
+# H100, bench/bench_expert_gemv.py at Kimi Linear's experts (256, top-8; ~0.5 / 1 picks an expert at 16 /
+# 32 tokens): the 8-token tile 1.08-1.30x faster than the 16-token one (bench/RESULTS.md); K3's experts
+# (64 local, top-16) keep the 16-token tile from 9 tokens (~2.3 picks an expert), where it was measured
+TILE8_PICKS_PER_EXPERT = 2
+
+
+def by_expert_tile(tokens: int, top_k: int = 1, experts: int = 1) -> int:
+    """The expert-major launch's token tile for a decode batch of `tokens` routed top_k over `experts` local
+    experts: 8 up to 8 tokens or up to TILE8_PICKS_PER_EXPERT expected picks an expert, else 16;
     K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons)."""
     forced = knobs().moe_by_expert_tile
     if forced is not None:
         return forced
-    return 8 if tokens <= 8 else 16
+    return 8 if tokens <= 8 or tokens * top_k <= TILE8_PICKS_PER_EXPERT * experts else 16
+
+
+def expert_split(bt: int, rows: int, k: int, sms: int) -> tuple[int, int | None]:
+    """(split_k, maxnreg) of a grouped expert launch of `rows` weight rows (every item's) over K = k:
+    K3RUN_MOE_EXPERT_SPLIT, or with 0 `one_wave_split`'s wave-filling rule. Split 1 by default: H100,
+    bench/bench_expert_gemv.py (bench/RESULTS.md), Kimi Linear's experts at 1..32 tokens, split 1 was the
+    fastest in every cell, 1.1-1.7x the rule's split (more programs over so few 128-wide chunks, 8 and 18,
+    cost more in their reductions and pipeline fills than idle slots do)."""
+    from k3run.kernels.nvfp4_gemm import one_wave_split
+
+    split = knobs().moe_expert_split
+    if split == 0:
+        return one_wave_split(bt, rows, k, sms)
+    return split, None
 
 
 def _local_ids(ids: torch.Tensor, first: int) -> torch.Tensor:
