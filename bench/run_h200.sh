@@ -31,8 +31,8 @@
 #           test_pdl_gpu.py, tests/layers/test_moe_combine_in_norm.py and tests/kernels/test_mla_decode.py
 #           (GPU-marked; carry .whl), then
 #           test_graph_decode.py again with K3RUN_MOE_ROUTER_ONE_LAUNCH=1, the small-step trio off
-#           (K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0 K3RUN_MLA_ABSORB_KERNELS=0), the L2 prefetch
-#           two layers ahead and the fused KDA decode on
+#           (K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0 K3RUN_MLA_ABSORB_KERNELS=0) and the
+#           fused KDA decode on
 #   moetests the MoE's GPU tests (tests/layers/test_moe.py, test_moe_shared_fusion.py, tests/kernels/test_moe_ops.py),
 #           the NVFP4 linear's (tests/kernels/test_nvfp4_gemm.py: 17..256 rows on the CUDA C++ GEMM), the
 #           sampler kernels' and the KDA layer's (tests/kernels/test_sampling.py, tests/layers/test_kda.py)
@@ -43,9 +43,6 @@
 #           32), the small-step trio off, shipped again
 #   smallab  the full-depth Kimi Linear at batch 24 / 32 as shipped (17..32 rows on matrices under 32M weights
 #           on the decode kernel), then with WGMMA_SMALL_M_MIN_WEIGHTS=0 (the wgmma GEMM from 17 rows, as before)
-#   l2prefetch bench/probes/l2_prefetch.py: a batch-1 GEMV chain shaped like Kimi Linear's KDA layers, plain
-#           and with the next layers' dense weights prefetched into L2 from a side stream; the prefetch's GPU
-#           test; the full-depth Kimi Linear at batch 1 / 8 with K3RUN_L2_PREFETCH 0 / 1 / 2, twice
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
 #           fused tests), bench/bench_kda_decode.py (against the three-launch chain), then the full-depth
 #           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice, and the profile
@@ -179,12 +176,6 @@ for stage in "${stages[@]}"; do
             timeout 250 python3 ${patch:+bench/probes/patched_constant.py $patch} bench/probe_graph_step.py --kimi-linear \
                 --batch-sizes 24,32 --steps 32 --uniform-routing 2>&1 | tee -a "$OUT/smallab.txt" | grep -E "^graphs|Error"
         done ;;
-    l2prefetch) timeout 200 python3 bench/probes/l2_prefetch.py 2>&1 | tee "$OUT/l2_prefetch.txt" | grep -v -i warn
-        timeout -s KILL 120 python3 -m pytest -p no:cacheprovider -o addopts="--import-mode=importlib" -q -rfE -m gpu \
-            tests/kernels/test_prefetch.py 2>&1 | tail -2
-        timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8 --steps 32 --uniform-routing \
-            --configs "K3RUN_L2_PREFETCH=0;K3RUN_L2_PREFETCH=1;K3RUN_L2_PREFETCH=2" --repeat 2 2>&1 \
-            | tee "$OUT/l2prefetchab.txt" | grep -E "^--|^graphs|Error" ;;
     kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \
             tests/layers/test_kda.py -k "fused" >"$OUT/kdafused_tests.txt" 2>&1; tail -3 "$OUT/kdafused_tests.txt"
@@ -201,7 +192,7 @@ for stage in "${stages[@]}"; do
             tests/kernels/test_mla_decode.py >"$OUT/graphs.txt" 2>&1
         grep -E "PASS|FAIL|SKIP|Error|assert|passed|failed" "$OUT/graphs.txt" | tail -30
         K3RUN_MOE_ROUTER_ONE_LAUNCH=1 K3RUN_MOE_COMBINE_IN_NORM=0 K3RUN_MOE_ACT_IN_GEMM1=0 \
-            K3RUN_MLA_ABSORB_KERNELS=0 K3RUN_L2_PREFETCH=2 K3RUN_KDA_FUSED_DECODE=16 timeout -s KILL "${TEST_TIMEOUT:-300}" \
+            K3RUN_MLA_ABSORB_KERNELS=0 K3RUN_KDA_FUSED_DECODE=16 timeout -s KILL "${TEST_TIMEOUT:-300}" \
             python3 -m pytest \
             -p no:cacheprovider -q -rfE -m gpu tests/engine/test_graph_decode.py >"$OUT/graphs_pdl.txt" 2>&1
         tail -3 "$OUT/graphs_pdl.txt" ;;

@@ -85,13 +85,6 @@ def _tokens_up_to(most: int) -> Callable[[str, str], int]:
     return parse
 
 
-def _layers_ahead(name: str, value: str) -> int:
-    """0 to 4"""
-    if value not in ("0", "1", "2", "3", "4"):
-        raise _malformed(name, "a layer count from 0 to 4", value)
-    return int(value)
-
-
 _tokens_128 = _tokens_up_to(128)
 _tokens_256 = _tokens_up_to(256)
 
@@ -184,13 +177,13 @@ class Knobs:
     )  # fmt: skip
     moe_by_expert_tile: int | None = _knob(
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
-        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens or 2 picks a local "
+        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens or 4 picks a local "
         "expert, else 16)",
     )  # fmt: skip
     moe_expert_split: int = _knob(
         "K3RUN_MOE_EXPERT_SPLIT", _split_k, 1,
-        "CUDA: split_k of the NVFP4 routed experts' grouped decode launches, 1..8 (0: sized to fill the "
-        "GPU's waves, one_wave_split)",
+        "CUDA: split_k of the NVFP4 routed experts' expert-major decode launches (2..128 tokens), 1..8 "
+        "(0: sized to fill the GPU's waves, one_wave_split, as the one-token launches are)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,
@@ -222,11 +215,6 @@ class Knobs:
         "CUDA: KDA decode steps of up to this many sequences run the conv, the gates, the q/k norm, the "
         "recurrent step and the gated output norm as one Triton launch (kernels/kda/decode.py), where the "
         "chain is three launches (0: never)",
-    )  # fmt: skip
-    l2_prefetch: int = _knob(
-        "K3RUN_L2_PREFETCH", _layers_ahead, 0,
-        "CUDA sm_90: decode steps of up to 16 tokens prefetch the dense weights of the decoder layer this "
-        "many layers ahead into the L2, from a stream of their own (kernels/prefetch.py; 0: never)",
     )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,

@@ -29,11 +29,9 @@ from k3run.config import ModelConfig
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, KDALayerCache, MLALayerCache, ModelCache
 from k3run.kernels.moe_ops import PendingCombine
-from k3run.kernels.prefetch import LayerPrefetch, PrefetchTable, prefetch_available
 from k3run.knobs import knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.attn_res import AttnResState, AttnResWeights, attn_res_layer
-from k3run.layers.branch import SIDE_MAX_TOKENS
 from k3run.layers.kda import KimiDeltaAttention
 from k3run.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from k3run.layers.mla import KimiMLA
@@ -205,21 +203,6 @@ def _make_moe(
     )
 
 
-def decode_weights(layer: nn.Module) -> list[torch.Tensor]:
-    """The weights a decode step of `layer` reads whatever its routing: the kernel-layout NVFP4 tensors of
-    its linears (not their checkpoint copies), every other parameter, none of the routed experts'."""
-    mlp = getattr(layer, "mlp", None)
-    routed = mlp.experts if isinstance(mlp, KimiMoE) else None
-    inside = {id(m) for m in routed.modules()} if routed is not None else set()
-    out: list[torch.Tensor] = []
-    for m in layer.modules():
-        if id(m) in inside:
-            continue
-        w = getattr(m, "nvfp4_weight", None)
-        out += [w.weight, w.scale_bits] if w is not None else list(m.parameters(recurse=False))
-    return out
-
-
 class KimiForCausalLM(nn.Module):
     """Kimi Linear / K3 text decoder.
 
@@ -249,7 +232,6 @@ class KimiForCausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
-        self._prefetch_tables: list[PrefetchTable] | None = None  # K3RUN_L2_PREFETCH, built on first use
         if cfg.uses_attn_res:
             self.output_attn_res = AttnResWeights(cfg.hidden_size, cfg.rms_norm_eps, params_dtype)
         self.lm_head: ColumnParallelLinear | None = None
@@ -278,31 +260,11 @@ class KimiForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, D]
         h: torch.Tensor | AttnResState = AttnResState(prefix=x) if self.config.uses_attn_res else x
         pending: torch.Tensor | PendingCombine | None = None  # the last MLP output, added in the next norm
-        prefetch = self._layer_prefetch(x)
-        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            if prefetch is not None:
-                prefetch.before(i)
+        for layer, cache in zip(self.layers, caches, strict=True):
             h, pending = layer(h, ctx, cache, pending)
-        if prefetch is not None:
-            prefetch.join()
         if isinstance(h, AttnResState):
             return self.norm(self.output_attn_res(h.candidates()))
         return self.norm.add(h, pending)[0]
-
-    def _layer_prefetch(self, x: torch.Tensor) -> LayerPrefetch | None:
-        """K3RUN_L2_PREFETCH: the next layers' dense weights prefetched into the L2 during steps of up to
-        SIDE_MAX_TOKENS tokens on sm_90+ (kernels/prefetch.py), else None. The tables of weight addresses are
-        built on the first such step that is not being captured (the engine warms up eagerly first)."""
-        ahead = knobs().l2_prefetch
-        if not ahead or not x.is_cuda or x.shape[0] > SIDE_MAX_TOKENS or torch.compiler.is_compiling():
-            return None
-        if not prefetch_available(x.device.index or 0):
-            return None
-        if self._prefetch_tables is None:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            self._prefetch_tables = [PrefetchTable(decode_weights(layer)) for layer in self.layers]
-        return LayerPrefetch(self._prefetch_tables, ahead, x.device)
 
     def static_decode_blocker(self, batch_size: int) -> str | None:
         """None when a decode step of `batch_size` sequences can run as a static step (ForwardContext

@@ -940,7 +940,7 @@ class NvFp4Experts(ExpertScheme):
             or (t >= 2 and self._on_wgmma(x) and t * a >= TILES_FROM_PICKS_PER_EXPERT * ex.num_stacked)
         ):
             return self._tile_gemms(ex, x, ids, weights, finish)
-        from k3run.kernels.nvfp4_gemm import sm_count
+        from k3run.kernels.nvfp4_gemm import one_wave_split, sm_count
         from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
         from k3run.kernels.nvfp4_gemm.groups import expert_groups
 
@@ -975,12 +975,12 @@ class NvFp4Experts(ExpertScheme):
             )  # fmt: skip
         else:
             # every pick's rows count towards one wave
-            split1, reg1 = expert_split(1, 2 * i * t * a, d, sms)
+            split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
             gu = nvfp4_gemv_grouped(
                 x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act
             )
             h = gu if act else ex.gated(gu)
-            split2, reg2 = expert_split(1, d * t * a, i, sms)
+            split2, reg2 = one_wave_split(1, d * t * a, i, sms)
             y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
@@ -1050,11 +1050,11 @@ def _by_expert(tokens: int) -> bool:
     return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and knobs().moe_by_expert
 
 
-# expected picks per local expert up to which the expert-major launches take the 8-token tile at any batch.
-# H100, bench/bench_expert_gemv.py at Kimi Linear's experts (256, top-8; ~0.5 / 1 picks an expert at 16 /
-# 32 tokens): the 8-token tile 1.08-1.30x faster than the 16-token one (bench/RESULTS.md); K3's experts
-# (64 local, top-16) keep the 16-token tile from 9 tokens (~2.3 picks an expert), where it was measured
-TILE8_PICKS_PER_EXPERT = 2
+# expected picks per local expert up to which the expert-major launches take the 8-token tile at any batch
+# (most experts' picks then fit one 8-token group). H100, bench/bench_expert_gemv.py (bench/RESULTS.md), the
+# 8-token tile against the 16-token one at split 1: Kimi Linear's experts (256, top-8) 1.09-1.11x faster at
+# 16 and 32 tokens (0.5 and 1 pick an expert), K3's (64 local, top-16) 1.10-1.14x at 16 tokens (4 picks)
+TILE8_PICKS_PER_EXPERT = 4
 
 
 def by_expert_tile(tokens: int, top_k: int = 1, experts: int = 1) -> int:
@@ -1068,11 +1068,13 @@ def by_expert_tile(tokens: int, top_k: int = 1, experts: int = 1) -> int:
 
 
 def expert_split(bt: int, rows: int, k: int, sms: int) -> tuple[int, int | None]:
-    """(split_k, maxnreg) of a grouped expert launch of `rows` weight rows (every item's) over K = k:
-    K3RUN_MOE_EXPERT_SPLIT, or with 0 `one_wave_split`'s wave-filling rule. Split 1 by default: H100,
-    bench/bench_expert_gemv.py (bench/RESULTS.md), Kimi Linear's experts at 1..32 tokens, split 1 was the
-    fastest in every cell, 1.1-1.7x the rule's split (more programs over so few 128-wide chunks, 8 and 18,
-    cost more in their reductions and pipeline fills than idle slots do)."""
+    """(split_k, maxnreg) of an expert-major launch of `rows` weight rows (every group's) over K = k:
+    K3RUN_MOE_EXPERT_SPLIT, or with 0 `one_wave_split`'s wave-filling rule. Split 1 by default. H100,
+    bench/RESULTS.md: in bench/bench_expert_gemv.py split 1 was the fastest in every cell at Kimi Linear's
+    and K3's expert shapes, 1.1-1.7x the rule's split on Kimi Linear's (more programs over few 128-wide
+    chunks cost more in their reductions and pipeline fills than idle slots do); the full-depth Kimi Linear
+    step gained 11% at 8 tokens and 6% at 16. The one-token step's per-pick launches keep the rule: there
+    split 1 cost the step 3%."""
     from k3run.kernels.nvfp4_gemm import one_wave_split
 
     split = knobs().moe_expert_split
