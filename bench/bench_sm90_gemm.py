@@ -2,12 +2,13 @@
 engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
-(common.graph_ms): the CUDA kernel with its default config (`sm90_config`) and the best of a config
-sweep; the Gluon wgmma kernel's default (the path before it); the engine's M <= 16 decode kernel where M <=
-32; dequantize + cuBLAS; cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers;
-built in the background, timed in a second pass beside the CUDA kernel's best config again). The ceiling per
-cell: max(weight bytes at the copy bandwidth measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of
-the CUDA kernel's output against the fp32 reference on every cell.
+(common.graph_ms): the CUDA kernel with its default config (`sm90_config`; stream-K where it leaves the fixed
+grid with K3RUN_SM90_STREAM_K=1) and the best of a config sweep (split_k 0 = stream-K); the Gluon wgmma
+kernel's default (the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS;
+cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background,
+timed in a second pass beside the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at
+the copy bandwidth measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of the CUDA kernel's output
+against the fp32 reference on every cell.
 
     PYTHONPATH=src python3 bench/bench_sm90_gemm.py [--shapes 7168x7168,...] [--ms 16,64] [--peers .peers]
 """
@@ -45,7 +46,7 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
 
     chunks = -(-k // 128)
     bts = [b for b in sm90.TOKEN_TILES if min(m, 128) <= b <= max(16, 2 * m)]
-    cands = itertools.product(bts, sm90.WARPGROUPS, (1, 2, 4, 7, 8), (3, 4, 6, 8))
+    cands = itertools.product(bts, sm90.WARPGROUPS, (0, 1, 2, 4, 7, 8), (3, 4, 6, 8))  # split 0: stream-K
     out = [c for c in cands if sm90.config_ok(*c, chunks)]
     return out
 

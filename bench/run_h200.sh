@@ -24,7 +24,8 @@
 #   sm90    the CUDA C++ NVFP4 GEMM: bench/probes/sm90_sanity.py under compute-sanitizer (builds it), its tests, then bench/bench_sm90_gemm.py with Marlin
 #           from .peers (copy ../shared/peers there and carry it; SM90_ARGS adds options)
 #   sm90ncu ncu (full set, one launch each) of the sm90 CUDA GEMM at 7168^2, M = 16 (16,1,2,8) and M = 256
-#           (256,1,1,3): details and per-SASS-line stall samples under $OUT (bench/probes/sm90_ncu.py)
+#           (256,1,1,3), or NCU_SPECS='16:16,1,0,8 ...' (M:config): details and per-SASS-line stall samples
+#           under $OUT (bench/probes/sm90_ncu.py)
 #   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
 #           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
 #   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py,
@@ -43,6 +44,10 @@
 #           32), the small-step trio off, shipped again
 #   smallab  the full-depth Kimi Linear at batch 24 / 32 as shipped (17..32 rows on matrices under 32M weights
 #           on the decode kernel), then with WGMMA_SMALL_M_MIN_WEIGHTS=0 (the wgmma GEMM from 17 rows, as before)
+#   streamk the CUDA C++ GEMM's stream-K form: its GPU tests (tests/kernels/test_nvfp4_sm90.py -k stream_k),
+#           then bench/bench_sm90_gemm.py at 16 / 32 / 64 / 128 rows with K3RUN_SM90_STREAM_K=1 (the default
+#           config stream-K where the fixed grid leaves slots idle; the sweep holds both forms) and Marlin
+#           from .peers
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
 #           fused tests), bench/bench_kda_decode.py (against the three-launch chain), then the full-depth
 #           Kimi Linear decode at batch 1 / 8 / 32 with K3RUN_KDA_FUSED_DECODE 0 / 256, twice, and the profile
@@ -118,8 +123,8 @@ for stage in "${stages[@]}"; do
             2>&1 | tee "$OUT/decode_kl.txt" | grep -E "^graphs|kernels per step" | head -8
         K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
             2>&1 | tee "$OUT/decode_kl_ops_off.txt" | grep -E "^graphs" ;;
-    sm90ncu) for spec in "16 16,1,2,8" "256 256,1,1,3"; do
-            set -- $spec
+    sm90ncu) for spec in ${NCU_SPECS:-16:16,1,2,8 256:256,1,1,3}; do  # M:config (split_k 0: stream-K)
+            set -- "${spec%%:*}" "${spec#*:}"
             timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none -k regex:w4a16_kernel --launch-skip 3 \
                 --launch-count 1 --set full -f -o "$OUT/ncu_m$1" python3 bench/probes/sm90_ncu.py --m "$1" \
                 --config "$2" >"$OUT/ncu_m$1_run.txt" 2>&1
@@ -176,6 +181,11 @@ for stage in "${stages[@]}"; do
             timeout 250 python3 ${patch:+bench/probes/patched_constant.py $patch} bench/probe_graph_step.py --kimi-linear \
                 --batch-sizes 24,32 --steps 32 --uniform-routing 2>&1 | tee -a "$OUT/smallab.txt" | grep -E "^graphs|Error"
         done ;;
+    streamk) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
+            -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_nvfp4_sm90.py -k "stream_k" \
+            >"$OUT/streamk_tests.txt" 2>&1; tail -3 "$OUT/streamk_tests.txt"
+        K3RUN_SM90_STREAM_K=1 timeout 500 python3 bench/bench_sm90_gemm.py --ms 16,32,64,128 --peers .peers \
+            2>&1 | tee "$OUT/streamk_bench.txt" | grep -v -i warn | tail -30 ;;
     kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \
             tests/layers/test_kda.py -k "fused" >"$OUT/kdafused_tests.txt" 2>&1; tail -3 "$OUT/kdafused_tests.txt"

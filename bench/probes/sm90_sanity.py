@@ -24,8 +24,10 @@ def main() -> int:
     if not sm90.available():
         print("not available:", sm90._error)
         return 1
+    # the last two: stream-K (split_k 0) over stream_k_ctas' default grid
     cases = [(20, 200, 336, (32, 2, 1, 3)), (9, 144, 384, (16, 1, 3, 2)), (130, 256, 1024, (256, 1, 2, 3)),
-             (64, 512, 896, (64, 2, 7, 4))]  # fmt: skip
+             (64, 512, 896, (64, 2, 7, 4)), (37, 328, 2048, (16, 1, 0, 4)),
+             (100, 1024, 1024, (64, 1, 0, 3))]  # fmt: skip
     if "--one" in sys.argv:
         cases = cases[:1]
     bad = 0

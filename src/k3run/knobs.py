@@ -195,6 +195,11 @@ class Knobs:
         "K3RUN_SM90_CUDA", _flag, True,
         "CUDA sm_90: NVFP4 linears of 17..256 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one)",
     )  # fmt: skip
+    sm90_stream_k: bool = _knob(
+        "K3RUN_SM90_STREAM_K", _flag, False,
+        "CUDA sm_90: the CUDA C++ NVFP4 GEMM runs stream-K (every CTA slot of one wave walks an equal share "
+        "of the tiles' K chunks) where its fixed split_k grid would leave slots idle (1: on; unmeasured)",
+    )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,
         "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "

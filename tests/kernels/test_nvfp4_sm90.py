@@ -74,6 +74,68 @@ def test_gpu_configs(poison_empty, config) -> None:
     _case(40, 336, 768, torch.float16, per_row=False, bias=False, config=config)
 
 
+# stream-K launches: (BT, stages, CTAs or None for stream_k_ctas); the test shapes' chunk pairs (K = 2048: 8 a
+# tile) split unevenly over 7 and 13 CTAs, a CTA of one tile's part, one CTA of everything, one a pair
+SK_CASES = [(16, 4, None), (16, 3, 7), (32, 2, 13), (64, 5, 1), (128, 2, None), (16, 8, "pairs")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bt, stages, ctas", SK_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_stream_k(poison_empty, bt, stages, ctas, dtype) -> None:
+    """Stream-K (split_k 0) against the fp32 reference: odd M and N (token tiles and CTA rows past them),
+    per-row scales and a bias, CTA counts that split tiles unevenly, down to one chunk pair a CTA."""
+    _need_kernel()
+    for m, n, per_row, bias in ((37, 328, True, True), (bt, 1024, False, False)):
+        tiles = -(-n // 64) * -(-m // bt)
+        sk = tiles * 8 if ctas == "pairs" else ctas
+
+        def gemm(x, tw, b, n=n, sk=sk):
+            cfg = (bt, 1, 0, stages)
+            return sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, n, b, config=cfg,
+                                        sk_ctas=sk)  # fmt: skip
+
+        check_tiled_gemm(gemm, f"sm90 stream-K {bt} {sk}", m, n, 2048, dtype, per_row, bias, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypatch) -> None:
+    """Ten stream-K calls give the same bits (the partials summed in the tile's piece order, whichever CTA
+    arrives last); with K3RUN_SM90_STREAM_K=1 nvfp4_linear's 16 rows of 7168 x 7168 run it
+    (`sm90_config` says split_k 0) within the bound of the fixed split's output."""
+    from k3run.kernels.nvfp4_gemm import nvfp4_linear
+
+    _need_kernel()
+    w, s, gs = _random_nvfp4(1024, 2048, "cuda", False, seed=3)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(100, 2048, device="cuda").to(torch.bfloat16)
+    outs = [
+        sm90.nvfp4_sm90_gemm(
+            x, tw.weight, tw.scale_bits, tw.global_scale, 2048, 1024, config=(16, 1, 0, 4), sk_ctas=97
+        )
+        for _ in range(10)
+    ]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    n = k = 7168
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=4)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(16, k, device="cuda").to(torch.bfloat16)
+    fixed = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n)
+    monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
+    reset_knobs()
+    sm90.sm90_config.cache_clear()
+    try:
+        assert sm90.sm90_config(16, n, k, torch.cuda.get_device_properties(0).multi_processor_count)[2] == 0
+        y = nvfp4_linear(x, tw)
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_STREAM_K")
+        reset_knobs()
+        sm90.sm90_config.cache_clear()
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    assert bool(((y.float() - fixed.float()).abs() <= 2 * _bound(x, wd, gs, ref, torch.bfloat16)).all())
+
+
 @pytest.mark.gpu
 def test_gpu_repeats_are_bit_identical() -> None:
     """No race: ten calls of one split-K case (fixed-order partial sums) and of one unsplit case give the
@@ -148,6 +210,56 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
     assert bt >= min(m, 128) and (nwg == 1 or bt <= 128)
 
 
+def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> None:
+    """With K3RUN_SM90_STREAM_K=1: 16-64 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
+    slots at 16 rows) take stream-K; 12288 x 7168 at 16 rows (384 of 396) and 256 rows (BT 256: no
+    stream-K kernel) keep the fixed grid; an odd chunk count never takes it. Off by default."""
+    assert sm90.sm90_config(16, 7168, 7168, 132)[2] > 0
+    monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
+    reset_knobs()
+    sm90.sm90_config.cache_clear()
+    try:
+        for m in (16, 32, 64):
+            bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132)
+            assert (nwg, split) == (1, 0) and sm90.config_ok(bt, nwg, split, stages, 56), m
+            per_sm = sm90.ctas_per_sm(bt, 1, True)
+            assert per_sm * sm90.smem_bytes(bt, 1, stages) <= sm90.SM_SMEM
+        assert sm90.stream_k_ctas(16, 112, 56, 132) == 396 and sm90.stream_k_ctas(64, 112, 56, 132) == 264
+        assert sm90.sm90_config(16, 12288, 7168, 132)[2] == 2
+        assert sm90.sm90_config(256, 7168, 7168, 132)[2] == 1
+        assert sm90.sm90_config(16, 7168, 7040, 132)[2] != 0  # 55 chunks
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_STREAM_K")
+        reset_knobs()
+        sm90.sm90_config.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "tiles, chunks, ctas",
+    [(112, 56, 396), (6, 16, 7), (3, 2, 3), (5, 6, 1), (60, 8, 97), (1, 56, 28), (2, 4, 3)],
+)
+def test_stream_k_segments_cover_every_chunk_once(tiles, chunks, ctas) -> None:
+    """The kernel's stream-K walk (stream_k_segments restates for_each_sk_segment and SkSplit::piece): every
+    (tile, chunk) in exactly one segment, segments of whole chunk pairs in chunk order, each tile's pieces
+    numbered 0..n-1 in CTA order with the same n, n within the workspace depth, CTAs' shares within one
+    pair of each other."""
+    segs = sm90.stream_k_segments(tiles, chunks, ctas)
+    seen = torch.zeros(tiles, chunks, dtype=torch.int32)
+    pieces: dict[int, list[tuple[int, int, int]]] = {}
+    for b, cta in enumerate(segs):
+        for tile, lo, hi, seg, nseg in cta:
+            assert lo % 2 == 0 and hi % 2 == 0 and 0 <= lo < hi <= chunks
+            seen[tile, lo:hi] += 1
+            pieces.setdefault(tile, []).append((b, seg, nseg))
+    assert bool((seen == 1).all())
+    depth = sm90.stream_k_max_pieces(tiles, chunks, ctas)
+    for tile, ps in pieces.items():
+        assert [p[1] for p in ps] == list(range(len(ps))) and {p[2] for p in ps} == {len(ps)}, tile
+        assert [p[0] for p in ps] == sorted(p[0] for p in ps) and len(ps) <= depth
+    shares = [sum(hi - lo for _, lo, hi, _, _ in cta) for cta in segs]
+    assert max(shares) - min(shares) <= 2
+
+
 def test_wrappers_cover_every_token_tile_and_dtype() -> None:
     src = sm90.cuda_source()
     assert "//@@WGMMA@@" not in src
@@ -203,18 +315,26 @@ def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
     assert all(v == "0" for v in re.findall(r"(\d+) bytes stack frame", report)), report
 
 
+def _pair_loops(code):
+    """The innermost loops holding HGMMA: each GEMM kernel's K loop over chunk pairs (the stream-K kernels
+    hold it inside their segment loop)."""
+    loops = [(lo, hi) for lo, hi in _loops(code) if any("HGMMA" in i for a, i in code if lo <= a <= hi)]
+    return [r for r in loops if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in loops)]
+
+
 def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> None:
     """Inside each GEMM kernel's K loop: HGMMAs from registers, waited down to one group (0x1, never 0x0
-    inside the loop), and no instruction writes a register of an A operand still in flight."""
+    inside the loop), and no instruction writes a register of an A operand still in flight (11 fixed-grid
+    kernels, 4 stream-K)."""
     _, sass = standalone_build
     kernels = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]
-    assert len(kernels) == 11
+    assert len(kernels) == 15
     for f in kernels:
         code = _sass_code(f)
         assert wgmma_register_hazards(f) == [], f.split("\n")[0]
-        loops = [(lo, hi) for lo, hi in _loops(code) if any("HGMMA" in i for a, i in code if lo <= a <= hi)]
-        assert loops, f.split("\n")[0]
-        lo, hi = min(loops, key=lambda r: r[1] - r[0])  # the pair loop
+        loops = _pair_loops(code)
+        assert len(loops) == 1, f.split("\n")[0]
+        lo, hi = loops[0]
         body = [i for a, i in code if lo <= a <= hi]
         waits = [i for i in body if "WARPGROUP.DEPBAR" in i]
         assert waits and all(w.endswith("0x1") for w in waits), waits
@@ -230,7 +350,7 @@ def test_k_loop_overheads_stay_out(standalone_build) -> None:
     _, sass = standalone_build
     for f in [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]:
         code = _sass_code(f)
-        loops = [(lo, hi) for lo, hi in _loops(code) if any("HGMMA" in i for a, i in code if lo <= a <= hi)]
+        loops = _pair_loops(code)
         body = [i for a, i in code if any(lo <= a <= hi for lo, hi in loops)]
         name = f.split("\n")[0]
         assert not any("MUFU" in i for i in body), name

@@ -25,6 +25,11 @@
 // previous slot. Epilogue: gs * 2^7 (the decoder's weights are e2m1 * s * 2^-7), bias, one rounding.
 // Split-K: fp32 partials per consumer thread; the last CTA of a tile (an acq_rel counter) sums them in
 // split order, finishes the tile and resets the counter.
+// Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in tile-major order, tiles x CH units, cut into
+// sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
+// writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the
+// tile's CTAs summing them as split-K does. Every slot of the wave works whatever the tile count, where the
+// fixed split leaves slots idle (bench/NOTES.md: 224 CTAs in 396 slots at 16 rows of 7168^2).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -194,6 +199,43 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
 
 //@@WGMMA@@
 
+// One CTA's piece of one tile: chunks [c_lo, c_hi) of tile `tile`.
+struct Seg {
+  int tile, c_lo, c_hi;
+};
+
+// Stream-K's units are chunk pairs (CH even), so every segment holds whole pairs: an odd last chunk inside the
+// segment loop made ptxas serialize every wgmma (C7512). tiles * CH / 2 units over sk CTAs: the first r of
+// them q + 1 units, the rest q (q, r from the host: kernel parameters, no registers held across the loop).
+struct SkSplit {
+  int q, r, per_tile;  // per_tile = CH / 2
+  __device__ __forceinline__ int begin(int b) const { return b * q + min(b, r); }
+  __device__ __forceinline__ int owner(int u) const {
+    const int big = r * (q + 1);
+    return u < big ? u / (q + 1) : r + (u - big) / q;
+  }
+  // this CTA's piece index among the CTAs sharing `tile` (the partials' summation order) and their count
+  __device__ __forceinline__ void piece(int tile, int& seg, int& nseg) const {
+    const int first = owner(tile * per_tile);
+    seg = int(blockIdx.x) - first;
+    nseg = owner(tile * per_tile + per_tile - 1) - first + 1;
+  }
+};
+
+// Calls f(seg) for this CTA's stream-K segments in order. The producer and the consumers walk the same
+// segments, so the ring's slots line up.
+template <typename F>
+__device__ __forceinline__ void for_each_sk_segment(const SkSplit& sp, F&& f) {
+  const int b = blockIdx.x;
+  for (int u = sp.begin(b); u < sp.begin(b + 1);) {
+    const int tile = u / sp.per_tile;
+    const int p_lo = u - tile * sp.per_tile;
+    const int p_hi = min(sp.per_tile, p_lo + (sp.begin(b + 1) - u));
+    f(Seg{tile, 2 * p_lo, 2 * p_hi});
+    u += p_hi - p_lo;
+  }
+}
+
 template <int BT, int NWG>
 struct Smem {
   static constexpr int X = 2 * BT * 128;  // one slot's x: two 64-column halves of BT rows, 128 B each
@@ -225,9 +267,9 @@ struct Slot {
   }
 };
 
-// Chunk c (in slot `sl`) on the consumer side, decoding into the A set `a` (the other set may still be read by
-// chunk c - 1's wgmma): wait for the slot, decode, issue, keep only this chunk's group in flight, release
-// chunk c - 1's slot.
+// The CTA's c-th chunk (counted over all its segments; in slot `sl`) on the consumer side, decoding into the A
+// set `a` (the other set may still be read by chunk c - 1's wgmma): wait for the slot, decode, issue, keep
+// only this chunk's group in flight, release chunk c - 1's slot.
 template <int BT, int NWG, bool BF16>
 __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, float (&acc)[BT / 2],
                                         uint32_t (&a)[32]) {
@@ -290,18 +332,22 @@ constexpr int cta_threads() {
 }
 // CTAs an SM asked of ptxas (it caps the registers to fit them): 3 for one consumer warpgroup up to BT 64
 // (<= 136 registers; 99-122 used), one otherwise. 4 at BT 16 (<= 102) makes ptxas (CUDA 13.0) serialize the
-// wgmma for registers (C7512).
-template <int BT, int NWG>
+// wgmma for registers (C7512). The stream-K kernel (SK) holds its segment loop's state across the K loop:
+// at BT 64 it spills under the 3-CTA cap, so 2 there.
+template <int BT, int NWG, bool SK = false>
 constexpr int min_ctas() {
-  return NWG == 1 && BT <= 64 ? 3 : 1;
+  return NWG == 1 && BT <= 64 ? (SK && BT == 64 ? 2 : 3) : 1;
 }
 
-template <int BT, int NWG, bool BF16>
-__global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
+// SK: the stream-K kernel (sk > 0 CTAs, an even chunk count; one consumer warpgroup, BT <= 128: at 256 it
+// spills), else the fixed grid (tiles x split_k); two instantiations, so the fixed grid's code is what it is
+// without the segment loop.
+template <int BT, int NWG, bool BF16, bool SK>
+__global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
-                 int nch, int stages) {
+                 int nch, int stages, int tiles, int sk, int sk_q, int sk_r) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
   constexpr int ACC = BT / 2;
@@ -315,10 +361,6 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
   int& last_flag = *reinterpret_cast<int*>(empty + stages);
 
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
-  const int pid = blockIdx.x;
-  const int pid_n = pid % n_tiles;
-  const int pid_t = pid / n_tiles;
-  const int c0 = blockIdx.y * nch;
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -333,22 +375,29 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads): one thread issues every copy
     if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == NWG * 128) {
-      const int rb0 = pid_n * NWG * 4;
-      const int nrb = min(NWG * 4, row_blocks - rb0);
-      const uint32_t bytes = SM::X + nrb * (1024 + 128);
-      const uint8_t* xsrc = xt + (size_t(pid_t) * CH + c0) * SM::X;
       Slot sl;
-      for (int c = 0; c < nch; ++c, sl.advance(stages)) {
-        const int st = sl.st;
-        if (c >= stages) mbar_wait(smem_u32(&empty[st]), sl.phase ^ 1u);
-        mbar_expect_tx(&full[st], bytes);
-        bulk_g2s(xs + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, &full[st]);
-        for (int rb = 0; rb < nrb; ++rb) {
-          const size_t blk = size_t(rb0 + rb) * CH + c0 + c;
-          bulk_g2s(wsm + st * SM::W + rb * 1024, w + blk * 1024, 1024, &full[st]);
-          bulk_g2s(ssm + st * SM::S + rb * 128, s + blk * 128, 128, &full[st]);
+      int i = 0;  // chunks issued so far, over all segments
+      auto issue = [&](const Seg& sg) {
+        const int rb0 = (sg.tile % n_tiles) * NWG * 4;
+        const int nrb = min(NWG * 4, row_blocks - rb0);
+        const uint32_t bytes = SM::X + nrb * (1024 + 128);
+        const uint8_t* xsrc = xt + size_t(sg.tile / n_tiles) * CH * SM::X;
+        for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
+          const int st = sl.st;
+          if (i >= stages) mbar_wait(smem_u32(&empty[st]), sl.phase ^ 1u);
+          mbar_expect_tx(&full[st], bytes);
+          bulk_g2s(xs + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, &full[st]);
+          for (int rb = 0; rb < nrb; ++rb) {
+            const size_t blk = size_t(rb0 + rb) * CH + c;
+            bulk_g2s(wsm + st * SM::W + rb * 1024, w + blk * 1024, 1024, &full[st]);
+            bulk_g2s(ssm + st * SM::S + rb * 128, s + blk * 128, 128, &full[st]);
+          }
         }
-      }
+      };
+      if constexpr (!SK)
+        issue(Seg{int(blockIdx.x), int(blockIdx.y) * nch, int(blockIdx.y) * nch + nch});
+      else
+        for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2}, issue);
     }
     return;
   }
@@ -363,74 +412,94 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG>())
   const int s_off0 = rb * 128 + g * 8 + 4 * (t & 1) + 2 * (t >> 1);  // (+ 8 * 8: rows g + 8)
 
   float acc[ACC];
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
   uint32_t a0[32], a1[32];
-
   const Ring ring{smem_u32(wsm) + w_off0, smem_u32(ssm) + s_off0, smem_u32(full), smem_u32(empty),
                   b_desc(smem_u32(xs)), stages, lane};
-  // pairs of chunks, then an odd chunk count's last one: a conditional second half inside the loop made ptxas
-  // serialize every wgmma (C7513)
-  int c = 0;
-  Slot sl;
-  for (; c + 1 < nch; c += 2) {
-    consume<BT, NWG, BF16>(ring, c, sl, acc, a0);
-    sl.advance(stages);
-    consume<BT, NWG, BF16>(ring, c + 1, sl, acc, a1);
-    sl.advance(stages);
-  }
-  if (c < nch) consume<BT, NWG, BF16>(ring, c, sl, acc, a0);
-  wgmma_wait<0>();
-  fence_regs(acc);
-
-  // ---- epilogue
   const int nthreads = NWG * 128;
   const int ctid = threadIdx.x;  // consumer thread index 0 .. NWG*128-1
-  if (gridDim.y > 1) {
-    const int tiles = gridDim.x;
-    float* mine = ws + ((size_t(blockIdx.y) * tiles + pid) * nthreads + ctid) * ACC;
-#pragma unroll
-    for (int i = 0; i < ACC; i += 4)
-      *reinterpret_cast<float4*>(mine + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    __threadfence();
-    consumer_sync(nthreads);
-    if (ctid == 0) last_flag = atomicAdd(&cnt[pid], 1) == int(gridDim.y) - 1;
-    consumer_sync(nthreads);
-    if (!last_flag) return;
-    __threadfence();
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-    for (int sk = 0; sk < int(gridDim.y); ++sk) {
-      const float* part = ws + ((size_t(sk) * tiles + pid) * nthreads + ctid) * ACC;
-#pragma unroll
-      for (int i = 0; i < ACC; i += 4) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(part + i));
-        acc[i] += v.x;
-        acc[i + 1] += v.y;
-        acc[i + 2] += v.z;
-        acc[i + 3] += v.w;
-      }
-    }
-    if (ctid == 0) cnt[pid] = 0;
-  }
   T* out = reinterpret_cast<T*>(y);
   const T* bp = reinterpret_cast<const T*>(bias);
-  const int row_base = pid_n * NWG * 64 + wg * 64 + warp * 16 + g;
-  const int tok_base = pid_t * BT + 2 * t;
+  Slot sl;
+  int i = 0;  // chunks consumed so far, over all segments
+  // the segment's chunk pairs (the pair's second chunk decodes into the other A set while the first's wgmma
+  // runs); returns the first chunk left over (c_hi, or c_hi - 1 for an odd count)
+  auto pairs = [&](int c_lo, int c_hi) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int n = row_base + 8 * h;
-    if (n >= N) continue;
-    const float scale = (per_col_gs ? gs[n] : gs[0]) * 128.0f;
-    const float bv = bp ? to_float(bp[n]) : 0.0f;
+    for (int j = 0; j < ACC; ++j) acc[j] = 0.f;
+    int c = c_lo;
+    for (; c + 1 < c_hi; c += 2, i += 2) {
+      consume<BT, NWG, BF16>(ring, i, sl, acc, a0);
+      sl.advance(stages);
+      consume<BT, NWG, BF16>(ring, i + 1, sl, acc, a1);
+      sl.advance(stages);
+    }
+    return c;
+  };
+  // after the segment's chunks: wait for every group (acc final, both A sets free for the next segment), then
+  // the epilogue: the tile's output, or its partial and, for the tile's last CTA, the sum of the partials
+  auto finish = [&](int pid, int seg, int nseg) {
+    wgmma_wait<0>();
+    fence_regs(acc);
+    if (nseg > 1) {
+      float* mine = ws + ((size_t(seg) * tiles + pid) * nthreads + ctid) * ACC;
 #pragma unroll
-    for (int i = 0; i < BT / 8; ++i) {
+      for (int j = 0; j < ACC; j += 4)
+        *reinterpret_cast<float4*>(mine + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
+      __threadfence();
+      consumer_sync(nthreads);
+      if (ctid == 0) last_flag = atomicAdd(&cnt[pid], 1) == nseg - 1;
+      consumer_sync(nthreads);
+      if (!last_flag) return;
+      __threadfence();
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = tok_base + 8 * i + e;
-        if (tok < M) out[size_t(tok) * ldy + n] = from_float<T>(acc[4 * i + 2 * h + e] * scale + bv);
+      for (int j = 0; j < ACC; ++j) acc[j] = 0.f;
+      for (int p = 0; p < nseg; ++p) {
+        const float* part = ws + ((size_t(p) * tiles + pid) * nthreads + ctid) * ACC;
+#pragma unroll
+        for (int j = 0; j < ACC; j += 4) {
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(part + j));
+          acc[j] += v.x;
+          acc[j + 1] += v.y;
+          acc[j + 2] += v.z;
+          acc[j + 3] += v.w;
+        }
+      }
+      if (ctid == 0) cnt[pid] = 0;
+    }
+    const int row_base = (pid % n_tiles) * NWG * 64 + wg * 64 + warp * 16 + g;
+    const int tok_base = (pid / n_tiles) * BT + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = row_base + 8 * h;
+      if (n >= N) continue;
+      const float scale = (per_col_gs ? gs[n] : gs[0]) * 128.0f;
+      const float bv = bp ? to_float(bp[n]) : 0.0f;
+#pragma unroll
+      for (int q = 0; q < BT / 8; ++q) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok_base + 8 * q + e;
+          if (tok < M) out[size_t(tok) * ldy + n] = from_float<T>(acc[4 * q + 2 * h + e] * scale + bv);
+        }
       }
     }
+  };
+  if constexpr (!SK) {  // one segment, of any chunk count: an odd last chunk after the pairs, outside any loop
+    const int c0 = int(blockIdx.y) * nch;
+    if (pairs(c0, c0 + nch) < c0 + nch) {
+      consume<BT, NWG, BF16>(ring, i, sl, acc, a0);
+      sl.advance(stages);
+      ++i;
+    }
+    finish(int(blockIdx.x), int(blockIdx.y), int(gridDim.y));
+  } else {  // whole chunk pairs only
+    const SkSplit sp{sk_q, sk_r, CH / 2};
+    for_each_sk_segment(sp, [&](const Seg& sg) {
+      pairs(sg.c_lo, sg.c_hi);
+      int seg, nseg;
+      sp.piece(sg.tile, seg, nseg);  // after the loop: nothing more held across it
+      finish(sg.tile, seg, nseg);
+    });
   }
 }
 
@@ -474,12 +543,12 @@ __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, in
 
 namespace k3w {
 
-template <int BT, int NWG, bool BF16>
+template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, cudaStream_t stream) {
-  auto kern = w4a16_kernel<BT, NWG, BF16>;
+                   int stages, int t_tiles, int sk, cudaStream_t stream) {
+  auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
   if (configured < smem) {
@@ -487,13 +556,15 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
     configured = smem;
   }
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
-  dim3 grid(n_tiles * t_tiles, split);
+  const dim3 grid = sk > 0 ? dim3(sk, 1) : dim3(n_tiles * t_tiles, split);
+  const bool partials = sk > 0 || split > 1;
   kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
       static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),
       gs.data_ptr<float>(),
       gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
-      split > 1 ? ws.data_ptr<float>() : nullptr, split > 1 ? cnt.data_ptr<int>() : nullptr, M, N,
-      int(w.size(0) / 16), CH, CH / split, stages);
+      partials ? ws.data_ptr<float>() : nullptr, partials ? cnt.data_ptr<int>() : nullptr, M, N,
+      int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, n_tiles * t_tiles, sk,
+      sk > 0 ? n_tiles * t_tiles * (CH / 2) / sk : 0, sk > 0 ? n_tiles * t_tiles * (CH / 2) % sk : 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -532,35 +603,52 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
 
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
-                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages) {
+                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t sk) {
   const int CH = xt.size(1), t_tiles = xt.size(0);
-  TORCH_CHECK(CH % split == 0, "w4a16_gemm: split_k ", split, " must divide the ", CH, " chunks");
+  TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
+              " must divide the ", CH, " chunks");
+  TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
+              "w4a16_gemm: stream-K over ", sk, " CTAs needs an even chunk count (", CH,
+              ") and at least one chunk pair a CTA");
   const bool bf16 = y.scalar_type() == at::kBFloat16;
   auto stream = c10::cuda::getCurrentCUDAStream();
+#define K3W_RUN(B, G, K)                                                                                       \
+  if (bf16)                                                                                                    \
+    k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, sk, stream);  \
+  else                                                                                                         \
+    k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, sk, stream); \
+  return;
 #define K3W_CASE(B, G)                                                                                         \
-  if (bt == B && nwg == G) {                                                                                   \
-    if (bf16)                                                                                                  \
-      k3w::launch<B, G, true>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, stream);      \
-    else                                                                                                       \
-      k3w::launch<B, G, false>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, stream);     \
-    return;                                                                                                    \
+  if (bt == B && nwg == G && sk == 0) {                                                                        \
+    K3W_RUN(B, G, false)                                                                                       \
+  }
+#define K3W_SK_CASE(B)                                                                                         \
+  if (bt == B && nwg == 1 && sk > 0) {                                                                         \
+    K3W_RUN(B, 1, true)                                                                                        \
   }
   K3W_CASE(16, 1) K3W_CASE(32, 1) K3W_CASE(64, 1) K3W_CASE(128, 1) K3W_CASE(256, 1)
   K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2)
+  K3W_SK_CASE(16) K3W_SK_CASE(32) K3W_SK_CASE(64) K3W_SK_CASE(128)
+#undef K3W_SK_CASE
 #undef K3W_CASE
-  TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups");
+#undef K3W_RUN
+  TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups",
+              sk > 0 ? " with stream-K (one warpgroup, BT <= 128)" : "");
 }
 #endif
 
 #ifdef K3W_STANDALONE
 // Every kernel instantiated, for a compile without torch (tests/kernels/test_nvfp4_sm90.py reads its SASS).
-#define K3W_INST(B, G, F)                                                                                    \
-  template __global__ void k3w::w4a16_kernel<B, G, F>(const uint8_t*, const uint8_t*, const uint8_t*,      \
-                                                       const float*, int, const void*, void*, int, float*,  \
-                                                       int*, int, int, int, int, int, int);
-K3W_INST(16, 1, true) K3W_INST(32, 1, true) K3W_INST(64, 1, true) K3W_INST(128, 1, true) K3W_INST(256, 1, true)
-K3W_INST(16, 2, true) K3W_INST(32, 2, true) K3W_INST(64, 2, true) K3W_INST(128, 2, true)
-K3W_INST(64, 2, false) K3W_INST(128, 2, false)
+#define K3W_INST(B, G, F, K)                                                                                  \
+  template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
+                                                          const float*, int, const void*, void*, int, float*, \
+                                                          int*, int, int, int, int, int, int, int, int, int, int);
+K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
+K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
+K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)
+K3W_INST(128, 2, true, false) K3W_INST(64, 2, false, false) K3W_INST(128, 2, false, false)
+K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, true)
+K3W_INST(128, 1, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
                                                             __nv_bfloat16*, int);
 #undef K3W_INST

@@ -75,7 +75,7 @@ def _build():
         "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
         "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
-        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages);\n"
+        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t sk);\n"
     )
     return load_inline(
         name=name,
@@ -144,6 +144,67 @@ def _divisors(n: int) -> list[int]:
 SM_SMEM = 228 * 1024  # an sm_90 SM's shared memory, shared by its resident CTAs
 # CTAs an SM the kernel is compiled for (min_ctas in the .cu file): 3 with one consumer warpgroup up to BT 64
 CTAS_PER_SM_SMALL_BT = 3
+# stream-K (split_k 0 in a config): the kernel exists for one consumer warpgroup up to this token tile; every
+# CTA gets at least SK_MIN_PAIRS chunk pairs (its ring needs a few chunks to fill)
+SK_MAX_BT = 128
+SK_MIN_PAIRS = 2
+# the fixed grid fills less than this share of a wave's CTA slots: stream-K (where K3RUN_SM90_STREAM_K is on)
+SK_BELOW_FILL = 0.9
+
+
+def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
+    """CTAs an SM the kernel is compiled for (min_ctas in the .cu file): 3 with one consumer warpgroup up to
+    BT 64 (2 for the stream-K kernel at BT 64), else 1."""
+    if nwg == 1 and bt <= 64:
+        return 2 if stream_k and bt == 64 else CTAS_PER_SM_SMALL_BT
+    return 1
+
+
+def stream_k_split(tiles: int, chunks: int, ctas: int) -> tuple[int, int]:
+    """(q, r) of the stream-K partition (SkSplit in the .cu file): tiles * chunks / 2 chunk-pair units over
+    `ctas` CTAs, the first r of them q + 1 units, the rest q."""
+    units = tiles * (chunks // 2)
+    return units // ctas, units % ctas
+
+
+def stream_k_segments(tiles: int, chunks: int, ctas: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """Each CTA's segments as the kernel walks them (for_each_sk_segment and SkSplit::piece): (tile, first
+    chunk, end chunk, piece index in the tile, pieces of the tile)."""
+    q, r = stream_k_split(tiles, chunks, ctas)
+    per_tile = chunks // 2
+
+    def begin(b: int) -> int:
+        return b * q + min(b, r)
+
+    def owner(u: int) -> int:
+        big = r * (q + 1)
+        return u // (q + 1) if u < big else r + (u - big) // q
+
+    out = []
+    for b in range(ctas):
+        segs, u = [], begin(b)
+        while u < begin(b + 1):
+            tile = u // per_tile
+            p_lo = u - tile * per_tile
+            p_hi = min(per_tile, p_lo + begin(b + 1) - u)
+            first = owner(tile * per_tile)
+            nseg = owner(tile * per_tile + per_tile - 1) - first + 1
+            segs.append((tile, 2 * p_lo, 2 * p_hi, b - first, nseg))
+            u += p_hi - p_lo
+        out.append(segs)
+    return out
+
+
+def stream_k_max_pieces(tiles: int, chunks: int, ctas: int) -> int:
+    """An upper bound on the CTAs sharing one tile (the partials' workspace depth): a tile's chunks / 2
+    units meet at most ceil(units / q) + 1 ranges of >= q units."""
+    q, _ = stream_k_split(tiles, chunks, ctas)
+    return min(ctas, -(-(chunks // 2) // q) + 1)
+
+
+def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int) -> int:
+    """The stream-K grid: one wave of CTA slots, at most one CTA per SK_MIN_PAIRS chunk pairs."""
+    return max(1, min(ctas_per_sm(bt, 1, True) * sms, tiles * (chunks // 2) // SK_MIN_PAIRS))
 
 
 @functools.cache
@@ -155,20 +216,36 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
     more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
     shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
-    The three-CTA rule (160-thread CTAs) has not been timed on a GPU."""
+    With K3RUN_SM90_STREAM_K, where that grid fills under SK_BELOW_FILL of the wave's slots (and the kernel
+    has a stream-K form: BT <= SK_MAX_BT, an even chunk count), split_k 0: stream-K over the wave
+    (`stream_k_ctas`)."""
     chunks = -(-k // 128)
     bt = next(b for b in TOKEN_TILES if b >= min(m, 256))
     nwg = 1
-    per_sm = CTAS_PER_SM_SMALL_BT if bt <= 64 else 1
-    while per_sm > 1 and per_sm * smem_bytes(bt, nwg, 2) > SM_SMEM:
-        per_sm -= 1
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
+
+    def fit(per_sm: int) -> int:  # CTAs an SM whose rings of two slots fit its shared memory
+        while per_sm > 1 and per_sm * smem_bytes(bt, nwg, 2) > SM_SMEM:
+            per_sm -= 1
+        return per_sm
+
+    per_sm = fit(ctas_per_sm(bt, nwg))
     within = [d for d in _divisors(chunks) if tiles * d <= per_sm * sms]
     split = max(within) if within else 1
+    per_cta = chunks // split
+    if (
+        knobs().sm90_stream_k
+        and bt <= SK_MAX_BT
+        and chunks % 2 == 0
+        and tiles * split < SK_BELOW_FILL * per_sm * sms
+        and tiles * chunks // 2 >= SK_MIN_PAIRS
+    ):
+        per_sm = fit(ctas_per_sm(bt, nwg, True))
+        split, per_cta = 0, -(-tiles * chunks // stream_k_ctas(bt, tiles, chunks, sms))
     stages = 2
     while (
         stages < 8
-        and stages < chunks // split + 2
+        and stages < per_cta + 2
         and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT
         and per_sm * smem_bytes(bt, nwg, stages + 1) <= SM_SMEM
     ):
@@ -177,16 +254,15 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
 
 
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
-    """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks, a ring
-    of >= 2 slots within the shared memory."""
+    """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks (or 0:
+    stream-K, one warpgroup, BT <= SK_MAX_BT, an even chunk count), a ring of >= 2 slots within the shared
+    memory."""
     pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128)
-    return (
-        pair
-        and split >= 1
-        and chunks % split == 0
-        and stages >= 2
-        and smem_bytes(bt, nwg, stages) <= SMEM_LIMIT
-    )
+    if split == 0:
+        splits_ok = nwg == 1 and bt <= SK_MAX_BT and chunks % 2 == 0
+    else:
+        splits_ok = split >= 1 and chunks % split == 0
+    return pair and splits_ok and stages >= 2 and smem_bytes(bt, nwg, stages) <= SMEM_LIMIT
 
 
 def _check_inputs(x, weight, scale_u8, global_scale, k: int, n: int, bias) -> None:
@@ -210,11 +286,13 @@ def nvfp4_sm90_gemm(
     bias: torch.Tensor | None = None,
     *,
     config: tuple[int, int, int, int] | None = None,
+    sk_ctas: int | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
-    config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks, stages >= 2);
-    default `sm90_config`. Call `available(x.device)` first."""
+    config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks or 0 for
+    stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
+    instead (1 .. the tiles' chunk pairs; tests and benches). Call `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
@@ -231,10 +309,16 @@ def nvfp4_sm90_gemm(
         x = x.contiguous()
     xt = _module.w4a16_prep_x(x, bt, chunks)
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
-    if split > 1:
-        ws = torch.empty((split * tiles * nwg * 128 * bt // 2,), dtype=torch.float32, device=x.device)
+    sk = 0
+    if split == 0:
+        sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0))
+        if not 1 <= sk <= tiles * (chunks // 2):
+            raise ValueError(f"nvfp4 sm90 gemm: {sk} stream-K CTAs for {tiles * (chunks // 2)} chunk pairs")
+    depth = stream_k_max_pieces(tiles, chunks, sk) if sk else split  # partials a tile can have
+    if depth > 1:
+        ws = torch.empty((depth * tiles * nwg * 128 * bt // 2,), dtype=torch.float32, device=x.device)
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, m, n, bt, nwg, split, stages)
+    _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, m, n, bt, nwg, split, stages, sk)
     return y
