@@ -44,6 +44,8 @@
 #           32), the small-step trio off, shipped again
 #   smallab  the full-depth Kimi Linear at batch 24 / 32 as shipped (17..32 rows on matrices under 32M weights
 #           on the decode kernel), then with WGMMA_SMALL_M_MIN_WEIGHTS=0 (the wgmma GEMM from 17 rows, as before)
+#   expertgemv bench/bench_expert_gemv.py: each expert-major decode launch alone at Kimi Linear's, then K3's
+#           expert shapes, every split_k and token tile, against the hit experts' bytes and a dense matrix
 #   streamk the CUDA C++ GEMM's stream-K form: its GPU tests (tests/kernels/test_nvfp4_sm90.py -k stream_k),
 #           then bench/bench_sm90_gemm.py at 16 / 32 / 64 / 128 rows with K3RUN_SM90_STREAM_K=1 (the default
 #           config stream-K where the fixed grid leaves slots idle; the sweep holds both forms) and Marlin
@@ -181,6 +183,8 @@ for stage in "${stages[@]}"; do
             timeout 250 python3 ${patch:+bench/probes/patched_constant.py $patch} bench/probe_graph_step.py --kimi-linear \
                 --batch-sizes 24,32 --steps 32 --uniform-routing 2>&1 | tee -a "$OUT/smallab.txt" | grep -E "^graphs|Error"
         done ;;
+    expertgemv) timeout 200 python3 bench/bench_expert_gemv.py 2>&1 | tee "$OUT/expert_gemv.txt" | grep "^T="
+        timeout 200 python3 bench/bench_expert_gemv.py --k3 2>&1 | tee "$OUT/expert_gemv_k3.txt" | grep "^T=" ;;
     streamk) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_nvfp4_sm90.py -k "stream_k" \
             >"$OUT/streamk_tests.txt" 2>&1; tail -3 "$OUT/streamk_tests.txt"
