@@ -47,7 +47,7 @@
 #   expertgemv bench/bench_expert_gemv.py: each expert-major decode launch alone at Kimi Linear's, then K3's
 #           expert shapes, every split_k and token tile, against the hit experts' bytes and a dense matrix
 #   streamk the CUDA C++ GEMM's stream-K form: its GPU tests (tests/kernels/test_nvfp4_sm90.py -k stream_k),
-#           then bench/bench_sm90_gemm.py at 16 / 32 / 64 / 128 rows with K3RUN_SM90_STREAM_K=1 (the default
+#           then bench/bench_sm90_gemm.py at 16 / 32 / 64 / 256 rows with K3RUN_SM90_STREAM_K=1 (the default
 #           config stream-K where the fixed grid leaves slots idle; the sweep holds both forms) and Marlin
 #           from .peers
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
@@ -188,7 +188,7 @@ for stage in "${stages[@]}"; do
     streamk) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_nvfp4_sm90.py -k "stream_k" \
             >"$OUT/streamk_tests.txt" 2>&1; tail -3 "$OUT/streamk_tests.txt"
-        K3RUN_SM90_STREAM_K=1 timeout 500 python3 bench/bench_sm90_gemm.py --ms 16,32,64,128 --peers .peers \
+        K3RUN_SM90_STREAM_K=1 timeout 500 python3 bench/bench_sm90_gemm.py --ms 16,32,64,256 --peers .peers \
             2>&1 | tee "$OUT/streamk_bench.txt" | grep -v -i warn | tail -30 ;;
     kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \

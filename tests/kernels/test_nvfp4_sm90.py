@@ -76,7 +76,8 @@ def test_gpu_configs(poison_empty, config) -> None:
 
 # stream-K launches: (BT, stages, CTAs or None for stream_k_ctas); the test shapes' chunk pairs (K = 2048: 8 a
 # tile) split unevenly over 7 and 13 CTAs, a CTA of one tile's part, one CTA of everything, one a pair
-SK_CASES = [(16, 4, None), (16, 3, 7), (32, 2, 13), (64, 5, 1), (128, 2, None), (16, 8, "pairs")]
+SK_CASES = [(16, 4, None), (16, 3, 7), (32, 2, 13), (64, 5, 1), (128, 2, None), (256, 3, 11),
+            (16, 8, "pairs")]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -211,22 +212,25 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
 
 
 def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> None:
-    """With K3RUN_SM90_STREAM_K=1: 16-64 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
-    slots at 16 rows) take stream-K; 12288 x 7168 at 16 rows (384 of 396) and 256 rows (BT 256: no
-    stream-K kernel) keep the fixed grid; an odd chunk count never takes it. Off by default."""
+    """With K3RUN_SM90_STREAM_K=1: 16-64 and 256 rows of 7168^2 (112 column tiles: the fixed grid fills 224
+    of 396 slots at 16 rows, 112 of 132 at 256) and 12288 x 7168 at 256 rows (192 CTAs: a second wave of 60
+    on 132 SMs) take stream-K; 12288 x 7168 at 16 rows (384 of 396) and 7168^2 at 4096 rows (1792 CTAs in 14
+    waves, 97% full) keep the fixed grid; an odd chunk count never takes it. Off by default."""
     assert sm90.sm90_config(16, 7168, 7168, 132)[2] > 0
     monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
     reset_knobs()
     sm90.sm90_config.cache_clear()
     try:
-        for m in (16, 32, 64):
+        for m in (16, 32, 64, 256):
             bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132)
             assert (nwg, split) == (1, 0) and sm90.config_ok(bt, nwg, split, stages, 56), m
             per_sm = sm90.ctas_per_sm(bt, 1, True)
             assert per_sm * sm90.smem_bytes(bt, 1, stages) <= sm90.SM_SMEM
         assert sm90.stream_k_ctas(16, 112, 56, 132) == 396 and sm90.stream_k_ctas(64, 112, 56, 132) == 264
         assert sm90.sm90_config(16, 12288, 7168, 132)[2] == 2
-        assert sm90.sm90_config(256, 7168, 7168, 132)[2] == 1
+        assert sm90.sm90_config(256, 12288, 7168, 132)[2] == 0
+        assert sm90.stream_k_ctas(256, 112, 56, 132) == 132
+        assert sm90.sm90_config(4096, 7168, 7168, 132)[2] == 1
         assert sm90.sm90_config(16, 7168, 7040, 132)[2] != 0  # 55 chunks
     finally:
         monkeypatch.delenv("K3RUN_SM90_STREAM_K")
@@ -325,10 +329,10 @@ def _pair_loops(code):
 def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> None:
     """Inside each GEMM kernel's K loop: HGMMAs from registers, waited down to one group (0x1, never 0x0
     inside the loop), and no instruction writes a register of an A operand still in flight (11 fixed-grid
-    kernels, 4 stream-K)."""
+    kernels, 5 stream-K)."""
     _, sass = standalone_build
     kernels = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]
-    assert len(kernels) == 15
+    assert len(kernels) == 16
     for f in kernels:
         code = _sass_code(f)
         assert wgmma_register_hazards(f) == [], f.split("\n")[0]

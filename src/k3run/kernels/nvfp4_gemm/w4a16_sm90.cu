@@ -134,6 +134,14 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
                : "memory");
   return v;
 }
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   uint16_t v;
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
@@ -339,9 +347,8 @@ constexpr int min_ctas() {
   return NWG == 1 && BT <= 64 ? (SK && BT == 64 ? 2 : 3) : 1;
 }
 
-// SK: the stream-K kernel (sk > 0 CTAs, an even chunk count; one consumer warpgroup, BT <= 128: at 256 it
-// spills), else the fixed grid (tiles x split_k); two instantiations, so the fixed grid's code is what it is
-// without the segment loop.
+// SK: the stream-K kernel (sk > 0 CTAs, an even chunk count, one consumer warpgroup), else the fixed grid
+// (tiles x split_k); two instantiations, so the fixed grid's code is what it is without the segment loop.
 template <int BT, int NWG, bool BF16, bool SK>
 __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
@@ -358,7 +365,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   uint8_t* ssm = wsm + stages * SM::W;            // stages * S
   uint64_t* full = reinterpret_cast<uint64_t*>(ssm + stages * SM::S);
   uint64_t* empty = full + stages;
-  int& last_flag = *reinterpret_cast<int*>(empty + stages);
+  // the split-K "last CTA" flag, by its shared-window address: one register held, not a generic pointer's two
+  const uint32_t last_flag = smem_u32(empty + stages);
 
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const int wg = threadIdx.x / 128;
@@ -447,9 +455,9 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         *reinterpret_cast<float4*>(mine + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
       __threadfence();
       consumer_sync(nthreads);
-      if (ctid == 0) last_flag = atomicAdd(&cnt[pid], 1) == nseg - 1;
+      if (ctid == 0) sts32(last_flag, atomicAdd(&cnt[pid], 1) == nseg - 1);
       consumer_sync(nthreads);
-      if (!last_flag) return;
+      if (!lds32(last_flag)) return;
       __threadfence();
 #pragma unroll
       for (int j = 0; j < ACC; ++j) acc[j] = 0.f;
@@ -628,12 +636,12 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   }
   K3W_CASE(16, 1) K3W_CASE(32, 1) K3W_CASE(64, 1) K3W_CASE(128, 1) K3W_CASE(256, 1)
   K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2)
-  K3W_SK_CASE(16) K3W_SK_CASE(32) K3W_SK_CASE(64) K3W_SK_CASE(128)
+  K3W_SK_CASE(16) K3W_SK_CASE(32) K3W_SK_CASE(64) K3W_SK_CASE(128) K3W_SK_CASE(256)
 #undef K3W_SK_CASE
 #undef K3W_CASE
 #undef K3W_RUN
   TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups",
-              sk > 0 ? " with stream-K (one warpgroup, BT <= 128)" : "");
+              sk > 0 ? " with stream-K (one warpgroup only)" : "");
 }
 #endif
 
@@ -648,7 +656,7 @@ K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
 K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)
 K3W_INST(128, 2, true, false) K3W_INST(64, 2, false, false) K3W_INST(128, 2, false, false)
 K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, true)
-K3W_INST(128, 1, true, true)
+K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
                                                             __nv_bfloat16*, int);
 #undef K3W_INST

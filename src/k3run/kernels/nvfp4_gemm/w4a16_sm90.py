@@ -144,11 +144,10 @@ def _divisors(n: int) -> list[int]:
 SM_SMEM = 228 * 1024  # an sm_90 SM's shared memory, shared by its resident CTAs
 # CTAs an SM the kernel is compiled for (min_ctas in the .cu file): 3 with one consumer warpgroup up to BT 64
 CTAS_PER_SM_SMALL_BT = 3
-# stream-K (split_k 0 in a config): the kernel exists for one consumer warpgroup up to this token tile; every
-# CTA gets at least SK_MIN_PAIRS chunk pairs (its ring needs a few chunks to fill)
-SK_MAX_BT = 128
+# stream-K (split_k 0 in a config): the kernel exists for one consumer warpgroup, every token tile; every CTA
+# gets at least SK_MIN_PAIRS chunk pairs (its ring needs a few chunks to fill)
 SK_MIN_PAIRS = 2
-# the fixed grid fills less than this share of a wave's CTA slots: stream-K (where K3RUN_SM90_STREAM_K is on)
+# the fixed grid fills less than this share of its waves' CTA slots: stream-K (with K3RUN_SM90_STREAM_K)
 SK_BELOW_FILL = 0.9
 
 
@@ -216,8 +215,8 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
     more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
     shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
-    With K3RUN_SM90_STREAM_K, where that grid fills under SK_BELOW_FILL of the wave's slots (and the kernel
-    has a stream-K form: BT <= SK_MAX_BT, an even chunk count), split_k 0: stream-K over the wave
+    With K3RUN_SM90_STREAM_K, where that grid fills under SK_BELOW_FILL of its waves' slots (one wave
+    part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over one wave
     (`stream_k_ctas`)."""
     chunks = -(-k // 128)
     bt = next(b for b in TOKEN_TILES if b >= min(m, 256))
@@ -235,9 +234,8 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     per_cta = chunks // split
     if (
         knobs().sm90_stream_k
-        and bt <= SK_MAX_BT
         and chunks % 2 == 0
-        and tiles * split < SK_BELOW_FILL * per_sm * sms
+        and tiles * split < SK_BELOW_FILL * per_sm * sms * -(-tiles * split // (per_sm * sms))
         and tiles * chunks // 2 >= SK_MIN_PAIRS
     ):
         per_sm = fit(ctas_per_sm(bt, nwg, True))
@@ -255,11 +253,10 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
 
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
     """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks (or 0:
-    stream-K, one warpgroup, BT <= SK_MAX_BT, an even chunk count), a ring of >= 2 slots within the shared
-    memory."""
+    stream-K, one warpgroup, an even chunk count), a ring of >= 2 slots within the shared memory."""
     pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128)
     if split == 0:
-        splits_ok = nwg == 1 and bt <= SK_MAX_BT and chunks % 2 == 0
+        splits_ok = nwg == 1 and chunks % 2 == 0
     else:
         splits_ok = split >= 1 and chunks % split == 0
     return pair and splits_ok and stages >= 2 and smem_bytes(bt, nwg, stages) <= SMEM_LIMIT
