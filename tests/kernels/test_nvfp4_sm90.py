@@ -102,8 +102,9 @@ def test_gpu_stream_k(poison_empty, bt, stages, ctas, dtype) -> None:
 @pytest.mark.gpu
 def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypatch) -> None:
     """Ten stream-K calls give the same bits (the partials summed in the tile's piece order, whichever CTA
-    arrives last); with K3RUN_SM90_STREAM_K=1 nvfp4_linear's 16 rows of 7168 x 7168 run it
-    (`sm90_config` says split_k 0) within the bound of the fixed split's output."""
+    arrives last); with K3RUN_SM90_STREAM_K=1 nvfp4_linear's 32 rows of 7168 x 7168 (the CUDA GEMM's
+    range starts at 17) run it (`sm90_config` says split_k 0) within the bound of the fixed split's
+    output."""
     from k3run.kernels.nvfp4_gemm import nvfp4_linear
 
     _need_kernel()
@@ -120,14 +121,27 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
     n = k = 7168
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=4)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(16, k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
     fixed = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n)
+    launches = []  # the stream-K CTA count of each GEMM launch
+    real = sm90._module
+
+    class Spy:
+        w4a16_prep_x = staticmethod(real.w4a16_prep_x)
+
+        @staticmethod
+        def w4a16_gemm(*args):
+            launches.append(args[-1])
+            return real.w4a16_gemm(*args)
+
     monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
     reset_knobs()
     sm90.sm90_config.cache_clear()
     try:
-        assert sm90.sm90_config(16, n, k, torch.cuda.get_device_properties(0).multi_processor_count)[2] == 0
+        assert sm90.sm90_config(32, n, k, torch.cuda.get_device_properties(0).multi_processor_count)[2] == 0
+        monkeypatch.setattr(sm90, "_module", Spy)
         y = nvfp4_linear(x, tw)
+        assert len(launches) == 1 and launches[0] > 0, launches
     finally:
         monkeypatch.delenv("K3RUN_SM90_STREAM_K")
         reset_knobs()
