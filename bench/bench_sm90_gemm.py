@@ -3,12 +3,13 @@ engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
 (common.graph_ms): the CUDA kernel with its default config (`sm90_config`; stream-K where it leaves the fixed
-grid with K3RUN_SM90_STREAM_K=1) and the best of a config sweep (split_k 0 = stream-K); the Gluon wgmma
-kernel's default (the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS;
-cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background,
-timed in a second pass beside the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at
-the copy bandwidth measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of the CUDA kernel's output
-against the fp32 reference on every cell.
+grid with K3RUN_SM90_STREAM_K=1), the fixed grid's default config beside it (the same-run baseline, as a
+ratio) and the best of a config sweep (split_k 0 = stream-K); the Gluon wgmma kernel's default (the path
+before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS; cuBLAS bf16; Marlin INT4
+g128 fp16 (the peers tool, its folder given by --peers; built in the background, timed in a second pass beside
+the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at the copy bandwidth measured in
+the same run, FLOPs at 989 TFLOP/s). Relative RMS of the CUDA kernel's output against the fp32 reference on
+every cell.
 
     PYTHONPATH=src python3 bench/bench_sm90_gemm.py [--shapes 7168x7168,...] [--ms 16,64] [--peers .peers]
 """
@@ -66,6 +67,8 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     r = {"shape": f"{n}x{k}", "m": m, "flops": 2 * m * n * k, "cfg": sm90.sm90_config(m, n, k, sm_count(0))}
     r["err"] = float((y.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
     r["cuda"] = _time(cuda(None))
+    r["fixed_cfg"] = sm90.sm90_config(m, n, k, sm_count(0), stream_k=False)  # the same-run baseline
+    r["fixed"] = r["cuda"] if r["fixed_cfg"] == r["cfg"] else _time(cuda(r["fixed_cfg"]))
     best = (r["cuda"], r["cfg"])
     for cfg in sweep:
         try:
@@ -89,7 +92,8 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     wbytes = n * k * (0.5 + 1 / 16)
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
-        f"{n:>5}x{k:<5} M={m:<4} cuda {r['cuda']:7.1f} {r['cfg']} best {best[0]:7.1f} {best[1]} "
+        f"{n:>5}x{k:<5} M={m:<4} cuda {r['cuda']:7.1f} {r['cfg']} fixed grid {r['fixed']:7.1f} "
+        f"({r['fixed'] / r['cuda']:4.2f}x) best {best[0]:7.1f} {best[1]} "
         f"gluon {r['gluon']:7.1f} decode {r.get('decode', float('nan')):7.1f} dequant {r['dequant']:7.1f} "
         f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}",
         flush=True,
@@ -141,16 +145,18 @@ def main() -> None:
         marlin_pass(args.peers, shapes, rows, _beside_marlin)
     print()
     print(
-        "| N x K | M | CUDA default (config) | CUDA best (config) | Gluon wgmma | decode | dequant+cuBLAS | "
+        "| N x K | M | CUDA default (config) | fixed grid (/ default) | CUDA best (config) | Gluon wgmma | "
+        "decode | dequant+cuBLAS | "
         "cuBLAS bf16 | Marlin (CUDA best / default, same pass) | ceiling | x Marlin | x cuBLAS | x Gluon | "
         "TFLOP/s | rel RMS |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mar = f"{r['marlin']:.1f} ({r['cuda2']:.1f} / {r['cuda2_default']:.1f})" if "marlin" in r else "-"
         xm = f"{r['marlin'] / r['cuda2']:.2f}" if "marlin" in r else "-"
         print(
-            f"| {r['shape']} | {r['m']} | {r['cuda']:.1f} {r['cfg']} | {r['best']:.1f} {r['best_cfg']} | "
+            f"| {r['shape']} | {r['m']} | {r['cuda']:.1f} {r['cfg']} | {r['fixed']:.1f} {r['fixed_cfg']} "
+            f"({r['fixed'] / r['cuda']:.2f}x) | {r['best']:.1f} {r['best_cfg']} | "
             f"{r['gluon']:.1f} | {r.get('decode', float('nan')):.1f} | {r['dequant']:.1f} | "
             f"{r['cublas']:.1f} | {mar} | {r['ceiling']:.1f} | {xm} | {r['cublas'] / r['best']:.2f} | "
             f"{r['gluon'] / r['best']:.2f} | "

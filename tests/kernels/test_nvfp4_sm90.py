@@ -136,7 +136,6 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
 
     monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
     reset_knobs()
-    sm90.sm90_config.cache_clear()
     try:
         assert sm90.sm90_config(32, n, k, torch.cuda.get_device_properties(0).multi_processor_count)[2] == 0
         monkeypatch.setattr(sm90, "_module", Spy)
@@ -145,7 +144,6 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
     finally:
         monkeypatch.delenv("K3RUN_SM90_STREAM_K")
         reset_knobs()
-        sm90.sm90_config.cache_clear()
     wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
     ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
     assert bool(((y.float() - fixed.float()).abs() <= 2 * _bound(x, wd, gs, ref, torch.bfloat16)).all())
@@ -226,30 +224,30 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
 
 
 def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> None:
-    """With K3RUN_SM90_STREAM_K=1: 16-64 and 256 rows of 7168^2 (112 column tiles: the fixed grid fills 224
-    of 396 slots at 16 rows, 112 of 132 at 256) and 12288 x 7168 at 256 rows (192 CTAs: a second wave of 60
-    on 132 SMs) take stream-K; 12288 x 7168 at 16 rows (384 of 396) and 7168^2 at 4096 rows (1792 CTAs in 14
-    waves, 97% full) keep the fixed grid; an odd chunk count never takes it. Off by default."""
-    assert sm90.sm90_config(16, 7168, 7168, 132)[2] > 0
+    """With stream-K allowed: 16-64 and 256 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
+    slots at 16 rows, 112 of 132 at 256) and 12288 x 7168 at 256 rows (192 CTAs: a second wave of 60 on 132
+    SMs) take it; 12288 x 7168 at 16 rows (384 of 396) and 7168^2 at 4096 rows (1792 CTAs in 14 waves, 97%
+    full) keep the fixed grid; an odd chunk count never takes it. K3RUN_SM90_STREAM_K (off by default)
+    decides when the caller does not."""
+    for m in (16, 32, 64, 256):
+        bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132, stream_k=True)
+        assert (nwg, split) == (1, 0) and sm90.config_ok(bt, nwg, split, stages, 56), m
+        assert sm90.ctas_per_sm(bt, 1, True) * sm90.smem_bytes(bt, 1, stages) <= sm90.SM_SMEM
+    assert sm90.stream_k_ctas(16, 112, 56, 132) == 396 and sm90.stream_k_ctas(64, 112, 56, 132) == 264
+    assert sm90.stream_k_ctas(256, 112, 56, 132) == 132
+    assert sm90.sm90_config(16, 12288, 7168, 132, stream_k=True)[2] == 2
+    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[2] == 0
+    assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[2] == 1
+    assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
+    monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
+    reset_knobs()
+    assert sm90.sm90_config(16, 7168, 7168, 132) == sm90.sm90_config(16, 7168, 7168, 132, stream_k=False)
+    assert sm90.sm90_config(16, 7168, 7168, 132)[2] == 2
     monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
     reset_knobs()
-    sm90.sm90_config.cache_clear()
-    try:
-        for m in (16, 32, 64, 256):
-            bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132)
-            assert (nwg, split) == (1, 0) and sm90.config_ok(bt, nwg, split, stages, 56), m
-            per_sm = sm90.ctas_per_sm(bt, 1, True)
-            assert per_sm * sm90.smem_bytes(bt, 1, stages) <= sm90.SM_SMEM
-        assert sm90.stream_k_ctas(16, 112, 56, 132) == 396 and sm90.stream_k_ctas(64, 112, 56, 132) == 264
-        assert sm90.sm90_config(16, 12288, 7168, 132)[2] == 2
-        assert sm90.sm90_config(256, 12288, 7168, 132)[2] == 0
-        assert sm90.stream_k_ctas(256, 112, 56, 132) == 132
-        assert sm90.sm90_config(4096, 7168, 7168, 132)[2] == 1
-        assert sm90.sm90_config(16, 7168, 7040, 132)[2] != 0  # 55 chunks
-    finally:
-        monkeypatch.delenv("K3RUN_SM90_STREAM_K")
-        reset_knobs()
-        sm90.sm90_config.cache_clear()
+    assert sm90.sm90_config(16, 7168, 7168, 132)[2] == 0
+    monkeypatch.delenv("K3RUN_SM90_STREAM_K")
+    reset_knobs()
 
 
 @pytest.mark.parametrize(

@@ -206,9 +206,9 @@ def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int) -> int:
     return max(1, min(ctas_per_sm(bt, 1, True) * sms, tiles * (chunks // 2) // SK_MIN_PAIRS))
 
 
-@functools.cache
-def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs.
+def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) -> tuple[int, int, int, int]:
+    """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs; stream_k:
+    whether stream-K may be chosen (None: K3RUN_SM90_STREAM_K).
 
     One consumer warpgroup (64 weight rows a CTA): on an H200 it beat two in every swept cell (7168x7168,
     12288x7168 at M = 16 / 32 / 64 / 256). The smallest token tile >= M (up to 256);
@@ -218,6 +218,11 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     With K3RUN_SM90_STREAM_K, where that grid fills under SK_BELOW_FILL of its waves' slots (one wave
     part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over one wave
     (`stream_k_ctas`)."""
+    return _sm90_config(m, n, k, sms, knobs().sm90_stream_k if stream_k is None else stream_k)
+
+
+@functools.cache
+def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int, int, int, int]:
     chunks = -(-k // 128)
     bt = next(b for b in TOKEN_TILES if b >= min(m, 256))
     nwg = 1
@@ -233,7 +238,7 @@ def sm90_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     split = max(within) if within else 1
     per_cta = chunks // split
     if (
-        knobs().sm90_stream_k
+        stream_k
         and chunks % 2 == 0
         and tiles * split < SK_BELOW_FILL * per_sm * sms * -(-tiles * split // (per_sm * sms))
         and tiles * chunks // 2 >= SK_MIN_PAIRS
