@@ -44,6 +44,9 @@
 #           32), the small-step trio off, shipped again
 #   smallab  the full-depth Kimi Linear at batch 24 / 32 as shipped (17..32 rows on matrices under 32M weights
 #           on the decode kernel), then with WGMMA_SMALL_M_MIN_WEIGHTS=0 (the wgmma GEMM from 17 rows, as before)
+#   densegroups the dense 17..32-row decode path as 8-token groups (K3RUN_DENSE_TILE8): its GPU tests, then
+#           bench_wgmma at Kimi Linear's shapes (before = the 32-token tile, groups8), then the full-depth Kimi
+#           Linear at batch 24 / 32 with K3RUN_DENSE_TILE8 0 / 32, twice
 #   expertgemv bench/bench_expert_gemv.py: each expert-major decode launch alone at Kimi Linear's, then K3's
 #           expert shapes, every split_k and token tile, against the hit experts' bytes and a dense matrix
 #   streamk the CUDA C++ GEMM's stream-K form: its GPU tests (tests/kernels/test_nvfp4_sm90.py -k stream_k),
@@ -183,6 +186,14 @@ for stage in "${stages[@]}"; do
             timeout 250 python3 ${patch:+bench/probes/patched_constant.py $patch} bench/probe_graph_step.py --kimi-linear \
                 --batch-sizes 24,32 --steps 32 --uniform-routing 2>&1 | tee -a "$OUT/smallab.txt" | grep -E "^graphs|Error"
         done ;;
+    densegroups) timeout -s KILL "${TEST_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider \
+            -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_nvfp4_dense_groups.py \
+            >"$OUT/densegroups_tests.txt" 2>&1; tail -3 "$OUT/densegroups_tests.txt"
+        timeout 200 python3 bench/bench_wgmma.py --shapes 12448x2304,2304x4096,2048x2304,2304x1024 --ms 17,24,32 \
+            --no-sweep 2>&1 | tee "$OUT/densegroups_bench.txt" | grep -E "^ *[0-9]+x"
+        timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 24,32 --steps 32 --uniform-routing \
+            --configs "K3RUN_DENSE_TILE8=0;K3RUN_DENSE_TILE8=32" --repeat 2 2>&1 | tee "$OUT/densegroupsab.txt" \
+            | grep -E "^--|^graphs|Error" ;;
     expertgemv) timeout 200 python3 bench/bench_expert_gemv.py 2>&1 | tee "$OUT/expert_gemv.txt" | grep "^T="
         timeout 200 python3 bench/bench_expert_gemv.py --k3 2>&1 | tee "$OUT/expert_gemv_k3.txt" | grep "^T=" ;;
     streamk) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
