@@ -182,8 +182,9 @@ class Knobs:
     )  # fmt: skip
     moe_expert_split: int = _knob(
         "K3RUN_MOE_EXPERT_SPLIT", _split_k, 1,
-        "CUDA: split_k of the NVFP4 routed experts' expert-major decode launches (2..128 tokens), 1..8 "
-        "(0: sized to fill the GPU's waves, one_wave_split, as the one-token launches are)",
+        "CUDA: split_k of the NVFP4 routed experts' expert-major decode launches (2..128 tokens), 1..8, "
+        "rounded down to a divisor of the 128-wide chunk count (0: sized to fill the GPU's waves, "
+        "one_wave_split, as the one-token launches are)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,

@@ -59,11 +59,12 @@ def test_group_table_covers_the_rows_once() -> None:
 @pytest.mark.parametrize("m", [17, 24, 29, 32])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_gpu_groups_match_the_reference_and_the_32_token_tile(poison_empty, m: int, per_row: bool) -> None:
-    """N = 520 (rows padded to 528), K = 3600 (a partial last chunk), split_k 1 and 3, per-tensor and
-    per-row global scales; with a bias the 32-token launch runs instead (the grouped launch has none)."""
+    """N = 520 (rows padded to 528), K = 3008 (24 chunks, a partial last one), split_k 1 and 3 (8 chunks a
+    program: the split-K reduction and its counters), per-tensor and per-row global scales; with a bias the
+    32-token launch runs instead (the grouped launch has none)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    n, k = 520, 3600
+    n, k = 520, 3008
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=per_row)
     pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
     x = torch.randn(m, k, device="cuda").bfloat16()

@@ -235,6 +235,8 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
         assert sm90.ctas_per_sm(bt, 1, True) * sm90.smem_bytes(bt, 1, stages) <= sm90.SM_SMEM
     assert sm90.stream_k_ctas(16, 112, 56, 132) == 396 and sm90.stream_k_ctas(64, 112, 56, 132) == 264
     assert sm90.stream_k_ctas(256, 112, 56, 132) == 132
+    assert sm90.stream_k_ctas(32, 112, 56, 132, stages=8) == 264  # two 103 KB rings an SM, not three
+    assert sm90.stream_k_ctas(16, 2, 4, 132) == 2  # one CTA per two chunk pairs at least
     assert sm90.sm90_config(16, 12288, 7168, 132, stream_k=True)[2] == 2
     assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[2] == 0
     assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[2] == 1

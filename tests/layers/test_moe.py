@@ -681,18 +681,19 @@ def test_wgmma_block_picks_rule():
 
 
 def test_by_expert_tile_choice(monkeypatch):
-    """The expert-major token tile: 8 up to 8 tokens or up to 4 expected picks a local expert, then 16 (up
-    to BY_EXPERT_MAX_TOKENS); the environment override takes only 8 / 16 / 32 and names the variable
-    otherwise."""
+    """The expert-major token tile: 8 up to 8 tokens or up to 4 expected picks an expert (over every rank's
+    experts), then 16 (up to BY_EXPERT_MAX_TOKENS); the environment override takes only 8 / 16 / 32 and
+    names the variable otherwise."""
     from k3run.quant import experts as moe
 
-    # K3's experts at EP: 64 local, top-16 (4 picks an expert at 16 tokens)
+    # the K3-shaped slice's experts: 64, top-16 (4 picks an expert at 16 tokens)
     tiles = [moe.by_expert_tile(t, 16, 64) for t in (2, 8, 16, 17, moe.BY_EXPERT_MAX_TOKENS)]
     assert tiles == [8, 8, 8, 16, 16]
-    # 8 local experts, top-2 (4 picks an expert at 16 tokens): the batch rule alone up to 8 tokens
+    # 8 experts, top-2 (4 picks an expert at 16 tokens): the batch rule alone up to 8 tokens
     assert [moe.by_expert_tile(t, 2, 8) for t in (8, 9, 16, 17)] == [8, 8, 8, 16]
-    # Kimi Linear's: 256, top-8 (4 picks an expert at 128 tokens)
+    # Kimi Linear's: 256, top-8 (4 picks an expert at 128 tokens); K3's 384 at top-16 (96 tokens)
     assert [moe.by_expert_tile(t, 8, 256) for t in (2, 32, 128, 129)] == [8, 8, 8, 16]
+    assert [moe.by_expert_tile(t, 16, 384) for t in (96, 97)] == [8, 16]
     monkeypatch.setenv("K3RUN_MOE_BY_EXPERT_TILE", "32")
     reset_knobs()
     assert moe.by_expert_tile(4, 8, 256) == 32

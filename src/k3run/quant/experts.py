@@ -959,7 +959,7 @@ class NvFp4Experts(ExpertScheme):
         if t <= knobs().moe_act_in_gemm1 and kind in ("silu", "situ"):
             act = (kind, ex.activation.beta or 1.0, ex.activation.linear_beta)
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
-            bt = by_expert_tile(t, a, ex.num_local)
+            bt = by_expert_tile(t, a, ex.num_experts)  # the picks spread over every rank's experts
             grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
@@ -1050,16 +1050,16 @@ def _by_expert(tokens: int) -> bool:
     return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and knobs().moe_by_expert
 
 
-# expected picks per local expert up to which the expert-major launches take the 8-token tile at any batch
+# expected picks per expert up to which the expert-major launches take the 8-token tile at any batch
 # (most experts' picks then fit one 8-token group). H100, bench/bench_expert_gemv.py (bench/RESULTS.md), the
 # 8-token tile against the 16-token one at split 1: Kimi Linear's experts (256, top-8) 1.09-1.11x faster at
-# 16 and 32 tokens (0.5 and 1 pick an expert), K3's (64 local, top-16) 1.10-1.14x at 16 tokens (4 picks)
+# 16 and 32 tokens (0.5 and 1 pick an expert), K3-shaped (64 experts, top-16) 1.10-1.14x at 16 tokens (4)
 TILE8_PICKS_PER_EXPERT = 4
 
 
 def by_expert_tile(tokens: int, top_k: int = 1, experts: int = 1) -> int:
-    """The expert-major launch's token tile for a decode batch of `tokens` routed top_k over `experts` local
-    experts: 8 up to 8 tokens or up to TILE8_PICKS_PER_EXPERT expected picks an expert, else 16;
+    """The expert-major launch's token tile for a decode batch of `tokens` routed top_k over `experts`
+    experts (all ranks'): 8 up to 8 tokens or up to TILE8_PICKS_PER_EXPERT expected picks an expert, else 16;
     K3RUN_MOE_BY_EXPERT_TILE=8|16|32 forces one (for comparisons)."""
     forced = knobs().moe_by_expert_tile
     if forced is not None:

@@ -13,6 +13,7 @@ conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -141,14 +142,16 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
     tiled128 weight, no bias, scalar or per-row global scale) one expert-major launch over groups of rows."""
     from .gluon_gemv import nvfp4_gemv
 
-    if (
-        cfg.token_groups
-        and w.layout == "tiled128"
-        and bias is None
-        and w.global_scale.numel() in (1, w.weight.shape[0])
-        and x2.shape[0] <= GEMV_AUTO_M
-    ):
-        return _grouped_rows(x2, w, cfg)
+    if cfg.token_groups:
+        if (
+            w.layout == "tiled128"
+            and bias is None
+            and w.global_scale.numel() in (1, w.weight.shape[0])
+            and x2.shape[0] <= GEMV_AUTO_M
+        ):
+            return _grouped_rows(x2, w, cfg)
+        # the 32-token launches with their own split (choose_config's rule for 17..32 rows)
+        cfg = dataclasses.replace(cfg, token_groups=0, split_k=2 if w.n > 4096 else 4)
 
     parts = [
         nvfp4_gemv(

@@ -25,8 +25,8 @@
 // previous slot. Epilogue: gs * 2^7 (the decoder's weights are e2m1 * s * 2^-7), bias, one rounding.
 // Split-K: fp32 partials per consumer thread; the last CTA of a tile (an acq_rel counter) sums them in
 // split order, finishes the tile and resets the counter.
-// Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in tile-major order, tiles x CH units, cut into
-// sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
+// Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in pairs, tile-major, tiles x CH / 2 units cut
+// into sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
 // writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the
 // tile's CTAs summing them as split-K does. Every slot of the wave works whatever the tile count, where the
 // fixed split leaves slots idle (bench/NOTES.md: 224 CTAs in 396 slots at 16 rows of 7168^2).
@@ -565,7 +565,7 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   }
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const dim3 grid = sk > 0 ? dim3(sk, 1) : dim3(n_tiles * t_tiles, split);
-  const bool partials = sk > 0 || split > 1;
+  const bool partials = sk > 1 || split > 1;  // one stream-K CTA owns every tile whole
   kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
       static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),
       gs.data_ptr<float>(),

@@ -201,9 +201,11 @@ def stream_k_max_pieces(tiles: int, chunks: int, ctas: int) -> int:
     return min(ctas, -(-(chunks // 2) // q) + 1)
 
 
-def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int) -> int:
-    """The stream-K grid: one wave of CTA slots, at most one CTA per SK_MIN_PAIRS chunk pairs."""
-    return max(1, min(ctas_per_sm(bt, 1, True) * sms, tiles * (chunks // 2) // SK_MIN_PAIRS))
+def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int, stages: int = 2) -> int:
+    """The stream-K grid: one wave of CTA slots (the kernel's CTAs an SM, fewer where rings of `stages`
+    slots do not fit the SM's shared memory together), at most one CTA per SK_MIN_PAIRS chunk pairs."""
+    per_sm = max(1, min(ctas_per_sm(bt, 1, True), SM_SMEM // smem_bytes(bt, 1, stages)))
+    return max(1, min(per_sm * sms, tiles * (chunks // 2) // SK_MIN_PAIRS))
 
 
 def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) -> tuple[int, int, int, int]:
@@ -313,7 +315,7 @@ def nvfp4_sm90_gemm(
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
     sk = 0
     if split == 0:
-        sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0))
+        sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0), stages)
         if not 1 <= sk <= tiles * (chunks // 2):
             raise ValueError(f"nvfp4 sm90 gemm: {sk} stream-K CTAs for {tiles * (chunks // 2)} chunk pairs")
     depth = stream_k_max_pieces(tiles, chunks, sk) if sk else split  # partials a tile can have
