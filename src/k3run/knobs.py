@@ -177,8 +177,8 @@ class Knobs:
     )  # fmt: skip
     moe_by_expert_tile: int | None = _knob(
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
-        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens or 4 picks a local "
-        "expert, else 16)",
+        "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens or 4 expected picks "
+        "an expert, else 16)",
     )  # fmt: skip
     moe_expert_split: int = _knob(
         "K3RUN_MOE_EXPERT_SPLIT", _split_k, 1,
