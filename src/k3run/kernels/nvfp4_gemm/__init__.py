@@ -37,6 +37,7 @@ from .config import (
     one_wave_split,
     programs_per_sm,
     sm_count,
+    tile32_split,
 )
 from .layout import (
     CHUNK,
@@ -150,8 +151,8 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             and x2.shape[0] <= GEMV_AUTO_M
         ):
             return _grouped_rows(x2, w, cfg)
-        # the 32-token launches with their own split (choose_config's rule for 17..32 rows)
-        cfg = dataclasses.replace(cfg, token_groups=0, split_k=2 if w.n > 4096 else 4)
+        # the 32-token launches with their own split
+        cfg = dataclasses.replace(cfg, token_groups=0, split_k=tile32_split(w.n))
 
     parts = [
         nvfp4_gemv(

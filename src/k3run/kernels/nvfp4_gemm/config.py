@@ -122,6 +122,12 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
+def tile32_split(n: int) -> int:
+    """split_k of the decode kernel's 32-token tile (17..32 rows) on N weight rows: 2 above 4096 rows, else 4
+    (the best or within 3% of the best of 2 / 4 / 8 on the K3 shapes)."""
+    return 2 if n > 4096 else 4
+
+
 def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = False) -> GemmConfig:
     """The launch for M rows on a GPU of `sms` SMs, from the H200 measurements in bench/RESULTS.md.
 
@@ -129,7 +135,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     through 2 shared-memory slots, split_k programs per row block.
     - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
       12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
-    - M = 17..32: 2 (N > 4096) or 4 (the best or within 3% of the best of 2/4/8 on the K3 shapes); up to
+    - M = 17..32: `tile32_split`; up to
       K3RUN_DENSE_TILE8 rows (default 0: never; not yet measured) 8-token groups instead (token_groups).
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
@@ -147,7 +153,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
             split_k = one_wave_split(8, n * -(-m // 8), k, sms)[0]
             return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, token_groups=8)
         else:
-            split_k = 2 if n > 4096 else 4
+            split_k = tile32_split(n)
         return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
