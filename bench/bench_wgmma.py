@@ -4,11 +4,10 @@ Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copie
 (common.graph_ms): wgmma with its default config (x reordered by a torch copy, and with `gather`: copied
 in the operand's order by the kernel itself, launched with PDL) and the best of a small config sweep;
 k3run's auto choice (quant.schemes.nvfp4_gemm) and the choice without the wgmma GEMM ("before": decode
-kernel / tile GEMM / dequantize + cuBLAS); at 17..32 rows the decode kernel as 8-token groups of the
-expert-major launch ("groups8", K3RUN_DENSE_TILE8's form); the Triton tile GEMM;
-cuBLAS bf16; Marlin INT4 g128 fp16 (the peers tool, built in the background while the rest runs; only when
-its folder is given). The ceiling per cell: max(weight bytes at the copy bandwidth measured in the same run,
-FLOPs at 989 TFLOP/s, the H200's dense bf16 peak). Relative RMS of the wgmma output against the fp32
+kernel / tile GEMM / dequantize + cuBLAS); the Triton tile GEMM; cuBLAS bf16; Marlin INT4 g128 fp16 (the
+peers tool, built in the background while the rest runs; only when its folder is given). The ceiling per
+cell: max(weight bytes at the copy bandwidth measured in the same run, FLOPs at 989 TFLOP/s, the H200's
+dense bf16 peak). Relative RMS of the wgmma output against the fp32
 reference on every cell.
 
 --moe T,...: routed experts at prefill sizes (bench_tile.MOE_SHAPES: K3's 3584 -> 3072, top-16, 56 local;
@@ -125,16 +124,6 @@ def _before(x, ws, m: int, n: int, k: int):
     return lambda i: lambda: nvfp4_linear(x, ws[i], config=cfg)
 
 
-def _groups8(x, ws, m: int, n: int, k: int):
-    """17..32 rows as 8-token groups of the expert-major decode launch (GemmConfig.token_groups), split_k as
-    choose_config gives it with K3RUN_DENSE_TILE8."""
-    from k3run.kernels.nvfp4_gemm import GemmConfig, nvfp4_linear, one_wave_split, sm_count
-
-    split = one_wave_split(8, n * -(-m // 8), k, sm_count(0))[0]
-    cfg = GemmConfig(gemv=True, split_k=split, smem_stages=2, token_groups=8)
-    return lambda i: lambda: nvfp4_linear(x, ws[i], config=cfg)
-
-
 def _tile(x, ws, k: int, n: int):
     from k3run.kernels.nvfp4_gemm.tile import nvfp4_tile_gemm
 
@@ -178,8 +167,6 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
     r["wgmma_best"], r["best_cfg"] = best
     r["auto"] = _time(_auto(x, ws), len(ws), 0.05)
     r["before"] = _time(_before(x, ws, m, n, k), len(ws), 0.05)
-    if 17 <= m <= 32:  # the decode kernel's 32-token tile ("before" here) against its 8-token groups
-        r["groups8"] = _time(_groups8(x, ws, m, n, k), len(ws), 0.05)
     if m > 16:
         r["tile"] = _time(_tile(x, ws, k, n), len(ws), 0.05)
     r["cublas"] = _time(_cublas(x, wb), len(wb), 0.05)
@@ -187,7 +174,7 @@ def _cell(n: int, k: int, m: int, w, wd, ws, wb, copy_tbs: float, sweep: list) -
     print(
         f"{n:>5}x{k:<5} M={m:<5} wgmma {r['wgmma']:8.1f} gather {r['gather']:8.1f} "
         f"(best {best[0]:8.1f} {best[1]}) "
-        f"auto {r['auto']:8.1f} before {r['before']:8.1f} groups8 {r.get('groups8', float('nan')):8.1f} "
+        f"auto {r['auto']:8.1f} before {r['before']:8.1f} "
         f"tile {r.get('tile', float('nan')):8.1f} "
         f"cuBLAS {r['cublas']:8.1f} "
         f"ceiling {r['ceiling']:7.1f} | {r['flops'] / best[0] / 1e6:6.1f} TFLOP/s err {r['err']:.1e}",

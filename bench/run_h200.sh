@@ -44,13 +44,10 @@
 #           32), the small-step trio off, shipped again
 #   smallab  the full-depth Kimi Linear at batch 24 / 32 as shipped (17..32 rows on matrices under 32M weights
 #           on the decode kernel), then with WGMMA_SMALL_M_MIN_WEIGHTS=0 (the wgmma GEMM from 17 rows, as before)
-#   densegroups the dense 17..32-row decode path as 8-token groups (K3RUN_DENSE_TILE8): its GPU tests, then
-#           bench_wgmma at Kimi Linear's shapes (before = the 32-token tile, groups8), then the full-depth Kimi
-#           Linear at batch 24 / 32 with K3RUN_DENSE_TILE8 0 / 32, twice
 #   expertgemv bench/bench_expert_gemv.py: each expert-major decode launch alone at Kimi Linear's, then K3's
 #           expert shapes, every split_k and token tile, against the hit experts' bytes and a dense matrix
 #   streamk the CUDA C++ GEMM's stream-K form: its GPU tests (tests/kernels/test_nvfp4_sm90.py -k stream_k),
-#           then bench/bench_sm90_gemm.py at 16 / 32 / 64 / 256 rows with K3RUN_SM90_STREAM_K=1 (the default
+#           then bench/bench_sm90_gemm.py at 16 / 32 / 64 / 256 rows with K3RUN_SM90_STREAM_K=256 (the default
 #           config stream-K where the fixed grid leaves slots idle; the sweep holds both forms) and Marlin
 #           from .peers
 #   kdafused KDA's one-launch decode step: its GPU tests (tests/kernels/test_kda_decode_fused.py, the layer's
@@ -129,15 +126,15 @@ for stage in "${stages[@]}"; do
         K3RUN_MOE_OPS=0 timeout 200 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 1,8,32 --steps 32 \
             2>&1 | tee "$OUT/decode_kl_ops_off.txt" | grep -E "^graphs" ;;
     sm90ncu) for spec in ${NCU_SPECS:-16:16,1,2,8 256:256,1,1,3}; do  # M:config (split_k 0: stream-K)
-            set -- "${spec%%:*}" "${spec#*:}"
+            set -- "${spec%%:*}" "${spec#*:}" "m${spec%%:*}_$(echo "${spec#*:}" | tr , _)"  # files by M and config
             timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none -k regex:w4a16_kernel --launch-skip 3 \
-                --launch-count 1 --set full -f -o "$OUT/ncu_m$1" python3 bench/probes/sm90_ncu.py --m "$1" \
-                --config "$2" >"$OUT/ncu_m$1_run.txt" 2>&1
-            tail -2 "$OUT/ncu_m$1_run.txt"
-            ncu -i "$OUT/ncu_m$1.ncu-rep" --page details >"$OUT/ncu_m$1_details.txt" 2>&1
-            ncu -i "$OUT/ncu_m$1.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_m$1_sass.csv" 2>&1
+                --launch-count 1 --set full -f -o "$OUT/ncu_$3" python3 bench/probes/sm90_ncu.py --m "$1" \
+                --config "$2" >"$OUT/ncu_$3_run.txt" 2>&1
+            tail -2 "$OUT/ncu_$3_run.txt"
+            ncu -i "$OUT/ncu_$3.ncu-rep" --page details >"$OUT/ncu_$3_details.txt" 2>&1
+            ncu -i "$OUT/ncu_$3.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_$3_sass.csv" 2>&1
             grep -E "Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Achieved Occupancy|Warp Cycles Per Issued" \
-                "$OUT/ncu_m$1_details.txt" | head -8
+                "$OUT/ncu_$3_details.txt" | head -8
         done ;;
     gemvtests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE \
@@ -186,20 +183,12 @@ for stage in "${stages[@]}"; do
             timeout 250 python3 ${patch:+bench/probes/patched_constant.py $patch} bench/probe_graph_step.py --kimi-linear \
                 --batch-sizes 24,32 --steps 32 --uniform-routing 2>&1 | tee -a "$OUT/smallab.txt" | grep -E "^graphs|Error"
         done ;;
-    densegroups) timeout -s KILL "${TEST_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider \
-            -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_nvfp4_dense_groups.py \
-            >"$OUT/densegroups_tests.txt" 2>&1; tail -3 "$OUT/densegroups_tests.txt"
-        timeout 200 python3 bench/bench_wgmma.py --shapes 12448x2304,2304x4096,2048x2304,2304x1024 --ms 17,24,32 \
-            --no-sweep 2>&1 | tee "$OUT/densegroups_bench.txt" | grep -E "^ *[0-9]+x"
-        timeout 300 python3 bench/probe_graph_step.py --kimi-linear --batch-sizes 24,32 --steps 32 --uniform-routing \
-            --configs "K3RUN_DENSE_TILE8=0;K3RUN_DENSE_TILE8=32" --repeat 2 2>&1 | tee "$OUT/densegroupsab.txt" \
-            | grep -E "^--|^graphs|Error" ;;
     expertgemv) timeout 200 python3 bench/bench_expert_gemv.py 2>&1 | tee "$OUT/expert_gemv.txt" | grep "^T="
         timeout 200 python3 bench/bench_expert_gemv.py --k3 2>&1 | tee "$OUT/expert_gemv_k3.txt" | grep "^T=" ;;
     streamk) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_nvfp4_sm90.py -k "stream_k" \
             >"$OUT/streamk_tests.txt" 2>&1; tail -3 "$OUT/streamk_tests.txt"
-        K3RUN_SM90_STREAM_K=1 timeout 500 python3 bench/bench_sm90_gemm.py --ms 16,32,64,256 --peers .peers \
+        K3RUN_SM90_STREAM_K=256 timeout 500 python3 bench/bench_sm90_gemm.py --ms 16,32,64,256 --peers .peers \
             2>&1 | tee "$OUT/streamk_bench.txt" | grep -v -i warn | tail -30 ;;
     kdafused) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE -m gpu tests/kernels/test_kda_decode_fused.py \

@@ -192,20 +192,15 @@ class Knobs:
         "and launches with PDL, instead of a torch copy reordering x before each call, where its programs' "
         "copies read at most 20 MiB (wgmma.GATHER_MAX_BYTES; 0: never)",
     )  # fmt: skip
-    dense_tile8: int = _knob(
-        "K3RUN_DENSE_TILE8", _tokens_up_to(32), 0,
-        "CUDA: dense NVFP4 linears of 17..this many rows on the decode kernel (matrices under 32M weights on "
-        "sm_90) run as 8-token groups of the expert-major launch instead of one 32-token tile (0: never; "
-        "not yet measured)",
-    )  # fmt: skip
     sm90_cuda: bool = _knob(
         "K3RUN_SM90_CUDA", _flag, True,
         "CUDA sm_90: NVFP4 linears of 17..256 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one)",
     )  # fmt: skip
-    sm90_stream_k: bool = _knob(
-        "K3RUN_SM90_STREAM_K", _flag, False,
+    sm90_stream_k: int = _knob(
+        "K3RUN_SM90_STREAM_K", _tokens_256, 32,
         "CUDA sm_90: the CUDA C++ NVFP4 GEMM runs stream-K (every CTA slot of one wave walks an equal share "
-        "of the tiles' K chunks) where its fixed split_k grid would leave slots idle (1: on; unmeasured)",
+        "of the tiles' K chunks) up to this many rows, where its fixed split_k grid would leave slots idle "
+        "(0: never; H100: 1.01-1.25x the fixed grid at 16-32 rows, 0.62-0.98x at 64-256)",
     )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,

@@ -102,9 +102,9 @@ def test_gpu_stream_k(poison_empty, bt, stages, ctas, dtype) -> None:
 @pytest.mark.gpu
 def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypatch) -> None:
     """Ten stream-K calls give the same bits (the partials summed in the tile's piece order, whichever CTA
-    arrives last); with K3RUN_SM90_STREAM_K=1 nvfp4_linear's 32 rows of 7168 x 7168 (the CUDA GEMM's
-    range starts at 17) run it (`sm90_config` says split_k 0) within the bound of the fixed split's
-    output."""
+    arrives last); by default (K3RUN_SM90_STREAM_K unset: up to 32 rows) nvfp4_linear's 32 rows of 7168 x
+    7168 (the CUDA GEMM's range starts at 17) run it (`sm90_config` says split_k 0) within the bound of the
+    fixed split's output."""
     from k3run.kernels.nvfp4_gemm import nvfp4_linear
 
     _need_kernel()
@@ -122,7 +122,9 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=4)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
     x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
-    fixed = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fixed_cfg = sm90.sm90_config(32, n, k, sms, stream_k=False)
+    fixed = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=fixed_cfg)
     launches = []  # the stream-K CTA count of each GEMM launch
     real = sm90._module
 
@@ -134,16 +136,12 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
             launches.append(args[-1])
             return real.w4a16_gemm(*args)
 
-    monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
+    monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
     reset_knobs()
-    try:
-        assert sm90.sm90_config(32, n, k, torch.cuda.get_device_properties(0).multi_processor_count)[2] == 0
-        monkeypatch.setattr(sm90, "_module", Spy)
-        y = nvfp4_linear(x, tw)
-        assert len(launches) == 1 and launches[0] > 0, launches
-    finally:
-        monkeypatch.delenv("K3RUN_SM90_STREAM_K")
-        reset_knobs()
+    assert fixed_cfg[2] > 0 and sm90.sm90_config(32, n, k, sms)[2] == 0
+    monkeypatch.setattr(sm90, "_module", Spy)
+    y = nvfp4_linear(x, tw)
+    assert len(launches) == 1 and launches[0] > 0, launches
     wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
     ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
     assert bool(((y.float() - fixed.float()).abs() <= 2 * _bound(x, wd, gs, ref, torch.bfloat16)).all())
@@ -216,10 +214,12 @@ def test_refuses_bad_input() -> None:
     [(17, 7168, 7168), (64, 7168, 7168), (256, 12288, 7168), (256, 7168, 12288), (1000, 2048, 2304)],
 )
 def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None:
-    bt, nwg, split, stages = sm90.sm90_config(m, n, k, 132)
     chunks = -(-k // 128)
-    assert bt in sm90.TOKEN_TILES and nwg in sm90.WARPGROUPS and chunks % split == 0 and stages >= 2
-    assert sm90.smem_bytes(bt, nwg, stages) <= sm90.SMEM_LIMIT
+    for stream_k in (False, True):
+        bt, nwg, split, stages = sm90.sm90_config(m, n, k, 132, stream_k=stream_k)
+        assert bt in sm90.TOKEN_TILES and nwg in sm90.WARPGROUPS and stages >= 2
+        assert sm90.config_ok(bt, nwg, split, stages, chunks) and (split > 0 or stream_k)
+        assert sm90.smem_bytes(bt, nwg, stages) <= sm90.SMEM_LIMIT
     assert bt >= min(m, 128) and (nwg == 1 or bt <= 128)
 
 
@@ -227,7 +227,7 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     """With stream-K allowed: 16-64 and 256 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
     slots at 16 rows, 112 of 132 at 256) and 12288 x 7168 at 256 rows (192 CTAs: a second wave of 60 on 132
     SMs) take it; 12288 x 7168 at 16 rows (384 of 396) and 7168^2 at 4096 rows (1792 CTAs in 14 waves, 97%
-    full) keep the fixed grid; an odd chunk count never takes it. K3RUN_SM90_STREAM_K (off by default)
+    full) keep the fixed grid; an odd chunk count never takes it. K3RUN_SM90_STREAM_K (rows, default 32)
     decides when the caller does not."""
     for m in (16, 32, 64, 256):
         bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132, stream_k=True)
@@ -241,15 +241,28 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[2] == 0
     assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[2] == 1
     assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
-    monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
-    reset_knobs()
-    assert sm90.sm90_config(16, 7168, 7168, 132) == sm90.sm90_config(16, 7168, 7168, 132, stream_k=False)
-    assert sm90.sm90_config(16, 7168, 7168, 132)[2] == 2
-    monkeypatch.setenv("K3RUN_SM90_STREAM_K", "1")
-    reset_knobs()
-    assert sm90.sm90_config(16, 7168, 7168, 132)[2] == 0
-    monkeypatch.delenv("K3RUN_SM90_STREAM_K")
-    reset_knobs()
+    try:
+        for env, takes in ((None, (16, 17, 32)), ("0", ()), ("64", (16, 17, 32, 33, 64))):
+            if env is None:
+                monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
+            else:
+                monkeypatch.setenv("K3RUN_SM90_STREAM_K", env)
+            reset_knobs()
+            for m in (16, 17, 32, 33, 64, 128, 256):
+                assert (sm90.sm90_config(m, 7168, 7168, 132)[2] == 0) == (m in takes), (env, m)
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
+        reset_knobs()
+
+
+def test_bt128_shares_sms_where_its_tiles_outnumber_them() -> None:
+    """At BT 128 (65..128 rows) a grid of more tiles than SMs keeps rings of <= 3 slots, so two CTAs share
+    an SM (its shared memory holds both); a grid within one wave keeps the one-CTA rule (the deepest ring)."""
+    assert sm90.sm90_config(128, 12288, 7168, 132, stream_k=False) == (128, 1, 1, 3)
+    assert sm90.sm90_config(100, 12288, 7168, 132, stream_k=False) == (128, 1, 1, 3)
+    assert sm90.sm90_config(128, 7168, 7168, 132, stream_k=False) == (128, 1, 1, 6)
+    per_cta = sm90.smem_bytes(128, 1, 3) + 1024  # the driver's reserved 1 KB a CTA
+    assert sm90.BT128_CTAS_PER_SM_SHARED * per_cta <= sm90.SM_SMEM
 
 
 @pytest.mark.parametrize(
@@ -324,13 +337,19 @@ def standalone_build(tmp_path_factory):
 
 
 def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
-    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation."""
+    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation; BT 128's
+    fixed-grid kernel uses few enough registers for `sm90_config`'s two CTAs an SM."""
     report, _ = standalone_build
     assert "wgmma.mma_async instructions are serialized" not in report, report
     assert re.findall(r"(\d+) bytes spill stores", report) and all(
         v == "0" for v in re.findall(r"(\d+) bytes spill stores", report)
     ), report
     assert all(v == "0" for v in re.findall(r"(\d+) bytes stack frame", report)), report
+    # BT 128's fixed-grid kernels (one consumer warpgroup, 160 threads) fit BT128_CTAS_PER_SM_SHARED an SM
+    used = re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", report, re.S)
+    bt128 = [int(r) for name, r in used if re.search(r"w4a16_kernelILi128ELi1ELb[01]ELb0E", name)]
+    assert bt128, used
+    assert all(sm90.BT128_CTAS_PER_SM_SHARED * 160 * -(-r // 8) * 8 <= 65536 for r in bt128), bt128
 
 
 def _pair_loops(code):

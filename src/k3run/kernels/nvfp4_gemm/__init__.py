@@ -13,7 +13,6 @@ conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says w
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -37,7 +36,6 @@ from .config import (
     one_wave_split,
     programs_per_sm,
     sm_count,
-    tile32_split,
 )
 from .layout import (
     CHUNK,
@@ -115,44 +113,9 @@ def _disable_wgmma(err: Exception) -> None:
     _WGMMA_OK = False
 
 
-@functools.cache
-def token_groups(device: torch.device, m: int, bt: int) -> torch.Tensor:
-    """The expert-major launch's group table for m rows of one expert in groups of bt: int32 [ceil(m / bt),
-    1 + bt], row g = (expert 0, rows bt g .. bt g + bt - 1, -1 past m). Built once per (device, m, bt): the
-    first call must not be inside a CUDA graph capture (the engine's eager warm-up step makes it)."""
-    rows = torch.arange(-(-m // bt) * bt, dtype=torch.int32).reshape(-1, bt)
-    rows[rows >= m] = -1
-    table = torch.cat([torch.zeros(rows.shape[0], 1, dtype=torch.int32), rows], 1)
-    return table.to(device)
-
-
-def _grouped_rows(x2: torch.Tensor, w: NvFp4Weight, cfg: GemmConfig) -> torch.Tensor:
-    """cfg.token_groups: x2's rows as groups of the expert-major launch over w as its one expert."""
-    from .gluon_gemv import nvfp4_gemv_by_expert
-
-    m, n_pad = x2.shape[0], w.weight.shape[0]
-    gs = w.global_scale.reshape(1, -1 if w.global_scale.numel() == n_pad else 1)
-    return nvfp4_gemv_by_expert(
-        x2, w.weight[None], w.scale_bits[None], gs, token_groups(x2.device, m, cfg.token_groups), picks=m,
-        slot_div=1, rows=w.n, split_k=cfg.split_k, all_in_groups=True,
-    )  # fmt: skip
-
-
 def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
-    """The Gluon decode kernel, one launch per 32 rows (its widest token tile); with cfg.token_groups (a
-    tiled128 weight, no bias, scalar or per-row global scale) one expert-major launch over groups of rows."""
+    """The Gluon decode kernel, one launch per 32 rows (its widest token tile)."""
     from .gluon_gemv import nvfp4_gemv
-
-    if cfg.token_groups:
-        if (
-            w.layout == "tiled128"
-            and bias is None
-            and w.global_scale.numel() in (1, w.weight.shape[0])
-            and x2.shape[0] <= GEMV_AUTO_M
-        ):
-            return _grouped_rows(x2, w, cfg)
-        # the 32-token launches with their own split
-        cfg = dataclasses.replace(cfg, token_groups=0, split_k=tile32_split(w.n))
 
     parts = [
         nvfp4_gemv(
@@ -319,7 +282,6 @@ __all__ = [
     "sm_count",
     "tile_split128",
     "tiled_word",
-    "token_groups",
     "unpack_split128",
     "untile_split128",
 ]

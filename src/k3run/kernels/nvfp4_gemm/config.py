@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from k3run.knobs import knobs
-
 from .layout import CHUNK
 
 
@@ -26,9 +24,6 @@ class GemmConfig:
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
     tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
     wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
-    token_groups=8 (with gemv, a tiled128 weight, no bias): the rows as 8-token groups of the expert-major
-    launch (`nvfp4_gemv_by_expert` over one expert): the 8-token tile's programs, the weights read from DRAM
-    by the first group and mostly from L2 by the others, instead of one 32-token tile.
     """
 
     block_m: int = 16
@@ -45,7 +40,6 @@ class GemmConfig:
     maxnreg: int | None = None
     tile: bool = False
     wgmma: bool = False
-    token_groups: int = 0
 
 
 # the split128 Triton tile kernel's decode launch, used where the Gluon kernel cannot run (block_n 64 beat
@@ -135,8 +129,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     through 2 shared-memory slots, split_k programs per row block.
     - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
       12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
-    - M = 17..32: `tile32_split`; up to
-      K3RUN_DENSE_TILE8 rows (default 0: never; not yet measured) 8-token groups instead (token_groups).
+    - M = 17..32: `tile32_split`.
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
@@ -149,9 +142,6 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
         maxnreg = None
         if m <= 16:
             split_k, maxnreg = one_wave_split(m, n, k, sms)
-        elif m <= GEMV_AUTO_M and m <= knobs().dense_tile8:  # 8-token groups, each row block's programs
-            split_k = one_wave_split(8, n * -(-m // 8), k, sms)[0]
-            return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, token_groups=8)
         else:
             split_k = tile32_split(n)
         return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)

@@ -147,8 +147,11 @@ CTAS_PER_SM_SMALL_BT = 3
 # stream-K (split_k 0 in a config): the kernel exists for one consumer warpgroup, every token tile; every CTA
 # gets at least SK_MIN_PAIRS chunk pairs (its ring needs a few chunks to fill)
 SK_MIN_PAIRS = 2
-# the fixed grid fills less than this share of its waves' CTA slots: stream-K (with K3RUN_SM90_STREAM_K)
+# the fixed grid fills less than this share of its waves' CTA slots: stream-K (up to K3RUN_SM90_STREAM_K rows)
 SK_BELOW_FILL = 0.9
+# BT 128, one consumer warpgroup: the kernel is compiled for one CTA an SM, but its 159 registers (ptxas,
+# CUDA 13.0) let two share an SM where their rings fit the shared memory together (<= 3 slots)
+BT128_CTAS_PER_SM_SHARED = 2
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -210,17 +213,22 @@ def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int, stages: int = 2) -
 
 def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) -> tuple[int, int, int, int]:
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs; stream_k:
-    whether stream-K may be chosen (None: K3RUN_SM90_STREAM_K).
+    whether stream-K may be chosen (None: M <= K3RUN_SM90_STREAM_K).
 
     One consumer warpgroup (64 weight rows a CTA): on an H200 it beat two in every swept cell (7168x7168,
     12288x7168 at M = 16 / 32 / 64 / 256). The smallest token tile >= M (up to 256);
     up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
     more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
     shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
-    With K3RUN_SM90_STREAM_K, where that grid fills under SK_BELOW_FILL of its waves' slots (one wave
+    At BT 128 where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on the H100,
+    12288 x 7168 at 128 rows ran in 57.0 us against 75.1 us as two waves of one (bench/RESULTS.md run 152).
+    With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots (one wave
     part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over one wave
-    (`stream_k_ctas`)."""
-    return _sm90_config(m, n, k, sms, knobs().sm90_stream_k if stream_k is None else stream_k)
+    (`stream_k_ctas`). Allowed by default up to K3RUN_SM90_STREAM_K rows (32): on the H100 it ran 1.08-1.25x
+    the fixed grid at 16 rows and 1.01-1.12x at 32, but 0.98x at 64 and 0.62-0.89x at 128-256 (run 152)."""
+    if stream_k is None:
+        stream_k = m <= knobs().sm90_stream_k
+    return _sm90_config(m, n, k, sms, stream_k)
 
 
 @functools.cache
@@ -236,6 +244,8 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
         return per_sm
 
     per_sm = fit(ctas_per_sm(bt, nwg))
+    if bt == 128 and nwg == 1 and tiles > per_sm * sms:
+        per_sm = fit(BT128_CTAS_PER_SM_SHARED)
     within = [d for d in _divisors(chunks) if tiles * d <= per_sm * sms]
     split = max(within) if within else 1
     per_cta = chunks // split
