@@ -34,11 +34,13 @@ def _time(fns: list, est_ms: float = 0.05) -> float:
     return graph_ms(fns, est_ms) * 1e3
 
 
-def _cuda_calls(x, ws, k: int, n: int, cfg) -> list:
-    """One call of the CUDA kernel per weight copy, config `cfg` (None: its default)."""
+def _cuda_calls(x, ws, k: int, n: int, cfg, warp_issue=None) -> list:
+    """One call of the CUDA kernel per weight copy, config `cfg` (None: its default); warp_issue: the
+    producer form (None: K3RUN_SM90_WARP_ISSUE)."""
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
-    return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
+    return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg,
+                                             warp_issue=warp_issue)
             for w in ws]  # fmt: skip
 
 
@@ -69,6 +71,9 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     r["cuda"] = _time(cuda(None))
     r["fixed_cfg"] = sm90.sm90_config(m, n, k, sm_count(0), stream_k=False)  # the same-run baseline
     r["fixed"] = r["cuda"] if r["fixed_cfg"] == r["cfg"] else _time(cuda(r["fixed_cfg"]))
+    # the producer forms at the default config (one thread against the whole warp), back to back
+    r["thread"] = _time(_cuda_calls(x, ws, k, n, None, warp_issue=False))
+    r["warp"] = _time(_cuda_calls(x, ws, k, n, None, warp_issue=True))
     best = (r["cuda"], r["cfg"])
     for cfg in sweep:
         try:
@@ -93,7 +98,8 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
         f"{n:>5}x{k:<5} M={m:<4} cuda {r['cuda']:7.1f} {r['cfg']} fixed grid {r['fixed']:7.1f} "
-        f"({r['fixed'] / r['cuda']:4.2f}x) best {best[0]:7.1f} {best[1]} "
+        f"({r['fixed'] / r['cuda']:4.2f}x) producer thread / warp {r['thread']:7.1f} / {r['warp']:7.1f} "
+        f"({r['thread'] / r['warp']:4.2f}x) best {best[0]:7.1f} {best[1]} "
         f"gluon {r['gluon']:7.1f} decode {r.get('decode', float('nan')):7.1f} dequant {r['dequant']:7.1f} "
         f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}",
         flush=True,

@@ -202,6 +202,11 @@ class Knobs:
         "of the tiles' K chunks) up to this many rows, where its fixed split_k grid would leave slots idle "
         "(0: never; H100: 1.01-1.25x the fixed grid at 16-32 rows, 0.62-0.98x at 64-256)",
     )  # fmt: skip
+    sm90_warp_issue: bool = _knob(
+        "K3RUN_SM90_WARP_ISSUE", _flag, False,
+        "CUDA sm_90: the CUDA C++ NVFP4 GEMM's producer warp walks its ring with all 32 lanes (its state in "
+        "uniform registers) and one lane issues the copies, where one thread did both (1: on; unmeasured)",
+    )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,
         "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "

@@ -148,6 +148,33 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m, n, config, sk",
+    [(9, 328, (16, 1, 2, 4), None), (100, 1000, (64, 1, 1, 3), None), (37, 1024, (32, 1, 0, 3), 7),
+     (200, 584, (256, 1, 1, 3), None), (70, 1024, (64, 2, 2, 3), None)],
+)  # fmt: skip
+def test_gpu_warp_issue_gives_the_same_bits(m, n, config, sk) -> None:
+    """The producer's two forms (one thread; the whole warp with one elected lane issuing) make the same
+    copies into the same slots, so the output is bit-identical; odd shapes, a partial last row block, the
+    fixed grid, split-K, stream-K, and two consumer warpgroups (where the warp form does not apply)."""
+    _need_kernel()
+    k = 2048
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=11)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    outs = [
+        sm90.nvfp4_sm90_gemm(
+            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=config, sk_ctas=sk, warp_issue=wi
+        )
+        for wi in (False, True)
+    ]
+    assert torch.equal(outs[0], outs[1])
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    assert bool(((outs[1].float() - ref).abs() <= _bound(x, wd, gs, ref, torch.bfloat16)).all())
+
+
+@pytest.mark.gpu
 def test_gpu_repeats_are_bit_identical() -> None:
     """No race: ten calls of one split-K case (fixed-order partial sums) and of one unsplit case give the
     same bits."""

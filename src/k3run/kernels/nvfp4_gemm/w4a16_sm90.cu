@@ -92,6 +92,24 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
       : "memory");
 }
 
+// The same two by one elected lane of a converged warp (every lane calls them with the same operands): each
+// stays one predicated instruction of the warp, with no ELECT / BRA.U.ANY loop around it (the loop ptxas
+// puts around a copy issued inside a one-thread branch).
+__device__ __forceinline__ void mbar_expect_tx_elect(uint32_t bar, uint32_t bytes) {
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+      "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n}" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s_elect(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+      "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
@@ -354,7 +372,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
-                 int nch, int stages, int tiles, int sk, int sk_q, int sk_r) {
+                 int nch, int stages, int tiles, int warp_issue, int sk, int sk_q, int sk_r) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
   constexpr int ACC = BT / 2;
@@ -380,9 +398,45 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   }
   __syncthreads();
 
-  if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads): one thread issues every copy
+  if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
     if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == NWG * 128) {
+    if (NWG == 1 && warp_issue) {
+      // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
+      // elected lane issues each copy: in SASS a predicated UBLKCP, the nine copies' address work
+      // interleaved. Where one thread walks it (below), every copy is a serial ELECT / BRA.U.ANY loop.
+      // K3RUN_SM90_WARP_ISSUE (bench/NOTES.md session 39).
+      if (threadIdx.x / 32 == NWG * 4) {
+        const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
+        const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
+        Slot sl;
+        int i = 0;  // chunks issued so far, over all segments
+        auto issue = [&](const Seg& sg) {
+          const int rb0 = (sg.tile % n_tiles) * NWG * 4;
+          const int nrb = min(NWG * 4, row_blocks - rb0);
+          const uint32_t bytes = SM::X + nrb * (1024 + 128);
+          const uint8_t* xsrc = xt + size_t(sg.tile / n_tiles) * CH * SM::X;
+          for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
+            const int st = sl.st;
+            const uint32_t bar = full0 + 8 * st;
+            if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
+            mbar_expect_tx_elect(bar, bytes);
+            bulk_g2s_elect(xs0 + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, bar);
+            for (int rb = 0; rb < nrb; ++rb) {
+              const size_t blk = size_t(rb0 + rb) * CH + c;
+              bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
+              bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
+            }
+            __syncwarp();
+          }
+        };
+        if constexpr (!SK)
+          issue(Seg{int(blockIdx.x), int(blockIdx.y) * nch, int(blockIdx.y) * nch + nch});
+        else
+          for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2}, issue);
+      }
+      return;
+    }
+    if (threadIdx.x == NWG * 128) {  // one thread issues every copy
       Slot sl;
       int i = 0;  // chunks issued so far, over all segments
       auto issue = [&](const Seg& sg) {
@@ -555,7 +609,7 @@ template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, int sk, cudaStream_t stream) {
+                   int stages, int t_tiles, int warp_issue, int sk, cudaStream_t stream) {
   auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
@@ -571,7 +625,7 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
       gs.data_ptr<float>(),
       gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
       partials ? ws.data_ptr<float>() : nullptr, partials ? cnt.data_ptr<int>() : nullptr, M, N,
-      int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, n_tiles * t_tiles, sk,
+      int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, n_tiles * t_tiles, warp_issue, sk,
       sk > 0 ? n_tiles * t_tiles * (CH / 2) / sk : 0, sk > 0 ? n_tiles * t_tiles * (CH / 2) % sk : 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -611,7 +665,8 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
 
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
-                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t sk) {
+                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t warp_issue,
+                int64_t sk) {
   const int CH = xt.size(1), t_tiles = xt.size(0);
   TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
               " must divide the ", CH, " chunks");
@@ -622,9 +677,11 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   auto stream = c10::cuda::getCurrentCUDAStream();
 #define K3W_RUN(B, G, K)                                                                                       \
   if (bf16)                                                                                                    \
-    k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, sk, stream);  \
+    k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,               \
+                               int(warp_issue), sk, stream);                                                   \
   else                                                                                                         \
-    k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles, sk, stream); \
+    k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,              \
+                                int(warp_issue), sk, stream);                                                  \
   return;
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G && sk == 0) {                                                                        \
@@ -650,7 +707,8 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 #define K3W_INST(B, G, F, K)                                                                                  \
   template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
                                                           const float*, int, const void*, void*, int, float*, \
-                                                          int*, int, int, int, int, int, int, int, int, int, int);
+                                                          int*, int, int, int, int, int, int, int, int, int, int, \
+                                                          int);
 K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
 K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
 K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)
