@@ -262,6 +262,30 @@ __device__ __forceinline__ void for_each_sk_segment(const SkSplit& sp, F&& f) {
   }
 }
 
+// This CTA's segments in order: one (its split's chunks of its tile) on the fixed grid, stream-K's otherwise.
+template <bool SK, typename F>
+__device__ __forceinline__ void for_each_segment(int nch, int CH, int sk_q, int sk_r, F&& f) {
+  if constexpr (!SK)
+    f(Seg{int(blockIdx.x), int(blockIdx.y) * nch, int(blockIdx.y) * nch + nch});
+  else
+    for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2}, f);
+}
+
+// What the producer copies for a segment: its tile's first 16-row block, how many of its NWG * 4 exist, the
+// bytes a chunk brings (x tile, codes, scales) and the tile's prepared x.
+struct SegSrc {
+  int rb0, nrb;
+  uint32_t bytes;
+  const uint8_t* xsrc;
+};
+template <int NWG, int X>
+__device__ __forceinline__ SegSrc seg_src(const Seg& sg, int n_tiles, int row_blocks, int CH,
+                                          const uint8_t* xt) {
+  const int rb0 = (sg.tile % n_tiles) * NWG * 4;
+  const int nrb = min(NWG * 4, row_blocks - rb0);
+  return SegSrc{rb0, nrb, uint32_t(X + nrb * (1024 + 128)), xt + size_t(sg.tile / n_tiles) * CH * X};
+}
+
 template <int BT, int NWG>
 struct Smem {
   static constexpr int X = 2 * BT * 128;  // one slot's x: two 64-column halves of BT rows, 128 B each
@@ -410,56 +434,42 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
         Slot sl;
         int i = 0;  // chunks issued so far, over all segments
-        auto issue = [&](const Seg& sg) {
-          const int rb0 = (sg.tile % n_tiles) * NWG * 4;
-          const int nrb = min(NWG * 4, row_blocks - rb0);
-          const uint32_t bytes = SM::X + nrb * (1024 + 128);
-          const uint8_t* xsrc = xt + size_t(sg.tile / n_tiles) * CH * SM::X;
+        for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+          const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
           for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
             const int st = sl.st;
             const uint32_t bar = full0 + 8 * st;
             if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-            mbar_expect_tx_elect(bar, bytes);
-            bulk_g2s_elect(xs0 + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, bar);
-            for (int rb = 0; rb < nrb; ++rb) {
-              const size_t blk = size_t(rb0 + rb) * CH + c;
+            mbar_expect_tx_elect(bar, g.bytes);
+            bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
+            for (int rb = 0; rb < g.nrb; ++rb) {
+              const size_t blk = size_t(g.rb0 + rb) * CH + c;
               bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
               bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
             }
             __syncwarp();
           }
-        };
-        if constexpr (!SK)
-          issue(Seg{int(blockIdx.x), int(blockIdx.y) * nch, int(blockIdx.y) * nch + nch});
-        else
-          for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2}, issue);
+        });
       }
       return;
     }
     if (threadIdx.x == NWG * 128) {  // one thread issues every copy
       Slot sl;
       int i = 0;  // chunks issued so far, over all segments
-      auto issue = [&](const Seg& sg) {
-        const int rb0 = (sg.tile % n_tiles) * NWG * 4;
-        const int nrb = min(NWG * 4, row_blocks - rb0);
-        const uint32_t bytes = SM::X + nrb * (1024 + 128);
-        const uint8_t* xsrc = xt + size_t(sg.tile / n_tiles) * CH * SM::X;
+      for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+        const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
         for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
           const int st = sl.st;
           if (i >= stages) mbar_wait(smem_u32(&empty[st]), sl.phase ^ 1u);
-          mbar_expect_tx(&full[st], bytes);
-          bulk_g2s(xs + st * SM::X, xsrc + size_t(c) * SM::X, SM::X, &full[st]);
-          for (int rb = 0; rb < nrb; ++rb) {
-            const size_t blk = size_t(rb0 + rb) * CH + c;
+          mbar_expect_tx(&full[st], g.bytes);
+          bulk_g2s(xs + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, &full[st]);
+          for (int rb = 0; rb < g.nrb; ++rb) {
+            const size_t blk = size_t(g.rb0 + rb) * CH + c;
             bulk_g2s(wsm + st * SM::W + rb * 1024, w + blk * 1024, 1024, &full[st]);
             bulk_g2s(ssm + st * SM::S + rb * 128, s + blk * 128, 128, &full[st]);
           }
         }
-      };
-      if constexpr (!SK)
-        issue(Seg{int(blockIdx.x), int(blockIdx.y) * nch, int(blockIdx.y) * nch + nch});
-      else
-        for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2}, issue);
+      });
     }
     return;
   }
