@@ -34,13 +34,13 @@ def _time(fns: list, est_ms: float = 0.05) -> float:
     return graph_ms(fns, est_ms) * 1e3
 
 
-def _cuda_calls(x, ws, k: int, n: int, cfg, warp_issue=None) -> list:
-    """One call of the CUDA kernel per weight copy, config `cfg` (None: its default); warp_issue: the
-    producer form (None: K3RUN_SM90_WARP_ISSUE)."""
+def _cuda_calls(x, ws, k: int, n: int, cfg, producer=None) -> list:
+    """One call of the CUDA kernel per weight copy, config `cfg` (None: its default); producer: its form
+    (None: K3RUN_SM90_PRODUCER)."""
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg,
-                                             warp_issue=warp_issue)
+                                             producer=producer)
             for w in ws]  # fmt: skip
 
 
@@ -71,9 +71,9 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     r["cuda"] = _time(cuda(None))
     r["fixed_cfg"] = sm90.sm90_config(m, n, k, sm_count(0), stream_k=False)  # the same-run baseline
     r["fixed"] = r["cuda"] if r["fixed_cfg"] == r["cfg"] else _time(cuda(r["fixed_cfg"]))
-    # the producer forms at the default config (one thread against the whole warp), back to back
-    r["thread"] = _time(_cuda_calls(x, ws, k, n, None, warp_issue=False))
-    r["warp"] = _time(_cuda_calls(x, ws, k, n, None, warp_issue=True))
+    # the producer's forms at the default config, back to back
+    for form in sm90.PRODUCERS:
+        r[form] = _time(_cuda_calls(x, ws, k, n, None, producer=form))
     best = (r["cuda"], r["cfg"])
     for cfg in sweep:
         try:
@@ -98,8 +98,8 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose):
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
         f"{n:>5}x{k:<5} M={m:<4} cuda {r['cuda']:7.1f} {r['cfg']} fixed grid {r['fixed']:7.1f} "
-        f"({r['fixed'] / r['cuda']:4.2f}x) producer thread / warp {r['thread']:7.1f} / {r['warp']:7.1f} "
-        f"({r['thread'] / r['warp']:4.2f}x) best {best[0]:7.1f} {best[1]} "
+        f"({r['fixed'] / r['cuda']:4.2f}x) producer thread / warp / tensor {r['thread']:7.1f} / "
+        f"{r['warp']:7.1f} / {r['tensor']:7.1f} best {best[0]:7.1f} {best[1]} "
         f"gluon {r['gluon']:7.1f} decode {r.get('decode', float('nan')):7.1f} dequant {r['dequant']:7.1f} "
         f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}",
         flush=True,
@@ -151,18 +151,20 @@ def main() -> None:
         marlin_pass(args.peers, shapes, rows, _beside_marlin)
     print()
     print(
-        "| N x K | M | CUDA default (config) | fixed grid (/ default) | CUDA best (config) | Gluon wgmma | "
+        "| N x K | M | CUDA default (config) | fixed grid (/ default) | producer thread / warp / tensor | "
+        "CUDA best (config) | Gluon wgmma | "
         "decode | dequant+cuBLAS | "
         "cuBLAS bf16 | Marlin (CUDA best / default, same pass) | ceiling | x Marlin | x cuBLAS | x Gluon | "
         "TFLOP/s | rel RMS |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mar = f"{r['marlin']:.1f} ({r['cuda2']:.1f} / {r['cuda2_default']:.1f})" if "marlin" in r else "-"
         xm = f"{r['marlin'] / r['cuda2']:.2f}" if "marlin" in r else "-"
         print(
             f"| {r['shape']} | {r['m']} | {r['cuda']:.1f} {r['cfg']} | {r['fixed']:.1f} {r['fixed_cfg']} "
-            f"({r['fixed'] / r['cuda']:.2f}x) | {r['best']:.1f} {r['best_cfg']} | "
+            f"({r['fixed'] / r['cuda']:.2f}x) | {r['thread']:.1f} / {r['warp']:.1f} / {r['tensor']:.1f} | "
+            f"{r['best']:.1f} {r['best_cfg']} | "
             f"{r['gluon']:.1f} | {r.get('decode', float('nan')):.1f} | {r['dequant']:.1f} | "
             f"{r['cublas']:.1f} | {mar} | {r['ceiling']:.1f} | {xm} | {r['cublas'] / r['best']:.2f} | "
             f"{r['gluon'] / r['best']:.2f} | "

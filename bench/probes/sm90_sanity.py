@@ -24,22 +24,23 @@ def main() -> int:
     if not sm90.available():
         print("not available:", sm90._error)
         return 1
-    # (m, n, k, config, warp_issue): the fifth and sixth stream-K (split_k 0) over stream_k_ctas' default
-    # grid; the last two the producer's whole-warp form (K3RUN_SM90_WARP_ISSUE)
-    cases = [(20, 200, 336, (32, 2, 1, 3), False), (9, 144, 384, (16, 1, 3, 2), False),
-             (130, 256, 1024, (256, 1, 2, 3), False), (64, 512, 896, (64, 2, 7, 4), False),
-             (37, 328, 2048, (16, 1, 0, 4), False), (100, 1024, 1024, (64, 1, 0, 3), False),
-             (9, 144, 384, (16, 1, 3, 2), True), (37, 328, 2048, (16, 1, 0, 4), True)]  # fmt: skip
+    # (m, n, k, config, producer): the fifth and sixth stream-K (split_k 0) over stream_k_ctas' default
+    # grid; the last four the producer's warp and tensor forms (K3RUN_SM90_PRODUCER)
+    cases = [(20, 200, 336, (32, 2, 1, 3), "thread"), (9, 144, 384, (16, 1, 3, 2), "thread"),
+             (130, 256, 1024, (256, 1, 2, 3), "thread"), (64, 512, 896, (64, 2, 7, 4), "thread"),
+             (37, 328, 2048, (16, 1, 0, 4), "thread"), (100, 1024, 1024, (64, 1, 0, 3), "thread"),
+             (9, 144, 384, (16, 1, 3, 2), "warp"), (37, 328, 2048, (16, 1, 0, 4), "warp"),
+             (9, 144, 384, (16, 1, 3, 2), "tensor"), (37, 328, 2048, (16, 1, 0, 4), "tensor")]  # fmt: skip
     if "--one" in sys.argv:
         cases = cases[:1]
     bad = 0
-    for m, n, k, cfg, warp_issue in cases:
+    for m, n, k, cfg, producer in cases:
         g = torch.Generator().manual_seed(m + n + k)
         q = quantize_nvfp4(torch.randn(n, k, generator=g))
         tw = prepare_nvfp4_weight(q.weight.cuda(), q.weight_scale.cuda(), q.weight_scale_2.cuda(), "tiled128")
         x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
         y = sm90.nvfp4_sm90_gemm(
-            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, warp_issue=warp_issue
+            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, producer=producer
         )
         torch.cuda.synchronize()
         wd = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float32)
@@ -50,7 +51,7 @@ def main() -> int:
         worst = float((err / bound).max())
         ok = bool(torch.isfinite(y).all()) and worst <= 1.0
         bad += not ok
-        form = " warp issue" if warp_issue else ""
+        form = "" if producer == "thread" else f" {producer} producer"
         verdict = "ok" if ok else "FAIL"
         print(f"{m}x{n}x{k} {cfg}{form}: rel RMS {rel:.2e}, worst error / bound {worst:.2f} {verdict}")
     return 1 if bad else 0

@@ -59,6 +59,13 @@ def _cpu_simd(name: str, value: str) -> str:
     return value
 
 
+def _sm90_producer(name: str, value: str) -> str:
+    """thread, warp or tensor"""
+    if value not in ("thread", "warp", "tensor"):
+        raise _malformed(name, "thread, warp or tensor", value)
+    return value
+
+
 def _by_expert_tile(name: str, value: str) -> int:
     """8, 16 or 32"""
     if value not in ("8", "16", "32"):
@@ -202,10 +209,11 @@ class Knobs:
         "of the tiles' K chunks) up to this many rows, where its fixed split_k grid would leave slots idle "
         "(0: never; H100: 1.01-1.25x the fixed grid at 16-32 rows, 0.62-0.98x at 64-256)",
     )  # fmt: skip
-    sm90_warp_issue: bool = _knob(
-        "K3RUN_SM90_WARP_ISSUE", _flag, False,
-        "CUDA sm_90: the CUDA C++ NVFP4 GEMM's producer warp walks its ring with all 32 lanes (its state in "
-        "uniform registers) and one lane issues the copies, where one thread did both (1: on; unmeasured)",
+    sm90_producer: str = _knob(
+        "K3RUN_SM90_PRODUCER", _sm90_producer, "thread",
+        "CUDA sm_90: how the CUDA C++ NVFP4 GEMM's producer feeds its ring: thread (one thread issues the 9 "
+        "bulk copies a chunk), warp (the whole warp walks the ring, one elected lane issues them), tensor "
+        "(that, with one tensor-map copy for the chunk's codes and one for its scales); unmeasured",
     )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,

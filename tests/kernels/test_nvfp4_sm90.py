@@ -20,7 +20,7 @@ import torch
 from k3run.formats import dequantize_nvfp4
 from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
 from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
-from k3run.knobs import reset_knobs
+from k3run.knobs import knobs, reset_knobs
 from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
 from tests.kernels.test_nvfp4_wgmma import _loops, _sass_code, check_tiled_gemm, wgmma_register_hazards
 
@@ -153,10 +153,11 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
     [(9, 328, (16, 1, 2, 4), None), (100, 1000, (64, 1, 1, 3), None), (37, 1024, (32, 1, 0, 3), 7),
      (200, 584, (256, 1, 1, 3), None), (70, 1024, (64, 2, 2, 3), None)],
 )  # fmt: skip
-def test_gpu_warp_issue_gives_the_same_bits(m, n, config, sk) -> None:
-    """The producer's two forms (one thread; the whole warp with one elected lane issuing) make the same
-    copies into the same slots, so the output is bit-identical; odd shapes, a partial last row block, the
-    fixed grid, split-K, stream-K, and two consumer warpgroups (where the warp form does not apply)."""
+def test_gpu_producer_forms_give_the_same_bits(m, n, config, sk) -> None:
+    """The producer's forms (one thread; the whole warp with one elected lane issuing; that with tensor-map
+    copies of four row blocks, the rows past the last one zero-filled) put the same bytes into the same
+    slots, so the output is bit-identical: odd shapes, a partial last row block, the fixed grid, split-K,
+    stream-K, and two consumer warpgroups (where only the thread form exists)."""
     _need_kernel()
     k = 2048
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=11)
@@ -164,14 +165,14 @@ def test_gpu_warp_issue_gives_the_same_bits(m, n, config, sk) -> None:
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     outs = [
         sm90.nvfp4_sm90_gemm(
-            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=config, sk_ctas=sk, warp_issue=wi
+            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=config, sk_ctas=sk, producer=form
         )
-        for wi in (False, True)
+        for form in sm90.PRODUCERS
     ]
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
     wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
     ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
-    assert bool(((outs[1].float() - ref).abs() <= _bound(x, wd, gs, ref, torch.bfloat16)).all())
+    assert bool(((outs[0].float() - ref).abs() <= _bound(x, wd, gs, ref, torch.bfloat16)).all())
 
 
 @pytest.mark.gpu
@@ -316,6 +317,22 @@ def test_stream_k_segments_cover_every_chunk_once(tiles, chunks, ctas) -> None:
         assert [p[0] for p in ps] == sorted(p[0] for p in ps) and len(ps) <= depth
     shares = [sum(hi - lo for _, lo, hi, _, _ in cta) for cta in segs]
     assert max(shares) - min(shares) <= 2
+
+
+def test_producer_names_match_the_kernel_constants(monkeypatch) -> None:
+    """PRODUCERS (the names K3RUN_SM90_PRODUCER takes) index the .cu file's PRODUCER_* constants in order,
+    and the knob refuses any other name."""
+    src = sm90.cuda_source()
+    consts = dict(re.findall(r"PRODUCER_(\w+) = (\d)", src))
+    assert {name.upper(): str(i) for i, name in enumerate(sm90.PRODUCERS)} == consts
+    monkeypatch.setenv("K3RUN_SM90_PRODUCER", "tma")
+    reset_knobs()
+    try:
+        with pytest.raises(ValueError, match="K3RUN_SM90_PRODUCER"):
+            knobs()
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_PRODUCER")
+        reset_knobs()
 
 
 def test_wrappers_cover_every_token_tile_and_dtype() -> None:

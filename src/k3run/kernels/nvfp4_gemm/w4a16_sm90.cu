@@ -31,6 +31,7 @@
 // tile's CTAs summing them as split-K does. Every slot of the wave works whatever the tile count, where the
 // fixed split leaves slots idle (bench/NOTES.md: 224 CTAs in 396 slots at 16 rows of 7168^2).
 
+#include <cuda.h>  // CUtensorMap (the tensor producer's copies)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -107,6 +108,18 @@ __device__ __forceinline__ void bulk_g2s_elect(uint32_t dst, const void* src, ui
       "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
       "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n}" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// A 3-D tensor-map copy (box at coordinates {c0, c1, c2}, innermost first) by one elected lane of a converged
+// warp; `map` is a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void tensor_g2s_elect(uint32_t dst, const CUtensorMap& map, int c0, int c1, int c2,
+                                                 uint32_t bar) {
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+      "@p cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+      "%4}], [%5];\n}" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
 
@@ -372,6 +385,10 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   }
 }
 
+// The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
+// whole warp with one elected lane issuing; that and tensor-map copies of a chunk's four row blocks.
+constexpr int PRODUCER_THREAD = 0, PRODUCER_WARP = 1, PRODUCER_TENSOR = 2;
+
 // Threads of a CTA: NWG consumer warpgroups, then the producer. With two consumer warpgroups the producer is a
 // whole warpgroup (setmaxnreg, which moves its registers to the consumers, acts on warpgroups); with one it is
 // a single warp, so a CTA holds 5 warps and more CTAs fit an SM: the consumers' decode is latency-bound (ncu:
@@ -396,7 +413,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
-                 int nch, int stages, int tiles, int warp_issue, int sk, int sk_q, int sk_r) {
+                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r,
+                 const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
   constexpr int ACC = BT / 2;
@@ -424,28 +442,38 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
 
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
     if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (NWG == 1 && warp_issue) {
+    if (NWG == 1 && producer != PRODUCER_THREAD) {
       // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
-      // elected lane issues each copy: in SASS a predicated UBLKCP, the nine copies' address work
-      // interleaved. Where one thread walks it (below), every copy is a serial ELECT / BRA.U.ANY loop.
-      // K3RUN_SM90_WARP_ISSUE (bench/NOTES.md session 39).
+      // elected lane issues each copy: in SASS a predicated UBLKCP with no loop around it, the copies'
+      // address work interleaved. Where one thread walks it (below), every copy is a serial ELECT /
+      // BRA.U.ANY loop. PRODUCER_TENSOR also moves the CTA's four row blocks' codes (and their scales) of a
+      // chunk in one tensor-map copy each, three copies a chunk instead of nine. K3RUN_SM90_PRODUCER
+      // (bench/NOTES.md session 39).
       if (threadIdx.x / 32 == NWG * 4) {
         const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
         const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
+        const bool tensor = producer == PRODUCER_TENSOR;
         Slot sl;
         int i = 0;  // chunks issued so far, over all segments
         for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
           const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
+          // a box past the last row block is zero-filled and still counted in full
+          const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;
           for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
             const int st = sl.st;
             const uint32_t bar = full0 + 8 * st;
             if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-            mbar_expect_tx_elect(bar, g.bytes);
+            mbar_expect_tx_elect(bar, bytes);
             bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
-            for (int rb = 0; rb < g.nrb; ++rb) {
-              const size_t blk = size_t(g.rb0 + rb) * CH + c;
-              bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
-              bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
+            if (tensor) {
+              tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
+              tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
+            } else {
+              for (int rb = 0; rb < g.nrb; ++rb) {
+                const size_t blk = size_t(g.rb0 + rb) * CH + c;
+                bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
+                bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
+              }
             }
             __syncwarp();
           }
@@ -615,11 +643,38 @@ __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, in
 
 namespace k3w {
 
+// The tensor producer's maps: the tiled128 codes as uint32 [row_blocks][CH][256] (a 16-row block's 128-wide
+// chunk is 1 KB, blocks of a row block consecutive) and the scales as [row_blocks][CH][32]; a box is one chunk
+// of a CTA's four row blocks, rows past the last block zero-filled.
+static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "w4a16_gemm: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<Encode>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {cuuint64_t(words), cuuint64_t(CH), cuuint64_t(row_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(words) * 4, cuuint64_t(words) * 4 * CH};
+  const cuuint32_t box[3] = {cuuint32_t(words), 1, 4};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, base, dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "w4a16_gemm: cuTensorMapEncodeTiled failed (CUresult ", int(r), ")");
+  return map;
+}
+
 template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, int warp_issue, int sk, cudaStream_t stream) {
+                   int stages, int t_tiles, int producer, int sk, cudaStream_t stream) {
   auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
@@ -630,13 +685,23 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const dim3 grid = sk > 0 ? dim3(sk, 1) : dim3(n_tiles * t_tiles, split);
   const bool partials = sk > 1 || split > 1;  // one stream-K CTA owns every tile whole
+  CUtensorMap tm_w{}, tm_s{};
+  if (NWG != 1) producer = PRODUCER_THREAD;  // the warp forms exist for one consumer warpgroup
+  if (producer == PRODUCER_TENSOR) {
+    if (reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 || reinterpret_cast<uintptr_t>(s.data_ptr()) % 16) {
+      producer = PRODUCER_WARP;  // a tensor map needs a 16-byte aligned base: the same copies one by one
+    } else {
+      tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256);
+      tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32);
+    }
+  }
   kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
       static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),
       gs.data_ptr<float>(),
       gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
       partials ? ws.data_ptr<float>() : nullptr, partials ? cnt.data_ptr<int>() : nullptr, M, N,
-      int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, n_tiles * t_tiles, warp_issue, sk,
-      sk > 0 ? n_tiles * t_tiles * (CH / 2) / sk : 0, sk > 0 ? n_tiles * t_tiles * (CH / 2) % sk : 0);
+      int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, n_tiles * t_tiles, producer, sk,
+      sk > 0 ? n_tiles * t_tiles * (CH / 2) / sk : 0, sk > 0 ? n_tiles * t_tiles * (CH / 2) % sk : 0, tm_w, tm_s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -675,7 +740,7 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
 
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
-                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t warp_issue,
+                int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer,
                 int64_t sk) {
   const int CH = xt.size(1), t_tiles = xt.size(0);
   TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
@@ -688,10 +753,10 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 #define K3W_RUN(B, G, K)                                                                                       \
   if (bf16)                                                                                                    \
     k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,               \
-                               int(warp_issue), sk, stream);                                                   \
+                               int(producer), sk, stream);                                                   \
   else                                                                                                         \
     k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,              \
-                                int(warp_issue), sk, stream);                                                  \
+                                int(producer), sk, stream);                                                  \
   return;
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G && sk == 0) {                                                                        \
@@ -718,7 +783,8 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
                                                           const float*, int, const void*, void*, int, float*, \
                                                           int*, int, int, int, int, int, int, int, int, int, int, \
-                                                          int);
+                                                          int, const __grid_constant__ CUtensorMap, \
+                                                          const __grid_constant__ CUtensorMap);
 K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
 K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
 K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)

@@ -75,7 +75,7 @@ def _build():
         "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
         "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
-        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t warp_issue, "
+        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
         "int64_t sk);\n"
     )
     return load_inline(
@@ -153,6 +153,12 @@ SK_BELOW_FILL = 0.9
 # BT 128, one consumer warpgroup: the kernel is compiled for one CTA an SM, but its 159 registers (ptxas,
 # CUDA 13.0) let two share an SM where their rings fit the shared memory together (<= 3 slots)
 BT128_CTAS_PER_SM_SHARED = 2
+
+
+# the producer's forms (PRODUCER_* in the .cu file, by index): one thread issuing the nine bulk copies of a
+# chunk; the whole warp walking the ring with one elected lane issuing them; that warp moving a chunk's four
+# row blocks of codes and of scales by one tensor-map copy each (three copies a chunk)
+PRODUCERS = ("thread", "warp", "tensor")
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -302,15 +308,15 @@ def nvfp4_sm90_gemm(
     *,
     config: tuple[int, int, int, int] | None = None,
     sk_ctas: int | None = None,
-    warp_issue: bool | None = None,
+    producer: str | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks or 0 for
     stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
-    instead (1 .. the tiles' chunk pairs; tests and benches). warp_issue: with one consumer warpgroup, the
-    producer's whole warp walks the ring and one lane issues the copies (None: K3RUN_SM90_WARP_ISSUE); the
-    same copies in the same order either way. Call `available(x.device)` first."""
+    instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed with one
+    consumer warpgroup, one of PRODUCERS (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots
+    whichever. Call `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
@@ -338,24 +344,7 @@ def nvfp4_sm90_gemm(
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    if warp_issue is None:
-        warp_issue = knobs().sm90_warp_issue
-    _module.w4a16_gemm(
-        xt,
-        weight,
-        scale_u8,
-        global_scale,
-        bias,
-        y,
-        ws,
-        cnt,
-        m,
-        n,
-        bt,
-        nwg,
-        split,
-        stages,
-        int(warp_issue),
-        sk,
-    )
+    form = PRODUCERS.index(producer or knobs().sm90_producer)
+    args = (m, n, bt, nwg, split, stages, form, sk)
+    _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
