@@ -151,13 +151,15 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
 @pytest.mark.parametrize(
     "m, n, config, sk",
     [(9, 328, (16, 1, 2, 4), None), (100, 1000, (64, 1, 1, 3), None), (37, 1024, (32, 1, 0, 3), 7),
-     (200, 584, (256, 1, 1, 3), None), (70, 1024, (64, 2, 2, 3), None)],
+     (200, 584, (256, 1, 1, 3), None), (70, 1024, (64, 2, 2, 3), None), (9, 40, (16, 1, 1, 2), None),
+     (20, 16, (32, 1, 2, 3), None)],
 )  # fmt: skip
-def test_gpu_producer_forms_give_the_same_bits(m, n, config, sk) -> None:
+def test_gpu_producer_forms_give_the_same_bits(poison_empty, m, n, config, sk) -> None:
     """The producer's forms (one thread; the whole warp with one elected lane issuing; that with tensor-map
     copies of four row blocks, the rows past the last one zero-filled) put the same bytes into the same
     slots, so the output is bit-identical: odd shapes, a partial last row block, the fixed grid, split-K,
-    stream-K, and two consumer warpgroups (where only the thread form exists)."""
+    stream-K, two consumer warpgroups (where only the thread form exists), and matrices of three and one
+    row blocks (the tensor box of four reaching past the last)."""
     _need_kernel()
     k = 2048
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=11)

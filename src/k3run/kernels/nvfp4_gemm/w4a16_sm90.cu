@@ -388,6 +388,7 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
 // The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
 // whole warp with one elected lane issuing; that and tensor-map copies of a chunk's four row blocks.
 constexpr int PRODUCER_THREAD = 0, PRODUCER_WARP = 1, PRODUCER_TENSOR = 2;
+static_assert(PRODUCER_THREAD < PRODUCER_WARP && PRODUCER_WARP < PRODUCER_TENSOR, "producer forms in order");
 
 // Threads of a CTA: NWG consumer warpgroups, then the producer. With two consumer warpgroups the producer is a
 // whole warpgroup (setmaxnreg, which moves its registers to the consumers, acts on warpgroups); with one it is
@@ -442,44 +443,48 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
 
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
     if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (NWG == 1 && producer != PRODUCER_THREAD) {
-      // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
-      // elected lane issues each copy: in SASS a predicated UBLKCP with no loop around it, the copies'
-      // address work interleaved. Where one thread walks it (below), every copy is a serial ELECT /
-      // BRA.U.ANY loop. PRODUCER_TENSOR also moves the CTA's four row blocks' codes (and their scales) of a
-      // chunk in one tensor-map copy each, three copies a chunk instead of nine. K3RUN_SM90_PRODUCER
-      // (bench/NOTES.md session 39).
-      if (threadIdx.x / 32 == NWG * 4) {
-        const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
-        const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
-        const bool tensor = producer == PRODUCER_TENSOR;
-        Slot sl;
-        int i = 0;  // chunks issued so far, over all segments
-        for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
-          const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
-          // a box past the last row block is zero-filled and still counted in full
-          const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;
-          for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
-            const int st = sl.st;
-            const uint32_t bar = full0 + 8 * st;
-            if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-            mbar_expect_tx_elect(bar, bytes);
-            bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
-            if (tensor) {
-              tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
-              tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
-            } else {
-              for (int rb = 0; rb < g.nrb; ++rb) {
-                const size_t blk = size_t(g.rb0 + rb) * CH + c;
-                bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
-                bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
+    // one consumer warpgroup only: with two, setmaxnreg leaves the producer 40 registers, and the tensor
+    // box (and its byte count) is one CTA's four row blocks
+    if constexpr (NWG == 1) {
+      if (producer != PRODUCER_THREAD) {
+        // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
+        // elected lane issues each copy: in SASS a predicated UBLKCP with no loop around it, the copies'
+        // address work interleaved. Where one thread walks it (below), every copy is a serial ELECT /
+        // BRA.U.ANY loop. PRODUCER_TENSOR also moves the CTA's four row blocks' codes (and their scales) of a
+        // chunk in one tensor-map copy each, three copies a chunk instead of nine. K3RUN_SM90_PRODUCER
+        // (bench/NOTES.md session 39).
+        if (threadIdx.x / 32 == NWG * 4) {
+          const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
+          const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
+          const bool tensor = producer == PRODUCER_TENSOR;
+          Slot sl;
+          int i = 0;  // chunks issued so far, over all segments
+          for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+            const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
+            // a box past the last row block is zero-filled and still counted in full
+            const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;
+            for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
+              const int st = sl.st;
+              const uint32_t bar = full0 + 8 * st;
+              if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
+              mbar_expect_tx_elect(bar, bytes);
+              bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
+              if (tensor) {
+                tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
+                tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
+              } else {
+                for (int rb = 0; rb < g.nrb; ++rb) {
+                  const size_t blk = size_t(g.rb0 + rb) * CH + c;
+                  bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
+                  bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
+                }
               }
+              __syncwarp();
             }
-            __syncwarp();
-          }
-        });
+          });
+        }
+        return;
       }
-      return;
     }
     if (threadIdx.x == NWG * 128) {  // one thread issues every copy
       Slot sl;
@@ -641,19 +646,23 @@ __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, in
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <mutex>
+#include <unordered_map>
+
 namespace k3w {
 
 // The tensor producer's maps: the tiled128 codes as uint32 [row_blocks][CH][256] (a 16-row block's 128-wide
 // chunk is 1 KB, blocks of a row block consecutive) and the scales as [row_blocks][CH][32]; a box is one chunk
 // of a CTA's four row blocks, rows past the last block zero-filled.
-static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words) {
+static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int words) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
   static const Encode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    C10_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
                 "w4a16_gemm: the driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<Encode>(fn);
@@ -668,6 +677,32 @@ static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words) {
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "w4a16_gemm: cuTensorMapEncodeTiled failed (CUresult ", int(r), ")");
   return map;
+}
+
+// The maps by (base, row blocks, chunks, words): a map holds only the address and the shape, so one encoded
+// once serves every later launch on the same weight (the encode is host work each eager call otherwise).
+static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words) {
+  struct Key {
+    uintptr_t base;
+    int row_blocks, CH, words;
+    bool operator==(const Key& o) const {
+      return base == o.base && row_blocks == o.row_blocks && CH == o.CH && words == o.words;
+    }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      return std::hash<uintptr_t>()(k.base) ^ (size_t(k.row_blocks) << 1) ^ (size_t(k.CH) << 21) ^
+             (size_t(k.words) << 41);
+    }
+  };
+  static std::mutex lock;
+  static std::unordered_map<Key, CUtensorMap, Hash> maps;
+  const Key key{reinterpret_cast<uintptr_t>(base), row_blocks, CH, words};
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = maps.find(key);
+  if (it != maps.end()) return it->second;
+  if (maps.size() >= 4096) maps.clear();  // bounded: weights come and go
+  return maps.emplace(key, encode_tensor_map(base, row_blocks, CH, words)).first->second;
 }
 
 template <int BT, int NWG, bool BF16, bool SK>
@@ -688,12 +723,8 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   CUtensorMap tm_w{}, tm_s{};
   if (NWG != 1) producer = PRODUCER_THREAD;  // the warp forms exist for one consumer warpgroup
   if (producer == PRODUCER_TENSOR) {
-    if (reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 || reinterpret_cast<uintptr_t>(s.data_ptr()) % 16) {
-      producer = PRODUCER_WARP;  // a tensor map needs a 16-byte aligned base: the same copies one by one
-    } else {
-      tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256);
-      tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32);
-    }
+    tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256);
+    tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32);
   }
   kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
       static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),
@@ -748,6 +779,12 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
               "w4a16_gemm: stream-K over ", sk, " CTAs needs an even chunk count (", CH,
               ") and at least one chunk pair a CTA");
+  TORCH_CHECK(producer >= PRODUCER_THREAD && producer <= PRODUCER_TENSOR, "w4a16_gemm: producer form ",
+              producer, " is not 0 (thread), 1 (warp) or 2 (tensor)");
+  // every bulk and tensor copy reads 16-byte aligned sources
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
+              "w4a16_gemm: the codes and scales must start 16-byte aligned");
   const bool bf16 = y.scalar_type() == at::kBFloat16;
   auto stream = c10::cuda::getCurrentCUDAStream();
 #define K3W_RUN(B, G, K)                                                                                       \
