@@ -322,14 +322,18 @@ def test_stream_k_segments_cover_every_chunk_once(tiles, chunks, ctas) -> None:
 
 
 def test_producer_names_match_the_kernel_constants(monkeypatch) -> None:
-    """PRODUCERS (the names K3RUN_SM90_PRODUCER takes) index the .cu file's PRODUCER_* constants in order,
-    and the knob refuses any other name."""
+    """PRODUCERS index the .cu file's PRODUCER_* constants in order, K3RUN_SM90_PRODUCER takes each of them
+    (its parser lists the names on its own), and refuses any other name."""
     src = sm90.cuda_source()
     consts = dict(re.findall(r"PRODUCER_(\w+) = (\d)", src))
     assert {name.upper(): str(i) for i, name in enumerate(sm90.PRODUCERS)} == consts
-    monkeypatch.setenv("K3RUN_SM90_PRODUCER", "tma")
-    reset_knobs()
     try:
+        for name in sm90.PRODUCERS:
+            monkeypatch.setenv("K3RUN_SM90_PRODUCER", name)
+            reset_knobs()
+            assert knobs().sm90_producer == name
+        monkeypatch.setenv("K3RUN_SM90_PRODUCER", "tma")
+        reset_knobs()
         with pytest.raises(ValueError, match="K3RUN_SM90_PRODUCER"):
             knobs()
     finally:

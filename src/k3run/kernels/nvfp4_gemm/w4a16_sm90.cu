@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         // address work interleaved. Where one thread walks it (below), every copy is a serial ELECT /
         // BRA.U.ANY loop. PRODUCER_TENSOR also moves the CTA's four row blocks' codes (and their scales) of a
         // chunk in one tensor-map copy each, three copies a chunk instead of nine. K3RUN_SM90_PRODUCER
-        // (bench/NOTES.md session 39).
+        // chooses; bench/NOTES.md has why a lone CTA waits on its one-thread producer.
         if (threadIdx.x / 32 == NWG * 4) {
           const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
           const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);

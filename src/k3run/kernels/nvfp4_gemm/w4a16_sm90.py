@@ -227,12 +227,12 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
     more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
     shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
-    At BT 128 where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on the H100,
-    12288 x 7168 at 128 rows ran in 57.0 us against 75.1 us as two waves of one (bench/RESULTS.md run 152).
-    With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots (one wave
-    part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over one wave
-    (`stream_k_ctas`). Allowed by default up to K3RUN_SM90_STREAM_K rows (32): on the H100 it ran 1.08-1.25x
-    the fixed grid at 16 rows and 1.01-1.12x at 32, but 0.98x at 64 and 0.62-0.89x at 128-256 (run 152)."""
+    At BT 128 where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on an H100,
+    12288 x 7168 at 128 rows runs in 57 us this way against 75 us as two waves of one CTA an SM
+    (bench/RESULTS.md). With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots
+    (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
+    one wave (`stream_k_ctas`). Allowed by default up to K3RUN_SM90_STREAM_K rows (32): on an H100 it runs
+    1.08-1.25x the fixed grid at 16 rows and 1.01-1.12x at 32, but 0.98x at 64 and 0.62-0.89x at 128-256."""
     if stream_k is None:
         stream_k = m <= knobs().sm90_stream_k
     return _sm90_config(m, n, k, sms, stream_k)
