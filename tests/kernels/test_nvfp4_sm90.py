@@ -102,9 +102,8 @@ def test_gpu_stream_k(poison_empty, bt, stages, ctas, dtype) -> None:
 @pytest.mark.gpu
 def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypatch) -> None:
     """Ten stream-K calls give the same bits (the partials summed in the tile's piece order, whichever CTA
-    arrives last); by default (K3RUN_SM90_STREAM_K unset: up to 32 rows) nvfp4_linear's 32 rows of 7168 x
-    7168 (the CUDA GEMM's range starts at 17) run it (`sm90_config` says split_k 0) within the bound of the
-    fixed split's output."""
+    arrives last); with K3RUN_SM90_STREAM_K=32 nvfp4_linear's 32 rows of 7168 x 7168 (the CUDA GEMM's range
+    starts at 17) run it (`sm90_config` says split_k 0) within the bound of the fixed split's output."""
     from k3run.kernels.nvfp4_gemm import nvfp4_linear
 
     _need_kernel()
@@ -136,7 +135,7 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
             launches.append(args[-1])
             return real.w4a16_gemm(*args)
 
-    monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
+    monkeypatch.setenv("K3RUN_SM90_STREAM_K", "32")
     reset_knobs()
     assert fixed_cfg[2] > 0 and sm90.sm90_config(32, n, k, sms)[2] == 0
     monkeypatch.setattr(sm90, "_module", Spy)
@@ -257,8 +256,8 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     """With stream-K allowed: 16-64 and 256 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
     slots at 16 rows, 112 of 132 at 256) and 12288 x 7168 at 256 rows (192 CTAs: a second wave of 60 on 132
     SMs) take it; 12288 x 7168 at 16 rows (384 of 396) and 7168^2 at 4096 rows (1792 CTAs in 14 waves, 97%
-    full) keep the fixed grid; an odd chunk count never takes it. K3RUN_SM90_STREAM_K (rows, default 32)
-    decides when the caller does not."""
+    full) keep the fixed grid; an odd chunk count never takes it. K3RUN_SM90_STREAM_K (rows, default 0:
+    never) decides when the caller does not."""
     for m in (16, 32, 64, 256):
         bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132, stream_k=True)
         assert (nwg, split) == (1, 0) and sm90.config_ok(bt, nwg, split, stages, 56), m
@@ -272,7 +271,7 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[2] == 1
     assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
     try:
-        for env, takes in ((None, (16, 17, 32)), ("0", ()), ("64", (16, 17, 32, 33, 64))):
+        for env, takes in ((None, ()), ("32", (16, 17, 32)), ("64", (16, 17, 32, 33, 64))):
             if env is None:
                 monkeypatch.delenv("K3RUN_SM90_STREAM_K", raising=False)
             else:
@@ -293,6 +292,28 @@ def test_bt128_shares_sms_where_its_tiles_outnumber_them() -> None:
     assert sm90.sm90_config(128, 7168, 7168, 132, stream_k=False) == (128, 1, 1, 6)
     per_cta = sm90.smem_bytes(128, 1, 3) + 1024  # the driver's reserved 1 KB a CTA
     assert sm90.BT128_CTAS_PER_SM_SHARED * per_cta <= sm90.SM_SMEM
+
+
+def test_from_bt64_the_fixed_grid_keeps_one_deep_ring_an_sm() -> None:
+    """From BT 64 split_k stays within one CTA an SM where that fills SM_FILL of the SMs, and the ring is
+    as deep as the CTAs an SM actually hold allow: 7168^2 at 64 rows one CTA on 112 SMs with 8 slots,
+    12288 x 7168 192 CTAs (two on 60 SMs) with 5; a matrix whose one-CTA grid leaves most SMs idle keeps
+    the three-CTA split; up to BT 32 the three-CTA wave stays, its ring sized for the CTAs resident."""
+    assert sm90.sm90_config(64, 7168, 7168, 132) == (64, 1, 1, 8)
+    assert sm90.sm90_config(48, 7168, 7168, 132) == (64, 1, 1, 8)
+    assert sm90.sm90_config(64, 12288, 7168, 132) == (64, 1, 1, 5)
+    assert sm90.sm90_config(64, 2304, 2048, 132) == (64, 1, 8, 3)  # 36 tiles: split 8 over 288 CTAs
+    assert 2 * sm90.smem_bytes(64, 1, 5) <= sm90.SM_SMEM < 2 * sm90.smem_bytes(64, 1, 6)
+    assert sm90.sm90_config(32, 7168, 7168, 132) == (32, 1, 2, 8)  # 224 CTAs: two an SM, 8 slots each
+    assert sm90.sm90_config(32, 12288, 7168, 132) == (32, 1, 2, 5)  # 384 CTAs: three an SM
+
+
+def test_auto_producer_is_tensor_on_the_one_warpgroup_fixed_grid() -> None:
+    assert sm90._producer("auto", 1, 0) == "tensor"
+    assert sm90._producer("auto", 1, 396) == "thread"  # stream-K
+    assert sm90._producer("auto", 2, 0) == "thread"  # two consumer warpgroups: the thread form only
+    for name in sm90.PRODUCERS:
+        assert sm90._producer(name, 1, 0) == name
 
 
 @pytest.mark.parametrize(

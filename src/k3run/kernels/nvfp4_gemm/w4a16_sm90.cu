@@ -779,7 +779,7 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
               "w4a16_gemm: stream-K over ", sk, " CTAs needs an even chunk count (", CH,
               ") and at least one chunk pair a CTA");
-  TORCH_CHECK(producer >= PRODUCER_THREAD && producer <= PRODUCER_TENSOR, "w4a16_gemm: producer form ",
+  TORCH_CHECK(producer >= k3w::PRODUCER_THREAD && producer <= k3w::PRODUCER_TENSOR, "w4a16_gemm: producer form ",
               producer, " is not 0 (thread), 1 (warp) or 2 (tensor)");
   // every bulk and tensor copy reads 16-byte aligned sources
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&

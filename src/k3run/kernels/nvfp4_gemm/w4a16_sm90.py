@@ -153,12 +153,24 @@ SK_BELOW_FILL = 0.9
 # BT 128, one consumer warpgroup: the kernel is compiled for one CTA an SM, but its 159 registers (ptxas,
 # CUDA 13.0) let two share an SM where their rings fit the shared memory together (<= 3 slots)
 BT128_CTAS_PER_SM_SHARED = 2
+# from BT 64 the fixed grid keeps one CTA an SM where that fills at least this share of the SMs
+SM_FILL = 0.75
 
 
 # the producer's forms (PRODUCER_* in the .cu file, by index): one thread issuing the nine bulk copies of a
 # chunk; the whole warp walking the ring with one elected lane issuing them; that warp moving a chunk's four
 # row blocks of codes and of scales by one tensor-map copy each (three copies a chunk)
 PRODUCERS = ("thread", "warp", "tensor")
+
+
+def _producer(name: str, nwg: int, sk: int) -> str:
+    """The producer form `name` resolves to: auto is tensor on the fixed grid with one consumer warpgroup
+    (1.02-1.10x the one-thread form at 16-64 rows on an H100) and thread for stream-K (where tensor and
+    warp measured 0.89-0.95x the one-thread form at 16 rows, 1.00-1.04x at 32) and for two warpgroups
+    (where only the thread form exists)."""
+    if name != "auto":
+        return name
+    return "tensor" if nwg == 1 and sk == 0 else "thread"
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -224,15 +236,17 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
 
     One consumer warpgroup (64 weight rows a CTA): on an H200 it beat two in every swept cell (7168x7168,
     12288x7168 at M = 16 / 32 / 64 / 256). The smallest token tile >= M (up to 256);
-    up to BT 64 three CTAs an SM (the kernel's register cap allows them; its decode is latency-bound, so
-    more resident warps are the point), one above; the deepest ring (<= 8 slots) whose CTAs fit the SM's
-    shared memory together; the largest split_k dividing the chunks that keeps the grid within one wave.
-    At BT 128 where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on an H100,
+    up to BT 64 three CTAs an SM (the kernel's register cap allows them), one above; the largest split_k
+    dividing the chunks that keeps the grid within one wave, where from BT 64 the wave is one CTA an SM
+    if that fills SM_FILL of the SMs (with the tensor producer one CTA's deep ring beat three shallow ones:
+    7168^2 at 64 rows 25.0 against 29.6 us on an H100); the deepest ring (<= 8 slots) whose CTAs fit the
+    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)). At BT 128 where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on an H100,
     12288 x 7168 at 128 rows runs in 57 us this way against 75 us as two waves of one CTA an SM
     (bench/RESULTS.md). With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots
     (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
-    one wave (`stream_k_ctas`). Allowed by default up to K3RUN_SM90_STREAM_K rows (32): on an H100 it runs
-    1.08-1.25x the fixed grid at 16 rows and 1.01-1.12x at 32, but 0.98x at 64 and 0.62-0.89x at 128-256."""
+    one wave (`stream_k_ctas`). Allowed up to K3RUN_SM90_STREAM_K rows (default 0, never): on an H100 it
+    ran 1.08-1.25x the thread producer's fixed grid at 16 rows, but the tensor producer's fixed grid
+    matches or beats it (0.98-1.10x at 16-32 rows), and stream-K's CTAs feed on the thread form."""
     if stream_k is None:
         stream_k = m <= knobs().sm90_stream_k
     return _sm90_config(m, n, k, sms, stream_k)
@@ -253,9 +267,16 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
     per_sm = fit(ctas_per_sm(bt, nwg))
     if bt == 128 and nwg == 1 and tiles > per_sm * sms:
         per_sm = fit(BT128_CTAS_PER_SM_SHARED)
+    # split_k: the most CTAs within one wave of per_sm an SM; from BT 64 within one CTA an SM where that
+    # still fills SM_FILL of the SMs (with the tensor producer one CTA's deeper ring beat more CTAs' shallow
+    # rings: 7168^2 at 64 rows 25.0 us against 29.6 on an H100)
+    one = [d for d in _divisors(chunks) if tiles * d <= sms]
     within = [d for d in _divisors(chunks) if tiles * d <= per_sm * sms]
+    if bt >= 64 and (not one or tiles * max(one) >= SM_FILL * sms):
+        within = one
     split = max(within) if within else 1
     per_cta = chunks // split
+    resident = min(per_sm, -(-tiles * split // sms))  # CTAs an SM actually holds: the ring's depth follows
     if (
         stream_k
         and chunks % 2 == 0
@@ -264,12 +285,13 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
     ):
         per_sm = fit(ctas_per_sm(bt, nwg, True))
         split, per_cta = 0, -(-tiles * chunks // stream_k_ctas(bt, tiles, chunks, sms))
+        resident = per_sm
     stages = 2
     while (
         stages < 8
         and stages < per_cta + 2
         and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT
-        and per_sm * smem_bytes(bt, nwg, stages + 1) <= SM_SMEM
+        and resident * smem_bytes(bt, nwg, stages + 1) <= SM_SMEM
     ):
         stages += 1
     return bt, nwg, split, stages
@@ -315,8 +337,8 @@ def nvfp4_sm90_gemm(
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks or 0 for
     stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
     instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed with one
-    consumer warpgroup, one of PRODUCERS (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots
-    whichever. Call `available(x.device)` first."""
+    consumer warpgroup, one of PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same
+    slots whichever. Call `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
@@ -344,7 +366,7 @@ def nvfp4_sm90_gemm(
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    form = PRODUCERS.index(producer or knobs().sm90_producer)
+    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, nwg, sk))
     args = (m, n, bt, nwg, split, stages, form, sk)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
