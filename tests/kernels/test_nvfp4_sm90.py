@@ -605,3 +605,33 @@ def test_config_ok_refuses_launches_the_kernel_does_not_have() -> None:
     assert not sm90.config_ok(48, 1, 1, 4, 56)  # no 48-token tile
     assert not sm90.config_ok(128, 2, 1, 1, 56)  # a ring needs two slots
     assert not sm90.config_ok(256, 1, 1, 4, 56)  # four 68 KB slots exceed the shared memory
+
+
+def test_compiles_with_torch_headers(tmp_path) -> None:
+    """The whole source, launcher included, compiles as `load_inline` builds it on a GPU machine (torch's
+    headers, the same defines), to PTX only: the standalone SASS build leaves the launcher out, and a
+    launcher error otherwise shows first on the GPU. Where torch's CPU wheel lacks its CUDA build-config
+    header, an empty one stands in (it only holds build macros)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    nvcc = _tool("nvcc")
+    py_include = sysconfig.get_paths()["include"]
+    if nvcc is None or not Path(py_include, "Python.h").exists():
+        pytest.skip("needs nvcc and Python's headers")
+    stub = tmp_path / "inc" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    (tmp_path / "k.cu").write_text(sm90.cuda_source())
+    cmd = [nvcc, "-c", "-std=c++17", "-gencode=arch=compute_90a,code=compute_90a", "--expt-relaxed-constexpr",
+           "-DTORCH_EXTENSION_NAME=k3run_w4a16_sm90", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+           "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+           *[f"-I{p}" for p in include_paths()], f"-I{tmp_path / 'inc'}", f"-I{py_include}",
+           "-o", str(tmp_path / "k.o"), str(tmp_path / "k.cu")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 and "Unsupported gpu architecture" in res.stderr:
+        pytest.skip(f"this nvcc cannot build sm_90a: {res.stderr[:200]}")
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert res.returncode == 0, "\n".join(errors[:20]) or res.stderr[-3000:]
