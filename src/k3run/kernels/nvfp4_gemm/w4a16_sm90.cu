@@ -661,8 +661,12 @@ static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int wor
   static const Encode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
     C10_CUDA_CHECK(
         cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+#else  // toolkits 12.0-12.4 have only the unversioned query
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
     TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
                 "w4a16_gemm: the driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<Encode>(fn);
