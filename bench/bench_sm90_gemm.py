@@ -3,13 +3,13 @@ engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
 (common.graph_ms): the CUDA kernel with its default config (`sm90_config`; stream-K where it leaves the fixed
-grid, up to K3RUN_SM90_STREAM_K rows, none by default), the fixed grid's default config beside it (the same-run
-baseline, as a ratio) and the best of a config sweep (split_k 0 = stream-K); the Gluon wgmma kernel's default
-(the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS; cuBLAS bf16;
-Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background, timed in a second
-pass beside the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at the copy bandwidth
-measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of the CUDA kernel's output against the fp32
-reference on every cell.
+grid, up to K3RUN_SM90_STREAM_K rows, none by default), the fixed grid's default config beside it (the
+same-run baseline, as a ratio) and the best of a config sweep (split_k 0 = stream-K); the Gluon wgmma kernel's
+default (the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS; cuBLAS
+bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background, timed in a
+second pass beside the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at the copy
+bandwidth measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of the CUDA kernel's output against
+the fp32 reference on every cell.
 
     PYTHONPATH=src python3 bench/bench_sm90_gemm.py [--shapes 7168x7168,...] [--ms 16,64] [--peers .peers]
 """

@@ -215,7 +215,7 @@ class Knobs:
         "CUDA sm_90: how the CUDA C++ NVFP4 GEMM's producer feeds its ring: thread (one thread issues the 9 "
         "bulk copies a chunk), warp (the whole warp walks the ring, one elected lane issues them), tensor "
         "(that, with one tensor-map copy for the chunk's codes and one for its scales), auto (tensor on the "
-        "fixed grid with one consumer warpgroup, H100: 1.02-1.10x thread at 16-64 rows; thread for "
+        "fixed grid, H100: 1.02-1.10x thread at 16-64 rows with one consumer warpgroup; thread for "
         "stream-K, where tensor measured 0.95-0.89x at 16 rows)",
     )  # fmt: skip
     pdl_all: bool = _knob(

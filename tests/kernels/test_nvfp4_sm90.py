@@ -151,14 +151,14 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
     "m, n, config, sk",
     [(9, 328, (16, 1, 2, 4), None), (100, 1000, (64, 1, 1, 3), None), (37, 1024, (32, 1, 0, 3), 7),
      (200, 584, (256, 1, 1, 3), None), (70, 1024, (64, 2, 2, 3), None), (9, 40, (16, 1, 1, 2), None),
-     (20, 16, (32, 1, 2, 3), None)],
+     (20, 16, (32, 1, 2, 3), None), (33, 200, (32, 2, 4, 2), None), (130, 1000, (128, 2, 1, 3), None)],
 )  # fmt: skip
 def test_gpu_producer_forms_give_the_same_bits(poison_empty, m, n, config, sk) -> None:
     """The producer's forms (one thread; the whole warp with one elected lane issuing; that with tensor-map
-    copies of four row blocks, the rows past the last one zero-filled) put the same bytes into the same
-    slots, so the output is bit-identical: odd shapes, a partial last row block, the fixed grid, split-K,
-    stream-K, two consumer warpgroups (where only the thread form exists), and matrices of three and one
-    row blocks (the tensor box of four reaching past the last)."""
+    copies of the CTA's 4 or 8 row blocks, the rows past the last one zero-filled) put the same bytes into
+    the same slots, so the output is bit-identical: odd shapes, a partial last row block, the fixed grid,
+    split-K, stream-K, two consumer warpgroups (an 8-block box; 200 rows: 13 blocks, the second CTA's box
+    three past the end), and matrices of three and one row blocks (the box reaching past the last)."""
     _need_kernel()
     k = 2048
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=11)
@@ -308,10 +308,10 @@ def test_from_bt64_the_fixed_grid_keeps_one_deep_ring_an_sm() -> None:
     assert sm90.sm90_config(32, 12288, 7168, 132) == (32, 1, 2, 5)  # 384 CTAs: three an SM
 
 
-def test_auto_producer_is_tensor_on_the_one_warpgroup_fixed_grid() -> None:
+def test_auto_producer_is_tensor_on_the_fixed_grid() -> None:
     assert sm90._producer("auto", 1, 0) == "tensor"
     assert sm90._producer("auto", 1, 396) == "thread"  # stream-K
-    assert sm90._producer("auto", 2, 0) == "thread"  # two consumer warpgroups: the thread form only
+    assert sm90._producer("auto", 2, 0) == "tensor"  # two consumer warpgroups: an 8-row-block box
     for name in sm90.PRODUCERS:
         assert sm90._producer(name, 1, 0) == name
 

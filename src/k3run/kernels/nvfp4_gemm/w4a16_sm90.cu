@@ -11,10 +11,10 @@
 // The product is the swapped one of the Gluon kernel: acc[n, t] = sum_k W[n, k] x[t, k]; the weights are
 // wgmma's A operand (64 rows per consumer warpgroup), a tile of BT tokens its B operand (K-major, 128-byte
 // swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and a producer (one warp beside one
-// consumer warpgroup, a warpgroup beside two: cta_threads) whose one thread issues bulk copies
-// (cp.async.bulk, completion on an mbarrier) into a ring of STAGES slots; a slot holds one 128-wide K chunk:
-// x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the tiled128 words of NWG * 4 16-row
-// blocks (1 KB each) and their scale bytes (128 B each).
+// consumer warpgroup, a warpgroup beside two: cta_threads) that issues bulk copies (cp.async.bulk or
+// tensor-map copies, completion on an mbarrier; the producer's forms below) into a ring of STAGES slots; a
+// slot holds one 128-wide K chunk: x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the
+// tiled128 words of NWG * 4 16-row blocks (1 KB each) and their scale bytes (128 B each).
 // Consumer thread (warp w of its warpgroup, lane = 4g + t) owns weight rows 16w + g and 16w + g + 8 and words
 // 4t..4t+3 of each: two 16-byte shared loads per chunk. Word 4t + b decodes (the decode kernels' shift
 // decoder, tile.word_asm) into the pairs of physical k = 16t + 4b + 2p + e (low half of the chunk, p = 0, 1)
@@ -442,49 +442,49 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   __syncthreads();
 
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
-    if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    // one consumer warpgroup only: with two, setmaxnreg leaves the producer 40 registers, and the tensor
-    // box (and its byte count) is one CTA's four row blocks
-    if constexpr (NWG == 1) {
-      if (producer != PRODUCER_THREAD) {
-        // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
-        // elected lane issues each copy: in SASS a predicated UBLKCP with no loop around it, the copies'
-        // address work interleaved. Where one thread walks it (below), every copy is a serial ELECT /
-        // BRA.U.ANY loop. PRODUCER_TENSOR also moves the CTA's four row blocks' codes (and their scales) of a
-        // chunk in one tensor-map copy each, three copies a chunk instead of nine. K3RUN_SM90_PRODUCER
-        // chooses; bench/NOTES.md has why a lone CTA waits on its one-thread producer.
-        if (threadIdx.x / 32 == NWG * 4) {
-          const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
-          const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
-          const bool tensor = producer == PRODUCER_TENSOR;
-          Slot sl;
-          int i = 0;  // chunks issued so far, over all segments
-          for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
-            const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
-            // a box past the last row block is zero-filled and still counted in full
-            const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;
-            for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
-              const int st = sl.st;
-              const uint32_t bar = full0 + 8 * st;
-              if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-              mbar_expect_tx_elect(bar, bytes);
-              bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
-              if (tensor) {
-                tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
-                tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
-              } else {
-                for (int rb = 0; rb < g.nrb; ++rb) {
-                  const size_t blk = size_t(g.rb0 + rb) * CH + c;
-                  bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
-                  bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
-                }
+    // 56 registers: at 40 ptxas spilled the warp forms' loop (the consumers use <= 155 of their 224; the
+    // SASS test pins no spill)
+    if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    if (producer != PRODUCER_THREAD) {
+      // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
+      // elected lane issues each copy: in SASS a predicated UBLKCP with no loop around it, the copies'
+      // address work interleaved. Where one thread walks it (below), every copy is a serial ELECT /
+      // BRA.U.ANY loop. PRODUCER_TENSOR also moves the CTA's NWG * 4 row blocks' codes (and their scales)
+      // of a chunk in one tensor-map copy each (the map's box is that many blocks), three copies a chunk
+      // instead of 1 + 2 * NWG * 4. With two consumer warpgroups the producer warpgroup's first warp walks
+      // the ring. K3RUN_SM90_PRODUCER chooses; bench/NOTES.md has why a lone CTA waits on its one-thread
+      // producer.
+      if (threadIdx.x / 32 == NWG * 4) {
+        const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
+        const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
+        const bool tensor = producer == PRODUCER_TENSOR;
+        Slot sl;
+        int i = 0;  // chunks issued so far, over all segments
+        for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+          const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
+          // a box past the last row block is zero-filled and still counted in full
+          const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;
+          for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
+            const int st = sl.st;
+            const uint32_t bar = full0 + 8 * st;
+            if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
+            mbar_expect_tx_elect(bar, bytes);
+            bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
+            if (tensor) {
+              tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
+              tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
+            } else {
+              for (int rb = 0; rb < g.nrb; ++rb) {
+                const size_t blk = size_t(g.rb0 + rb) * CH + c;
+                bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
+                bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
               }
-              __syncwarp();
             }
-          });
-        }
-        return;
+            __syncwarp();
+          }
+        });
       }
+      return;
     }
     if (threadIdx.x == NWG * 128) {  // one thread issues every copy
       Slot sl;
@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   }
 
   // ---- consumer warpgroups
-  if constexpr (NWG > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  if constexpr (NWG > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -653,8 +653,8 @@ namespace k3w {
 
 // The tensor producer's maps: the tiled128 codes as uint32 [row_blocks][CH][256] (a 16-row block's 128-wide
 // chunk is 1 KB, blocks of a row block consecutive) and the scales as [row_blocks][CH][32]; a box is one chunk
-// of a CTA's four row blocks, rows past the last block zero-filled.
-static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int words) {
+// of a CTA's `box_rows` row blocks, rows past the last block zero-filled.
+static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int words, int box_rows) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -674,7 +674,7 @@ static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int wor
   CUtensorMap map;
   const cuuint64_t dims[3] = {cuuint64_t(words), cuuint64_t(CH), cuuint64_t(row_blocks)};
   const cuuint64_t strides[2] = {cuuint64_t(words) * 4, cuuint64_t(words) * 4 * CH};
-  const cuuint32_t box[3] = {cuuint32_t(words), 1, 4};
+  const cuuint32_t box[3] = {cuuint32_t(words), 1, cuuint32_t(box_rows)};
   const cuuint32_t unit[3] = {1, 1, 1};
   const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, base, dims, strides, box, unit,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
@@ -683,30 +683,32 @@ static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int wor
   return map;
 }
 
-// The maps by (base, row blocks, chunks, words): a map holds only the address and the shape, so one encoded
-// once serves every later launch on the same weight (the encode is host work each eager call otherwise).
-static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words) {
+// The maps by (base, row blocks, chunks, words, box rows): a map holds only the address, the shape and the
+// box, so one encoded once serves every later launch on the same weight (the encode is host work each eager
+// call otherwise).
+static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words, int box_rows) {
   struct Key {
     uintptr_t base;
-    int row_blocks, CH, words;
+    int row_blocks, CH, words, box_rows;
     bool operator==(const Key& o) const {
-      return base == o.base && row_blocks == o.row_blocks && CH == o.CH && words == o.words;
+      return base == o.base && row_blocks == o.row_blocks && CH == o.CH && words == o.words &&
+             box_rows == o.box_rows;
     }
   };
   struct Hash {
     size_t operator()(const Key& k) const {
       return std::hash<uintptr_t>()(k.base) ^ (size_t(k.row_blocks) << 1) ^ (size_t(k.CH) << 21) ^
-             (size_t(k.words) << 41);
+             (size_t(k.words) << 41) ^ (size_t(k.box_rows) << 53);
     }
   };
   static std::mutex lock;
   static std::unordered_map<Key, CUtensorMap, Hash> maps;
-  const Key key{reinterpret_cast<uintptr_t>(base), row_blocks, CH, words};
+  const Key key{reinterpret_cast<uintptr_t>(base), row_blocks, CH, words, box_rows};
   std::lock_guard<std::mutex> guard(lock);
   auto it = maps.find(key);
   if (it != maps.end()) return it->second;
   if (maps.size() >= 4096) maps.clear();  // bounded: weights come and go
-  return maps.emplace(key, encode_tensor_map(base, row_blocks, CH, words)).first->second;
+  return maps.emplace(key, encode_tensor_map(base, row_blocks, CH, words, box_rows)).first->second;
 }
 
 template <int BT, int NWG, bool BF16, bool SK>
@@ -725,10 +727,9 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   const dim3 grid = sk > 0 ? dim3(sk, 1) : dim3(n_tiles * t_tiles, split);
   const bool partials = sk > 1 || split > 1;  // one stream-K CTA owns every tile whole
   CUtensorMap tm_w{}, tm_s{};
-  if (NWG != 1) producer = PRODUCER_THREAD;  // the warp forms exist for one consumer warpgroup
-  if (producer == PRODUCER_TENSOR) {
-    tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256);
-    tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32);
+  if (producer == PRODUCER_TENSOR) {  // a box is the CTA's NWG * 4 row blocks of one chunk
+    tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256, NWG * 4);
+    tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32, NWG * 4);
   }
   kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
       static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),

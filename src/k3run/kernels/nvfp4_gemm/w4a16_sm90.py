@@ -164,13 +164,13 @@ PRODUCERS = ("thread", "warp", "tensor")
 
 
 def _producer(name: str, nwg: int, sk: int) -> str:
-    """The producer form `name` resolves to: auto is tensor on the fixed grid with one consumer warpgroup
-    (1.02-1.10x the one-thread form at 16-64 rows on an H100) and thread for stream-K (where tensor and
-    warp measured 0.89-0.95x the one-thread form at 16 rows, 1.00-1.04x at 32) and for two warpgroups
-    (where only the thread form exists)."""
+    """The producer form `name` resolves to: auto is tensor on the fixed grid (with one consumer warpgroup
+    1.02-1.10x the one-thread form at 16-64 rows on an H100, 1.30x at 128; two warpgroups not yet timed)
+    and thread for stream-K (where tensor and warp measured 0.89-0.95x the one-thread form at 16 rows,
+    1.00-1.04x at 32)."""
     if name != "auto":
         return name
-    return "tensor" if nwg == 1 and sk == 0 else "thread"
+    return "tensor" if sk == 0 else "thread"
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -240,8 +240,9 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     dividing the chunks that keeps the grid within one wave, where from BT 64 the wave is one CTA an SM
     if that fills SM_FILL of the SMs (with the tensor producer one CTA's deep ring beat three shallow ones:
     7168^2 at 64 rows 25.0 against 29.6 us on an H100); the deepest ring (<= 8 slots) whose CTAs fit the
-    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)). At BT 128 where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on an H100,
-    12288 x 7168 at 128 rows runs in 57 us this way against 75 us as two waves of one CTA an SM
+    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)). At BT 128
+    where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on an H100, 12288 x 7168 at
+    128 rows runs in 57 us this way against 75 us as two waves of one CTA an SM
     (bench/RESULTS.md). With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots
     (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
     one wave (`stream_k_ctas`). Allowed up to K3RUN_SM90_STREAM_K rows (default 0, never): on an H100 it
