@@ -386,7 +386,7 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
 }
 
 // The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
-// whole warp with one elected lane issuing; that and tensor-map copies of a chunk's four row blocks.
+// whole warp with one elected lane issuing; that and tensor-map copies of a chunk's NWG * 4 row blocks.
 constexpr int PRODUCER_THREAD = 0, PRODUCER_WARP = 1, PRODUCER_TENSOR = 2;
 static_assert(PRODUCER_THREAD < PRODUCER_WARP && PRODUCER_WARP < PRODUCER_TENSOR, "producer forms in order");
 
@@ -784,8 +784,8 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
               "w4a16_gemm: stream-K over ", sk, " CTAs needs an even chunk count (", CH,
               ") and at least one chunk pair a CTA");
-  TORCH_CHECK(producer >= k3w::PRODUCER_THREAD && producer <= k3w::PRODUCER_TENSOR, "w4a16_gemm: producer form ",
-              producer, " is not 0 (thread), 1 (warp) or 2 (tensor)");
+  TORCH_CHECK(producer >= k3w::PRODUCER_THREAD && producer <= k3w::PRODUCER_TENSOR,
+              "w4a16_gemm: producer form ", producer, " is not 0 (thread), 1 (warp) or 2 (tensor)");
   // every bulk and tensor copy reads 16-byte aligned sources
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,

@@ -157,13 +157,14 @@ BT128_CTAS_PER_SM_SHARED = 2
 SM_FILL = 0.75
 
 
-# the producer's forms (PRODUCER_* in the .cu file, by index): one thread issuing the nine bulk copies of a
-# chunk; the whole warp walking the ring with one elected lane issuing them; that warp moving a chunk's four
-# row blocks of codes and of scales by one tensor-map copy each (three copies a chunk)
+# the producer's forms (PRODUCER_* in the .cu file, by index): one thread issuing a chunk's bulk copies (x,
+# then the codes and the scales of each of the CTA's row blocks); the whole warp walking the ring with one
+# elected lane issuing them; that warp moving the CTA's row blocks of codes and of scales by one tensor-map
+# copy each (three copies a chunk)
 PRODUCERS = ("thread", "warp", "tensor")
 
 
-def _producer(name: str, nwg: int, sk: int) -> str:
+def _producer(name: str, sk: int) -> str:
     """The producer form `name` resolves to: auto is tensor on the fixed grid (with one consumer warpgroup
     1.02-1.10x the one-thread form at 16-64 rows on an H100, 1.30x at 128; two warpgroups not yet timed)
     and thread for stream-K (where tensor and warp measured 0.89-0.95x the one-thread form at 16 rows,
@@ -337,9 +338,9 @@ def nvfp4_sm90_gemm(
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks or 0 for
     stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
-    instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed with one
-    consumer warpgroup, one of PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same
-    slots whichever. Call `available(x.device)` first."""
+    instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed, one of
+    PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. Call
+    `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
@@ -367,7 +368,7 @@ def nvfp4_sm90_gemm(
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, nwg, sk))
+    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk))
     args = (m, n, bt, nwg, split, stages, form, sk)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
