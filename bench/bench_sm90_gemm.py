@@ -48,7 +48,7 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     chunks = -(-k // 128)
-    bts = [b for b in sm90.TOKEN_TILES if min(m, 128) <= b <= max(16, 2 * m)]
+    bts = [b for b in sm90.TOKEN_TILES if min(m, 64) <= b <= max(16, 2 * m)]
     # split_k 0: stream-K
     cands = itertools.product(bts, sm90.WARPGROUPS, (0, 1, 2, 3, 4, 7, 8), (3, 4, 5, 6, 8))
     out = [c for c in cands if sm90.config_ok(*c, chunks)]

@@ -201,7 +201,8 @@ class Knobs:
     )  # fmt: skip
     sm90_cuda: bool = _knob(
         "K3RUN_SM90_CUDA", _flag, True,
-        "CUDA sm_90: NVFP4 linears of 17..256 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one)",
+        "CUDA sm_90: NVFP4 linears of 17..1024 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one "
+        "to 256 rows, dequantize + cuBLAS above)",
     )  # fmt: skip
     sm90_stream_k: int = _knob(
         "K3RUN_SM90_STREAM_K", _tokens_256, 0,

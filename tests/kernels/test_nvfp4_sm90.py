@@ -216,6 +216,37 @@ def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
     assert bool(((y.float() - y_gluon.float()).abs() <= bound).all())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [257, 1024])
+def test_gpu_linear_takes_it_above_256_rows(monkeypatch, m) -> None:
+    """257..MAX_M rows of a matrix it takes run this kernel (not dequantize + cuBLAS), within the bf16 bound
+    of the fp32 reference; past MAX_M they do not."""
+    from k3run.kernels.nvfp4_gemm import nvfp4_linear
+
+    _need_kernel()
+    monkeypatch.setenv("K3RUN_SM90_CUDA", "1")
+    reset_knobs()
+    n, k = 8200, 4096  # 32.0M weights, a partial last row block
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=6)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    calls: list[int] = []
+    real = sm90.nvfp4_sm90_gemm
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sm90, "nvfp4_sm90_gemm", spy)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = nvfp4_linear(x, tw)
+    assert calls == [m] and sm90.MAX_M >= 1024
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    assert bool(((y.float() - ref).abs() <= _bound(x, wd, gs, ref, torch.bfloat16)).all())
+    nvfp4_linear(torch.randn(sm90.MAX_M + 1, k, device="cuda").to(torch.bfloat16), tw)
+    assert calls == [m]
+
+
 def test_large_matrices_only(monkeypatch) -> None:
     """The kernel takes K3's matrices (7168 x 7168 and up), not Kimi Linear's (at most 12448 x 2304), and
     none with K3RUN_SM90_CUDA=0."""
@@ -253,12 +284,12 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
 
 
 def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> None:
-    """With stream-K allowed: 16-64 and 256 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
-    slots at 16 rows, 112 of 132 at 256) and 12288 x 7168 at 256 rows (192 CTAs: a second wave of 60 on 132
-    SMs) take it; 12288 x 7168 at 16 rows (384 of 396) and 7168^2 at 4096 rows (1792 CTAs in 14 waves, 97%
-    full) keep the fixed grid; an odd chunk count never takes it. K3RUN_SM90_STREAM_K (rows, default 0:
-    never) decides when the caller does not."""
-    for m in (16, 32, 64, 256):
+    """With stream-K allowed: 16-128 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
+    slots at 16 rows, 112 of 132 at 128) take it; 12288 x 7168 at 16 rows (384 of 396) keeps the fixed grid;
+    above 128 rows (two consumer warpgroups, which the stream-K kernel does not have) and with an odd chunk
+    count it is never taken. K3RUN_SM90_STREAM_K (rows, default 0: never) decides when the caller does
+    not."""
+    for m in (16, 32, 64, 128):
         bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132, stream_k=True)
         assert (nwg, split) == (1, 0) and sm90.config_ok(bt, nwg, split, stages, 56), m
         assert sm90.ctas_per_sm(bt, 1, True) * sm90.smem_bytes(bt, 1, stages) <= sm90.SM_SMEM
@@ -267,8 +298,8 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     assert sm90.stream_k_ctas(32, 112, 56, 132, stages=8) == 264  # two 103 KB rings an SM, not three
     assert sm90.stream_k_ctas(16, 2, 4, 132) == 2  # one CTA per two chunk pairs at least
     assert sm90.sm90_config(16, 12288, 7168, 132, stream_k=True)[2] == 2
-    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[2] == 0
-    assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[2] == 1
+    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
+    assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
     assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
     try:
         for env, takes in ((None, ()), ("32", (16, 17, 32)), ("64", (16, 17, 32, 33, 64))):
@@ -284,14 +315,22 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
         reset_knobs()
 
 
-def test_bt128_shares_sms_where_its_tiles_outnumber_them() -> None:
-    """At BT 128 (65..128 rows) a grid of more tiles than SMs keeps rings of <= 3 slots, so two CTAs share
-    an SM (its shared memory holds both); a grid within one wave keeps the one-CTA rule (the deepest ring)."""
-    assert sm90.sm90_config(128, 12288, 7168, 132, stream_k=False) == (128, 1, 1, 3)
-    assert sm90.sm90_config(100, 12288, 7168, 132, stream_k=False) == (128, 1, 1, 3)
+def test_bt128_takes_two_warpgroups_where_one_warpgroups_tiles_outnumber_the_sms() -> None:
+    """At BT 128 (65..128 rows) 12288 rows are 192 one-warpgroup tiles on 132 SMs: two consumer warpgroups
+    (96 CTAs, one wave, the deepest ring); 7168 rows (112 tiles) keep one warpgroup."""
+    assert sm90.sm90_config(128, 12288, 7168, 132, stream_k=False) == (128, 2, 1, 5)
+    assert sm90.sm90_config(100, 12288, 7168, 132, stream_k=False) == (128, 2, 1, 5)
     assert sm90.sm90_config(128, 7168, 7168, 132, stream_k=False) == (128, 1, 1, 6)
-    per_cta = sm90.smem_bytes(128, 1, 3) + 1024  # the driver's reserved 1 KB a CTA
-    assert sm90.BT128_CTAS_PER_SM_SHARED * per_cta <= sm90.SM_SMEM
+    assert sm90.sm90_config(64, 12288, 7168, 132, stream_k=False)[1] == 1
+
+
+def test_above_128_rows_two_warpgroups_share_a_128_token_tile() -> None:
+    """129.. rows: BT 128 with two consumer warpgroups, one CTA an SM, the deepest ring that fits (5 slots of
+    ~41 KB); 7168^2 at 256 rows is 112 CTAs (56 column tiles of 128 rows x 2 token tiles) in one wave."""
+    for m in (129, 256, 4096):
+        assert sm90.sm90_config(m, 7168, 7168, 132) == (128, 2, 1, 5), m
+    assert sm90.smem_bytes(128, 2, 5) <= sm90.SMEM_LIMIT < sm90.smem_bytes(128, 2, 6)
+    assert sm90.sm90_config(128, 7168, 7168, 132)[1] == 1
 
 
 def test_from_bt64_the_fixed_grid_keeps_one_deep_ring_an_sm() -> None:
@@ -407,19 +446,13 @@ def standalone_build(tmp_path_factory):
 
 
 def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
-    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation; BT 128's
-    fixed-grid kernel uses few enough registers for `sm90_config`'s two CTAs an SM."""
+    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation."""
     report, _ = standalone_build
     assert "wgmma.mma_async instructions are serialized" not in report, report
     assert re.findall(r"(\d+) bytes spill stores", report) and all(
         v == "0" for v in re.findall(r"(\d+) bytes spill stores", report)
     ), report
     assert all(v == "0" for v in re.findall(r"(\d+) bytes stack frame", report)), report
-    # BT 128's fixed-grid kernels (one consumer warpgroup, 160 threads) fit BT128_CTAS_PER_SM_SHARED an SM
-    used = re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", report, re.S)
-    bt128 = [int(r) for name, r in used if re.search(r"w4a16_kernelILi128ELi1ELb[01]ELb0E", name)]
-    assert bt128, used
-    assert all(sm90.BT128_CTAS_PER_SM_SHARED * 160 * -(-r // 8) * 8 <= 65536 for r in bt128), bt128
 
 
 def _pair_loops(code):

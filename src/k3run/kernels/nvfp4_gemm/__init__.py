@@ -2,13 +2,13 @@
 `config.py` picks the kernel and launch for M rows; every public name of both is re-exported here.
 
 CUDA inputs (`choose_config` picks, `nvfp4_linear` runs): the Gluon decode kernel (gluon_gemv.py) up to 32
-rows (33..64 in two launches on large matrices); on sm_90 for 17..256 rows the CUDA C++ GEMM of
-w4a16_sm90.cu on matrices of >= 32M weights (built at first use), the Gluon wgmma GEMM of wgmma.py on
-smaller ones from 33 rows (17..32 rows stay on the decode kernel there), where the CUDA GEMM cannot be
-built, or with K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM
-(tile.py) up to 128 rows; dequantize + cuBLAS above. CPU inputs run cpu.py (compiled loops or the SIMD
-extension on large matrices, the fp32 reference otherwise). `nvfp4_to_fp8_block` is the opt-in, lossy
-conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`; quant/schemes.py says where it is used).
+rows (33..64 in two launches on large matrices); on sm_90 for 17..1024 rows the CUDA C++ GEMM of w4a16_sm90.cu
+on matrices of >= 32M weights (built at first use), for 17..256 the Gluon wgmma GEMM of wgmma.py on smaller
+ones from 33 rows (17..32 rows stay on the decode kernel there), where the CUDA GEMM cannot be built, or with
+K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM (tile.py) up to 128 rows; dequantize + cuBLAS above.
+CPU inputs run cpu.py (compiled loops or the SIMD extension on large matrices, the fp32 reference otherwise).
+`nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`;
+quant/schemes.py says where it is used).
 """
 
 from __future__ import annotations
@@ -137,9 +137,9 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
 
 
 def _wgmma(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """17..256 rows on sm_90: the CUDA C++ GEMM on large matrices where enabled and built
-    (w4a16_sm90.takes), else the Gluon wgmma GEMM; None (and the Gluon kernel disabled) when Triton cannot
-    build it."""
+    """17..256 rows on sm_90 (17..w4a16_sm90.MAX_M on the matrices it takes): the CUDA C++ GEMM on large
+    matrices where enabled and built (w4a16_sm90.takes), else the Gluon wgmma GEMM; None (and the Gluon
+    kernel disabled) when Triton cannot build it."""
     from k3run.kernels.build_errors import BUILD_ERRORS, triton_build_failed
 
     from . import w4a16_sm90
@@ -187,6 +187,11 @@ def _cuda_config(x2: torch.Tensor, w: NvFp4Weight, config: GemmConfig | None) ->
     )
     if (cfg.tile or cfg.wgmma) and not (tiled and half):
         cfg = GemmConfig(dequant_mm=True)
+    if config is None and cfg.dequant_mm and tiled and half and WGMMA_MAX_M < x2.shape[0]:
+        from . import w4a16_sm90
+
+        if x2.shape[0] <= w4a16_sm90.MAX_M and w4a16_sm90.takes(w.n, w.k) and w4a16_sm90.available(x2.device):
+            cfg = GemmConfig(wgmma=True)  # _wgmma runs the CUDA C++ GEMM on what it takes
     if tiled and not (cfg.dequant_mm or cfg.tile or cfg.wgmma or (cfg.gemv and cfg.smem_stages)):
         raise ValueError(
             "nvfp4 linear: a tiled128 weight runs the cp.async decode kernel, the tile GEMM or dequantize + "

@@ -93,21 +93,26 @@ def _build():
 # 2304 / 4096, at most 29M weights a matrix) its 123 calls took 1081 us plus 169 us of x preparation (one
 # more launch a call) against the Gluon kernel's 1093 us (bench/RESULTS.md)
 MIN_WEIGHTS = 32 << 20
+# the most rows nvfp4_linear runs here; 257.. rows are otherwise dequantize + cuBLAS, which this kernel beat
+# 1.38-1.47x at 512 rows and 1.06-1.09x at 1024 on 7168^2 / 12288x7168 / 7168x12288, and lost to at 4096
+# (0.89-0.92x; H100, bench/RESULTS.md run 166)
+MAX_M = 1024
 
 
 def enabled() -> bool:
-    """Whether this kernel may run nvfp4_linear's calls of 17..256 rows on sm_90: unless `K3RUN_SM90_CUDA=0`
+    """Whether this kernel may run nvfp4_linear's calls of 17..MAX_M rows on sm_90: unless `K3RUN_SM90_CUDA=0`
     (read once)."""
     return knobs().sm90_cuda
 
 
 def takes(n: int, k: int) -> bool:
-    """Whether nvfp4_linear runs an N x K weight of 17..256 rows here (enabled, at least MIN_WEIGHTS weights)
-    rather than on the Gluon wgmma kernel; `available` still decides whether it can."""
+    """Whether nvfp4_linear runs an N x K weight of 17..MAX_M rows here (enabled, at least MIN_WEIGHTS
+    weights) rather than on the Gluon wgmma kernel (17..256) or dequantize + cuBLAS (257..); `available`
+    still decides whether it can."""
     return enabled() and n * k >= MIN_WEIGHTS
 
 
-@functools.cache  # available() runs on every nvfp4_linear call of 17..256 rows when enabled
+@functools.cache  # available() runs on every nvfp4_linear call of 17..MAX_M rows when enabled
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
@@ -150,11 +155,15 @@ CTAS_PER_SM_SMALL_BT = 3
 SK_MIN_PAIRS = 2
 # the fixed grid fills less than this share of its waves' CTA slots: stream-K (up to K3RUN_SM90_STREAM_K rows)
 SK_BELOW_FILL = 0.9
-# BT 128, one consumer warpgroup: the kernel is compiled for one CTA an SM, but its 159 registers (ptxas,
-# CUDA 13.0) let two share an SM where their rings fit the shared memory together (<= 3 slots)
-BT128_CTAS_PER_SM_SHARED = 2
 # from BT 64 the fixed grid keeps one CTA an SM where that fills at least this share of the SMs
 SM_FILL = 0.75
+# above this many rows a CTA is two consumer warpgroups over a 128-token tile (128 x 128 outputs), not one
+# over a 256-token tile (64 x 256): on an H100 at 256 rows (128, 2, 1, 4) ran 45.0 / 88.2 / 76.1 us on 7168^2
+# / 12288x7168 / 7168x12288 against 51.9 / 99.9 / 85.2 for (256, 1, 1, 3); at 16-64 rows two warpgroups were
+# within 0.89-1.06x of one (bench/RESULTS.md run 165). At 65..128 rows (BT 128) two where one warpgroup's
+# tiles outnumber the SMs: 12288x7168 at 128 rows 44.1 us against 51.5 for the best one-warpgroup config (two
+# CTAs an SM); where one warpgroup's tiles fit one wave it stays (7168^2 31.0 against 40.7; run 166)
+TWO_WG_ABOVE_M = 128
 
 
 # the producer's forms (PRODUCER_* in the .cu file, by index): one thread issuing a chunk's bulk copies (x,
@@ -235,16 +244,17 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs; stream_k:
     whether stream-K may be chosen (None: M <= K3RUN_SM90_STREAM_K).
 
-    One consumer warpgroup (64 weight rows a CTA): on an H200 it beat two in every swept cell (7168x7168,
-    12288x7168 at M = 16 / 32 / 64 / 256). The smallest token tile >= M (up to 256);
+    Up to TWO_WG_ABOVE_M rows one consumer warpgroup (64 weight rows a CTA) over the smallest token tile
+    >= M; above, and at BT 128 where one warpgroup's tiles outnumber the SMs, two (128 weight rows) over
+    128-token tiles (with the tensor producer 1.12-1.15x one warpgroup's 256-token tile at 256 rows and
+    1.17x two one-warpgroup CTAs an SM at 128 rows of 12288x7168, on an H100; one warpgroup was as fast or
+    faster at 16-64 rows and where its tiles fit one wave; see TWO_WG_ABOVE_M);
     up to BT 64 three CTAs an SM (the kernel's register cap allows them), one above; the largest split_k
     dividing the chunks that keeps the grid within one wave, where from BT 64 the wave is one CTA an SM
     if that fills SM_FILL of the SMs (with the tensor producer one CTA's deep ring beat three shallow ones:
     7168^2 at 64 rows 25.0 against 29.6 us on an H100); the deepest ring (<= 8 slots) whose CTAs fit the
-    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)). At BT 128
-    where the tiles outnumber the SMs, two CTAs an SM (rings of <= 3 slots): on an H100, 12288 x 7168 at
-    128 rows runs in 57 us this way against 75 us as two waves of one CTA an SM
-    (bench/RESULTS.md). With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots
+    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)), bench/RESULTS.md.
+    With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots
     (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
     one wave (`stream_k_ctas`). Allowed up to K3RUN_SM90_STREAM_K rows (default 0, never): on an H100 it
     ran 1.08-1.25x the thread producer's fixed grid at 16 rows, but the tensor producer's fixed grid
@@ -257,8 +267,10 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
 @functools.cache
 def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int, int, int, int]:
     chunks = -(-k // 128)
-    bt = next(b for b in TOKEN_TILES if b >= min(m, 256))
-    nwg = 1
+    # above 128 rows, and at BT 128 where one warpgroup's tiles outnumber the SMs: 128-token tiles of two
+    # consumer warpgroups (128 weight rows a CTA)
+    bt = next(b for b in TOKEN_TILES if b >= min(m, 128))
+    nwg = 2 if m > TWO_WG_ABOVE_M or (bt == 128 and -(-n // 64) > sms) else 1
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
 
     def fit(per_sm: int) -> int:  # CTAs an SM whose rings of two slots fit its shared memory
@@ -267,8 +279,6 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
         return per_sm
 
     per_sm = fit(ctas_per_sm(bt, nwg))
-    if bt == 128 and nwg == 1 and tiles > per_sm * sms:
-        per_sm = fit(BT128_CTAS_PER_SM_SHARED)
     # split_k: the most CTAs within one wave of per_sm an SM; from BT 64 within one CTA an SM where that
     # still fills SM_FILL of the SMs (with the tensor producer one CTA's deeper ring beat more CTAs' shallow
     # rings: 7168^2 at 64 rows 25.0 us against 29.6 on an H100)
@@ -281,6 +291,7 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
     resident = min(per_sm, -(-tiles * split // sms))  # CTAs an SM actually holds: the ring's depth follows
     if (
         stream_k
+        and nwg == 1  # the stream-K kernel has one consumer warpgroup
         and chunks % 2 == 0
         and tiles * split < SK_BELOW_FILL * per_sm * sms * -(-tiles * split // (per_sm * sms))
         and tiles * chunks // 2 >= SK_MIN_PAIRS
