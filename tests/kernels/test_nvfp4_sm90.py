@@ -317,18 +317,19 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
 
 def test_bt128_takes_two_warpgroups_where_one_warpgroups_tiles_outnumber_the_sms() -> None:
     """At BT 128 (65..128 rows) 12288 rows are 192 one-warpgroup tiles on 132 SMs: two consumer warpgroups
-    (96 CTAs, one wave, the deepest ring); 7168 rows (112 tiles) keep one warpgroup."""
-    assert sm90.sm90_config(128, 12288, 7168, 132, stream_k=False) == (128, 2, 1, 5)
-    assert sm90.sm90_config(100, 12288, 7168, 132, stream_k=False) == (128, 2, 1, 5)
+    (96 CTAs, one wave, 4 slots); 7168 rows (112 tiles) keep one warpgroup."""
+    assert sm90.sm90_config(128, 12288, 7168, 132, stream_k=False) == (128, 2, 1, 4)
+    assert sm90.sm90_config(100, 12288, 7168, 132, stream_k=False) == (128, 2, 1, 4)
     assert sm90.sm90_config(128, 7168, 7168, 132, stream_k=False) == (128, 1, 1, 6)
     assert sm90.sm90_config(64, 12288, 7168, 132, stream_k=False)[1] == 1
 
 
 def test_above_128_rows_two_warpgroups_share_a_128_token_tile() -> None:
-    """129.. rows: BT 128 with two consumer warpgroups, one CTA an SM, the deepest ring that fits (5 slots of
-    ~41 KB); 7168^2 at 256 rows is 112 CTAs (56 column tiles of 128 rows x 2 token tiles) in one wave."""
+    """129.. rows: BT 128 with two consumer warpgroups, one CTA an SM, a ring of TWO_WG_STAGES slots (~41 KB
+    each; 5 would fit); 7168^2 at 256 rows is 112 CTAs (56 column tiles of 128 rows x 2 token tiles) in one
+    wave."""
     for m in (129, 256, 4096):
-        assert sm90.sm90_config(m, 7168, 7168, 132) == (128, 2, 1, 5), m
+        assert sm90.sm90_config(m, 7168, 7168, 132) == (128, 2, 1, sm90.TWO_WG_STAGES), m
     assert sm90.smem_bytes(128, 2, 5) <= sm90.SMEM_LIMIT < sm90.smem_bytes(128, 2, 6)
     assert sm90.sm90_config(128, 7168, 7168, 132)[1] == 1
 

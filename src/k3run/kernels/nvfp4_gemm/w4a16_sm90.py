@@ -164,6 +164,9 @@ SM_FILL = 0.75
 # tiles outnumber the SMs: 12288x7168 at 128 rows 44.1 us against 51.5 for the best one-warpgroup config (two
 # CTAs an SM); where one warpgroup's tiles fit one wave it stays (7168^2 31.0 against 40.7; run 166)
 TWO_WG_ABOVE_M = 128
+# the ring of a two-warpgroup CTA (~41 KB a slot): 4 slots ran as fast as 5 or faster in 7 of 8 cells at
+# 128-256 rows (7168x12288 at 256 rows 75.6 against 79.4 us; run 167), 3 lost 15-20%
+TWO_WG_STAGES = 4
 
 
 # the producer's forms (PRODUCER_* in the .cu file, by index): one thread issuing a chunk's bulk copies (x,
@@ -253,7 +256,8 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     dividing the chunks that keeps the grid within one wave, where from BT 64 the wave is one CTA an SM
     if that fills SM_FILL of the SMs (with the tensor producer one CTA's deep ring beat three shallow ones:
     7168^2 at 64 rows 25.0 against 29.6 us on an H100); the deepest ring (<= 8 slots) whose CTAs fit the
-    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)), bench/RESULTS.md.
+    SM's shared memory together, counting the CTAs an SM actually holds (ceil(grid / SMs)), 4 slots at most
+    with two warpgroups (TWO_WG_STAGES); bench/RESULTS.md.
     With stream-K allowed, where that grid fills under SK_BELOW_FILL of its waves' slots
     (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
     one wave (`stream_k_ctas`). Allowed up to K3RUN_SM90_STREAM_K rows (default 0, never): on an H100 it
@@ -301,7 +305,7 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
         resident = per_sm
     stages = 2
     while (
-        stages < 8
+        stages < (TWO_WG_STAGES if nwg == 2 else 8)
         and stages < per_cta + 2
         and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT
         and resident * smem_bytes(bt, nwg, stages + 1) <= SM_SMEM
