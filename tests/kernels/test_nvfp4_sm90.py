@@ -640,11 +640,10 @@ def test_config_ok_refuses_launches_the_kernel_does_not_have() -> None:
     assert not sm90.config_ok(256, 1, 1, 4, 56)  # four 68 KB slots exceed the shared memory
 
 
-def test_compiles_with_torch_headers(tmp_path) -> None:
-    """The whole source, launcher included, compiles as `load_inline` builds it on a GPU machine (torch's
-    headers, the same defines), to PTX only: the standalone SASS build leaves the launcher out, and a
-    launcher error otherwise shows first on the GPU. Where torch's CPU wheel lacks its CUDA build-config
-    header, an empty one stands in (it only holds build macros)."""
+def _compile_with_torch_headers(tmp_path, source: str, name: str) -> None:
+    """`source` compiled as `load_inline` builds it on a GPU machine (torch's headers, the same defines), to
+    PTX only. Where torch's CPU wheel lacks its CUDA build-config header, an empty one stands in (it only
+    holds build macros)."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
@@ -656,9 +655,9 @@ def test_compiles_with_torch_headers(tmp_path) -> None:
     stub = tmp_path / "inc" / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    (tmp_path / "k.cu").write_text(sm90.cuda_source())
+    (tmp_path / "k.cu").write_text(source)
     cmd = [nvcc, "-c", "-std=c++17", "-gencode=arch=compute_90a,code=compute_90a", "--expt-relaxed-constexpr",
-           "-DTORCH_EXTENSION_NAME=k3run_w4a16_sm90", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
            *[f"-I{p}" for p in include_paths()], f"-I{tmp_path / 'inc'}", f"-I{py_include}",
@@ -668,3 +667,65 @@ def test_compiles_with_torch_headers(tmp_path) -> None:
         pytest.skip(f"this nvcc cannot build sm_90a: {res.stderr[:200]}")
     errors = [line for line in res.stderr.splitlines() if "error" in line]
     assert res.returncode == 0, "\n".join(errors[:20]) or res.stderr[-3000:]
+
+
+def test_compiles_with_torch_headers(tmp_path) -> None:
+    """The whole source, launcher included, compiles as `load_inline` builds it (~70 s where nvcc exists):
+    the standalone SASS build leaves the launcher out, and a launcher error otherwise shows first on the
+    GPU."""
+    _compile_with_torch_headers(tmp_path, sm90.cuda_source(), "k3run_w4a16_sm90")
+
+
+def _isolate_probe():
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "bench" / "probes" / "sm90_isolate.py"
+    spec = importlib.util.spec_from_file_location("k3run_probe_sm90_isolate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_isolate_probe_keeps_its_work(tmp_path) -> None:
+    """bench/probes/sm90_isolate.py times the GEMM's consumer chunk in parts, so each part must stay what it
+    claims in SASS: no serialized wgmma and no spill in any instantiation; the wgmma-only loop keeps its
+    group in flight (DEPBAR.LE gsb0 1, 8 HGMMA a chunk); the decode-only loop keeps its LDS and decode in the
+    loop (ptxas hoists loop-invariant shared loads and drops unread registers otherwise); the combined loop
+    has both."""
+    nvcc, cuobjdump = _tool("nvcc"), _tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    (tmp_path / "p.cu").write_text(_isolate_probe().probe_source())
+    cmd = [nvcc, "-DK3P_STANDALONE", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+           "-Xptxas", "-v", "-o", str(tmp_path / "p.cubin"), str(tmp_path / "p.cu")]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 and "Unsupported gpu architecture" in res.stderr:
+        pytest.skip(f"this nvcc cannot build sm_90a: {res.stderr[:200]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "serialized" not in res.stderr, res.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    assert len(spills) == 18 and set(spills) == {"0"}, res.stderr
+    for bt, nwg in ((16, 1), (64, 2), (128, 2)):
+        per_mode = []
+        for mode in range(3):
+            name = f"_ZN3k3p14isolate_kernelILi{bt}ELi{nwg}ELi{mode}EEEvijPxPj"
+            sass = subprocess.run([cuobjdump, "-sass", "-fun", name, str(tmp_path / "p.cubin")],
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert sass.returncode == 0, sass.stderr
+            code = _sass_code(sass.stdout)
+            lo, hi = max(_loops(code), key=lambda r: r[1] - r[0])
+            body = [i for a, i in code if lo <= a <= hi]
+            per_mode.append(body)
+        mma, decode, both = per_mode
+        assert sum("HGMMA" in i for i in mma) == 16 and not any("LDS" in i for i in mma), (bt, nwg)
+        assert all("DEPBAR.LE gsb0, 0x1" in i for i in mma if "DEPBAR" in i), (bt, nwg)
+        assert sum("LDS" in i for i in decode) == 8 and not any("HGMMA" in i for i in decode), (bt, nwg)
+        assert sum("HMUL2" in i or "HFMA2" in i for i in decode) == 64, (bt, nwg)
+        assert sum("HGMMA" in i for i in both) == 16 and sum("LDS" in i for i in both) == 8, (bt, nwg)
+
+
+def test_isolate_probe_compiles_with_torch_headers(tmp_path) -> None:
+    """The probe's launcher compiles as `load_inline` builds it (a build error would otherwise show first
+    on the GPU)."""
+    _compile_with_torch_headers(tmp_path, _isolate_probe().probe_source(), "k3run_sm90_isolate")
