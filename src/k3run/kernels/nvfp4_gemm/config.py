@@ -59,7 +59,8 @@ TILE_MAX_M = 128
 # rows for which choose_config takes the wgmma GEMM on sm_90. H200, bench/bench_wgmma.py (bench/RESULTS.md),
 # on 7168x7168 / 12288x7168 / 7168x12288: against the decode kernel 1.31 / 1.06 / 1.67x faster at 32 rows,
 # 0.80 / 0.95 / 0.86x at 16; against dequantize + cuBLAS 1.43 / 1.30 / 1.48x at 256, 0.92 / 0.94 / 0.89x
-# at 1024 (257..1023 unmeasured: they stay on dequantize + cuBLAS)
+# at 1024 (the Gluon kernel stops at 256 rows; on the matrices w4a16_sm90 takes, nvfp4_linear runs the CUDA
+# C++ GEMM up to w4a16_sm90.MAX_M rows, elsewhere dequantize + cuBLAS)
 WGMMA_MIN_M = 17
 WGMMA_MAX_M = 256
 # ...but at 17..32 rows only on matrices of at least this many weights (the CUDA C++ GEMM's bound,

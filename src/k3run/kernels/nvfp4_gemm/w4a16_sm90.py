@@ -93,9 +93,9 @@ def _build():
 # 2304 / 4096, at most 29M weights a matrix) its 123 calls took 1081 us plus 169 us of x preparation (one
 # more launch a call) against the Gluon kernel's 1093 us (bench/RESULTS.md)
 MIN_WEIGHTS = 32 << 20
-# the most rows nvfp4_linear runs here; 257.. rows are otherwise dequantize + cuBLAS, which this kernel beat
-# 1.38-1.47x at 512 rows and 1.06-1.09x at 1024 on 7168^2 / 12288x7168 / 7168x12288, and lost to at 4096
-# (0.89-0.92x; H100, bench/RESULTS.md run 166)
+# the most rows nvfp4_linear runs here; 257.. rows are otherwise dequantize + cuBLAS, which this kernel beats
+# 1.38-1.47x at 512 rows and 1.06-1.09x at 1024 on 7168^2 / 12288x7168 / 7168x12288, and loses to at 4096
+# (0.89-0.92x; H100, bench/RESULTS.md)
 MAX_M = 1024
 
 
@@ -160,12 +160,12 @@ SM_FILL = 0.75
 # above this many rows a CTA is two consumer warpgroups over a 128-token tile (128 x 128 outputs), not one
 # over a 256-token tile (64 x 256): on an H100 at 256 rows (128, 2, 1, 4) ran 45.0 / 88.2 / 76.1 us on 7168^2
 # / 12288x7168 / 7168x12288 against 51.9 / 99.9 / 85.2 for (256, 1, 1, 3); at 16-64 rows two warpgroups were
-# within 0.89-1.06x of one (bench/RESULTS.md run 165). At 65..128 rows (BT 128) two where one warpgroup's
+# within 0.89-1.06x of one (H100, bench/RESULTS.md). At 65..128 rows (BT 128) two where one warpgroup's
 # tiles outnumber the SMs: 12288x7168 at 128 rows 44.1 us against 51.5 for the best one-warpgroup config (two
-# CTAs an SM); where one warpgroup's tiles fit one wave it stays (7168^2 31.0 against 40.7; run 166)
+# CTAs an SM); where one warpgroup's tiles fit one wave it stays (7168^2 31.0 against 40.7)
 TWO_WG_ABOVE_M = 128
 # the ring of a two-warpgroup CTA (~41 KB a slot): 4 slots ran as fast as 5 or faster in 7 of 8 cells at
-# 128-256 rows (7168x12288 at 256 rows 75.6 against 79.4 us; run 167), 3 lost 15-20%
+# 128-256 rows (7168x12288 at 256 rows 75.6 against 79.4 us), 3 lost 15-20%
 TWO_WG_STAGES = 4
 
 
@@ -178,7 +178,7 @@ PRODUCERS = ("thread", "warp", "tensor")
 
 def _producer(name: str, sk: int) -> str:
     """The producer form `name` resolves to: auto is tensor on the fixed grid (with one consumer warpgroup
-    1.02-1.10x the one-thread form at 16-64 rows on an H100, 1.30x at 128; two warpgroups not yet timed)
+    1.02-1.10x the one-thread form at 16-64 rows on an H100, 1.30x at 128; with two 1.2-1.6x at 192-1024)
     and thread for stream-K (where tensor and warp measured 0.89-0.95x the one-thread form at 16 rows,
     1.00-1.04x at 32)."""
     if name != "auto":
@@ -250,7 +250,7 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     Up to TWO_WG_ABOVE_M rows one consumer warpgroup (64 weight rows a CTA) over the smallest token tile
     >= M; above, and at BT 128 where one warpgroup's tiles outnumber the SMs, two (128 weight rows) over
     128-token tiles (with the tensor producer 1.12-1.15x one warpgroup's 256-token tile at 256 rows and
-    1.17x two one-warpgroup CTAs an SM at 128 rows of 12288x7168, on an H100; one warpgroup was as fast or
+    1.17x two one-warpgroup CTAs an SM at 128 rows of 12288x7168, on an H100; one warpgroup is as fast or
     faster at 16-64 rows and where its tiles fit one wave; see TWO_WG_ABOVE_M);
     up to BT 64 three CTAs an SM (the kernel's register cap allows them), one above; the largest split_k
     dividing the chunks that keeps the grid within one wave, where from BT 64 the wave is one CTA an SM
