@@ -15,7 +15,7 @@ either, on the decode's shared pipes.
 
     PYTHONPATH=src python3 bench/probes/sm90_isolate.py [--chunks 2048] [--out FILE]
 
-Builds its own extension (~1 min, sm_90a) from the GEMM's device helpers (decode_word, the wgmma wrappers)
+Builds its own extension (~1 min, sm_90a) from the GEMM's device code (its decode_chunk and issue_chunk)
 and a probe kernel of its own; needs an sm_90 GPU and nvcc.
 """
 
@@ -45,62 +45,21 @@ struct Lay {
   static constexpr int bytes = 1024 + SLOTS * (X + W + S);
 };
 
-// decode one chunk of this thread's two rows into a (the GEMM's consume(), without the ring's barriers)
-template <int NWG>
-__device__ __forceinline__ void decode_chunk(uint32_t wb, uint32_t sb, uint32_t (&a)[32]) {
-  const uint4 q0 = lds128(wb);
-  const uint4 q1 = lds128(wb + 8 * 64);
-  uint32_t sl0, sh0, sl1, sh1;
-  scale_pair<true>(lds16(sb), sl0, sh0);
-  scale_pair<true>(lds16(sb + 8 * 8), sl1, sh1);
-  const uint32_t qa[4] = {q0.x, q0.y, q0.z, q0.w};
-  const uint32_t qb[4] = {q1.x, q1.y, q1.z, q1.w};
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    uint32_t d0[4], d1[4];
-    decode_word<true>(qa[b], sl0, sh0, d0);
-    decode_word<true>(qb[b], sl1, sh1, d1);
-    a[4 * b + 0] = d0[0];
-    a[4 * b + 1] = d1[0];
-    a[4 * b + 2] = d0[1];
-    a[4 * b + 3] = d1[1];
-    a[16 + 4 * b + 0] = d0[2];
-    a[16 + 4 * b + 1] = d1[2];
-    a[16 + 4 * b + 2] = d0[3];
-    a[16 + 4 * b + 3] = d1[3];
-  }
-}
-
-template <int BT>
-__device__ __forceinline__ void mma_chunk(uint64_t xdesc, float (&acc)[BT / 2], uint32_t (&a)[32]) {
-  fence_regs(a);
-  fence_regs(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint64_t desc = xdesc + ((k / 4) * (BT * 128) + (k % 4) * 32) / 16;
-    Wgmma<BT, true>::mma(acc, a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3], desc);
-  }
-  wgmma_commit();
-  wgmma_wait<1>();
-  fence_regs(acc);
-}
-
 // one chunk of one A set: decode (MODE 1, 2) and the chunk's wgmma group (MODE 0, 2). `zero` is a runtime
 // 0: in MODE 0 the A set is rewritten with it (as the GEMM's decode rewrites the set the in-flight group does
 // not read: kept constant, ptxas serializes the wgmma, C7511); in MODE 1 the decoded set is stored under it
 // (never taken, but ptxas can neither drop the decode nor hoist its LDS out of the loop)
-template <int BT, int NWG, int MODE>
-__device__ __forceinline__ void step(uint32_t wb, uint32_t sb, uint64_t xdesc, float (&acc)[BT / 2],
-                                     uint32_t (&a)[32], uint32_t zero, uint32_t dump) {
+template <int BT, int MODE>
+__device__ __forceinline__ void step(uint32_t wb, uint32_t sb, uint64_t desc0, uint32_t x_off,
+                                     float (&acc)[BT / 2], uint32_t (&a)[32], uint32_t zero, uint32_t dump) {
   if constexpr (MODE != 0) {
-    decode_chunk<NWG>(wb, sb, a);
+    decode_chunk<true>(wb, sb, a);
   } else {
 #pragma unroll
     for (int i = 0; i < 32; ++i) a[i] ^= zero;
   }
   if constexpr (MODE != 1) {
-    mma_chunk<BT>(xdesc, acc, a);
+    issue_chunk<BT, true>(desc0, x_off, acc, a);
   } else if (zero) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -143,14 +102,14 @@ __global__ void __launch_bounds__(NWG * 128, probe_min_ctas<BT, NWG>())
 #pragma unroll
   for (int j = 0; j < BT / 2; ++j) acc[j] = 0.f;
   uint32_t a0[32], a1[32];
-  decode_chunk<NWG>(wt, stt, a0);
-  decode_chunk<NWG>(wt + L::W, stt + L::S, a1);
+  decode_chunk<true>(wt, stt, a0);
+  decode_chunk<true>(wt + L::W, stt + L::S, a1);
   const uint32_t dump = x0 + threadIdx.x * 128;
   asm volatile("bar.sync 1, %0;" ::"r"(NWG * 128) : "memory");
   const long long c0 = clock64();
   for (int c = 0; c < chunks; c += 2) {
-    step<BT, NWG, MODE>(wt, stt, desc0, acc, a0, zero, dump);
-    step<BT, NWG, MODE>(wt + L::W, stt + L::S, desc0 + uint64_t(L::X / 16), acc, a1, zero, dump);
+    step<BT, MODE>(wt, stt, desc0, 0, acc, a0, zero, dump);
+    step<BT, MODE>(wt + L::W, stt + L::S, desc0, L::X, acc, a1, zero, dump);
   }
   wgmma_wait<0>();
   fence_regs(acc);

@@ -219,6 +219,36 @@ __device__ __forceinline__ void decode_word(uint32_t q, uint32_t sl, uint32_t sh
   o[3] = mul2(o[3], sh, BF16);
 }
 
+// One chunk's words and scales of this consumer thread's two rows (at shared-window addresses wb, sb) decoded
+// into the A set `a`: k-step b (the chunk's low 64 columns) and 4 + b (high) as {row g p0, row g+8 p0, row g
+// p1, row g+8 p1}.
+template <bool BF16>
+__device__ __forceinline__ void decode_chunk(uint32_t wb, uint32_t sb, uint32_t (&a)[32]) {
+  const uint4 q0 = lds128(wb);
+  const uint4 q1 = lds128(wb + 8 * 64);  // rows g + 8
+  const uint32_t s0 = lds16(sb);
+  const uint32_t s1 = lds16(sb + 8 * 8);
+  uint32_t sl0, sh0, sl1, sh1;
+  scale_pair<BF16>(s0, sl0, sh0);
+  scale_pair<BF16>(s1, sl1, sh1);
+  const uint32_t qa[4] = {q0.x, q0.y, q0.z, q0.w};
+  const uint32_t qb[4] = {q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    uint32_t d0[4], d1[4];
+    decode_word<BF16>(qa[b], sl0, sh0, d0);
+    decode_word<BF16>(qb[b], sl1, sh1, d1);
+    a[4 * b + 0] = d0[0];
+    a[4 * b + 1] = d1[0];
+    a[4 * b + 2] = d0[1];
+    a[4 * b + 3] = d1[1];
+    a[16 + 4 * b + 0] = d0[2];
+    a[16 + 4 * b + 1] = d1[2];
+    a[16 + 4 * b + 2] = d0[3];
+    a[16 + 4 * b + 3] = d1[3];
+  }
+}
+
 template <int BT, bool BF16>
 struct Wgmma;
 
@@ -237,6 +267,28 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
 }
 
 //@@WGMMA@@
+
+// A chunk's 8 wgmma (m64nBTk16) on the A set `a` and the chunk's x tile (`x_off` bytes past the tile of B
+// descriptor `desc0`) as one group, then a wait until only this group is in flight (the previous chunk's A set
+// and slot are free).
+template <int BT, bool BF16>
+__device__ __forceinline__ void issue_chunk(uint64_t desc0, uint32_t x_off, float (&acc)[BT / 2],
+                                            uint32_t (&a)[32]) {
+  fence_regs(a);
+  fence_regs(acc);
+  wgmma_fence();
+  // lane 0's value: ptxas then keeps the descriptors in uniform registers (without the shuffle it cannot
+  // see that the offset is the same in every lane, and moves each of the 16 descriptors with two R2UR)
+  const uint64_t xdesc = desc0 + __shfl_sync(0xffffffffu, x_off / 16, 0);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint64_t desc = xdesc + ((k / 4) * (BT * 128) + (k % 4) * 32) / 16;
+    Wgmma<BT, BF16>::mma(acc, a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3], desc);
+  }
+  wgmma_commit();
+  wgmma_wait<1>();
+  fence_regs(acc);
+}
 
 // One CTA's piece of one tile: chunks [c_lo, c_hi) of tile `tile`.
 struct Seg {
@@ -339,46 +391,8 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   using SM = Smem<BT, NWG>;
   const int st = sl.st;
   mbar_wait(r.full + 8 * st, sl.phase);
-  const uint32_t wb = r.w0 + st * SM::W;
-  const uint32_t sb = r.s0 + st * SM::S;
-  const uint4 q0 = lds128(wb);
-  const uint4 q1 = lds128(wb + 8 * 64);  // rows g + 8
-  const uint32_t s0 = lds16(sb);
-  const uint32_t s1 = lds16(sb + 8 * 8);
-  uint32_t sl0, sh0, sl1, sh1;
-  scale_pair<BF16>(s0, sl0, sh0);
-  scale_pair<BF16>(s1, sl1, sh1);
-  const uint32_t qa[4] = {q0.x, q0.y, q0.z, q0.w};
-  const uint32_t qb[4] = {q1.x, q1.y, q1.z, q1.w};
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    uint32_t d0[4], d1[4];
-    decode_word<BF16>(qa[b], sl0, sh0, d0);
-    decode_word<BF16>(qb[b], sl1, sh1, d1);
-    // k-step b (the chunk's low 64 columns) and 4 + b (high): {row g p0, row g+8 p0, row g p1, row g+8 p1}
-    a[4 * b + 0] = d0[0];
-    a[4 * b + 1] = d1[0];
-    a[4 * b + 2] = d0[1];
-    a[4 * b + 3] = d1[1];
-    a[16 + 4 * b + 0] = d0[2];
-    a[16 + 4 * b + 1] = d1[2];
-    a[16 + 4 * b + 2] = d0[3];
-    a[16 + 4 * b + 3] = d1[3];
-  }
-  fence_regs(a);
-  fence_regs(acc);
-  wgmma_fence();
-  // lane 0's value: ptxas then keeps the descriptors in uniform registers (without the shuffle it cannot
-  // see that `st` is the same in every lane, and moves each of the 16 descriptors with two R2UR)
-  const uint64_t xdesc = r.desc0 + __shfl_sync(0xffffffffu, uint32_t(st * SM::X) / 16, 0);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint64_t desc = xdesc + ((k / 4) * (BT * 128) + (k % 4) * 32) / 16;
-    Wgmma<BT, BF16>::mma(acc, a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3], desc);
-  }
-  wgmma_commit();
-  wgmma_wait<1>();  // the previous chunk's group is done: its A set and its slot are free
-  fence_regs(acc);
+  decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);
+  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);
   if (c > 0) {
     __syncwarp();
     if (r.lane == 0) mbar_arrive(r.empty + 8 * (st == 0 ? r.stages - 1 : st - 1));
