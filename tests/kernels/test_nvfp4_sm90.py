@@ -23,6 +23,7 @@ from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 from k3run.knobs import knobs, reset_knobs
 from tests.kernels.test_nvfp4_tile import _bound, _random_nvfp4
 from tests.kernels.test_nvfp4_wgmma import _loops, _sass_code, check_tiled_gemm, wgmma_register_hazards
+from tests.test_bench_tools import bench_module
 
 
 def _need_kernel():
@@ -425,25 +426,29 @@ def _tool(name: str) -> str | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def standalone_build(tmp_path_factory):
-    """The .cu file compiled for sm_90a without torch (every kernel instantiated): ptxas's report and SASS."""
+def _cubin(d: Path, source: str, define: str) -> tuple[str, str, Path]:
+    """`source` compiled for sm_90a without torch (-D`define`: its standalone instantiations): ptxas's report,
+    the cuobjdump tool and the cubin; skips where nvcc, cuobjdump or sm_90a support is missing."""
     nvcc, cuobjdump = _tool("nvcc"), _tool("cuobjdump")
     if nvcc is None or cuobjdump is None:
         pytest.skip("needs nvcc and cuobjdump")
-    d = tmp_path_factory.mktemp("sm90")
-    (d / "k.cu").write_text(sm90.cuda_source())
-    cmd = [nvcc, "-DK3W_STANDALONE", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+    (d / "k.cu").write_text(source)
+    cmd = [nvcc, f"-D{define}", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
            "-Xptxas", "-v", "-o", str(d / "k.cubin"), str(d / "k.cu")]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if res.returncode != 0 and "Unsupported gpu architecture" in res.stderr:
         pytest.skip(f"this nvcc cannot build sm_90a: {res.stderr[:200]}")
     assert res.returncode == 0, res.stderr[-3000:]
-    sass = subprocess.run(
-        [cuobjdump, "-sass", str(d / "k.cubin")], capture_output=True, text=True, timeout=300
-    )
+    return res.stderr + res.stdout, cuobjdump, d / "k.cubin"
+
+
+@pytest.fixture(scope="module")
+def standalone_build(tmp_path_factory):
+    """The .cu file compiled for sm_90a without torch (every kernel instantiated): ptxas's report and SASS."""
+    report, cuobjdump, cubin = _cubin(tmp_path_factory.mktemp("sm90"), sm90.cuda_source(), "K3W_STANDALONE")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=300)
     assert sass.returncode == 0, sass.stderr
-    return res.stderr + res.stdout, sass.stdout
+    return report, sass.stdout
 
 
 def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
@@ -676,41 +681,23 @@ def test_compiles_with_torch_headers(tmp_path) -> None:
     _compile_with_torch_headers(tmp_path, sm90.cuda_source(), "k3run_w4a16_sm90")
 
 
-def _isolate_probe():
-    import importlib.util
-
-    path = Path(__file__).parents[2] / "bench" / "probes" / "sm90_isolate.py"
-    spec = importlib.util.spec_from_file_location("k3run_probe_sm90_isolate", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_isolate_probe_keeps_its_work(tmp_path) -> None:
     """bench/probes/sm90_isolate.py times the GEMM's consumer chunk in parts, so each part must stay what it
     claims in SASS: no serialized wgmma and no spill in any instantiation; the wgmma-only loop keeps its
     group in flight (DEPBAR.LE gsb0 1, 8 HGMMA a chunk); the decode-only loop keeps its LDS and decode in the
     loop (ptxas hoists loop-invariant shared loads and drops unread registers otherwise); the combined loop
     has both."""
-    nvcc, cuobjdump = _tool("nvcc"), _tool("cuobjdump")
-    if nvcc is None or cuobjdump is None:
-        pytest.skip("needs nvcc and cuobjdump")
-    (tmp_path / "p.cu").write_text(_isolate_probe().probe_source())
-    cmd = [nvcc, "-DK3P_STANDALONE", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
-           "-Xptxas", "-v", "-o", str(tmp_path / "p.cubin"), str(tmp_path / "p.cu")]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0 and "Unsupported gpu architecture" in res.stderr:
-        pytest.skip(f"this nvcc cannot build sm_90a: {res.stderr[:200]}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "serialized" not in res.stderr, res.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert len(spills) == 18 and set(spills) == {"0"}, res.stderr
+    report, cuobjdump, cubin = _cubin(
+        tmp_path, bench_module("probes/sm90_isolate").probe_source(), "K3P_STANDALONE"
+    )
+    assert "serialized" not in report, report
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(spills) == 18 and set(spills) == {"0"}, report
     for bt, nwg in ((16, 1), (64, 2), (128, 2)):
         per_mode = []
         for mode in range(3):
             name = f"_ZN3k3p14isolate_kernelILi{bt}ELi{nwg}ELi{mode}EEEvijPxPj"
-            sass = subprocess.run([cuobjdump, "-sass", "-fun", name, str(tmp_path / "p.cubin")],
+            sass = subprocess.run([cuobjdump, "-sass", "-fun", name, str(cubin)],
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
             assert sass.returncode == 0, sass.stderr
             code = _sass_code(sass.stdout)
@@ -728,4 +715,6 @@ def test_isolate_probe_keeps_its_work(tmp_path) -> None:
 def test_isolate_probe_compiles_with_torch_headers(tmp_path) -> None:
     """The probe's launcher compiles as `load_inline` builds it (a build error would otherwise show first
     on the GPU)."""
-    _compile_with_torch_headers(tmp_path, _isolate_probe().probe_source(), "k3run_sm90_isolate")
+    _compile_with_torch_headers(
+        tmp_path, bench_module("probes/sm90_isolate").probe_source(), "k3run_sm90_isolate"
+    )
