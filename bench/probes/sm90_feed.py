@@ -38,6 +38,11 @@ WORK = (
     "  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);\n"
 )
 FEED = "  acc[0] += __uint_as_float(lds32(r.w0 + st * SM::W) & 1u);\n"
+# the warp / thread producers' block address; the "contiguous" build reads the same tile's bytes in
+# chunk-major order (a chunk's nrb row blocks as one run of nrb KB, not nrb 1 KB pieces CH KB apart): a
+# DRAM-locality test (the data land in other slots, so only the feed-only timing means anything)
+BLOCK = "const size_t blk = size_t(g.rb0 + rb) * CH + c;"
+BLOCK_CONTIGUOUS = "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"
 
 # (M, config) per shape: the configs the engine takes at 16 / 32 / 64 / 128 / 256 rows and their neighbours
 CASES = (
@@ -52,16 +57,19 @@ CASES = (
 )
 
 
-def feed_source() -> str:
+def feed_source(contiguous: bool = False) -> str:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     src = sm90.cuda_source()
-    if WORK not in src:
-        raise RuntimeError("sm90_feed: consume()'s decode / issue lines moved in w4a16_sm90.cu; see WORK")
-    return src.replace(WORK, FEED)
+    if WORK not in src or src.count(BLOCK) != 2:
+        raise RuntimeError(
+            "sm90_feed: consume()'s work or the producers' block address moved in w4a16_sm90.cu"
+        )
+    src = src.replace(WORK, FEED)
+    return src.replace(BLOCK, BLOCK_CONTIGUOUS) if contiguous else src
 
 
-def build_feed():
+def build_feed(contiguous: bool = False):
     from torch.utils.cpp_extension import load_inline
 
     decls = (
@@ -73,9 +81,9 @@ def build_feed():
         "int64_t sk);\n"
     )
     return load_inline(
-        name="k3run_sm90_feed",
+        name="k3run_sm90_feed" + ("_contiguous" if contiguous else ""),
         cpp_sources=decls,
-        cuda_sources=feed_source(),
+        cuda_sources=feed_source(contiguous),
         functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=False,
@@ -97,25 +105,35 @@ def main() -> None:
     ap.add_argument("--shapes", default="7168x7168,12288x7168")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    box: dict = {}
+    mods: dict = {}
 
-    def _bg():
+    def _bg(contiguous: bool):
         try:
-            box["mod"] = build_feed()
+            mods[contiguous] = build_feed(contiguous)
         except Exception as e:  # noqa: BLE001 - reported below
-            box["err"] = e
+            mods[contiguous] = e
 
-    t = threading.Thread(target=_bg)
-    t.start()
+    threads = [threading.Thread(target=_bg, args=(c,)) for c in (False, True)]
+    for t in threads:
+        t.start()
     ok = sm90.available()
-    t.join()
-    if not ok or "err" in box:
-        raise SystemExit(f"sm90_feed: GEMM available {ok} ({sm90._error}); feed build: {box.get('err')}")
-    gemm_mod, feed_mod = sm90._module, box["mod"]
+    for t in threads:
+        t.join()
+    if not ok or any(isinstance(m, Exception) for m in mods.values()):
+        raise SystemExit(f"sm90_feed: GEMM available {ok} ({sm90._error}); feed builds: {mods}")
+    gemm = sm90._module
+    # (column, module, producer form): the GEMM twice around the feed-only launches (its pass-to-pass spread)
+    runs = (
+        ("gemm", gemm, None),
+        ("feed", mods[False], "tensor"),
+        ("feed_warp", mods[False], "warp"),
+        ("feed_warp_contig", mods[True], "warp"),
+        ("gemm2", gemm, None),
+    )
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(
-        "| N x K | M | config | GEMM us (two passes) | feed-only us | feed / GEMM | DRAM TB/s (GEMM / feed) "
-        "| L2->SM TB/s (GEMM / feed) |"
+        "| N x K | M | config | GEMM us (two passes) | feed-only: tensor / warp / warp chunk-major us "
+        "| feed / GEMM | DRAM TB/s: GEMM / feed / warp / chunk-major | L2->SM TB/s (GEMM / feed) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
@@ -127,25 +145,28 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             if not sm90.config_ok(*cfg, -(-k // 128)):
                 continue
-            fns = [
-                lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg)
-                for w in ws
-            ]
             times = {}
-            for name, mod in (("gemm", gemm_mod), ("feed", feed_mod), ("gemm2", gemm_mod)):
+            for name, mod, form in runs:
+                fns = [
+                    lambda w=w: sm90.nvfp4_sm90_gemm(
+                        x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg, producer=form
+                    )
+                    for w in ws
+                ]
                 sm90._module = mod
                 try:
                     times[name] = graph_ms(fns, 0.05) * 1e3
                 finally:
-                    sm90._module = gemm_mod
-            g = min(times["gemm"], times["gemm2"])
-            f = times["feed"]
+                    sm90._module = gemm
+            g, f = min(times["gemm"], times["gemm2"]), times["feed"]
+            fw, fc = times["feed_warp"], times["feed_warp_contig"]
             dram, l2 = ring_bytes(m, n, k, cfg)
             rows.append({"shape": shape, "m": m, "cfg": cfg, **times})
+            tbs = " / ".join(f"{dram / t / 1e6:.2f}" for t in (g, f, fw, fc))
             print(
-                f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} | {f:.1f} "
-                f"| {f / g:.2f} | "
-                f"{dram / g / 1e6:.2f} / {dram / f / 1e6:.2f} | {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} |",
+                f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} "
+                f"| {f:.1f} / {fw:.1f} / {fc:.1f} | {f / g:.2f} | {tbs} "
+                f"| {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} |",
                 flush=True,
             )
     if args.out:
