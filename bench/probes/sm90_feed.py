@@ -5,15 +5,17 @@ same weights, configs and launches.
 
 Why (bench/NOTES.md, session 42): sm90_isolate measured the consumer's chunk from shared memory at 408
 cycles (BT 64) and 301-479 (BT 16), while the GEMM spends ~790 and ~1240 cycles a chunk at 64 and 16 rows of
-7168^2. If the feed-only launch takes about as long as the GEMM, the producer / ring / L2 / DRAM side binds
-at 16-64 rows and the consumer's work is hidden behind it; if it is much faster, the two sides do not
-overlap (the consumer waits, then the producer waits).
+7168^2. Run 171 answered the first question: the feed-only launch takes 0.69-0.91x the GEMM's time at
+16-256 rows, at 40-71% of the copy bandwidth. The other builds (VARIANTS) ask why the feed is slow: the
+codes and scales alone (no x), the x tiles alone, and the warp producer reading a chunk's row blocks in the
+weights' order against one contiguous run (DRAM locality).
 
     PYTHONPATH=src python3 bench/probes/sm90_feed.py [--shapes 7168x7168,12288x7168] [--out FILE]
 
-Prints, per (shape, M, config): us of the GEMM, of the feed-only launch, their ratio, the bytes the ring
-moves per launch (weights + scales from DRAM, the x tile of every chunk from L2) and both as TB/s. Needs an
-sm_90 GPU and nvcc; builds the feed-only extension (~1 min) while the GEMM's own builds.
+Prints, per (shape, M, config): us of the GEMM (two passes around the others), of each feed-only launch, the
+tensor feed's ratio to the GEMM, and the bytes the ring moves (codes + scales from DRAM; those and every
+CTA's x tile of every chunk from L2) as TB/s. Needs an sm_90 GPU and nvcc; builds the four feed-only
+extensions (~1 min each) in threads while the GEMM's own builds.
 """
 
 # ruff: noqa: B023
@@ -38,11 +40,65 @@ WORK = (
     "  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);\n"
 )
 FEED = "  acc[0] += __uint_as_float(lds32(r.w0 + st * SM::W) & 1u);\n"
-# the warp / thread producers' block address; the "contiguous" build reads the same tile's bytes in
-# chunk-major order (a chunk's nrb row blocks as one run of nrb KB, not nrb 1 KB pieces CH KB apart): a
-# DRAM-locality test (the data land in other slots, so only the feed-only timing means anything)
+# The feed-only builds (consume()'s work replaced by FEED in each), by name: source replacements on top
+# - contiguous: the warp / thread producers read a chunk's nrb row blocks as one run of nrb KB (the same bytes
+#   of the tile, chunk-major), not nrb 1 KB pieces CH KB apart: a DRAM-locality test (the data land in other
+#   slots, so only the timing means anything);
+# - nox: no x copy (the slot's transaction count lowered to match): the codes and scales alone;
+# - xonly: only the x copy: the L2 side alone.
 BLOCK = "const size_t blk = size_t(g.rb0 + rb) * CH + c;"
-BLOCK_CONTIGUOUS = "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"
+BYTES = "const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;"
+XCOPY = "bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);"
+WCOPY = "if (tensor) {\n              tensor_g2s_elect(wsm0"
+VARIANTS = {
+    "feed": (),
+    "contiguous": ((BLOCK, "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"),),
+    "nox": (
+        (BYTES, "const uint32_t bytes = (tensor ? SM::X + SM::W + SM::S : g.bytes) - SM::X;"),
+        (XCOPY, ";"),
+    ),
+    "xonly": (
+        (BYTES, "const uint32_t bytes = SM::X;"),
+        (WCOPY, "if (true) {\n            } else if (false) {\n              tensor_g2s_elect(wsm0"),
+    ),
+}
+
+
+def feed_source(variant: str = "feed") -> str:
+    """The GEMM's source with its consumers idle (FEED), plus VARIANTS[variant]'s replacements."""
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    src = sm90.cuda_source()
+    if WORK not in src:
+        raise RuntimeError("sm90_feed: consume()'s decode / issue lines moved in the .cu; see WORK")
+    src = src.replace(WORK, FEED)
+    for old, new in VARIANTS[variant]:
+        if old not in src:
+            raise RuntimeError(f"sm90_feed: {variant}: {old!r} is gone from the .cu")
+        src = src.replace(old, new)
+    return src
+
+
+def build_feed(variant: str = "feed"):
+    from torch.utils.cpp_extension import load_inline
+
+    decls = (
+        "int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages);\n"
+        "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
+        "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
+        "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
+        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
+        "int64_t sk);\n"
+    )
+    return load_inline(
+        name=f"k3run_sm90_{variant}",
+        cpp_sources=decls,
+        cuda_sources=feed_source(variant),
+        functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
+        verbose=False,
+    )
+
 
 # (M, config) per shape: the configs the engine takes at 16 / 32 / 64 / 128 / 256 rows and their neighbours
 CASES = (
@@ -55,39 +111,6 @@ CASES = (
     (128, (128, 1, 1, 6)),
     (256, (128, 2, 1, 4)),
 )
-
-
-def feed_source(contiguous: bool = False) -> str:
-    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
-
-    src = sm90.cuda_source()
-    if WORK not in src or src.count(BLOCK) != 2:
-        raise RuntimeError(
-            "sm90_feed: consume()'s work or the producers' block address moved in w4a16_sm90.cu"
-        )
-    src = src.replace(WORK, FEED)
-    return src.replace(BLOCK, BLOCK_CONTIGUOUS) if contiguous else src
-
-
-def build_feed(contiguous: bool = False):
-    from torch.utils.cpp_extension import load_inline
-
-    decls = (
-        "int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages);\n"
-        "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
-        "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
-        "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
-        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
-        "int64_t sk);\n"
-    )
-    return load_inline(
-        name="k3run_sm90_feed" + ("_contiguous" if contiguous else ""),
-        cpp_sources=decls,
-        cuda_sources=feed_source(contiguous),
-        functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-        verbose=False,
-    )
 
 
 def ring_bytes(m: int, n: int, k: int, cfg: tuple[int, int, int, int]) -> tuple[float, float]:
@@ -107,13 +130,13 @@ def main() -> None:
     args = ap.parse_args()
     mods: dict = {}
 
-    def _bg(contiguous: bool):
+    def _bg(variant: str):
         try:
-            mods[contiguous] = build_feed(contiguous)
+            mods[variant] = build_feed(variant)
         except Exception as e:  # noqa: BLE001 - reported below
-            mods[contiguous] = e
+            mods[variant] = e
 
-    threads = [threading.Thread(target=_bg, args=(c,)) for c in (False, True)]
+    threads = [threading.Thread(target=_bg, args=(v,)) for v in VARIANTS]
     for t in threads:
         t.start()
     ok = sm90.available()
@@ -125,15 +148,18 @@ def main() -> None:
     # (column, module, producer form): the GEMM twice around the feed-only launches (its pass-to-pass spread)
     runs = (
         ("gemm", gemm, None),
-        ("feed", mods[False], "tensor"),
-        ("feed_warp", mods[False], "warp"),
-        ("feed_warp_contig", mods[True], "warp"),
+        ("feed", mods["feed"], "tensor"),
+        ("nox", mods["nox"], "tensor"),
+        ("xonly", mods["xonly"], "tensor"),
+        ("feed_warp", mods["feed"], "warp"),
+        ("feed_warp_contig", mods["contiguous"], "warp"),
         ("gemm2", gemm, None),
     )
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(
-        "| N x K | M | config | GEMM us (two passes) | feed-only: tensor / warp / warp chunk-major us "
-        "| feed / GEMM | DRAM TB/s: GEMM / feed / warp / chunk-major | L2->SM TB/s (GEMM / feed) |"
+        "| N x K | M | config | GEMM us (two passes) | feed-only us: tensor / no x / x only / warp / warp "
+        "chunk-major | feed / GEMM | DRAM TB/s: GEMM / feed / warp / chunk-major "
+        "| L2->SM TB/s (GEMM / feed) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
@@ -165,7 +191,8 @@ def main() -> None:
             tbs = " / ".join(f"{dram / t / 1e6:.2f}" for t in (g, f, fw, fc))
             print(
                 f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} "
-                f"| {f:.1f} / {fw:.1f} / {fc:.1f} | {f / g:.2f} | {tbs} "
+                f"| {f:.1f} / {times['nox']:.1f} / {times['xonly']:.1f} / {fw:.1f} / {fc:.1f} "
+                f"| {f / g:.2f} | {tbs} "
                 f"| {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} |",
                 flush=True,
             )

@@ -720,22 +720,32 @@ def test_isolate_probe_compiles_with_torch_headers(tmp_path) -> None:
     )
 
 
-def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
-    """bench/probes/sm90_feed.py times the GEMM with its consumers idle: its source must lose every wgmma
-    and decode (no HGMMA, no HMUL2 left in any kernel) and keep everything else: the ring's waits (the
-    consumers' and the producer's mbarrier try-waits), the bulk copies and the epilogue's stores."""
-    probe = bench_module("probes/sm90_feed")
-    src = probe.feed_source()
-    assert probe.WORK not in src and probe.FEED in src
-    report, cuobjdump, cubin = _cubin(tmp_path, src, "K3W_STANDALONE")
+def _feed_kernels(tmp_path, variant: str) -> list[str]:
+    """The SASS of every GEMM kernel of bench/probes/sm90_feed.py's `variant` build."""
+    report, cuobjdump, cubin = _cubin(tmp_path, bench_module("probes/sm90_feed").feed_source(variant),
+                                      "K3W_STANDALONE")  # fmt: skip
     assert "serialized" not in report, report
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=300)
     assert sass.returncode == 0, sass.stderr
-    kernels = sass.stdout.split("Function : ")[1:]
-    gemm = [k for k in kernels if k.startswith("_ZN3k3w12w4a16_kernel")]
-    assert len(gemm) >= 8, [k.split()[0] for k in kernels]
-    for k in gemm:
-        name = k.split()[0]
-        assert "HGMMA" not in k and "HMUL2" not in k, name
-        assert "SYNCS.PHASECHK" in k and ("UBLKCP" in k or "UTMALDG" in k), name
-        assert "STG" in k, name
+    gemm = [k for k in sass.stdout.split("Function : ")[1:] if k.startswith("_ZN3k3w12w4a16_kernel")]
+    assert len(gemm) >= 8, len(gemm)
+    return gemm
+
+
+def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
+    """bench/probes/sm90_feed.py times the GEMM with its consumers idle: its builds must lose every wgmma and
+    decode (no HGMMA, no HMUL2 in any kernel) and keep the rest: the ring's waits, the epilogue's stores and
+    the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy); every
+    variant's replacements still find their lines in the GEMM's source."""
+    probe = bench_module("probes/sm90_feed")
+    for variant in probe.VARIANTS:
+        src = probe.feed_source(variant)
+        assert probe.WORK not in src and probe.FEED in src, variant
+        assert all(new in src for _, new in probe.VARIANTS[variant]), variant
+    for variant in ("feed", "xonly"):
+        (tmp_path / variant).mkdir()
+        for k in _feed_kernels(tmp_path / variant, variant):
+            name = k.split()[0]
+            assert "HGMMA" not in k and "HMUL2" not in k, (variant, name)
+            assert "SYNCS.PHASECHK" in k and "UBLKCP" in k and "STG" in k, (variant, name)
+            assert ("UTMALDG" in k) == (variant == "feed"), (variant, name)
