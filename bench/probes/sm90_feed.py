@@ -80,24 +80,9 @@ def feed_source(variant: str = "feed") -> str:
 
 
 def build_feed(variant: str = "feed"):
-    from torch.utils.cpp_extension import load_inline
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
-    decls = (
-        "int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages);\n"
-        "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
-        "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
-        "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
-        "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
-        "int64_t sk);\n"
-    )
-    return load_inline(
-        name=f"k3run_sm90_{variant}",
-        cpp_sources=decls,
-        cuda_sources=feed_source(variant),
-        functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-        verbose=False,
-    )
+    return sm90._build(f"k3run_sm90_{variant}", feed_source(variant))
 
 
 # (M, config) per shape: the configs the engine takes at 16 / 32 / 64 / 128 / 256 rows and their neighbours

@@ -62,12 +62,13 @@ _module = None
 _error: str | None = None
 
 
-def _build():
+def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
+    """The extension from `source` (default: cuda_source()) under `name` (bench probes build variants of the
+    GEMM's source under their own names)."""
     from torch.utils.cpp_extension import load_inline
 
     from k3run.kernels.cpu_simd import _clear_stale_build_lock
 
-    name = "k3run_w4a16_sm90"
     _clear_stale_build_lock(name)
     log.info("building the sm_90 NVFP4 GEMM (once per machine, ~1-2 min; cached after)")
     decls = (
@@ -81,7 +82,7 @@ def _build():
     return load_inline(
         name=name,
         cpp_sources=decls,
-        cuda_sources=cuda_source(),
+        cuda_sources=cuda_source() if source is None else source,
         functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=False,
