@@ -8,14 +8,16 @@ cycles (BT 64) and 301-479 (BT 16), while the GEMM spends ~790 and ~1240 cycles 
 7168^2. Run 171 answered the first question: the feed-only launch takes 0.69-0.91x the GEMM's time at
 16-256 rows, at 40-71% of the copy bandwidth. The other builds (VARIANTS) ask why the feed is slow: the
 codes and scales alone (no x), the x tiles alone, and the warp producer reading a chunk's row blocks in the
-weights' order against one contiguous run (DRAM locality).
+weights' order against one contiguous run (DRAM locality). One build keeps the consumers' work and changes
+the split-K fix-up's fences (acqrel): its time beside the GEMM's, and its output against the GEMM's (equal
+bits expected: the same partials summed in the same order).
 
     PYTHONPATH=src python3 bench/probes/sm90_feed.py [--shapes 7168x7168,12288x7168] [--out FILE]
 
 Prints, per (shape, M, config): us of the GEMM (two passes around the others), of each feed-only launch, the
 tensor feed's ratio to the GEMM, and the bytes the ring moves (codes + scales from DRAM; those and every
-CTA's x tile of every chunk from L2) as TB/s. Needs an sm_90 GPU and nvcc; builds the four feed-only
-extensions (~1 min each) in threads while the GEMM's own builds.
+CTA's x tile of every chunk from L2) as TB/s, and the acqrel build's time and output check. Needs an sm_90
+GPU and nvcc; builds the five variants (~1 min each) in threads while the GEMM's own builds.
 """
 
 # ruff: noqa: B023
@@ -50,6 +52,30 @@ BLOCK = "const size_t blk = size_t(g.rb0 + rb) * CH + c;"
 BYTES = "const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;"
 XCOPY = "bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);"
 WCOPY = "if (tensor) {\n              tensor_g2s_elect(wsm0"
+FIXUP = (
+    "      __threadfence();\n"
+    "      consumer_sync(nthreads);\n"
+    "      if (ctid == 0) sts32(last_flag, atomicAdd(&cnt[pid], 1) == nseg - 1);\n"
+    "      consumer_sync(nthreads);\n"
+    "      if (!lds32(last_flag)) return;\n"
+    "      __threadfence();\n"
+)
+# CUTLASS's split-K semaphore pattern: the barrier orders the partial stores before one thread's acq_rel
+# atomic (release: cumulative over what the barrier ordered; acquire: for the last CTA's reads after the
+# second barrier), instead of a seq_cst fence in every consumer thread and another in the last CTA
+FIXUP_ACQ_REL = (
+    "      consumer_sync(nthreads);\n"
+    "      if (ctid == 0) {\n"
+    "        int old;\n"
+    '        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"\n'
+    '                     : "=r"(old) : "l"(cnt + pid) : "memory");\n'
+    "        sts32(last_flag, old == nseg - 1);\n"
+    "      }\n"
+    "      consumer_sync(nthreads);\n"
+    "      if (!lds32(last_flag)) return;\n"
+)
+# builds whose consumers stay idle (FEED replaces their work); the others keep the GEMM's work
+IDLE = ("feed", "contiguous", "nox", "xonly")
 VARIANTS = {
     "feed": (),
     "contiguous": ((BLOCK, "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"),),
@@ -61,17 +87,19 @@ VARIANTS = {
         (BYTES, "const uint32_t bytes = SM::X;"),
         (WCOPY, "if (true) {\n            } else if (false) {\n              tensor_g2s_elect(wsm0"),
     ),
+    "acqrel": ((FIXUP, FIXUP_ACQ_REL),),
 }
 
 
 def feed_source(variant: str = "feed") -> str:
-    """The GEMM's source with its consumers idle (FEED), plus VARIANTS[variant]'s replacements."""
+    """The GEMM's source with VARIANTS[variant]'s replacements, its consumers idle (FEED) in IDLE's builds."""
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     src = sm90.cuda_source()
     if WORK not in src:
         raise RuntimeError("sm90_feed: consume()'s decode / issue lines moved in the .cu; see WORK")
-    src = src.replace(WORK, FEED)
+    if variant in IDLE:
+        src = src.replace(WORK, FEED)
     for old, new in VARIANTS[variant]:
         if old not in src:
             raise RuntimeError(f"sm90_feed: {variant}: {old!r} is gone from the .cu")
@@ -138,15 +166,16 @@ def main() -> None:
         ("xonly", mods["xonly"], "tensor"),
         ("feed_warp", mods["feed"], "warp"),
         ("feed_warp_contig", mods["contiguous"], "warp"),
+        ("acqrel", mods["acqrel"], None),
         ("gemm2", gemm, None),
     )
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(
         "| N x K | M | config | GEMM us (two passes) | feed-only us: tensor / no x / x only / warp / warp "
         "chunk-major | feed / GEMM | DRAM TB/s: GEMM / feed / warp / chunk-major "
-        "| L2->SM TB/s (GEMM / feed) |"
+        "| L2->SM TB/s (GEMM / feed) | acq_rel fix-up us (x GEMM, output equal) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -156,6 +185,15 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             if not sm90.config_ok(*cfg, -(-k // 128)):
                 continue
+            # the acq_rel fix-up sums the same partials in the same order: its output must equal the GEMM's
+            w0 = ws[0]
+            y_ref = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
+            sm90._module = mods["acqrel"]
+            try:
+                y_acq = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
+            finally:
+                sm90._module = gemm
+            same = bool(torch.equal(y_ref, y_acq))
             times = {}
             for name, mod, form in runs:
                 fns = [
@@ -172,13 +210,14 @@ def main() -> None:
             g, f = min(times["gemm"], times["gemm2"]), times["feed"]
             fw, fc = times["feed_warp"], times["feed_warp_contig"]
             dram, l2 = ring_bytes(m, n, k, cfg)
-            rows.append({"shape": shape, "m": m, "cfg": cfg, **times})
+            rows.append({"shape": shape, "m": m, "cfg": cfg, "acqrel_equal": same, **times})
             tbs = " / ".join(f"{dram / t / 1e6:.2f}" for t in (g, f, fw, fc))
             print(
                 f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} "
                 f"| {f:.1f} / {times['nox']:.1f} / {times['xonly']:.1f} / {fw:.1f} / {fc:.1f} "
                 f"| {f / g:.2f} | {tbs} "
-                f"| {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} |",
+                f"| {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} "
+                f"| {times['acqrel']:.1f} ({g / times['acqrel']:.2f}x, {'equal' if same else 'DIFFERS'}) |",
                 flush=True,
             )
     if args.out:

@@ -733,19 +733,23 @@ def _feed_kernels(tmp_path, variant: str) -> list[str]:
 
 
 def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
-    """bench/probes/sm90_feed.py times the GEMM with its consumers idle: its builds must lose every wgmma and
-    decode (no HGMMA, no HMUL2 in any kernel) and keep the rest: the ring's waits, the epilogue's stores and
-    the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy); every
-    variant's replacements still find their lines in the GEMM's source."""
+    """bench/probes/sm90_feed.py times the GEMM with its consumers idle: those builds must lose every wgmma
+    and decode (no HGMMA, no HMUL2 in any kernel) and keep the rest: the ring's waits, the epilogue's stores
+    and the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy). The
+    acqrel build keeps the GEMM's work and drops the split-K fix-up's seq_cst fences. Every variant's
+    replacements still find their lines in the GEMM's source."""
     probe = bench_module("probes/sm90_feed")
     for variant in probe.VARIANTS:
         src = probe.feed_source(variant)
-        assert probe.WORK not in src and probe.FEED in src, variant
+        assert (probe.WORK not in src and probe.FEED in src) == (variant in probe.IDLE), variant
         assert all(new in src for _, new in probe.VARIANTS[variant]), variant
-    for variant in ("feed", "xonly"):
+    for variant in ("feed", "xonly", "acqrel"):
         (tmp_path / variant).mkdir()
         for k in _feed_kernels(tmp_path / variant, variant):
             name = k.split()[0]
-            assert "HGMMA" not in k and "HMUL2" not in k, (variant, name)
             assert "SYNCS.PHASECHK" in k and "UBLKCP" in k and "STG" in k, (variant, name)
+            if variant == "acqrel":  # the GEMM's work kept, the fix-up's seq_cst fences gone
+                assert "HGMMA" in k and "HMUL2" in k and "MEMBAR.SC" not in k, name
+                continue
+            assert "HGMMA" not in k and "HMUL2" not in k, (variant, name)
             assert ("UTMALDG" in k) == (variant == "feed"), (variant, name)
