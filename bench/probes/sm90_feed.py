@@ -25,6 +25,7 @@ GPU and nvcc; builds the five variants (~1 min each) in threads while the GEMM's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -113,6 +114,19 @@ def build_feed(variant: str = "feed"):
     return sm90._build(f"k3run_sm90_{variant}", feed_source(variant))
 
 
+@contextlib.contextmanager
+def _using(module):
+    """nvfp4_sm90_gemm launches `module`'s kernels (a variant build) inside the block, the GEMM's after."""
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    gemm = sm90._module
+    sm90._module = module
+    try:
+        yield
+    finally:
+        sm90._module = gemm
+
+
 # (M, config) per shape: the configs the engine takes at 16 / 32 / 64 / 128 / 256 rows and their neighbours
 CASES = (
     (16, (16, 1, 2, 8)),
@@ -188,11 +202,8 @@ def main() -> None:
             # the acq_rel fix-up sums the same partials in the same order: its output must equal the GEMM's
             w0 = ws[0]
             y_ref = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
-            sm90._module = mods["acqrel"]
-            try:
+            with _using(mods["acqrel"]):
                 y_acq = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
-            finally:
-                sm90._module = gemm
             same = bool(torch.equal(y_ref, y_acq))
             times = {}
             for name, mod, form in runs:
@@ -202,11 +213,8 @@ def main() -> None:
                     )
                     for w in ws
                 ]
-                sm90._module = mod
-                try:
+                with _using(mod):
                     times[name] = graph_ms(fns, 0.05) * 1e3
-                finally:
-                    sm90._module = gemm
             g, f = min(times["gemm"], times["gemm2"]), times["feed"]
             fw, fc = times["feed_warp"], times["feed_warp_contig"]
             dram, l2 = ring_bytes(m, n, k, cfg)

@@ -442,13 +442,19 @@ def _cubin(d: Path, source: str, define: str) -> tuple[str, str, Path]:
     return res.stderr + res.stdout, cuobjdump, d / "k.cubin"
 
 
-@pytest.fixture(scope="module")
-def standalone_build(tmp_path_factory):
-    """The .cu file compiled for sm_90a without torch (every kernel instantiated): ptxas's report and SASS."""
-    report, cuobjdump, cubin = _cubin(tmp_path_factory.mktemp("sm90"), sm90.cuda_source(), "K3W_STANDALONE")
+def _standalone_sass(d: Path, source: str) -> tuple[str, str]:
+    """A variant of the GEMM's .cu (`source`) compiled for sm_90a without torch, every kernel instantiated:
+    ptxas's report and the SASS."""
+    report, cuobjdump, cubin = _cubin(d, source, "K3W_STANDALONE")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=300)
     assert sass.returncode == 0, sass.stderr
     return report, sass.stdout
+
+
+@pytest.fixture(scope="module")
+def standalone_build(tmp_path_factory):
+    """The .cu file compiled for sm_90a without torch (every kernel instantiated): ptxas's report and SASS."""
+    return _standalone_sass(tmp_path_factory.mktemp("sm90"), sm90.cuda_source())
 
 
 def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
@@ -722,12 +728,9 @@ def test_isolate_probe_compiles_with_torch_headers(tmp_path) -> None:
 
 def _feed_kernels(tmp_path, variant: str) -> list[str]:
     """The SASS of every GEMM kernel of bench/probes/sm90_feed.py's `variant` build."""
-    report, cuobjdump, cubin = _cubin(tmp_path, bench_module("probes/sm90_feed").feed_source(variant),
-                                      "K3W_STANDALONE")  # fmt: skip
+    report, sass = _standalone_sass(tmp_path, bench_module("probes/sm90_feed").feed_source(variant))
     assert "serialized" not in report, report
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=300)
-    assert sass.returncode == 0, sass.stderr
-    gemm = [k for k in sass.stdout.split("Function : ")[1:] if k.startswith("_ZN3k3w12w4a16_kernel")]
+    gemm = [k for k in sass.split("Function : ")[1:] if k.startswith("_ZN3k3w12w4a16_kernel")]
     assert len(gemm) >= 8, len(gemm)
     return gemm
 
