@@ -10,7 +10,9 @@ cycles (BT 64) and 301-479 (BT 16), while the GEMM spends ~790 and ~1240 cycles 
 codes and scales alone (no x), the x tiles alone, and the warp producer reading a chunk's row blocks in the
 weights' order against one contiguous run (DRAM locality). One build keeps the consumers' work and changes
 the split-K fix-up's fences (acqrel): its time beside the GEMM's, and its output against the GEMM's (equal
-bits expected: the same partials summed in the same order).
+bits expected: the same partials summed in the same order). Two builds start each CTA's chunk loop at its
+own chunk (rotate, feed-only; gemm_rotate, with the work): whether every CTA reading the same x chunk from
+L2 at the same time is what holds the feed back.
 
     PYTHONPATH=src python3 bench/probes/sm90_feed.py [--shapes 7168x7168,12288x7168] [--out FILE]
 
@@ -53,6 +55,22 @@ BLOCK = "const size_t blk = size_t(g.rb0 + rb) * CH + c;"
 BYTES = "const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;"
 XCOPY = "bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);"
 WCOPY = "if (tensor) {\n              tensor_g2s_elect(wsm0"
+# the warp producer's chunk loop; ROTATED starts each CTA's segment at chunk (blockIdx.x mod its length) and
+# wraps, so the CTAs of a wave read different x chunks at a time instead of all reading the same one from L2
+# (the consumers do not look at which chunk a slot holds: only the sum's order changes)
+LOOP = (
+    "          for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {\n"
+    "            const int st = sl.st;\n"
+    "            const uint32_t bar = full0 + 8 * st;\n"
+)
+ROTATED = (
+    "          const int nc = sg.c_hi - sg.c_lo;\n"
+    "          int c = sg.c_lo + int(blockIdx.x % unsigned(nc));\n"
+    "          for (int c0 = 0; c0 < nc; ++c0, ++i, sl.advance(stages),\n"
+    "               c = c + 1 == sg.c_hi ? sg.c_lo : c + 1) {\n"
+    "            const int st = sl.st;\n"
+    "            const uint32_t bar = full0 + 8 * st;\n"
+)
 FIXUP = (
     "      __threadfence();\n"
     "      consumer_sync(nthreads);\n"
@@ -76,7 +94,7 @@ FIXUP_ACQ_REL = (
     "      if (!lds32(last_flag)) return;\n"
 )
 # builds whose consumers stay idle (FEED replaces their work); the others keep the GEMM's work
-IDLE = ("feed", "contiguous", "nox", "xonly")
+IDLE = ("feed", "contiguous", "nox", "xonly", "rotate")
 VARIANTS = {
     "feed": (),
     "contiguous": ((BLOCK, "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"),),
@@ -88,7 +106,9 @@ VARIANTS = {
         (BYTES, "const uint32_t bytes = SM::X;"),
         (WCOPY, "if (true) {\n            } else if (false) {\n              tensor_g2s_elect(wsm0"),
     ),
+    "rotate": ((LOOP, ROTATED),),
     "acqrel": ((FIXUP, FIXUP_ACQ_REL),),
+    "gemm_rotate": ((LOOP, ROTATED),),
 }
 
 
@@ -180,16 +200,19 @@ def main() -> None:
         ("xonly", mods["xonly"], "tensor"),
         ("feed_warp", mods["feed"], "warp"),
         ("feed_warp_contig", mods["contiguous"], "warp"),
+        ("feed_rot", mods["rotate"], "tensor"),
         ("acqrel", mods["acqrel"], None),
+        ("gemm_rot", mods["gemm_rotate"], None),
         ("gemm2", gemm, None),
     )
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(
         "| N x K | M | config | GEMM us (two passes) | feed-only us: tensor / no x / x only / warp / warp "
         "chunk-major | feed / GEMM | DRAM TB/s: GEMM / feed / warp / chunk-major "
-        "| L2->SM TB/s (GEMM / feed) | acq_rel fix-up us (x GEMM, output equal) |"
+        "| L2->SM TB/s (GEMM / feed) | acq_rel fix-up us (x GEMM, output equal) "
+        "| rotated: feed us (x feed) / GEMM us (x GEMM, rel diff) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -205,6 +228,11 @@ def main() -> None:
             with _using(mods["acqrel"]):
                 y_acq = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
             same = bool(torch.equal(y_ref, y_acq))
+            # the rotated GEMM sums the chunks in another order: equal within fp32 rounding of the sum, so
+            # its difference to the GEMM against the output's size (bf16's 2^-8 is the bound)
+            with _using(mods["gemm_rotate"]):
+                y_rot = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
+            rot_diff = float((y_rot.float() - y_ref.float()).norm() / y_ref.float().norm())
             times = {}
             for name, mod, form in runs:
                 fns = [
@@ -218,14 +246,18 @@ def main() -> None:
             g, f = min(times["gemm"], times["gemm2"]), times["feed"]
             fw, fc = times["feed_warp"], times["feed_warp_contig"]
             dram, l2 = ring_bytes(m, n, k, cfg)
-            rows.append({"shape": shape, "m": m, "cfg": cfg, "acqrel_equal": same, **times})
+            rows.append(
+                {"shape": shape, "m": m, "cfg": cfg, "acqrel_equal": same, "rot_rel_diff": rot_diff, **times}
+            )
             tbs = " / ".join(f"{dram / t / 1e6:.2f}" for t in (g, f, fw, fc))
             print(
                 f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} "
                 f"| {f:.1f} / {times['nox']:.1f} / {times['xonly']:.1f} / {fw:.1f} / {fc:.1f} "
                 f"| {f / g:.2f} | {tbs} "
                 f"| {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} "
-                f"| {times['acqrel']:.1f} ({g / times['acqrel']:.2f}x, {'equal' if same else 'DIFFERS'}) |",
+                f"| {times['acqrel']:.1f} ({g / times['acqrel']:.2f}x, {'equal' if same else 'DIFFERS'}) "
+                f"| {times['feed_rot']:.1f} ({f / times['feed_rot']:.2f}x) / {times['gemm_rot']:.1f} "
+                f"({g / times['gemm_rot']:.2f}x, {rot_diff:.1e}) |",
                 flush=True,
             )
     if args.out:
