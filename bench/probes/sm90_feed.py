@@ -8,18 +8,17 @@ cycles (BT 64) and 301-479 (BT 16), while the GEMM spends ~790 and ~1240 cycles 
 7168^2. Run 171 answered the first question: the feed-only launch takes 0.69-0.91x the GEMM's time at
 16-256 rows, at 40-71% of the copy bandwidth. The other builds (VARIANTS) ask why the feed is slow: the
 codes and scales alone (no x), the x tiles alone, and the warp producer reading a chunk's row blocks in the
-weights' order against one contiguous run (DRAM locality). One build keeps the consumers' work and changes
-the split-K fix-up's fences (acqrel): its time beside the GEMM's, and its output against the GEMM's (equal
-bits expected: the same partials summed in the same order). Two builds start each CTA's chunk loop at its
-own chunk (rotate, feed-only; gemm_rotate, with the work): whether every CTA reading the same x chunk from
-L2 at the same time is what holds the feed back.
+weights' order against one contiguous run (DRAM locality). Run 172 answered those (x, DRAM locality and a
+rotated chunk order are not it; the x-only launch alone takes ~half the GEMM's time at 16 rows): the GEMM and
+the x-only launch are also timed with plain launches against programmatic dependent launch (K3RUN_SM90_PDL),
+which starts a call's weight copies while the call before it finishes.
 
     PYTHONPATH=src python3 bench/probes/sm90_feed.py [--shapes 7168x7168,12288x7168] [--out FILE]
 
-Prints, per (shape, M, config): us of the GEMM (two passes around the others), of each feed-only launch, the
-tensor feed's ratio to the GEMM, and the bytes the ring moves (codes + scales from DRAM; those and every
-CTA's x tile of every chunk from L2) as TB/s, and the acqrel build's time and output check. Needs an sm_90
-GPU and nvcc; builds the five variants (~1 min each) in threads while the GEMM's own builds.
+Prints, per (shape, M, config): us of the GEMM (two passes around the others, PDL as the knob says) and of
+it with plain launches and with PDL, of each feed-only launch, the tensor feed's ratio to the GEMM, and the
+bytes the ring moves (codes + scales from DRAM; those and every CTA's x tile of every chunk from L2) as TB/s.
+Needs an sm_90 GPU and nvcc; builds the four variants (~1 min each) in threads while the GEMM's own builds.
 """
 
 # ruff: noqa: B023
@@ -52,63 +51,22 @@ FEED = "  acc[0] += __uint_as_float(lds32(r.w0 + st * SM::W) & 1u);\n"
 # - nox: no x copy (the slot's transaction count lowered to match): the codes and scales alone;
 # - xonly: only the x copy: the L2 side alone.
 BLOCK = "const size_t blk = size_t(g.rb0 + rb) * CH + c;"
-BYTES = "const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;"
+BYTES = "return tensor ? SM::X + SM::W + SM::S : g.bytes; };"
 XCOPY = "bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);"
-WCOPY = "if (tensor) {\n              tensor_g2s_elect(wsm0"
-# the warp producer's chunk loop; ROTATED starts each CTA's segment at chunk (blockIdx.x mod its length) and
-# wraps, so the CTAs of a wave read different x chunks at a time instead of all reading the same one from L2
-# (the consumers do not look at which chunk a slot holds: only the sum's order changes)
-LOOP = (
-    "          for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {\n"
-    "            const int st = sl.st;\n"
-    "            const uint32_t bar = full0 + 8 * st;\n"
-)
-ROTATED = (
-    "          const int nc = sg.c_hi - sg.c_lo;\n"
-    "          int c = sg.c_lo + int(blockIdx.x % unsigned(nc));\n"
-    "          for (int c0 = 0; c0 < nc; ++c0, ++i, sl.advance(stages),\n"
-    "               c = c + 1 == sg.c_hi ? sg.c_lo : c + 1) {\n"
-    "            const int st = sl.st;\n"
-    "            const uint32_t bar = full0 + 8 * st;\n"
-)
-FIXUP = (
-    "      __threadfence();\n"
-    "      consumer_sync(nthreads);\n"
-    "      if (ctid == 0) sts32(last_flag, atomicAdd(&cnt[pid], 1) == nseg - 1);\n"
-    "      consumer_sync(nthreads);\n"
-    "      if (!lds32(last_flag)) return;\n"
-    "      __threadfence();\n"
-)
-# CUTLASS's split-K semaphore pattern: the barrier orders the partial stores before one thread's acq_rel
-# atomic (release: cumulative over what the barrier ordered; acquire: for the last CTA's reads after the
-# second barrier), instead of a seq_cst fence in every consumer thread and another in the last CTA
-FIXUP_ACQ_REL = (
-    "      consumer_sync(nthreads);\n"
-    "      if (ctid == 0) {\n"
-    "        int old;\n"
-    '        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"\n'
-    '                     : "=r"(old) : "l"(cnt + pid) : "memory");\n'
-    "        sts32(last_flag, old == nseg - 1);\n"
-    "      }\n"
-    "      consumer_sync(nthreads);\n"
-    "      if (!lds32(last_flag)) return;\n"
-)
+WCOPY = "if (tensor) {\n            tensor_g2s_elect(wsm0"
 # builds whose consumers stay idle (FEED replaces their work); the others keep the GEMM's work
-IDLE = ("feed", "contiguous", "nox", "xonly", "rotate")
+IDLE = ("feed", "contiguous", "nox", "xonly")
 VARIANTS = {
     "feed": (),
     "contiguous": ((BLOCK, "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"),),
     "nox": (
-        (BYTES, "const uint32_t bytes = (tensor ? SM::X + SM::W + SM::S : g.bytes) - SM::X;"),
+        (BYTES, "return (tensor ? SM::X + SM::W + SM::S : g.bytes) - SM::X; };"),
         (XCOPY, ";"),
     ),
     "xonly": (
-        (BYTES, "const uint32_t bytes = SM::X;"),
-        (WCOPY, "if (true) {\n            } else if (false) {\n              tensor_g2s_elect(wsm0"),
+        (BYTES, "return uint32_t(SM::X); };"),
+        (WCOPY, "if (true) {\n          } else if (false) {\n            tensor_g2s_elect(wsm0"),
     ),
-    "rotate": ((LOOP, ROTATED),),
-    "acqrel": ((FIXUP, FIXUP_ACQ_REL),),
-    "gemm_rotate": ((LOOP, ROTATED),),
 }
 
 
@@ -192,27 +150,26 @@ def main() -> None:
     if not ok or any(isinstance(m, Exception) for m in mods.values()):
         raise SystemExit(f"sm90_feed: GEMM available {ok} ({sm90._error}); feed builds: {mods}")
     gemm = sm90._module
-    # (column, module, producer form): the GEMM twice around the feed-only launches (its pass-to-pass spread)
+    # (column, module, producer form, PDL): the GEMM twice around the others (its pass-to-pass spread)
     runs = (
-        ("gemm", gemm, None),
-        ("feed", mods["feed"], "tensor"),
-        ("nox", mods["nox"], "tensor"),
-        ("xonly", mods["xonly"], "tensor"),
-        ("feed_warp", mods["feed"], "warp"),
-        ("feed_warp_contig", mods["contiguous"], "warp"),
-        ("feed_rot", mods["rotate"], "tensor"),
-        ("acqrel", mods["acqrel"], None),
-        ("gemm_rot", mods["gemm_rotate"], None),
-        ("gemm2", gemm, None),
+        ("gemm", gemm, None, None),
+        ("gemm_plain", gemm, None, False),
+        ("gemm_pdl", gemm, None, True),
+        ("feed", mods["feed"], "tensor", None),
+        ("nox", mods["nox"], "tensor", None),
+        ("xonly", mods["xonly"], "tensor", None),
+        ("xonly_plain", mods["xonly"], "tensor", False),
+        ("feed_warp", mods["feed"], "warp", None),
+        ("feed_warp_contig", mods["contiguous"], "warp", None),
+        ("gemm2", gemm, None, None),
     )
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(
-        "| N x K | M | config | GEMM us (two passes) | feed-only us: tensor / no x / x only / warp / warp "
-        "chunk-major | feed / GEMM | DRAM TB/s: GEMM / feed / warp / chunk-major "
-        "| L2->SM TB/s (GEMM / feed) | acq_rel fix-up us (x GEMM, output equal) "
-        "| rotated: feed us (x feed) / GEMM us (x GEMM, rel diff) |"
+        "| N x K | M | config | GEMM us (two passes) | GEMM plain / PDL us (plain / PDL) | feed-only us: "
+        "tensor / no x / x only (plain) / warp / warp chunk-major | feed / GEMM | DRAM TB/s: GEMM / feed / "
+        "warp / chunk-major | L2->SM TB/s (GEMM / feed) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -222,22 +179,11 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             if not sm90.config_ok(*cfg, -(-k // 128)):
                 continue
-            # the acq_rel fix-up sums the same partials in the same order: its output must equal the GEMM's
-            w0 = ws[0]
-            y_ref = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
-            with _using(mods["acqrel"]):
-                y_acq = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
-            same = bool(torch.equal(y_ref, y_acq))
-            # the rotated GEMM sums the chunks in another order: equal within fp32 rounding of the sum, so
-            # its difference to the GEMM against the output's size (bf16's 2^-8 is the bound)
-            with _using(mods["gemm_rotate"]):
-                y_rot = sm90.nvfp4_sm90_gemm(x, w0.weight, w0.scale_bits, w0.global_scale, k, n, config=cfg)
-            rot_diff = float((y_rot.float() - y_ref.float()).norm() / y_ref.float().norm())
             times = {}
-            for name, mod, form in runs:
+            for name, mod, form, pdl in runs:
                 fns = [
                     lambda w=w: sm90.nvfp4_sm90_gemm(
-                        x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg, producer=form
+                        x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg, producer=form, pdl=pdl
                     )
                     for w in ws
                 ]
@@ -245,19 +191,15 @@ def main() -> None:
                     times[name] = graph_ms(fns, 0.05) * 1e3
             g, f = min(times["gemm"], times["gemm2"]), times["feed"]
             fw, fc = times["feed_warp"], times["feed_warp_contig"]
+            gp, gd = times["gemm_plain"], times["gemm_pdl"]
             dram, l2 = ring_bytes(m, n, k, cfg)
-            rows.append(
-                {"shape": shape, "m": m, "cfg": cfg, "acqrel_equal": same, "rot_rel_diff": rot_diff, **times}
-            )
+            rows.append({"shape": shape, "m": m, "cfg": cfg, **times})
             tbs = " / ".join(f"{dram / t / 1e6:.2f}" for t in (g, f, fw, fc))
             print(
                 f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} "
-                f"| {f:.1f} / {times['nox']:.1f} / {times['xonly']:.1f} / {fw:.1f} / {fc:.1f} "
-                f"| {f / g:.2f} | {tbs} "
-                f"| {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} "
-                f"| {times['acqrel']:.1f} ({g / times['acqrel']:.2f}x, {'equal' if same else 'DIFFERS'}) "
-                f"| {times['feed_rot']:.1f} ({f / times['feed_rot']:.2f}x) / {times['gemm_rot']:.1f} "
-                f"({g / times['gemm_rot']:.2f}x, {rot_diff:.1e}) |",
+                f"| {gp:.1f} / {gd:.1f} ({gp / gd:.2f}x) "
+                f"| {f:.1f} / {times['nox']:.1f} / {times['xonly']:.1f} ({times['xonly_plain']:.1f}) "
+                f"/ {fw:.1f} / {fc:.1f} | {f / g:.2f} | {tbs} | {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} |",
                 flush=True,
             )
     if args.out:

@@ -219,6 +219,12 @@ class Knobs:
         "fixed grid, H100: 1.02-1.10x thread at 16-64 rows with one consumer warpgroup; thread for "
         "stream-K, where tensor measured 0.95-0.89x at 16 rows)",
     )  # fmt: skip
+    sm90_pdl: bool = _knob(
+        "K3RUN_SM90_PDL", _flag, True,
+        "CUDA sm_90: the CUDA C++ NVFP4 GEMM's two launches (x preparation, the GEMM) with programmatic "
+        "dependent launch: the GEMM starts copying its first weight chunks while the kernel before it "
+        "finishes (0: plain launches)",
+    )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,
         "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "

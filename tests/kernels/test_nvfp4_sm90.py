@@ -133,7 +133,7 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
 
         @staticmethod
         def w4a16_gemm(*args):
-            launches.append(args[-1])
+            launches.append(args[-2])  # sk (pdl is last)
             return real.w4a16_gemm(*args)
 
     monkeypatch.setenv("K3RUN_SM90_STREAM_K", "32")
@@ -191,6 +191,42 @@ def test_gpu_repeats_are_bit_identical() -> None:
             for _ in range(10)
         ]
         assert all(torch.equal(outs[0], o) for o in outs[1:]), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain_equals_plain_launches(graph: bool) -> None:
+    """With programmatic dependent launch each call's x is the previous call's output (plus a torch kernel
+    between some of them), so a GEMM or its x preparation reading x, or writing y / the split-K partials /
+    the counters, before the kernel ahead of it is done would change bits. Eight chained calls over
+    REPEAT_CONFIGS and the default config, eagerly and replayed from a CUDA graph, equal the same chain of
+    plain launches bit for bit."""
+    _need_kernel()
+    n = k = 2048
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=5)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x0 = torch.randn(48, k, device="cuda").to(torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        x = x0
+        for i, cfg in enumerate([*REPEAT_CONFIGS, None] * 2):
+            y = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, pdl=pdl)
+            # keep the values O(1); every other step through a torch kernel, else straight into the next call
+            x = y / y.abs().amax().clamp_min(1e-3) if i % 2 else y * 0.0625
+        return x
+
+    plain = chain(False)
+    if not graph:
+        assert torch.equal(chain(True), plain)
+        return
+    chain(True)  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(True)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
 
 
 @pytest.mark.gpu
@@ -467,6 +503,25 @@ def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
     assert all(v == "0" for v in re.findall(r"(\d+) bytes stack frame", report)), report
 
 
+def test_pdl_and_the_split_k_fixup_without_seq_cst_fences(standalone_build) -> None:
+    """Every kernel lets the next launch (griddepcontrol.launch_dependents: PREEXIT) and waits for the
+    previous one (griddepcontrol.wait: ACQBULK) before its first global read of x; the GEMM kernels' split-K
+    fix-up is one thread's acq_rel atomic between barriers, with no seq_cst fence (MEMBAR.SC) left."""
+    _, sass = standalone_build
+    kernels = re.split(r"\n\s+Function : ", sass)[1:]
+    gemm = [f for f in kernels if f.startswith("_ZN3k3w12w4a16_kernel")]
+    prep = [f for f in kernels if f.startswith("_ZN3k3w13prep_x_kernel")]
+    assert len(gemm) == 16 and len(prep) == 1
+    for f in gemm + prep:
+        name = f.split("\n")[0]
+        assert "PREEXIT" in f and "ACQBULK" in f and "MEMBAR.SC" not in f, name
+    code = [i for _, i in _sass_code(prep[0])]
+    first_load = next(j for j, i in enumerate(code) if re.search(r"\bLDG", i))
+    assert any("ACQBULK" in i for i in code[:first_load]), "prep_x reads x before its griddepcontrol.wait"
+    for f in gemm:
+        assert sum("ATOMG" in i for _, i in _sass_code(f)) == 1, f.split("\n")[0]
+
+
 def _pair_loops(code):
     """The innermost loops holding HGMMA: each GEMM kernel's K loop over chunk pairs (the stream-K kernels
     hold it inside their segment loop)."""
@@ -738,21 +793,17 @@ def _feed_kernels(tmp_path, variant: str) -> list[str]:
 def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
     """bench/probes/sm90_feed.py times the GEMM with its consumers idle: those builds must lose every wgmma
     and decode (no HGMMA, no HMUL2 in any kernel) and keep the rest: the ring's waits, the epilogue's stores
-    and the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy). The
-    acqrel build keeps the GEMM's work and drops the split-K fix-up's seq_cst fences. Every variant's
-    replacements still find their lines in the GEMM's source."""
+    and the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy). Every
+    variant's replacements still find their lines in the GEMM's source."""
     probe = bench_module("probes/sm90_feed")
     for variant in probe.VARIANTS:
         src = probe.feed_source(variant)
         assert (probe.WORK not in src and probe.FEED in src) == (variant in probe.IDLE), variant
         assert all(new in src for _, new in probe.VARIANTS[variant]), variant
-    for variant in ("feed", "xonly", "acqrel"):
+    for variant in ("feed", "xonly"):
         (tmp_path / variant).mkdir()
         for k in _feed_kernels(tmp_path / variant, variant):
             name = k.split()[0]
             assert "SYNCS.PHASECHK" in k and "UBLKCP" in k and "STG" in k, (variant, name)
-            if variant == "acqrel":  # the GEMM's work kept, the fix-up's seq_cst fences gone
-                assert "HGMMA" in k and "HMUL2" in k and "MEMBAR.SC" not in k, name
-                continue
             assert "HGMMA" not in k and "HMUL2" not in k, (variant, name)
             assert ("UTMALDG" in k) == (variant == "feed"), (variant, name)

@@ -23,8 +23,15 @@
 // Per chunk: wait for the slot, decode into the free A set, fence, 8 async wgmma (m64nBTk16), commit, wait
 // until only this chunk's group is in flight (so the previous chunk's A set and slot are free), release the
 // previous slot. Epilogue: gs * 2^7 (the decoder's weights are e2m1 * s * 2^-7), bias, one rounding.
-// Split-K: fp32 partials per consumer thread; the last CTA of a tile (an acq_rel counter) sums them in
-// split order, finishes the tile and resets the counter.
+// Split-K: fp32 partials per consumer thread; the last CTA of a tile sums them in split order, finishes the
+// tile and resets the counter. The counter is CUTLASS's semaphore pattern: a barrier orders the CTA's partial
+// stores before one thread's acq_rel atomic (release, cumulative over what the barrier ordered; acquire for
+// the last CTA's reads after the second barrier), not a seq_cst fence in every thread (ncu put 15% of a split
+// launch's samples on those fences; the acq_rel form ran 1.02-1.03x at the split configs, bench/RESULTS.md).
+// PDL (launched with programmatic stream serialization, K3RUN_SM90_PDL): the weights and scales do not depend
+// on the previous kernel, so the producer copies the codes and scales of the ring's first slots, then waits
+// for the previous kernel (griddepcontrol.wait) before the first x copy; every consumer waits too before
+// anything it reads or writes in global memory. The CTA lets the next kernel launch at its start.
 // Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in pairs, tile-major, tiles x CH / 2 units cut
 // into sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
 // writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the
@@ -121,6 +128,13 @@ __device__ __forceinline__ void tensor_g2s_elect(uint32_t dst, const CUtensorMap
       "%4}], [%5];\n}" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
+}
+
+// Programmatic dependent launch (both no-ops in a grid launched without it): wait until the previous kernel on
+// the stream has completed and its writes are visible; let the next kernel's CTAs be scheduled.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 __device__ __forceinline__ void fence_barrier_init() {
@@ -454,6 +468,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     fence_barrier_init();
   }
   __syncthreads();
+  pdl_launch_dependents();
 
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
     // 56 registers: at 40 ptxas spilled the warp forms' loop (the consumers use <= 155 of their 224; the
@@ -472,28 +487,44 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         const uint32_t xs0 = smem_u32(xs), wsm0 = smem_u32(wsm), ssm0 = smem_u32(ssm);
         const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
         const bool tensor = producer == PRODUCER_TENSOR;
-        Slot sl;
-        int i = 0;  // chunks issued so far, over all segments
+        // a chunk's codes and scales into slot st (completing on `bar`)
+        auto copy_ws = [&](const SegSrc& g, int c, int st, uint32_t bar) {
+          if (tensor) {
+            tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
+            tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
+          } else {
+            for (int rb = 0; rb < g.nrb; ++rb) {
+              const size_t blk = size_t(g.rb0 + rb) * CH + c;
+              bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
+              bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
+            }
+          }
+        };
+        // a box past the last row block is zero-filled and still counted in full
+        auto slot_bytes = [&](const SegSrc& g) { return tensor ? SM::X + SM::W + SM::S : g.bytes; };
+        // Before the previous kernel is done: the first `stages` chunks' codes and scales, each slot's
+        // transaction count set for all its bytes (the x copy below completes it).
+        int i = 0;
         for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
           const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
-          // a box past the last row block is zero-filled and still counted in full
-          const uint32_t bytes = tensor ? SM::X + SM::W + SM::S : g.bytes;
+          for (int c = sg.c_lo; c < sg.c_hi && i < stages; ++c, ++i) {
+            mbar_expect_tx_elect(full0 + 8 * i, slot_bytes(g));
+            copy_ws(g, c, i, full0 + 8 * i);
+          }
+        });
+        const int early = i;  // chunks whose codes and scales are already on their way
+        pdl_wait();
+        Slot sl;
+        i = 0;  // chunks issued so far, over all segments
+        for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+          const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
           for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
             const int st = sl.st;
             const uint32_t bar = full0 + 8 * st;
             if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-            mbar_expect_tx_elect(bar, bytes);
+            if (i >= early) mbar_expect_tx_elect(bar, slot_bytes(g));
             bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
-            if (tensor) {
-              tensor_g2s_elect(wsm0 + st * SM::W, tm_w, 0, c, g.rb0, bar);
-              tensor_g2s_elect(ssm0 + st * SM::S, tm_s, 0, c, g.rb0, bar);
-            } else {
-              for (int rb = 0; rb < g.nrb; ++rb) {
-                const size_t blk = size_t(g.rb0 + rb) * CH + c;
-                bulk_g2s_elect(wsm0 + st * SM::W + rb * 1024, w + blk * 1024, 1024, bar);
-                bulk_g2s_elect(ssm0 + st * SM::S + rb * 128, s + blk * 128, 128, bar);
-              }
-            }
+            if (i >= early) copy_ws(g, c, st, bar);
             __syncwarp();
           }
         });
@@ -501,6 +532,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
       return;
     }
     if (threadIdx.x == NWG * 128) {  // one thread issues every copy
+      pdl_wait();
       Slot sl;
       int i = 0;  // chunks issued so far, over all segments
       for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
@@ -523,6 +555,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
 
   // ---- consumer warpgroups
   if constexpr (NWG > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  pdl_wait();  // before the epilogue's global reads and writes (the ring's x arrives after it anyway)
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -564,12 +597,14 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
 #pragma unroll
       for (int j = 0; j < ACC; j += 4)
         *reinterpret_cast<float4*>(mine + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
-      __threadfence();
       consumer_sync(nthreads);
-      if (ctid == 0) sts32(last_flag, atomicAdd(&cnt[pid], 1) == nseg - 1);
+      if (ctid == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + pid) : "memory");
+        sts32(last_flag, old == nseg - 1);
+      }
       consumer_sync(nthreads);
       if (!lds32(last_flag)) return;
-      __threadfence();
 #pragma unroll
       for (int j = 0; j < ACC; ++j) acc[j] = 0.f;
       for (int p = 0; p < nseg; ++p) {
@@ -628,6 +663,10 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
 template <typename T>
 __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, int BT, int CH, T* __restrict__ xt,
                               int total_units) {
+  // with PDL the GEMM after this launch may start (its weight copies need nothing from here); x is read only
+  // after the previous kernel is done
+  pdl_launch_dependents();
+  pdl_wait();
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= total_units) return;
   const int u = idx % 8;  // stored 16-byte unit of the row
@@ -725,11 +764,29 @@ static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words, int
   return maps.emplace(key, encode_tensor_map(base, row_blocks, CH, words, box_rows)).first->second;
 }
 
+// A launch on `stream`, with programmatic stream serialization (PDL) when `pdl`: the kernel may be scheduled
+// before the previous kernel on the stream completes (its griddepcontrol.wait orders what depends on it).
+template <typename... P, typename... A>
+static void launch_kernel(void (*kern)(P...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                          A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, std::forward<A>(args)...));
+}
+
 template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, int producer, int sk, cudaStream_t stream) {
+                   int stages, int t_tiles, int producer, int sk, bool pdl, cudaStream_t stream) {
   auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
@@ -745,14 +802,16 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
     tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256, NWG * 4);
     tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32, NWG * 4);
   }
-  kern<<<grid, cta_threads<NWG>(), smem, stream>>>(
-      static_cast<const uint8_t*>(xt.data_ptr()), w.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(),
-      gs.data_ptr<float>(),
-      gs.numel() != 1, bias.has_value() ? bias->data_ptr() : nullptr, y.data_ptr(), int(y.stride(0)),
-      partials ? ws.data_ptr<float>() : nullptr, partials ? cnt.data_ptr<int>() : nullptr, M, N,
-      int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, n_tiles * t_tiles, producer, sk,
-      sk > 0 ? n_tiles * t_tiles * (CH / 2) / sk : 0, sk > 0 ? n_tiles * t_tiles * (CH / 2) % sk : 0, tm_w, tm_s);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const uint8_t* xtp = static_cast<const uint8_t*>(xt.data_ptr());
+  const void* bp = bias.has_value() ? bias->data_ptr() : nullptr;
+  float* wsp = partials ? ws.data_ptr<float>() : nullptr;
+  int* cntp = partials ? cnt.data_ptr<int>() : nullptr;
+  const int tiles = n_tiles * t_tiles;
+  const int sk_q = sk > 0 ? tiles * (CH / 2) / sk : 0, sk_r = sk > 0 ? tiles * (CH / 2) % sk : 0;
+  launch_kernel(kern, grid, cta_threads<NWG>(), smem, stream, pdl, xtp, w.data_ptr<uint8_t>(),
+                s.data_ptr<uint8_t>(), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),
+                int(y.stride(0)), wsp, cntp, M, N, int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, tiles,
+                producer, sk, sk_q, sk_r, tm_w, tm_s);
 }
 
 }  // namespace k3w
@@ -766,7 +825,7 @@ int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages) {
   return -1;
 }
 
-torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
+torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks, bool pdl) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "w4a16_prep_x: x must be 2-D with unit stride along K");
   TORCH_CHECK(x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0,
               "w4a16_prep_x: x rows must be 4-byte aligned");
@@ -776,22 +835,22 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks) {
   const int units = t_tiles * chunks * 2 * bt * 8;
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int threads = 256;
+  const dim3 grid((units + threads - 1) / threads);
   if (x.scalar_type() == at::kBFloat16)
-    k3w::prep_x_kernel<__nv_bfloat16><<<(units + threads - 1) / threads, threads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), int(x.stride(0)), M, K, int(bt), int(chunks),
-        reinterpret_cast<__nv_bfloat16*>(xt.data_ptr()), units);
+    k3w::launch_kernel(k3w::prep_x_kernel<__nv_bfloat16>, grid, threads, 0, stream, pdl,
+                       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), int(x.stride(0)), M, K, int(bt),
+                       int(chunks), reinterpret_cast<__nv_bfloat16*>(xt.data_ptr()), units);
   else
-    k3w::prep_x_kernel<__half><<<(units + threads - 1) / threads, threads, 0, stream>>>(
-        reinterpret_cast<const __half*>(x.data_ptr()), int(x.stride(0)), M, K, int(bt), int(chunks),
-        reinterpret_cast<__half*>(xt.data_ptr()), units);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+    k3w::launch_kernel(k3w::prep_x_kernel<__half>, grid, threads, 0, stream, pdl,
+                       reinterpret_cast<const __half*>(x.data_ptr()), int(x.stride(0)), M, K, int(bt),
+                       int(chunks), reinterpret_cast<__half*>(xt.data_ptr()), units);
   return xt;
 }
 
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
                 int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer,
-                int64_t sk) {
+                int64_t sk, bool pdl) {
   const int CH = xt.size(1), t_tiles = xt.size(0);
   TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
               " must divide the ", CH, " chunks");
@@ -809,10 +868,10 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 #define K3W_RUN(B, G, K)                                                                                       \
   if (bf16)                                                                                                    \
     k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,               \
-                               int(producer), sk, stream);                                                   \
+                               int(producer), sk, pdl, stream);                                              \
   else                                                                                                         \
     k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,              \
-                                int(producer), sk, stream);                                                  \
+                                int(producer), sk, pdl, stream);                                             \
   return;
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G && sk == 0) {                                                                        \

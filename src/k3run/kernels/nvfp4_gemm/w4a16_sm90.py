@@ -73,11 +73,11 @@ def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
     log.info("building the sm_90 NVFP4 GEMM (once per machine, ~1-2 min; cached after)")
     decls = (
         "int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages);\n"
-        "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks);\n"
+        "torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks, bool pdl);\n"
         "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
         "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
-        "int64_t sk);\n"
+        "int64_t sk, bool pdl);\n"
     )
     return load_inline(
         name=name,
@@ -349,13 +349,15 @@ def nvfp4_sm90_gemm(
     config: tuple[int, int, int, int] | None = None,
     sk_ctas: int | None = None,
     producer: str | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
     config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks or 0 for
     stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
     instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed, one of
-    PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. Call
+    PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
+    launches with programmatic dependent launch (None: K3RUN_SM90_PDL); the same result either way. Call
     `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
@@ -371,7 +373,8 @@ def nvfp4_sm90_gemm(
         raise ValueError(f"nvfp4 sm90 gemm: bad config {(bt, nwg, split, stages)} for {chunks} chunks")
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
-    xt = _module.w4a16_prep_x(x, bt, chunks)
+    pdl = knobs().sm90_pdl if pdl is None else pdl
+    xt = _module.w4a16_prep_x(x, bt, chunks, pdl)
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
     sk = 0
     if split == 0:
@@ -385,6 +388,6 @@ def nvfp4_sm90_gemm(
     else:
         ws = cnt = global_scale
     form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk))
-    args = (m, n, bt, nwg, split, stages, form, sk)
+    args = (m, n, bt, nwg, split, stages, form, sk, pdl)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
