@@ -11,15 +11,13 @@ codes and scales alone (no x), the x tiles alone, and the warp producer reading 
 weights' order against one contiguous run (DRAM locality). Run 172 answered those (x, DRAM locality and a
 rotated chunk order are not it; the x-only launch alone takes ~half the GEMM's time at 16 rows): the GEMM and
 the x-only launch are also timed with plain launches against programmatic dependent launch (K3RUN_SM90_PDL),
-which starts a call's weight copies while the call before it finishes, and the GEMM with its producer warp
-gathering x from its rows (no prep_x launch; one consumer warpgroup only).
+which starts a call's weight copies while the call before it finishes.
 
     PYTHONPATH=src python3 bench/probes/sm90_feed.py [--shapes 7168x7168,12288x7168] [--out FILE]
 
 Prints, per (shape, M, config): us of the GEMM (two passes around the others, PDL as the knob says) and of
-it with plain launches, with PDL and with PDL and x gathered, of each feed-only launch, the tensor feed's
-ratio to the GEMM, and the bytes the ring moves (codes + scales from DRAM; those and every CTA's x tile of
-every chunk from L2) as TB/s.
+it with plain launches and with PDL, of each feed-only launch, the tensor feed's ratio to the GEMM, and the
+bytes the ring moves (codes + scales from DRAM; those and every CTA's x tile of every chunk from L2) as TB/s.
 Needs an sm_90 GPU and nvcc; builds the four variants (~1 min each) in threads while the GEMM's own builds.
 """
 
@@ -53,7 +51,7 @@ FEED = "  acc[0] += __uint_as_float(lds32(r.w0 + st * SM::W) & 1u);\n"
 # - nox: no x copy (the slot's transaction count lowered to match): the codes and scales alone;
 # - xonly: only the x copy: the L2 side alone.
 BLOCK = "const size_t blk = size_t(g.rb0 + rb) * CH + c;"
-BYTES = "return (tensor ? SM::X + SM::W + SM::S : g.bytes) - (gathered ? SM::X : 0);"
+BYTES = "return tensor ? SM::X + SM::W + SM::S : g.bytes; };"
 XCOPY = "bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);"
 WCOPY = "if (tensor) {\n            tensor_g2s_elect(wsm0"
 # builds whose consumers stay idle (FEED replaces their work); the others keep the GEMM's work
@@ -62,11 +60,11 @@ VARIANTS = {
     "feed": (),
     "contiguous": ((BLOCK, "const size_t blk = size_t(g.rb0) * CH + size_t(c) * g.nrb + rb;"),),
     "nox": (
-        (BYTES, "return (tensor ? SM::X + SM::W + SM::S : g.bytes) - SM::X;"),
+        (BYTES, "return (tensor ? SM::X + SM::W + SM::S : g.bytes) - SM::X; };"),
         (XCOPY, ";"),
     ),
     "xonly": (
-        (BYTES, "return uint32_t(SM::X);"),
+        (BYTES, "return uint32_t(SM::X); };"),
         (WCOPY, "if (true) {\n          } else if (false) {\n            tensor_g2s_elect(wsm0"),
     ),
 }
@@ -152,25 +150,22 @@ def main() -> None:
     if not ok or any(isinstance(m, Exception) for m in mods.values()):
         raise SystemExit(f"sm90_feed: GEMM available {ok} ({sm90._error}); feed builds: {mods}")
     gemm = sm90._module
-    # (column, module, producer form, PDL, gather x): the GEMM twice around the others (its pass-to-pass
-    # spread); the feed-only builds with prep_x's tiles
+    # (column, module, producer form, PDL): the GEMM twice around the others (its pass-to-pass spread)
     runs = (
-        ("gemm", gemm, None, None, None),
-        ("gemm_plain", gemm, None, False, False),
-        ("gemm_pdl", gemm, None, True, False),
-        ("gemm_gather", gemm, None, True, True),
-        ("feed", mods["feed"], "tensor", None, False),
-        ("nox", mods["nox"], "tensor", None, False),
-        ("xonly", mods["xonly"], "tensor", None, False),
-        ("xonly_plain", mods["xonly"], "tensor", False, False),
-        ("feed_warp", mods["feed"], "warp", None, False),
-        ("feed_warp_contig", mods["contiguous"], "warp", None, False),
-        ("gemm2", gemm, None, None, None),
+        ("gemm", gemm, None, None),
+        ("gemm_plain", gemm, None, False),
+        ("gemm_pdl", gemm, None, True),
+        ("feed", mods["feed"], "tensor", None),
+        ("nox", mods["nox"], "tensor", None),
+        ("xonly", mods["xonly"], "tensor", None),
+        ("xonly_plain", mods["xonly"], "tensor", False),
+        ("feed_warp", mods["feed"], "warp", None),
+        ("feed_warp_contig", mods["contiguous"], "warp", None),
+        ("gemm2", gemm, None, None),
     )
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
     print(
-        "| N x K | M | config | GEMM us (two passes) | GEMM plain / PDL / PDL + x gathered us (plain / PDL, "
-        "plain / gathered) | feed-only us: "
+        "| N x K | M | config | GEMM us (two passes) | GEMM plain / PDL us (plain / PDL) | feed-only us: "
         "tensor / no x / x only (plain) / warp / warp chunk-major | feed / GEMM | DRAM TB/s: GEMM / feed / "
         "warp / chunk-major | L2->SM TB/s (GEMM / feed) |"
     )
@@ -185,36 +180,24 @@ def main() -> None:
             if not sm90.config_ok(*cfg, -(-k // 128)):
                 continue
             times = {}
-            for name, mod, form, pdl, gather in runs:
-                if gather and (cfg[1] != 1 or cfg[0] > 64):  # one consumer warpgroup, BT <= 64 only
-                    times[name] = float("nan")
-                    continue
+            for name, mod, form, pdl in runs:
                 fns = [
                     lambda w=w: sm90.nvfp4_sm90_gemm(
-                        x,
-                        w.weight,
-                        w.scale_bits,
-                        w.global_scale,
-                        k,
-                        n,
-                        config=cfg,
-                        producer=form,
-                        pdl=pdl,
-                        gather=gather,
-                    )  # fmt: skip
+                        x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg, producer=form, pdl=pdl
+                    )
                     for w in ws
                 ]
                 with _using(mod):
                     times[name] = graph_ms(fns, 0.05) * 1e3
             g, f = min(times["gemm"], times["gemm2"]), times["feed"]
             fw, fc = times["feed_warp"], times["feed_warp_contig"]
-            gp, gd, gg = times["gemm_plain"], times["gemm_pdl"], times["gemm_gather"]
+            gp, gd = times["gemm_plain"], times["gemm_pdl"]
             dram, l2 = ring_bytes(m, n, k, cfg)
             rows.append({"shape": shape, "m": m, "cfg": cfg, **times})
             tbs = " / ".join(f"{dram / t / 1e6:.2f}" for t in (g, f, fw, fc))
             print(
                 f"| {shape} | {m} | {cfg} | {times['gemm']:.1f} / {times['gemm2']:.1f} "
-                f"| {gp:.1f} / {gd:.1f} / {gg:.1f} ({gp / gd:.2f}x, {gp / gg:.2f}x) "
+                f"| {gp:.1f} / {gd:.1f} ({gp / gd:.2f}x) "
                 f"| {f:.1f} / {times['nox']:.1f} / {times['xonly']:.1f} ({times['xonly_plain']:.1f}) "
                 f"/ {fw:.1f} / {fc:.1f} | {f / g:.2f} | {tbs} | {l2 / g / 1e6:.2f} / {l2 / f / 1e6:.2f} |",
                 flush=True,

@@ -225,12 +225,6 @@ class Knobs:
         "dependent launch: the GEMM starts copying its first weight chunks while the kernel before it "
         "finishes (0: plain launches)",
     )  # fmt: skip
-    sm90_x_gather: int = _knob(
-        "K3RUN_SM90_X_GATHER", _tokens_256, 0,
-        "CUDA sm_90: up to this many rows the CUDA C++ NVFP4 GEMM's producer warp copies x from its rows "
-        "into the ring itself (one consumer warpgroup, warp or tensor producer), with no separate "
-        "x-preparation launch before the GEMM (0, the default: never; not yet measured)",
-    )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,
         "CUDA sm_90+: the decode step's small Triton kernels (norms, router, activation, combine, KDA conv, "

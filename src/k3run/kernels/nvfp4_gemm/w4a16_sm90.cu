@@ -13,9 +13,8 @@
 // swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and a producer (one warp beside one
 // consumer warpgroup, a warpgroup beside two: cta_threads) that issues bulk copies (cp.async.bulk or
 // tensor-map copies, completion on an mbarrier; the producer's forms below) into a ring of STAGES slots; a
-// slot holds one 128-wide K chunk: x [2][BT][64] (column-permuted and swizzled: by the `prep_x` launch
-// before the GEMM, or by the producer warp itself, gather_x), the tiled128 words of NWG * 4 16-row blocks
-// (1 KB each) and their scale bytes (128 B each).
+// slot holds one 128-wide K chunk: x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the
+// tiled128 words of NWG * 4 16-row blocks (1 KB each) and their scale bytes (128 B each).
 // Consumer thread (warp w of its warpgroup, lane = 4g + t) owns weight rows 16w + g and 16w + g + 8 and words
 // 4t..4t+3 of each: two 16-byte shared loads per chunk. Word 4t + b decodes (the decode kernels' shift
 // decoder, tile.word_asm) into the pairs of physical k = 16t + 4b + 2p + e (low half of the chunk, p = 0, 1)
@@ -137,10 +136,6 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;"
 __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
-
-// Orders this thread's view of shared memory written through the generic proxy (cp.async) before its later
-// async-proxy reads (wgmma's B operand).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -379,14 +374,6 @@ struct Smem {
   static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
 };
 
-// The kernels that can gather x (gather_x): one consumer warpgroup (with two, the producer has 56 registers and
-// the gather spilled them), BT <= 64 (the calls where prep_x's launch is a large part of the time; a lane's
-// gather is 4 BT copies a chunk) and the fixed grid (stream-K runs the thread producer).
-template <int BT, int NWG, bool SK>
-__host__ __device__ constexpr bool can_gather() {
-  return NWG == 1 && BT <= 64 && !SK;
-}
-
 // The consumer's view of the ring as shared-window addresses, so no chunk converts a generic pointer (~12
 // instructions: the CTA's shared window read and aligned again): this thread's words and scales of slot 0 (already offset to its rows and columns), the
 // barriers, and slot 0's B descriptor (a slot's is it plus the slot's offset / 16).
@@ -412,48 +399,18 @@ struct Slot {
 // The CTA's c-th chunk (counted over all its segments; in slot `sl`) on the consumer side, decoding into the A
 // set `a` (the other set may still be read by chunk c - 1's wgmma): wait for the slot, decode, issue, keep
 // only this chunk's group in flight, release chunk c - 1's slot.
-template <int BT, int NWG, bool BF16, bool SK>
+template <int BT, int NWG, bool BF16>
 __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, float (&acc)[BT / 2],
                                         uint32_t (&a)[32]) {
   using SM = Smem<BT, NWG>;
   const int st = sl.st;
   mbar_wait(r.full + 8 * st, sl.phase);
-  // the kernels that can gather fence every chunk, gathered or not: a runtime branch here made ptxas keep two
-  // copies of the decode in the K loop
-  if constexpr (can_gather<BT, NWG, SK>()) fence_proxy_async();
   decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);
   issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);
   if (c > 0) {
     __syncwarp();
     if (r.lane == 0) mbar_arrive(r.empty + 8 * (st == 0 ? r.stages - 1 : st - 1));
   }
-}
-
-// x gathered by the producer warp from its rows [M, K] (row stride ldx elements) into a slot, in place of the
-// bulk copy of prep_x's tile (K3RUN_SM90_X_GATHER: one launch less, and nothing for the GEMM to wait on but
-// the kernel before it): lane l moves pair l (columns 2l, 2l + 1) of each 64-column half of each of the tile's
-// BT rows, one 4-byte cp.async each (zero-filled past M or K), to where prep_x puts it: pair 8t + 2b + p is
-// word t of 16-byte unit 2b + p (stored at unit (2b + p) ^ (row % 8)). A warp's copy reads one row's 128
-// contiguous bytes and writes 32 distinct banks. Then each lane's arrive on the slot's barrier, made when
-// its copies have landed (the barrier counts 32 such arrivals besides the producer's expect_tx).
-template <int BT>
-__device__ __forceinline__ void gather_x(uint32_t dst, const uint8_t* x, int ldx, int M, int K, int row0,
-                                         int col0, int lane, uint32_t bar) {
-  const int t = lane >> 3, u = lane & 7;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int col = col0 + h * 64 + 2 * lane;
-#pragma unroll 4
-    for (int r = 0; r < BT; ++r) {
-      const int row = row0 + r;
-      const bool ok = row < M && col < K;
-      const uint8_t* src = x + (ok ? (size_t(row) * ldx + col) * 2 : 0);
-      const uint32_t d = dst + (h * BT + r) * 128 + ((u ^ (r & 7)) << 4) + t * 4;
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(ok ? 4 : 0)
-                   : "memory");
-    }
-  }
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 // The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
@@ -485,7 +442,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
-                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r, int ldx, int K,
+                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r,
                  const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
@@ -503,12 +460,9 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const int wg = threadIdx.x / 128;
 
-  // ldx > 0: xt is x itself [M, K], gathered into the slots by the producer warp (gather_x; can_gather's
-  // kernels, warp and tensor forms only), else prep_x's tiles
-  const bool gathered = can_gather<BT, NWG, SK>() && ldx > 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < stages; ++i) {
-      mbar_init(&full[i], gathered ? 33 : 1);
+      mbar_init(&full[i], 1);
       mbar_init(&empty[i], NWG * 4);
     }
     fence_barrier_init();
@@ -546,10 +500,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
             }
           }
         };
-        // a box past the last row block is zero-filled and still counted in full; gathered x is not counted
-        auto slot_bytes = [&](const SegSrc& g) {
-          return (tensor ? SM::X + SM::W + SM::S : g.bytes) - (gathered ? SM::X : 0);
-        };
+        // a box past the last row block is zero-filled and still counted in full
+        auto slot_bytes = [&](const SegSrc& g) { return tensor ? SM::X + SM::W + SM::S : g.bytes; };
         // Before the previous kernel is done: the first `stages` chunks' codes and scales, each slot's
         // transaction count set for all its bytes (the x copy below completes it).
         int i = 0;
@@ -571,11 +523,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
             const uint32_t bar = full0 + 8 * st;
             if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
             if (i >= early) mbar_expect_tx_elect(bar, slot_bytes(g));
-            if (gathered)
-              gather_x<BT>(xs0 + st * SM::X, xt, ldx, M, K, (sg.tile / n_tiles) * BT, c * CHUNK, threadIdx.x % 32,
-                           bar);
-            else
-              bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
+            bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
             if (i >= early) copy_ws(g, c, st, bar);
             __syncwarp();
           }
@@ -632,9 +580,9 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     for (int j = 0; j < ACC; ++j) acc[j] = 0.f;
     int c = c_lo;
     for (; c + 1 < c_hi; c += 2, i += 2) {
-      consume<BT, NWG, BF16, SK>(ring, i, sl, acc, a0);
+      consume<BT, NWG, BF16>(ring, i, sl, acc, a0);
       sl.advance(stages);
-      consume<BT, NWG, BF16, SK>(ring, i + 1, sl, acc, a1);
+      consume<BT, NWG, BF16>(ring, i + 1, sl, acc, a1);
       sl.advance(stages);
     }
     return c;
@@ -693,7 +641,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   if constexpr (!SK) {  // one segment, of any chunk count: an odd last chunk after the pairs, outside any loop
     const int c0 = int(blockIdx.y) * nch;
     if (pairs(c0, c0 + nch) < c0 + nch) {
-      consume<BT, NWG, BF16, SK>(ring, i, sl, acc, a0);
+      consume<BT, NWG, BF16>(ring, i, sl, acc, a0);
       sl.advance(stages);
       ++i;
     }
@@ -838,7 +786,7 @@ template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, int producer, int sk, bool pdl, int ldx, int K, cudaStream_t stream) {
+                   int stages, int t_tiles, int producer, int sk, bool pdl, cudaStream_t stream) {
   auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
@@ -863,7 +811,7 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   launch_kernel(kern, grid, cta_threads<NWG>(), smem, stream, pdl, xtp, w.data_ptr<uint8_t>(),
                 s.data_ptr<uint8_t>(), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),
                 int(y.stride(0)), wsp, cntp, M, N, int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, tiles,
-                producer, sk, sk_q, sk_r, ldx, K, tm_w, tm_s);
+                producer, sk, sk_q, sk_r, tm_w, tm_s);
 }
 
 }  // namespace k3w
@@ -902,16 +850,8 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks, bool pdl
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
                 int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer,
-                int64_t sk, bool pdl, bool gather) {
-  // gather: xt is x [M, K] itself, gathered by the producer warp (gather_x), else prep_x's tiles
-  const int CH = gather ? int(w.size(1) / 64) : int(xt.size(1));
-  const int t_tiles = gather ? int((M + bt - 1) / bt) : int(xt.size(0));
-  const int ldx = gather ? int(xt.stride(0)) : 0, K = gather ? int(xt.size(1)) : 0;
-  TORCH_CHECK(!gather || (producer != k3w::PRODUCER_THREAD && nwg == 1 && bt <= 64 && sk == 0 &&
-                          xt.stride(1) == 1 && xt.stride(0) % 2 == 0 &&
-                          reinterpret_cast<uintptr_t>(xt.data_ptr()) % 4 == 0 && K <= CH * k3w::CHUNK),
-              "w4a16_gemm: gathering x needs the fixed grid, one consumer warpgroup, BT <= 64, the warp or "
-              "tensor producer and 4-byte aligned rows of x");
+                int64_t sk, bool pdl) {
+  const int CH = xt.size(1), t_tiles = xt.size(0);
   TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
               " must divide the ", CH, " chunks");
   TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
@@ -928,10 +868,10 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 #define K3W_RUN(B, G, K)                                                                                       \
   if (bf16)                                                                                                    \
     k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,               \
-                               int(producer), sk, pdl, ldx, K, stream);                                      \
+                               int(producer), sk, pdl, stream);                                              \
   else                                                                                                         \
     k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,              \
-                                int(producer), sk, pdl, ldx, K, stream);                                     \
+                                int(producer), sk, pdl, stream);                                             \
   return;
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G && sk == 0) {                                                                        \
@@ -958,7 +898,7 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
                                                           const float*, int, const void*, void*, int, float*, \
                                                           int*, int, int, int, int, int, int, int, int, int, int, \
-                                                          int, int, int, const __grid_constant__ CUtensorMap, \
+                                                          int, const __grid_constant__ CUtensorMap, \
                                                           const __grid_constant__ CUtensorMap);
 K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
 K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)

@@ -4,9 +4,7 @@
 (the same tiled128 weight, the same roundings: exact decoded weights, fp32 tensor-core sums, split-K partials
 added in a fixed order, one rounding to x's dtype) in two launches: `prep_x` writes x's columns in the A
 registers' order into swizzled [BT, 64] tiles, then the warp-specialized kernel (the .cu file's header says
-how it keeps a chunk's wgmma in flight while the next chunk decodes). Up to K3RUN_SM90_X_GATHER rows its
-producer warp gathers x into that order itself, in one launch. Both launches use programmatic dependent
-launch (K3RUN_SM90_PDL): the GEMM's first weight copies overlap the kernel before it.
+how it keeps a chunk's wgmma in flight while the next chunk decodes).
 
 The extension is compiled once per machine by torch.utils.cpp_extension (nvcc, -gencode for sm_90a; ~1-2
 minutes) and cached in torch's extension directory; `available()` is False where it cannot be built or the
@@ -79,7 +77,7 @@ def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
         "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
         "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
-        "int64_t sk, bool pdl, bool gather);\n"
+        "int64_t sk, bool pdl);\n"
     )
     return load_inline(
         name=name,
@@ -352,7 +350,6 @@ def nvfp4_sm90_gemm(
     sk_ctas: int | None = None,
     producer: str | None = None,
     pdl: bool | None = None,
-    gather: bool | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
@@ -360,10 +357,8 @@ def nvfp4_sm90_gemm(
     stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
     instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed, one of
     PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
-    launches with programmatic dependent launch (None: K3RUN_SM90_PDL); the same result either way.
-    gather: the producer warp copies x from its rows into the ring itself, with no prep_x launch (one
-    consumer warpgroup, BT <= 64, the fixed grid and the warp or tensor producer only; None: up to
-    K3RUN_SM90_X_GATHER rows where it can); the same bits. Call `available(x.device)` first."""
+    launches with programmatic dependent launch (None: K3RUN_SM90_PDL); the same result either way. Call
+    `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
@@ -379,8 +374,8 @@ def nvfp4_sm90_gemm(
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
     pdl = knobs().sm90_pdl if pdl is None else pdl
-    t_tiles = -(-m // bt)
-    tiles = -(-n // (64 * nwg)) * t_tiles
+    xt = _module.w4a16_prep_x(x, bt, chunks, pdl)
+    tiles = -(-n // (64 * nwg)) * xt.shape[0]
     sk = 0
     if split == 0:
         sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0), stages)
@@ -393,15 +388,6 @@ def nvfp4_sm90_gemm(
     else:
         ws = cnt = global_scale
     form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk))
-    can_gather = nwg == 1 and bt <= 64 and sk == 0 and PRODUCERS[form] != "thread"  # the .cu's can_gather
-    if gather is None:
-        gather = can_gather and m <= knobs().sm90_x_gather
-    elif gather and not can_gather:
-        raise ValueError(
-            "nvfp4 sm90 gemm: gathering x needs the fixed grid, one warpgroup, BT <= 64 and the warp or "
-            "tensor producer"
-        )
-    xt = x if gather else _module.w4a16_prep_x(x, bt, chunks, pdl)
-    args = (m, n, bt, nwg, split, stages, form, sk, pdl, gather)
+    args = (m, n, bt, nwg, split, stages, form, sk, pdl)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
