@@ -31,7 +31,10 @@
 // PDL (launched with programmatic stream serialization, K3RUN_SM90_PDL): the weights and scales do not depend
 // on the previous kernel, so the producer copies the codes and scales of the ring's first slots, then waits
 // for the previous kernel (griddepcontrol.wait) before the first x copy; every consumer waits too before
-// anything it reads or writes in global memory. The CTA lets the next kernel launch at its start.
+// anything it reads or writes in global memory. The producer lets the next kernel launch once it has issued its
+// last copy (CUTLASS triggers after its main loop too): triggered at the start, each GEMM of a back-to-back
+// chain launched the next x preparation and GEMM at once, a cascade whose weight prefetches slowed the
+// running GEMM (0.76x at (16,1,1,8) on 7168^2, bench/RESULTS.md run 173).
 // Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in pairs, tile-major, tiles x CH / 2 units cut
 // into sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
 // writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the
@@ -468,7 +471,6 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     fence_barrier_init();
   }
   __syncthreads();
-  pdl_launch_dependents();
 
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
     // 56 registers: at 40 ptxas spilled the warp forms' loop (the consumers use <= 155 of their 224; the
@@ -528,6 +530,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
             __syncwarp();
           }
         });
+        pdl_launch_dependents();
       }
       return;
     }
@@ -549,6 +552,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
           }
         }
       });
+      pdl_launch_dependents();
     }
     return;
   }
