@@ -220,11 +220,11 @@ class Knobs:
         "stream-K, where tensor measured 0.95-0.89x at 16 rows)",
     )  # fmt: skip
     sm90_pdl: bool = _knob(
-        "K3RUN_SM90_PDL", _flag, False,
+        "K3RUN_SM90_PDL", _flag, True,
         "CUDA sm_90: the CUDA C++ NVFP4 GEMM's two launches (x preparation, the GEMM) with programmatic "
-        "dependent launch: the GEMM starts copying its first weight chunks while the kernel before it "
-        "finishes (0, the default: plain launches; with the trigger at the CTA's start it ran 0.76-1.11x "
-        "plain on an H200, the trigger after the producer's last copy is not yet measured)",
+        "dependent launch where a CTA's ring fills more than half an SM's shared memory (w4a16_sm90."
+        "pdl_helps; H100: 1.06-1.09x plain there, 0.79-0.98x at configs that leave room for a second CTA): "
+        "the GEMM copies its first weight chunks while the kernel before it finishes (0: plain launches)",
     )  # fmt: skip
     pdl_all: bool = _knob(
         "K3RUN_PDL_ALL", _flag, True,

@@ -385,6 +385,18 @@ def test_from_bt64_the_fixed_grid_keeps_one_deep_ring_an_sm() -> None:
     assert sm90.sm90_config(32, 12288, 7168, 132) == (32, 1, 2, 5)  # 384 CTAs: three an SM
 
 
+def test_pdl_only_where_a_ring_leaves_no_room_for_a_second_cta() -> None:
+    """K3RUN_SM90_PDL's rule against run 174 (H100, 7168^2, PDL / plain): on where it measured 1.06-1.09x,
+    off where it measured 0.79-0.98x (a second CTA fits beside a running one)."""
+    measured = {(16, 1, 8): 0.98, (32, 1, 6): 1.15, (64, 1, 8): 1.09, (64, 1, 4): 0.80, (64, 2, 6): 1.06,
+                (128, 1, 6): 1.08, (128, 2, 4): 1.07}  # fmt: skip
+    for (bt, nwg, stages), gain in measured.items():
+        on = sm90.pdl_helps(bt, nwg, stages)
+        assert not on or gain >= 1.05, (bt, nwg, stages)
+        assert on == (2 * sm90.smem_bytes(bt, nwg, stages) > sm90.SM_SMEM)
+    assert sm90.pdl_helps(64, 1, 8) and not sm90.pdl_helps(16, 1, 8)
+
+
 def test_auto_producer_is_tensor_on_the_fixed_grid() -> None:
     assert sm90._producer("auto", 0) == "tensor"  # one or two consumer warpgroups (a 4 / 8-block box)
     assert sm90._producer("auto", 396) == "thread"  # stream-K

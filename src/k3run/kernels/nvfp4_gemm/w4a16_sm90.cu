@@ -28,13 +28,13 @@
 // stores before one thread's acq_rel atomic (release, cumulative over what the barrier ordered; acquire for
 // the last CTA's reads after the second barrier), not a seq_cst fence in every thread (ncu put 15% of a split
 // launch's samples on those fences; the acq_rel form ran 1.02-1.03x at the split configs, bench/RESULTS.md).
-// PDL (launched with programmatic stream serialization, K3RUN_SM90_PDL): the weights and scales do not depend
-// on the previous kernel, so the producer copies the codes and scales of the ring's first slots, then waits
-// for the previous kernel (griddepcontrol.wait) before the first x copy; every consumer waits too before
-// anything it reads or writes in global memory. The producer lets the next kernel launch once it has issued its
-// last copy (CUTLASS triggers after its main loop too): triggered at the start, each GEMM of a back-to-back
-// chain launched the next x preparation and GEMM at once, a cascade whose weight prefetches slowed the
-// running GEMM (0.76x at (16,1,1,8) on 7168^2, bench/RESULTS.md run 173).
+// PDL (programmatic stream serialization, where the host's pdl_helps says so; K3RUN_SM90_PDL): the weights and
+// scales do not depend on the previous kernel, so the producer copies the codes and scales of the ring's first
+// slots, then waits for the previous kernel (griddepcontrol.wait) before the first x copy; every consumer
+// waits too before anything it reads or writes in global memory. The producer lets the next kernel launch
+// once it has issued its last copy (CUTLASS triggers after its main loop too): triggered at the start, each
+// GEMM of a back-to-back chain launched the next x preparation and GEMM at once, a cascade whose weight
+// prefetches slowed the running GEMM (0.76x at (16,1,1,8) on 7168^2, bench/RESULTS.md run 173).
 // Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in pairs, tile-major, tiles x CH / 2 units cut
 // into sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
 // writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the

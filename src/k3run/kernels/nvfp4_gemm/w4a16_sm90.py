@@ -315,6 +315,15 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
     return bt, nwg, split, stages
 
 
+def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
+    """Whether K3RUN_SM90_PDL launches this config with PDL: where one CTA's ring takes more than half an
+    SM's shared memory, so no CTA of the next call can sit beside a running one. On an H100 (7168^2, graphs
+    of back-to-back calls, bench/RESULTS.md run 174) PDL ran 1.06-1.09x plain at every such config and
+    0.79-0.98x at the ones that leave room for a second CTA ((16,1,1,8), (64,1,1,4), (16,1,2,8)), where
+    the next call's early CTAs share SMs with the running ones (1.15x at (32,1,2,6) is given up)."""
+    return 2 * smem_bytes(bt, nwg, stages) > SM_SMEM
+
+
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
     """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks (or 0:
     stream-K, one warpgroup, an even chunk count), a ring of >= 2 slots within the shared memory."""
@@ -357,7 +366,8 @@ def nvfp4_sm90_gemm(
     stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
     instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed, one of
     PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
-    launches with programmatic dependent launch (None: K3RUN_SM90_PDL); the same result either way. Call
+    launches with programmatic dependent launch (None: K3RUN_SM90_PDL where `pdl_helps`); the same result
+    either way. Call
     `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
@@ -373,7 +383,8 @@ def nvfp4_sm90_gemm(
         raise ValueError(f"nvfp4 sm90 gemm: bad config {(bt, nwg, split, stages)} for {chunks} chunks")
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
-    pdl = knobs().sm90_pdl if pdl is None else pdl
+    if pdl is None:
+        pdl = knobs().sm90_pdl and pdl_helps(bt, nwg, stages)
     xt = _module.w4a16_prep_x(x, bt, chunks, pdl)
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
     sk = 0
