@@ -198,7 +198,7 @@ def test_gpu_repeats_are_bit_identical() -> None:
 def test_gpu_pdl_chain_equals_plain_launches(graph: bool) -> None:
     """With programmatic dependent launch each call's x is the previous call's output (plus a torch kernel
     between some of them), so a GEMM or its x preparation reading x, or writing y / the split-K partials /
-    the counters, before the kernel ahead of it is done would change bits. Eight chained calls over
+    the counters, before the kernel ahead of it is done would change bits. Six chained calls over
     REPEAT_CONFIGS and the default config, eagerly and replayed from a CUDA graph, equal the same chain of
     plain launches bit for bit."""
     _need_kernel()

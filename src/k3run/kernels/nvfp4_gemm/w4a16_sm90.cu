@@ -32,9 +32,9 @@
 // scales do not depend on the previous kernel, so the producer copies the codes and scales of the ring's first
 // slots, then waits for the previous kernel (griddepcontrol.wait) before the first x copy; every consumer
 // waits too before anything it reads or writes in global memory. The producer lets the next kernel launch
-// once it has issued its last copy (CUTLASS triggers after its main loop too): triggered at the start, each
-// GEMM of a back-to-back chain launched the next x preparation and GEMM at once, a cascade whose weight
-// prefetches slowed the running GEMM (0.76x at (16,1,1,8) on 7168^2, bench/RESULTS.md run 173).
+// once it has issued its last copy (CUTLASS triggers after its main loop too): a trigger at the CTA's start
+// lets back-to-back GEMMs launch one another in a cascade whose weight prefetches slow the running one
+// (bench/NOTES.md, session 43).
 // Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in pairs, tile-major, tiles x CH / 2 units cut
 // into sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
 // writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the

@@ -367,8 +367,7 @@ def nvfp4_sm90_gemm(
     instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed, one of
     PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
     launches with programmatic dependent launch (None: K3RUN_SM90_PDL where `pdl_helps`); the same result
-    either way. Call
-    `available(x.device)` first."""
+    either way. Call `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
