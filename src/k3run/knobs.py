@@ -211,12 +211,6 @@ class Knobs:
         "(0, the default: never; on an H100 it beat the thread producer's fixed grid 1.01-1.25x at 16-32 "
         "rows, but the tensor producer's fixed grid matches or beats it: 0.98-1.10x at 16-32 rows)",
     )  # fmt: skip
-    sm90_stream_k_2wg: bool = _knob(
-        "K3RUN_SM90_STREAM_K_2WG", _flag, True,
-        "CUDA sm_90: the CUDA C++ NVFP4 GEMM's two-warpgroup tiles (above 128 rows, and at 128 rows where "
-        "one warpgroup's tiles outnumber the SMs) run stream-K with the tensor producer where the fixed "
-        "grid's waves leave over a tenth of the SMs idle (0: the fixed grid)",
-    )  # fmt: skip
     sm90_producer: str = _knob(
         "K3RUN_SM90_PRODUCER", _sm90_producer, "auto",
         "CUDA sm_90: how the CUDA C++ NVFP4 GEMM's producer feeds its ring: thread (one thread issues the 9 "

@@ -438,9 +438,8 @@ constexpr int min_ctas() {
   return NWG == 1 && BT <= 64 ? (SK && BT == 64 ? 2 : 3) : 1;
 }
 
-// SK: the stream-K kernel (sk > 0 CTAs, an even chunk count; one consumer warpgroup, or two at BT 128), else
-// the fixed grid (tiles x split_k); two instantiations, so the fixed grid's code is what it is without the
-// segment loop.
+// SK: the stream-K kernel (sk > 0 CTAs, an even chunk count, one consumer warpgroup), else the fixed grid
+// (tiles x split_k); two instantiations, so the fixed grid's code is what it is without the segment loop.
 template <int BT, int NWG, bool BF16, bool SK>
 __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
@@ -882,19 +881,18 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   if (bt == B && nwg == G && sk == 0) {                                                                        \
     K3W_RUN(B, G, false)                                                                                       \
   }
-#define K3W_SK_CASE(B, G)                                                                                      \
-  if (bt == B && nwg == G && sk > 0) {                                                                         \
-    K3W_RUN(B, G, true)                                                                                        \
+#define K3W_SK_CASE(B)                                                                                         \
+  if (bt == B && nwg == 1 && sk > 0) {                                                                         \
+    K3W_RUN(B, 1, true)                                                                                        \
   }
   K3W_CASE(16, 1) K3W_CASE(32, 1) K3W_CASE(64, 1) K3W_CASE(128, 1) K3W_CASE(256, 1)
   K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2)
-  K3W_SK_CASE(16, 1) K3W_SK_CASE(32, 1) K3W_SK_CASE(64, 1) K3W_SK_CASE(128, 1) K3W_SK_CASE(256, 1)
-  K3W_SK_CASE(128, 2)
+  K3W_SK_CASE(16) K3W_SK_CASE(32) K3W_SK_CASE(64) K3W_SK_CASE(128) K3W_SK_CASE(256)
 #undef K3W_SK_CASE
 #undef K3W_CASE
 #undef K3W_RUN
   TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups",
-              sk > 0 ? " with stream-K (one warpgroup, or two at BT 128)" : "");
+              sk > 0 ? " with stream-K (one warpgroup only)" : "");
 }
 #endif
 
@@ -911,7 +909,7 @@ K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
 K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)
 K3W_INST(128, 2, true, false) K3W_INST(64, 2, false, false) K3W_INST(128, 2, false, false)
 K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, true)
-K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true) K3W_INST(128, 2, true, true)
+K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
                                                             __nv_bfloat16*, int);
 #undef K3W_INST

@@ -177,14 +177,14 @@ TWO_WG_STAGES = 4
 PRODUCERS = ("thread", "warp", "tensor")
 
 
-def _producer(name: str, sk: int, nwg: int = 1) -> str:
+def _producer(name: str, sk: int) -> str:
     """The producer form `name` resolves to: auto is tensor on the fixed grid (with one consumer warpgroup
     1.02-1.10x the one-thread form at 16-64 rows on an H100, 1.30x at 128; with two 1.2-1.6x at 192-1024)
-    and for stream-K with two consumer warpgroups (the same eight-block box a chunk); thread for stream-K
-    with one (where tensor and warp measured 0.89-0.95x the one-thread form at 16 rows, 1.00-1.04x at 32)."""
+    and thread for stream-K (where tensor and warp measured 0.89-0.95x the one-thread form at 16 rows,
+    1.00-1.04x at 32)."""
     if name != "auto":
         return name
-    return "tensor" if sk == 0 or nwg == 2 else "thread"
+    return "tensor" if sk == 0 else "thread"
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -237,17 +237,16 @@ def stream_k_max_pieces(tiles: int, chunks: int, ctas: int) -> int:
     return min(ctas, -(-(chunks // 2) // q) + 1)
 
 
-def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int, stages: int = 2, nwg: int = 1) -> int:
+def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int, stages: int = 2) -> int:
     """The stream-K grid: one wave of CTA slots (the kernel's CTAs an SM, fewer where rings of `stages`
     slots do not fit the SM's shared memory together), at most one CTA per SK_MIN_PAIRS chunk pairs."""
-    per_sm = max(1, min(ctas_per_sm(bt, nwg, True), SM_SMEM // smem_bytes(bt, nwg, stages)))
+    per_sm = max(1, min(ctas_per_sm(bt, 1, True), SM_SMEM // smem_bytes(bt, 1, stages)))
     return max(1, min(per_sm * sms, tiles * (chunks // 2) // SK_MIN_PAIRS))
 
 
 def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) -> tuple[int, int, int, int]:
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs; stream_k:
-    whether stream-K may be chosen (None: with one consumer warpgroup M <= K3RUN_SM90_STREAM_K, with two
-    K3RUN_SM90_STREAM_K_2WG).
+    whether stream-K may be chosen (None: M <= K3RUN_SM90_STREAM_K).
 
     Up to TWO_WG_ABOVE_M rows one consumer warpgroup (64 weight rows a CTA) over the smallest token tile
     >= M; above, and at BT 128 where one warpgroup's tiles outnumber the SMs, two (128 weight rows) over
@@ -264,17 +263,14 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
     one wave (`stream_k_ctas`). Allowed up to K3RUN_SM90_STREAM_K rows (default 0, never): on an H100 it
     ran 1.08-1.25x the thread producer's fixed grid at 16 rows, but the tensor producer's fixed grid
-    matches or beats it (0.98-1.10x at 16-32 rows), and stream-K's CTAs feed on the thread form. Two
-    warpgroups' stream-K (BT 128, the tensor producer) under K3RUN_SM90_STREAM_K_2WG."""
+    matches or beats it (0.98-1.10x at 16-32 rows), and stream-K's CTAs feed on the thread form."""
     if stream_k is None:
-        return _sm90_config(m, n, k, sms, m <= knobs().sm90_stream_k, knobs().sm90_stream_k_2wg)
-    return _sm90_config(m, n, k, sms, stream_k, stream_k)
+        stream_k = m <= knobs().sm90_stream_k
+    return _sm90_config(m, n, k, sms, stream_k)
 
 
 @functools.cache
-def _sm90_config(
-    m: int, n: int, k: int, sms: int, stream_k: bool, stream_k_2wg: bool
-) -> tuple[int, int, int, int]:
+def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int, int, int, int]:
     chunks = -(-k // 128)
     # above 128 rows, and at BT 128 where one warpgroup's tiles outnumber the SMs: 128-token tiles of two
     # consumer warpgroups (128 weight rows a CTA)
@@ -299,13 +295,14 @@ def _sm90_config(
     per_cta = chunks // split
     resident = min(per_sm, -(-tiles * split // sms))  # CTAs an SM actually holds: the ring's depth follows
     if (
-        (stream_k if nwg == 1 else stream_k_2wg and bt == 128)
+        stream_k
+        and nwg == 1  # the stream-K kernel has one consumer warpgroup
         and chunks % 2 == 0
         and tiles * split < SK_BELOW_FILL * per_sm * sms * -(-tiles * split // (per_sm * sms))
         and tiles * chunks // 2 >= SK_MIN_PAIRS
     ):
         per_sm = fit(ctas_per_sm(bt, nwg, True))
-        split, per_cta = 0, -(-tiles * chunks // stream_k_ctas(bt, tiles, chunks, sms, nwg=nwg))
+        split, per_cta = 0, -(-tiles * chunks // stream_k_ctas(bt, tiles, chunks, sms))
         resident = per_sm
     stages = 2
     while (
@@ -329,11 +326,10 @@ def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
 
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
     """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks (or 0:
-    stream-K, one warpgroup or two at BT 128, an even chunk count), a ring of >= 2 slots within the shared
-    memory."""
+    stream-K, one warpgroup, an even chunk count), a ring of >= 2 slots within the shared memory."""
     pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128)
     if split == 0:
-        splits_ok = (nwg == 1 or bt == 128) and chunks % 2 == 0
+        splits_ok = nwg == 1 and chunks % 2 == 0
     else:
         splits_ok = split >= 1 and chunks % split == 0
     return pair and splits_ok and stages >= 2 and smem_bytes(bt, nwg, stages) <= SMEM_LIMIT
@@ -392,7 +388,7 @@ def nvfp4_sm90_gemm(
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
     sk = 0
     if split == 0:
-        sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0), stages, nwg)
+        sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0), stages)
         if not 1 <= sk <= tiles * (chunks // 2):
             raise ValueError(f"nvfp4 sm90 gemm: {sk} stream-K CTAs for {tiles * (chunks // 2)} chunk pairs")
     depth = stream_k_max_pieces(tiles, chunks, sk) if sk else split  # partials a tile can have
@@ -401,7 +397,7 @@ def nvfp4_sm90_gemm(
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk, nwg))
+    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk))
     args = (m, n, bt, nwg, split, stages, form, sk, pdl)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
