@@ -124,3 +124,16 @@ def test_probe_configs_parse_knob_settings_per_engine(monkeypatch) -> None:
         probe._configs("MLA=1")
     with pytest.raises(ValueError, match="K3RUN_MLA_ABSORB_KERNELS"):
         probe._configs("K3RUN_MLA_ABSORB_KERNELS=999")
+
+
+def test_profile_charges_each_running_instant_to_the_kernel_that_ends_first() -> None:
+    """probe_graph_step's 'advance' column: a PDL successor started under its predecessor is charged from the
+    predecessor's end; of two overlapping streams the one ending first holds the overlap; the charges sum to
+    the busy time (a gap between kernels is nobody's)."""
+    probe = bench_module("probe_graph_step")
+    spans = [(0.0, 10.0, "gemv"), (4.0, 13.0, "norm"), (13.0, 20.0, "gemv"), (30.0, 36.0, "kda"),
+             (31.0, 33.0, "side"), (35.0, 40.0, "gemv")]  # fmt: skip
+    adv = probe._advance(spans)
+    assert adv == {"gemv": 10.0 + 7.0 + 4.0, "norm": 3.0, "kda": 1.0 + 3.0, "side": 2.0}
+    busy, _ = probe._busy([(s, e) for s, e, _ in spans])
+    assert sum(adv.values()) == busy == 30.0
