@@ -3,9 +3,7 @@
 Each row: us per call of the torch version (the baseline, the same launches the model ran before) and of the
 kernel, both timed inside CUDA graphs (common.graph_ms: GPU time, no host launch cost), and
 the bandwidth ceiling: the bytes the operation must read and write at the copy bandwidth measured in the same
-run. Also the expert grouping (`expert_groups`) at the same sizes: the "regs" form against the "passes" one
-(the baseline column) where the register form takes the size, else "passes" alone, each checked against the
-reference; and the old and new outputs compared.
+run. Also the expert grouping (`expert_groups`) at the same sizes, and the old and new outputs compared.
 Needs CUDA.
 
     python3 bench/bench_moe_ops.py [--batches 1,8,16,32,64]
@@ -29,7 +27,7 @@ from k3run.kernels.moe_ops.triton import (
     router_partials,
     sigmoid_topk_triton,
 )
-from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_form, expert_groups_ref
+from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, graph_ms  # noqa: E402
@@ -124,19 +122,12 @@ def main() -> None:
                 print(f"{row} {ceil:>10.2f} {ceil / tk:>10.1%}")
             ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).reshape(-1).int()
             bt = 8 if t <= 8 else 16
-            want = expert_groups_ref(ids, e, bt).cpu()
-            same = torch.equal(expert_groups(ids, e, bt, form="passes").cpu(), want)
-            tg = _us(partial(expert_groups, ids, e, bt, form="passes"))
-            tail = f"top-k equal torch's: {ok}"
-            if expert_groups_form(t * k, e) == "regs":  # baseline column: the passes form
-                same_r = torch.equal(expert_groups(ids, e, bt, form="regs").cpu(), want)
-                tr = _us(partial(expert_groups, ids, e, bt, form="regs"))
-                label = f"expert_groups regs ({t * k} picks)"
-                row = f"{label:<34} {t:>3} {tg:>9.2f} {tr:>9.2f} {tg / tr:>7.2f}x"
-                print(f"{row}   reference equal: passes {same}, regs {same_r}; {tail}")
-            else:
-                label = f"expert_groups passes ({t * k} picks)"
-                print(f"{label:<34} {t:>3} {'':>9} {tg:>9.2f}   reference equal: {same}; {tail}")
+            same = torch.equal(expert_groups(ids, e, bt).cpu(), expert_groups_ref(ids, e, bt).cpu())
+            tg = _us(partial(expert_groups, ids, e, bt))
+            label = f"expert_groups ({t * k} picks)"
+            print(
+                f"{label:<34} {t:>3} {'':>9} {tg:>9.2f}   reference equal: {same}; top-k equal torch's: {ok}"
+            )
 
 
 if __name__ == "__main__":

@@ -66,13 +66,6 @@ def _sm90_producer(name: str, value: str) -> str:
     return value
 
 
-def _groups_form(name: str, value: str) -> str:
-    """auto or passes"""
-    if value not in ("auto", "passes"):
-        raise _malformed(name, "auto or passes", value)
-    return value
-
-
 def _by_expert_tile(name: str, value: str) -> int:
     """8, 16 or 32"""
     if value not in ("8", "16", "32"):
@@ -193,12 +186,6 @@ class Knobs:
         "K3RUN_MOE_BY_EXPERT_TILE", _by_expert_tile, None,
         "the expert-major launches' token tile, 8, 16 or 32 (unset: 8 up to 8 tokens or 4 expected picks "
         "an expert, else 16)",
-    )  # fmt: skip
-    moe_groups: str = _knob(
-        "K3RUN_MOE_GROUPS", _groups_form, "auto",
-        "the expert-major launches' group table (kernels/nvfp4_gemm/groups.py): auto (one load of the picks, "
-        "the table from registers, up to its pick and expert bounds; else the scratch passes) or passes "
-        "(always the scratch passes)",
     )  # fmt: skip
     moe_expert_split: int = _knob(
         "K3RUN_MOE_EXPERT_SPLIT", _split_k, 1,

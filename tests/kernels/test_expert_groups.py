@@ -1,7 +1,7 @@
 """expert_groups (kernels/nvfp4_gemm/groups.py): the device-side table that groups a decode batch's routed
 picks by expert for the expert-major NVFP4 launch, against its torch reference. Integer work only, so the
-results must be identical. Both kernels ("regs" and "passes") run under the Triton interpreter in a child
-process (see tests/interpreter_utils.py); on a GPU the by-expert GEMV test checks them again."""
+results must be identical. The kernel runs under the Triton interpreter in a child process (see
+tests/interpreter_utils.py); on a GPU the by-expert GEMV test checks it again."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_max_groups_bounds_every_routing(picks: int, experts: int, bt: int) -> N
 
 
 def test_triton_kernel_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=8 + 20)
+    run_interp_tests_in_child(__file__, expected_passed=8 + len(_SIZES))
 
 
 @interp_only
@@ -78,28 +78,6 @@ def test_interp_expert_groups_matches_reference(t: int, a: int, e: int, bt: int)
     assert torch.equal(expert_groups(ids, e, bt), expert_groups_ref(ids, e, bt))
 
 
-def test_form_choice_and_limits() -> None:
-    """ "auto" takes the register kernel up to REGS_MAX_PICKS picks and REGS_MAX_EXPERTS experts, inclusive;
-    "regs" past either limit and unknown forms are errors (raised before any launch)."""
-    from k3run.kernels.nvfp4_gemm.groups import (
-        REGS_MAX_EXPERTS,
-        REGS_MAX_PICKS,
-        expert_groups,
-        expert_groups_form,
-    )
-
-    assert (REGS_MAX_PICKS, REGS_MAX_EXPERTS) == (512, 1024)
-    assert expert_groups_form(512, 1024) == "regs" and expert_groups_form(1, 1) == "regs"
-    assert expert_groups_form(513, 64) == "passes" and expert_groups_form(64, 1025) == "passes"
-    assert expert_groups_form(8, 8, "passes") == "passes" and expert_groups_form(8, 8, "regs") == "regs"
-    with pytest.raises(ValueError, match="form='regs' takes at most 512 picks"):
-        expert_groups(torch.zeros(513, dtype=torch.int32), 64, 8, form="regs")
-    with pytest.raises(ValueError, match="1024 experts"):
-        expert_groups(torch.zeros(8, dtype=torch.int32), 1025, 8, form="regs")
-    with pytest.raises(ValueError, match="form must be one of"):
-        expert_groups(torch.zeros(8, dtype=torch.int32), 8, 8, form="reg")
-
-
 def _odd_picks(picks: int, experts: int, seed: int) -> list[torch.Tensor]:
     """Id vectors of `picks` picks over `experts` experts: random with repeats, some ids -1 or >= experts
     (other ranks' experts, also just past a power of two) and an int64 one past int32's range; one expert
@@ -114,20 +92,17 @@ def _odd_picks(picks: int, experts: int, seed: int) -> list[torch.Tensor]:
     return [mixed.clamp(max=2**31 - 1).int(), mixed, one.int(), one_bar_one]
 
 
-_SIZES = [(1, 1, 1), (7, 5, 2), (64, 256, 8), (100, 37, 16), (256, 256, 16), (300, 896, 8)]
+_SIZES = [(1, 1, 1), (7, 5, 2), (64, 256, 8), (100, 37, 16), (256, 256, 16), (300, 896, 8), (513, 64, 8)]
 
 
 @interp_only
-@pytest.mark.parametrize(
-    "picks, experts, bt, form",
-    [(*s, f) for s in _SIZES for f in ("regs", "passes", "auto")]
-    + [(513, 64, 8, "passes"), (513, 64, 8, "auto")],
-)
-def test_interp_expert_groups_forms_match_reference(picks: int, experts: int, bt: int, form: str) -> None:
-    """Both kernels give the reference's bits at odd sizes: one pick, E and P not powers of two, several
-    expert blocks, more experts than picks, and (513 picks) past the register kernel's limit."""
+@pytest.mark.parametrize("picks, experts, bt", _SIZES)
+def test_interp_expert_groups_odd_ids_match_reference(picks: int, experts: int, bt: int) -> None:
+    """The reference's bits at odd sizes (one pick, E and P not powers of two, several 64-pick chunks and
+    expert blocks, more experts than picks) with other ranks' ids (-1, >= E, an int64 id past int32's range)
+    and one expert taking every pick."""
     from k3run.kernels.nvfp4_gemm.groups import expert_groups
 
     for i, ids in enumerate(_odd_picks(picks, experts, seed=picks * 7919 + experts)):
         want = expert_groups_ref(ids, experts, bt)
-        assert torch.equal(expert_groups(ids, experts, bt, form=form), want), (i, ids.dtype)
+        assert torch.equal(expert_groups(ids, experts, bt), want), (i, ids.dtype)

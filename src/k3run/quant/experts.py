@@ -960,7 +960,7 @@ class NvFp4Experts(ExpertScheme):
             act = (kind, ex.activation.beta or 1.0, ex.activation.linear_beta)
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
             bt = by_expert_tile(t, a, ex.num_experts)  # the picks spread over every rank's experts
-            grp = expert_groups(local, ex.num_stacked, bt, form=knobs().moe_groups)
+            grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             gu = nvfp4_gemv_by_expert(

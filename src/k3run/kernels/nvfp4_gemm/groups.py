@@ -8,19 +8,9 @@ grp [G, 1 + bt] int32:
 An expert picked c times gets ceil(c / bt) groups: its first bt picks, the next bt, and so on. G =
 `max_groups(P, n_experts, bt)` = H + (P - H) // bt with H = min(P, n_experts), the most groups any P picks
 can need (at most H experts are hit, and the sum of ceil(c_e / bt) over them is largest when H are), so the
-table's shape depends only on (P, n_experts, bt). One program either way (no host synchronisation, so a
-CUDA graph can hold it), in one of two forms with the same output:
-- "regs" (`_expert_groups_regs_kernel`), chosen when P <= REGS_MAX_PICKS and n_experts <= REGS_MAX_EXPERTS:
-  the ids of all picks held in registers and everything computed there, with no scratch memory: the
-  experts' counts by comparing every expert with every pick, each expert's first group by a cumsum over the
-  experts, and each pick's rank among its expert's picks by comparing it with every pick; the only global
-  memory written is the table (its -1 fill, one barrier, then each pick's place). O(P * (P + E)) compares,
-  no global read-after-write.
-- "passes" (`_expert_groups_kernel`), for larger problems: four passes over O(P + E) global scratch with
-  barriers between them (counts and ranks chunk by chunk, the scan of the group counts, the places); no
-  [P, E] intermediate.
-`expert_groups(..., form=)` forces either ("auto": by the sizes above). `expert_groups_ref` is the torch
-reference.
+table's shape depends only on (P, n_experts, bt). One program (no host synchronisation, so a CUDA graph can
+hold it) in a few passes over the picks and the experts with O(P + E) scratch; no [P, E]
+intermediate. `expert_groups_ref` is the torch reference.
 """
 
 from __future__ import annotations
@@ -86,52 +76,6 @@ def _expert_groups_kernel(
         tl.store(row, e, mask=hit & (rank % BT == 0))  # the first pick of each group names its expert
 
 
-@triton.jit
-def _expert_groups_regs_kernel(
-    ids_ptr, grp_ptr, P, E, G, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    pdl_enter(PDL)
-    # Everything in registers: the -1 fill (independent of the ids, so its stores overlap what follows); the
-    # experts' counts (compares of [BLOCK_E] experts with ROWS picks at a time); first[e], each expert's first
-    # group (the exclusive cumsum of ceil(cnt / BT)); then for ROWS picks at a time: the rank among the
-    # expert's picks (compares with all BLOCK_P picks before it), first[e] gathered by a compare with the
-    # experts, and the stores. Invalid picks (past P or their id outside [0, E)) get expert -1, which no
-    # expert matches, and store nothing.
-    gg = tl.arange(0, BLOCK_G)
-    cc = tl.arange(0, BLOCK_C)  # the BT + 1 columns, padded to a power of two
-    unset = tl.full([BLOCK_G, BLOCK_C], -1, tl.int32)
-    for g0 in range(0, G, BLOCK_G):
-        g = g0 + gg
-        ok = (g < G)[:, None] & (cc < BT + 1)[None, :]
-        tl.store(grp_ptr + g[:, None] * (BT + 1) + cc[None, :], unset, mask=ok)
-    ee = tl.arange(0, BLOCK_E)
-    rr = tl.arange(0, ROWS)
-    cnt = tl.zeros([BLOCK_E], tl.int32)
-    # both pick loops unrolled (BLOCK_P / ROWS steps), so the chunks' id loads issue together rather than
-    # one L2 round trip a chunk
-    for p0 in tl.static_range(0, BLOCK_P, ROWS):
-        e = tl.load(ids_ptr + p0 + rr, mask=p0 + rr < P, other=-1)
-        e = tl.where((e >= 0) & (e < E), e, -1).to(tl.int32)  # validity in the ids' dtype, then narrowed
-        cnt += tl.sum((ee[:, None] == e[None, :]).to(tl.int32), axis=1)
-    n_grp = (cnt + BT - 1) // BT
-    first = tl.cumsum(n_grp, axis=0) - n_grp
-    pp = tl.arange(0, BLOCK_P)
-    e_all = tl.load(ids_ptr + pp, mask=pp < P, other=-1)
-    e_all = tl.where((e_all >= 0) & (e_all < E), e_all, -1).to(tl.int32)
-    tl.debug_barrier()  # the -1 fill before any thread's stores of the places
-    for p0 in tl.static_range(0, BLOCK_P, ROWS):
-        p = p0 + rr
-        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        hit = (e >= 0) & (e < E)
-        e = tl.where(hit, e, -1).to(tl.int32)
-        rank = tl.sum(((e[:, None] == e_all[None, :]) & (pp[None, :] < p[:, None])).to(tl.int32), axis=1)
-        f = tl.sum(tl.where(ee[None, :] == e[:, None], first[None, :], 0), axis=1)
-        row = grp_ptr + (f + rank // BT) * (BT + 1)
-        tl.store(row + 1 + rank % BT, p, mask=hit)
-        tl.store(row, e, mask=hit & (rank % BT == 0))  # the first pick of each group names its expert
-
-
 def max_groups(picks: int, n_experts: int, bt: int) -> int:
     """Rows of expert_groups' table: the most groups of at most bt picks that `picks` picks over `n_experts`
     experts can need (module docstring)."""
@@ -139,51 +83,18 @@ def max_groups(picks: int, n_experts: int, bt: int) -> int:
     return max(1, hit + (picks - hit) // bt)
 
 
-# The "regs" form's limits: its [ROWS, BLOCK_E] and [ROWS, BLOCK_P] tiles are kept at about
-# _REGS_TILE / 256 = 32 values a thread (8 warps) by narrowing ROWS, so its compares grow as P * (P + E).
-REGS_MAX_PICKS = 512
-REGS_MAX_EXPERTS = 1024
-_REGS_TILE = 8192
-_FORMS = ("auto", "regs", "passes")
-
-
-def expert_groups_form(picks: int, n_experts: int, form: str = "auto") -> str:
-    """The kernel `expert_groups` runs for these sizes: "regs" or "passes" (module docstring). ValueError for
-    an unknown form, or "regs" past REGS_MAX_PICKS / REGS_MAX_EXPERTS."""
-    if form not in _FORMS:
-        raise ValueError(f"expert_groups: form must be one of {_FORMS}, got {form!r}")
-    fits = picks <= REGS_MAX_PICKS and n_experts <= REGS_MAX_EXPERTS
-    if form == "regs" and not fits:
-        raise ValueError(
-            f"expert_groups: form='regs' takes at most {REGS_MAX_PICKS} picks and {REGS_MAX_EXPERTS} "
-            f"experts, got {picks} picks of {n_experts}; use form='passes' or 'auto'"
-        )
-    if form == "auto":
-        return "regs" if fits else "passes"
-    return form
-
-
-def expert_groups(ids: torch.Tensor, n_experts: int, bt: int, *, form: str = "auto") -> torch.Tensor:
+def expert_groups(ids: torch.Tensor, n_experts: int, bt: int) -> torch.Tensor:
     """The group table grp [max_groups(P, n_experts, bt), 1 + bt] int32 of the picks ids [P] (module
-    docstring). form: "auto" (by the sizes), "regs" or "passes" (the two kernels; the same output)."""
+    docstring)."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"expert_groups: ids must be int32/int64 [P], got {ids.dtype} {tuple(ids.shape)}")
     if bt < 1 or n_experts < 1:
         raise ValueError(f"expert_groups: bt={bt}, n_experts={n_experts}; both must be >= 1")
     picks = ids.shape[0]
-    kernel = expert_groups_form(picks, n_experts, form)
     groups = max_groups(picks, n_experts, bt)
     grp = torch.empty(groups, bt + 1, dtype=torch.int32, device=ids.device)
     if picks == 0:
         return grp.fill_(-1)
-    if kernel == "regs":
-        block_p, block_e = max(16, triton.next_power_of_2(picks)), max(16, triton.next_power_of_2(n_experts))
-        _expert_groups_regs_kernel[(1,)](
-            ids, grp, picks, n_experts, groups, BT=bt, BLOCK_P=block_p, BLOCK_E=block_e,
-            ROWS=max(1, min(32, _REGS_TILE // max(block_p, block_e))), BLOCK_G=64,
-            BLOCK_C=triton.next_power_of_2(bt + 1), num_warps=8, **pdl_args(ids),
-        )  # fmt: skip
-        return grp
     scratch = torch.empty(2 * n_experts + picks, dtype=torch.int32, device=ids.device)
     _expert_groups_kernel[(1,)](
         ids, grp, scratch, scratch[n_experts:], scratch[2 * n_experts :], picks, n_experts, groups, BT=bt,
