@@ -211,6 +211,12 @@ class Knobs:
         "(0, the default: never; on an H100 it beat the thread producer's fixed grid 1.01-1.25x at 16-32 "
         "rows, but the tensor producer's fixed grid matches or beats it: 0.98-1.10x at 16-32 rows)",
     )  # fmt: skip
+    sm90_tail_split: bool = _knob(
+        "K3RUN_SM90_TAIL_SPLIT", _flag, False,
+        "CUDA sm_90: where the CUDA C++ NVFP4 GEMM's two-warpgroup grid has a last wave at most half full, "
+        "its tiles in two pieces each and the full waves' tiles whole (w4a16_sm90.tail_split; 0, the "
+        "default: the fixed grid)",
+    )  # fmt: skip
     sm90_producer: str = _knob(
         "K3RUN_SM90_PRODUCER", _sm90_producer, "auto",
         "CUDA sm_90: how the CUDA C++ NVFP4 GEMM's producer feeds its ring: thread (one thread issues the 9 "

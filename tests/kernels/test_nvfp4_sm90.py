@@ -100,6 +100,36 @@ def test_gpu_stream_k(poison_empty, bt, stages, ctas, dtype) -> None:
         check_tiled_gemm(gemm, f"sm90 stream-K {bt} {sk}", m, n, 2048, dtype, per_row, bias, 0)
 
 
+# the tail split: (m, n, config, whole-tile CTAs or None for tail_split's choice); two warpgroups at BT 128
+# (the default's form), one warpgroup too (the same segment kernels), odd M and N, every whole-tile count,
+# and the default's case: 192 tiles on an H100's or H200's 132 SMs (132 whole, 60 in two pieces)
+TAIL_CASES = [(300, 1000, (128, 2, -2, 3), None), (300, 1000, (128, 2, -2, 4), 0),
+              (300, 1000, (128, 2, -4, 2), 5), (130, 328, (128, 2, -2, 4), 5),
+              (37, 328, (16, 1, -2, 4), None), (100, 1024, (64, 1, -4, 3), 3),
+              (256, 12288, (128, 2, -2, 4), None)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, config, whole", TAIL_CASES)
+def test_gpu_tail_split(poison_empty, m, n, config, whole) -> None:
+    """The tail split (split_k -s: whole tiles for the full waves' CTAs, the rest in s pieces) against the
+    fp32 reference, per-row scales and a bias, bf16; then ten calls give the same bits (each split tile's
+    two or four partials summed in piece order, whichever CTA arrives last)."""
+    _need_kernel()
+
+    def gemm(x, tw, b):
+        return sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, 2048, n, b, config=config,
+                                    sk_whole=whole)  # fmt: skip
+
+    name = f"sm90 tail split {config} {whole}"
+    out = check_tiled_gemm(gemm, name, m, n, 2048, torch.bfloat16, True, True, 0)
+    w, s, gs = _random_nvfp4(n, 2048, "cuda", True, seed=5)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
+    outs = [gemm(x, tw, None) for _ in range(10)]
+    assert out.shape == (m, n) and all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 @pytest.mark.gpu
 def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypatch) -> None:
     """Ten stream-K calls give the same bits (the partials summed in the tile's piece order, whichever CTA
@@ -152,14 +182,16 @@ def test_gpu_stream_k_repeats_are_bit_identical_and_the_linear_takes_it(monkeypa
     "m, n, config, sk",
     [(9, 328, (16, 1, 2, 4), None), (100, 1000, (64, 1, 1, 3), None), (37, 1024, (32, 1, 0, 3), 7),
      (200, 584, (256, 1, 1, 3), None), (70, 1024, (64, 2, 2, 3), None), (9, 40, (16, 1, 1, 2), None),
-     (20, 16, (32, 1, 2, 3), None), (33, 200, (32, 2, 4, 2), None), (130, 1000, (128, 2, 1, 3), None)],
+     (20, 16, (32, 1, 2, 3), None), (33, 200, (32, 2, 4, 2), None), (130, 1000, (128, 2, 1, 3), None),
+     (300, 1000, (128, 2, -2, 3), None)],
 )  # fmt: skip
 def test_gpu_producer_forms_give_the_same_bits(poison_empty, m, n, config, sk) -> None:
     """The producer's forms (one thread; the whole warp with one elected lane issuing; that with tensor-map
     copies of the CTA's 4 or 8 row blocks, the rows past the last one zero-filled) put the same bytes into
     the same slots, so the output is bit-identical: odd shapes, a partial last row block, the fixed grid,
-    split-K, stream-K, two consumer warpgroups (an 8-block box; 200 rows: 13 blocks, the second CTA's box
-    three past the end), and matrices of three and one row blocks (the box reaching past the last)."""
+    split-K, stream-K, the tail split, two consumer warpgroups (an 8-block box; 200 rows: 13 blocks, the
+    second CTA's box three past the end), and matrices of three and one row blocks (the box reaching past
+    the last)."""
     _need_kernel()
     k = 2048
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=11)
@@ -323,8 +355,8 @@ def test_config_fits_shared_memory_and_divides_k(m: int, n: int, k: int) -> None
 def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> None:
     """With stream-K allowed: 16-128 rows of 7168^2 (112 column tiles: the fixed grid fills 224 of 396
     slots at 16 rows, 112 of 132 at 128) take it; 12288 x 7168 at 16 rows (384 of 396) keeps the fixed grid;
-    above 128 rows (two consumer warpgroups, which the stream-K kernel does not have) and with an odd chunk
-    count it is never taken. K3RUN_SM90_STREAM_K (rows, default 0: never) decides when the caller does
+    above 128 rows (two consumer warpgroups, whose segment kernel runs only the tail split) and with an odd
+    chunk count it is never taken. K3RUN_SM90_STREAM_K (rows, default 0: never) decides when the caller does
     not."""
     for m in (16, 32, 64, 128):
         bt, nwg, split, stages = sm90.sm90_config(m, 7168, 7168, 132, stream_k=True)
@@ -335,7 +367,7 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     assert sm90.stream_k_ctas(32, 112, 56, 132, stages=8) == 264  # two 103 KB rings an SM, not three
     assert sm90.stream_k_ctas(16, 2, 4, 132) == 2  # one CTA per two chunk pairs at least
     assert sm90.sm90_config(16, 12288, 7168, 132, stream_k=True)[2] == 2
-    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
+    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[:3] == (128, 2, -2)  # the tail split
     assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
     assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
     try:
@@ -428,6 +460,58 @@ def test_stream_k_segments_cover_every_chunk_once(tiles, chunks, ctas) -> None:
         assert [p[0] for p in ps] == sorted(p[0] for p in ps) and len(ps) <= depth
     shares = [sum(hi - lo for _, lo, hi, _, _ in cta) for cta in segs]
     assert max(shares) - min(shares) <= 2
+
+
+@pytest.mark.parametrize(
+    "tiles, chunks, slots, pieces", [(192, 56, 132, 2), (448, 56, 132, 2), (5, 8, 3, 2), (7, 12, 3, 3),
+                                     (4, 6, 8, 3), (1, 8, 4, 4), (9, 4, 4, 2)],
+)  # fmt: skip
+def test_tail_split_segments(tiles, chunks, slots, pieces) -> None:
+    """The tail split (`tail_split`, the partition SkSplit walks with x = q): every (tile, chunk) in exactly
+    one segment; the full waves' CTAs a whole tile each, in tile order; every other tile in `pieces` equal
+    pieces numbered in CTA order, whose count is the workspace depth."""
+    ctas, whole = sm90.tail_split(tiles, slots, pieces)
+    rest = tiles % slots if tiles > slots else 0
+    assert whole == (tiles - rest if rest else tiles - 1) and ctas == whole + (tiles - whole) * pieces
+    segs = sm90.stream_k_segments(tiles, chunks, ctas, whole)
+    seen = torch.zeros(tiles, chunks, dtype=torch.int32)
+    for b, cta in enumerate(segs):
+        if b < whole:
+            assert cta == [(b, 0, chunks, 0, 1)], (b, cta)
+        else:
+            t = whole + (b - whole) // pieces
+            lo = (b - whole) % pieces * chunks // pieces
+            assert cta == [(t, lo, lo + chunks // pieces, (b - whole) % pieces, pieces)], (b, cta)
+        for tile, lo, hi, _, _ in cta:
+            seen[tile, lo:hi] += 1
+    assert bool((seen == 1).all())
+    assert sm90.stream_k_max_pieces(tiles, chunks, ctas, whole) == (pieces if whole < tiles else 1)
+
+
+def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch) -> None:
+    """K3RUN_SM90_TAIL_SPLIT (default off): two warpgroups' grids whose last wave is at most half full take
+    split_k -2 (12288 x 7168 at 256 rows: 192 tiles on 132 SMs; 7168^2 at 1024 rows: 448), one wave or a
+    fuller last wave keep the fixed grid (7168^2 at 256 rows: 112 tiles; 12288 x 7168 at 512 rows: 384);
+    the config is one the kernel has; split_k -s must cut the chunk pairs evenly."""
+    assert sm90.config_ok(128, 2, -2, 4, 56) and sm90.config_ok(16, 1, -4, 3, 8)
+    assert not sm90.config_ok(128, 2, -3, 4, 56) and not sm90.config_ok(64, 2, -2, 4, 56)
+    assert not sm90.config_ok(128, 2, -2, 4, 55) and not sm90.config_ok(128, 1, -1, 4, 56)
+    try:
+        for env, want in ((None, 1), ("1", -2)):
+            if env is None:
+                monkeypatch.delenv("K3RUN_SM90_TAIL_SPLIT", raising=False)
+            else:
+                monkeypatch.setenv("K3RUN_SM90_TAIL_SPLIT", env)
+            reset_knobs()
+            assert sm90.sm90_config(256, 12288, 7168, 132) == (128, 2, want, 4)
+            assert sm90.sm90_config(1024, 7168, 7168, 132)[2] == want
+            assert sm90.sm90_config(256, 7168, 7168, 132)[2] == 1
+            assert sm90.sm90_config(512, 12288, 7168, 132)[2] == 1
+            assert sm90.sm90_config(256, 12288, 7040, 132)[2] == 1  # 55 chunks
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_TAIL_SPLIT", raising=False)
+        reset_knobs()
+    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=False)[2] == 1
 
 
 def test_producer_names_match_the_kernel_constants(monkeypatch) -> None:
@@ -523,7 +607,7 @@ def test_pdl_and_the_split_k_fixup_without_seq_cst_fences(standalone_build) -> N
     kernels = re.split(r"\n\s+Function : ", sass)[1:]
     gemm = [f for f in kernels if f.startswith("_ZN3k3w12w4a16_kernel")]
     prep = [f for f in kernels if f.startswith("_ZN3k3w13prep_x_kernel")]
-    assert len(gemm) == 16 and len(prep) == 1
+    assert len(gemm) == 17 and len(prep) == 1
     for f in gemm + prep:
         name = f.split("\n")[0]
         assert "PREEXIT" in f and "ACQBULK" in f and "MEMBAR.SC" not in f, name
@@ -544,10 +628,10 @@ def _pair_loops(code):
 def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> None:
     """Inside each GEMM kernel's K loop: HGMMAs from registers, waited down to one group (0x1, never 0x0
     inside the loop), and no instruction writes a register of an A operand still in flight (11 fixed-grid
-    kernels, 5 stream-K)."""
+    kernels, 6 segment kernels: stream-K's five, the tail split's two-warpgroup one)."""
     _, sass = standalone_build
     kernels = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]
-    assert len(kernels) == 16
+    assert len(kernels) == 17
     for f in kernels:
         code = _sass_code(f)
         assert wgmma_register_hazards(f) == [], f.split("\n")[0]

@@ -313,14 +313,16 @@ struct Seg {
 };
 
 // Stream-K's units are chunk pairs (CH even), so every segment holds whole pairs: an odd last chunk inside the
-// segment loop made ptxas serialize every wgmma (C7512). tiles * CH / 2 units over sk CTAs: the first r of
-// them q + 1 units, the rest q (q, r from the host: kernel parameters, no registers held across the loop).
+// segment loop made ptxas serialize every wgmma (C7512). tiles * CH / 2 units over sk CTAs in order: the first
+// r of them q + x units, the rest q (q, r, x from the host: kernel parameters, no registers held across the
+// loop). x = 1 is stream-K's even split; the tail split has r CTAs of whole tiles (q + x = CH / 2), then
+// the remaining tiles' CTAs, s to a tile (q = CH / 2 / s).
 struct SkSplit {
-  int q, r, per_tile;  // per_tile = CH / 2
-  __device__ __forceinline__ int begin(int b) const { return b * q + min(b, r); }
+  int q, r, per_tile, x;  // per_tile = CH / 2
+  __device__ __forceinline__ int begin(int b) const { return b * q + min(b, r) * x; }
   __device__ __forceinline__ int owner(int u) const {
-    const int big = r * (q + 1);
-    return u < big ? u / (q + 1) : r + (u - big) / q;
+    const int big = r * (q + x);
+    return u < big ? u / (q + x) : r + (u - big) / q;
   }
   // this CTA's piece index among the CTAs sharing `tile` (the partials' summation order) and their count
   __device__ __forceinline__ void piece(int tile, int& seg, int& nseg) const {
@@ -346,11 +348,11 @@ __device__ __forceinline__ void for_each_sk_segment(const SkSplit& sp, F&& f) {
 
 // This CTA's segments in order: one (its split's chunks of its tile) on the fixed grid, stream-K's otherwise.
 template <bool SK, typename F>
-__device__ __forceinline__ void for_each_segment(int nch, int CH, int sk_q, int sk_r, F&& f) {
+__device__ __forceinline__ void for_each_segment(int nch, int CH, int sk_q, int sk_r, int sk_x, F&& f) {
   if constexpr (!SK)
     f(Seg{int(blockIdx.x), int(blockIdx.y) * nch, int(blockIdx.y) * nch + nch});
   else
-    for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2}, f);
+    for_each_sk_segment(SkSplit{sk_q, sk_r, CH / 2, sk_x}, f);
 }
 
 // What the producer copies for a segment: its tile's first 16-row block, how many of its NWG * 4 exist, the
@@ -438,14 +440,15 @@ constexpr int min_ctas() {
   return NWG == 1 && BT <= 64 ? (SK && BT == 64 ? 2 : 3) : 1;
 }
 
-// SK: the stream-K kernel (sk > 0 CTAs, an even chunk count, one consumer warpgroup), else the fixed grid
-// (tiles x split_k); two instantiations, so the fixed grid's code is what it is without the segment loop.
+// SK: the stream-K kernel (sk > 0 CTAs over chunk-pair segments, an even chunk count; one consumer warpgroup,
+// or two at BT 128: the tail split's form), else the fixed grid (tiles x split_k); two instantiations, so the
+// fixed grid's code is what it is without the segment loop.
 template <int BT, int NWG, bool BF16, bool SK>
 __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
-                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r,
+                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r, int sk_x,
                  const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
@@ -507,7 +510,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         // Before the previous kernel is done: the first `stages` chunks' codes and scales, each slot's
         // transaction count set for all its bytes (the x copy below completes it).
         int i = 0;
-        for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+        for_each_segment<SK>(nch, CH, sk_q, sk_r, sk_x, [&](const Seg& sg) {
           const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
           for (int c = sg.c_lo; c < sg.c_hi && i < stages; ++c, ++i) {
             mbar_expect_tx_elect(full0 + 8 * i, slot_bytes(g));
@@ -518,7 +521,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         pdl_wait();
         Slot sl;
         i = 0;  // chunks issued so far, over all segments
-        for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+        for_each_segment<SK>(nch, CH, sk_q, sk_r, sk_x, [&](const Seg& sg) {
           const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
           for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
             const int st = sl.st;
@@ -538,7 +541,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
       pdl_wait();
       Slot sl;
       int i = 0;  // chunks issued so far, over all segments
-      for_each_segment<SK>(nch, CH, sk_q, sk_r, [&](const Seg& sg) {
+      for_each_segment<SK>(nch, CH, sk_q, sk_r, sk_x, [&](const Seg& sg) {
         const SegSrc g = seg_src<NWG, SM::X>(sg, n_tiles, row_blocks, CH, xt);
         for (int c = sg.c_lo; c < sg.c_hi; ++c, ++i, sl.advance(stages)) {
           const int st = sl.st;
@@ -651,7 +654,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     }
     finish(int(blockIdx.x), int(blockIdx.y), int(gridDim.y));
   } else {  // whole chunk pairs only
-    const SkSplit sp{sk_q, sk_r, CH / 2};
+    const SkSplit sp{sk_q, sk_r, CH / 2, sk_x};
     for_each_sk_segment(sp, [&](const Seg& sg) {
       pairs(sg.c_lo, sg.c_hi);
       int seg, nseg;
@@ -790,7 +793,7 @@ template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, int producer, int sk, bool pdl, cudaStream_t stream) {
+                   int stages, int t_tiles, int producer, int sk, int sk_whole, bool pdl, cudaStream_t stream) {
   auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
@@ -811,11 +814,18 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   float* wsp = partials ? ws.data_ptr<float>() : nullptr;
   int* cntp = partials ? cnt.data_ptr<int>() : nullptr;
   const int tiles = n_tiles * t_tiles;
-  const int sk_q = sk > 0 ? tiles * (CH / 2) / sk : 0, sk_r = sk > 0 ? tiles * (CH / 2) % sk : 0;
+  // stream-K's even split, or the tail split: sk_whole CTAs of whole tiles, then the other tiles s CTAs each
+  int sk_q = sk > 0 ? tiles * (CH / 2) / sk : 0, sk_r = sk > 0 ? tiles * (CH / 2) % sk : 0, sk_x = 1;
+  if (sk_whole > 0) {
+    const int s = (sk - sk_whole) / (tiles - sk_whole);
+    sk_q = CH / 2 / s;
+    sk_r = sk_whole;
+    sk_x = CH / 2 - sk_q;
+  }
   launch_kernel(kern, grid, cta_threads<NWG>(), smem, stream, pdl, xtp, w.data_ptr<uint8_t>(),
                 s.data_ptr<uint8_t>(), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),
                 int(y.stride(0)), wsp, cntp, M, N, int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, tiles,
-                producer, sk, sk_q, sk_r, tm_w, tm_s);
+                producer, sk, sk_q, sk_r, sk_x, tm_w, tm_s);
 }
 
 }  // namespace k3w
@@ -854,13 +864,20 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks, bool pdl
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
                 int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer,
-                int64_t sk, bool pdl) {
+                int64_t sk_whole, int64_t sk, bool pdl) {
   const int CH = xt.size(1), t_tiles = xt.size(0);
   TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
               " must divide the ", CH, " chunks");
   TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
               "w4a16_gemm: stream-K over ", sk, " CTAs needs an even chunk count (", CH,
               ") and at least one chunk pair a CTA");
+  if (sk_whole > 0) {  // the tail split: the tiles past the first sk_whole in s pieces of CH / 2 / s pairs each
+    const int64_t tiles = int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles, rest = tiles - sk_whole;
+    const int64_t s = rest > 0 ? (sk - sk_whole) / rest : 0;
+    TORCH_CHECK(rest > 0 && s >= 2 && sk == sk_whole + rest * s && (CH / 2) % s == 0,
+                "w4a16_gemm: the tail split of ", tiles, " tiles (", CH, " chunks) over ", sk, " CTAs with ",
+                sk_whole, " whole-tile CTAs needs the other tiles in s >= 2 pieces each, s dividing the pairs");
+  }
   TORCH_CHECK(producer >= k3w::PRODUCER_THREAD && producer <= k3w::PRODUCER_TENSOR,
               "w4a16_gemm: producer form ", producer, " is not 0 (thread), 1 (warp) or 2 (tensor)");
   // every bulk and tensor copy reads 16-byte aligned sources
@@ -872,27 +889,28 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 #define K3W_RUN(B, G, K)                                                                                       \
   if (bf16)                                                                                                    \
     k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,               \
-                               int(producer), sk, pdl, stream);                                              \
+                               int(producer), sk, sk_whole, pdl, stream);                                    \
   else                                                                                                         \
     k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,              \
-                                int(producer), sk, pdl, stream);                                             \
+                                int(producer), sk, sk_whole, pdl, stream);                                   \
   return;
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G && sk == 0) {                                                                        \
     K3W_RUN(B, G, false)                                                                                       \
   }
-#define K3W_SK_CASE(B)                                                                                         \
-  if (bt == B && nwg == 1 && sk > 0) {                                                                         \
-    K3W_RUN(B, 1, true)                                                                                        \
+#define K3W_SK_CASE(B, G)                                                                                      \
+  if (bt == B && nwg == G && sk > 0) {                                                                         \
+    K3W_RUN(B, G, true)                                                                                        \
   }
   K3W_CASE(16, 1) K3W_CASE(32, 1) K3W_CASE(64, 1) K3W_CASE(128, 1) K3W_CASE(256, 1)
   K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2)
-  K3W_SK_CASE(16) K3W_SK_CASE(32) K3W_SK_CASE(64) K3W_SK_CASE(128) K3W_SK_CASE(256)
+  K3W_SK_CASE(16, 1) K3W_SK_CASE(32, 1) K3W_SK_CASE(64, 1) K3W_SK_CASE(128, 1) K3W_SK_CASE(256, 1)
+  K3W_SK_CASE(128, 2)
 #undef K3W_SK_CASE
 #undef K3W_CASE
 #undef K3W_RUN
   TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups",
-              sk > 0 ? " with stream-K (one warpgroup only)" : "");
+              sk > 0 ? " with stream-K (one warpgroup, or two at BT 128)" : "");
 }
 #endif
 
@@ -902,14 +920,14 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
                                                           const float*, int, const void*, void*, int, float*, \
                                                           int*, int, int, int, int, int, int, int, int, int, int, \
-                                                          int, const __grid_constant__ CUtensorMap, \
+                                                          int, int, const __grid_constant__ CUtensorMap, \
                                                           const __grid_constant__ CUtensorMap);
 K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
 K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
 K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)
 K3W_INST(128, 2, true, false) K3W_INST(64, 2, false, false) K3W_INST(128, 2, false, false)
 K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, true)
-K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true)
+K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true) K3W_INST(128, 2, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
                                                             __nv_bfloat16*, int);
 #undef K3W_INST

@@ -77,7 +77,7 @@ def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
         "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
         "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
-        "int64_t sk, bool pdl);\n"
+        "int64_t sk_whole, int64_t sk, bool pdl);\n"
     )
     return load_inline(
         name=name,
@@ -177,14 +177,14 @@ TWO_WG_STAGES = 4
 PRODUCERS = ("thread", "warp", "tensor")
 
 
-def _producer(name: str, sk: int) -> str:
+def _producer(name: str, sk: int, nwg: int = 1) -> str:
     """The producer form `name` resolves to: auto is tensor on the fixed grid (with one consumer warpgroup
     1.02-1.10x the one-thread form at 16-64 rows on an H100, 1.30x at 128; with two 1.2-1.6x at 192-1024)
-    and thread for stream-K (where tensor and warp measured 0.89-0.95x the one-thread form at 16 rows,
-    1.00-1.04x at 32)."""
+    and wherever two consumer warpgroups run (the tail split); thread for one warpgroup's stream-K (where
+    tensor and warp measured 0.89-0.95x the one-thread form at 16 rows, 1.00-1.04x at 32)."""
     if name != "auto":
         return name
-    return "tensor" if sk == 0 else "thread"
+    return "tensor" if sk == 0 or nwg == 2 else "thread"
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -195,25 +195,42 @@ def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
     return 1
 
 
-def stream_k_split(tiles: int, chunks: int, ctas: int) -> tuple[int, int]:
-    """(q, r) of the stream-K partition (SkSplit in the .cu file): tiles * chunks / 2 chunk-pair units over
-    `ctas` CTAs, the first r of them q + 1 units, the rest q."""
-    units = tiles * (chunks // 2)
-    return units // ctas, units % ctas
+def stream_k_split(tiles: int, chunks: int, ctas: int, whole: int = 0) -> tuple[int, int, int]:
+    """(q, r, x) of the partition of tiles * chunks / 2 chunk-pair units over `ctas` CTAs in order (SkSplit
+    and the launch in the .cu file): the first r CTAs q + x units, the rest q. whole = 0: stream-K's even
+    split (x = 1); else the tail split: `whole` CTAs of one whole tile each, then the other tiles in
+    (ctas - whole) / (tiles - whole) pieces each."""
+    per_tile = chunks // 2
+    if whole:
+        q = per_tile // ((ctas - whole) // (tiles - whole))
+        return q, whole, per_tile - q
+    units = tiles * per_tile
+    return units // ctas, units % ctas, 1
 
 
-def stream_k_segments(tiles: int, chunks: int, ctas: int) -> list[list[tuple[int, int, int, int, int]]]:
+def tail_split(tiles: int, slots: int, pieces: int) -> tuple[int, int]:
+    """(CTAs, whole-tile CTAs) of the tail split: the tiles of the full waves of `slots` CTAs one CTA each,
+    the last part-empty wave's tiles `pieces` CTAs each (where the tiles fill whole waves or one part-empty
+    wave: all but the last tile whole; a single tile is stream-K's even split of it)."""
+    rest = tiles % slots if tiles > slots else 0
+    whole = tiles - rest if rest else tiles - 1
+    return whole + (tiles - whole) * pieces, whole
+
+
+def stream_k_segments(
+    tiles: int, chunks: int, ctas: int, whole: int = 0
+) -> list[list[tuple[int, int, int, int, int]]]:
     """Each CTA's segments as the kernel walks them (for_each_sk_segment and SkSplit::piece): (tile, first
-    chunk, end chunk, piece index in the tile, pieces of the tile)."""
-    q, r = stream_k_split(tiles, chunks, ctas)
+    chunk, end chunk, piece index in the tile, pieces of the tile); `whole` as in `stream_k_split`."""
+    q, r, x = stream_k_split(tiles, chunks, ctas, whole)
     per_tile = chunks // 2
 
     def begin(b: int) -> int:
-        return b * q + min(b, r)
+        return b * q + min(b, r) * x
 
     def owner(u: int) -> int:
-        big = r * (q + 1)
-        return u // (q + 1) if u < big else r + (u - big) // q
+        big = r * (q + x)
+        return u // (q + x) if u < big else r + (u - big) // q
 
     out = []
     for b in range(ctas):
@@ -230,23 +247,31 @@ def stream_k_segments(tiles: int, chunks: int, ctas: int) -> list[list[tuple[int
     return out
 
 
-def stream_k_max_pieces(tiles: int, chunks: int, ctas: int) -> int:
+def stream_k_max_pieces(tiles: int, chunks: int, ctas: int, whole: int = 0) -> int:
     """An upper bound on the CTAs sharing one tile (the partials' workspace depth): a tile's chunks / 2
-    units meet at most ceil(units / q) + 1 ranges of >= q units."""
-    q, _ = stream_k_split(tiles, chunks, ctas)
+    units meet at most ceil(units / q) + 1 ranges of >= q units (the tail split: exactly its pieces)."""
+    q, _, _ = stream_k_split(tiles, chunks, ctas, whole)
+    if whole:
+        return (ctas - whole) // (tiles - whole)
     return min(ctas, -(-(chunks // 2) // q) + 1)
 
 
+def stream_k_slots(bt: int, nwg: int, sms: int, stages: int) -> int:
+    """CTA slots of one wave of the segment kernel: its CTAs an SM, fewer where rings of `stages` slots do
+    not fit the SM's shared memory together."""
+    return max(1, min(ctas_per_sm(bt, nwg, True), SM_SMEM // smem_bytes(bt, nwg, stages))) * sms
+
+
 def stream_k_ctas(bt: int, tiles: int, chunks: int, sms: int, stages: int = 2) -> int:
-    """The stream-K grid: one wave of CTA slots (the kernel's CTAs an SM, fewer where rings of `stages`
-    slots do not fit the SM's shared memory together), at most one CTA per SK_MIN_PAIRS chunk pairs."""
-    per_sm = max(1, min(ctas_per_sm(bt, 1, True), SM_SMEM // smem_bytes(bt, 1, stages)))
-    return max(1, min(per_sm * sms, tiles * (chunks // 2) // SK_MIN_PAIRS))
+    """The stream-K grid: one wave of CTA slots (`stream_k_slots`), at most one CTA per SK_MIN_PAIRS chunk
+    pairs."""
+    return max(1, min(stream_k_slots(bt, 1, sms, stages), tiles * (chunks // 2) // SK_MIN_PAIRS))
 
 
 def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) -> tuple[int, int, int, int]:
     """(BT, consumer warpgroups, split_k, stages) for M rows of an N x K weight on `sms` SMs; stream_k:
-    whether stream-K may be chosen (None: M <= K3RUN_SM90_STREAM_K).
+    whether stream-K and the tail split may be chosen (None: stream-K up to K3RUN_SM90_STREAM_K rows, the
+    tail split under K3RUN_SM90_TAIL_SPLIT).
 
     Up to TWO_WG_ABOVE_M rows one consumer warpgroup (64 weight rows a CTA) over the smallest token tile
     >= M; above, and at BT 128 where one warpgroup's tiles outnumber the SMs, two (128 weight rows) over
@@ -263,14 +288,17 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     (one wave part-empty, or a last wave part-empty) and the chunk count is even, split_k 0: stream-K over
     one wave (`stream_k_ctas`). Allowed up to K3RUN_SM90_STREAM_K rows (default 0, never): on an H100 it
     ran 1.08-1.25x the thread producer's fixed grid at 16 rows, but the tensor producer's fixed grid
-    matches or beats it (0.98-1.10x at 16-32 rows), and stream-K's CTAs feed on the thread form."""
+    matches or beats it (0.98-1.10x at 16-32 rows), and stream-K's CTAs feed on the thread form.
+    With the tail split allowed, two warpgroups' fixed grid of more than one wave whose last wave is at
+    most half full (TAIL_BELOW_FILL), an even chunk pair count: split_k -TAIL_PIECES, the last wave's tiles
+    in TAIL_PIECES pieces (`tail_split`; 12288 x 7168 at 129-256 rows: 192 tiles on 132 SMs)."""
     if stream_k is None:
-        stream_k = m <= knobs().sm90_stream_k
-    return _sm90_config(m, n, k, sms, stream_k)
+        return _sm90_config(m, n, k, sms, m <= knobs().sm90_stream_k, knobs().sm90_tail_split)
+    return _sm90_config(m, n, k, sms, stream_k, stream_k)
 
 
 @functools.cache
-def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int, int, int, int]:
+def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool, tail: bool) -> tuple[int, int, int, int]:
     chunks = -(-k // 128)
     # above 128 rows, and at BT 128 where one warpgroup's tiles outnumber the SMs: 128-token tiles of two
     # consumer warpgroups (128 weight rows a CTA)
@@ -304,6 +332,17 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
         per_sm = fit(ctas_per_sm(bt, nwg, True))
         split, per_cta = 0, -(-tiles * chunks // stream_k_ctas(bt, tiles, chunks, sms))
         resident = per_sm
+    slots = per_sm * sms
+    if (
+        tail
+        and nwg == 2
+        and split == 1
+        and tiles > slots
+        and 0 < tiles % slots <= TAIL_BELOW_FILL * slots
+        and chunks % 2 == 0
+        and (chunks // 2) % TAIL_PIECES == 0
+    ):
+        split = -TAIL_PIECES  # the whole tiles' ring depth (per_cta) stays
     stages = 2
     while (
         stages < (TWO_WG_STAGES if nwg == 2 else 8)
@@ -313,6 +352,12 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool) -> tuple[int,
     ):
         stages += 1
     return bt, nwg, split, stages
+
+
+# the tail split (K3RUN_SM90_TAIL_SPLIT): pieces a last-wave tile is cut into, and the most a last wave may be
+# filled for it: with the last wave at most half full its tiles' pieces still run in one wave
+TAIL_PIECES = 2
+TAIL_BELOW_FILL = 0.5
 
 
 def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
@@ -326,10 +371,15 @@ def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
 
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
     """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks (or 0:
-    stream-K, one warpgroup, an even chunk count), a ring of >= 2 slots within the shared memory."""
+    stream-K, one warpgroup, an even chunk count; or -s: the tail split in s pieces, s dividing the chunk
+    pairs, one warpgroup or two at BT 128), a ring of >= 2 slots within the shared memory."""
     pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128)
     if split == 0:
         splits_ok = nwg == 1 and chunks % 2 == 0
+    elif split < 0:
+        pieces = -split
+        pairs = chunks // 2
+        splits_ok = (nwg == 1 or bt == 128) and chunks % 2 == 0 and pieces >= 2 and pairs % pieces == 0
     else:
         splits_ok = split >= 1 and chunks % split == 0
     return pair and splits_ok and stages >= 2 and smem_bytes(bt, nwg, stages) <= SMEM_LIMIT
@@ -357,14 +407,17 @@ def nvfp4_sm90_gemm(
     *,
     config: tuple[int, int, int, int] | None = None,
     sk_ctas: int | None = None,
+    sk_whole: int | None = None,
     producer: str | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
-    config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks or 0 for
-    stream-K over `stream_k_ctas` CTAs, stages >= 2); default `sm90_config`. sk_ctas: stream-K's CTA count
-    instead (1 .. the tiles' chunk pairs; tests and benches). producer: how the ring is fed, one of
+    config: (BT in 16..256, consumer warpgroups 1 | 2, split_k dividing the 128-wide chunks, 0 for
+    stream-K over `stream_k_ctas` CTAs, or -s for the tail split (`tail_split`: the first wave's CTAs a
+    whole tile each, the other tiles in s pieces), stages >= 2); default `sm90_config`. sk_ctas: stream-K's
+    CTA count instead (1 .. the tiles' chunk pairs), sk_whole: the tail split's whole-tile CTAs instead (0 ..
+    tiles - 1; tests and benches). producer: how the ring is fed, one of
     PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
     launches with programmatic dependent launch (None: K3RUN_SM90_PDL where `pdl_helps`); the same result
     either way. Call `available(x.device)` first."""
@@ -386,18 +439,25 @@ def nvfp4_sm90_gemm(
         pdl = knobs().sm90_pdl and pdl_helps(bt, nwg, stages)
     xt = _module.w4a16_prep_x(x, bt, chunks, pdl)
     tiles = -(-n // (64 * nwg)) * xt.shape[0]
-    sk = 0
+    sk = whole = 0
     if split == 0:
         sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0), stages)
         if not 1 <= sk <= tiles * (chunks // 2):
             raise ValueError(f"nvfp4 sm90 gemm: {sk} stream-K CTAs for {tiles * (chunks // 2)} chunk pairs")
-    depth = stream_k_max_pieces(tiles, chunks, sk) if sk else split  # partials a tile can have
+    elif split < 0:
+        slots = stream_k_slots(bt, nwg, sm_count(x.device.index or 0), stages)
+        sk, whole = tail_split(tiles, slots, -split)
+        if sk_whole is not None:
+            if not 0 <= sk_whole < tiles:
+                raise ValueError(f"nvfp4 sm90 gemm: {sk_whole} whole-tile CTAs for {tiles} tiles")
+            whole, sk = sk_whole, sk_whole + (tiles - sk_whole) * -split
+    depth = stream_k_max_pieces(tiles, chunks, sk, whole) if sk else split  # partials a tile can have
     if depth > 1:
         ws = torch.empty((depth * tiles * nwg * 128 * bt // 2,), dtype=torch.float32, device=x.device)
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk))
-    args = (m, n, bt, nwg, split, stages, form, sk, pdl)
+    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk, nwg))
+    args = (m, n, bt, nwg, max(split, 0), stages, form, whole, sk, pdl)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
