@@ -3,8 +3,9 @@ engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
 (common.graph_ms): the CUDA kernel with its default config (`sm90_config`; stream-K where it leaves the fixed
-grid, up to K3RUN_SM90_STREAM_K rows, none by default), the fixed grid's default config beside it (the
-same-run baseline, as a ratio) and the best of a config sweep (split_k 0 = stream-K); the Gluon wgmma kernel's
+grid, up to K3RUN_SM90_STREAM_K rows, and the tail split under K3RUN_SM90_TAIL_SPLIT, neither by default),
+the fixed grid's default config beside it (the same-run baseline, as a ratio) and the best of a config sweep
+(split_k 0 = stream-K, -2 = the tail split); the Gluon wgmma kernel's
 default (the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS; cuBLAS
 bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background, timed in a
 second pass beside the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at the copy
@@ -49,8 +50,8 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
 
     chunks = -(-k // 128)
     bts = [b for b in sm90.TOKEN_TILES if min(m, 64) <= b <= max(16, 2 * m)]
-    # split_k 0: stream-K
-    cands = itertools.product(bts, sm90.WARPGROUPS, (0, 1, 2, 3, 4, 7, 8), (3, 4, 5, 6, 8))
+    # split_k 0: stream-K; -2: the tail split
+    cands = itertools.product(bts, sm90.WARPGROUPS, (0, -2, 1, 2, 3, 4, 7, 8), (3, 4, 5, 6, 8))
     out = [c for c in cands if sm90.config_ok(*c, chunks)]
     return out
 
