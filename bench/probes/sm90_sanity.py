@@ -5,7 +5,8 @@ case in a few milliseconds, under a hard timeout and the sanitizer:
     timeout -s KILL 300 compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py
     timeout -s KILL 300 compute-sanitizer --tool racecheck python3 bench/probes/sm90_sanity.py --one
 
-(--one: two cases, the thread producer with two warpgroups and the tensor producer.) Prints one line per case
+(--one: two cases, the thread producer with two warpgroups and the tensor producer, then the two x-gather
+cases, whose shared stores racecheck watches beside the wgmma reads.) Prints one line per case
 (config, relative RMS error, max error over the bound) and exits non-zero on a failure. Answers so far:
 memcheck clean, every case within its bound (bench/RESULTS.md runs 126, 152 and 160, the last with the warp
 and tensor producers' cases).
@@ -38,14 +39,17 @@ def main() -> int:
              (300, 1000, 2048, (128, 2, -2, 3), "tensor")]  # fmt: skip
     if "--one" in sys.argv:  # racecheck: the thread form with two warpgroups, then the tensor form
         cases = [cases[0], cases[-2]]
+    # the x gather (the producer warp reads x [M, K] in place): odd M, a part last chunk, x a column slice
+    gathered = [(9, 328, 720, (16, 1, 2, 3), "tensor"), (17, 200, 336, (32, 1, 1, 2), "warp")]
     bad = 0
-    for m, n, k, cfg, producer in cases:
+    for m, n, k, cfg, producer in cases + gathered:
         g = torch.Generator().manual_seed(m + n + k)
         q = quantize_nvfp4(torch.randn(n, k, generator=g))
         tw = prepare_nvfp4_weight(q.weight.cuda(), q.weight_scale.cuda(), q.weight_scale_2.cuda(), "tiled128")
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+        gather = (m, n, k, cfg, producer) in gathered
+        x = torch.randn(m, k + 8 * gather, generator=g).to(torch.bfloat16).cuda()[:, :k]
         y = sm90.nvfp4_sm90_gemm(
-            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, producer=producer
+            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, producer=producer, gather=gather
         )
         torch.cuda.synchronize()
         wd = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float32)
@@ -56,7 +60,7 @@ def main() -> int:
         worst = float((err / bound).max())
         ok = bool(torch.isfinite(y).all()) and worst <= 1.0
         bad += not ok
-        form = "" if producer == "thread" else f" {producer} producer"
+        form = ("" if producer == "thread" else f" {producer} producer") + (" x gather" if gather else "")
         verdict = "ok" if ok else "FAIL"
         print(f"{m}x{n}x{k} {cfg}{form}: rel RMS {rel:.2e}, worst error / bound {worst:.2f} {verdict}")
     return 1 if bad else 0

@@ -217,6 +217,12 @@ class Knobs:
         "its tiles in two pieces each and the full waves' tiles whole (w4a16_sm90.tail_split; 0, the "
         "default: the fixed grid)",
     )  # fmt: skip
+    sm90_x_gather: int = _knob(
+        "K3RUN_SM90_X_GATHER", _tokens_256, 0,
+        "CUDA sm_90: up to this many rows the CUDA C++ NVFP4 GEMM's producer warp reads x in place and lays "
+        "it out in shared memory itself, without the x preparation launch (fixed grid, one consumer "
+        "warpgroup, BT <= 32, the warp or tensor producer; 0, the default: never)",
+    )  # fmt: skip
     sm90_producer: str = _knob(
         "K3RUN_SM90_PRODUCER", _sm90_producer, "auto",
         "CUDA sm_90: how the CUDA C++ NVFP4 GEMM's producer feeds its ring: thread (one thread issues the 9 "

@@ -261,6 +261,69 @@ def test_gpu_pdl_chain_equals_plain_launches(graph: bool) -> None:
         assert torch.equal(out, plain)
 
 
+# the x gather: (m, n, k, config); odd M (rows past M zero), K = 720 (a part chunk: columns past K zero),
+# split-K, rings shallower and deeper than the chunks, both token tiles it takes
+GATHER_CASES = [(9, 328, 720, (16, 1, 2, 3)), (17, 1000, 2048, (32, 1, 2, 4)), (32, 200, 336, (32, 1, 1, 2)),
+                (5, 64, 128, (16, 1, 1, 2)), (16, 130, 720, (16, 1, 3, 6))]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, config", GATHER_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_x_gather_equals_prep_x(poison_empty, m, n, k, config, dtype) -> None:
+    """The producer warp's x gather writes each slot's x exactly as prep_x's tiles bring it, so the output is
+    bit-identical to the prep_x path: both producer forms it takes, x with a row stride wider than K (a
+    column slice), within the fp32 reference's bound."""
+    _need_kernel()
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=13)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    wide = torch.randn(m, k + 24, device="cuda").to(dtype)
+    for x in (wide[:, :k].contiguous(), wide[:, :k]):
+        want = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=config,
+                                    gather=False)  # fmt: skip
+        for form in ("warp", "tensor"):
+            got = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=config,
+                                       producer=form, gather=True)  # fmt: skip
+            assert torch.equal(got, want), (form, x.stride())
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+    assert bool(((want.float() - ref).abs() <= _bound(x, wd, gs, ref, dtype)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_x_gather_pdl_chain_equals_plain_launches(graph: bool) -> None:
+    """Six chained gathered calls with PDL (each x the previous output, a torch kernel between some), eagerly
+    and from a CUDA graph, equal the prep_x path's plain launches bit for bit: the producer reads x only after
+    the kernel ahead of it is done."""
+    _need_kernel()
+    n = k = 2048
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=7)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x0 = torch.randn(24, k, device="cuda").to(torch.bfloat16)
+
+    def chain(pdl: bool, gather: bool) -> torch.Tensor:
+        x = x0
+        for i, cfg in enumerate([(32, 1, 2, 4), (16, 1, 4, 3), None] * 2):
+            y = sm90.nvfp4_sm90_gemm(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, pdl=pdl,
+                                     gather=gather)  # fmt: skip
+            x = y / y.abs().amax().clamp_min(1e-3) if i % 2 else y * 0.0625
+        return x
+
+    plain = chain(False, False)
+    if not graph:
+        assert torch.equal(chain(True, True), plain)
+        return
+    chain(True, True)  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(True, True)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
 @pytest.mark.gpu
 def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
     """With K3RUN_SM90_CUDA=1, nvfp4_linear's choice for 17..256 rows on sm_90 runs this kernel on a matrix of
@@ -616,6 +679,28 @@ def test_pdl_and_the_split_k_fixup_without_seq_cst_fences(standalone_build) -> N
     assert any("ACQBULK" in i for i in code[:first_load]), "prep_x reads x before its griddepcontrol.wait"
     for f in gemm:
         assert sum("ATOMG" in i for _, i in _sass_code(f)) == 1, f.split("\n")[0]
+
+
+def test_x_gather_reads_after_the_wait_and_fences_its_stores(standalone_build) -> None:
+    """The x gather (one consumer warpgroup, BT 16 / 32, the fixed grid): in SASS its x loads (LDG.E.128)
+    come after a griddepcontrol.wait (ACQBULK) in code order, and between its shared stores of a slot
+    (STS.128) and the
+    slot's arrival (SYNCS.ARRIVE ... A1T0) sits fence.proxy.async (FENCE.VIEW.ASYNC.S), which orders the
+    generic-proxy stores before the wgmma reads that the arrival releases."""
+    _, sass = standalone_build
+    kernels = re.split(r"\n\s+Function : ", sass)[1:]
+    for bt in (16, 32):
+        f = next(f for f in kernels if f.startswith(f"_ZN3k3w12w4a16_kernelILi{bt}ELi1ELb1ELb0E"))
+        code = [i for _, i in _sass_code(f)]
+        stores = [j for j, i in enumerate(code) if "STS.128" in i]
+        assert stores, bt
+        loads = [j for j, i in enumerate(code) if re.search(r"LDG\.E\.128 ", i)]  # not the fix-up's .STRONG
+        waits = [j for j, i in enumerate(code) if "ACQBULK" in i]
+        assert loads and all(any(w < j for w in waits) for j in loads), bt
+        for j in stores:
+            after = code[j + 1 :]
+            arrive = next(n for n, i in enumerate(after) if "SYNCS.ARRIVE" in i and "A1T0" in i)
+            assert any("FENCE.VIEW.ASYNC.S" in i for i in after[:arrive]), (bt, j)
 
 
 def _pair_loops(code):

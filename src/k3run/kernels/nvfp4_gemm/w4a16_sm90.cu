@@ -121,6 +121,30 @@ __device__ __forceinline__ void bulk_g2s_elect(uint32_t dst, const void* src, ui
       : "memory");
 }
 
+// The x gather's barrier steps, by one elected lane of a converged warp: a slot's copied bytes without an
+// arrival (the copies are issued before the slot's x is written), then the arrival once it is.
+__device__ __forceinline__ void mbar_expect_tx_only_elect(uint32_t bar, uint32_t bytes) {
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+      "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n}" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_elect(uint32_t bar) {
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}" ::"r"(bar)
+      : "memory");
+}
+// Shared stores by threads, read next by wgmma (the async proxy): each writer fences before the arrival.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+
 // A 3-D tensor-map copy (box at coordinates {c0, c1, c2}, innermost first) by one elected lane of a converged
 // warp; `map` is a __grid_constant__ kernel parameter.
 __device__ __forceinline__ void tensor_g2s_elect(uint32_t dst, const CUtensorMap& map, int c0, int c1, int c2,
@@ -418,6 +442,66 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   }
 }
 
+// The x gather (fixed grid, one consumer warpgroup, BT <= 32; the warp and tensor producer forms): the producer
+// warp reads its CTA's token tile of x [M, K] (row stride ldx, 16-byte aligned rows) itself and writes each
+// slot's x in the layout prep_x_kernel gives xt, so the GEMM needs no prep_x launch. A lane's task is one row
+// r, one 64-column half h and one parity j: its four 16-byte loads at half columns 16t + 8j (t = 0..3) hold,
+// word e of load t, columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2, the word t of stored unit
+// 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p): four whole units, no shuffle, written
+// at unit (4j + e) ^ (r % 8) of the 128-byte swizzle. Rows past M and columns past K are 0 (K % 8 == 0, so a
+// load is wholly inside or outside). Chunk c + 1's loads are issued right after chunk c's arrival, so their
+// L2 round trip runs while the warp waits for the next slot. `issue(c, st, bar)` adds the slot's code and
+// scale bytes to its barrier (no arrival) and copies them; the first `stages` are issued before pdl_wait.
+template <int BT, int NWG, typename F>
+__device__ __forceinline__ void gather_x(const uint4* __restrict__ x, int ldx, int K, int M, int n_tiles, int nch,
+                                         int stages, uint32_t xs0, uint32_t full0, uint32_t empty0, F&& issue) {
+  using SM = Smem<BT, NWG>;
+  constexpr int TASKS = BT / 8;  // 4 * BT tasks over the warp's 32 lanes
+  const int lane = threadIdx.x % 32;
+  const int c0 = int(blockIdx.y) * nch;
+  const int row0 = int(blockIdx.x) / n_tiles * BT;
+  const int early = min(stages, nch);
+  for (int i = 0; i < early; ++i) issue(c0 + i, i, full0 + 8 * i);
+  pdl_wait();
+  uint4 v[TASKS][4];
+  auto load = [&](int c) {
+#pragma unroll
+    for (int k = 0; k < TASKS; ++k) {
+      const int task = lane + 32 * k, r = task >> 2, h = (task >> 1) & 1, j = task & 1;
+      const int row = row0 + r, col = c * 128 + h * 64 + 8 * j;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const bool in = row < M && col + 16 * t < K;
+        v[k][t] = in ? x[(size_t(row) * ldx + col + 16 * t) / 8] : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
+  auto store = [&](int st) {
+#pragma unroll
+    for (int k = 0; k < TASKS; ++k) {
+      const int task = lane + 32 * k, r = task >> 2, h = (task >> 1) & 1, j = task & 1;
+      const uint32_t row_addr = xs0 + st * SM::X + h * (BT * 128) + r * 128;
+      sts128(row_addr + (((4 * j + 0) ^ (r & 7)) * 16), v[k][0].x, v[k][1].x, v[k][2].x, v[k][3].x);
+      sts128(row_addr + (((4 * j + 1) ^ (r & 7)) * 16), v[k][0].y, v[k][1].y, v[k][2].y, v[k][3].y);
+      sts128(row_addr + (((4 * j + 2) ^ (r & 7)) * 16), v[k][0].z, v[k][1].z, v[k][2].z, v[k][3].z);
+      sts128(row_addr + (((4 * j + 3) ^ (r & 7)) * 16), v[k][0].w, v[k][1].w, v[k][2].w, v[k][3].w);
+    }
+  };
+  Slot sl;
+  load(c0);
+  for (int i = 0; i < nch; ++i, sl.advance(stages)) {
+    const int st = sl.st;
+    const uint32_t bar = full0 + 8 * st;
+    if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
+    if (i >= early) issue(c0 + i, st, bar);
+    store(st);
+    fence_proxy_async_smem();
+    __syncwarp();
+    mbar_arrive_elect(bar);
+    if (i + 1 < nch) load(c0 + i + 1);
+  }
+}
+
 // The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
 // whole warp with one elected lane issuing; that and tensor-map copies of a chunk's NWG * 4 row blocks.
 constexpr int PRODUCER_THREAD = 0, PRODUCER_WARP = 1, PRODUCER_TENSOR = 2;
@@ -448,8 +532,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     w4a16_kernel(const uint8_t* __restrict__ xt, const uint8_t* __restrict__ w, const uint8_t* __restrict__ s,
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
-                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r, int sk_x,
-                 const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s) {
+                 int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r, int sk_x, int gather,
+                 int ldx, int K, const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
   constexpr int ACC = BT / 2;
@@ -507,6 +591,19 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         };
         // a box past the last row block is zero-filled and still counted in full
         auto slot_bytes = [&](const SegSrc& g) { return tensor ? SM::X + SM::W + SM::S : g.bytes; };
+        if constexpr (!SK && NWG == 1 && BT <= 32) {
+          if (gather) {  // x [M, K] read in place (xt is x itself): no prep_x launch
+            gather_x<BT, NWG>(reinterpret_cast<const uint4*>(xt), ldx, K, M, n_tiles, nch, stages, xs0, full0,
+                              empty0, [&](int c, int st, uint32_t bar) {
+                                const SegSrc g = seg_src<NWG, SM::X>(Seg{int(blockIdx.x), c, c + 1}, n_tiles,
+                                                                     row_blocks, CH, xt);
+                                mbar_expect_tx_only_elect(bar, slot_bytes(g) - SM::X);
+                                copy_ws(g, c, st, bar);
+                              });
+            pdl_launch_dependents();
+            return;
+          }
+        }
         // Before the previous kernel is done: the first `stages` chunks' codes and scales, each slot's
         // transaction count set for all its bytes (the x copy below completes it).
         int i = 0;
@@ -793,7 +890,8 @@ template <int BT, int NWG, bool BF16, bool SK>
 static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch::Tensor& s,
                    const torch::Tensor& gs, const c10::optional<torch::Tensor>& bias, torch::Tensor& y,
                    const torch::Tensor& ws, const torch::Tensor& cnt, int M, int N, int CH, int split,
-                   int stages, int t_tiles, int producer, int sk, int sk_whole, bool pdl, cudaStream_t stream) {
+                   int stages, int t_tiles, int producer, int sk, int sk_whole, bool gather, bool pdl,
+                   cudaStream_t stream) {
   auto kern = w4a16_kernel<BT, NWG, BF16, SK>;
   const int smem = Smem<BT, NWG>::bytes(stages);
   static int configured = 0;
@@ -825,7 +923,8 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   launch_kernel(kern, grid, cta_threads<NWG>(), smem, stream, pdl, xtp, w.data_ptr<uint8_t>(),
                 s.data_ptr<uint8_t>(), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),
                 int(y.stride(0)), wsp, cntp, M, N, int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, tiles,
-                producer, sk, sk_q, sk_r, sk_x, tm_w, tm_s);
+                producer, sk, sk_q, sk_r, sk_x, int(gather), gather ? int(xt.stride(0)) : 0,
+                gather ? int(xt.size(1)) : 0, tm_w, tm_s);
 }
 
 }  // namespace k3w
@@ -864,8 +963,16 @@ torch::Tensor w4a16_prep_x(torch::Tensor x, int64_t bt, int64_t chunks, bool pdl
 void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
                 int64_t M, int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer,
-                int64_t sk_whole, int64_t sk, bool pdl) {
-  const int CH = xt.size(1), t_tiles = xt.size(0);
+                bool gather, int64_t sk_whole, int64_t sk, bool pdl) {
+  // xt: prep_x's tiles [t_tiles][CH][2][BT][64], or with `gather` x [M, K] itself (the kernel reads it)
+  const int CH = gather ? int(w.size(1) / 64) : int(xt.size(1));
+  const int t_tiles = gather ? int((M + bt - 1) / bt) : int(xt.size(0));
+  if (gather)
+    TORCH_CHECK(sk == 0 && nwg == 1 && bt <= 32 && producer != k3w::PRODUCER_THREAD && xt.dim() == 2 &&
+                    xt.stride(1) == 1 && xt.stride(0) % 8 == 0 && xt.size(1) % 8 == 0 && xt.size(0) == M &&
+                    xt.size(1) <= int64_t(CH) * 128 && reinterpret_cast<uintptr_t>(xt.data_ptr()) % 16 == 0,
+                "w4a16_gemm: the x gather takes the fixed grid, one consumer warpgroup, BT <= 32, the warp or "
+                "tensor producer, and x [M, K <= chunks * 128] with 16-byte aligned rows and K % 8 == 0");
   TORCH_CHECK(sk > 0 || (split >= 1 && CH % split == 0), "w4a16_gemm: split_k ", split,
               " must divide the ", CH, " chunks");
   TORCH_CHECK(sk == 0 || (CH % 2 == 0 && sk <= int64_t((N + nwg * 64 - 1) / (nwg * 64)) * t_tiles * CH / 2),
@@ -889,10 +996,10 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 #define K3W_RUN(B, G, K)                                                                                       \
   if (bf16)                                                                                                    \
     k3w::launch<B, G, true, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,               \
-                               int(producer), sk, sk_whole, pdl, stream);                                    \
+                               int(producer), sk, sk_whole, gather, pdl, stream);                            \
   else                                                                                                         \
     k3w::launch<B, G, false, K>(xt, w, s, gs, bias, y, ws, cnt, M, N, CH, split, stages, t_tiles,              \
-                                int(producer), sk, sk_whole, pdl, stream);                                   \
+                                int(producer), sk, sk_whole, gather, pdl, stream);                           \
   return;
 #define K3W_CASE(B, G)                                                                                         \
   if (bt == B && nwg == G && sk == 0) {                                                                        \
@@ -920,7 +1027,8 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
                                                           const float*, int, const void*, void*, int, float*, \
                                                           int*, int, int, int, int, int, int, int, int, int, int, \
-                                                          int, int, const __grid_constant__ CUtensorMap, \
+                                                          int, int, int, int, int, \
+                                                          const __grid_constant__ CUtensorMap, \
                                                           const __grid_constant__ CUtensorMap);
 K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
 K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)

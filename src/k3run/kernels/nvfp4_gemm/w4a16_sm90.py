@@ -77,7 +77,7 @@ def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
         "void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
         "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
-        "int64_t sk_whole, int64_t sk, bool pdl);\n"
+        "bool gather, int64_t sk_whole, int64_t sk, bool pdl);\n"
     )
     return load_inline(
         name=name,
@@ -360,6 +360,10 @@ TAIL_PIECES = 2
 TAIL_BELOW_FILL = 0.5
 
 
+# the largest token tile the x gather takes: a producer lane holds a chunk's x, BT / 8 x 64 bytes
+GATHER_MAX_BT = 32
+
+
 def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
     """Whether K3RUN_SM90_PDL launches this config with PDL: where one CTA's ring takes more than half an
     SM's shared memory, so no CTA of the next call can sit beside a running one. On an H100 (7168^2, graphs
@@ -410,6 +414,7 @@ def nvfp4_sm90_gemm(
     sk_whole: int | None = None,
     producer: str | None = None,
     pdl: bool | None = None,
+    gather: bool | None = None,
 ) -> torch.Tensor:
     """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) in x's dtype (bf16 / fp16 on sm_90); W in the
     tiled128 layout (uint8 [N_pad, K_pad/2], scales [N_pad, K_pad/16]), global_scale fp32 [1] or [N_pad].
@@ -420,7 +425,10 @@ def nvfp4_sm90_gemm(
     tiles - 1; tests and benches). producer: how the ring is fed, one of
     PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
     launches with programmatic dependent launch (None: K3RUN_SM90_PDL where `pdl_helps`); the same result
-    either way. Call `available(x.device)` first."""
+    either way. gather: the GEMM's producer reads x itself, with no prep_x launch, where the launch allows it
+    (the fixed grid, one consumer warpgroup, BT <= GATHER_MAX_BT, the warp or tensor producer, 16-byte
+    aligned rows of x; None: up to K3RUN_SM90_X_GATHER rows); the same bits either way. Call
+    `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
@@ -437,8 +445,23 @@ def nvfp4_sm90_gemm(
         x = x.contiguous()
     if pdl is None:
         pdl = knobs().sm90_pdl and pdl_helps(bt, nwg, stages)
-    xt = _module.w4a16_prep_x(x, bt, chunks, pdl)
-    tiles = -(-n // (64 * nwg)) * xt.shape[0]
+    name = producer or knobs().sm90_producer
+    if gather is None:
+        gather = m <= knobs().sm90_x_gather
+    # the x gather: the fixed grid, one warpgroup, BT <= 32, the warp or tensor producer, 16-byte rows
+    gather = (
+        gather
+        and split > 0
+        and nwg == 1
+        and bt <= GATHER_MAX_BT
+        and _producer(name, 0) != "thread"
+        and k % 8 == 0
+        and x.stride(1) == 1
+        and x.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0
+    )
+    xt = x if gather else _module.w4a16_prep_x(x, bt, chunks, pdl)
+    tiles = -(-n // (64 * nwg)) * -(-m // bt)
     sk = whole = 0
     if split == 0:
         sk = sk_ctas or stream_k_ctas(bt, tiles, chunks, sm_count(x.device.index or 0), stages)
@@ -457,7 +480,7 @@ def nvfp4_sm90_gemm(
         cnt = counters(x.device, tiles)
     else:
         ws = cnt = global_scale
-    form = PRODUCERS.index(_producer(producer or knobs().sm90_producer, sk, nwg))
-    args = (m, n, bt, nwg, max(split, 0), stages, form, whole, sk, pdl)
+    form = PRODUCERS.index(_producer(name, sk, nwg))
+    args = (m, n, bt, nwg, max(split, 0), stages, form, gather, whole, sk, pdl)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
     return y
