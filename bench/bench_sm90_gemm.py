@@ -5,7 +5,8 @@ Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copie
 (common.graph_ms): the CUDA kernel with its default config (`sm90_config`; stream-K where it leaves the fixed
 grid, up to K3RUN_SM90_STREAM_K rows, and the tail split under K3RUN_SM90_TAIL_SPLIT, neither by default),
 the fixed grid's default config beside it (the same-run baseline, as a ratio) and the best of a config sweep
-(split_k 0 = stream-K, -2 = the tail split); the Gluon wgmma kernel's
+(split_k 0 = stream-K, -2 = the tail split), and where the default takes it, the x gather on and off
+(printed per cell, not in the table); the Gluon wgmma kernel's
 default (the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS; cuBLAS
 bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background, timed in a
 second pass beside the CUDA kernel's best config again). The ceiling per cell: max(weight bytes at the copy
@@ -35,13 +36,13 @@ def _time(fns: list, est_ms: float = 0.05) -> float:
     return graph_ms(fns, est_ms) * 1e3
 
 
-def _cuda_calls(x, ws, k: int, n: int, cfg, producer=None) -> list:
+def _cuda_calls(x, ws, k: int, n: int, cfg, producer=None, gather=None) -> list:
     """One call of the CUDA kernel per weight copy, config `cfg` (None: its default); producer: its form
-    (None: K3RUN_SM90_PRODUCER)."""
+    (None: K3RUN_SM90_PRODUCER); gather: the x gather (None: K3RUN_SM90_X_GATHER)."""
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     return [lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg,
-                                             producer=producer)
+                                             producer=producer, gather=gather)
             for w in ws]  # fmt: skip
 
 
@@ -78,6 +79,10 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False):
     # the producer's forms at the default config, back to back
     for form in sm90.PRODUCERS:
         r[form] = _time(_cuda_calls(x, ws, k, n, None, producer=form))
+    # the default config with x read in place by the producer and without (where the launch takes it)
+    if r["cfg"][2] > 0 and r["cfg"][1] == 1 and r["cfg"][0] <= sm90.GATHER_MAX_BT:
+        r["gather_on"] = _time(_cuda_calls(x, ws, k, n, None, gather=True))
+        r["gather_off"] = _time(_cuda_calls(x, ws, k, n, None, gather=False))
     best = (r["cuda"], r["cfg"])
     for cfg in sweep:
         try:
@@ -105,7 +110,8 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False):
         f"({r['fixed'] / r['cuda']:4.2f}x) producer thread / warp / tensor {r['thread']:7.1f} / "
         f"{r['warp']:7.1f} / {r['tensor']:7.1f} best {best[0]:7.1f} {best[1]} "
         f"gluon {r['gluon']:7.1f} decode {r.get('decode', float('nan')):7.1f} dequant {r['dequant']:7.1f} "
-        f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}",
+        f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}"
+        + (f" x gather on / off {r['gather_on']:7.1f} / {r['gather_off']:7.1f}" if "gather_on" in r else ""),
         flush=True,
     )
     return r
