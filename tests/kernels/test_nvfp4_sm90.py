@@ -251,14 +251,20 @@ def test_gpu_pdl_chain_equals_plain_launches(graph: bool) -> None:
     if not graph:
         assert torch.equal(chain(True), plain)
         return
-    chain(True)  # warm-up outside the capture
+    _graph_replays_equal(lambda: chain(True), plain)
+
+
+def _graph_replays_equal(run, want: torch.Tensor) -> None:
+    """run() once outside a capture (the warm-up), then captured in a CUDA graph: three replays each give
+    want's bits."""
+    run()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = chain(True)
+        out = run()
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+        assert torch.equal(out, want)
 
 
 # the x gather: (m, n, k, config); odd M (rows past M zero), K = 720 (a part chunk: columns past K zero),
@@ -314,14 +320,7 @@ def test_gpu_x_gather_pdl_chain_equals_plain_launches(graph: bool) -> None:
     if not graph:
         assert torch.equal(chain(True, True), plain)
         return
-    chain(True, True)  # warm-up outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(True, True)
-    for _ in range(3):
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+    _graph_replays_equal(lambda: chain(True, True), plain)
 
 
 @pytest.mark.gpu
