@@ -34,7 +34,7 @@
 // waits too before anything it reads or writes in global memory. The producer lets the next kernel launch
 // once it has issued its last copy (CUTLASS triggers after its main loop too): a trigger at the CTA's start
 // lets back-to-back GEMMs launch one another in a cascade whose weight prefetches slow the running one
-// (bench/NOTES.md, session 43).
+// (bench/NOTES.md).
 // Stream-K (sk > 0 CTAs, one wave): the tiles' 128-wide chunks in pairs, tile-major, tiles x CH / 2 units cut
 // into sk contiguous ranges of (nearly) equal length; a CTA walks its range as segments (one tile's chunks each),
 // writes a whole tile directly and a tile it shares as a partial in the tile's segment order, the last of the

@@ -367,7 +367,7 @@ GATHER_MAX_BT = 32
 def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
     """Whether K3RUN_SM90_PDL launches this config with PDL: where one CTA's ring takes more than half an
     SM's shared memory, so no CTA of the next call can sit beside a running one. On an H100 (7168^2, graphs
-    of back-to-back calls, bench/RESULTS.md run 174) PDL ran 1.06-1.09x plain at every such config and
+    of back-to-back calls, bench/RESULTS.md) PDL ran 1.06-1.09x plain at every such config and
     0.79-0.98x at the ones that leave room for a second CTA ((16,1,1,8), (64,1,1,4), (16,1,2,8)), where
     the next call's early CTAs share SMs with the running ones (1.15x at (32,1,2,6) is given up)."""
     return 2 * smem_bytes(bt, nwg, stages) > SM_SMEM
