@@ -3,9 +3,10 @@ engine's other paths, cuBLAS bf16 and Marlin INT4, in one process.
 
 Per (N x K, M), us per call, CUDA graphs of back-to-back calls over weight copies that overflow the L2
 (common.graph_ms): the CUDA kernel with its default config (`sm90_config`; stream-K where it leaves the fixed
-grid, up to K3RUN_SM90_STREAM_K rows, and the tail split under K3RUN_SM90_TAIL_SPLIT, neither by default),
-the fixed grid's default config beside it (the same-run baseline, as a ratio) and the best of a config sweep
-(split_k 0 = stream-K, -2 = the tail split), and where the default takes it, the x gather on and off
+grid, up to K3RUN_SM90_STREAM_K rows, not by default, and the tail split under K3RUN_SM90_TAIL_SPLIT, on
+by default), the fixed grid's default config beside it (the same-run baseline, as a ratio) and the best of
+a config sweep (split_k 0 = stream-K, -2 = the tail split), and where the default takes it, the x gather
+on and off
 (printed per cell, not in the table); the Gluon wgmma kernel's
 default (the path before it); the engine's M <= 16 decode kernel where M <= 32; dequantize + cuBLAS; cuBLAS
 bf16; Marlin INT4 g128 fp16 (the peers tool, its folder given by --peers; built in the background, timed in a

@@ -551,7 +551,7 @@ def test_tail_split_segments(tiles, chunks, slots, pieces) -> None:
 
 
 def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch) -> None:
-    """K3RUN_SM90_TAIL_SPLIT (default off): two warpgroups' grids whose last wave is at most half full take
+    """K3RUN_SM90_TAIL_SPLIT (default on): two warpgroups' grids whose last wave is at most half full take
     split_k -2 (12288 x 7168 at 256 rows: 192 tiles on 132 SMs; 7168^2 at 1024 rows: 448), one wave or a
     fuller last wave keep the fixed grid (7168^2 at 256 rows: 112 tiles; 12288 x 7168 at 512 rows: 384);
     the config is one the kernel has; split_k -s must cut the chunk pairs evenly."""
@@ -559,7 +559,7 @@ def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch)
     assert not sm90.config_ok(128, 2, -3, 4, 56) and not sm90.config_ok(64, 2, -2, 4, 56)
     assert not sm90.config_ok(128, 2, -2, 4, 55) and not sm90.config_ok(128, 1, -1, 4, 56)
     try:
-        for env, want in ((None, 1), ("1", -2)):
+        for env, want in ((None, -2), ("0", 1), ("1", -2)):
             if env is None:
                 monkeypatch.delenv("K3RUN_SM90_TAIL_SPLIT", raising=False)
             else:
