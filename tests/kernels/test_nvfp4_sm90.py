@@ -681,25 +681,44 @@ def test_pdl_and_the_split_k_fixup_without_seq_cst_fences(standalone_build) -> N
 
 
 def test_x_gather_reads_after_the_wait_and_fences_its_stores(standalone_build) -> None:
-    """The x gather (one consumer warpgroup, BT 16 / 32, the fixed grid): in SASS its x loads (LDG.E.128)
-    come after a griddepcontrol.wait (ACQBULK) in code order, and between its shared stores of a slot
-    (STS.128) and the
-    slot's arrival (SYNCS.ARRIVE ... A1T0) sits fence.proxy.async (FENCE.VIEW.ASYNC.S), which orders the
-    generic-proxy stores before the wgmma reads that the arrival releases."""
+    """The x gather (one consumer warpgroup, BT 16 / 32, the fixed grid): in SASS x comes by 2-D tensor-map
+    copies (UTMALDG.2D) alone, after a griddepcontrol.wait (ACQBULK) in code order, with no thread load of x
+    (LDG.E.128, LDGSTS); a barrier wait (SYNCS...TRYWAIT) precedes each read back (LDS.128) of the permute;
+    and between its shared stores of a slot (STS.128) and the slot's arrival (SYNCS.ARRIVE ... A1T0) sits
+    fence.proxy.async (FENCE.VIEW.ASYNC.S), which orders the generic-proxy stores before the wgmma reads that
+    the arrival releases."""
     _, sass = standalone_build
     kernels = re.split(r"\n\s+Function : ", sass)[1:]
     for bt in (16, 32):
         f = next(f for f in kernels if f.startswith(f"_ZN3k3w12w4a16_kernelILi{bt}ELi1ELb1ELb0E"))
-        code = [i for _, i in _sass_code(f)]
+        listing = _sass_code(f)
+        code = [i for _, i in listing]
         stores = [j for j, i in enumerate(code) if "STS.128" in i]
-        assert stores, bt
-        loads = [j for j, i in enumerate(code) if re.search(r"LDG\.E\.128 ", i)]  # not the fix-up's .STRONG
+        assert stores and len(stores) % (4 * bt // 8) == 0, bt  # a permute writes 4 * BT / 8 units a lane
+        copies = [j for j, i in enumerate(code) if "UTMALDG.2D" in i]
         waits = [j for j, i in enumerate(code) if "ACQBULK" in i]
-        assert loads and all(any(w < j for w in waits) for j in loads), bt
+        assert copies and all(any(w < j for w in waits) for j in copies), bt
+        assert not any(re.search(r"LDG\.E\.128 |LDGSTS", i) for i in code), bt
+        reads = [j for j, i in enumerate(code) if "LDS.128" in i and j > copies[0]]
+        tries = [j for j, i in enumerate(code) if "TRYWAIT" in i]
+        assert reads and all(any(copies[0] < w < j for w in tries) for j in reads), bt
         for j in stores:
-            after = code[j + 1 :]
-            arrive = next(n for n, i in enumerate(after) if "SYNCS.ARRIVE" in i and "A1T0" in i)
-            assert any("FENCE.VIEW.ASYNC.S" in i for i in after[:arrive]), (bt, j)
+            assert _fence_before_arrival(listing, j), (bt, j)
+
+
+def _fence_before_arrival(listing: list, j: int) -> bool:
+    """From instruction j on, following unconditional branches (ptxas moves a __syncwarp's diverged path
+    out of line and branches back): a FENCE.VIEW.ASYNC.S comes before the first one-arrival SYNCS.ARRIVE."""
+    where = {a: n for n, (a, _) in enumerate(listing)}
+    fenced, n, steps = False, j + 1, 0
+    while n < len(listing) and steps < 10_000:
+        i, steps = listing[n][1], steps + 1
+        if "SYNCS.ARRIVE" in i and "A1T0" in i:
+            return fenced
+        fenced = fenced or "FENCE.VIEW.ASYNC.S" in i
+        jump = re.fullmatch(r"BRA (0x[0-9a-f]+)", i.strip())
+        n = where[int(jump.group(1), 16)] if jump else n + 1
+    return False
 
 
 def _pair_loops(code):
@@ -973,8 +992,8 @@ def _feed_kernels(tmp_path, variant: str) -> list[str]:
 def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
     """bench/probes/sm90_feed.py times the GEMM with its consumers idle: those builds must lose every wgmma
     and decode (no HGMMA, no HMUL2 in any kernel) and keep the rest: the ring's waits, the epilogue's stores
-    and the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy). Every
-    variant's replacements still find their lines in the GEMM's source."""
+    and the copies their variant keeps (feed: x, codes and scales; xonly: x alone, no tensor-map copy of codes
+    or scales). Every variant's replacements still find their lines in the GEMM's source."""
     probe = bench_module("probes/sm90_feed")
     for variant in probe.VARIANTS:
         src = probe.feed_source(variant)
@@ -986,4 +1005,5 @@ def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
             name = k.split()[0]
             assert "SYNCS.PHASECHK" in k and "UBLKCP" in k and "STG" in k, (variant, name)
             assert "HGMMA" not in k and "HMUL2" not in k, (variant, name)
-            assert ("UTMALDG" in k) == (variant == "feed"), (variant, name)
+            # the codes' and scales' tensor-map copies (3-D; the x gather's are 2-D)
+            assert ("UTMALDG.3D" in k) == (variant == "feed"), (variant, name)

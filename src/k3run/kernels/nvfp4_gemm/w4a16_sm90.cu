@@ -157,6 +157,17 @@ __device__ __forceinline__ void tensor_g2s_elect(uint32_t dst, const CUtensorMap
       : "memory");
 }
 
+// A 2-D tensor-map copy (box at {c0, c1}, innermost first) by one elected lane of a converged warp.
+__device__ __forceinline__ void tensor2d_g2s_elect(uint32_t dst, const CUtensorMap& map, int c0, int c1,
+                                                   uint32_t bar) {
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
+      "@p cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n}" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
 // Programmatic dependent launch (both no-ops in a grid launched without it): wait until the previous kernel on
 // the stream has completed and its writes are visible; let the next kernel's CTAs be scheduled.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -400,7 +411,7 @@ struct Smem {
   static constexpr int W = NWG * 4 * 1024;
   static constexpr int S = NWG * 4 * 128;
   static constexpr int per_stage = X + W + S;
-  static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
+  static int bytes(int stages) { return 1024 + stages * per_stage + 3 * stages * 8 + 16; }
 };
 
 // The consumer's view of the ring as shared-window addresses, so no chunk converts a generic pointer (~12
@@ -443,63 +454,77 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
 }
 
 // The x gather (fixed grid, one consumer warpgroup, BT <= 32; the warp and tensor producer forms): the producer
-// warp reads its CTA's token tile of x [M, K] (row stride ldx, 16-byte aligned rows) itself and writes each
-// slot's x in the layout prep_x_kernel gives xt, so the GEMM needs no prep_x launch. A lane's task is one row
-// r, one 64-column half h and one parity j: its four 16-byte loads at half columns 16t + 8j (t = 0..3) hold,
-// word e of load t, columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2, the word t of stored unit
-// 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p): four whole units, no shuffle, written
-// at unit (4j + e) ^ (r % 8) of the 128-byte swizzle. Rows past M and columns past K are 0 (K % 8 == 0, so a
-// load is wholly inside or outside). Chunk c + 1's loads are issued right after chunk c's arrival, so their
-// L2 round trip runs while the warp waits for the next slot. `issue(c, st, bar)` adds the slot's code and
-// scale bytes to its barrier (no arrival) and copies them; the first `stages` are issued before pdl_wait.
+// warp reads its CTA's token tile of x [M, K] itself and writes each slot's x in the layout prep_x_kernel gives
+// xt, so the GEMM needs no prep_x launch. Per chunk two tensor-map copies (tm_x: x as 16-bit [M, K], a box of
+// 64 columns x BT rows, the 128-byte swizzle, zero past M and K) bring the chunk's halves as they are into the
+// slot, completing on the slot's x barrier. GATHER_DEPTH chunks later the warp waits on that barrier and
+// lanes 16..31 permute the slot in place, one row half (128 bytes, 8 units) at a time: natural unit 2t + j
+// (half columns 16t + 8j) holds in its word e columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2,
+// i.e. word t of stored unit 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p). Unit u sits
+// at u ^ (r % 8) in both layouts (the copies' swizzle is the wgmma operand's). Each permuting lane then runs
+// fence.proxy.async (its stores before the wgmma's async-proxy reads) and lane 16 arrives on the slot. The
+// copies (codes, scales, x) are all issued by lane 0 (elect.sync), which runs no fence: a proxy fence in the
+// thread that issued the ring's copies waits for them, and the three gathers built that way (loads into
+// registers, cp.async, these copies with every lane permuting) all ran 1.4-2x slower than prep_x + the GEMM
+// (bench/NOTES.md). `issue(c, st, bar)` adds the slot's code and scale bytes to its barrier (no arrival) and
+// copies them; the first `stages` are issued before pdl_wait.
+constexpr int GATHER_DEPTH = 4;
 template <int BT, int NWG, typename F>
-__device__ __forceinline__ void gather_x(const uint4* __restrict__ x, int ldx, int K, int M, int n_tiles, int nch,
-                                         int stages, uint32_t xs0, uint32_t full0, uint32_t empty0, F&& issue) {
+__device__ __forceinline__ void gather_x(const CUtensorMap& tm_x, int n_tiles, int nch, int stages, uint32_t xs0,
+                                         uint32_t full0, uint32_t empty0, uint32_t xbar0, F&& issue) {
   using SM = Smem<BT, NWG>;
-  constexpr int TASKS = BT / 8;  // 4 * BT tasks over the warp's 32 lanes
   const int lane = threadIdx.x % 32;
   const int c0 = int(blockIdx.y) * nch;
   const int row0 = int(blockIdx.x) / n_tiles * BT;
   const int early = min(stages, nch);
+  const int depth = max(1, min(GATHER_DEPTH, stages - 1));  // < stages: the consumers keep a signalled slot
   for (int i = 0; i < early; ++i) issue(c0 + i, i, full0 + 8 * i);
   pdl_wait();
-  uint4 v[TASKS][4];
-  auto load = [&](int c) {
+  auto unit = [&](int st, int r, int h, int u) {  // unit u of row r's half h in slot st
+    return xs0 + st * SM::X + h * (BT * 128) + r * 128 + ((u ^ (r & 7)) * 16);
+  };
+  auto stage = [&](int c, int st) {  // chunk c's two halves, as they are, into the slot
+    mbar_expect_tx_elect(xbar0 + 8 * st, SM::X);
+    tensor2d_g2s_elect(xs0 + st * SM::X, tm_x, c * 128, row0, xbar0 + 8 * st);
+    tensor2d_g2s_elect(xs0 + st * SM::X + BT * 128, tm_x, c * 128 + 64, row0, xbar0 + 8 * st);
+  };
+  // the slot's x in operand order once its copies are in, fenced, then its arrival; by lanes 16..31 alone
+  auto finish = [&](int st, uint32_t phase) {
+    mbar_wait(xbar0 + 8 * st, phase);
+    if (lane >= 16) {
+#pragma unroll 1
+      for (int q = lane - 16; q < 2 * BT; q += 16) {  // row half q: row q / 2, half q % 2
+        const int r = q >> 1, h = q & 1;
+        uint4 v[8];
 #pragma unroll
-    for (int k = 0; k < TASKS; ++k) {
-      const int task = lane + 32 * k, r = task >> 2, h = (task >> 1) & 1, j = task & 1;
-      const int row = row0 + r, col = c * 128 + h * 64 + 8 * j;
+        for (int u = 0; u < 8; ++u) v[u] = lds128(unit(st, r, h, u));
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const bool in = row < M && col + 16 * t < K;
-        v[k][t] = in ? x[(size_t(row) * ldx + col + 16 * t) / 8] : make_uint4(0u, 0u, 0u, 0u);
+        for (int j = 0; j < 2; ++j) {  // stored unit 4j + e: word e of units j, 2 + j, 4 + j, 6 + j
+          sts128(unit(st, r, h, 4 * j + 0), v[j].x, v[2 + j].x, v[4 + j].x, v[6 + j].x);
+          sts128(unit(st, r, h, 4 * j + 1), v[j].y, v[2 + j].y, v[4 + j].y, v[6 + j].y);
+          sts128(unit(st, r, h, 4 * j + 2), v[j].z, v[2 + j].z, v[4 + j].z, v[6 + j].z);
+          sts128(unit(st, r, h, 4 * j + 3), v[j].w, v[2 + j].w, v[4 + j].w, v[6 + j].w);
+        }
       }
+      fence_proxy_async_smem();
     }
+    __syncwarp();
+    if (lane == 16) mbar_arrive(full0 + 8 * st);
   };
-  auto store = [&](int st) {
-#pragma unroll
-    for (int k = 0; k < TASKS; ++k) {
-      const int task = lane + 32 * k, r = task >> 2, h = (task >> 1) & 1, j = task & 1;
-      const uint32_t row_addr = xs0 + st * SM::X + h * (BT * 128) + r * 128;
-      sts128(row_addr + (((4 * j + 0) ^ (r & 7)) * 16), v[k][0].x, v[k][1].x, v[k][2].x, v[k][3].x);
-      sts128(row_addr + (((4 * j + 1) ^ (r & 7)) * 16), v[k][0].y, v[k][1].y, v[k][2].y, v[k][3].y);
-      sts128(row_addr + (((4 * j + 2) ^ (r & 7)) * 16), v[k][0].z, v[k][1].z, v[k][2].z, v[k][3].z);
-      sts128(row_addr + (((4 * j + 3) ^ (r & 7)) * 16), v[k][0].w, v[k][1].w, v[k][2].w, v[k][3].w);
-    }
-  };
-  Slot sl;
-  load(c0);
+  Slot sl, fin;  // the next slot to issue into, the next to finish
+  int done = 0;  // chunks finished
   for (int i = 0; i < nch; ++i, sl.advance(stages)) {
     const int st = sl.st;
-    const uint32_t bar = full0 + 8 * st;
     if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-    if (i >= early) issue(c0 + i, st, bar);
-    store(st);
-    fence_proxy_async_smem();
-    __syncwarp();
-    mbar_arrive_elect(bar);
-    if (i + 1 < nch) load(c0 + i + 1);
+    if (i >= early) issue(c0 + i, st, full0 + 8 * st);
+    stage(c0 + i, st);
+    if (i + 1 - done == depth) {
+      finish(fin.st, fin.phase);
+      ++done;
+      fin.advance(stages);
+    }
   }
+  for (; done < nch; ++done, fin.advance(stages)) finish(fin.st, fin.phase);
 }
 
 // The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
@@ -533,7 +558,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
                  const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias, void* __restrict__ y,
                  int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int row_blocks, int CH,
                  int nch, int stages, int tiles, int producer, int sk, int sk_q, int sk_r, int sk_x, int gather,
-                 int ldx, int K, const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s) {
+                 const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_s,
+                 const __grid_constant__ CUtensorMap tm_x) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
   constexpr int ACC = BT / 2;
@@ -544,8 +570,9 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   uint8_t* ssm = wsm + stages * SM::W;            // stages * S
   uint64_t* full = reinterpret_cast<uint64_t*>(ssm + stages * SM::S);
   uint64_t* empty = full + stages;
+  uint64_t* xbar = empty + stages;  // the x gather's staged copies (gather_x)
   // the split-K "last CTA" flag, by its shared-window address: one register held, not a generic pointer's two
-  const uint32_t last_flag = smem_u32(empty + stages);
+  const uint32_t last_flag = smem_u32(xbar + stages);
 
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const int wg = threadIdx.x / 128;
@@ -554,6 +581,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     for (int i = 0; i < stages; ++i) {
       mbar_init(&full[i], 1);
       mbar_init(&empty[i], NWG * 4);
+      mbar_init(&xbar[i], 1);
     }
     fence_barrier_init();
   }
@@ -593,8 +621,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         auto slot_bytes = [&](const SegSrc& g) { return tensor ? SM::X + SM::W + SM::S : g.bytes; };
         if constexpr (!SK && NWG == 1 && BT <= 32) {
           if (gather) {  // x [M, K] read in place (xt is x itself): no prep_x launch
-            gather_x<BT, NWG>(reinterpret_cast<const uint4*>(xt), ldx, K, M, n_tiles, nch, stages, xs0, full0,
-                              empty0, [&](int c, int st, uint32_t bar) {
+            gather_x<BT, NWG>(tm_x, n_tiles, nch, stages, xs0, full0, empty0, smem_u32(xbar),
+                              [&](int c, int st, uint32_t bar) {
                                 const SegSrc g = seg_src<NWG, SM::X>(Seg{int(blockIdx.x), c, c + 1}, n_tiles,
                                                                      row_blocks, CH, xt);
                                 mbar_expect_tx_only_elect(bar, slot_bytes(g) - SM::X);
@@ -811,11 +839,11 @@ namespace k3w {
 // The tensor producer's maps: the tiled128 codes as uint32 [row_blocks][CH][256] (a 16-row block's 128-wide
 // chunk is 1 KB, blocks of a row block consecutive) and the scales as [row_blocks][CH][32]; a box is one chunk
 // of a CTA's `box_rows` row blocks, rows past the last block zero-filled.
-static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int words, int box_rows) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static const Encode encode = [] {
+using TensorMapEncode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                     const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                     CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static TensorMapEncode tensor_map_encoder() {
+  static const TensorMapEncode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
 #if CUDART_VERSION >= 12050
@@ -826,8 +854,13 @@ static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int wor
 #endif
     TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
                 "w4a16_gemm: the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<Encode>(fn);
+    return reinterpret_cast<TensorMapEncode>(fn);
   }();
+  return encode;
+}
+
+static CUtensorMap encode_tensor_map(void* base, int row_blocks, int CH, int words, int box_rows) {
+  const TensorMapEncode encode = tensor_map_encoder();
   CUtensorMap map;
   const cuuint64_t dims[3] = {cuuint64_t(words), cuuint64_t(CH), cuuint64_t(row_blocks)};
   const cuuint64_t strides[2] = {cuuint64_t(words) * 4, cuuint64_t(words) * 4 * CH};
@@ -868,6 +901,21 @@ static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words, int
   return maps.emplace(key, encode_tensor_map(base, row_blocks, CH, words, box_rows)).first->second;
 }
 
+// The x gather's map: x [M, K] as 16-bit elements (row stride ldx), a box of 64 columns x BT rows in the
+// 128-byte swizzle, zero past M and K. Encoded each launch (host work only; x moves between calls).
+static CUtensorMap x_tensor_map(const torch::Tensor& x, int BT) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(x.size(1)), cuuint64_t(x.size(0))};
+  const cuuint64_t strides[1] = {cuuint64_t(x.stride(0)) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(BT)};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, x.data_ptr(), dims, strides,
+                                          box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "w4a16_gemm: cuTensorMapEncodeTiled failed for x (CUresult ", int(r), ")");
+  return map;
+}
+
 // A launch on `stream`, with programmatic stream serialization (PDL) when `pdl`: the kernel may be scheduled
 // before the previous kernel on the stream completes (its griddepcontrol.wait orders what depends on it).
 template <typename... P, typename... A>
@@ -902,7 +950,8 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const dim3 grid = sk > 0 ? dim3(sk, 1) : dim3(n_tiles * t_tiles, split);
   const bool partials = sk > 1 || split > 1;  // one stream-K CTA owns every tile whole
-  CUtensorMap tm_w{}, tm_s{};
+  CUtensorMap tm_w{}, tm_s{}, tm_x{};
+  if (gather) tm_x = x_tensor_map(xt, BT);
   if (producer == PRODUCER_TENSOR) {  // a box is the CTA's NWG * 4 row blocks of one chunk
     tm_w = tensor_map(w.data_ptr(), int(w.size(0) / 16), CH, 256, NWG * 4);
     tm_s = tensor_map(s.data_ptr(), int(w.size(0) / 16), CH, 32, NWG * 4);
@@ -923,8 +972,7 @@ static void launch(const torch::Tensor& xt, const torch::Tensor& w, const torch:
   launch_kernel(kern, grid, cta_threads<NWG>(), smem, stream, pdl, xtp, w.data_ptr<uint8_t>(),
                 s.data_ptr<uint8_t>(), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),
                 int(y.stride(0)), wsp, cntp, M, N, int(w.size(0) / 16), CH, sk > 0 ? CH : CH / split, stages, tiles,
-                producer, sk, sk_q, sk_r, sk_x, int(gather), gather ? int(xt.stride(0)) : 0,
-                gather ? int(xt.size(1)) : 0, tm_w, tm_s);
+                producer, sk, sk_q, sk_r, sk_x, int(gather), tm_w, tm_s, tm_x);
 }
 
 }  // namespace k3w
@@ -1027,7 +1075,8 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   template __global__ void k3w::w4a16_kernel<B, G, F, K>(const uint8_t*, const uint8_t*, const uint8_t*,     \
                                                           const float*, int, const void*, void*, int, float*, \
                                                           int*, int, int, int, int, int, int, int, int, int, int, \
-                                                          int, int, int, int, int, \
+                                                          int, int, int, \
+                                                          const __grid_constant__ CUtensorMap, \
                                                           const __grid_constant__ CUtensorMap, \
                                                           const __grid_constant__ CUtensorMap);
 K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, false)
