@@ -1007,3 +1007,13 @@ def test_feed_probe_idles_only_the_consumers(tmp_path) -> None:
             assert "HGMMA" not in k and "HMUL2" not in k, (variant, name)
             # the codes' and scales' tensor-map copies (3-D; the x gather's are 2-D)
             assert ("UTMALDG.3D" in k) == (variant == "feed"), (variant, name)
+
+
+def test_gather_probe_variants_change_the_gemm_source() -> None:
+    """bench/probes/sm90_gather.py's variants each still find their line in the GEMM's source and change it
+    (a variant whose line moved would otherwise time the shipped gather under another name)."""
+    probe = bench_module("probes/sm90_gather")
+    base = sm90.cuda_source()
+    for variant, edits in probe.VARIANTS.items():
+        src = probe.variant_source(variant)
+        assert src != base and all(new in src for _, new in edits), variant

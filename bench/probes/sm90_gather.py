@@ -1,0 +1,113 @@
+"""Where the CUDA C++ NVFP4 GEMM's x gather (K3RUN_SM90_X_GATHER; gather_x in w4a16_sm90.cu) loses its time:
+the GEMM built again with one part of the gather changed, each timed with the gather on beside the shipped
+build's gather on and off (prep_x + the GEMM), same weights, configs and launches.
+
+Why (bench/NOTES.md, session 45): four gathers, each bit-equal to prep_x's path, ran 1.4-2x slower than
+prep_x + the GEMM at 16-32 rows, where removing prep_x's launch should have saved ~2.5 us of ~21.
+Variants (timing only: some lay x out wrong, so their outputs are not checked):
+- nofence: no fence.proxy.async after the permute's shared stores;
+- nopermute: no permute at all (the slot's x as the copies bring it), so no stores and no fence;
+- depth1 / depth2 / depth7: GATHER_DEPTH (chunks of x in flight before a slot is permuted) 1 / 2 / 7.
+
+    PYTHONPATH=src python3 bench/probes/sm90_gather.py [--shapes 7168x7168,12288x7168] [--out FILE]
+"""
+
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_wgmma import _weights  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
+from sm90_feed import _using  # noqa: E402
+
+FENCE = "      fence_proxy_async_smem();\n    }\n    __syncwarp();\n    if (lane == 16) mbar_arrive("
+PERMUTE = "    if (lane >= 16) {\n#pragma unroll 1\n      for (int q = lane - 16;"
+DEPTH = "constexpr int GATHER_DEPTH = 4;"
+VARIANTS = {
+    "nofence": ((FENCE, "    }\n    __syncwarp();\n    if (lane == 16) mbar_arrive("),),
+    "nopermute": ((PERMUTE, "    if (false) {\n#pragma unroll 1\n      for (int q = lane - 16;"),),
+    "depth1": ((DEPTH, "constexpr int GATHER_DEPTH = 1;"),),
+    "depth2": ((DEPTH, "constexpr int GATHER_DEPTH = 2;"),),
+    "depth7": ((DEPTH, "constexpr int GATHER_DEPTH = 7;"),),
+}
+CASES = ((16, (16, 1, 2, 8)), (32, (32, 1, 2, 8)), (32, (32, 1, 2, 5)))
+
+
+def variant_source(variant: str) -> str:
+    """The GEMM's source with VARIANTS[variant]'s replacements (each must still find its line)."""
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    src = sm90.cuda_source()
+    for old, new in VARIANTS[variant]:
+        if old not in src:
+            raise RuntimeError(f"sm90_gather: {variant}: {old!r} is gone from the .cu")
+        src = src.replace(old, new)
+    return src
+
+
+def main() -> None:
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="7168x7168,12288x7168")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    mods: dict = {}
+
+    def _bg(variant: str):
+        try:
+            mods[variant] = sm90._build(f"k3run_sm90_gather_{variant}", variant_source(variant))
+        except Exception as e:  # noqa: BLE001 - reported below
+            mods[variant] = e
+
+    threads = [threading.Thread(target=_bg, args=(v,)) for v in VARIANTS]
+    for t in threads:
+        t.start()
+    ok = sm90.available()
+    for t in threads:
+        t.join()
+    if not ok or any(isinstance(m, Exception) for m in mods.values()):
+        raise SystemExit(f"sm90_gather: GEMM available {ok} ({sm90._error}); variant builds: {mods}")
+    gemm = sm90._module
+    runs = [("off", gemm, False), ("on", gemm, True)] + [(v, mods[v], True) for v in VARIANTS]
+    runs.append(("off2", gemm, False))
+    print(torch.cuda.get_device_name())
+    print("| N x K | M | config | " + " | ".join(name for name, _, _ in runs) + " | on / off |")
+    print("|---|---|---|" + "---|" * (len(runs) + 1))
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        _, _, ws = _weights(n, k, copies_for(n * k * BYTES_PER_NVFP4_WEIGHT))
+        for m, cfg in CASES:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            times = {}
+            for name, mod, gather in runs:
+                fns = [
+                    lambda w=w: sm90.nvfp4_sm90_gemm(
+                        x, w.weight, w.scale_bits, w.global_scale, k, n, config=cfg, gather=gather
+                    )
+                    for w in ws
+                ]
+                with _using(mod):
+                    graph_ms(fns, 0.05)  # a shape's first timing can run slow: discarded
+                    times[name] = graph_ms(fns, 0.05) * 1e3
+            off = min(times["off"], times["off2"])
+            rows.append({"shape": shape, "m": m, "cfg": cfg, **times})
+            cells = " | ".join(f"{times[name]:.1f}" for name, _, _ in runs)
+            print(f"| {shape} | {m} | {cfg} | {cells} | {times['on'] / off:.2f} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
