@@ -39,10 +39,8 @@ from bench_wgmma import _weights  # noqa: E402
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
 
 # consume()'s work in w4a16_sm90.cu; the feed-only build replaces it with one shared load of the slot
-WORK = (
-    "  decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);\n"
-    "  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);\n"
-)
+WORK = "  decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);\n"
+ISSUE = "  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);\n"
 FEED = "  acc[0] += __uint_as_float(lds32(r.w0 + st * SM::W) & 1u);\n"
 # The feed-only builds (consume()'s work replaced by FEED in each), by name: source replacements on top
 # - contiguous: the warp / thread producers read a chunk's nrb row blocks as one run of nrb KB (the same bytes
@@ -75,10 +73,10 @@ def feed_source(variant: str = "feed") -> str:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     src = sm90.cuda_source()
-    if WORK not in src:
-        raise RuntimeError("sm90_feed: consume()'s decode / issue lines moved in the .cu; see WORK")
+    if WORK not in src or ISSUE not in src:
+        raise RuntimeError("sm90_feed: consume()'s decode / issue lines moved in the .cu; see WORK, ISSUE")
     if variant in IDLE:
-        src = src.replace(WORK, FEED)
+        src = src.replace(WORK, FEED).replace(ISSUE, "")
     for old, new in VARIANTS[variant]:
         if old not in src:
             raise RuntimeError(f"sm90_feed: {variant}: {old!r} is gone from the .cu")

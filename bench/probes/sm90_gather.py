@@ -2,12 +2,13 @@
 the GEMM built again with one part of the gather changed, each timed with the gather on beside the shipped
 build's gather on and off (prep_x + the GEMM), same weights, configs and launches.
 
-Why (bench/NOTES.md, session 45): four gathers, each bit-equal to prep_x's path, ran 1.4-2x slower than
-prep_x + the GEMM at 16-32 rows, where removing prep_x's launch should have saved ~2.5 us of ~21.
-Variants (timing only: some lay x out wrong, so their outputs are not checked):
-- nofence: no fence.proxy.async after the permute's shared stores;
-- nopermute: no permute at all (the slot's x as the copies bring it), so no stores and no fence;
-- depth1 / depth2 / depth7: GATHER_DEPTH (chunks of x in flight before a slot is permuted) 1 / 2 / 7.
+Why (bench/NOTES.md, session 45): four gathers permuting x in the producer, each bit-equal to prep_x's
+path, ran 1.3-2x slower than prep_x + the GEMM at 16-32 rows, where removing prep_x's launch should have
+saved ~2.5 us of ~21; the one shipped has the consumers permute each slot.
+Variants (timing only: some lay x out wrong or race, so their outputs are not checked):
+- nofence: no fence.proxy.async after the consumers' permute stores;
+- nopermute: no permute at all (the slot's x as the copies bring it), so no stores, fence or barrier work;
+- nosync: no named barrier between the permute and the wgmma.
 
     PYTHONPATH=src python3 bench/probes/sm90_gather.py [--shapes 7168x7168,12288x7168] [--out FILE]
 """
@@ -30,15 +31,16 @@ from bench_wgmma import _weights  # noqa: E402
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
 from sm90_feed import _using  # noqa: E402
 
-FENCE = "      fence_proxy_async_smem();\n    }\n    __syncwarp();\n    if (lane == 16) mbar_arrive("
-PERMUTE = "    if (lane >= 16) {\n#pragma unroll 1\n      for (int q = lane - 16;"
-DEPTH = "constexpr int GATHER_DEPTH = 4;"
+FENCE = (
+    "      sts128(unit(4 * j + 3), v[j].w, v[2 + j].w, v[4 + j].w, v[6 + j].w);\n    }\n"
+    "    fence_proxy_async_smem();\n"
+)
+PERMUTE = "  if (GATHER && r.gather) permute_x<BT>(r.x0 + st * SM::X);\n"
+SYNC = "  if (GATHER && r.gather) consumer_sync(128);"
 VARIANTS = {
-    "nofence": ((FENCE, "    }\n    __syncwarp();\n    if (lane == 16) mbar_arrive("),),
-    "nopermute": ((PERMUTE, "    if (false) {\n#pragma unroll 1\n      for (int q = lane - 16;"),),
-    "depth1": ((DEPTH, "constexpr int GATHER_DEPTH = 1;"),),
-    "depth2": ((DEPTH, "constexpr int GATHER_DEPTH = 2;"),),
-    "depth7": ((DEPTH, "constexpr int GATHER_DEPTH = 7;"),),
+    "nofence": ((FENCE, FENCE.replace("    fence_proxy_async_smem();\n", "")),),
+    "nopermute": ((PERMUTE, ""),),
+    "nosync": ((SYNC, "  if (false) consumer_sync(128);"),),
 }
 CASES = ((16, (16, 1, 2, 8)), (32, (32, 1, 2, 8)), (32, (32, 1, 2, 5)))
 

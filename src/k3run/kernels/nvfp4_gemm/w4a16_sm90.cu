@@ -121,21 +121,6 @@ __device__ __forceinline__ void bulk_g2s_elect(uint32_t dst, const void* src, ui
       : "memory");
 }
 
-// The x gather's barrier steps, by one elected lane of a converged warp: a slot's copied bytes without an
-// arrival (the copies are issued before the slot's x is written), then the arrival once it is.
-__device__ __forceinline__ void mbar_expect_tx_only_elect(uint32_t bar, uint32_t bytes) {
-  asm volatile(
-      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
-      "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n}" ::"r"(bar),
-      "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_elect(uint32_t bar) {
-  asm volatile(
-      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
-      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}" ::"r"(bar)
-      : "memory");
-}
 // Shared stores by threads, read next by wgmma (the async proxy): each writer fences before the arrival.
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -411,7 +396,7 @@ struct Smem {
   static constexpr int W = NWG * 4 * 1024;
   static constexpr int S = NWG * 4 * 128;
   static constexpr int per_stage = X + W + S;
-  static int bytes(int stages) { return 1024 + stages * per_stage + 3 * stages * 8 + 16; }
+  static int bytes(int stages) { return 1024 + stages * per_stage + 2 * stages * 8 + 16; }
 };
 
 // The consumer's view of the ring as shared-window addresses, so no chunk converts a generic pointer (~12
@@ -421,6 +406,8 @@ struct Ring {
   uint32_t w0, s0, full, empty;
   uint64_t desc0;
   int stages, lane;
+  uint32_t x0;  // slot 0's x
+  int gather;   // the slots' x as the x gather's copies bring it: permuted by the consumers (permute_x)
 };
 
 // The slot and phase of the next chunk, kept incrementally: no division by the runtime ring depth per chunk
@@ -436,95 +423,61 @@ struct Slot {
   }
 };
 
+// The x gather (K3RUN_SM90_X_GATHER; the fixed grid, one consumer warpgroup, BT <= 32): no prep_x launch.
+// The producer copies each chunk of x [M, K] itself with two tensor-map copies (tm_x: x as 16-bit [M, K], a
+// box of 64 columns x BT rows, the 128-byte swizzle, zero past M and K), on the slot's barrier like the
+// codes. The slot then holds x's columns in their own order; the consumers permute it in place into prep_x's
+// order before the wgmma reads it: consumer thread q < 2 * BT takes row half q (row q / 2, 64-column half
+// q % 2; 128 bytes, 8 units, unit u at u ^ (row % 8) in both layouts): natural unit 2t + j (half columns 16t +
+// 8j) holds in its word e columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2, i.e. word t of
+// stored unit 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p). Each permuting thread then
+// fences its stores (fence.proxy.async: the wgmma reads through the async proxy) and the warpgroup meets at a
+// named barrier before the wgmma, after the chunk's decode. Permuting in the producer instead (four designs:
+// loads into registers, cp.async, tensor-map copies permuted by the producer warp) ran 1.3-2x slower than
+// prep_x + the GEMM: the producer then waits for each chunk's x to land before it can arrive, so the ring's
+// copies no longer run `stages` chunks ahead (bench/NOTES.md, session 45).
+template <int BT, int NWG, bool SK>
+__host__ __device__ constexpr bool gather_ok() {
+  return !SK && NWG == 1 && BT <= 32;
+}
+template <int BT>
+__device__ __forceinline__ void permute_x(uint32_t slot) {
+  const int q = threadIdx.x;  // one consumer warpgroup: 0..127
+  if (q < 2 * BT) {
+    const int row = q >> 1, h = q & 1;
+    const uint32_t base = slot + h * (BT * 128) + row * 128;
+    auto unit = [&](int u) { return base + ((u ^ (row & 7)) * 16); };
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = lds128(unit(u));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // stored unit 4j + e: word e of natural units j, 2 + j, 4 + j, 6 + j
+      sts128(unit(4 * j + 0), v[j].x, v[2 + j].x, v[4 + j].x, v[6 + j].x);
+      sts128(unit(4 * j + 1), v[j].y, v[2 + j].y, v[4 + j].y, v[6 + j].y);
+      sts128(unit(4 * j + 2), v[j].z, v[2 + j].z, v[4 + j].z, v[6 + j].z);
+      sts128(unit(4 * j + 3), v[j].w, v[2 + j].w, v[4 + j].w, v[6 + j].w);
+    }
+    fence_proxy_async_smem();
+  }
+}
+
 // The CTA's c-th chunk (counted over all its segments; in slot `sl`) on the consumer side, decoding into the A
 // set `a` (the other set may still be read by chunk c - 1's wgmma): wait for the slot, decode, issue, keep
 // only this chunk's group in flight, release chunk c - 1's slot.
-template <int BT, int NWG, bool BF16>
+template <int BT, int NWG, bool BF16, bool GATHER>
 __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, float (&acc)[BT / 2],
                                         uint32_t (&a)[32]) {
   using SM = Smem<BT, NWG>;
   const int st = sl.st;
   mbar_wait(r.full + 8 * st, sl.phase);
+  if (GATHER && r.gather) permute_x<BT>(r.x0 + st * SM::X);
   decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);
+  if (GATHER && r.gather) consumer_sync(128);  // every permuting thread has fenced its stores
   issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);
   if (c > 0) {
     __syncwarp();
     if (r.lane == 0) mbar_arrive(r.empty + 8 * (st == 0 ? r.stages - 1 : st - 1));
   }
-}
-
-// The x gather (fixed grid, one consumer warpgroup, BT <= 32; the warp and tensor producer forms): the producer
-// warp reads its CTA's token tile of x [M, K] itself and writes each slot's x in the layout prep_x_kernel gives
-// xt, so the GEMM needs no prep_x launch. Per chunk two tensor-map copies (tm_x: x as 16-bit [M, K], a box of
-// 64 columns x BT rows, the 128-byte swizzle, zero past M and K) bring the chunk's halves as they are into the
-// slot, completing on the slot's x barrier. GATHER_DEPTH chunks later the warp waits on that barrier and
-// lanes 16..31 permute the slot in place, one row half (128 bytes, 8 units) at a time: natural unit 2t + j
-// (half columns 16t + 8j) holds in its word e columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2,
-// i.e. word t of stored unit 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p). Unit u sits
-// at u ^ (r % 8) in both layouts (the copies' swizzle is the wgmma operand's). Each permuting lane then runs
-// fence.proxy.async (its stores before the wgmma's async-proxy reads) and lane 16 arrives on the slot. The
-// copies (codes, scales, x) are all issued by lane 0 (elect.sync), which runs no fence: a proxy fence in the
-// thread that issued the ring's copies waits for them, and the three gathers built that way (loads into
-// registers, cp.async, these copies with every lane permuting) all ran 1.4-2x slower than prep_x + the GEMM
-// (bench/NOTES.md). `issue(c, st, bar)` adds the slot's code and scale bytes to its barrier (no arrival) and
-// copies them; the first `stages` are issued before pdl_wait.
-constexpr int GATHER_DEPTH = 4;
-template <int BT, int NWG, typename F>
-__device__ __forceinline__ void gather_x(const CUtensorMap& tm_x, int n_tiles, int nch, int stages, uint32_t xs0,
-                                         uint32_t full0, uint32_t empty0, uint32_t xbar0, F&& issue) {
-  using SM = Smem<BT, NWG>;
-  const int lane = threadIdx.x % 32;
-  const int c0 = int(blockIdx.y) * nch;
-  const int row0 = int(blockIdx.x) / n_tiles * BT;
-  const int early = min(stages, nch);
-  const int depth = max(1, min(GATHER_DEPTH, stages - 1));  // < stages: the consumers keep a signalled slot
-  for (int i = 0; i < early; ++i) issue(c0 + i, i, full0 + 8 * i);
-  pdl_wait();
-  auto unit = [&](int st, int r, int h, int u) {  // unit u of row r's half h in slot st
-    return xs0 + st * SM::X + h * (BT * 128) + r * 128 + ((u ^ (r & 7)) * 16);
-  };
-  auto stage = [&](int c, int st) {  // chunk c's two halves, as they are, into the slot
-    mbar_expect_tx_elect(xbar0 + 8 * st, SM::X);
-    tensor2d_g2s_elect(xs0 + st * SM::X, tm_x, c * 128, row0, xbar0 + 8 * st);
-    tensor2d_g2s_elect(xs0 + st * SM::X + BT * 128, tm_x, c * 128 + 64, row0, xbar0 + 8 * st);
-  };
-  // the slot's x in operand order once its copies are in, fenced, then its arrival; by lanes 16..31 alone
-  auto finish = [&](int st, uint32_t phase) {
-    mbar_wait(xbar0 + 8 * st, phase);
-    if (lane >= 16) {
-#pragma unroll 1
-      for (int q = lane - 16; q < 2 * BT; q += 16) {  // row half q: row q / 2, half q % 2
-        const int r = q >> 1, h = q & 1;
-        uint4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = lds128(unit(st, r, h, u));
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // stored unit 4j + e: word e of units j, 2 + j, 4 + j, 6 + j
-          sts128(unit(st, r, h, 4 * j + 0), v[j].x, v[2 + j].x, v[4 + j].x, v[6 + j].x);
-          sts128(unit(st, r, h, 4 * j + 1), v[j].y, v[2 + j].y, v[4 + j].y, v[6 + j].y);
-          sts128(unit(st, r, h, 4 * j + 2), v[j].z, v[2 + j].z, v[4 + j].z, v[6 + j].z);
-          sts128(unit(st, r, h, 4 * j + 3), v[j].w, v[2 + j].w, v[4 + j].w, v[6 + j].w);
-        }
-      }
-      fence_proxy_async_smem();
-    }
-    __syncwarp();
-    if (lane == 16) mbar_arrive(full0 + 8 * st);
-  };
-  Slot sl, fin;  // the next slot to issue into, the next to finish
-  int done = 0;  // chunks finished
-  for (int i = 0; i < nch; ++i, sl.advance(stages)) {
-    const int st = sl.st;
-    if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
-    if (i >= early) issue(c0 + i, st, full0 + 8 * st);
-    stage(c0 + i, st);
-    if (i + 1 - done == depth) {
-      finish(fin.st, fin.phase);
-      ++done;
-      fin.advance(stages);
-    }
-  }
-  for (; done < nch; ++done, fin.advance(stages)) finish(fin.st, fin.phase);
 }
 
 // The producer's forms (kernel parameter `producer`; K3RUN_SM90_PRODUCER): one thread issuing every copy; the
@@ -563,6 +516,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   using SM = Smem<BT, NWG>;
   constexpr int ACC = BT / 2;
+  constexpr bool GATHER = gather_ok<BT, NWG, SK>();
   extern __shared__ uint8_t smem_raw[];  // no static shared memory: all of it counts toward the 227 KB
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* xs = smem;                             // stages * X (each 1024-aligned)
@@ -570,9 +524,8 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   uint8_t* ssm = wsm + stages * SM::W;            // stages * S
   uint64_t* full = reinterpret_cast<uint64_t*>(ssm + stages * SM::S);
   uint64_t* empty = full + stages;
-  uint64_t* xbar = empty + stages;  // the x gather's staged copies (gather_x)
   // the split-K "last CTA" flag, by its shared-window address: one register held, not a generic pointer's two
-  const uint32_t last_flag = smem_u32(xbar + stages);
+  const uint32_t last_flag = smem_u32(empty + stages);
 
   const int n_tiles = (N + NWG * 64 - 1) / (NWG * 64);
   const int wg = threadIdx.x / 128;
@@ -581,7 +534,6 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     for (int i = 0; i < stages; ++i) {
       mbar_init(&full[i], 1);
       mbar_init(&empty[i], NWG * 4);
-      mbar_init(&xbar[i], 1);
     }
     fence_barrier_init();
   }
@@ -619,19 +571,6 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
         };
         // a box past the last row block is zero-filled and still counted in full
         auto slot_bytes = [&](const SegSrc& g) { return tensor ? SM::X + SM::W + SM::S : g.bytes; };
-        if constexpr (!SK && NWG == 1 && BT <= 32) {
-          if (gather) {  // x [M, K] read in place (xt is x itself): no prep_x launch
-            gather_x<BT, NWG>(tm_x, n_tiles, nch, stages, xs0, full0, empty0, smem_u32(xbar),
-                              [&](int c, int st, uint32_t bar) {
-                                const SegSrc g = seg_src<NWG, SM::X>(Seg{int(blockIdx.x), c, c + 1}, n_tiles,
-                                                                     row_blocks, CH, xt);
-                                mbar_expect_tx_only_elect(bar, slot_bytes(g) - SM::X);
-                                copy_ws(g, c, st, bar);
-                              });
-            pdl_launch_dependents();
-            return;
-          }
-        }
         // Before the previous kernel is done: the first `stages` chunks' codes and scales, each slot's
         // transaction count set for all its bytes (the x copy below completes it).
         int i = 0;
@@ -653,7 +592,13 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
             const uint32_t bar = full0 + 8 * st;
             if (i >= stages) mbar_wait(empty0 + 8 * st, sl.phase ^ 1u);
             if (i >= early) mbar_expect_tx_elect(bar, slot_bytes(g));
-            bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
+            if (GATHER && gather) {  // x [M, K] itself: its two halves as they are (the consumers permute)
+              const int x_row0 = int(blockIdx.x) / n_tiles * BT;
+              tensor2d_g2s_elect(xs0 + st * SM::X, tm_x, c * 128, x_row0, bar);
+              tensor2d_g2s_elect(xs0 + st * SM::X + BT * 128, tm_x, c * 128 + 64, x_row0, bar);
+            } else {
+              bulk_g2s_elect(xs0 + st * SM::X, g.xsrc + size_t(c) * SM::X, SM::X, bar);
+            }
             if (i >= early) copy_ws(g, c, st, bar);
             __syncwarp();
           }
@@ -698,7 +643,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   float acc[ACC];
   uint32_t a0[32], a1[32];
   const Ring ring{smem_u32(wsm) + w_off0, smem_u32(ssm) + s_off0, smem_u32(full), smem_u32(empty),
-                  b_desc(smem_u32(xs)), stages, lane};
+                  b_desc(smem_u32(xs)), stages, lane, smem_u32(xs), GATHER ? gather : 0};
   const int nthreads = NWG * 128;
   const int ctid = threadIdx.x;  // consumer thread index 0 .. NWG*128-1
   T* out = reinterpret_cast<T*>(y);
@@ -712,9 +657,9 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     for (int j = 0; j < ACC; ++j) acc[j] = 0.f;
     int c = c_lo;
     for (; c + 1 < c_hi; c += 2, i += 2) {
-      consume<BT, NWG, BF16>(ring, i, sl, acc, a0);
+      consume<BT, NWG, BF16, GATHER>(ring, i, sl, acc, a0);
       sl.advance(stages);
-      consume<BT, NWG, BF16>(ring, i + 1, sl, acc, a1);
+      consume<BT, NWG, BF16, GATHER>(ring, i + 1, sl, acc, a1);
       sl.advance(stages);
     }
     return c;
@@ -773,7 +718,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   if constexpr (!SK) {  // one segment, of any chunk count: an odd last chunk after the pairs, outside any loop
     const int c0 = int(blockIdx.y) * nch;
     if (pairs(c0, c0 + nch) < c0 + nch) {
-      consume<BT, NWG, BF16>(ring, i, sl, acc, a0);
+      consume<BT, NWG, BF16, GATHER>(ring, i, sl, acc, a0);
       sl.advance(stages);
       ++i;
     }

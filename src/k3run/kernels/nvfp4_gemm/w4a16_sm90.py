@@ -141,7 +141,7 @@ def available(device: torch.device | None = None) -> bool:
 def smem_bytes(bt: int, nwg: int, stages: int) -> int:
     """Dynamic shared memory of a CTA (mirrors Smem<BT, NWG>::bytes in the .cu file)."""
     per_stage = 2 * bt * 128 + nwg * 4 * (1024 + 128)
-    return 1024 + stages * per_stage + 3 * stages * 8 + 16
+    return 1024 + stages * per_stage + 2 * stages * 8 + 16
 
 
 def _divisors(n: int) -> list[int]:
@@ -361,7 +361,7 @@ TAIL_PIECES = 2
 TAIL_BELOW_FILL = 0.5
 
 
-# the largest token tile the x gather takes: a producer lane holds BT / 8 x 64 bytes of x in its permute
+# the largest token tile the x gather takes: a consumer thread permutes each slot's row half (2 * BT <= 128)
 GATHER_MAX_BT = 32
 
 
