@@ -31,14 +31,11 @@ from bench_wgmma import _weights  # noqa: E402
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
 from sm90_feed import _using  # noqa: E402
 
-FENCE = (
-    "      sts128(unit(4 * j + 3), v[j].w, v[2 + j].w, v[4 + j].w, v[6 + j].w);\n    }\n"
-    "    fence_proxy_async_smem();\n"
-)
+FENCE = "    fence_proxy_async_smem();\n  }\n}\n"  # permute_x's last lines
 PERMUTE = "  if (GATHER && r.gather) permute_x<BT>(r.x0 + st * SM::X);\n"
 SYNC = "  if (GATHER && r.gather) consumer_sync(128);"
 VARIANTS = {
-    "nofence": ((FENCE, FENCE.replace("    fence_proxy_async_smem();\n", "")),),
+    "nofence": ((FENCE, "  }\n}\n"),),
     "nopermute": ((PERMUTE, ""),),
     "nosync": ((SYNC, "  if (false) consumer_sync(128);"),),
 }
