@@ -39,7 +39,7 @@ def main() -> int:
              (300, 1000, 2048, (128, 2, -2, 3), "tensor")]  # fmt: skip
     if "--one" in sys.argv:  # racecheck: the thread form with two warpgroups, then the tensor form
         cases = [cases[0], cases[-2]]
-    # the x gather (the producer warp reads x [M, K] in place): odd M, a part last chunk, x a column slice
+    # the x gather (the GEMM copies x [M, K] itself): odd M, a part last chunk, x a column slice
     gathered = [(9, 328, 720, (16, 1, 2, 3), "tensor"), (17, 200, 336, (32, 1, 1, 2), "warp")]
     bad = 0
     for m, n, k, cfg, producer in cases + gathered:

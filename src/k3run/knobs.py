@@ -220,9 +220,11 @@ class Knobs:
     )  # fmt: skip
     sm90_x_gather: int = _knob(
         "K3RUN_SM90_X_GATHER", _tokens_256, 0,
-        "CUDA sm_90: up to this many rows the CUDA C++ NVFP4 GEMM's producer warp reads x in place and lays "
-        "it out in shared memory itself, without the x preparation launch (fixed grid, one consumer "
-        "warpgroup, BT <= 32, the warp or tensor producer; 0, the default: never)",
+        "CUDA sm_90: up to this many rows the CUDA C++ NVFP4 GEMM copies x [M, K] itself by tensor map and "
+        "its consumers permute each slot into the operand's order, without the x preparation launch (fixed "
+        "grid, one consumer warpgroup, BT <= 32, the warp or tensor producer; 0, the default: never; on an "
+        "H100 it ran 1.2-1.5x slower than preparing x at 16-32 rows: the permute sits on the consumers' "
+        "critical path)",
     )  # fmt: skip
     sm90_producer: str = _knob(
         "K3RUN_SM90_PRODUCER", _sm90_producer, "auto",

@@ -277,9 +277,9 @@ GATHER_CASES = [(9, 328, 720, (16, 1, 2, 3)), (17, 1000, 2048, (32, 1, 2, 4)), (
 @pytest.mark.parametrize("m, n, k, config", GATHER_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_x_gather_equals_prep_x(poison_empty, m, n, k, config, dtype) -> None:
-    """The producer warp's x gather writes each slot's x exactly as prep_x's tiles bring it, so the output is
-    bit-identical to the prep_x path: both producer forms it takes, x with a row stride wider than K (a
-    column slice), within the fp32 reference's bound."""
+    """The x gather (x copied by tensor map, permuted by the consumers) lays each slot's x out exactly as
+    prep_x's tiles bring it, so the output is bit-identical to the prep_x path: both producer forms it takes,
+    x with a row stride wider than K (a column slice), within the fp32 reference's bound."""
     _need_kernel()
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=13)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")

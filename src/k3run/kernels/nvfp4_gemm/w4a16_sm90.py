@@ -426,10 +426,10 @@ def nvfp4_sm90_gemm(
     tiles - 1; tests and benches). producer: how the ring is fed, one of
     PRODUCERS or auto (None: K3RUN_SM90_PRODUCER); the same bytes into the same slots whichever. pdl: both
     launches with programmatic dependent launch (None: K3RUN_SM90_PDL where `pdl_helps`); the same result
-    either way. gather: the GEMM's producer reads x itself, with no prep_x launch, where the launch allows it
-    (the fixed grid, one consumer warpgroup, BT <= GATHER_MAX_BT, the warp or tensor producer, 16-byte
-    aligned rows of x; None: up to K3RUN_SM90_X_GATHER rows); the same bits either way. Call
-    `available(x.device)` first."""
+    either way. gather: the GEMM copies x itself (its consumers permute it), with no prep_x launch, where the
+    launch allows it (the fixed grid, one consumer warpgroup, BT <= GATHER_MAX_BT, the warp or tensor
+    producer, 16-byte aligned rows of x; None: up to K3RUN_SM90_X_GATHER rows); the same bits either way.
+    Call `available(x.device)` first."""
     from k3run.kernels.counters import counters
 
     from . import sm_count
