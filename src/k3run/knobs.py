@@ -223,7 +223,7 @@ class Knobs:
         "CUDA sm_90: up to this many rows the CUDA C++ NVFP4 GEMM copies x [M, K] itself by tensor map and "
         "its consumers permute each slot into the operand's order, without the x preparation launch (fixed "
         "grid, one consumer warpgroup, BT <= 32, the warp or tensor producer; 0, the default: never; on an "
-        "H100 it ran 1.2-1.5x slower than preparing x at 16-32 rows: the permute sits on the consumers' "
+        "H100 it ran 1.15-1.4x slower than preparing x at 16-32 rows: the permute sits on the consumers' "
         "critical path)",
     )  # fmt: skip
     sm90_producer: str = _knob(

@@ -697,7 +697,7 @@ def test_x_gather_reads_after_the_wait_and_fences_its_stores(standalone_build) -
         assert copies and all(any(w < j for w in waits) for j in copies), bt
         assert not any(re.search(r"LDG\.E\.128 |LDGSTS", i) for i in code), bt
         stores = [j for j, i in enumerate(code) if "STS.128" in i]
-        assert stores and len(stores) % (bt // 8) == 0, bt  # a thread writes BT / 8 units of a row half
+        assert stores and len(stores) % 8 == 0, bt  # a permuting thread writes a row half's 8 units
         for j in stores:
             assert _fence_before(listing, j, "BAR.SYNC"), (bt, j)
             assert _fence_before(listing, j, "HGMMA"), (bt, j)
@@ -753,8 +753,8 @@ def test_k_loop_overheads_stay_out(standalone_build) -> None:
     integer division for the ring's slot (MUFU.RCP), the staged words and scales read by LDS (no generic
     LD), the wgmma descriptors in uniform registers (at most 4 R2UR, where 32 were), and under 480
     instructions per chunk pair (621 at (16, 1) before). The kernels that take the x gather (fixed grid, one
-    warpgroup, BT 16 / 32) also hold its permute, skipped where the gather is off: BT / 2 LDS.32 and BT / 8
-    STS.128 a thread a chunk, and under 160 more instructions a pair."""
+    warpgroup, BT 16 / 32) also hold its permute, skipped where the gather is off: a row half's 8 LDS.128 and
+    8 STS.128 a chunk, and under 160 more instructions a pair."""
     _, sass = standalone_build
     for f in [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]:
         code = _sass_code(f)
@@ -764,9 +764,8 @@ def test_k_loop_overheads_stay_out(standalone_build) -> None:
         gather = re.match(r"_ZN3k3w12w4a16_kernelILi(16|32)ELi1ELb[01]ELb0E", name) is not None
         assert not any("MUFU" in i for i in body), name
         assert not any(re.search(r"\bLD\.E", i) for i in body), name
-        bt = int(re.match(r"_ZN3k3w12w4a16_kernelILi(\d+)", name).group(1))
-        assert sum("LDS" in i for i in body) == 8 + gather * bt, name
-        assert sum("STS" in i for i in body) == gather * bt // 4, name
+        assert sum("LDS" in i for i in body) == 8 + 16 * gather, name
+        assert sum("STS" in i for i in body) == 16 * gather, name
         assert sum("R2UR" in i for i in body) <= 4, name
         assert len(body) < 480 + 160 * gather, (name, len(body))
 

@@ -427,39 +427,38 @@ struct Slot {
 // The producer copies each chunk of x [M, K] itself with two tensor-map copies (tm_x: x as 16-bit [M, K], a
 // box of 64 columns x BT rows, the 128-byte swizzle, zero past M and K), on the slot's barrier like the
 // codes. The slot then holds x's columns in their own order; the consumers permute it in place into prep_x's
-// order before the wgmma reads it. A row half (row r, 64-column half h: 128 bytes, 8 units, unit u at
-// u ^ (r % 8) in both layouts) belongs to 128 / (2 * BT) threads of one warp, each writing BT / 8 of its
-// stored units: stored unit 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p) takes word e
-// of natural units 2t + j, t = 0..3 (natural unit 2t + j holds half columns 16t + 8j .. + 7). The threads read
-// their words (LDS.32), meet (__syncwarp), write their units, and fence their stores (fence.proxy.async: the
-// wgmma reads through the async proxy); the warpgroup meets at a named barrier before the wgmma, after the
-// chunk's decode. Permuting in the producer instead (four designs: loads into registers, cp.async, tensor-map
-// copies permuted by the producer warp) ran 1.3-2x slower than prep_x + the GEMM: the producer then waits for
-// each chunk's x to land before it can arrive, so the ring's copies no longer run `stages` chunks ahead; one
-// consumer thread a row half (8 LDS.128 and 8 STS.128 each, one or two warps busy) ran 1.15-1.37x slower
-// (bench/NOTES.md, session 45).
+// order before the wgmma reads it: consumer thread q < 2 * BT takes row half q (row q / 2, 64-column half
+// q % 2; 128 bytes, 8 units, unit u at u ^ (row % 8) in both layouts): natural unit 2t + j (half columns 16t +
+// 8j) holds in its word e columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2, i.e. word t of
+// stored unit 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p). Each permuting thread then
+// fences its stores (fence.proxy.async: the wgmma reads through the async proxy) and the warpgroup meets at a
+// named barrier before the wgmma, after the chunk's decode. On an H100 this ran 1.15-1.37x slower than prep_x +
+// the GEMM at 16-32 rows (the permute adds to the consumer's chunk time, which the kernel's time follows; with
+// no permute the same launch ran 0.89-0.91x), so it is off by default (K3RUN_SM90_X_GATHER). Permuting in the
+// producer (four designs) ran 1.3-2.3x slower: the producer then waits for each chunk's x to land before it
+// can arrive, so the ring's copies no longer run `stages` chunks ahead. Spreading the permute over all 128
+// threads (word reads) was no faster (bench/NOTES.md, session 45).
 template <int BT, int NWG, bool SK>
 __host__ __device__ constexpr bool gather_ok() {
   return !SK && NWG == 1 && BT <= 32;
 }
 template <int BT>
 __device__ __forceinline__ void permute_x(uint32_t slot) {
-  if constexpr (BT <= 32) {  // the kernels that take the gather (gather_ok)
-    constexpr int T = 128 / (2 * BT);  // consumer threads a row half (one warpgroup: 128 threads)
-    constexpr int U = 8 / T;           // stored units a thread
-    const int q = threadIdx.x, k = q % T;
-    const int row = (q / T) >> 1, h = (q / T) & 1, sw = row & 7;
+  const int q = threadIdx.x;  // one consumer warpgroup: 0..127
+  if (q < 2 * BT) {
+    const int row = q >> 1, h = q & 1;
     const uint32_t base = slot + h * (BT * 128) + row * 128;
-    uint32_t v[U][4];
+    auto unit = [&](int u) { return base + ((u ^ (row & 7)) * 16); };
+    uint4 v[8];
 #pragma unroll
-    for (int i = 0; i < U; ++i) {  // stored unit 4j + e: word e of natural units j, 2 + j, 4 + j, 6 + j
-      const int su = k * U + i, j = su >> 2, e = su & 3;
+    for (int u = 0; u < 8; ++u) v[u] = lds128(unit(u));
 #pragma unroll
-      for (int t = 0; t < 4; ++t) v[i][t] = lds32(base + (((2 * t + j) ^ sw) * 16) + 4 * e);
+    for (int j = 0; j < 2; ++j) {  // stored unit 4j + e: word e of natural units j, 2 + j, 4 + j, 6 + j
+      sts128(unit(4 * j + 0), v[j].x, v[2 + j].x, v[4 + j].x, v[6 + j].x);
+      sts128(unit(4 * j + 1), v[j].y, v[2 + j].y, v[4 + j].y, v[6 + j].y);
+      sts128(unit(4 * j + 2), v[j].z, v[2 + j].z, v[4 + j].z, v[6 + j].z);
+      sts128(unit(4 * j + 3), v[j].w, v[2 + j].w, v[4 + j].w, v[6 + j].w);
     }
-    __syncwarp();  // a row half's T threads (one warp) have read all of it before any of them writes
-#pragma unroll
-    for (int i = 0; i < U; ++i) sts128(base + (((k * U + i) ^ sw) * 16), v[i][0], v[i][1], v[i][2], v[i][3]);
     fence_proxy_async_smem();
   }
 }
