@@ -84,10 +84,28 @@ def feed_source(variant: str = "feed") -> str:
     return src
 
 
-def build_feed(variant: str = "feed"):
+def build_variants(prefix: str, names, source) -> dict:
+    """Each variant's extension module (`source(name)` built as prefix + name), built in threads while the
+    GEMM's own build runs; exits naming what failed."""
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
-    return sm90._build(f"k3run_sm90_{variant}", feed_source(variant))
+    mods: dict = {}
+
+    def _bg(variant: str):
+        try:
+            mods[variant] = sm90._build(f"{prefix}{variant}", source(variant))
+        except Exception as e:  # noqa: BLE001 - reported below
+            mods[variant] = e
+
+    threads = [threading.Thread(target=_bg, args=(v,)) for v in names]
+    for t in threads:
+        t.start()
+    ok = sm90.available()
+    for t in threads:
+        t.join()
+    if not ok or any(isinstance(m, Exception) for m in mods.values()):
+        raise SystemExit(f"{prefix}: GEMM available {ok} ({sm90._error}); variant builds: {mods}")
+    return mods
 
 
 @contextlib.contextmanager
@@ -131,22 +149,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="7168x7168,12288x7168")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    mods: dict = {}
-
-    def _bg(variant: str):
-        try:
-            mods[variant] = build_feed(variant)
-        except Exception as e:  # noqa: BLE001 - reported below
-            mods[variant] = e
-
-    threads = [threading.Thread(target=_bg, args=(v,)) for v in VARIANTS]
-    for t in threads:
-        t.start()
-    ok = sm90.available()
-    for t in threads:
-        t.join()
-    if not ok or any(isinstance(m, Exception) for m in mods.values()):
-        raise SystemExit(f"sm90_feed: GEMM available {ok} ({sm90._error}); feed builds: {mods}")
+    mods = build_variants("k3run_sm90_", VARIANTS, feed_source)
     gemm = sm90._module
     # (column, module, producer form, PDL): the GEMM twice around the others (its pass-to-pass spread)
     runs = (

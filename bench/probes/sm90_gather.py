@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wgmma import _weights  # noqa: E402
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
-from sm90_feed import _using  # noqa: E402
+from sm90_feed import _using, build_variants  # noqa: E402
 
 FENCE = "    fence_proxy_async_smem();\n  }\n}\n"  # permute_x's last lines
 PERMUTE = "  if (GATHER && r.gather) permute_x<BT>(r.x0 + st * SM::X);\n"
@@ -61,22 +60,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="7168x7168,12288x7168")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    mods: dict = {}
-
-    def _bg(variant: str):
-        try:
-            mods[variant] = sm90._build(f"k3run_sm90_gather_{variant}", variant_source(variant))
-        except Exception as e:  # noqa: BLE001 - reported below
-            mods[variant] = e
-
-    threads = [threading.Thread(target=_bg, args=(v,)) for v in VARIANTS]
-    for t in threads:
-        t.start()
-    ok = sm90.available()
-    for t in threads:
-        t.join()
-    if not ok or any(isinstance(m, Exception) for m in mods.values()):
-        raise SystemExit(f"sm90_gather: GEMM available {ok} ({sm90._error}); variant builds: {mods}")
+    mods = build_variants("k3run_sm90_gather_", VARIANTS, variant_source)
     gemm = sm90._module
     runs = [("off", gemm, False), ("on", gemm, True)] + [(v, mods[v], True) for v in VARIANTS]
     runs.append(("off2", gemm, False))
