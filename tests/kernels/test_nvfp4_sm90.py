@@ -1023,3 +1023,15 @@ def test_gather_probe_variants_change_the_gemm_source() -> None:
     for variant, edits in probe.VARIANTS.items():
         src = probe.variant_source(variant)
         assert src != base and all(new in src for _, new in edits), variant
+
+
+def test_waves_probe_sizes_its_grids() -> None:
+    """bench/probes/sm90_waves.py picks N so the fixed grid (split 1) holds the asked CTA count: 132 CTAs of
+    (128, 2) at 256 rows are 66 tiles of 128 weight rows x 2 token tiles; a count the token tiles do not
+    divide is refused, not rounded."""
+    probe = bench_module("probes/sm90_waves")
+    for ctas, m, cfg in ((132, 256, (128, 2, 1, 4)), (60, 256, (128, 2, 1, 4)), (33, 16, (16, 1, 1, 8))):
+        n = probe.rows_for(ctas, m, cfg)
+        assert -(-n // (64 * cfg[1])) * -(-m // cfg[0]) == ctas, (ctas, m, cfg)
+    with pytest.raises(ValueError, match="token tiles"):
+        probe.rows_for(61, 256, (128, 2, 1, 4))
