@@ -121,7 +121,7 @@ __device__ __forceinline__ void bulk_g2s_elect(uint32_t dst, const void* src, ui
       : "memory");
 }
 
-// Shared stores by threads, read next by wgmma (the async proxy): each writer fences before the arrival.
+// Shared stores by threads, read next by wgmma (the async proxy): each writer fences before the threads meet.
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
@@ -432,12 +432,10 @@ struct Slot {
 // 8j) holds in its word e columns 16t + 4b + 2p (+0, +1) with b = 2j + e / 2, p = e % 2, i.e. word t of
 // stored unit 4j + e (operand position 16b + 8p + 2t holds column 16t + 4b + 2p). Each permuting thread then
 // fences its stores (fence.proxy.async: the wgmma reads through the async proxy) and the warpgroup meets at a
-// named barrier before the wgmma, after the chunk's decode. On an H100 this ran 1.15-1.37x slower than prep_x +
-// the GEMM at 16-32 rows (the permute adds to the consumer's chunk time, which the kernel's time follows; with
-// no permute the same launch ran 0.89-0.91x), so it is off by default (K3RUN_SM90_X_GATHER). Permuting in the
-// producer (four designs) ran 1.3-2.3x slower: the producer then waits for each chunk's x to land before it
-// can arrive, so the ring's copies no longer run `stages` chunks ahead. Spreading the permute over all 128
-// threads (word reads) was no faster (bench/NOTES.md, session 45).
+// named barrier before the wgmma, after the chunk's decode. On an H100 this runs 1.15-1.37x slower than prep_x
+// + the GEMM at 16-32 rows: the permute adds to the consumer's chunk time, which the kernel's time follows
+// (with no permute the same launch runs 0.89-0.91x), so it is off by default (K3RUN_SM90_X_GATHER); the
+// permuting designs that lost are in bench/NOTES.md.
 template <int BT, int NWG, bool SK>
 __host__ __device__ constexpr bool gather_ok() {
   return !SK && NWG == 1 && BT <= 32;
@@ -787,8 +785,9 @@ namespace k3w {
 // chunk is 1 KB, blocks of a row block consecutive) and the scales as [row_blocks][CH][32]; a box is one chunk
 // of a CTA's `box_rows` row blocks, rows past the last block zero-filled.
 using TensorMapEncode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                     const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                     CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+                                     const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                                     CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                     CUtensorMapFloatOOBfill);
 static TensorMapEncode tensor_map_encoder() {
   static const TensorMapEncode encode = [] {
     void* fn = nullptr;
@@ -848,8 +847,8 @@ static CUtensorMap tensor_map(void* base, int row_blocks, int CH, int words, int
   return maps.emplace(key, encode_tensor_map(base, row_blocks, CH, words, box_rows)).first->second;
 }
 
-// The x gather's map: x [M, K] as 16-bit elements (row stride ldx), a box of 64 columns x BT rows in the
-// 128-byte swizzle, zero past M and K. Encoded each launch (host work only; x moves between calls).
+// The x gather's map: x [M, K] as 16-bit elements (rows x.stride(0) apart), a box of 64 columns x BT rows in
+// the 128-byte swizzle, zero past M and K. Encoded each launch (host work only; x moves between calls).
 static CUtensorMap x_tensor_map(const torch::Tensor& x, int BT) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(x.size(1)), cuuint64_t(x.size(0))};
