@@ -77,3 +77,93 @@ def eager_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+class SmiSampler:
+    """The GPU's SM clock (MHz), power (W) and active clock-event reasons, sampled by `nvidia-smi -lms` every
+    `ms` in a thread, each sample stamped with time.monotonic() as it arrives: `window(t0, t1)` gives their
+    medians between two stamps (a sustained phase of a benchmark), or None without samples (no nvidia-smi).
+    Read-only: it queries the GPU and changes none of its settings."""
+
+    FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+    def __init__(self, ms: int = 20, device: int = 0) -> None:
+        import shutil
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, float, float, float, str]] = []
+        self.proc = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        cmd = ["nvidia-smi", "-i", str(device), f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits"]
+        self.proc = subprocess.Popen(cmd + [f"-lms={ms}"], stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        import time
+
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                clk, pw, temp = float(parts[0]), float(parts[1]), float(parts[2])
+            except (ValueError, IndexError):
+                continue
+            self.samples.append((time.monotonic(), clk, pw, temp, parts[3] if len(parts) > 3 else ""))
+
+    def window(self, t0: float, t1: float) -> dict[str, object] | None:
+        got = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not got:
+            return None
+        reasons = sorted({s[4] for s in got})
+        return {
+            "mhz": statistics.median(s[1] for s in got),
+            "watts": statistics.median(s[2] for s in got),
+            "temp_c": max(s[3] for s in got),
+            "reasons": reasons,
+            "n": len(got),
+        }
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+
+
+def sustain(fn: Callable[[], object], seconds: float, sampler: SmiSampler, settle: float = 0.4):
+    """Runs fn back to back (captured as a graph of enough calls for ~20 ms a replay) for `seconds`, and
+    returns (ms per call over the whole phase, the sampler's window after the first `settle` seconds): the
+    clock and power a kernel holds once the GPU's power management has reacted to it."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = max(1, min(2000, int(20.0 / max(start.elapsed_time(end), 1e-3))))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    start.record()
+    replays = 0
+    while time.monotonic() - t0 < seconds:
+        graph.replay()
+        replays += 1
+        if replays % 4 == 0:
+            torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    t1 = time.monotonic()
+    del graph
+    return start.elapsed_time(end) / (replays * reps), sampler.window(t0 + settle, t1)

@@ -6,9 +6,16 @@ with them means the CTAs share something that binds (the L2's reads of x, DRAM, 
 Why (bench/NOTES.md, session 45): the tail split at 12288 x 7168 / 256 rows (192 tiles of (128, 2) on 132
 SMs) gained 1.07-1.09x where 1.33x was predicted from "a tile takes the same time in any wave".
 
-    PYTHONPATH=src python3 bench/probes/sm90_waves.py [--k 7168] [--m 256] [--ctas 33,66,99,132] [--out FILE]
+A power limit looks the same from the timings alone (the SMs' clock falls as more of them work), so with
+`--sustain S` each grid also runs back to back for S seconds while nvidia-smi samples the SM clock and the
+power (bench/common.SmiSampler), and cuBLAS bf16 runs at the same N beside it; `--full N` adds the shipped
+launch (default config, the tail split where it applies) at N weight rows.
 
-Prints, per CTA count: N, us per call, us per tile-wave against the smallest count's, and the bytes moved.
+    PYTHONPATH=src python3 bench/probes/sm90_waves.py [--k 7168] [--m 256] [--ctas 33,66,99,132]
+        [--sustain 1.5] [--full 12288] [--out FILE]
+
+Prints, per CTA count: N, us per call, the time against the fewest CTAs' time, the weight bytes a second,
+cuBLAS bf16's time at the same N, and under --sustain each one's SM clock (MHz) and power (W) held.
 """
 
 # ruff: noqa: B023
@@ -16,15 +23,17 @@ Prints, per CTA count: N, us per call, us per tile-wave against the smallest cou
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_wgmma import _weights  # noqa: E402
-from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, SmiSampler, copies_for, graph_ms, sustain  # noqa: E402
 
 
 def rows_for(ctas: int, m: int, cfg: tuple[int, int, int, int]) -> int:
@@ -37,6 +46,16 @@ def rows_for(ctas: int, m: int, cfg: tuple[int, int, int, int]) -> int:
     return ctas // t_tiles * 64 * nwg
 
 
+def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call of fns in turn per call (the copies that overflow the L2), for `sustain`."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
+
+
+def _held(stats: dict[str, object] | None) -> str:
+    return "-" if stats is None else f"{stats['mhz']:.0f} / {stats['watts']:.0f}"
+
+
 def main() -> None:
     from k3run.kernels.nvfp4_gemm import sm_count
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
@@ -46,6 +65,8 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=256)
     ap.add_argument("--config", default="128,2,1,4")
     ap.add_argument("--ctas", default="")
+    ap.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls per grid")
+    ap.add_argument("--full", type=int, default=0, help="also the default launch at this N")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = tuple(int(v) for v in args.config.split(","))
@@ -56,24 +77,49 @@ def main() -> None:
     counts = [int(v) for v in args.ctas.split(",")] if args.ctas else [
         c for c in range(t_tiles, sms + 1, t_tiles) if c % (6 * t_tiles) == 0 or c == sms - sms % t_tiles
     ]  # fmt: skip
+    sampler = SmiSampler() if args.sustain > 0 else None
     x = torch.randn(args.m, args.k, device="cuda").to(torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; M = {args.m}, K = {args.k}, config {cfg}")
-    print("| CTAs | N | us per call | x the fewest CTAs' time | weight GB/s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| CTAs | N | us per call | x the fewest CTAs' time | weight GB/s | cuBLAS bf16 us | x cuBLAS "
+        "| held MHz / W (ours) | held MHz / W (cuBLAS) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     rows, base = [], None
-    for c in counts:
-        n = rows_for(c, args.m, cfg)
-        _, _, ws = _weights(n, args.k, copies_for(n * args.k * BYTES_PER_NVFP4_WEIGHT))
+    grids = [(c, rows_for(c, args.m, cfg), cfg) for c in counts]
+    if args.full:
+        grids.append((0, args.full, None))
+    for c, n, conf in grids:
+        w32, _, ws = _weights(n, args.k, copies_for(n * args.k * BYTES_PER_NVFP4_WEIGHT))
         fns = [
-            lambda w=w: sm90.nvfp4_sm90_gemm(x, w.weight, w.scale_bits, w.global_scale, args.k, n, config=cfg)
+            lambda w=w: sm90.nvfp4_sm90_gemm(
+                x, w.weight, w.scale_bits, w.global_scale, args.k, n, config=conf
+            )
             for w in ws
         ]
+        wb = [w32.to(torch.bfloat16)]
+        wb += [wb[0].clone() for _ in range(copies_for(n * args.k * 2) - 1)]
+        del w32
+        blas = [lambda b=b: x @ b.t() for b in wb]
         graph_ms(fns, 0.05)  # a shape's first timing can run slow: discarded
         us = graph_ms(fns, 0.05) * 1e3
-        base = base or us
+        blas_us = graph_ms(blas, 0.05) * 1e3
+        if conf is not None:
+            base = base or us
         gbs = n * args.k * BYTES_PER_NVFP4_WEIGHT / us / 1e3
-        rows.append({"ctas": c, "n": n, "us": us})
-        print(f"| {c} | {n} | {us:.1f} | {us / base:.2f} | {gbs:.0f} |", flush=True)
+        row: dict[str, object] = {"ctas": c or "default", "n": n, "us": us, "cublas_us": blas_us}
+        if sampler is not None:
+            row["sustained_us"], row["held"] = sustain(_rotating(fns), args.sustain, sampler)
+            row["cublas_sustained_us"], row["cublas_held"] = sustain(_rotating(blas), args.sustain, sampler)
+        rows.append(row)
+        rel = f"{us / base:.2f}" if conf is not None and base else "-"
+        print(
+            f"| {c or 'default'} | {n} | {us:.1f} | {rel} | {gbs:.0f} | {blas_us:.1f} | {blas_us / us:.2f} "
+            f"| {_held(row.get('held'))} | {_held(row.get('cublas_held'))} |",  # type: ignore[arg-type]
+            flush=True,
+        )
+    if sampler is not None:
+        sampler.close()
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
