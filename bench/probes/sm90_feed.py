@@ -40,7 +40,7 @@ from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
 
 # consume()'s work in w4a16_sm90.cu; the feed-only build replaces it with one shared load of the slot
 WORK = "  decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);\n"
-ISSUE = "  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);\n"
+ISSUE = "  issue_chunk<BT, BF16, ONE ? 0 : 1>(r.desc0, uint32_t(st * SM::X), acc, a);\n"
 FEED = "  acc[0] += __uint_as_float(lds32(r.w0 + st * SM::W) & 1u);\n"
 # The feed-only builds (consume()'s work replaced by FEED in each), by name: source replacements on top
 # - contiguous: the warp / thread producers read a chunk's nrb row blocks as one run of nrb KB (the same bytes

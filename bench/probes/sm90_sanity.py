@@ -29,14 +29,16 @@ def main() -> int:
         return 1
     # (m, n, k, config, producer): the fifth and sixth stream-K (split_k 0) over stream_k_ctas' default
     # grid; then the producer's warp and tensor forms (K3RUN_SM90_PRODUCER; the tensor form's second case
-    # with two consumer warpgroups, an 8-row-block box); the last the tail split with two warpgroups
+    # with two consumer warpgroups, an 8-row-block box); then the tail split with two warpgroups; the last two
+    # three warpgroups (one A set each; N ends inside a 192-row tile; split-K over the thread producer)
     cases = [(20, 200, 336, (32, 2, 1, 3), "thread"), (9, 144, 384, (16, 1, 3, 2), "thread"),
              (130, 256, 1024, (256, 1, 2, 3), "thread"), (64, 512, 896, (64, 2, 7, 4), "thread"),
              (37, 328, 2048, (16, 1, 0, 4), "thread"), (100, 1024, 1024, (64, 1, 0, 3), "thread"),
              (9, 144, 384, (16, 1, 3, 2), "warp"), (37, 328, 2048, (16, 1, 0, 4), "warp"),
              (9, 144, 384, (16, 1, 3, 2), "tensor"), (20, 200, 336, (32, 2, 1, 3), "tensor"),
              (37, 328, 2048, (16, 1, 0, 4), "tensor"),
-             (300, 1000, 2048, (128, 2, -2, 3), "tensor")]  # fmt: skip
+             (300, 1000, 2048, (128, 2, -2, 3), "tensor"),
+             (200, 1000, 2048, (128, 3, 1, 4), "tensor"), (150, 328, 768, (128, 3, 2, 3), "thread")]  # fmt: skip
     if "--one" in sys.argv:  # racecheck: the thread form with two warpgroups, then the tensor form
         cases = [cases[0], cases[-2]]
     # the x gather (the GEMM copies x [M, K] itself): odd M, a part last chunk, x a column slice

@@ -218,6 +218,12 @@ class Knobs:
         "default; on an H100 1.07-1.09x the fixed grid at 12288 x 7168 / 256 rows, 0.99-1.03x at 448 "
         "tiles; 0: the fixed grid)",
     )  # fmt: skip
+    sm90_three_wg: bool = _knob(
+        "K3RUN_SM90_THREE_WG", _flag, False,
+        "CUDA sm_90: above 128 rows, three consumer warpgroups a CTA (192 weight rows, each warpgroup "
+        "decoding into one A set) where their tiles fit one wave and two warpgroups' do not "
+        "(w4a16_sm90.three_wg_fits; 0, the default: two warpgroups, with the tail split)",
+    )  # fmt: skip
     sm90_x_gather: int = _knob(
         "K3RUN_SM90_X_GATHER", _tokens_256, 0,
         "CUDA sm_90: up to this many rows the CUDA C++ NVFP4 GEMM copies x [M, K] itself by tensor map and "

@@ -56,7 +56,7 @@ def test_gpu_odd_shapes(poison_empty, m: int, dtype: torch.dtype) -> None:
 # 16). test_test_configs_are_launches_the_kernel_has checks them on the CPU: a config outside the shared
 # memory is refused by the wrapper, which would fail the GPU test for the test's own reason.
 CONFIGS = [(16, 1, 1, 2), (32, 2, 2, 3), (64, 1, 3, 4), (64, 2, 6, 2), (128, 2, 2, 5), (128, 1, 1, 6),
-           (256, 1, 1, 3), (256, 1, 3, 2)]  # fmt: skip
+           (256, 1, 1, 3), (256, 1, 3, 2), (128, 3, 1, 4), (128, 3, 3, 2)]  # fmt: skip
 REPEAT_CONFIGS = [(128, 2, 8, 4), (128, 2, 1, 5)]
 
 
@@ -68,8 +68,9 @@ def test_test_configs_are_launches_the_kernel_has() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
 def test_gpu_configs(poison_empty, config) -> None:
-    """Every token tile, one and two consumer warpgroups, split-K with 6, 3, 2 and 1 chunk per CTA (odd and
-    even chunk counts: the loop's pair and its tail), rings of 2 to 6 slots (deeper than the chunks too)."""
+    """Every token tile, one, two and three consumer warpgroups (three: 192 weight rows a CTA, N = 328 / 336
+    ends inside the second tile), split-K with 6, 3, 2 and 1 chunk per CTA (odd and even chunk counts: the
+    loop's pair and its tail), rings of 2 to 6 slots (deeper than the chunks too)."""
     _need_kernel()
     _case(150, 328, 720, torch.bfloat16, per_row=True, bias=True, config=config)
     _case(40, 336, 768, torch.float16, per_row=False, bias=False, config=config)
@@ -576,6 +577,33 @@ def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch)
     assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=False)[2] == 1
 
 
+def test_three_warpgroups_where_their_tiles_fit_one_wave(monkeypatch) -> None:
+    """K3RUN_SM90_THREE_WG (default off): three consumer warpgroups (192 weight rows, the fixed grid, a ring of
+    4 slots: 5 exceed the shared memory) where their tiles fit one wave and two warpgroups' do not: 12288 x
+    7168 at 129-256 rows (128 CTAs against 192 on 132 SMs); 7168^2 at 256 rows (112 two-warpgroup tiles, one
+    wave), 12288 x 7168 at 512 rows (256 three-warpgroup tiles) and at 128 rows (96 tiles, one wave) keep
+    two."""
+    assert sm90.three_wg_fits(256, 12288, 132) and sm90.three_wg_fits(129, 12288, 132)
+    assert not sm90.three_wg_fits(256, 7168, 132) and not sm90.three_wg_fits(512, 12288, 132)
+    assert not sm90.three_wg_fits(256, 12288 + 192 * 3, 132)  # 134 three-warpgroup tiles: two waves too
+    assert sm90.smem_bytes(128, 3, 4) <= sm90.SMEM_LIMIT < sm90.smem_bytes(128, 3, 5)
+    try:
+        for env, want in ((None, (128, 2, -2, 4)), ("0", (128, 2, -2, 4)), ("1", (128, 3, 1, 4))):
+            if env is None:
+                monkeypatch.delenv("K3RUN_SM90_THREE_WG", raising=False)
+            else:
+                monkeypatch.setenv("K3RUN_SM90_THREE_WG", env)
+            reset_knobs()
+            assert sm90.sm90_config(256, 12288, 7168, 132) == want, env
+            assert sm90.sm90_config(256, 7168, 7168, 132) == (128, 2, 1, 4), env
+            assert sm90.sm90_config(512, 12288, 7168, 132)[1] == 2, env
+            assert sm90.sm90_config(128, 12288, 7168, 132)[1] == 2, env
+            assert sm90.config_ok(*sm90.sm90_config(256, 12288, 7168, 132), 56)
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_THREE_WG", raising=False)
+        reset_knobs()
+
+
 def test_producer_names_match_the_kernel_constants(monkeypatch) -> None:
     """PRODUCERS index the .cu file's PRODUCER_* constants in order, K3RUN_SM90_PRODUCER takes each of them
     (its parser lists the names on its own), and refuses any other name."""
@@ -669,7 +697,7 @@ def test_pdl_and_the_split_k_fixup_without_seq_cst_fences(standalone_build) -> N
     kernels = re.split(r"\n\s+Function : ", sass)[1:]
     gemm = [f for f in kernels if f.startswith("_ZN3k3w12w4a16_kernel")]
     prep = [f for f in kernels if f.startswith("_ZN3k3w13prep_x_kernel")]
-    assert len(gemm) == 17 and len(prep) == 1
+    assert len(gemm) == 18 and len(prep) == 1
     for f in gemm + prep:
         name = f.split("\n")[0]
         assert "PREEXIT" in f and "ACQBULK" in f and "MEMBAR.SC" not in f, name
@@ -730,11 +758,12 @@ def _pair_loops(code):
 
 def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> None:
     """Inside each GEMM kernel's K loop: HGMMAs from registers, waited down to one group (0x1, never 0x0
-    inside the loop), and no instruction writes a register of an A operand still in flight (11 fixed-grid
-    kernels, 6 segment kernels: stream-K's five, the tail split's two-warpgroup one)."""
+    inside the loop; the three-warpgroup kernel, one A set a warpgroup, down to none: 0x0), and no instruction
+    writes a register of an A operand still in flight (12 fixed-grid kernels, 6 segment kernels: stream-K's
+    five, the tail split's two-warpgroup one)."""
     _, sass = standalone_build
     kernels = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w12w4a16_kernel")]
-    assert len(kernels) == 17
+    assert len(kernels) == 18
     for f in kernels:
         code = _sass_code(f)
         assert wgmma_register_hazards(f) == [], f.split("\n")[0]
@@ -743,7 +772,8 @@ def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> No
         lo, hi = loops[0]
         body = [i for a, i in code if lo <= a <= hi]
         waits = [i for i in body if "WARPGROUP.DEPBAR" in i]
-        assert waits and all(w.endswith("0x1") for w in waits), waits
+        depth = "0x0" if f.startswith("_ZN3k3w12w4a16_kernelILi128ELi3E") else "0x1"
+        assert waits and all(w.endswith(depth) for w in waits), (f.split("\n")[0], waits)
         assert sum("HGMMA" in i for i in body) == 16
         assert all(re.search(r"HGMMA\.\S+\s+R\d+,\s+R\d+,", i) for i in body if "HGMMA" in i)
 
@@ -908,6 +938,11 @@ def test_config_ok_refuses_launches_the_kernel_does_not_have() -> None:
     assert not sm90.config_ok(48, 1, 1, 4, 56)  # no 48-token tile
     assert not sm90.config_ok(128, 2, 1, 1, 56)  # a ring needs two slots
     assert not sm90.config_ok(256, 1, 1, 4, 56)  # four 68 KB slots exceed the shared memory
+    assert sm90.config_ok(128, 3, 1, 4, 56)
+    assert not sm90.config_ok(64, 3, 1, 4, 56)  # three warpgroups: 128-token tiles only
+    assert not sm90.config_ok(128, 3, 0, 4, 56)  # and the fixed grid: no stream-K
+    assert not sm90.config_ok(128, 3, -2, 4, 56)  # nor the tail split
+    assert not sm90.config_ok(128, 3, 1, 5, 56)  # five 46 KB slots exceed the shared memory
 
 
 def _compile_with_torch_headers(tmp_path, source: str, name: str) -> None:

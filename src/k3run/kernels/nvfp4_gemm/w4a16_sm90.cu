@@ -308,7 +308,7 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
 // A chunk's 8 wgmma (m64nBTk16) on the A set `a` and the chunk's x tile (`x_off` bytes past the tile of B
 // descriptor `desc0`) as one group, then a wait until only this group is in flight (the previous chunk's A set
 // and slot are free).
-template <int BT, bool BF16>
+template <int BT, bool BF16, int IN_FLIGHT = 1>
 __device__ __forceinline__ void issue_chunk(uint64_t desc0, uint32_t x_off, float (&acc)[BT / 2],
                                             uint32_t (&a)[32]) {
   fence_regs(a);
@@ -323,7 +323,7 @@ __device__ __forceinline__ void issue_chunk(uint64_t desc0, uint32_t x_off, floa
     Wgmma<BT, BF16>::mma(acc, a[4 * k], a[4 * k + 1], a[4 * k + 2], a[4 * k + 3], desc);
   }
   wgmma_commit();
-  wgmma_wait<1>();
+  wgmma_wait<IN_FLIGHT>();
   fence_regs(acc);
 }
 
@@ -436,6 +436,15 @@ struct Slot {
 // + the GEMM at 16-32 rows: the permute adds to the consumer's chunk time, which the kernel's time follows
 // (with no permute the same launch runs 0.89-0.91x), so it is off by default (K3RUN_SM90_X_GATHER); the
 // permuting designs that lost are in bench/NOTES.md.
+// Three consumer warpgroups (BT 128, 192 weight rows a CTA; the fixed grid): 13 warps leave each thread 128
+// registers (a quarter of the SM's registers a scheduler, and 4 warps on one of them), which the 64
+// accumulators and two A sets do not fit (ptxas serializes the wgmma, C7511). So each warpgroup decodes into
+// one A set and waits for its chunk's group before the next decode; the other two warpgroups' groups keep
+// the tensor core busy meanwhile.
+template <int NWG>
+__host__ __device__ constexpr bool one_a_set() {
+  return NWG == 3;
+}
 template <int BT, int NWG, bool SK>
 __host__ __device__ constexpr bool gather_ok() {
   return !SK && NWG == 1 && BT <= 32;
@@ -473,10 +482,12 @@ __device__ __forceinline__ void consume(const Ring& r, int c, const Slot& sl, fl
   if (GATHER && r.gather) permute_x<BT>(r.x0 + st * SM::X);
   decode_chunk<BF16>(r.w0 + st * SM::W, r.s0 + st * SM::S, a);
   if (GATHER && r.gather) consumer_sync(128);  // every permuting thread has fenced its stores
-  issue_chunk<BT, BF16>(r.desc0, uint32_t(st * SM::X), acc, a);
-  if (c > 0) {
+  // one A set: this chunk's group waited for, so its slot is free now; two: chunk c - 1's
+  constexpr bool ONE = one_a_set<NWG>();
+  issue_chunk<BT, BF16, ONE ? 0 : 1>(r.desc0, uint32_t(st * SM::X), acc, a);
+  if (ONE || c > 0) {
     __syncwarp();
-    if (r.lane == 0) mbar_arrive(r.empty + 8 * (st == 0 ? r.stages - 1 : st - 1));
+    if (r.lane == 0) mbar_arrive(r.empty + 8 * (ONE ? st : st == 0 ? r.stages - 1 : st - 1));
   }
 }
 
@@ -491,7 +502,7 @@ static_assert(PRODUCER_THREAD < PRODUCER_WARP && PRODUCER_WARP < PRODUCER_TENSOR
 // ~2 warps a scheduler at 2 CTAs of 256 threads), and 3 CTAs of 160 threads fit.
 template <int NWG>
 constexpr int cta_threads() {
-  return NWG == 1 ? 160 : (NWG + 1) * 128;
+  return NWG == 1 ? 160 : NWG == 3 ? 3 * 128 + 32 : (NWG + 1) * 128;
 }
 // CTAs an SM asked of ptxas (it caps the registers to fit them): 3 for one consumer warpgroup up to BT 64
 // (<= 136 registers; 99-122 used), one otherwise. 4 at BT 16 (<= 102) makes ptxas (CUDA 13.0) serialize the
@@ -542,7 +553,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   if (wg == NWG) {  // ---- producer (a warpgroup, or one warp: cta_threads)
     // 56 registers: at 40 ptxas spilled the warp forms' loop (the consumers use <= 155 of their 224; the
     // SASS test pins no spill)
-    if constexpr (NWG > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    if constexpr (NWG == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if (producer != PRODUCER_THREAD) {
       // The producer warp's 32 lanes walk the ring together (the same waits, the same indices) and one
       // elected lane issues each copy: in SASS a predicated UBLKCP with no loop around it, the copies'
@@ -631,7 +642,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
   }
 
   // ---- consumer warpgroups
-  if constexpr (NWG > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  if constexpr (NWG == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
   pdl_wait();  // before the epilogue's global reads and writes (the ring's x arrives after it anyway)
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
@@ -659,7 +670,7 @@ __global__ void __launch_bounds__(cta_threads<NWG>(), min_ctas<BT, NWG, SK>())
     for (; c + 1 < c_hi; c += 2, i += 2) {
       consume<BT, NWG, BF16, GATHER>(ring, i, sl, acc, a0);
       sl.advance(stages);
-      consume<BT, NWG, BF16, GATHER>(ring, i + 1, sl, acc, a1);
+      consume<BT, NWG, BF16, GATHER>(ring, i + 1, sl, acc, one_a_set<NWG>() ? a0 : a1);
       sl.advance(stages);
     }
     return c;
@@ -927,7 +938,7 @@ int w4a16_smem_bytes(int64_t bt, int64_t nwg, int64_t stages) {
 #define K3W_SMEM(B, G) \
   if (bt == B && nwg == G) return k3w::Smem<B, G>::bytes(int(stages));
   K3W_SMEM(16, 1) K3W_SMEM(32, 1) K3W_SMEM(64, 1) K3W_SMEM(128, 1) K3W_SMEM(256, 1)
-  K3W_SMEM(16, 2) K3W_SMEM(32, 2) K3W_SMEM(64, 2) K3W_SMEM(128, 2)
+  K3W_SMEM(16, 2) K3W_SMEM(32, 2) K3W_SMEM(64, 2) K3W_SMEM(128, 2) K3W_SMEM(128, 3)
 #undef K3W_SMEM
   return -1;
 }
@@ -1004,7 +1015,7 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
     K3W_RUN(B, G, true)                                                                                        \
   }
   K3W_CASE(16, 1) K3W_CASE(32, 1) K3W_CASE(64, 1) K3W_CASE(128, 1) K3W_CASE(256, 1)
-  K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2)
+  K3W_CASE(16, 2) K3W_CASE(32, 2) K3W_CASE(64, 2) K3W_CASE(128, 2) K3W_CASE(128, 3)
   K3W_SK_CASE(16, 1) K3W_SK_CASE(32, 1) K3W_SK_CASE(64, 1) K3W_SK_CASE(128, 1) K3W_SK_CASE(256, 1)
   K3W_SK_CASE(128, 2)
 #undef K3W_SK_CASE
@@ -1029,6 +1040,7 @@ K3W_INST(16, 1, true, false) K3W_INST(32, 1, true, false) K3W_INST(64, 1, true, 
 K3W_INST(128, 1, true, false) K3W_INST(256, 1, true, false)
 K3W_INST(16, 2, true, false) K3W_INST(32, 2, true, false) K3W_INST(64, 2, true, false)
 K3W_INST(128, 2, true, false) K3W_INST(64, 2, false, false) K3W_INST(128, 2, false, false)
+K3W_INST(128, 3, true, false)
 K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, true)
 K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true) K3W_INST(128, 2, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("w4a16_sm90.cu")
 TOKEN_TILES = (16, 32, 64, 128, 256)
-WARPGROUPS = (1, 2)  # consumer warpgroups a CTA: 64 weight rows each (two up to BT 128, .cu header)
+WARPGROUPS = (1, 2, 3)  # consumer warpgroups a CTA: 64 weight rows each (two up to BT 128, three at BT 128
+# on the fixed grid, each decoding into one A set: .cu header, one_a_set)
 SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's dynamic shared memory
 
 
@@ -184,7 +185,7 @@ def _producer(name: str, sk: int, nwg: int = 1) -> str:
     tensor and warp measured 0.89-0.95x the one-thread form at 16 rows, 1.00-1.04x at 32)."""
     if name != "auto":
         return name
-    return "tensor" if sk == 0 or nwg == 2 else "thread"
+    return "tensor" if sk == 0 or nwg >= 2 else "thread"
 
 
 def ctas_per_sm(bt: int, nwg: int, stream_k: bool = False) -> int:
@@ -292,19 +293,35 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     With the tail split allowed, two warpgroups' fixed grid of more than one wave whose last wave is at
     most half full (TAIL_BELOW_FILL), an even chunk pair count: split_k -TAIL_PIECES, the last wave's tiles
     in TAIL_PIECES pieces (`tail_split`; 12288 x 7168 at 129-256 rows: 192 tiles on 132 SMs, 1.07-1.09x
-    the fixed grid on an H100; on by default, K3RUN_SM90_TAIL_SPLIT)."""
+    the fixed grid on an H100; on by default, K3RUN_SM90_TAIL_SPLIT).
+    With K3RUN_SM90_THREE_WG, three consumer warpgroups (192 weight rows a CTA, the fixed grid) where their
+    tiles fit one wave and two warpgroups' do not (`three_wg_fits`)."""
+    three = knobs().sm90_three_wg
     if stream_k is None:
-        return _sm90_config(m, n, k, sms, m <= knobs().sm90_stream_k, knobs().sm90_tail_split)
-    return _sm90_config(m, n, k, sms, stream_k, stream_k)
+        return _sm90_config(m, n, k, sms, m <= knobs().sm90_stream_k, knobs().sm90_tail_split, three)
+    return _sm90_config(m, n, k, sms, stream_k, stream_k, three)
+
+
+def three_wg_fits(m: int, n: int, sms: int) -> bool:
+    """Whether three consumer warpgroups' tiles (192 weight rows x 128 tokens) fit one wave of `sms` CTAs
+    where two warpgroups' (128 x 128) need more than one (12288 x 7168 at 129-256 rows: 128 CTAs against
+    192 on 132 SMs)."""
+    t_tiles = -(-m // 128)
+    return -(-n // 192) * t_tiles <= sms < -(-n // 128) * t_tiles
 
 
 @functools.cache
-def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool, tail: bool) -> tuple[int, int, int, int]:
+def _sm90_config(
+    m: int, n: int, k: int, sms: int, stream_k: bool, tail: bool, three: bool = False
+) -> tuple[int, int, int, int]:
     chunks = -(-k // 128)
     # above 128 rows, and at BT 128 where one warpgroup's tiles outnumber the SMs: 128-token tiles of two
-    # consumer warpgroups (128 weight rows a CTA)
+    # consumer warpgroups (128 weight rows a CTA); with `three`, three where their tiles fit one wave and
+    # two warpgroups' do not
     bt = next(b for b in TOKEN_TILES if b >= min(m, 128))
     nwg = 2 if m > TWO_WG_ABOVE_M or (bt == 128 and -(-n // 64) > sms) else 1
+    if three and nwg == 2 and bt == 128 and three_wg_fits(m, n, sms):
+        nwg = 3
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
 
     def fit(per_sm: int) -> int:  # CTAs an SM whose rings of two slots fit its shared memory
@@ -346,7 +363,7 @@ def _sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool, tail: bool) -
         split = -TAIL_PIECES  # the whole tiles' ring depth (per_cta) stays
     stages = 2
     while (
-        stages < (TWO_WG_STAGES if nwg == 2 else 8)
+        stages < (TWO_WG_STAGES if nwg >= 2 else 8)
         and stages < per_cta + 2
         and smem_bytes(bt, nwg, stages + 1) <= SMEM_LIMIT
         and resident * smem_bytes(bt, nwg, stages + 1) <= SM_SMEM
@@ -375,10 +392,13 @@ def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
 
 
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
-    """A launch the kernel has: an instantiated (BT, warpgroups) pair, split_k dividing the chunks (or 0:
+    """A launch the kernel has: an instantiated (BT, warpgroups) pair (three warpgroups: BT 128 and split_k
+    >= 1 only), split_k dividing the chunks (or 0:
     stream-K, one warpgroup, an even chunk count; or -s: the tail split in s pieces, s dividing the chunk
     pairs, one warpgroup or two at BT 128), a ring of >= 2 slots within the shared memory."""
-    pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128)
+    pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128) and (nwg < 3 or bt == 128)
+    if nwg == 3 and split < 1:
+        return False  # three warpgroups: the fixed grid only
     if split == 0:
         splits_ok = nwg == 1 and chunks % 2 == 0
     elif split < 0:
