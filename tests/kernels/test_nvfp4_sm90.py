@@ -430,7 +430,8 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     assert sm90.stream_k_ctas(32, 112, 56, 132, stages=8) == 264  # two 103 KB rings an SM, not three
     assert sm90.stream_k_ctas(16, 2, 4, 132) == 2  # one CTA per two chunk pairs at least
     assert sm90.sm90_config(16, 12288, 7168, 132, stream_k=True)[2] == 2
-    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[:3] == (128, 2, -2)  # the tail split
+    assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[:3] == (128, 3, 1)  # three fit one wave
+    assert sm90.sm90_config(512, 12288, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
     assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
     assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
     try:
@@ -559,6 +560,7 @@ def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch)
     assert sm90.config_ok(128, 2, -2, 4, 56) and sm90.config_ok(16, 1, -4, 3, 8)
     assert not sm90.config_ok(128, 2, -3, 4, 56) and not sm90.config_ok(64, 2, -2, 4, 56)
     assert not sm90.config_ok(128, 2, -2, 4, 55) and not sm90.config_ok(128, 1, -1, 4, 56)
+    monkeypatch.setenv("K3RUN_SM90_THREE_WG", "0")  # where three warpgroups fit one wave they run instead
     try:
         for env, want in ((None, -2), ("0", 1), ("1", -2)):
             if env is None:
@@ -573,12 +575,13 @@ def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch)
             assert sm90.sm90_config(256, 12288, 7040, 132)[2] == 1  # 55 chunks
     finally:
         monkeypatch.delenv("K3RUN_SM90_TAIL_SPLIT", raising=False)
+        monkeypatch.delenv("K3RUN_SM90_THREE_WG", raising=False)
         reset_knobs()
     assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=False)[2] == 1
 
 
 def test_three_warpgroups_where_their_tiles_fit_one_wave(monkeypatch) -> None:
-    """K3RUN_SM90_THREE_WG (default off): three consumer warpgroups (192 weight rows, the fixed grid, a ring of
+    """K3RUN_SM90_THREE_WG (default on): three consumer warpgroups (192 weight rows, the fixed grid, a ring of
     4 slots: 5 exceed the shared memory) where their tiles fit one wave and two warpgroups' do not: 12288 x
     7168 at 129-256 rows (128 CTAs against 192 on 132 SMs); 7168^2 at 256 rows (112 two-warpgroup tiles, one
     wave), 12288 x 7168 at 512 rows (256 three-warpgroup tiles) and at 128 rows (96 tiles, one wave) keep
@@ -588,7 +591,7 @@ def test_three_warpgroups_where_their_tiles_fit_one_wave(monkeypatch) -> None:
     assert not sm90.three_wg_fits(256, 12288 + 192 * 3, 132)  # 134 three-warpgroup tiles: two waves too
     assert sm90.smem_bytes(128, 3, 4) <= sm90.SMEM_LIMIT < sm90.smem_bytes(128, 3, 5)
     try:
-        for env, want in ((None, (128, 2, -2, 4)), ("0", (128, 2, -2, 4)), ("1", (128, 3, 1, 4))):
+        for env, want in ((None, (128, 3, 1, 4)), ("0", (128, 2, -2, 4)), ("1", (128, 3, 1, 4))):
             if env is None:
                 monkeypatch.delenv("K3RUN_SM90_THREE_WG", raising=False)
             else:
