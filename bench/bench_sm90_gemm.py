@@ -15,6 +15,7 @@ bandwidth measured in the same run, FLOPs at 989 TFLOP/s). Relative RMS of the C
 the fp32 reference on every cell.
 
     PYTHONPATH=src python3 bench/bench_sm90_gemm.py [--shapes 7168x7168,...] [--ms 16,64] [--peers .peers]
+        [--no-sweep] [--configs '128,3,1,4;128,2,1,4' (these in place of the sweep, at every M)] [--verbose]
 """
 
 # ruff: noqa: B023
@@ -133,7 +134,11 @@ def main() -> None:
     ap.add_argument("--peers", default="")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument(
+        "--configs", default="", help="'BT,NWG,SPLIT,STAGES;...': time these instead of the sweep, at every M"
+    )
     args = ap.parse_args()
+    given = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
     build = start_marlin_build(args.peers)
     import time
 
@@ -153,7 +158,10 @@ def main() -> None:
         w, wd, ws = _weights(n, k, copies_for(n * k * (0.5 + 1 / 16)))
         wb = [w.to(torch.bfloat16) for _ in range(copies_for(n * k * 2))]
         for m in ms:
+            chunks = -(-k // 128)
             sweep = [] if args.no_sweep or m > 256 else _sweep(m, n, k)
+            if given:
+                sweep = [c for c in given if sm90.config_ok(*c, chunks)]
             rows.append(_cell(n, k, m, wd, ws, wb, copy_tbs, sweep, args.verbose, warm=m == ms[0]))
         del ws, wb
         torch.cuda.empty_cache()

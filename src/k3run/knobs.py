@@ -220,10 +220,10 @@ class Knobs:
     )  # fmt: skip
     sm90_three_wg: bool = _knob(
         "K3RUN_SM90_THREE_WG", _flag, True,
-        "CUDA sm_90: three consumer warpgroups a CTA (192 weight rows, each warpgroup decoding into one A "
-        "set) where their tiles fit one wave and two warpgroups' do not (w4a16_sm90.three_wg_fits; 1, the "
-        "default; on an H100 12288 x 7168 at 256 rows 70.2 us against the tail split's 89.6, 1.28x; 0: two "
-        "warpgroups, with the tail split)",
+        "CUDA sm_90: above 128 rows, three consumer warpgroups a CTA (192 weight rows, each warpgroup "
+        "decoding into one A set) where their waves take no longer than two warpgroups' "
+        "(w4a16_sm90.three_wg_pays; 1, the default; on an H100 12288 x 7168 at 256 rows 70.2 us against the "
+        "tail split's 89.6, 1.28x; 0: two warpgroups, with the tail split)",
     )  # fmt: skip
     sm90_x_gather: int = _knob(
         "K3RUN_SM90_X_GATHER", _tokens_256, 0,

@@ -431,7 +431,7 @@ def test_stream_k_config_where_the_fixed_grid_leaves_slots_idle(monkeypatch) -> 
     assert sm90.stream_k_ctas(16, 2, 4, 132) == 2  # one CTA per two chunk pairs at least
     assert sm90.sm90_config(16, 12288, 7168, 132, stream_k=True)[2] == 2
     assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=True)[:3] == (128, 3, 1)  # three fit one wave
-    assert sm90.sm90_config(512, 12288, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
+    assert sm90.sm90_config(512, 7168, 12288, 132, stream_k=True)[:3] == (128, 2, 1)
     assert sm90.sm90_config(4096, 7168, 7168, 132, stream_k=True)[:3] == (128, 2, 1)
     assert sm90.sm90_config(16, 7168, 7040, 132, stream_k=True)[2] != 0  # 55 chunks
     try:
@@ -580,15 +580,18 @@ def test_tail_split_config_where_the_last_wave_is_at_most_half_full(monkeypatch)
     assert sm90.sm90_config(256, 12288, 7168, 132, stream_k=False)[2] == 1
 
 
-def test_three_warpgroups_where_their_tiles_fit_one_wave(monkeypatch) -> None:
-    """K3RUN_SM90_THREE_WG (default on): three consumer warpgroups (192 weight rows, the fixed grid, a ring of
-    4 slots: 5 exceed the shared memory) where their tiles fit one wave and two warpgroups' do not: 12288 x
-    7168 at 129-256 rows (128 CTAs against 192 on 132 SMs); 7168^2 at 256 rows (112 two-warpgroup tiles, one
-    wave), 12288 x 7168 at 512 rows (256 three-warpgroup tiles) and at 128 rows (96 tiles, one wave) keep
-    two."""
-    assert sm90.three_wg_fits(256, 12288, 132) and sm90.three_wg_fits(129, 12288, 132)
-    assert not sm90.three_wg_fits(256, 7168, 132) and not sm90.three_wg_fits(512, 12288, 132)
-    assert not sm90.three_wg_fits(256, 12288 + 192 * 3, 132)  # 134 three-warpgroup tiles: two waves too
+def test_three_warpgroups_where_their_waves_take_no_longer(monkeypatch) -> None:
+    """K3RUN_SM90_THREE_WG (default on): above 128 rows, three consumer warpgroups (192 weight rows, the fixed
+    grid, a ring of 4 slots: 5 exceed the shared memory) where their waves x 3 do not exceed two warpgroups'
+    waves x 2 (the tail split's half wave counted), ties going to three where N is a multiple of 192:
+    12288 x 7168 at 129-256 rows (one wave of 128 CTAs against 1.5 of 192), at 512 and 1024 rows (2 x 3 =
+    3 x 2 and 4 x 3 = 6 x 2); 7168-row matrices keep two (38 tiles of 192, the last a third full: 7168^2 at
+    256 rows is one wave of 112 two-warpgroup tiles); at most 128 rows nothing changes."""
+    assert sm90.three_wg_pays(256, 12288, 132) and sm90.three_wg_pays(129, 12288, 132)
+    assert sm90.three_wg_pays(512, 12288, 132) and sm90.three_wg_pays(1024, 12288, 132)
+    assert not sm90.three_wg_pays(256, 7168, 132) and not sm90.three_wg_pays(1024, 7168, 132)
+    assert not sm90.three_wg_pays(128, 12288, 132)  # 96 tiles of 128 rows: one wave
+    assert not sm90.three_wg_pays(256, 12288 + 192 * 3, 132)  # 134 three-warpgroup tiles: two waves
     assert sm90.smem_bytes(128, 3, 4) <= sm90.SMEM_LIMIT < sm90.smem_bytes(128, 3, 5)
     try:
         for env, want in ((None, (128, 3, 1, 4)), ("0", (128, 2, -2, 4)), ("1", (128, 3, 1, 4))):
@@ -599,7 +602,8 @@ def test_three_warpgroups_where_their_tiles_fit_one_wave(monkeypatch) -> None:
             reset_knobs()
             assert sm90.sm90_config(256, 12288, 7168, 132) == want, env
             assert sm90.sm90_config(256, 7168, 7168, 132) == (128, 2, 1, 4), env
-            assert sm90.sm90_config(512, 12288, 7168, 132)[1] == 2, env
+            assert sm90.sm90_config(512, 12288, 7168, 132)[1] == want[1], env
+            assert sm90.sm90_config(1024, 7168, 12288, 132)[1] == 2, env
             assert sm90.sm90_config(128, 12288, 7168, 132)[1] == 2, env
             assert sm90.config_ok(*sm90.sm90_config(256, 12288, 7168, 132), 56)
     finally:

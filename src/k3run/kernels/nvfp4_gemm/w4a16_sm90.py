@@ -294,20 +294,29 @@ def sm90_config(m: int, n: int, k: int, sms: int, stream_k: bool | None = None) 
     most half full (TAIL_BELOW_FILL), an even chunk pair count: split_k -TAIL_PIECES, the last wave's tiles
     in TAIL_PIECES pieces (`tail_split`; 12288 x 7168 at 129-256 rows: 192 tiles on 132 SMs, 1.07-1.09x
     the fixed grid on an H100; on by default, K3RUN_SM90_TAIL_SPLIT).
-    With K3RUN_SM90_THREE_WG, three consumer warpgroups (192 weight rows a CTA, the fixed grid) where their
-    tiles fit one wave and two warpgroups' do not (`three_wg_fits`)."""
+    With K3RUN_SM90_THREE_WG (on by default), above 128 rows three consumer warpgroups (192 weight rows a
+    CTA, the fixed grid) where their waves take no longer than two warpgroups' (`three_wg_pays`)."""
     three = knobs().sm90_three_wg
     if stream_k is None:
         return _sm90_config(m, n, k, sms, m <= knobs().sm90_stream_k, knobs().sm90_tail_split, three)
     return _sm90_config(m, n, k, sms, stream_k, stream_k, three)
 
 
-def three_wg_fits(m: int, n: int, sms: int) -> bool:
-    """Whether three consumer warpgroups' tiles (192 weight rows x 128 tokens) fit one wave of `sms` CTAs
-    where two warpgroups' (128 x 128) need more than one (12288 x 7168 at 129-256 rows: 128 CTAs against
-    192 on 132 SMs)."""
+def three_wg_pays(m: int, n: int, sms: int) -> bool:
+    """Whether three consumer warpgroups' tiles (192 weight rows x 128 tokens, the fixed grid) take no longer
+    than two warpgroups' (128 x 128), counted in waves of `sms` CTAs times the rows a tile (a wave of
+    three-warpgroup tiles takes ~1.5x a wave of two-warpgroup ones at the same clock), with two warpgroups'
+    grid at its tail split where that applies (a last wave at most half full: half a wave); on a tie, where
+    N is a multiple of 192 (no tile's rows wasted), three: each CTA's x then serves 1.5x the rows. Measured
+    on an H100 (bench/RESULTS.md runs 188-191): 12288 x 7168 at 256 rows one wave of 128 CTAs against 1.5
+    waves, 70.2 against 89.6 us; at 4096 rows (a tie) 1201.9 against 1264.9-1285.6; 7168 x 12288 at 4096
+    rows (7168 rows: 38 tiles of 192, the last a third full) 1284.2 against 1188.5."""
     t_tiles = -(-m // 128)
-    return -(-n // 192) * t_tiles <= sms < -(-n // 128) * t_tiles
+    tiles2, tiles3 = -(-n // 128) * t_tiles, -(-n // 192) * t_tiles
+    rest = tiles2 % sms
+    waves2 = tiles2 // sms + 0.5 if tiles2 > sms and 0 < rest <= TAIL_BELOW_FILL * sms else -(-tiles2 // sms)
+    cost2, cost3 = 2 * waves2, 3 * -(-tiles3 // sms)
+    return cost3 < cost2 or (cost3 == cost2 and n % 192 == 0)
 
 
 @functools.cache
@@ -316,11 +325,10 @@ def _sm90_config(
 ) -> tuple[int, int, int, int]:
     chunks = -(-k // 128)
     # above 128 rows, and at BT 128 where one warpgroup's tiles outnumber the SMs: 128-token tiles of two
-    # consumer warpgroups (128 weight rows a CTA); with `three`, three where their tiles fit one wave and
-    # two warpgroups' do not
+    # consumer warpgroups (128 weight rows a CTA); with `three` above 128 rows, three where that pays
     bt = next(b for b in TOKEN_TILES if b >= min(m, 128))
     nwg = 2 if m > TWO_WG_ABOVE_M or (bt == 128 and -(-n // 64) > sms) else 1
-    if three and nwg == 2 and bt == 128 and three_wg_fits(m, n, sms):
+    if three and nwg == 2 and bt == 128 and m > TWO_WG_ABOVE_M and three_wg_pays(m, n, sms):
         nwg = 3
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
 
