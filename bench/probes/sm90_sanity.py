@@ -5,11 +5,13 @@ case in a few milliseconds, under a hard timeout and the sanitizer:
     timeout -s KILL 300 compute-sanitizer --tool memcheck python3 bench/probes/sm90_sanity.py
     timeout -s KILL 300 compute-sanitizer --tool racecheck python3 bench/probes/sm90_sanity.py --one
 
-(--one: three cases, the thread producer with two warpgroups, the tensor producer and three warpgroups'
-split-K, then the two x-gather cases, whose shared stores racecheck watches beside the wgmma reads.) Prints
-one line per case (config, relative RMS error, max error over the bound) and exits non-zero on a failure.
-Answers so far: memcheck clean, every case within its bound (bench/RESULTS.md runs 126, 152 and 160, the
-last with the warp and tensor producers' cases; run 188 with three warpgroups').
+(--one: four cases, the thread producer with two warpgroups, the tensor producer, three warpgroups' split-K
+and the warp producer through reused slots, then the x-gather cases, whose shared stores racecheck watches
+beside the wgmma reads.) Prints one line per case (config, relative RMS error, max error over the bound)
+and exits non-zero on a failure. Answers so far: memcheck clean, every case within its bound
+(bench/RESULTS.md runs 126, 152 and 160, the last with the warp and tensor producers' cases; run 188 with
+three warpgroups'). `--pick 6,15` runs those cases of the full list (the cases, then the x-gather ones)
+alone.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ def main() -> int:
         return 1
     # (m, n, k, config, producer): the fifth and sixth stream-K (split_k 0) over stream_k_ctas' default
     # grid; then the producer's warp and tensor forms (K3RUN_SM90_PRODUCER; the tensor form's second case
-    # with two consumer warpgroups, an 8-row-block box); then the tail split with two warpgroups; the last two
-    # three warpgroups (one A set each; N ends inside a 192-row tile; split-K over the thread producer)
+    # with two consumer warpgroups, an 8-row-block box); then the tail split with two warpgroups; then two of
+    # three warpgroups (one A set each; N ends inside a 192-row tile; split-K over the thread producer); the
+    # last two 16 chunks through a ring of 2 slots (every slot reused: racecheck sees the consumers' reads of
+    # a slot and the producer's next bulk copy into it)
     cases = [(20, 200, 336, (32, 2, 1, 3), "thread"), (9, 144, 384, (16, 1, 3, 2), "thread"),
              (130, 256, 1024, (256, 1, 2, 3), "thread"), (64, 512, 896, (64, 2, 7, 4), "thread"),
              (37, 328, 2048, (16, 1, 0, 4), "thread"), (100, 1024, 1024, (64, 1, 0, 3), "thread"),
@@ -39,17 +43,27 @@ def main() -> int:
              (37, 328, 2048, (16, 1, 0, 4), "tensor"),
              (300, 1000, 2048, (128, 2, -2, 3), "tensor"),
              (200, 1000, 2048, (128, 3, 1, 4), "tensor"),
-             (150, 328, 768, (128, 3, 2, 3), "thread")]  # fmt: skip
-    if "--one" in sys.argv:  # racecheck: the thread form with two warpgroups, the tensor form, three
-        cases = [cases[0], cases[10], cases[-1]]
+             (150, 328, 768, (128, 3, 2, 3), "thread"),
+             (17, 200, 2048, (32, 1, 1, 2), "warp"), (17, 200, 2048, (32, 1, 1, 2), "thread")]  # fmt: skip
+    cases_all = cases
+    if "--one" in sys.argv:  # racecheck: thread form, two warpgroups; tensor; three; warp, reused slots
+        cases = [cases[0], cases[10], cases[13], cases[14]]
     # the x gather (the GEMM copies x [M, K] itself): odd M, a part last chunk, x a column slice
-    gathered = [(9, 328, 720, (16, 1, 2, 3), "tensor"), (17, 200, 336, (32, 1, 1, 2), "warp")]
+    gathered = [
+        (9, 328, 720, (16, 1, 2, 3), "tensor"),
+        (17, 200, 336, (32, 1, 1, 2), "warp"),
+        (17, 200, 2048, (32, 1, 1, 2), "warp"),
+    ]
+    runs = [(c, False) for c in cases] + [(c, True) for c in gathered]
+    for i, arg in enumerate(sys.argv):  # --pick 6,15: those of the full list (cases, then gathered) alone
+        if arg == "--pick":
+            every = [(c, False) for c in cases_all] + [(c, True) for c in gathered]
+            runs = [every[int(j)] for j in sys.argv[i + 1].split(",")]
     bad = 0
-    for m, n, k, cfg, producer in cases + gathered:
+    for (m, n, k, cfg, producer), gather in runs:
         g = torch.Generator().manual_seed(m + n + k)
         q = quantize_nvfp4(torch.randn(n, k, generator=g))
         tw = prepare_nvfp4_weight(q.weight.cuda(), q.weight_scale.cuda(), q.weight_scale_2.cuda(), "tiled128")
-        gather = (m, n, k, cfg, producer) in gathered
         x = torch.randn(m, k + 8 * gather, generator=g).to(torch.bfloat16).cuda()[:, :k]
         y = sm90.nvfp4_sm90_gemm(
             x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, producer=producer, gather=gather
