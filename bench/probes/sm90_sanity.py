@@ -21,9 +21,35 @@ import sys
 import torch
 
 
-def main() -> int:
+def run_case(m: int, n: int, k: int, cfg, producer: str, gather: bool) -> tuple[bool, str]:
+    """One GEMM of random NVFP4 weights [n, k] and bf16 x [m, k] (with `gather`, x a column slice of a wider
+    tensor) at `cfg` / `producer` against the fp32 reference: (within the bound, the printed line). Bound:
+    3 K fp32 roundings of |x| @ |W| (the sums' order) plus one bf16 rounding of the output."""
     from k3run.formats import dequantize_nvfp4, quantize_nvfp4
     from k3run.kernels.nvfp4_gemm import prepare_nvfp4_weight
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
+    g = torch.Generator().manual_seed(m + n + k)
+    q = quantize_nvfp4(torch.randn(n, k, generator=g))
+    tw = prepare_nvfp4_weight(q.weight.cuda(), q.weight_scale.cuda(), q.weight_scale_2.cuda(), "tiled128")
+    x = torch.randn(m, k + 8 * gather, generator=g).to(torch.bfloat16).cuda()[:, :k]
+    y = sm90.nvfp4_sm90_gemm(
+        x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, producer=producer, gather=gather
+    )
+    torch.cuda.synchronize()
+    wd = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float32)
+    ref = x.float().cpu() @ wd.t()
+    bound = 3 * k * 2.0**-24 * (x.float().abs().cpu() @ wd.abs().t()) + ref.abs() * 2.0**-8
+    err = (y.float().cpu() - ref).abs()
+    rel = float(err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    worst = float((err / bound).max())
+    ok = bool(torch.isfinite(y).all()) and worst <= 1.0
+    form = ("" if producer == "thread" else f" {producer} producer") + (" x gather" if gather else "")
+    verdict = "ok" if ok else "FAIL"
+    return ok, f"{m}x{n}x{k} {cfg}{form}: rel RMS {rel:.2e}, worst error / bound {worst:.2f} {verdict}"
+
+
+def main() -> int:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
     if not sm90.available():
@@ -61,25 +87,9 @@ def main() -> int:
             runs = [every[int(j)] for j in sys.argv[i + 1].split(",")]
     bad = 0
     for (m, n, k, cfg, producer), gather in runs:
-        g = torch.Generator().manual_seed(m + n + k)
-        q = quantize_nvfp4(torch.randn(n, k, generator=g))
-        tw = prepare_nvfp4_weight(q.weight.cuda(), q.weight_scale.cuda(), q.weight_scale_2.cuda(), "tiled128")
-        x = torch.randn(m, k + 8 * gather, generator=g).to(torch.bfloat16).cuda()[:, :k]
-        y = sm90.nvfp4_sm90_gemm(
-            x, tw.weight, tw.scale_bits, tw.global_scale, k, n, config=cfg, producer=producer, gather=gather
-        )
-        torch.cuda.synchronize()
-        wd = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2, dtype=torch.float32)
-        ref = x.float().cpu() @ wd.t()
-        bound = 3 * k * 2.0**-24 * (x.float().abs().cpu() @ wd.abs().t()) + ref.abs() * 2.0**-8
-        err = (y.float().cpu() - ref).abs()
-        rel = float(err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-        worst = float((err / bound).max())
-        ok = bool(torch.isfinite(y).all()) and worst <= 1.0
+        ok, line = run_case(m, n, k, cfg, producer, gather)
         bad += not ok
-        form = ("" if producer == "thread" else f" {producer} producer") + (" x gather" if gather else "")
-        verdict = "ok" if ok else "FAIL"
-        print(f"{m}x{n}x{k} {cfg}{form}: rel RMS {rel:.2e}, worst error / bound {worst:.2f} {verdict}")
+        print(line)
     return 1 if bad else 0
 
 

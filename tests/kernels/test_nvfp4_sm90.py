@@ -1077,3 +1077,14 @@ def test_waves_probe_sizes_its_grids() -> None:
         assert -(-n // (64 * cfg[1])) * -(-m // cfg[0]) == ctas, (ctas, m, cfg)
     with pytest.raises(ValueError, match="token tiles"):
         probe.rows_for(61, 256, (128, 2, 1, 4))
+
+
+def test_release_probe_variant_changes_only_the_release() -> None:
+    """bench/probes/sm90_release.py's build: every consumer lane arrives on the slot it frees (the empty
+    barrier counting 128 a warpgroup), the rest of the GEMM's source unchanged; it refuses a source whose
+    release line moved (a variant that silently kept the shipped release would answer the wrong question)."""
+    probe = bench_module("probes/sm90_release")
+    base, src = sm90.cuda_source(), probe.variant_source()
+    assert probe.RELEASE in base and probe.RELEASE not in src and probe.EVERY in src
+    assert "mbar_init(&empty[i], NWG * 128);" in src and probe.COUNT not in src
+    assert src.replace(probe.EVERY, probe.RELEASE).replace("NWG * 128);", "NWG * 4);") == base
