@@ -1,6 +1,7 @@
 // NVFP4 W4A16 GEMM for Hopper (sm_90a) in CUDA C++: y[M, N] = x[M, K] @ (e2m1(W) * s)^T * gs (+ bias).
 // Token tiles BT 16..256; two consumer warpgroups up to BT 128 (at 256 their 128 accumulators, two A sets and
-// the decode do not fit 232 registers: ptxas serializes the wgmma, C7512).
+// the decode do not fit 232 registers: ptxas serializes the wgmma, C7512); three at BT 128 on the fixed grid,
+// each with one A set (`one_a_set`).
 //
 // Why CUDA C++ (bench/NOTES.md): the Gluon kernel (wgmma.py) cannot keep a chunk's wgmma in flight while the
 // next chunk decodes into registers (its operand copies are not the registers the HGMMA reads: a constant
@@ -11,7 +12,7 @@
 // The product is the swapped one of the Gluon kernel: acc[n, t] = sum_k W[n, k] x[t, k]; the weights are
 // wgmma's A operand (64 rows per consumer warpgroup), a tile of BT tokens its B operand (K-major, 128-byte
 // swizzle). One CTA: NWG consumer warpgroups (BN = 64 NWG weight rows) and a producer (one warp beside one
-// consumer warpgroup, a warpgroup beside two: cta_threads) that issues bulk copies (cp.async.bulk or
+// or three consumer warpgroups, a warpgroup beside two: cta_threads) that issues bulk copies (cp.async.bulk or
 // tensor-map copies, completion on an mbarrier; the producer's forms below) into a ring of STAGES slots; a
 // slot holds one 128-wide K chunk: x [2][BT][64] (already column-permuted and swizzled by `prep_x`), the
 // tiled128 words of NWG * 4 16-row blocks (1 KB each) and their scale bytes (128 B each).
@@ -22,7 +23,8 @@
 // + e, so x's columns are permuted the same way (`rs_columns` in wgmma.py) and the product is unchanged.
 // Per chunk: wait for the slot, decode into the free A set, fence, 8 async wgmma (m64nBTk16), commit, wait
 // until only this chunk's group is in flight (so the previous chunk's A set and slot are free), release the
-// previous slot. Epilogue: gs * 2^7 (the decoder's weights are e2m1 * s * 2^-7), bias, one rounding.
+// previous slot (with one A set: wait until no group is in flight, release this chunk's slot). Epilogue:
+// gs * 2^7 (the decoder's weights are e2m1 * s * 2^-7), bias, one rounding.
 // Split-K: fp32 partials per consumer thread; the last CTA of a tile sums them in split order, finishes the
 // tile and resets the counter. The counter is CUTLASS's semaphore pattern: a barrier orders the CTA's partial
 // stores before one thread's acq_rel atomic (release, cumulative over what the barrier ordered; acquire for
@@ -306,8 +308,8 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
 //@@WGMMA@@
 
 // A chunk's 8 wgmma (m64nBTk16) on the A set `a` and the chunk's x tile (`x_off` bytes past the tile of B
-// descriptor `desc0`) as one group, then a wait until only this group is in flight (the previous chunk's A set
-// and slot are free).
+// descriptor `desc0`) as one group, then a wait until at most IN_FLIGHT groups are in flight: 1, this one (the
+// previous chunk's A set and slot are free); 0 where a warpgroup has one A set.
 template <int BT, bool BF16, int IN_FLIGHT = 1>
 __device__ __forceinline__ void issue_chunk(uint64_t desc0, uint32_t x_off, float (&acc)[BT / 2],
                                             uint32_t (&a)[32]) {
@@ -440,7 +442,8 @@ struct Slot {
 // registers (a quarter of the SM's registers a scheduler, and 4 warps on one of them), which the 64
 // accumulators and two A sets do not fit (ptxas serializes the wgmma, C7511). So each warpgroup decodes into
 // one A set and waits for its chunk's group before the next decode; the other two warpgroups' groups keep
-// the tensor core busy meanwhile.
+// the tensor core busy meanwhile (on an H100 a three-warpgroup CTA did 1.5x a two-warpgroup tile's work in
+// 1.48x its time: bench/NOTES.md, session 46).
 template <int NWG>
 __host__ __device__ constexpr bool one_a_set() {
   return NWG == 3;
@@ -499,7 +502,9 @@ static_assert(PRODUCER_THREAD < PRODUCER_WARP && PRODUCER_WARP < PRODUCER_TENSOR
 // Threads of a CTA: NWG consumer warpgroups, then the producer. With two consumer warpgroups the producer is a
 // whole warpgroup (setmaxnreg, which moves its registers to the consumers, acts on warpgroups); with one it is
 // a single warp, so a CTA holds 5 warps and more CTAs fit an SM: the consumers' decode is latency-bound (ncu:
-// ~2 warps a scheduler at 2 CTAs of 256 threads), and 3 CTAs of 160 threads fit.
+// ~2 warps a scheduler at 2 CTAs of 256 threads), and 3 CTAs of 160 threads fit. With three it is a single warp
+// too: ptxas allocates the launch's register cap to every thread whatever setmaxnreg moves later (512
+// threads: 128, serialized wgmma), so the producer warpgroup's registers would only be lost.
 template <int NWG>
 constexpr int cta_threads() {
   return NWG == 1 ? 160 : NWG == 3 ? 3 * 128 + 32 : (NWG + 1) * 128;
