@@ -16,6 +16,8 @@ the fp32 reference on every cell.
 
     PYTHONPATH=src python3 bench/bench_sm90_gemm.py [--shapes 7168x7168,...] [--ms 16,64] [--peers .peers]
         [--no-sweep] [--configs '128,3,1,4;128,2,1,4' (these in place of the sweep, at every M)] [--verbose]
+        [--sustain 1.5 (the default config and cuBLAS also back to back for 1.5 s each, with the SM clock and
+        power nvidia-smi saw: the power cap a prefill runs at; the short timings above catch the clock high)]
 """
 
 # ruff: noqa: B023
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wgmma import PEAK_BF16, _weights, marlin_pass, start_marlin_build  # noqa: E402
-from common import copies_for, copy_bandwidth, graph_ms  # noqa: E402
+from common import SmiSampler, copies_for, copy_bandwidth, graph_ms, rotating, sustain  # noqa: E402
 
 
 def _time(fns: list, est_ms: float = 0.05) -> float:
@@ -59,7 +61,7 @@ def _sweep(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False):
+def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False, sampler=None, seconds=0.0):
     from k3run.kernels.nvfp4_gemm import GemmConfig, choose_config, nvfp4_linear, sm_count
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
     from k3run.kernels.nvfp4_gemm.wgmma import nvfp4_wgmma_gemm
@@ -105,6 +107,12 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False):
         r["decode"] = _time([lambda w=w: nvfp4_linear(x, w, config=dcfg) for w in ws])
     r["dequant"] = _time([lambda w=w: nvfp4_linear(x, w, config=GemmConfig(dequant_mm=True)) for w in ws])
     r["cublas"] = _time([lambda w=w: x @ w.t() for w in wb])
+    if sampler is not None:  # back to back for `seconds`: the clock and power a prefill would hold
+        r["cuda_sus"], r["cuda_held"] = sustain(rotating(cuda(None)), seconds, sampler)
+        r["cublas_sus"], r["cublas_held"] = sustain(
+            rotating([lambda w=w: x @ w.t() for w in wb]), seconds, sampler
+        )
+        r["cuda_sus"], r["cublas_sus"] = r["cuda_sus"] * 1e3, r["cublas_sus"] * 1e3
     wbytes = n * k * (0.5 + 1 / 16)
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
@@ -113,7 +121,12 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False):
         f"{r['warp']:7.1f} / {r['tensor']:7.1f} best {best[0]:7.1f} {best[1]} "
         f"gluon {r['gluon']:7.1f} decode {r.get('decode', float('nan')):7.1f} dequant {r['dequant']:7.1f} "
         f"cuBLAS {r['cublas']:7.1f} ceiling {r['ceiling']:6.1f} err {r['err']:.1e}"
-        + (f" x gather on / off {r['gather_on']:7.1f} / {r['gather_off']:7.1f}" if "gather_on" in r else ""),
+        + (f" x gather on / off {r['gather_on']:7.1f} / {r['gather_off']:7.1f}" if "gather_on" in r else "")
+        + (
+            f" sustained cuda / cuBLAS {r['cuda_sus']:7.1f} / {r['cublas_sus']:7.1f}"
+            if "cuda_sus" in r
+            else ""
+        ),
         flush=True,
     )
     return r
@@ -137,6 +150,9 @@ def main() -> None:
     ap.add_argument(
         "--configs", default="", help="'BT,NWG,SPLIT,STAGES;...': time these instead of the sweep, at every M"
     )
+    ap.add_argument(
+        "--sustain", type=float, default=0.0, help="also S seconds back to back: default and cuBLAS"
+    )
     args = ap.parse_args()
     given = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
     build = start_marlin_build(args.peers)
@@ -151,6 +167,7 @@ def main() -> None:
     print(
         f"{torch.cuda.get_device_name()}, copy {copy_tbs:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s"
     )
+    sampler = SmiSampler() if args.sustain > 0 else None
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     rows = []
@@ -162,7 +179,9 @@ def main() -> None:
             sweep = [] if args.no_sweep or m > 256 else _sweep(m, n, k)
             if given:
                 sweep = [c for c in given if sm90.config_ok(*c, chunks)]
-            rows.append(_cell(n, k, m, wd, ws, wb, copy_tbs, sweep, args.verbose, warm=m == ms[0]))
+            rows.append(
+                _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, args.verbose, m == ms[0], sampler, args.sustain)
+            )
         del ws, wb
         torch.cuda.empty_cache()
     if build is not None:
@@ -189,6 +208,22 @@ def main() -> None:
             f"{r['gluon'] / r['best']:.2f} | "
             f"{r['flops'] / r['best'] / 1e6:.0f} | {r['err']:.1e} |"
         )
+    if sampler is not None:
+        sampler.close()
+        print()
+        print(
+            "| N x K | M | sustained: CUDA default | cuBLAS bf16 | x cuBLAS | held MHz / W: CUDA | cuBLAS |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            held = [
+                r[h] and f"{r[h]['mhz']:.0f} / {r[h]['watts']:.0f}" or "-"
+                for h in ("cuda_held", "cublas_held")
+            ]
+            print(
+                f"| {r['shape']} | {r['m']} | {r['cuda_sus']:.1f} | {r['cublas_sus']:.1f} | "
+                f"{r['cublas_sus'] / r['cuda_sus']:.2f} | {held[0]} | {held[1]} |"
+            )
 
 
 if __name__ == "__main__":

@@ -130,6 +130,14 @@ class SmiSampler:
             self.proc.terminate()
 
 
+def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call of fns in turn per call (the copies that overflow the L2), for `sustain`."""
+    import itertools
+
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
+
+
 def sustain(fn: Callable[[], object], seconds: float, sampler: SmiSampler, settle: float = 0.4):
     """Runs fn back to back (captured as a graph of enough calls for ~20 ms a replay) for `seconds`, and
     returns (ms per call over the whole phase, the sampler's window after the first `settle` seconds): the

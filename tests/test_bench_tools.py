@@ -137,3 +137,26 @@ def test_profile_charges_each_running_instant_to_the_kernel_that_ends_first() ->
     assert adv == {"gemv": 10.0 + 7.0 + 4.0, "norm": 3.0, "kda": 1.0 + 3.0, "side": 2.0}
     busy, _ = probe._busy([(s, e) for s, e, _ in spans])
     assert sum(adv.values()) == busy == 30.0
+
+
+def test_smi_sampler_windows_and_rotating_calls(monkeypatch) -> None:
+    """bench/common.SmiSampler: without nvidia-smi it samples nothing (every window None, close a no-op); a
+    window gives the medians of the samples stamped inside it (clock, power), the hottest temperature and the
+    distinct clock-event reasons. `rotating` calls the functions in turn."""
+    import shutil
+
+    common = bench_module("common")
+    monkeypatch.setattr(shutil, "which", lambda _: None)
+    s = common.SmiSampler()
+    assert s.proc is None and s.window(0.0, 1e9) is None
+    s.close()
+    s.samples = [(1.0, 1980.0, 300.0, 50.0, "0x0"), (2.0, 1500.0, 690.0, 58.0, "0x4"),
+                 (3.0, 1400.0, 700.0, 57.0, "0x4"), (9.0, 900.0, 100.0, 40.0, "0x0")]  # fmt: skip
+    w = s.window(1.5, 3.5)
+    assert w == {"mhz": 1450.0, "watts": 695.0, "temp_c": 58.0, "reasons": ["0x4"], "n": 2}
+    assert s.window(4.0, 8.0) is None
+    calls: list[int] = []
+    f = common.rotating([lambda: calls.append(0), lambda: calls.append(1)])
+    for _ in range(5):
+        f()
+    assert calls == [0, 1, 0, 1, 0]

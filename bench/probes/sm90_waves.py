@@ -23,17 +23,15 @@ cuBLAS bf16's time at the same N, and under --sustain each one's SM clock (MHz) 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_wgmma import _weights  # noqa: E402
-from common import BYTES_PER_NVFP4_WEIGHT, SmiSampler, copies_for, graph_ms, sustain  # noqa: E402
+from common import BYTES_PER_NVFP4_WEIGHT, SmiSampler, copies_for, graph_ms, rotating, sustain  # noqa: E402
 
 
 def rows_for(ctas: int, m: int, cfg: tuple[int, int, int, int]) -> int:
@@ -44,12 +42,6 @@ def rows_for(ctas: int, m: int, cfg: tuple[int, int, int, int]) -> int:
     if ctas % t_tiles:
         raise ValueError(f"{ctas} CTAs is not a multiple of the {t_tiles} token tiles of {m} rows at BT {bt}")
     return ctas // t_tiles * 64 * nwg
-
-
-def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
-    """One call of fns in turn per call (the copies that overflow the L2), for `sustain`."""
-    turn = itertools.cycle(fns)
-    return lambda: next(turn)()
 
 
 def _held(stats: dict[str, object] | None) -> str:
@@ -109,8 +101,8 @@ def main() -> None:
         gbs = n * args.k * BYTES_PER_NVFP4_WEIGHT / us / 1e3
         row: dict[str, object] = {"ctas": c or "default", "n": n, "us": us, "cublas_us": blas_us}
         if sampler is not None:
-            row["sustained_us"], row["held"] = sustain(_rotating(fns), args.sustain, sampler)
-            row["cublas_sustained_us"], row["cublas_held"] = sustain(_rotating(blas), args.sustain, sampler)
+            row["sustained_us"], row["held"] = sustain(rotating(fns), args.sustain, sampler)
+            row["cublas_sustained_us"], row["cublas_held"] = sustain(rotating(blas), args.sustain, sampler)
         rows.append(row)
         rel = f"{us / base:.2f}" if conf is not None and base else "-"
         print(
