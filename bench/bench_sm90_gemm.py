@@ -33,7 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wgmma import PEAK_BF16, _weights, marlin_pass, start_marlin_build  # noqa: E402
-from common import SmiSampler, copies_for, copy_bandwidth, graph_ms, rotating, sustain  # noqa: E402
+from common import (  # noqa: E402
+    SmiSampler,
+    copies_for,
+    copy_bandwidth,
+    graph_ms,
+    held_text,
+    rotating,
+    sustain,
+)
 
 
 def _time(fns: list, est_ms: float = 0.05) -> float:
@@ -112,7 +120,6 @@ def _cell(n, k, m, wd, ws, wb, copy_tbs, sweep, verbose, warm=False, sampler=Non
         r["cublas_sus"], r["cublas_held"] = sustain(
             rotating([lambda w=w: x @ w.t() for w in wb]), seconds, sampler
         )
-        r["cuda_sus"], r["cublas_sus"] = r["cuda_sus"] * 1e3, r["cublas_sus"] * 1e3
     wbytes = n * k * (0.5 + 1 / 16)
     r["ceiling"] = max(wbytes / (copy_tbs * 1e12), r["flops"] / PEAK_BF16) * 1e6
     print(
@@ -216,10 +223,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            held = [
-                r[h] and f"{r[h]['mhz']:.0f} / {r[h]['watts']:.0f}" or "-"
-                for h in ("cuda_held", "cublas_held")
-            ]
+            held = [held_text(r[h]) for h in ("cuda_held", "cublas_held")]
             print(
                 f"| {r['shape']} | {r['m']} | {r['cuda_sus']:.1f} | {r['cublas_sus']:.1f} | "
                 f"{r['cublas_sus'] / r['cuda_sus']:.2f} | {held[0]} | {held[1]} |"

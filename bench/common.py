@@ -138,9 +138,14 @@ def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     return lambda: next(turn)()
 
 
+def held_text(stats: dict[str, object] | None) -> str:
+    """A sampler window as 'MHz / W' for a table cell ('-' without samples)."""
+    return "-" if stats is None else f"{stats['mhz']:.0f} / {stats['watts']:.0f}"
+
+
 def sustain(fn: Callable[[], object], seconds: float, sampler: SmiSampler, settle: float = 0.4):
     """Runs fn back to back (captured as a graph of enough calls for ~20 ms a replay) for `seconds`, and
-    returns (ms per call over the whole phase, the sampler's window after the first `settle` seconds): the
+    returns (us per call over the whole phase, the sampler's window after the first `settle` seconds): the
     clock and power a kernel holds once the GPU's power management has reacted to it."""
     import time
 
@@ -174,4 +179,4 @@ def sustain(fn: Callable[[], object], seconds: float, sampler: SmiSampler, settl
     end.synchronize()
     t1 = time.monotonic()
     del graph
-    return start.elapsed_time(end) / (replays * reps), sampler.window(t0 + settle, t1)
+    return start.elapsed_time(end) * 1e3 / (replays * reps), sampler.window(t0 + settle, t1)

@@ -142,7 +142,8 @@ def test_profile_charges_each_running_instant_to_the_kernel_that_ends_first() ->
 def test_smi_sampler_windows_and_rotating_calls(monkeypatch) -> None:
     """bench/common.SmiSampler: without nvidia-smi it samples nothing (every window None, close a no-op); a
     window gives the medians of the samples stamped inside it (clock, power), the hottest temperature and the
-    distinct clock-event reasons. `rotating` calls the functions in turn."""
+    distinct clock-event reasons (`held_text`: 'MHz / W' for a table). `rotating` calls the functions in
+    turn."""
     import shutil
 
     common = bench_module("common")
@@ -155,6 +156,7 @@ def test_smi_sampler_windows_and_rotating_calls(monkeypatch) -> None:
     w = s.window(1.5, 3.5)
     assert w == {"mhz": 1450.0, "watts": 695.0, "temp_c": 58.0, "reasons": ["0x4"], "n": 2}
     assert s.window(4.0, 8.0) is None
+    assert common.held_text(w) == "1450 / 695" and common.held_text(None) == "-"
     calls: list[int] = []
     f = common.rotating([lambda: calls.append(0), lambda: calls.append(1)])
     for _ in range(5):

@@ -108,6 +108,15 @@ def build_variants(prefix: str, names, source) -> dict:
     return mods
 
 
+def variant_args(prefix: str, names, source):
+    """The variant probes' command line (--shapes, --out) and their builds (`build_variants`):
+    (args, modules by name)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="7168x7168,12288x7168")
+    ap.add_argument("--out", default="")
+    return ap.parse_args(), build_variants(prefix, names, source)
+
+
 @contextlib.contextmanager
 def _using(module):
     """nvfp4_sm90_gemm launches `module`'s kernels (a variant build) inside the block, the GEMM's after."""
@@ -145,11 +154,7 @@ def ring_bytes(m: int, n: int, k: int, cfg: tuple[int, int, int, int]) -> tuple[
 def main() -> None:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="7168x7168,12288x7168")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    mods = build_variants("k3run_sm90_", VARIANTS, feed_source)
+    args, mods = variant_args("k3run_sm90_", VARIANTS, feed_source)
     gemm = sm90._module
     # (column, module, producer form, PDL): the GEMM twice around the others (its pass-to-pass spread)
     runs = (

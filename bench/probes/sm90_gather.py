@@ -17,7 +17,6 @@ Variants (timing only: some lay x out wrong or race, so their outputs are not ch
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wgmma import _weights  # noqa: E402
 from common import BYTES_PER_NVFP4_WEIGHT, copies_for, graph_ms  # noqa: E402
-from sm90_feed import _using, build_variants  # noqa: E402
+from sm90_feed import _using, variant_args  # noqa: E402
 
 FENCE = "    fence_proxy_async_smem();\n  }\n}\n"  # permute_x's last lines
 PERMUTE = "  if (GATHER && r.gather) permute_x<BT>(r.x0 + st * SM::X);\n"
@@ -56,11 +55,7 @@ def variant_source(variant: str) -> str:
 def main() -> None:
     from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="7168x7168,12288x7168")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    mods = build_variants("k3run_sm90_gather_", VARIANTS, variant_source)
+    args, mods = variant_args("k3run_sm90_gather_", VARIANTS, variant_source)
     gemm = sm90._module
     runs = [("off", gemm, False), ("on", gemm, True)] + [(v, mods[v], True) for v in VARIANTS]
     runs.append(("off2", gemm, False))

@@ -31,7 +31,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_wgmma import _weights  # noqa: E402
-from common import BYTES_PER_NVFP4_WEIGHT, SmiSampler, copies_for, graph_ms, rotating, sustain  # noqa: E402
+from common import (  # noqa: E402
+    BYTES_PER_NVFP4_WEIGHT,
+    SmiSampler,
+    copies_for,
+    graph_ms,
+    held_text,
+    rotating,
+    sustain,
+)
 
 
 def rows_for(ctas: int, m: int, cfg: tuple[int, int, int, int]) -> int:
@@ -42,10 +50,6 @@ def rows_for(ctas: int, m: int, cfg: tuple[int, int, int, int]) -> int:
     if ctas % t_tiles:
         raise ValueError(f"{ctas} CTAs is not a multiple of the {t_tiles} token tiles of {m} rows at BT {bt}")
     return ctas // t_tiles * 64 * nwg
-
-
-def _held(stats: dict[str, object] | None) -> str:
-    return "-" if stats is None else f"{stats['mhz']:.0f} / {stats['watts']:.0f}"
 
 
 def main() -> None:
@@ -107,7 +111,7 @@ def main() -> None:
         rel = f"{us / base:.2f}" if conf is not None and base else "-"
         print(
             f"| {c or 'default'} | {n} | {us:.1f} | {rel} | {gbs:.0f} | {blas_us:.1f} | {blas_us / us:.2f} "
-            f"| {_held(row.get('held'))} | {_held(row.get('cublas_held'))} |",  # type: ignore[arg-type]
+            f"| {held_text(row.get('held'))} | {held_text(row.get('cublas_held'))} |",  # type: ignore[arg-type]
             flush=True,
         )
     if sampler is not None:

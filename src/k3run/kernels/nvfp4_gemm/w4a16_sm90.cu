@@ -443,7 +443,7 @@ struct Slot {
 // accumulators and two A sets do not fit (ptxas serializes the wgmma, C7511). So each warpgroup decodes into
 // one A set and waits for its chunk's group before the next decode; the other two warpgroups' groups keep
 // the tensor core busy meanwhile (on an H100 a three-warpgroup CTA did 1.5x a two-warpgroup tile's work in
-// 1.48x its time: bench/NOTES.md, session 46).
+// 1.48x its time: bench/NOTES.md).
 template <int NWG>
 __host__ __device__ constexpr bool one_a_set() {
   return NWG == 3;

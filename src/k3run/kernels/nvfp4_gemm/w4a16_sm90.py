@@ -308,13 +308,12 @@ def three_wg_pays(m: int, n: int, sms: int) -> bool:
     three-warpgroup tiles takes ~1.5x a wave of two-warpgroup ones at the same clock), with two warpgroups'
     grid at its tail split where that applies (a last wave at most half full: half a wave); on a tie, where
     N is a multiple of 192 (no tile's rows wasted), three: each CTA's x then serves 1.5x the rows. Measured
-    on an H100 (bench/RESULTS.md runs 188-191): 12288 x 7168 at 256 rows one wave of 128 CTAs against 1.5
-    waves, 70.2 against 89.6 us; at 4096 rows (a tie) 1201.9 against 1264.9-1285.6; 7168 x 12288 at 4096
-    rows (7168 rows: 38 tiles of 192, the last a third full) 1284.2 against 1188.5."""
+    on an H100 (bench/RESULTS.md), 12288 x 7168: at 256 rows one wave of 128 CTAs against 1.5 waves, 70.2
+    against 89.6 us; at 512 / 1024 rows (ties) 143-144 / 297-301 against 155-156 / 313-319; 7168 x 12288 at
+    4096 rows (7168 rows: 38 tiles of 192, the last a third full) 1284.2 against 1188.5."""
     t_tiles = -(-m // 128)
     tiles2, tiles3 = -(-n // 128) * t_tiles, -(-n // 192) * t_tiles
-    rest = tiles2 % sms
-    waves2 = tiles2 // sms + 0.5 if tiles2 > sms and 0 < rest <= TAIL_BELOW_FILL * sms else -(-tiles2 // sms)
+    waves2 = tiles2 // sms + 0.5 if _tail_wave(tiles2, sms) else -(-tiles2 // sms)
     cost2, cost3 = 2 * waves2, 3 * -(-tiles3 // sms)
     return cost3 < cost2 or (cost3 == cost2 and n % 192 == 0)
 
@@ -328,7 +327,7 @@ def _sm90_config(
     # consumer warpgroups (128 weight rows a CTA); with `three` above 128 rows, three where that pays
     bt = next(b for b in TOKEN_TILES if b >= min(m, 128))
     nwg = 2 if m > TWO_WG_ABOVE_M or (bt == 128 and -(-n // 64) > sms) else 1
-    if three and nwg == 2 and bt == 128 and m > TWO_WG_ABOVE_M and three_wg_pays(m, n, sms):
+    if three and m > TWO_WG_ABOVE_M and three_wg_pays(m, n, sms):  # BT 128, two warpgroups so far
         nwg = 3
     tiles = -(-n // (64 * nwg)) * -(-m // bt)
 
@@ -363,8 +362,7 @@ def _sm90_config(
         tail
         and nwg == 2
         and split == 1
-        and tiles > slots
-        and 0 < tiles % slots <= TAIL_BELOW_FILL * slots
+        and _tail_wave(tiles, slots)
         and chunks % 2 == 0
         and (chunks // 2) % TAIL_PIECES == 0
     ):
@@ -386,6 +384,12 @@ TAIL_PIECES = 2
 TAIL_BELOW_FILL = 0.5
 
 
+def _tail_wave(tiles: int, slots: int) -> bool:
+    """Whether `tiles` one CTA each fill more than one wave of `slots` with a last wave at most
+    TAIL_BELOW_FILL full: where the tail split may cut that wave's tiles in pieces."""
+    return tiles > slots and 0 < tiles % slots <= TAIL_BELOW_FILL * slots
+
+
 # the largest token tile the x gather takes: a consumer thread permutes each slot's row half (2 * BT <= 128)
 GATHER_MAX_BT = 32
 
@@ -401,9 +405,9 @@ def pdl_helps(bt: int, nwg: int, stages: int) -> bool:
 
 def config_ok(bt: int, nwg: int, split: int, stages: int, chunks: int) -> bool:
     """A launch the kernel has: an instantiated (BT, warpgroups) pair (three warpgroups: BT 128 and split_k
-    >= 1 only), split_k dividing the chunks (or 0:
-    stream-K, one warpgroup, an even chunk count; or -s: the tail split in s pieces, s dividing the chunk
-    pairs, one warpgroup or two at BT 128), a ring of >= 2 slots within the shared memory."""
+    >= 1 only), split_k dividing the chunks (or 0: stream-K, one warpgroup, an even chunk count; or -s: the
+    tail split in s pieces, s dividing the chunk pairs, one warpgroup or two at BT 128), a ring of >= 2
+    slots within the shared memory."""
     pair = bt in TOKEN_TILES and nwg in WARPGROUPS and not (nwg == 2 and bt > 128) and (nwg < 3 or bt == 128)
     if nwg == 3 and split < 1:
         return False  # three warpgroups: the fixed grid only
