@@ -3,7 +3,9 @@
 Each row: us per call of the torch version (the baseline, the same launches the model ran before) and of the
 kernel, both timed inside CUDA graphs (common.graph_ms: GPU time, no host launch cost), and
 the bandwidth ceiling: the bytes the operation must read and write at the copy bandwidth measured in the same
-run. Also the expert grouping (`expert_groups`) at the same sizes, and the old and new outputs compared.
+run. Also the expert grouping (`expert_groups`) at the same sizes, its passes form (the baseline column)
+against its atomic form (K3RUN_MOE_GROUPS), each table checked against the reference, and the old and new
+outputs compared.
 Needs CUDA.
 
     python3 bench/bench_moe_ops.py [--batches 1,8,16,32,64]
@@ -27,7 +29,8 @@ from k3run.kernels.moe_ops.triton import (
     router_partials,
     sigmoid_topk_triton,
 )
-from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
+from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref, same_groups
+from k3run.knobs import override_knobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, graph_ms  # noqa: E402
@@ -122,11 +125,18 @@ def main() -> None:
                 print(f"{row} {ceil:>10.2f} {ceil / tk:>10.1%}")
             ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).reshape(-1).int()
             bt = 8 if t <= 8 else 16
-            same = torch.equal(expert_groups(ids, e, bt).cpu(), expert_groups_ref(ids, e, bt).cpu())
-            tg = _us(partial(expert_groups, ids, e, bt))
-            label = f"expert_groups ({t * k} picks)"
+            want = expert_groups_ref(ids, e, bt).cpu()
+            times, same = {}, {}
+            for form in ("passes", "atomic"):
+                with override_knobs(moe_groups=form):
+                    got = expert_groups(ids, e, bt).cpu()
+                    same[form] = torch.equal(got, want) if form == "passes" else same_groups(got, want)
+                    times[form] = _us(partial(expert_groups, ids, e, bt))
+            tp, ta = times["passes"], times["atomic"]
+            label = f"expert_groups atomic ({t * k} picks)"
             print(
-                f"{label:<34} {t:>3} {'':>9} {tg:>9.2f}   reference equal: {same}; top-k equal torch's: {ok}"
+                f"{label:<34} {t:>3} {tp:>9.2f} {ta:>9.2f} {tp / ta:>7.2f}x   reference: passes equal "
+                f"{same['passes']}, atomic same groups {same['atomic']}; top-k equal torch's: {ok}"
             )
 
 

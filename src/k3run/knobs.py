@@ -66,6 +66,13 @@ def _sm90_producer(name: str, value: str) -> str:
     return value
 
 
+def _moe_groups(name: str, value: str) -> str:
+    """atomic or passes"""
+    if value not in ("atomic", "passes"):
+        raise _malformed(name, "atomic or passes", value)
+    return value
+
+
 def _by_expert_tile(name: str, value: str) -> int:
     """8, 16 or 32"""
     if value not in ("8", "16", "32"):
@@ -176,6 +183,11 @@ class Knobs:
     moe_by_expert: bool = _knob(
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
+    )  # fmt: skip
+    moe_groups: str = _knob(
+        "K3RUN_MOE_GROUPS", _moe_groups, "passes",
+        "CUDA: how the expert-major decode launches' group table is built (kernels/nvfp4_gemm/groups.py): "
+        "passes (64-pick chunks, picks in order) or atomic (one atomic round for up to 1024 picks)",
     )  # fmt: skip
     moe_fuse_shared: int = _knob(
         "K3RUN_MOE_FUSE_SHARED", _tokens_128, 8,

@@ -192,16 +192,19 @@ def test_gemv_grouped_matches_single_launches(per_row: bool):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", ["passes", "atomic"])
 @pytest.mark.parametrize("t, bt", [(3, 8), (8, 8), (12, 16), (20, 8), (40, 16), (40, 32), (75, 32)])
-def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int):
+def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int, form: str):
     """nvfp4_gemv_by_expert (expert-major groups from expert_groups) gives the bits of nvfp4_gemv_grouped
     (one pick per program) for every pick, zero rows for other ranks' experts, at split_k 1 and 4: a column
     of the token tile is computed exactly as a one-token launch computes it. Token rows as x (slot_div = A,
     GEMM1) and pick rows as x (slot_div = 1, GEMM2). E = 5, N = 520, K = 3504, A = 4 distinct picks per token
     drawn from 7 ids (two of them outside [0, E)); T = 20 / 40 / 75 put more than bt picks on an expert
-    (several groups per expert); bt = 32 is the 32-token tile."""
+    (several groups per expert); bt = 32 is the 32-token tile. Both group-table forms: the atomic one's
+    picks come in the order its atomics land, so the bits must not depend on a pick's column or group."""
     from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
-    from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref
+    from k3run.kernels.nvfp4_gemm.groups import expert_groups, expert_groups_ref, same_groups
+    from k3run.knobs import override_knobs
 
     n_exp, n, k, a = 5, 520, 3504, 4
     ps = [prepare_nvfp4_weight(*_random_nvfp4(n, k, device="cuda"), layout="tiled128") for _ in range(n_exp)]
@@ -211,8 +214,10 @@ def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int):
     g = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(n_exp + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1)
     ids = ids.to(torch.int32).cuda()
-    grp = expert_groups(ids, n_exp, bt)
-    assert torch.equal(grp.cpu(), expert_groups_ref(ids.cpu(), n_exp, bt))
+    with override_knobs(moe_groups=form):
+        grp = expert_groups(ids, n_exp, bt)
+    want_grp = expert_groups_ref(ids.cpu(), n_exp, bt)
+    assert torch.equal(grp.cpu(), want_grp) if form == "passes" else same_groups(grp, want_grp)
     x = torch.randn(t, k, device="cuda").bfloat16()
     xp = torch.randn(t * a, k, device="cuda").bfloat16()
     for split in (1, 4):
