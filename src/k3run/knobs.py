@@ -99,6 +99,7 @@ def _tokens_up_to(most: int) -> Callable[[str, str], int]:
     return parse
 
 
+_tokens_16 = _tokens_up_to(16)
 _tokens_128 = _tokens_up_to(128)
 _tokens_256 = _tokens_up_to(256)
 
@@ -215,6 +216,12 @@ class Knobs:
         "K3RUN_SM90_CUDA", _flag, True,
         "CUDA sm_90: NVFP4 linears of 17..1024 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one "
         "to 256 rows, dequantize + cuBLAS above)",
+    )  # fmt: skip
+    sm90_gemv: int = _knob(
+        "K3RUN_SM90_GEMV", _tokens_16, 0,
+        "CUDA sm_90: dense NVFP4 linears of up to this many rows (at most 16; K a multiple of 128) on the "
+        "CUDA C++ decode GEMV (mma.sync on operands loaded straight into registers) instead of the Gluon "
+        "one (0: never)",
     )  # fmt: skip
     sm90_stream_k: int = _knob(
         "K3RUN_SM90_STREAM_K", _tokens_256, 0,

@@ -379,6 +379,104 @@ def test_gpu_linear_takes_it_above_256_rows(monkeypatch, m) -> None:
     assert calls == [m]
 
 
+# the decode GEMV (gemv_kernel): (m, n, k, split): token tiles of 8 and 16 with columns past M, N padded to
+# 16 rows (200 -> 208), odd and even chunk counts (3: the loop's pair and its tail; 18 = Kimi Linear's 2304),
+# split-K of 3 and 6 (its partials and counters)
+GEMV_CASES = [(1, 200, 384, 1), (3, 1000, 2304, 3), (8, 208, 384, 3), (9, 200, 2304, 6), (16, 1024, 2304, 1),
+              (13, 200, 384, 1)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, split", GEMV_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gemv(poison_empty, m, n, k, split, dtype) -> None:
+    """The CUDA decode GEMV against the fp32 reference within the module docstring's bound, per-row and
+    single global scales, with and without a bias; ten calls give the same bits (the split-K partials summed
+    in split order whichever warp arrives last)."""
+    _need_kernel()
+
+    def gemv(x, tw, b):
+        return sm90.nvfp4_sm90_gemv(x, tw.weight, tw.scale_bits, tw.global_scale, k, n, b, split_k=split)
+
+    for per_row, bias in ((m % 2 == 1, True), (m % 2 == 0, False)):
+        check_tiled_gemm(gemv, f"sm90 gemv split {split}", m, n, k, dtype, per_row, bias)
+    w, s_, gs = _random_nvfp4(n, k, "cuda", True, seed=3)
+    tw = prepare_nvfp4_weight(w, s_, gs, layout="tiled128")
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    first = gemv(x, tw, None)
+    assert all(torch.equal(gemv(x, tw, None), first) for _ in range(10))
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_pdl_chain_in_a_graph_equals_plain_launches() -> None:
+    """Back-to-back GEMV launches with PDL (each reads the previous one's output), captured in a CUDA graph
+    and replayed, give the bits of plain launches: no launch reads x before its predecessor has written it."""
+    _need_kernel()
+    k = n = 1024
+    w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=4)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = (torch.randn(5, k, device="cuda") * 0.1).to(torch.bfloat16)
+
+    def chain(pdl):
+        y = x
+        for _ in range(6):
+            y = sm90.nvfp4_sm90_gemv(y, tw.weight, tw.scale_bits, tw.global_scale, k, n, split_k=2, pdl=pdl)
+            y = y * 0.05
+        return y
+
+    plain = chain(False)
+    _graph_replays_equal(lambda: chain(True), plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_linear_takes_the_gemv_where_enabled(monkeypatch, m) -> None:
+    """With K3RUN_SM90_GEMV=16 nvfp4_linear runs up to 16 rows of a tiled128 weight with K % 128 == 0 on the
+    CUDA GEMV (within the bound of the fp32 reference), and K = 336 on the Gluon kernel; with 0, never."""
+    from k3run.kernels.nvfp4_gemm import nvfp4_linear
+
+    _need_kernel()
+    calls: list[int] = []
+    real = sm90.nvfp4_sm90_gemv
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sm90, "nvfp4_sm90_gemv", spy)
+    for k, env, want in ((2304, "16", [m]), (336, "16", []), (2304, "0", [])):
+        monkeypatch.setenv("K3RUN_SM90_GEMV", env)
+        reset_knobs()
+        calls.clear()
+        w, s, gs = _random_nvfp4(1000, k, "cuda", False, seed=7)
+        tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        y = nvfp4_linear(x, tw)
+        assert calls == want, (k, env)
+        wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+        ref = (x.float() @ wd.t()) * gs.reshape(1, -1)
+        assert bool(((y.float() - ref).abs() <= _bound(x, wd, gs, ref, torch.bfloat16)).all()), (k, env)
+    monkeypatch.delenv("K3RUN_SM90_GEMV")
+    reset_knobs()
+
+
+def test_gemv_takes_up_to_its_knob_and_whole_chunks(monkeypatch) -> None:
+    """gemv_takes: 1..K3RUN_SM90_GEMV rows (at most GEMV_MAX_M) and K a multiple of 128; off by default."""
+    assert not sm90.gemv_takes(1, 2304)
+    try:
+        monkeypatch.setenv("K3RUN_SM90_GEMV", "8")
+        reset_knobs()
+        assert sm90.gemv_takes(1, 2304) and sm90.gemv_takes(8, 7168)
+        assert not sm90.gemv_takes(9, 2304) and not sm90.gemv_takes(4, 336) and not sm90.gemv_takes(0, 2304)
+        monkeypatch.setenv("K3RUN_SM90_GEMV", "17")
+        reset_knobs()
+        with pytest.raises(ValueError, match="K3RUN_SM90_GEMV"):
+            knobs()
+    finally:
+        monkeypatch.delenv("K3RUN_SM90_GEMV")
+        reset_knobs()
+
+
 def test_large_matrices_only(monkeypatch) -> None:
     """The kernel takes K3's matrices (7168 x 7168 and up), not Kimi Linear's (at most 12448 x 2304), and
     none with K3RUN_SM90_CUDA=0."""
@@ -399,6 +497,8 @@ def test_refuses_bad_input() -> None:
     gs = torch.ones(1)
     with pytest.raises(ValueError, match="bf16/fp16"):
         sm90.nvfp4_sm90_gemm(torch.zeros(4, 128), w, s, gs, 128, 32)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        sm90.nvfp4_sm90_gemv(torch.zeros(4, 128), w, s, gs, 128, 32)
 
 
 @pytest.mark.parametrize(
@@ -783,6 +883,31 @@ def test_keeps_a_chunk_in_flight_with_no_register_hazard(standalone_build) -> No
         assert waits and all(w.endswith(depth) for w in waits), (f.split("\n")[0], waits)
         assert sum("HGMMA" in i for i in body) == 16
         assert all(re.search(r"HGMMA\.\S+\s+R\d+,\s+R\d+,", i) for i in body if "HGMMA" in i)
+
+
+def test_gemv_loop_is_short_and_waits_before_x(standalone_build) -> None:
+    """The decode GEMV's SASS: its K loop (two chunks an iteration) holds the chunks' mma.sync (HMMA.16816:
+    2 x 8 x BT / 8), no shared memory or barrier, and at most 2 x 160 (BT 16) / 2 x 150 (BT 8) instructions
+    (the Gluon kernel's loop: 248 / 202 a chunk); the codes and scales may be read before griddepcontrol.wait
+    (ACQBULK), x (the cached loads) only after it; one atomic (split-K), no seq_cst fence, the next launch
+    let go (PREEXIT)."""
+    _, sass = standalone_build
+    gemv = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w11gemv_kernel")]
+    assert len(gemv) == 2
+    for f in gemv:
+        name = f.split("\n")[0]
+        bt = 8 if "gemv_kernelILi8E" in name else 16
+        code = _sass_code(f)
+        lo, hi = max(_loops(code), key=lambda r: r[1] - r[0])
+        body = [i for a, i in code if lo <= a <= hi]
+        assert sum("HMMA.16816" in i for i in body) == 2 * 8 * bt // 8, name
+        assert not any(re.search(r"\b(LDS|STS|BAR)\b", i) for i in body), name
+        assert len(body) <= 2 * (170 if bt == 16 else 156), (name, len(body))
+        ins = [i for _, i in code]
+        wait = next(j for j, i in enumerate(ins) if "ACQBULK" in i)
+        x_loads = [j for j, i in enumerate(ins) if re.search(r"\bLDG\S*CONSTANT", i) and ".NA" not in i]
+        assert x_loads and min(x_loads) > wait, name
+        assert sum("ATOMG" in i for i in ins) == 1 and "MEMBAR.SC" not in f and "PREEXIT" in f, name
 
 
 def test_k_loop_overheads_stay_out(standalone_build) -> None:

@@ -114,8 +114,17 @@ def _disable_wgmma(err: Exception) -> None:
 
 
 def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
-    """The Gluon decode kernel, one launch per 32 rows (its widest token tile)."""
+    """The Gluon decode kernel, one launch per 32 rows (its widest token tile); on sm_90 up to K3RUN_SM90_GEMV
+    rows of a tiled128 weight the CUDA C++ decode GEMV (w4a16_sm90.nvfp4_sm90_gemv) at the same split_k."""
+    from . import w4a16_sm90
     from .gluon_gemv import nvfp4_gemv
+
+    half = x2.dtype in (torch.bfloat16, torch.float16)
+    if w.layout == "tiled128" and half and w4a16_sm90.gemv_takes(x2.shape[0], w.k):
+        if w4a16_sm90.available(x2.device):
+            return w4a16_sm90.nvfp4_sm90_gemv(
+                x2, w.weight, w.scale_bits, w.global_scale, w.k, w.n, bias, split_k=cfg.split_k
+            )
 
     parts = [
         nvfp4_gemv(

@@ -225,8 +225,11 @@ __device__ __forceinline__ void scale_pair(uint32_t s16, uint32_t& sl, uint32_t&
   uint32_t sc;
   asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(sc) : "r"(s16));
   sc = BF16 ? (sc >> 3) + 0x73807380u : sc + 0x1C001C00u;
-  sl = (sc & 0xFFFFu) * 0x10001u;
-  sh = (sc >> 16) * 0x10001u;
+  // each half duplicated as PTX register halves: ptxas reads them as the multiplies' .H0_H0 / .H1_H1 operand
+  // selectors, no instruction of their own
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\nmov.b32 %0, {lo, lo};\nmov.b32 %1, {hi, hi};\n}"
+      : "=r"(sl), "=r"(sh)
+      : "r"(sc));
 }
 
 __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b, bool bf16) {
@@ -785,6 +788,192 @@ __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, in
   *reinterpret_cast<uint4*>(xt + size_t(idx) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
+// ---- The decode GEMV (M <= 16): mma.sync on registers loaded straight from global memory ----
+// y[M, N] = x[M, K] @ (e2m1(W) * s)^T * gs (+ bias) for up to 16 tokens (BT 8 or 16: one or two n-tiles of
+// mma.sync m16n8k16), the weights the A operand as in the GEMM above. One warp a 16-row block and K split
+// (blockIdx.y of `split`); no shared memory, no CTA barrier. Lane 4g + t owns rows g and g + 8 of the block
+// and words 4t..4t+3 of each row's chunk: tiled128 stores a row's 16 words of a chunk contiguously, so one
+// 16-byte load a row a chunk, straight into registers, the next chunk's issued before this one's decode;
+// decode_chunk's A set (k-step b: physical k 16t + 4b + 2p + e, low half; 4 + b: the same + 64). The B
+// operand of k-step b for token n = 8j + g (n-tile j) is x[n][16t + 4b + 0..3]: the lane loads x[n][16t ..
+// 16t + 15] and x[n][64 + 16t ..] (four 16-byte loads an n-tile a chunk), and k-step b's two B registers are
+// words 2b and 2b + 1 of the first pair (4 + b: of the second), with no register moves. The low and high
+// halves accumulate apart (two chains of 4 mma a chunk an n-tile, not one of 8) and are added at the end.
+// Tokens past M re-read row M - 1 and are never stored. Split-K as the GEMM's: fp32 partials [split][rows]
+// [BT], the warp's __syncwarp orders its stores before lane 0's acq_rel arrival; the last arrival sums the
+// partials in split order, finishes, resets the counter. PDL: the first chunk's codes and scales are loaded
+// before griddepcontrol.wait (they do not depend on the previous kernel), x and every write after it; the
+// next kernel may launch once the K loop is done.
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {  // read once: keep L1 for x
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ldg_u16(const uint16_t* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if (BF16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Warps a CTA of the GEMV (one 16-row block each) and CTAs an SM asked of ptxas (it caps the registers to fit).
+constexpr int GEMV_WARPS = 1;
+template <int BT>
+constexpr int gemv_min_ctas() {
+  return BT == 8 ? 32 : 24;
+}
+
+template <int BT, bool BF16>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
+    gemv_kernel(const uint4* __restrict__ w, const uint16_t* __restrict__ s, const uint4* __restrict__ x,
+                int ldx16, const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias,
+                void* __restrict__ y, int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N,
+                int row_blocks, int CH, int nch, int split) {
+  using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
+  constexpr int NT = BT / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rb = blockIdx.x * GEMV_WARPS + int(threadIdx.x >> 5);
+  if (rb >= row_blocks) return;  // a whole warp: nothing below waits for another warp
+  const int c0 = int(blockIdx.y) * nch;
+  // a block's chunk: 1 KB of words (64 uint4; row r's at 4r..4r+3) and 128 B of scales (64 uint16; row r's
+  // 8 bytes at 4r..4r+3, TILED_SCALE_ORDER: groups t and t + 4, this lane's pair, at uint16 4r + so)
+  const size_t blk = size_t(rb) * CH + c0;
+  const uint4* wp = w + blk * 64 + 4 * g + t;
+  const uint16_t* sp = s + blk * 64 + 4 * g + (t & 1) * 2 + (t >> 1);
+  const uint4* xp[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xp[j] = x + size_t(min(8 * j + g, M - 1)) * ldx16 + size_t(c0) * 16 + 2 * t;
+
+  float acc[NT][2][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][h][i] = 0.f;
+  // one chunk: x loads, the next chunk's codes and scales into (na, nb, ns0, ns1) where `more`, the decode
+  // and the mma of the chunk in (qa, qb, s0, s1); every pointer advances by a chunk
+  auto chunk = [&](const uint4& qa, const uint4& qb, uint32_t s0, uint32_t s1, uint4& na, uint4& nb,
+                   uint32_t& ns0, uint32_t& ns1, bool more) {
+    uint4 xv[NT][4];  // per n-tile: x[n][16t ..+7], [+8 ..+15], [64 + 16t ..], [64 + 16t + 8 ..]
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      xv[j][0] = __ldg(xp[j]);
+      xv[j][1] = __ldg(xp[j] + 1);
+      xv[j][2] = __ldg(xp[j] + 8);
+      xv[j][3] = __ldg(xp[j] + 9);
+      xp[j] += 16;
+    }
+    wp += 64;
+    sp += 64;
+    if (more) {
+      na = ldg_stream(wp);
+      nb = ldg_stream(wp + 32);
+      ns0 = ldg_u16(sp);
+      ns1 = ldg_u16(sp + 32);
+    }
+    uint32_t sl0, sh0, sl1, sh1;
+    scale_pair<BF16>(s0, sl0, sh0);
+    scale_pair<BF16>(s1, sl1, sh1);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      uint32_t d0[4], d1[4];
+      decode_word<BF16>(word_of(qa, b), sl0, sh0, d0);
+      decode_word<BF16>(word_of(qb, b), sl1, sh1, d1);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint4& lo = xv[j][b >> 1];  // words 2b, 2b + 1 of the low run
+        const uint4& hi = xv[j][2 + (b >> 1)];
+        const int q = 2 * (b & 1);
+        mma16816<BF16>(acc[j][0], d0[0], d1[0], d0[1], d1[1], word_of(lo, q), word_of(lo, q + 1));
+        mma16816<BF16>(acc[j][1], d0[2], d1[2], d0[3], d1[3], word_of(hi, q), word_of(hi, q + 1));
+      }
+    }
+  };
+  // two register sets for the codes and scales, alternating, so no chunk copies one into the other
+  uint4 qa = ldg_stream(wp), qb = ldg_stream(wp + 32), ra, rbq;  // rows g and g + 8
+  uint32_t s0 = ldg_u16(sp), s1 = ldg_u16(sp + 32), r0, r1;
+  pdl_wait();
+  int c = 0;
+#pragma unroll 1
+  for (; c + 2 <= nch; c += 2) {
+    chunk(qa, qb, s0, s1, ra, rbq, r0, r1, true);
+    chunk(ra, rbq, r0, r1, qa, qb, s0, s1, c + 2 < nch);
+  }
+  if (c < nch) chunk(qa, qb, s0, s1, ra, rbq, r0, r1, false);
+  pdl_launch_dependents();
+
+  // accumulator i of n-tile j: row g (i < 2) or g + 8, token 8j + 2t + (i & 1)
+  float v[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[j][i] = acc[j][0][i] + acc[j][1][i];
+  const int rows = row_blocks * 16;
+  if (split > 1) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        ws[(size_t(blockIdx.y) * rows + rb * 16 + g + 8 * (i >> 1)) * BT + 8 * j + 2 * t + (i & 1)] = v[j][i];
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) {
+      int old;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + rb) : "memory");
+      last = old == split - 1;
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) return;
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const size_t at = size_t(rb * 16 + g + 8 * (i >> 1)) * BT + 8 * j + 2 * t + (i & 1);
+        float sum = 0.f;
+        for (int p = 0; p < split; ++p) sum += __ldcg(ws + size_t(p) * rows * BT + at);
+        v[j][i] = sum;
+      }
+    if (lane == 0) cnt[rb] = 0;  // the next launch reads it only after this one completes
+  }
+  const float* gsp = gs;
+  T* yp = static_cast<T*>(y);
+  const T* bp = static_cast<const T*>(bias);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rb * 16 + g + 8 * h;
+    if (r >= N) continue;
+    const float f = gsp[per_col_gs ? r : 0] * 128.f;  // the decoder's weights are e2m1 * s * 2^-7
+    const float b0 = bp ? to_float(bp[r]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = 8 * j + 2 * t + e;
+        if (n < M) yp[size_t(n) * ldy + r] = from_float<T>(v[j][2 * h + e] * f + b0);
+      }
+  }
+}
+
 }  // namespace k3w
 
 #ifndef K3W_STANDALONE
@@ -1029,6 +1218,47 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
   TORCH_CHECK(false, "w4a16_gemm: no kernel for BT ", bt, " and ", nwg, " consumer warpgroups",
               sk > 0 ? " with stream-K (one warpgroup, or two at BT 128)" : "");
 }
+void w4a16_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
+                c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
+                int64_t split, bool pdl) {
+  // x [M <= 16, K] (K = the chunks * 128 exactly, 16-byte aligned rows); w, s: tiled128 as uint8
+  const int M = int(x.size(0)), K = int(x.size(1)), N = int(y.size(1));
+  const int row_blocks = int(w.size(0) / 16), CH = int(w.size(1) / 64);
+  TORCH_CHECK(M >= 1 && M <= 16 && y.size(0) == M && N <= row_blocks * 16,
+              "w4a16_gemv: expected 1..16 rows of x and y [M, N <= the weight's padded rows], got x ",
+              x.sizes(), ", y ", y.sizes(), ", ", row_blocks * 16, " weight rows");
+  TORCH_CHECK(K == CH * 128 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "w4a16_gemv: x must be [M, ", CH * 128, "] (the weight's K, a multiple of 128) with 16-byte "
+              "aligned rows, got ", x.sizes(), " stride ", x.strides());
+  TORCH_CHECK(split >= 1 && CH % split == 0, "w4a16_gemv: split_k ", split, " must divide the ", CH, " chunks");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
+              "w4a16_gemv: the codes and scales must start 16-byte aligned");
+  const int bt = M <= 8 ? 8 : 16;
+  TORCH_CHECK(split == 1 || (ws.numel() >= split * row_blocks * 16 * bt && cnt.numel() >= row_blocks),
+              "w4a16_gemv: split-K needs ", split * row_blocks * 16 * bt, " partials and ", row_blocks,
+              " counters");
+  const bool bf16 = y.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "w4a16_gemv: x and y must have one dtype");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid((row_blocks + k3w::GEMV_WARPS - 1) / k3w::GEMV_WARPS, int(split));
+  const void* bp = bias.has_value() ? bias->data_ptr() : nullptr;
+  float* wsp = split > 1 ? ws.data_ptr<float>() : nullptr;
+  int* cntp = split > 1 ? cnt.data_ptr<int>() : nullptr;
+  const uint4* wq = reinterpret_cast<const uint4*>(w.data_ptr());
+  const uint16_t* sq = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  const uint4* xq = reinterpret_cast<const uint4*>(x.data_ptr());
+#define K3W_GEMV(B, F)                                                                                       \
+  k3w::launch_kernel(k3w::gemv_kernel<B, F>, grid, 32 * k3w::GEMV_WARPS, 0, stream, pdl, wq, sq, xq,           \
+                     int(x.stride(0) / 8), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),      \
+                     int(y.stride(0)), wsp, cntp, M, N, row_blocks, CH, CH / int(split), int(split));
+  if (bt == 8 && bf16) K3W_GEMV(8, true)
+  else if (bt == 8) K3W_GEMV(8, false)
+  else if (bf16) K3W_GEMV(16, true)
+  else K3W_GEMV(16, false)
+#undef K3W_GEMV
+}
 #endif
 
 #ifdef K3W_STANDALONE
@@ -1050,5 +1280,11 @@ K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, tr
 K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true) K3W_INST(128, 2, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
                                                             __nv_bfloat16*, int);
+#define K3W_GEMV_INST(B, F)                                                                                 \
+  template __global__ void k3w::gemv_kernel<B, F>(const uint4*, const uint16_t*, const uint4*, int, const float*, \
+                                                  int, const void*, void*, int, float*, int*, int, int, int, int,  \
+                                                  int, int);
+K3W_GEMV_INST(8, true) K3W_GEMV_INST(16, true)
+#undef K3W_GEMV_INST
 #undef K3W_INST
 #endif

@@ -79,12 +79,15 @@ def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, int64_t M, "
         "int64_t N, int64_t bt, int64_t nwg, int64_t split, int64_t stages, int64_t producer, "
         "bool gather, int64_t sk_whole, int64_t sk, bool pdl);\n"
+        "void w4a16_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
+        "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, "
+        "int64_t split, bool pdl);\n"
     )
     return load_inline(
         name=name,
         cpp_sources=decls,
         cuda_sources=cuda_source() if source is None else source,
-        functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm"],
+        functions=["w4a16_smem_bytes", "w4a16_prep_x", "w4a16_gemm", "w4a16_gemv"],
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=False,
     )
@@ -516,4 +519,55 @@ def nvfp4_sm90_gemm(
     form = PRODUCERS.index(_producer(name, sk, nwg))
     args = (m, n, bt, nwg, max(split, 0), stages, form, gather, whole, sk, pdl)
     _module.w4a16_gemm(xt, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
+    return y
+
+
+# the decode GEMV in this extension (gemv_kernel in the .cu file): up to this many rows, K a multiple of 128
+GEMV_MAX_M = 16
+
+
+def gemv_takes(m: int, k: int) -> bool:
+    """Whether nvfp4_linear may run m rows of a K-wide tiled128 weight on the CUDA decode GEMV (up to
+    K3RUN_SM90_GEMV rows, at most GEMV_MAX_M; its x loads need K = the chunks * 128); `available` still
+    decides whether it can."""
+    return 1 <= m <= min(GEMV_MAX_M, knobs().sm90_gemv) and k % 128 == 0
+
+
+def nvfp4_sm90_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    k: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    split_k: int = 1,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """y [M, n] = x [M, k] @ W^T * global_scale (+ bias) for 1..GEMV_MAX_M rows of bf16 / fp16 x on sm_90,
+    in one launch of the CUDA decode GEMV (the .cu file's gemv_kernel: mma.sync on operands loaded straight
+    into registers, one warp a 16-row block); W tiled128 as for nvfp4_sm90_gemm, k a multiple of 128. The
+    same roundings as the decode kernels (exact decoded weights, fp32 sums, split-K partials added in split
+    order, one rounding), though not their summation order. split_k must divide the k / 128 chunks. pdl:
+    programmatic dependent launch (None: on). Call `available(x.device)` first."""
+    from k3run.kernels.counters import counters
+
+    _check_inputs(x, weight, scale_u8, global_scale, k, n, bias)
+    m = x.shape[0]
+    if not 1 <= m <= GEMV_MAX_M or k % 128:
+        raise ValueError(f"nvfp4 sm90 gemv: takes 1..{GEMV_MAX_M} rows and K % 128 == 0, got M={m}, K={k}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    row_blocks = weight.shape[0] // 16
+    bt = 8 if m <= 8 else 16
+    if split_k > 1:
+        ws = torch.empty((split_k * row_blocks * 16 * bt,), dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, row_blocks)
+    else:
+        ws = cnt = global_scale
+    _module.w4a16_gemv(
+        x, weight, scale_u8, global_scale, bias, y, ws, cnt, split_k, True if pdl is None else pdl
+    )
     return y
