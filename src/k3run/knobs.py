@@ -223,6 +223,11 @@ class Knobs:
         "CUDA C++ decode GEMV (mma.sync on operands loaded straight into registers) instead of the Gluon "
         "one (0: never)",
     )  # fmt: skip
+    sm90_gemv_experts: bool = _knob(
+        "K3RUN_SM90_GEMV_EXPERTS", _flag, False,
+        "CUDA sm_90: NVFP4 routed experts' decode launches (per pick and expert-major, token tiles of 8 and "
+        "16, K a multiple of 128) on the CUDA C++ decode GEMV instead of the Gluon one",
+    )  # fmt: skip
     sm90_stream_k: int = _knob(
         "K3RUN_SM90_STREAM_K", _tokens_256, 0,
         "CUDA sm_90: the CUDA C++ NVFP4 GEMM runs stream-K (every CTA slot of one wave walks an equal share "

@@ -893,7 +893,7 @@ def test_gemv_loop_is_short_and_waits_before_x(standalone_build) -> None:
     let go (PREEXIT)."""
     _, sass = standalone_build
     gemv = [f for f in re.split(r"\n\s+Function : ", sass) if f.startswith("_ZN3k3w11gemv_kernel")]
-    assert len(gemv) == 2
+    assert len(gemv) == 3  # BT 8, BT 16, BT 8 with the activation epilogue
     for f in gemv:
         name = f.split("\n")[0]
         bt = 8 if "gemv_kernelILi8E" in name else 16
@@ -901,7 +901,7 @@ def test_gemv_loop_is_short_and_waits_before_x(standalone_build) -> None:
         lo, hi = max(_loops(code), key=lambda r: r[1] - r[0])
         body = [i for a, i in code if lo <= a <= hi]
         assert sum("HMMA.16816" in i for i in body) == 2 * 8 * bt // 8, name
-        assert not any(re.search(r"\b(LDS|STS|BAR)\b", i) for i in body), name
+        assert not any(re.search(r"\b(LDS|STS|BAR|LDL|STL)\b", i) for i in body), name
         assert len(body) <= 2 * (170 if bt == 16 else 156), (name, len(body))
         ins = [i for _, i in code]
         wait = next(j for j, i in enumerate(ins) if "ACQBULK" in i)
@@ -1213,3 +1213,79 @@ def test_release_probe_variant_changes_only_the_release() -> None:
     assert probe.RELEASE in base and probe.RELEASE not in src and probe.EVERY in src
     assert "mbar_init(&empty[i], NWG * 128);" in src and probe.COUNT not in src
     assert src.replace(probe.EVERY, probe.RELEASE).replace("NWG * 128);", "NWG * 4);") == base
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "t, bt, split", [(1, 8, 1), (3, 8, 4), (8, 8, 1), (12, 16, 2), (40, 16, 7), (75, 8, 1)]
+)
+def test_gpu_gemv_expert_modes(poison_empty, t: int, bt: int, split: int) -> None:
+    """The CUDA GEMV's expert modes: expert-major (one group of `expert_groups`' table a program group) gives
+    the bits of the per-pick mode (each token column of the mma computed alone, the same K order) for every
+    pick, zero rows for other ranks' experts (ids -1 and E), with token rows (slot_div = A, GEMM1) and pick
+    rows (slot_div = 1, GEMM2) as x; both within the module docstring's bound of the fp32 reference (the
+    Gluon launches' products summed in another order). E = 5, N = 520 (528 tiled rows), K = 3584 (28 chunks,
+    split 4 / 7 / 2 dividing them), per-row global scales; T = 40 / 75 put more than bt picks on an expert."""
+    from k3run.kernels.nvfp4_gemm.groups import expert_groups
+
+    _need_kernel()
+    n_exp, n, k, a = 5, 520, 3584, 4
+    ws_ = [_random_nvfp4(n, k, "cuda", True, seed=10 + e) for e in range(n_exp)]
+    ps = [prepare_nvfp4_weight(*w, layout="tiled128") for w in ws_]
+    w = torch.stack([p.weight for p in ps])
+    s = torch.stack([p.scale_bits for p in ps])
+    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(n_exp + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1)
+    ids = ids.to(torch.int32).cuda()
+    grp = expert_groups(ids, n_exp, bt)
+    wd = [
+        dequantize_nvfp4(q, sc, 1.0, dtype=torch.float32) * gsc.reshape(-1, 1).float() for q, sc, gsc in ws_
+    ]
+    for xrows, div in ((t, a), (t * a, 1)):
+        x = torch.randn(xrows, k, device="cuda").to(torch.bfloat16)
+        per_pick = sm90.nvfp4_sm90_gemv_grouped(x, w, s, gs, ids, rows=n, split_k=split)
+        by_exp = sm90.nvfp4_sm90_gemv_by_expert(x, w, s, gs, grp, picks=t * a, slot_div=div, rows=n,
+                                                split_k=split)  # fmt: skip
+        assert torch.equal(by_exp, per_pick), div
+        for p_, e in enumerate(ids.tolist()):
+            row = x[p_ // div].float()
+            if not 0 <= e < n_exp:
+                assert not bool(by_exp[p_].any()), p_
+                continue
+            ref = row @ wd[e].t()
+            bound = _bound(row[None], wd[e], torch.ones(1, device="cuda"), ref[None], torch.bfloat16)[0]
+            assert bool(((by_exp[p_].float() - ref).abs() <= bound).all()), (p_, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [("silu", 1.0, None), ("situ", 4.0, None), ("situ", 4.0, 25.0)])
+def test_gpu_gemv_activation_epilogue(poison_empty, act) -> None:
+    """GEMM1 with the gated activation in the CUDA GEMV's epilogue (8-token tile, per pick and expert-major)
+    against its own GEMM1 then moe_ops' gated kernel: gate and up are the same bits in both (the same
+    kernel's sums, rounded to bf16), then h in fp32; the epilogue's exp is __expf where the gated kernel's
+    is libdevice's (a few fp32 ulps), so h may differ by a bf16 ulp: RTOL[bf16]. 2I = 288 (18 row blocks of
+    gate / up pairs; the gate half ends inside a 16-row block), K = 1024, 2 of 3 experts."""
+    from k3run.kernels.moe_ops.triton import gated_triton
+    from k3run.kernels.nvfp4_gemm.groups import expert_groups
+    from k3run.testing import RTOL, assert_close
+
+    _need_kernel()
+    n_exp, i2, k, t, a = 3, 288, 1024, 4, 2
+    ps = [prepare_nvfp4_weight(*_random_nvfp4(i2, k, "cuda", True, seed=20 + e), layout="tiled128")
+          for e in range(n_exp)]  # fmt: skip
+    w = torch.stack([p.weight for p in ps])
+    s = torch.stack([p.scale_bits for p in ps])
+    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])
+    ids = torch.tensor([0, 2, 2, 1, 0, 1, 2, 0], dtype=torch.int32, device="cuda")
+    grp = expert_groups(ids, n_exp, 8)
+    x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    kind, beta, lb = act
+    for split in (1, 2):
+        gu = sm90.nvfp4_sm90_gemv_grouped(x, w, s, gs, ids, rows=i2, split_k=split)
+        want = gated_triton(gu, kind, beta, lb, torch.bfloat16)
+        got = sm90.nvfp4_sm90_gemv_grouped(x, w, s, gs, ids, rows=i2, split_k=split, act=act)
+        assert_close(f"gemv act {act} per pick, split {split}", want, got, rtol=RTOL[torch.bfloat16])
+        got = sm90.nvfp4_sm90_gemv_by_expert(x, w, s, gs, grp, picks=t * a, slot_div=a, rows=i2,
+                                             split_k=split, act=act)  # fmt: skip
+        assert_close(f"gemv act {act} by expert, split {split}", want, got, rtol=RTOL[torch.bfloat16])

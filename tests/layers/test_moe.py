@@ -627,6 +627,37 @@ def test_gpu_activation_in_gemm1_matches_the_separate_launch(act_name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_gpu_cuda_gemv_experts_match_the_gluon_launches(act_name, monkeypatch):
+    """K3RUN_SM90_GEMV_EXPERTS=1 (the routed experts' decode launches on the CUDA GEMV: per pick at 1 token,
+    expert-major at 4 and 9, the activation in GEMM1's epilogue and apart, every expert local and on EP rank 0
+    of 2) against the Gluon launches: the same products summed in another order, gate / up and h rounded to
+    bf16 in both, so the bound of the tests above (2^-7); the CUDA launches must have run. sm_90 only."""
+    from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+    from k3run.knobs import override_knobs
+    from k3run.layers.moe import fused_experts
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or not sm90.available():
+        pytest.skip("needs an sm_90 GPU and the CUDA extension")
+    calls: list[str] = []
+    for name in ("nvfp4_sm90_gemv_grouped", "nvfp4_sm90_gemv_by_expert"):
+        real = getattr(sm90, name)
+        monkeypatch.setattr(sm90, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    for ep in (NO_TP, TPInfo(0, 2)):
+        ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, ep=ep)
+        for t in (1, 4, x.shape[0]):
+            for act_in in (0, 128):
+                with override_knobs(moe_act_in_gemm1=act_in, sm90_gemv_experts=False):
+                    want = fused_experts(ex, x[:t], ids[:t], weights[:t])
+                calls.clear()
+                with override_knobs(moe_act_in_gemm1=act_in, sm90_gemv_experts=True):
+                    got = fused_experts(ex, x[:t], ids[:t], weights[:t])
+                assert calls, (ep.size, t, act_in)
+                assert_close(f"CUDA GEMV experts {act_name} ep {ep.size} {t} tokens act {act_in}", want, got,
+                             rtol=2.0**-7)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
 @pytest.mark.parametrize("wgmma", [True, False])
 def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, monkeypatch):
     """Prefill sizes (300 tokens, from TILE_FROM_TOKENS) through the grouped tensor-core GEMMs (the wgmma

@@ -958,30 +958,37 @@ class NvFp4Experts(ExpertScheme):
         act = None
         if t <= knobs().moe_act_in_gemm1 and kind in ("silu", "situ"):
             act = (kind, ex.activation.beta or 1.0, ex.activation.linear_beta)
+        from k3run.kernels.nvfp4_gemm import w4a16_sm90 as sm90
+
         if _by_expert(t):  # each picked expert's weights read once for all the tokens that picked it
             bt = by_expert_tile(t, a, ex.num_experts)  # the picks spread over every rank's experts
             grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
-            gu = nvfp4_gemv_by_expert(
+            # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits
+            by_exp = nvfp4_gemv_by_expert
+            if sm90.experts_take(x, bt, act) and i % 128 == 0:
+                by_exp = sm90.nvfp4_sm90_gemv_by_expert
+            gu = by_exp(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
                 all_in_groups=full, act=act,
             )  # fmt: skip
             h = gu if act else ex.gated(gu)
             split2, reg2 = expert_split(bt, d * grp.shape[0], i, sms)
-            y = nvfp4_gemv_by_expert(
+            y = by_exp(
                 h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
                 maxnreg=reg2, all_in_groups=full,
             )  # fmt: skip
         else:
             # every pick's rows count towards one wave
+            grouped = nvfp4_gemv_grouped
+            if sm90.experts_take(x, 8, act) and i % 128 == 0:
+                grouped = sm90.nvfp4_sm90_gemv_grouped
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
-            gu = nvfp4_gemv_grouped(
-                x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act
-            )
+            gu = grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act)
             h = gu if act else ex.gated(gu)
             split2, reg2 = one_wave_split(1, d * t * a, i, sms)
-            y = nvfp4_gemv_grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
+            y = grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
     @staticmethod

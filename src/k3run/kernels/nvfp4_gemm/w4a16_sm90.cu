@@ -791,19 +791,29 @@ __global__ void prep_x_kernel(const T* __restrict__ x, int ldx, int M, int K, in
 // ---- The decode GEMV (M <= 16): mma.sync on registers loaded straight from global memory ----
 // y[M, N] = x[M, K] @ (e2m1(W) * s)^T * gs (+ bias) for up to 16 tokens (BT 8 or 16: one or two n-tiles of
 // mma.sync m16n8k16), the weights the A operand as in the GEMM above. One warp a 16-row block and K split
-// (blockIdx.y of `split`); no shared memory, no CTA barrier. Lane 4g + t owns rows g and g + 8 of the block
-// and words 4t..4t+3 of each row's chunk: tiled128 stores a row's 16 words of a chunk contiguously, so one
-// 16-byte load a row a chunk, straight into registers, the next chunk's issued before this one's decode;
-// decode_chunk's A set (k-step b: physical k 16t + 4b + 2p + e, low half; 4 + b: the same + 64). The B
-// operand of k-step b for token n = 8j + g (n-tile j) is x[n][16t + 4b + 0..3]: the lane loads x[n][16t ..
-// 16t + 15] and x[n][64 + 16t ..] (four 16-byte loads an n-tile a chunk), and k-step b's two B registers are
-// words 2b and 2b + 1 of the first pair (4 + b: of the second), with no register moves. The low and high
-// halves accumulate apart (two chains of 4 mma a chunk an n-tile, not one of 8) and are added at the end.
-// Tokens past M re-read row M - 1 and are never stored. Split-K as the GEMM's: fp32 partials [split][rows]
-// [BT], the warp's __syncwarp orders its stores before lane 0's acq_rel arrival; the last arrival sums the
-// partials in split order, finishes, resets the counter. PDL: the first chunk's codes and scales are loaded
-// before griddepcontrol.wait (they do not depend on the previous kernel), x and every write after it; the
-// next kernel may launch once the K loop is done.
+// (blockIdx.y of `split`); no shared memory, no CTA barrier. Lane 4g + t owns two weight rows (rows g and
+// g + 8 of its block) and words 4t..4t+3 of each row's chunk: tiled128 stores a row's 16 words of a chunk
+// contiguously, so one 16-byte load a row a chunk, straight into registers, the next chunk's issued before
+// this one's decode; decode_chunk's A set (k-step b: physical k 16t + 4b + 2p + e, low half; 4 + b: the
+// same + 64). The B operand of k-step b for token n = 8j + g (n-tile j) is x[n][16t + 4b + 0..3]: the lane
+// loads x[n][16t .. 16t + 15] and x[n][64 + 16t ..] (four 16-byte loads an n-tile a chunk), and k-step b's
+// two B registers are words 2b and 2b + 1 of the first pair (4 + b: of the second), with no register moves.
+// The low and high halves accumulate apart (two chains of 4 mma a chunk an n-tile, not one of 8) and are
+// added at the end. Token columns past M re-read the last token and are never stored.
+// Modes (blockIdx.z): dense (z = 0); one routed pick a z (`ids`: its local expert, outside [0, E): another
+// rank's, a zero row; x row z / slot_div, y row z; one token); one group of `expert_groups`' table a z (its
+// expert, then up to BT picks: the tokens x[pick / slot_div] into y rows pick; an unused group returns). The
+// experts' weights, scales and global scales are E stacked tiled128 matrices (the *_estride offsets).
+// `act` (GEMM1 of gated experts, its 2I rows gate then up): warp rb's rows are gate rows 8rb + g and up rows
+// half_n + 8rb + g, so each lane holds a gate value and its up value for the same token: both scaled and
+// rounded to y's dtype (what GEMM1 stores on the separate path), then h = act(gate, up) in fp32 (moe_ops'
+// gated kernel's formulas) into y column 8rb + g.
+// Split-K as the GEMM's: fp32 partials [z][split][rows][BT], the warp's __syncwarp orders its stores before
+// lane 0's acq_rel arrival on the (z, row block) counter; the last arrival sums the partials in split order,
+// finishes, resets the counter. PDL: dense, the first chunk's codes and scales are loaded before
+// griddepcontrol.wait (they do not depend on the previous kernel), x and every write after it; the expert
+// modes wait first (the ids or the table are the previous kernel's output). The next kernel may launch once
+// the K loop is done.
 __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {  // read once: keep L1 for x
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -833,6 +843,30 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// moe_ops' tanh for the SiTU activations: the series to x^9 near 0 (the exp formula cancels there)
+__device__ __forceinline__ float tanh_g(float v) {
+  const float v2 = v * v;
+  const float series =
+      v * (1.f + v2 * (-1.f / 3.f + v2 * (2.f / 15.f + v2 * (-17.f / 315.f + v2 * (62.f / 2835.f)))));
+  return fabsf(v) < 0.2f ? series : 1.f - 2.f / (__expf(2.f * v) + 1.f);
+}
+
+constexpr int GEMV_DENSE = 0, GEMV_PICKS = 1, GEMV_GROUPS = 2;
+struct GemvArgs {
+  const uint4* w;      // tiled128 codes (uint4 units); experts: E stacked, w_estride apart
+  const uint16_t* s;   // tiled128 scales (uint16 units), s_estride apart
+  const uint4* x;      // [T, K] with rows of ldx16 uint4
+  const float* gs;     // [1] or [rows]; experts [E, 1 or N_pad], gs_estride apart
+  const void* bias;    // dense only; y's dtype
+  void* y;
+  float* ws;
+  int* cnt;
+  const void* ids;     // GEMV_PICKS: int32 / int64 [P]; GEMV_GROUPS: the int32 table [G, 1 + BT]
+  long long w_estride, s_estride;
+  int ldx16, per_col_gs, ldy, M, N, row_blocks, CH, nch, split, mode, ids64, n_experts, slot_div, gs_estride;
+  int act, half_n;  // act: 0 none, 1 SiLU, 2 SiTU, 3 SiTU with the up half capped
+  float beta, rbeta, lbeta, rlbeta;
+};
 
 // Warps a CTA of the GEMV (one 16-row block each) and CTAs an SM asked of ptxas (it caps the registers to fit).
 constexpr int GEMV_WARPS = 1;
@@ -841,26 +875,71 @@ constexpr int gemv_min_ctas() {
   return BT == 8 ? 32 : 24;
 }
 
-template <int BT, bool BF16>
+// ACT (a template flag: its two rows sit in different row blocks, two code pointers where one serves the
+// rows g and g + 8 of a block; only the 8-token tile has it, the 16-token one would spill)
+template <int BT, bool BF16, bool ACT>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
-    gemv_kernel(const uint4* __restrict__ w, const uint16_t* __restrict__ s, const uint4* __restrict__ x,
-                int ldx16, const float* __restrict__ gs, int per_col_gs, const void* __restrict__ bias,
-                void* __restrict__ y, int ldy, float* __restrict__ ws, int* __restrict__ cnt, int M, int N,
-                int row_blocks, int CH, int nch, int split) {
+    gemv_kernel(const __grid_constant__ GemvArgs a) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   constexpr int NT = BT / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rb = blockIdx.x * GEMV_WARPS + int(threadIdx.x >> 5);
-  if (rb >= row_blocks) return;  // a whole warp: nothing below waits for another warp
-  const int c0 = int(blockIdx.y) * nch;
-  // a block's chunk: 1 KB of words (64 uint4; row r's at 4r..4r+3) and 128 B of scales (64 uint16; row r's
-  // 8 bytes at 4r..4r+3, TILED_SCALE_ORDER: groups t and t + 4, this lane's pair, at uint16 4r + so)
-  const size_t blk = size_t(rb) * CH + c0;
-  const uint4* wp = w + blk * 64 + 4 * g + t;
-  const uint16_t* sp = s + blk * 64 + 4 * g + (t & 1) * 2 + (t >> 1);
+  if (rb >= a.row_blocks) return;  // a whole warp: nothing below waits for another warp
+  const int z = blockIdx.z;
+  // this lane's two weight rows: rows g, g + 8 of block rb, or with `act` the gate and up rows of column 8rb + g
+  static_assert(!ACT || BT == 8, "the activation epilogue runs the 8-token tile");
+  const int r_lo = ACT ? 8 * rb + g : 16 * rb + g;
+  const int r_hi = ACT ? a.half_n + 8 * rb + g : 16 * rb + g + 8;
+  const uint4* w = a.w;
+  const uint16_t* s = a.s;
+  const float* gs = a.gs;
+  int M = a.M, xrow[NT];
+  if (a.mode == GEMV_DENSE) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) xrow[j] = min(8 * j + g, M - 1);
+  } else {
+    pdl_wait();  // the ids or the table: the previous kernel's output
+    int e;
+    if (a.mode == GEMV_PICKS) {
+      const long long id = a.ids64 ? static_cast<const long long*>(a.ids)[z] : static_cast<const int*>(a.ids)[z];
+      if (id < 0 || id >= a.n_experts) {  // another rank's expert: a zero row (written by split 0's warps)
+        if (blockIdx.y == 0) {
+          T* yz = static_cast<T*>(a.y) + size_t(z) * a.ldy;
+          const int c0 = ACT ? 8 * rb : 16 * rb, width = ACT ? 8 : 16, limit = ACT ? a.half_n : a.N;
+          if (lane < width && c0 + lane < limit) yz[c0 + lane] = from_float<T>(0.f);
+        }
+        return;
+      }
+      e = int(id);
+      M = 1;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xrow[j] = z / a.slot_div;
+    } else {
+      const int* grp = static_cast<const int*>(a.ids) + size_t(z) * (BT + 1);
+      e = grp[0];
+      if (e < 0) return;  // an unused group
+      M = 0;
+#pragma unroll
+      for (int n = 0; n < BT; ++n) M += grp[1 + n] >= 0;  // the group's picks fill columns 0 .. M - 1
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xrow[j] = grp[1 + min(8 * j + g, M - 1)] / a.slot_div;
+    }
+    w += size_t(e) * a.w_estride;
+    s += size_t(e) * a.s_estride;
+    gs += size_t(e) * a.gs_estride;
+  }
+  const int c0 = int(blockIdx.y) * a.nch;
+  // a 16-row block's chunk: 1 KB of words (64 uint4; row r's at 4r..4r+3) and 128 B of scales (64 uint16;
+  // row r's 8 bytes at 4r..4r+3, TILED_SCALE_ORDER: groups t and t + 4, this lane's pair, at uint16 4r + so)
+  const int so = (t & 1) * 2 + (t >> 1);
+  // the second row: 8 rows (32 uint4, 32 uint16) past the first in its block, or with ACT its own pointer
+  const uint4* wlo = w + (size_t(r_lo >> 4) * a.CH + c0) * 64 + 4 * (r_lo & 15) + t;
+  const uint16_t* slo = s + (size_t(r_lo >> 4) * a.CH + c0) * 64 + 4 * (r_lo & 15) + so;
+  const uint4* whi = ACT ? w + (size_t(r_hi >> 4) * a.CH + c0) * 64 + 4 * (r_hi & 15) + t : nullptr;
+  const uint16_t* shi = ACT ? s + (size_t(r_hi >> 4) * a.CH + c0) * 64 + 4 * (r_hi & 15) + so : nullptr;
   const uint4* xp[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) xp[j] = x + size_t(min(8 * j + g, M - 1)) * ldx16 + size_t(c0) * 16 + 2 * t;
+  for (int j = 0; j < NT; ++j) xp[j] = a.x + size_t(xrow[j]) * a.ldx16 + size_t(c0) * 16 + 2 * t;
 
   float acc[NT][2][4];
 #pragma unroll
@@ -882,13 +961,17 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
       xv[j][3] = __ldg(xp[j] + 9);
       xp[j] += 16;
     }
-    wp += 64;
-    sp += 64;
+    wlo += 64;
+    slo += 64;
+    if (ACT) {
+      whi += 64;
+      shi += 64;
+    }
     if (more) {
-      na = ldg_stream(wp);
-      nb = ldg_stream(wp + 32);
-      ns0 = ldg_u16(sp);
-      ns1 = ldg_u16(sp + 32);
+      na = ldg_stream(wlo);
+      nb = ldg_stream(ACT ? whi : wlo + 32);
+      ns0 = ldg_u16(slo);
+      ns1 = ldg_u16(ACT ? shi : slo + 32);
     }
     uint32_t sl0, sh0, sl1, sh1;
     scale_pair<BF16>(s0, sl0, sh0);
@@ -909,9 +992,10 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
     }
   };
   // two register sets for the codes and scales, alternating, so no chunk copies one into the other
-  uint4 qa = ldg_stream(wp), qb = ldg_stream(wp + 32), ra, rbq;  // rows g and g + 8
-  uint32_t s0 = ldg_u16(sp), s1 = ldg_u16(sp + 32), r0, r1;
-  pdl_wait();
+  uint4 qa = ldg_stream(wlo), qb = ldg_stream(ACT ? whi : wlo + 32), ra, rbq;
+  uint32_t s0 = ldg_u16(slo), s1 = ldg_u16(ACT ? shi : slo + 32), r0, r1;
+  if (a.mode == GEMV_DENSE) pdl_wait();
+  const int nch = a.nch;
   int c = 0;
 #pragma unroll 1
   for (; c + 2 <= nch; c += 2) {
@@ -921,14 +1005,16 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
   if (c < nch) chunk(qa, qb, s0, s1, ra, rbq, r0, r1, false);
   pdl_launch_dependents();
 
-  // accumulator i of n-tile j: row g (i < 2) or g + 8, token 8j + 2t + (i & 1)
+  // accumulator i of n-tile j: row r_lo (i < 2) or r_hi, token 8j + 2t + (i & 1)
   float v[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[j][i] = acc[j][0][i] + acc[j][1][i];
-  const int rows = row_blocks * 16;
-  if (split > 1) {
+  if (a.split > 1) {
+    const int rows = a.row_blocks * 16;
+    float* ws = a.ws + size_t(z) * a.split * rows * BT;
+    int* cnt = a.cnt + size_t(z) * a.row_blocks + rb;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -938,8 +1024,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
     int last = 0;
     if (lane == 0) {
       int old;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + rb) : "memory");
-      last = old == split - 1;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory");
+      last = old == a.split - 1;
     }
     last = __shfl_sync(0xffffffffu, last, 0);
     if (!last) return;
@@ -950,26 +1036,60 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
       for (int i = 0; i < 4; ++i) {
         const size_t at = size_t(rb * 16 + g + 8 * (i >> 1)) * BT + 8 * j + 2 * t + (i & 1);
         float sum = 0.f;
-        for (int p = 0; p < split; ++p) sum += __ldcg(ws + size_t(p) * rows * BT + at);
+        for (int p = 0; p < a.split; ++p) sum += __ldcg(ws + size_t(p) * rows * BT + at);
         v[j][i] = sum;
       }
-    if (lane == 0) cnt[rb] = 0;  // the next launch reads it only after this one completes
+    if (lane == 0) *cnt = 0;  // the next launch reads it only after this one completes
   }
-  const float* gsp = gs;
-  T* yp = static_cast<T*>(y);
-  const T* bp = static_cast<const T*>(bias);
+  T* yp = static_cast<T*>(a.y);
+  // the y row of token column n and the token count, formed again here (not registers held over the loop)
+  const int* grp = static_cast<const int*>(a.ids) + size_t(z) * (BT + 1);
+  M = a.M;
+  if (a.mode == GEMV_PICKS) M = 1;
+  if (a.mode == GEMV_GROUPS) {
+    M = 0;
+#pragma unroll
+    for (int n = 0; n < BT; ++n) M += grp[1 + n] >= 0;
+  }
+  auto yrow = [&](int n) { return a.mode == GEMV_DENSE ? n : a.mode == GEMV_PICKS ? z : grp[1 + n]; };
+  const float out = 128.f;  // the decoder's weights are e2m1 * s * 2^-7
+  if (ACT) {
+    const float fg = gs[a.per_col_gs ? r_lo : 0] * out, fu = gs[a.per_col_gs ? r_hi : 0] * out;
+    const int col = 8 * rb + g;
+    if (col >= a.half_n) return;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = 8 * j + 2 * t + e;
+        if (n >= M) continue;
+        const float gv = to_float(from_float<T>(v[j][e] * fg));
+        float uv = to_float(from_float<T>(v[j][2 + e] * fu));
+        const float sig = 1.f / (1.f + __expf(-gv));
+        float h;
+        if (a.act == 1) {
+          h = gv * sig * uv;
+        } else {
+          if (a.act == 3) uv = a.lbeta * tanh_g(uv * a.rlbeta);
+          h = a.beta * tanh_g(gv * a.rbeta) * sig * uv;
+        }
+        yp[size_t(yrow(n)) * a.ldy + col] = from_float<T>(h);
+      }
+    return;
+  }
+  const T* bp = static_cast<const T*>(a.bias);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = rb * 16 + g + 8 * h;
-    if (r >= N) continue;
-    const float f = gsp[per_col_gs ? r : 0] * 128.f;  // the decoder's weights are e2m1 * s * 2^-7
+    const int r = h ? r_hi : r_lo;
+    if (r >= a.N) continue;
+    const float f = gs[a.per_col_gs ? r : 0] * out;
     const float b0 = bp ? to_float(bp[r]) : 0.f;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int n = 8 * j + 2 * t + e;
-        if (n < M) yp[size_t(n) * ldy + r] = from_float<T>(v[j][2 * h + e] * f + b0);
+        if (n < M) yp[size_t(yrow(n)) * a.ldy + r] = from_float<T>(v[j][2 * h + e] * f + b0);
       }
   }
 }
@@ -1220,43 +1340,79 @@ void w4a16_gemm(torch::Tensor xt, torch::Tensor w, torch::Tensor s, torch::Tenso
 }
 void w4a16_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs,
                 c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt,
-                int64_t split, bool pdl) {
-  // x [M <= 16, K] (K = the chunks * 128 exactly, 16-byte aligned rows); w, s: tiled128 as uint8
-  const int M = int(x.size(0)), K = int(x.size(1)), N = int(y.size(1));
-  const int row_blocks = int(w.size(0) / 16), CH = int(w.size(1) / 64);
-  TORCH_CHECK(M >= 1 && M <= 16 && y.size(0) == M && N <= row_blocks * 16,
-              "w4a16_gemv: expected 1..16 rows of x and y [M, N <= the weight's padded rows], got x ",
-              x.sizes(), ", y ", y.sizes(), ", ", row_blocks * 16, " weight rows");
+                int64_t split, bool pdl, int64_t mode, c10::optional<torch::Tensor> ids, int64_t items,
+                int64_t bt, int64_t slot_div, int64_t rows, int64_t act, double beta, double lbeta) {
+  // x [T, K] (K = the chunks * 128 exactly, 16-byte aligned rows); w, s: tiled128 as uint8, [N_pad, K_pad / 2]
+  // or E experts [E, N_pad, K_pad / 2] (the modes with ids); rows: the weight rows computed (2I with act)
+  const bool experts = mode != k3w::GEMV_DENSE;
+  const int K = int(x.size(1));
+  const int n_pad = int(w.size(w.dim() - 2)), CH = int(w.size(w.dim() - 1) / 64);
+  TORCH_CHECK(mode >= k3w::GEMV_DENSE && mode <= k3w::GEMV_GROUPS && w.dim() == (experts ? 3 : 2),
+              "w4a16_gemv: mode ", mode, " with a ", w.dim(), "-D weight");
+  TORCH_CHECK(bt == 8 || bt == 16, "w4a16_gemv: token tile ", bt, " (expected 8 or 16)");
+  TORCH_CHECK(rows >= 1 && rows <= n_pad && (act == 0 || (rows % 16 == 0 && act <= 3)),
+              "w4a16_gemv: ", rows, " rows of ", n_pad, (act ? " (with the activation: 2I, a multiple of 16)" : ""));
   TORCH_CHECK(K == CH * 128 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-              "w4a16_gemv: x must be [M, ", CH * 128, "] (the weight's K, a multiple of 128) with 16-byte "
+              "w4a16_gemv: x must be [T, ", CH * 128, "] (the weight's K, a multiple of 128) with 16-byte "
               "aligned rows, got ", x.sizes(), " stride ", x.strides());
   TORCH_CHECK(split >= 1 && CH % split == 0, "w4a16_gemv: split_k ", split, " must divide the ", CH, " chunks");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
               "w4a16_gemv: the codes and scales must start 16-byte aligned");
-  const int bt = M <= 8 ? 8 : 16;
-  TORCH_CHECK(split == 1 || (ws.numel() >= split * row_blocks * 16 * bt && cnt.numel() >= row_blocks),
-              "w4a16_gemv: split-K needs ", split * row_blocks * 16 * bt, " partials and ", row_blocks,
-              " counters");
-  const bool bf16 = y.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "w4a16_gemv: x and y must have one dtype");
+  const int row_blocks = act ? int(rows / 16) : (int(rows) + 15) / 16;
+  TORCH_CHECK(split == 1 || (ws.numel() >= items * split * row_blocks * 16 * bt && cnt.numel() >= items * row_blocks),
+              "w4a16_gemv: split-K needs ", items * split * row_blocks * 16 * bt, " partials and ",
+              items * row_blocks, " counters");
+  k3w::GemvArgs a{};
+  a.w = reinterpret_cast<const uint4*>(w.data_ptr());
+  a.s = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  a.x = reinterpret_cast<const uint4*>(x.data_ptr());
+  a.gs = gs.data_ptr<float>();
+  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.ws = split > 1 ? ws.data_ptr<float>() : nullptr;
+  a.cnt = split > 1 ? cnt.data_ptr<int>() : nullptr;
+  a.ids = ids.has_value() ? ids->data_ptr() : nullptr;
+  a.ids64 = ids.has_value() && ids->scalar_type() == at::kLong;
+  a.w_estride = experts ? w.stride(0) / 16 : 0;
+  a.s_estride = experts ? s.stride(0) / 2 : 0;
+  a.gs_estride = experts ? int(gs.size(1)) : 0;
+  a.per_col_gs = experts ? int(gs.size(1) != 1) : int(gs.numel() != 1);
+  a.n_experts = experts ? int(w.size(0)) : 0;
+  a.ldx16 = int(x.stride(0) / 8);
+  a.ldy = int(y.stride(0));
+  a.M = experts ? int(bt) : int(x.size(0));
+  a.N = int(rows);
+  a.row_blocks = row_blocks;
+  a.CH = CH;
+  a.nch = CH / int(split);
+  a.split = int(split);
+  a.mode = int(mode);
+  a.slot_div = int(slot_div);
+  a.act = int(act);
+  a.half_n = int(rows / 2);
+  a.beta = float(beta);
+  a.rbeta = 1.f / float(beta);
+  a.lbeta = float(lbeta);
+  a.rlbeta = 1.f / float(lbeta);
+  TORCH_CHECK(experts || (x.size(0) >= 1 && x.size(0) <= bt && y.size(0) == x.size(0)),
+              "w4a16_gemv: 1..", bt, " rows of x and y, got x ", x.sizes(), ", y ", y.sizes());
+  TORCH_CHECK(!experts || (ids.has_value() && items >= 1 && slot_div >= 1),
+              "w4a16_gemv: the expert modes need ids / the group table, items and slot_div");
+  const bool bf16 = y.scalar_type() == at::kBFloat16;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid((row_blocks + k3w::GEMV_WARPS - 1) / k3w::GEMV_WARPS, int(split));
-  const void* bp = bias.has_value() ? bias->data_ptr() : nullptr;
-  float* wsp = split > 1 ? ws.data_ptr<float>() : nullptr;
-  int* cntp = split > 1 ? cnt.data_ptr<int>() : nullptr;
-  const uint4* wq = reinterpret_cast<const uint4*>(w.data_ptr());
-  const uint16_t* sq = reinterpret_cast<const uint16_t*>(s.data_ptr());
-  const uint4* xq = reinterpret_cast<const uint4*>(x.data_ptr());
-#define K3W_GEMV(B, F)                                                                                       \
-  k3w::launch_kernel(k3w::gemv_kernel<B, F>, grid, 32 * k3w::GEMV_WARPS, 0, stream, pdl, wq, sq, xq,           \
-                     int(x.stride(0) / 8), gs.data_ptr<float>(), int(gs.numel() != 1), bp, y.data_ptr(),      \
-                     int(y.stride(0)), wsp, cntp, M, N, row_blocks, CH, CH / int(split), int(split));
-  if (bt == 8 && bf16) K3W_GEMV(8, true)
-  else if (bt == 8) K3W_GEMV(8, false)
-  else if (bf16) K3W_GEMV(16, true)
-  else K3W_GEMV(16, false)
+  const dim3 grid((row_blocks + k3w::GEMV_WARPS - 1) / k3w::GEMV_WARPS, int(split), int(experts ? items : 1));
+  TORCH_CHECK(act == 0 || bt == 8, "w4a16_gemv: the activation epilogue runs the 8-token tile, not ", bt);
+#define K3W_GEMV(B, F, A) \
+  k3w::launch_kernel(k3w::gemv_kernel<B, F, A>, grid, 32 * k3w::GEMV_WARPS, 0, stream, pdl, a);
+  if (act && bf16) K3W_GEMV(8, true, true)
+  else if (act) K3W_GEMV(8, false, true)
+  else if (bt == 8 && bf16) K3W_GEMV(8, true, false)
+  else if (bt == 8) K3W_GEMV(8, false, false)
+  else if (bf16) K3W_GEMV(16, true, false)
+  else K3W_GEMV(16, false, false)
 #undef K3W_GEMV
 }
 #endif
@@ -1280,11 +1436,8 @@ K3W_INST(16, 1, true, true) K3W_INST(32, 1, true, true) K3W_INST(64, 1, true, tr
 K3W_INST(128, 1, true, true) K3W_INST(256, 1, true, true) K3W_INST(128, 2, true, true)
 template __global__ void k3w::prep_x_kernel<__nv_bfloat16>(const __nv_bfloat16*, int, int, int, int, int,
                                                             __nv_bfloat16*, int);
-#define K3W_GEMV_INST(B, F)                                                                                 \
-  template __global__ void k3w::gemv_kernel<B, F>(const uint4*, const uint16_t*, const uint4*, int, const float*, \
-                                                  int, const void*, void*, int, float*, int*, int, int, int, int,  \
-                                                  int, int);
-K3W_GEMV_INST(8, true) K3W_GEMV_INST(16, true)
-#undef K3W_GEMV_INST
+template __global__ void k3w::gemv_kernel<8, true, false>(const __grid_constant__ k3w::GemvArgs);
+template __global__ void k3w::gemv_kernel<16, true, false>(const __grid_constant__ k3w::GemvArgs);
+template __global__ void k3w::gemv_kernel<8, true, true>(const __grid_constant__ k3w::GemvArgs);
 #undef K3W_INST
 #endif

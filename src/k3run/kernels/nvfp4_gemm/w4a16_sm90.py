@@ -81,7 +81,8 @@ def _build(name: str = "k3run_w4a16_sm90", source: str | None = None):
         "bool gather, int64_t sk_whole, int64_t sk, bool pdl);\n"
         "void w4a16_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor gs, "
         "c10::optional<torch::Tensor> bias, torch::Tensor y, torch::Tensor ws, torch::Tensor cnt, "
-        "int64_t split, bool pdl);\n"
+        "int64_t split, bool pdl, int64_t mode, c10::optional<torch::Tensor> ids, int64_t items, int64_t bt, "
+        "int64_t slot_div, int64_t rows, int64_t act, double beta, double lbeta);\n"
     )
     return load_inline(
         name=name,
@@ -522,8 +523,10 @@ def nvfp4_sm90_gemm(
     return y
 
 
-# the decode GEMV in this extension (gemv_kernel in the .cu file): up to this many rows, K a multiple of 128
+# the decode GEMV in this extension (gemv_kernel in the .cu file): up to this many rows, K a multiple of 128;
+# its modes (GEMV_* in the .cu file): dense, one routed pick a program group, one expert group a program group
 GEMV_MAX_M = 16
+GEMV_DENSE, GEMV_PICKS, GEMV_GROUPS = 0, 1, 2
 
 
 def gemv_takes(m: int, k: int) -> bool:
@@ -531,6 +534,43 @@ def gemv_takes(m: int, k: int) -> bool:
     K3RUN_SM90_GEMV rows, at most GEMV_MAX_M; its x loads need K = the chunks * 128); `available` still
     decides whether it can."""
     return 1 <= m <= min(GEMV_MAX_M, knobs().sm90_gemv) and k % 128 == 0
+
+
+def experts_take(x: torch.Tensor, bt: int, act) -> bool:
+    """Whether the routed experts' decode launches run on the CUDA GEMV (K3RUN_SM90_GEMV_EXPERTS): 16-bit x
+    on sm_90 with K a multiple of 128, a token tile of 8 or 16, the activation epilogue only at 8."""
+    return (
+        knobs().sm90_gemv_experts
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.shape[1] % 128 == 0
+        and bt in (8, 16)
+        and (act is None or bt == 8)
+        and available(x.device)
+    )
+
+
+def _launch_gemv(x, weight, scale_u8, global_scale, y, *, split_k, bias=None, mode=GEMV_DENSE, ids=None,
+                 items=1, bt=8, slot_div=1, rows, act=None, pdl=True) -> None:  # fmt: skip
+    """One launch of the .cu file's w4a16_gemv (split-K partials and counters per program group)."""
+    from k3run.kernels.counters import counters
+
+    from .gluon_gemv import _ACT_CODES
+
+    code, beta, lbeta = 0, 1.0, 1.0
+    if act is not None:
+        kind, b, lb = act
+        code = _ACT_CODES.get((kind, lb is not None), 0)
+        if not code:
+            raise ValueError(f"nvfp4 sm90 gemv: no epilogue activation {kind!r}; expected silu or situ")
+        beta, lbeta = (float(b) if kind == "situ" else 1.0), (float(lb) if lb is not None else 1.0)
+    row_blocks = rows // 16 if act is not None else -(-rows // 16)
+    if split_k > 1:
+        ws = torch.empty((items * split_k * row_blocks * 16 * bt,), dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, items * row_blocks)
+    else:
+        ws = cnt = global_scale
+    args = (split_k, pdl, mode, ids, items, bt, slot_div, rows, code, beta, lbeta)
+    _module.w4a16_gemv(x, weight, scale_u8, global_scale, bias, y, ws, cnt, *args)
 
 
 def nvfp4_sm90_gemv(
@@ -551,8 +591,6 @@ def nvfp4_sm90_gemv(
     same roundings as the decode kernels (exact decoded weights, fp32 sums, split-K partials added in split
     order, one rounding), though not their summation order. split_k must divide the k / 128 chunks. pdl:
     programmatic dependent launch (None: on). Call `available(x.device)` first."""
-    from k3run.kernels.counters import counters
-
     _check_inputs(x, weight, scale_u8, global_scale, k, n, bias)
     m = x.shape[0]
     if not 1 <= m <= GEMV_MAX_M or k % 128:
@@ -560,14 +598,85 @@ def nvfp4_sm90_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
-    row_blocks = weight.shape[0] // 16
-    bt = 8 if m <= 8 else 16
-    if split_k > 1:
-        ws = torch.empty((split_k * row_blocks * 16 * bt,), dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, row_blocks)
-    else:
-        ws = cnt = global_scale
-    _module.w4a16_gemv(
-        x, weight, scale_u8, global_scale, bias, y, ws, cnt, split_k, True if pdl is None else pdl
-    )
+    _launch_gemv(x, weight, scale_u8, global_scale, y, split_k=split_k, bias=bias, bt=8 if m <= 8 else 16,
+                 rows=n, pdl=True if pdl is None else pdl)  # fmt: skip
+    return y
+
+
+def _expert_input(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[1] % 128:
+        raise ValueError(f"nvfp4 sm90 gemv experts: K={x.shape[1]} must be a multiple of 128")
+    return x if x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+
+
+def nvfp4_sm90_gemv_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    rows: int,
+    split_k: int = 1,
+    maxnreg: int | None = None,
+    pdl: bool | None = None,
+    act=None,
+) -> torch.Tensor:
+    """`gluon_gemv.nvfp4_gemv_grouped` (one routed pick a program group: y row s = x[s // (P / T)] @
+    W[ids[s]]^T * global_scale[ids[s]], zero for another rank's id; with `act` h = act(gate, up)) on the
+    CUDA GEMV; the same operands and checks, K a multiple of 128 (maxnreg: the Gluon call's, not used: the
+    CUDA kernel's registers are fixed when it is built). Call `available(x.device)` first."""
+    from .gluon_gemv import _check_grouped_operands
+
+    _, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
+        raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
+    picks, t = ids.shape[0], x.shape[0]
+    if t == 0 or picks % t:
+        raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
+    y = torch.empty((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
+    if picks:
+        _launch_gemv(_expert_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_PICKS,
+                     ids=ids.contiguous(), items=picks, bt=8, slot_div=picks // t, rows=rows, act=act,
+                     pdl=pdl)  # fmt: skip
+    return y
+
+
+def nvfp4_sm90_gemv_by_expert(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_u8: torch.Tensor,
+    global_scale: torch.Tensor,
+    groups: torch.Tensor,
+    *,
+    picks: int,
+    slot_div: int,
+    rows: int,
+    split_k: int = 1,
+    maxnreg: int | None = None,
+    pdl: bool | None = None,
+    all_in_groups: bool = False,
+    act=None,
+) -> torch.Tensor:
+    """`gluon_gemv.nvfp4_gemv_by_expert` (one program group a group of `expert_groups`' table, BT 8 or 16;
+    the activation epilogue at BT 8) on the CUDA GEMV; the same operands and checks, K a multiple of 128
+    (maxnreg: not used, as in `nvfp4_sm90_gemv_grouped`). Call `available(x.device)` first."""
+    from .gluon_gemv import _check_grouped_operands
+
+    _, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
+    bt = groups.shape[1] - 1 if groups.dim() == 2 else 0
+    if groups.dtype != torch.int32 or bt not in (8, 16) or not groups.is_contiguous() or (act and bt != 8):
+        raise ValueError(
+            f"nvfp4 sm90 by-expert groups: expected contiguous int32 [G, 9] or [G, 17] (the activation: [G, "
+            f"9]), got {groups.dtype} {tuple(groups.shape)}"
+        )
+    if slot_div < 1 or picks > x.shape[0] * slot_div:
+        raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
+    new = torch.empty if all_in_groups else torch.zeros  # rows of missed picks stay zero
+    y = new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
+    if picks and groups.shape[0]:
+        _launch_gemv(_expert_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_GROUPS,
+                     ids=groups, items=groups.shape[0], bt=bt, slot_div=slot_div, rows=rows, act=act,
+                     pdl=pdl)  # fmt: skip
     return y
