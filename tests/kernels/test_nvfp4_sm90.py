@@ -1289,3 +1289,97 @@ def test_gpu_gemv_activation_epilogue(poison_empty, act) -> None:
         got = sm90.nvfp4_sm90_gemv_by_expert(x, w, s, gs, grp, picks=t * a, slot_div=a, rows=i2,
                                              split_k=split, act=act)  # fmt: skip
         assert_close(f"gemv act {act} by expert, split {split}", want, got, rtol=RTOL[torch.bfloat16])
+
+
+# The decode GEMV restated the same way (gemv_kernel's lines: the lane's two rows, its words' and scale
+# pair's offsets in the block, its x words as the B registers, mma.sync m16n8k16's fragments from the PTX
+# ISA, the accumulator's rows and token columns, the activation's gate / up rows).
+
+
+def _mma16816(a_regs: list, b_regs: list) -> torch.Tensor:
+    """D [16, 8] = A @ B from the 32 lanes' registers: a_regs 4 x [32, 2], b_regs 2 x [32, 2] (fp32 values of
+    the packed halves), lane = 4 g + t."""
+    a = torch.zeros(16, 16)
+    b = torch.zeros(16, 8)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for e in range(2):
+            a[g, 2 * t + e], a[g + 8, 2 * t + e] = a_regs[0][lane, e], a_regs[1][lane, e]
+            a[g, 8 + 2 * t + e], a[g + 8, 8 + 2 * t + e] = a_regs[2][lane, e], a_regs[3][lane, e]
+            b[2 * t + e, g], b[8 + 2 * t + e, g] = b_regs[0][lane, e], b_regs[1][lane, e]
+    return a @ b
+
+
+def _model_gemv(x, weight, scale_u8, gs, n, act_half=None):
+    """gemv_kernel's output before rounding: [M, n] dense (fp32), or with act_half = I (rows 2I, gate then up)
+    the pair (gate, up) [M, I] each before its rounding."""
+    m = x.shape[0]
+    n_pad, k_pad = weight.shape[0], weight.shape[1] * 2
+    ch, bt = k_pad // 128, 8 if m <= 8 else 16
+    words = weight.view(torch.int32).reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(n_pad // 16, ch, 64, 4)  # uint4 units: 4 a row
+    scales = scale_u8.reshape(n_pad // 16, ch, 64, 2).to(torch.int64)  # uint16 units: 4 a row
+    scales = scales[..., 0] | (scales[..., 1] << 8)
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    so = (t & 1) * 2 + (t >> 1)
+    row_blocks = act_half // 8 if act_half else -(-n // 16)
+    width = act_half if act_half else n
+    out = torch.zeros(2 if act_half else 1, m, width)
+    for rb in range(row_blocks):
+        r_lo = 8 * rb + g if act_half else 16 * rb + g
+        r_hi = act_half + 8 * rb + g if act_half else 16 * rb + g + 8
+        acc = torch.zeros(bt // 8, 16, 8)
+        for c in range(ch):  # split-K adds its partials in split order: the same sum up to fp32 order
+            d = []
+            for r in (r_lo, r_hi):
+                q = words[r >> 4, c, 4 * (r & 15) + t]  # uint4 4(r & 15) + t: [32, 4] words
+                s16 = scales[r >> 4, c, 4 * (r & 15) + so]
+                d.append([_model_decode_word(q[:, b], s16) for b in range(4)])
+            for j in range(bt // 8):
+                tok = (8 * j + g).clamp(max=m - 1)
+                base = c * 128 + 16 * t
+                for b in range(4):
+                    lo, hi = d[0][b], d[1][b]
+                    for half, (p0, p1) in ((0, (0, 1)), (64, (2, 3))):
+                        k0 = base + half + 4 * b
+                        b_regs = [torch.stack([x[tok, k0 + e] for e in range(2)], -1),
+                                  torch.stack([x[tok, k0 + 2 + e] for e in range(2)], -1)]  # fmt: skip
+                        acc[j] += _mma16816([lo[p0], hi[p0], lo[p1], hi[p1]], b_regs)
+        for j in range(bt // 8):
+            for h, rows in enumerate((r_lo, r_hi)):
+                for e in range(2):
+                    ncol = 8 * j + 2 * t + e  # lane (g, t)'s token columns
+                    v = acc[j, g + 8 * h, 2 * t + e]
+                    gsv = (gs[rows] if gs.numel() > 1 else gs.expand(32)) * 128
+                    for i in range(32):
+                        if ncol[i] < m and (act_half or rows[i] < n):
+                            col = 8 * rb + g[i] if act_half else rows[i]
+                            out[h if act_half else 0, ncol[i], col] = v[i] * gsv[i]
+    return (out[0], out[1]) if act_half else out[0]
+
+
+@pytest.mark.parametrize("m, n, k", [(3, 40, 256), (11, 200, 384)])
+def test_model_of_the_gemv_indexing_matches_the_reference(m, n, k) -> None:
+    """The model of the decode GEMV's layouts against the fp32 reference: the 8- and 16-token tiles (tokens
+    past M), N inside a row block, per-row global scales; and the activation's rows: gate row 8rb + g and up
+    row I + 8rb + g of the same lane, each equal to its own rows of the reference."""
+    from k3run.testing import assert_within
+
+    w, s, gs = _random_nvfp4(n, k, "cpu", True, seed=12)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).float()
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x @ wd.t()) * gs.reshape(1, -1)
+    bound = 3 * k * 2.0**-24 * ((x.abs() @ wd.abs().t()) * gs) + 1e-30
+    got = _model_gemv(x, tw.weight, tw.scale_bits, tw.global_scale, n)
+    assert_within(f"gemv model {m}x{n}x{k}", ref, got, bound)
+    i = 24  # 2I = 48 rows: 3 row blocks of gate / up pairs, the up half starting inside a 16-row block
+    w, s, gs = _random_nvfp4(2 * i, k, "cpu", True, seed=13)
+    tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    wd = dequantize_nvfp4(w, s, 1.0, dtype=torch.float32)
+    ref = (x @ wd.t()) * gs.reshape(1, -1)
+    bound = 3 * k * 2.0**-24 * ((x.abs() @ wd.abs().t()) * gs) + 1e-30
+    gate, up = _model_gemv(x, tw.weight, tw.scale_bits, tw.global_scale, 2 * i, act_half=i)
+    assert_within("gemv model gate rows", ref[:, :i], gate, bound[:, :i])
+    assert_within("gemv model up rows", ref[:, i:], up, bound[:, i:])
