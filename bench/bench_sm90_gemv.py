@@ -7,7 +7,8 @@ cap), the CUDA GEMV at the same split_k, and the CUDA GEMV's ratio to it; the ce
 (codes + scales) at the copy bandwidth measured in the same run, and the CUDA GEMV's share of it; both
 kernels' relative RMS against the fp32 reference. Then a dependent chain (each call's input is the last
 call's output, PDL on, 16 calls in one graph): what a decode step's chain of GEMVs sees. With --peers,
-Marlin INT4 g128 (fp16) in a second pass with both kernels again beside it (the issue's "x Marlin").
+Marlin INT4 g128 (fp16) on the K3 matrices (>= 32M weights) in a second pass with both kernels again beside
+it (the issue's "x Marlin").
 
     PYTHONPATH=src python3 bench/bench_sm90_gemv.py [--shapes 7168x7168,...] [--ms 1,8,16] [--peers .peers]
 """
@@ -107,7 +108,8 @@ def main() -> None:
             r["gluon2"] = graph_ms(_calls(xb, ws, k, n, False)) * 1e3
             r["cuda2"] = graph_ms(_calls(xb, ws, k, n, True)) * 1e3
 
-        marlin_pass(args.peers, shapes, rows, beside)
+        # K3's matrices only: Marlin crashes the process (SIGSEGV) on the Kimi Linear shapes (bench/RESULTS.md)
+        marlin_pass(args.peers, [(n, k) for n, k in shapes if n * k >= 32 << 20], rows, beside)
     print("\n| N x K | M | split_k | Gluon decode (us) | CUDA GEMV (us) | CUDA / Gluon speed-up | ceiling "
           "(us) | CUDA of ceiling | chain Gluon / CUDA (us a call) | Marlin (Gluon, CUDA same pass) | "
           "x Marlin Gluon / CUDA |")  # fmt: skip

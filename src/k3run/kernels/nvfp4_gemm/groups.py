@@ -10,14 +10,15 @@ An expert picked c times gets ceil(c / bt) groups: its first bt picks, the next 
 can need (at most H experts are hit, and the sum of ceil(c_e / bt) over them is largest when H are), so the
 table's shape depends only on (P, n_experts, bt). One program (no host synchronisation, so a CUDA graph can
 hold it) with O(P + E) scratch; no [P, E] intermediate. Two forms (`K3RUN_MOE_GROUPS`):
+- atomic (the default, up to ATOMIC_MAX_PICKS picks): every pick's rank from one atomic add on its expert's
+  counter, all picks at once, so the round trips do not grow with the picks (H100: 2.0 / 2.5 / 4.0 us at
+  64 / 256 / 512 picks against 3.6 / 10.6 / 19.9 for the passes; bench/RESULTS.md). The ranks follow the
+  order the atomics land in, so a group's picks (and, for an expert picked more than bt times, which picks
+  share a group) may come in any order; the experts, the groups' counts and each expert's set of picks are
+  the reference's. The expert-major launch computes every pick's row on its own (columns of one mma tile do
+  not mix), so its outputs do not depend on that order.
 - passes: picks in chunks of 64, each pick's rank among its expert's picks by pairwise compares, a few
   dependent L2 round trips a chunk; a group's picks in increasing order (the reference's table, bit for bit).
-- atomic (up to ATOMIC_MAX_PICKS picks): every pick's rank from one atomic add on its expert's counter, all
-  picks at once, so the round trips do not grow with the picks. The ranks follow the order the atomics land
-  in, so a group's picks (and, for an expert picked more than bt times, which picks share a group) may come
-  in any order; the experts, the groups' counts and each expert's set of picks are the reference's. The
-  expert-major launch computes every pick's row on its own (columns of one mma tile do not mix), so its
-  outputs do not depend on that order.
 `expert_groups_ref` is the torch reference.
 """
 

@@ -1035,8 +1035,17 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_ctas<BT>())
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const size_t at = size_t(rb * 16 + g + 8 * (i >> 1)) * BT + 8 * j + 2 * t + (i & 1);
+        // in split order, four partials' loads issued together (a loop of single loads to a runtime bound
+        // waits for each in turn: an L2 round trip a split)
         float sum = 0.f;
-        for (int p = 0; p < a.split; ++p) sum += __ldcg(ws + size_t(p) * rows * BT + at);
+        for (int p0 = 0; p0 < a.split; p0 += 4) {
+          float part[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            part[q] = p0 + q < a.split ? __ldcg(ws + size_t(p0 + q) * rows * BT + at) : 0.f;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) sum += part[q];
+        }
         v[j][i] = sum;
       }
     if (lane == 0) *cnt = 0;  // the next launch reads it only after this one completes
