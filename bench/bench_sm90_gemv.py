@@ -108,7 +108,7 @@ def main() -> None:
             r["gluon2"] = graph_ms(_calls(xb, ws, k, n, False)) * 1e3
             r["cuda2"] = graph_ms(_calls(xb, ws, k, n, True)) * 1e3
 
-        # K3's matrices only: Marlin crashes the process (SIGSEGV) on the Kimi Linear shapes (bench/RESULTS.md)
+        # K3's matrices only: Marlin crashes the process (SIGSEGV) on Kimi Linear's (bench/RESULTS.md)
         marlin_pass(args.peers, [(n, k) for n, k in shapes if n * k >= 32 << 20], rows, beside)
     print("\n| N x K | M | split_k | Gluon decode (us) | CUDA GEMV (us) | CUDA / Gluon speed-up | ceiling "
           "(us) | CUDA of ceiling | chain Gluon / CUDA (us a call) | Marlin (Gluon, CUDA same pass) | "
