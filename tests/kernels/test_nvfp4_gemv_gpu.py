@@ -15,6 +15,20 @@ from tests.kernels.test_nvfp4_gemm import _random_nvfp4
 pytestmark = pytest.mark.gpu
 
 
+def stacked_experts(n_exp: int, n: int, k: int, t: int, a: int, per_row: bool = False):
+    """n_exp random NVFP4 experts [n, k] as the grouped launches take them (tiled128, stacked: codes, scales,
+    global scales [E, N_pad or 1]) with their checkpoint tensors, and the picks of t tokens: a distinct ids
+    each from range(-1, n_exp + 1), so some belong to other ranks (-1 and n_exp); seeded by t."""
+    raw = [_random_nvfp4(n, k, device="cuda", per_row_global=per_row) for _ in range(n_exp)]
+    ps = [prepare_nvfp4_weight(*r, layout="tiled128") for r in raw]
+    w = torch.stack([p.weight for p in ps])
+    s = torch.stack([p.scale_bits for p in ps])
+    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(n_exp + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1)
+    return raw, w, s, gs, ids.to(torch.int32).cuda()
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 45])
 @pytest.mark.parametrize(
     "num_warps, split_k, stages, layout",
@@ -207,13 +221,7 @@ def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int, form: str):
     from k3run.knobs import override_knobs
 
     n_exp, n, k, a = 5, 520, 3504, 4
-    ps = [prepare_nvfp4_weight(*_random_nvfp4(n, k, device="cuda"), layout="tiled128") for _ in range(n_exp)]
-    w = torch.stack([p.weight for p in ps])
-    s = torch.stack([p.scale_bits for p in ps])
-    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])
-    g = torch.Generator().manual_seed(t)
-    ids = torch.stack([torch.randperm(n_exp + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1)
-    ids = ids.to(torch.int32).cuda()
+    _, w, s, gs, ids = stacked_experts(n_exp, n, k, t, a)
     with override_knobs(moe_groups=form):
         grp = expert_groups(ids, n_exp, bt)
     want_grp = expert_groups_ref(ids.cpu(), n_exp, bt)

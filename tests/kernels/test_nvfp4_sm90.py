@@ -1232,17 +1232,12 @@ def test_gpu_gemv_expert_modes(poison_empty, t: int, bt: int, split: int) -> Non
     Gluon launches' products summed in another order). E = 5, N = 520 (528 tiled rows), K = 3584 (28 chunks,
     split 4 / 7 / 2 dividing them), per-row global scales; T = 40 / 75 put more than bt picks on an expert."""
     from k3run.kernels.nvfp4_gemm.groups import expert_groups
+    from tests.kernels.test_nvfp4_gemv_gpu import stacked_experts
 
     _need_kernel()
     n_exp, n, k, a = 5, 520, 3584, 4
-    ws_ = [_random_nvfp4(n, k, "cuda", True, seed=10 + e) for e in range(n_exp)]
-    ps = [prepare_nvfp4_weight(*w, layout="tiled128") for w in ws_]
-    w = torch.stack([p.weight for p in ps])
-    s = torch.stack([p.scale_bits for p in ps])
-    gs = torch.stack([p.global_scale.reshape(-1) for p in ps])
-    g = torch.Generator().manual_seed(t)
-    ids = torch.stack([torch.randperm(n_exp + 2, generator=g)[:a] - 1 for _ in range(t)]).reshape(-1)
-    ids = ids.to(torch.int32).cuda()
+    torch.manual_seed(10 + t)
+    ws_, w, s, gs, ids = stacked_experts(n_exp, n, k, t, a, per_row=True)
     grp = expert_groups(ids, n_exp, bt)
     wd = [
         dequantize_nvfp4(q, sc, 1.0, dtype=torch.float32) * gsc.reshape(-1, 1).float() for q, sc, gsc in ws_

@@ -937,6 +937,17 @@ def nvfp4_gemv_grouped(
     return y
 
 
+def by_expert_output(
+    x: torch.Tensor, picks: int, slot_div: int, rows: int, act: bool, all_in_groups: bool
+) -> torch.Tensor:
+    """The by-expert launches' output y [picks, rows (act: rows / 2)], zeroed unless every pick is in a group
+    (the rows of missed picks stay zero), after checking that the picks fit x's rows at slot_div a row."""
+    if slot_div < 1 or picks > x.shape[0] * slot_div:
+        raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
+    new = torch.empty if all_in_groups else torch.zeros
+    return new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
+
+
 def nvfp4_gemv_by_expert(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -972,11 +983,8 @@ def nvfp4_gemv_by_expert(
         )
     if not groups.is_contiguous() or groups.device != x.device:
         raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
-    if slot_div < 1 or picks > x.shape[0] * slot_div:
-        raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
     act_kw = _act_args(act, rows)
-    new = torch.empty if all_in_groups else torch.zeros  # rows of missed picks stay zero
-    y = new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
+    y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
     if picks == 0 or n_groups == 0:
         return y

@@ -36,6 +36,15 @@ ATOMIC_MAX_PICKS = 1024
 
 
 @triton.jit
+def _load_picks(ids_ptr, p, P, E):
+    """(expert as int32, whether it is one of this rank's) of picks p; a pick past P or outside [0, E) is a
+    miss, tested in the ids' own dtype (an int64 id must not wrap into range when narrowed)."""
+    e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    hit = (p < P) & (e >= 0) & (e < E)
+    return tl.where(hit, e, 0).to(tl.int32), hit
+
+
+@triton.jit
 def _fill_table(grp_ptr, cnt_ptr, E, G, BT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_C: tl.constexpr):  # fmt: skip
     """grp = -1 and cnt = 0 (both forms' first pass; the caller puts a barrier after it)."""
@@ -80,9 +89,7 @@ def _expert_groups_kernel(
     pp = tl.arange(0, BLOCK_P)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + pp
-        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        hit = (p < P) & (e >= 0) & (e < E)  # in the ids' dtype: an int64 id must not wrap into range
-        e = e.to(tl.int32)
+        e, hit = _load_picks(ids_ptr, p, P, E)
         eq = (e[:, None] == e[None, :]) & hit[:, None] & hit[None, :]  # [pick, other pick of the chunk]
         before = tl.sum((eq & (pp[None, :] < pp[:, None])).to(tl.int32), axis=1)
         after = tl.sum((eq & (pp[None, :] > pp[:, None])).to(tl.int32), axis=1)
@@ -95,9 +102,7 @@ def _expert_groups_kernel(
     tl.debug_barrier()
     for p0 in range(0, P, BLOCK_P):
         p = p0 + pp
-        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        hit = (p < P) & (e >= 0) & (e < E)  # in the ids' dtype: an int64 id must not wrap into range
-        e = e.to(tl.int32)
+        e, hit = _load_picks(ids_ptr, p, P, E)
         rank = tl.load(rank_ptr + p, mask=hit, other=0)
         row = grp_ptr + (tl.load(first_ptr + e, mask=hit, other=0) + rank // BT) * (BT + 1)
         tl.store(row + 1 + rank % BT, p, mask=hit)
@@ -116,9 +121,7 @@ def _expert_groups_atomic_kernel(
     _fill_table(grp_ptr, cnt_ptr, E, G, BT, BLOCK_E, BLOCK_G, BLOCK_C)
     tl.debug_barrier()
     p = tl.arange(0, BLOCK_P)
-    e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    hit = (p < P) & (e >= 0) & (e < E)  # in the ids' dtype: an int64 id must not wrap into range
-    e = tl.where(hit, e, 0).to(tl.int32)
+    e, hit = _load_picks(ids_ptr, p, P, E)
     rank = tl.atomic_add(cnt_ptr + e, tl.full([BLOCK_P], 1, tl.int32), mask=hit, sem="relaxed", scope="cta")
     tl.debug_barrier()
     _first_groups(cnt_ptr, first_ptr, E, BT, BLOCK_E)

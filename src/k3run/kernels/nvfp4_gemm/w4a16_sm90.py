@@ -662,7 +662,7 @@ def nvfp4_sm90_gemv_by_expert(
     """`gluon_gemv.nvfp4_gemv_by_expert` (one program group a group of `expert_groups`' table, BT 8 or 16;
     the activation epilogue at BT 8) on the CUDA GEMV; the same operands and checks, K a multiple of 128
     (maxnreg: not used, as in `nvfp4_sm90_gemv_grouped`). Call `available(x.device)` first."""
-    from .gluon_gemv import _check_grouped_operands
+    from .gluon_gemv import _check_grouped_operands, by_expert_output
 
     _, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
     bt = groups.shape[1] - 1 if groups.dim() == 2 else 0
@@ -671,10 +671,7 @@ def nvfp4_sm90_gemv_by_expert(
             f"nvfp4 sm90 by-expert groups: expected contiguous int32 [G, 9] or [G, 17] (the activation: [G, "
             f"9]), got {groups.dtype} {tuple(groups.shape)}"
         )
-    if slot_div < 1 or picks > x.shape[0] * slot_div:
-        raise ValueError(f"nvfp4 by-expert: {picks} picks over {x.shape[0]} rows of x at {slot_div} per row")
-    new = torch.empty if all_in_groups else torch.zeros  # rows of missed picks stay zero
-    y = new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
+    y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     if picks and groups.shape[0]:
         _launch_gemv(_expert_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_GROUPS,
                      ids=groups, items=groups.shape[0], bt=bt, slot_div=slot_div, rows=rows, act=act,
