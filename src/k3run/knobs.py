@@ -188,7 +188,7 @@ class Knobs:
     moe_groups: str = _knob(
         "K3RUN_MOE_GROUPS", _moe_groups, "atomic",
         "CUDA: how the expert-major decode launches' group table is built (kernels/nvfp4_gemm/groups.py): "
-        "atomic (one atomic round for up to 1024 picks; the full-depth decode 2.8-2.9% faster at batch 8 "
+        "atomic (one atomic round for up to 1024 picks; the full-depth decode ~3% faster at batch 8 "
         "and 32) or passes (64-pick chunks, each group's picks in order)",
     )  # fmt: skip
     moe_fuse_shared: int = _knob(
