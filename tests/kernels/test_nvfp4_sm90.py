@@ -348,6 +348,19 @@ def test_gpu_linear_takes_it_and_matches_the_gluon_kernel(monkeypatch) -> None:
     assert bool(((y.float() - y_gluon.float()).abs() <= bound).all())
 
 
+def _spy_rows(monkeypatch, name: str) -> list[int]:
+    """The rows of x of every call to sm90.<name> from now on (the call itself goes through)."""
+    calls: list[int] = []
+    real = getattr(sm90, name)
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sm90, name, spy)
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [257, 1024])
 def test_gpu_linear_takes_it_above_256_rows(monkeypatch, m) -> None:
@@ -361,14 +374,7 @@ def test_gpu_linear_takes_it_above_256_rows(monkeypatch, m) -> None:
     n, k = 8200, 4096  # 32.0M weights, a partial last row block
     w, s, gs = _random_nvfp4(n, k, "cuda", False, seed=6)
     tw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    calls: list[int] = []
-    real = sm90.nvfp4_sm90_gemm
-
-    def spy(*a, **kw):
-        calls.append(a[0].shape[0])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(sm90, "nvfp4_sm90_gemm", spy)
+    calls = _spy_rows(monkeypatch, "nvfp4_sm90_gemm")
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = nvfp4_linear(x, tw)
     assert calls == [m] and sm90.MAX_M >= 1024
@@ -436,14 +442,7 @@ def test_gpu_linear_takes_the_gemv_where_enabled(monkeypatch, m) -> None:
     from k3run.kernels.nvfp4_gemm import nvfp4_linear
 
     _need_kernel()
-    calls: list[int] = []
-    real = sm90.nvfp4_sm90_gemv
-
-    def spy(*a, **kw):
-        calls.append(a[0].shape[0])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(sm90, "nvfp4_sm90_gemv", spy)
+    calls = _spy_rows(monkeypatch, "nvfp4_sm90_gemv")
     for k, env, want in ((2304, "16", [m]), (336, "16", []), (2304, "0", [])):
         monkeypatch.setenv("K3RUN_SM90_GEMV", env)
         reset_knobs()

@@ -967,7 +967,7 @@ class NvFp4Experts(ExpertScheme):
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits
             by_exp = nvfp4_gemv_by_expert
-            if sm90.experts_take(x, bt, act) and i % 128 == 0:
+            if sm90.experts_take(x, i, bt, act):
                 by_exp = sm90.nvfp4_sm90_gemv_by_expert
             gu = by_exp(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
@@ -982,7 +982,7 @@ class NvFp4Experts(ExpertScheme):
         else:
             # every pick's rows count towards one wave
             grouped = nvfp4_gemv_grouped
-            if sm90.experts_take(x, 8, act) and i % 128 == 0:
+            if sm90.experts_take(x, i, 8, act):
                 grouped = sm90.nvfp4_sm90_gemv_grouped
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
             gu = grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act)

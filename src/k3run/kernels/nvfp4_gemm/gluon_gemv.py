@@ -898,6 +898,17 @@ def _check_grouped_operands(
     return n_exp, cap >= (9, 0) if pdl is None else pdl
 
 
+def check_picks(x: torch.Tensor, ids: torch.Tensor) -> tuple[int, int]:
+    """The per-pick launches' ids: int32/int64 [P] on x's device, P a multiple of x's T rows; (P, T)."""
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
+        raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
+    picks, t = ids.shape[0], x.shape[0]
+    if t == 0 or picks % t:
+        raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
+    return picks, t
+
+
 def nvfp4_gemv_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -922,12 +933,7 @@ def nvfp4_gemv_grouped(
     (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
     """
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
-        raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
-                         f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
-    picks, t = ids.shape[0], x.shape[0]
-    if t == 0 or picks % t:
-        raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
+    picks, t = check_picks(x, ids)
     act_kw = _act_args(act, rows)
     y = torch.empty((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
     if picks == 0:

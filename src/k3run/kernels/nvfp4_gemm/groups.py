@@ -74,6 +74,16 @@ def _first_groups(cnt_ptr, first_ptr, E, BT: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
+def _place_picks(grp_ptr, first_ptr, p, e, hit, rank, BT: tl.constexpr):
+    """Picks p (of experts e, where hit) at their ranks among their experts' picks into the table: group
+    first[e] + rank // BT, column 1 + rank % BT; the group's first place names its expert. first is read past
+    L1 (.cg), as `_first_groups` wrote it just before."""
+    row = grp_ptr + (tl.load(first_ptr + e, mask=hit, other=0, cache_modifier=".cg") + rank // BT) * (BT + 1)
+    tl.store(row + 1 + rank % BT, p, mask=hit)
+    tl.store(row, e, mask=hit & (rank % BT == 0))
+
+
+@triton.jit
 def _expert_groups_kernel(
     ids_ptr, grp_ptr, cnt_ptr, first_ptr, rank_ptr, P, E, G, BT: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
@@ -103,10 +113,7 @@ def _expert_groups_kernel(
     for p0 in range(0, P, BLOCK_P):
         p = p0 + pp
         e, hit = _load_picks(ids_ptr, p, P, E)
-        rank = tl.load(rank_ptr + p, mask=hit, other=0)
-        row = grp_ptr + (tl.load(first_ptr + e, mask=hit, other=0) + rank // BT) * (BT + 1)
-        tl.store(row + 1 + rank % BT, p, mask=hit)
-        tl.store(row, e, mask=hit & (rank % BT == 0))  # the first pick of each group names its expert
+        _place_picks(grp_ptr, first_ptr, p, e, hit, tl.load(rank_ptr + p, mask=hit, other=0), BT)
 
 
 @triton.jit
@@ -126,9 +133,7 @@ def _expert_groups_atomic_kernel(
     tl.debug_barrier()
     _first_groups(cnt_ptr, first_ptr, E, BT, BLOCK_E)
     tl.debug_barrier()
-    row = grp_ptr + (tl.load(first_ptr + e, mask=hit, other=0, cache_modifier=".cg") + rank // BT) * (BT + 1)
-    tl.store(row + 1 + rank % BT, p, mask=hit)
-    tl.store(row, e, mask=hit & (rank % BT == 0))  # the group's first place names its expert
+    _place_picks(grp_ptr, first_ptr, p, e, hit, rank, BT)
 
 
 def max_groups(picks: int, n_experts: int, bt: int) -> int:

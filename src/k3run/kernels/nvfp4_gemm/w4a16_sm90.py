@@ -536,13 +536,15 @@ def gemv_takes(m: int, k: int) -> bool:
     return 1 <= m <= min(GEMV_MAX_M, knobs().sm90_gemv) and k % 128 == 0
 
 
-def experts_take(x: torch.Tensor, bt: int, act) -> bool:
+def experts_take(x: torch.Tensor, inter: int, bt: int, act) -> bool:
     """Whether the routed experts' decode launches run on the CUDA GEMV (K3RUN_SM90_GEMV_EXPERTS): 16-bit x
-    on sm_90 with K a multiple of 128, a token tile of 8 or 16, the activation epilogue only at 8."""
+    on sm_90 with both GEMMs' K (x's width, the intermediate size `inter`) multiples of 128, a token tile of
+    8 or 16, the activation epilogue only at 8."""
     return (
         knobs().sm90_gemv_experts
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.shape[1] % 128 == 0
+        and inter % 128 == 0
         and bt in (8, 16)
         and (act is None or bt == 8)
         and available(x.device)
@@ -551,18 +553,14 @@ def experts_take(x: torch.Tensor, bt: int, act) -> bool:
 
 def _launch_gemv(x, weight, scale_u8, global_scale, y, *, split_k, bias=None, mode=GEMV_DENSE, ids=None,
                  items=1, bt=8, slot_div=1, rows, act=None, pdl=True) -> None:  # fmt: skip
-    """One launch of the .cu file's w4a16_gemv (split-K partials and counters per program group)."""
+    """One launch of the .cu file's w4a16_gemv (split-K partials and counters per program group); the
+    activation's code and betas as the Gluon launches take them (the kernel forms their reciprocals)."""
     from k3run.kernels.counters import counters
 
-    from .gluon_gemv import _ACT_CODES
+    from .gluon_gemv import _act_args
 
-    code, beta, lbeta = 0, 1.0, 1.0
-    if act is not None:
-        kind, b, lb = act
-        code = _ACT_CODES.get((kind, lb is not None), 0)
-        if not code:
-            raise ValueError(f"nvfp4 sm90 gemv: no epilogue activation {kind!r}; expected silu or situ")
-        beta, lbeta = (float(b) if kind == "situ" else 1.0), (float(lb) if lb is not None else 1.0)
+    kw = _act_args(act, rows)
+    code, beta, lbeta = kw.get("ACT", 0), kw.get("act_beta", 1.0), kw.get("act_lbeta", 1.0)
     row_blocks = rows // 16 if act is not None else -(-rows // 16)
     if split_k > 1:
         ws = torch.empty((items * split_k * row_blocks * 16 * bt,), dtype=torch.float32, device=x.device)
@@ -593,20 +591,21 @@ def nvfp4_sm90_gemv(
     programmatic dependent launch (None: on). Call `available(x.device)` first."""
     _check_inputs(x, weight, scale_u8, global_scale, k, n, bias)
     m = x.shape[0]
-    if not 1 <= m <= GEMV_MAX_M or k % 128:
-        raise ValueError(f"nvfp4 sm90 gemv: takes 1..{GEMV_MAX_M} rows and K % 128 == 0, got M={m}, K={k}")
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"nvfp4 sm90 gemv: takes 1..{GEMV_MAX_M} rows, got M={m}")
+    x = _gemv_input(x)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()
     _launch_gemv(x, weight, scale_u8, global_scale, y, split_k=split_k, bias=bias, bt=8 if m <= 8 else 16,
                  rows=n, pdl=True if pdl is None else pdl)  # fmt: skip
     return y
 
 
-def _expert_input(x: torch.Tensor) -> torch.Tensor:
+def _gemv_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the GEMV's 16-byte loads read it: K a multiple of 128 (else a ValueError), rows 16-byte aligned
+    with unit stride (else a contiguous copy)."""
     if x.shape[1] % 128:
-        raise ValueError(f"nvfp4 sm90 gemv experts: K={x.shape[1]} must be a multiple of 128")
-    return x if x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+        raise ValueError(f"nvfp4 sm90 gemv: K={x.shape[1]} must be a multiple of 128")
+    return x if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
 
 
 def nvfp4_sm90_gemv_grouped(
@@ -626,18 +625,13 @@ def nvfp4_sm90_gemv_grouped(
     W[ids[s]]^T * global_scale[ids[s]], zero for another rank's id; with `act` h = act(gate, up)) on the
     CUDA GEMV; the same operands and checks, K a multiple of 128 (maxnreg: the Gluon call's, not used: the
     CUDA kernel's registers are fixed when it is built). Call `available(x.device)` first."""
-    from .gluon_gemv import _check_grouped_operands
+    from .gluon_gemv import _check_grouped_operands, check_picks
 
     _, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
-        raise ValueError(f"nvfp4 grouped ids: expected int32/int64 [P] on {x.device}, got {ids.dtype} "
-                         f"{tuple(ids.shape)} on {ids.device}")  # fmt: skip
-    picks, t = ids.shape[0], x.shape[0]
-    if t == 0 or picks % t:
-        raise ValueError(f"nvfp4 grouped: {picks} picks for {t} tokens (expected a multiple)")
+    picks, t = check_picks(x, ids)
     y = torch.empty((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
     if picks:
-        _launch_gemv(_expert_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_PICKS,
+        _launch_gemv(_gemv_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_PICKS,
                      ids=ids.contiguous(), items=picks, bt=8, slot_div=picks // t, rows=rows, act=act,
                      pdl=pdl)  # fmt: skip
     return y
@@ -673,7 +667,7 @@ def nvfp4_sm90_gemv_by_expert(
         )
     y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     if picks and groups.shape[0]:
-        _launch_gemv(_expert_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_GROUPS,
+        _launch_gemv(_gemv_input(x), weight, scale_u8, global_scale, y, split_k=split_k, mode=GEMV_GROUPS,
                      ids=groups, items=groups.shape[0], bt=bt, slot_div=slot_div, rows=rows, act=act,
                      pdl=pdl)  # fmt: skip
     return y
