@@ -96,11 +96,16 @@ def main() -> None:
                     ("router partials, x a block ahead", partial(router_partials, x, w, ahead=False),
                      partial(router_partials, x, w), w.numel() * 4 + x.numel() * 2)
                 )  # fmt: skip
-            if t >= 9:  # baseline column: cuBLAS logits + the top-k kernel, the model's path above 16 tokens
-                rows.append(
-                    ("router, dot partials (vs cuBLAS)", partial(_cublas_router, x, w, bias, k, 2.0),
-                     partial(_dot_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
-                )  # fmt: skip
+            # the tensor-core partials against each path they could replace: the broadcast partials (the
+            # model's up to 16 tokens) and cuBLAS's fp32 logits + the top-k kernel (above 16)
+            rows.append(
+                ("router, dot partials (vs broadcast)", partial(_kernel_router, x, w, bias, k, 2.0),
+                 partial(_dot_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
+            )  # fmt: skip
+            rows.append(
+                ("router, dot partials (vs cuBLAS)", partial(_cublas_router, x, w, bias, k, 2.0),
+                 partial(_dot_router, x, w, bias, k, 2.0), w.numel() * 4 + x.numel() * 2)
+            )  # fmt: skip
             if router_one_launch_fits(t, e, d):  # baseline column: the two launches it replaces
                 one = partial(route_one_launch_triton, x, w, bias, k, True, 2.0)
                 rows.append(

@@ -168,8 +168,9 @@ class Knobs:
     )  # fmt: skip
     moe_router_dot: int = _knob(
         "K3RUN_MOE_ROUTER_DOT", _tokens_256, 0,
-        "CUDA: from 9 up to this many tokens the router's partial logits run as fp32 dots over 16-token "
-        "blocks, instead of the broadcast kernel or cuBLAS (0: off)",
+        "CUDA: up to this many tokens of bf16 activations the router's partial logits run on the tensor "
+        "cores, 16-token blocks times the fp32 weight split exactly into three bf16 parts, instead of the "
+        "broadcast kernel or cuBLAS (0: off)",
     )  # fmt: skip
     moe_combine_in_norm: int = _knob(
         "K3RUN_MOE_COMBINE_IN_NORM", _tokens_128, 8,

@@ -73,6 +73,10 @@ def check_topk_ties_and_nan(device: str) -> None:
 
 
 def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str, dot: bool = False) -> None:
+    """The logits against fp64. The dot form's (bf16 x) on the GPU sum on the tensor cores, whose fp32
+    accumulation may truncate instead of rounding to nearest: 2 u an addition, so its bound is twice the
+    broadcast form's. (That its weight parts add up to the fp32 weight exactly is check_dot_exact's test:
+    a random sum would hide a lost part.)"""
     from k3run.kernels.moe_ops.triton import router_logits_triton
 
     g = torch.Generator().manual_seed(t + e + d)
@@ -81,17 +85,39 @@ def check_logits(t: int, e: int, d: int, dtype: torch.dtype, device: str, dot: b
     ref = router_logits_ref(x.double(), w.double())
     out = router_logits_triton(x.to(device), w.to(device), dot)
     s = x.double().abs() @ w.double().abs().t()
-    assert_within("router logits", ref.float(), out.cpu(), (2 * (d + 1) * U * s).float())
+    ulps = 4 if dot and device != "cpu" else 2
+    assert_within("router logits", ref.float(), out.cpu(), (ulps * (d + 1) * U * s).float())
+
+
+def check_dot_exact(t: int, e: int, d: int, device: str) -> None:
+    """The dot form on one-hot rows of x (token i: a power of two at column c_i, zeros elsewhere) returns
+    x[i, c_i] * W[:, c_i], bit for bit: every other product is an exact 0 and the three bf16 parts of each
+    weight add up to it exactly. Weights with all 24 significant bits set, so a part lost, or a part
+    rounded, shows."""
+    from k3run.kernels.moe_ops.triton import router_logits_triton
+
+    g = torch.Generator().manual_seed(t * 3 + e + d)
+    scale = 2.0 ** torch.randint(-9, 3, (e, d), generator=g)
+    w = (1 + torch.rand(e, d, generator=g, dtype=torch.float64)) * scale
+    w = torch.where(torch.rand(e, d, generator=g) < 0.5, -w, w).float()
+    w = (w.view(torch.int32) | 0x7FFF).view(torch.float32)  # the low 15 significand bits all 1
+    cols = torch.randint(0, d, (t,), generator=g)
+    vals = 2.0 ** torch.randint(-3, 4, (t,), generator=g).double()
+    x = torch.zeros(t, d, dtype=torch.bfloat16)
+    x[torch.arange(t), cols] = vals.to(torch.bfloat16)
+    out = router_logits_triton(x.to(device), w.to(device), dot=True).cpu()
+    want = (w[:, cols].t().double() * vals[:, None]).float()
+    assert torch.equal(out, want), f"{int((out != want).sum())} of {out.numel()} logits not exact"
 
 
 def check_router(t: int, e: int, d: int, a: int, device: str, dot: bool = False) -> None:
     """The two-launch router: the top-k kernel summing the partial logits in block order picks what the
     reference picks on the same logits (router_logits_triton sums them in that order), weights in bound.
-    `dot`: the partials of the dot form."""
+    `dot`: the partials of the dot form (bf16 x)."""
     from k3run.kernels.moe_ops.triton import router_logits_triton, router_partials, sigmoid_topk_triton
 
     g = torch.Generator().manual_seed(t * e + d)
-    x = torch.randn(t, d, generator=g).to(torch.float16).to(device)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16 if dot else torch.float16).to(device)
     w = (torch.randn(e, d, generator=g) / d**0.5).to(device)
     bias = (torch.randn(e, generator=g) * 0.1).to(device)
     parts = router_partials(x, w, dot)
@@ -235,7 +261,7 @@ def test_references_reject_a_slip() -> None:
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=29)
+    run_interp_tests_in_child(__file__, expected_passed=30)
 
 
 @interp_only
@@ -276,16 +302,21 @@ def test_interp_router_partials_loaded_ahead_are_the_same_bits(t: int, e: int, d
     from k3run.kernels.moe_ops.triton import router_partials
 
     g = torch.Generator().manual_seed(t + e + d)
-    x = torch.randn(t, d, generator=g).to(torch.float16)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16 if dot else torch.float16)
     w = torch.randn(e, d, generator=g) / d**0.5
     assert torch.equal(router_partials(x, w, dot, ahead=True), router_partials(x, w, dot, ahead=False))
+
+
+@interp_only
+def test_interp_router_dot_exact() -> None:
+    check_dot_exact(19, 37, 300, "cpu")
 
 
 @interp_only
 @pytest.mark.parametrize("t, e, d, a", [(20, 37, 300, 4), (33, 256, 2304, 8)])
 def test_interp_router_dot_partials(t: int, e: int, d: int, a: int) -> None:
     # 16-token blocks, the last masked; 37 experts in blocks of 16 (the last masked); 300 columns (2 blocks)
-    check_logits(t, e, d, torch.float16, "cpu", dot=True)
+    check_logits(t, e, d, torch.bfloat16, "cpu", dot=True)
     check_router(t, e, d, a, "cpu", dot=True)
 
 
@@ -343,6 +374,7 @@ def test_gpu_router_logits(t: int, e: int, d: int) -> None:
 @needs_cuda
 @pytest.mark.parametrize("t, e, d", [(32, 256, 2304), (64, 896, 7168), (17, 37, 1001), (9, 256, 2304)])
 def test_gpu_router_dot_partials(t: int, e: int, d: int) -> None:
+    check_dot_exact(t, e, d, "cuda")
     check_logits(t, e, d, torch.bfloat16, "cuda", dot=True)
     check_router(t, e, d, min(e, 16), "cuda", dot=True)
 

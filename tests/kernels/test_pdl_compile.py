@@ -56,7 +56,7 @@ def _kernels():
                            dict(HAS_GATE=True, HAS_RES=False, BLOCK_R=16, BLOCK_D=128)),
         "attn_res_mix": (norm._attn_res_mix_kernel, "bf16", f32, dict(BLOCK_N=4, BLOCK_D=4096)),
         "router partials": (moe._router_partials_kernel, "fp32", f32, dict(BE=8, BD=256, BT=1)),
-        "router partials (dot)": (moe._router_partials_kernel, "fp32", f32,
+        "router partials (dot)": (moe._router_partials_kernel, "fp32", {**f32, "x_ptr": "*bf16"},
                                   dict(BE=16, BD=256, BT=16, DOT=True)),
         "top-k": (moe._sigmoid_topk_kernel, "fp32", f32,
                   dict(S=9, G=8, A=8, EXTRA=1, RENORM=True, BLOCK_A=8, BLOCK_E=256, LIB=True)),
@@ -167,12 +167,14 @@ def test_router_kernels_compile_for_sm90_without_spills(
 
 @pytest.mark.parametrize("be, bt, dot", [(8, 4, False), (16, 16, True)])
 def test_router_partials_compile_for_sm90_without_spills(be: int, bt: int, dot: bool) -> None:
-    """The broadcast form's [4, 8, 256] product and the dot form's [16, 256] weight and token tiles (fp32)
-    with their [16, 16] product fit 128 threads, each with the next token block's x loaded ahead."""
+    """The broadcast form's [4, 8, 256] product and the dot form's [16, 256] bf16 token tile, its three
+    [256, 16] bf16 weight parts and their [16, 16] fp32 product fit 128 threads, each with the next token
+    block's x loaded ahead."""
     from k3run.kernels.moe_ops import triton as moe
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    ck = _compile(moe._router_partials_kernel, "fp32", {}, dict(BE=be, BD=256, BT=bt, DOT=dot), pdl=True)
+    scalars = {"x_ptr": "*bf16"} if dot else {}
+    ck = _compile(moe._router_partials_kernel, "fp32", scalars, dict(BE=be, BD=256, BT=bt, DOT=dot), pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res

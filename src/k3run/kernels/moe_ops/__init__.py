@@ -5,9 +5,9 @@
   unbiased weights renormalised and scaled; `extra` (an expert id) appends it to every token's picks at
   weight 1 (the shared expert run as one more expert of the grouped launches). Two launches: the logits as
   partial sums over column blocks (many small programs, so the fp32 weight streams at a useful rate even
-  for one token; with K3RUN_MOE_ROUTER_DOT=N, fp32 dots over 16-token blocks from 9 to N tokens; cuBLAS
-  above K3RUN_MOE_ROUTER_PARTIALS (default 16) or N), then one program per token that sums the partials in
-  order and picks.
+  for one token; up to K3RUN_MOE_ROUTER_DOT tokens of bf16 x on the tensor cores, the fp32 weight as three
+  exact bf16 parts; cuBLAS above that and K3RUN_MOE_ROUTER_PARTIALS), then one program per token that sums
+  the partials in order and picks.
 - `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
 - `combine(y, weights, out_dtype, add)`: the top-k weighted sum of each token's expert outputs in fp32, slot
@@ -42,19 +42,19 @@ def route_sigmoid_topk(
     extra: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]; A + 1 columns
-    with `extra`): on CUDA, up to K3RUN_MOE_ROUTER_PARTIALS rows, two launches (partial logits over column
-    blocks, then the top-k summing them), or with K3RUN_MOE_ROUTER_ONE_LAUNCH=1 one where the partials are
-    small (`route_one_launch_triton`: its last program picks); otherwise torch's fp32 logits, then
-    `sigmoid_topk`."""
+    with `extra`): on CUDA, up to K3RUN_MOE_ROUTER_PARTIALS rows (or K3RUN_MOE_ROUTER_DOT rows of bf16 x),
+    two launches (partial logits over column blocks, then the top-k summing them), or with
+    K3RUN_MOE_ROUTER_ONE_LAUNCH=1 one where the partials are small (`route_one_launch_triton`: its last
+    program picks); otherwise torch's fp32 logits, then `sigmoid_topk`."""
     if _cuda(x) and x.dim() == 2 and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous():
         from . import triton as kt
 
         t, e = x.shape[0], weight.shape[0]
-        dot_max = knobs().moe_router_dot
-        if top_k <= e <= kt.MAX_EXPERTS and (t <= knobs().moe_router_partials or t <= dot_max):
-            if knobs().moe_router_one_launch and kt.router_one_launch_fits(t, e, x.shape[1]):
+        dot = x.dtype == torch.bfloat16 and t <= knobs().moe_router_dot
+        if top_k <= e <= kt.MAX_EXPERTS and (dot or t <= knobs().moe_router_partials):
+            if not dot and knobs().moe_router_one_launch and kt.router_one_launch_fits(t, e, x.shape[1]):
                 return kt.route_one_launch_triton(x, weight, bias, top_k, renormalize, scale, extra)
-            parts = kt.router_partials(x, weight, dot=kt.DOT_FROM <= t <= dot_max)
+            parts = kt.router_partials(x, weight, dot=dot)
             return kt.sigmoid_topk_triton(parts, bias, top_k, renormalize, scale, extra)
     return sigmoid_topk(router_logits_ref(x, weight), bias, top_k, renormalize, scale, extra)
 

@@ -18,8 +18,6 @@ LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # the largest expert count the top-k kernel holds in one program's registers (K3: 896)
 MAX_EXPERTS = 1024
-# with K3RUN_MOE_ROUTER_DOT=N, the broadcast form up to DOT_FROM - 1 tokens, the dot form from DOT_FROM to N
-DOT_FROM = 9
 
 
 @triton.jit
@@ -59,23 +57,40 @@ def _x_block(x_ptr, t, d, T, D, sx):
 
 
 @triton.jit
+def _split3(w):
+    # w fp32 = hi + mid + lo exactly, each a bf16: hi holds w's top 8 significant bits, the residual w - hi
+    # (exact in fp32) at most 16 more, mid its top 8, and lo the rest (at most 8); bf16 has fp32's exponent
+    # range, so nothing underflows at a router weight's magnitudes. Holds for round-to-nearest and truncating
+    # casts alike (the interpreter truncates)
+    hi = w.to(tl.bfloat16)
+    r = w - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
 def _partials(
     wv, x_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-    DOT: tl.constexpr = False, AHEAD: tl.constexpr = True,
+    DOT: tl.constexpr = False, AHEAD: tl.constexpr = True, LIB: tl.constexpr = True,
 ):  # fmt: skip
     # part[s, t, e] = x[t, cols] . W[e, cols] for this program's BE experts and BD columns (the tile wv,
-    # read once: many small programs keep enough bytes in flight), every token; x cast to fp32 as it loads.
-    # BT tokens at a time: a [BT, BE, BD] product reduced across threads (a few tokens), or with DOT one fp32
-    # dot ([BT, BD] x [BD, BE], `ieee`: plain fp32 products and sums, no TF32) for many tokens. With AHEAD the
-    # next block's x is loaded before this block's product, so its L2 round trip overlaps the product, the
-    # reduction and the store (without, each block waits for its own load first: one round trip a block);
-    # the sums are the same either way
+    # read once: many small programs keep enough bytes in flight), every token.
+    # Broadcast form (a few tokens): BT tokens at a time, x cast to fp32 as it loads, a [BT, BE, BD] product
+    # reduced across threads. DOT form (bf16 x): 16 tokens at a time on the tensor cores, as three bf16 dots
+    # with fp32 accumulation, x . lo + x . mid + x . hi (`_split3`: the fp32 weight split exactly): every
+    # product of a bf16 x and a bf16 part is exact in fp32, so the logit is the fp32 sum of x's exact products
+    # with the fp32 weight, as in the broadcast form, only summed in another order. (The interpreter's bf16
+    # dot is wrong: there the same parts, widened back to fp32, go through fp32 dots.)
+    # With AHEAD the next block's x is loaded before this block's product, so its L2 round trip overlaps the
+    # product, the reduction and the store (without, each block waits for its own load first: one round
+    # trip a block); the sums are the same either way
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     sd = tl.program_id(1)
     d = sd * BD + tl.arange(0, BD)
     tt = tl.arange(0, BT)
     if DOT:
-        wt = tl.trans(wv)  # [BD, BE]
+        w_hi, w_mid, w_lo = _split3(tl.trans(wv))  # [BD, BE] each
     if AHEAD:
         xn = _x_block(x_ptr, tt, d, T, D, sx)
     for t0 in range(0, T, BT):
@@ -86,7 +101,15 @@ def _partials(
         else:
             xv = _x_block(x_ptr, t, d, T, D, sx)
         if DOT:
-            part = tl.dot(xv.to(tl.float32), wt, input_precision="ieee")  # [BT, BE]
+            if LIB:
+                part = tl.dot(xv, w_lo)  # [BT, BE] fp32
+                part = tl.dot(xv, w_mid, part)
+                part = tl.dot(xv, w_hi, part)
+            else:
+                xf = xv.to(tl.float32)
+                part = tl.dot(xf, w_lo.to(tl.float32), input_precision="ieee")
+                part = tl.dot(xf, w_mid.to(tl.float32), part, input_precision="ieee")
+                part = tl.dot(xf, w_hi.to(tl.float32), part, input_precision="ieee")
         else:
             part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
         tl.store(
@@ -115,10 +138,11 @@ def _sum_partials(p_ptr, off, m, stride, S: tl.constexpr, G: tl.constexpr):
 def _router_partials_kernel(
     x_ptr, w_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     DOT: tl.constexpr = False, PDL: tl.constexpr = False, AHEAD: tl.constexpr = True,
+    LIB: tl.constexpr = True,
 ):  # fmt: skip
     wv = _weight_tile(w_ptr, E, D, BE, BD)
     pdl_enter(PDL)
-    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT, DOT, AHEAD)
+    _partials(wv, x_ptr, out_ptr, T, E, D, sx, BE, BD, BT, DOT, AHEAD, LIB)
 
 
 def _check_weight(weight: torch.Tensor) -> None:
@@ -139,9 +163,12 @@ def router_partials(
 ) -> torch.Tensor:
     """Partial router logits [S, T, E] fp32 of x [T, D] and the contiguous fp32 weight [E, D] over S column
     blocks of 256 (their sum in block order is the logits; `sigmoid_topk_triton` takes them as they are).
-    `dot`: the tokens in blocks of 16 as fp32 dots (`_partials`' DOT form, for many tokens). `ahead`: each
-    token block's x loaded one block ahead (the default; False only for the benchmark's comparison)."""
+    `dot` (bf16 x only): the tokens in blocks of 16 on the tensor cores, the fp32 weight as three exact bf16
+    parts (`_partials`' DOT form). `ahead`: each token block's x loaded one block ahead (the default; False
+    only for the benchmark's comparison)."""
     _check_weight(weight)
+    if dot and x.dtype != torch.bfloat16:
+        raise ValueError(f"router_partials: the dot form takes bf16 x (its products exact), got {x.dtype}")
     t, d = x.shape
     e = weight.shape[0]
     bd = 256
@@ -153,8 +180,8 @@ def router_partials(
         x = x.contiguous()
     be, bt = (16, 16) if dot else (8, min(4, triton.next_power_of_2(t)))
     _router_partials_kernel[(triton.cdiv(e, be), splits)](
-        x, weight, out, t, e, d, x.stride(0), BE=be, BD=bd, BT=bt, DOT=dot, AHEAD=ahead, num_warps=4,
-        **pdl_args(x),
+        x, weight, out, t, e, d, x.stride(0), BE=be, BD=bd, BT=bt, DOT=dot, AHEAD=ahead, LIB=LIBDEVICE,
+        num_warps=4, **pdl_args(x),
     )  # fmt: skip
     return out
 
