@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 def _compile(
     num_warps: int, bt: int, split_k: int, k: int, dtype: str, maxnreg: int, stages: int = 2,
     tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False, act: int = 0,
+    early: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -46,6 +47,7 @@ def _compile(
         LSW=gemv.scale_word_layout(num_warps, bt),
         GROUPED=grouped or byexp,
         BYEXP=byexp,
+        EARLY=early,
     )
     if not grouped and not byexp:
         consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
@@ -160,6 +162,23 @@ def test_by_expert_gemv_compiles_for_sm90(bt: int):
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
     _assert_no_loop_spills(ck)
+
+
+@pytest.mark.parametrize("byexp", [False, True])
+@pytest.mark.parametrize("early", [False, True])
+def test_grouped_gemv_reads_its_table_early_only_when_told(byexp: bool, early: bool):
+    """The routed-expert launches wait (PDL) before their first global access, the ids or group table, unless
+    EARLY (GEMM2: the table predates the launch before it): then the table loads and the first weight
+    tiles' cp.async come before the one wait."""
+    ck = _compile(1, 8, 1, 2304, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=not byexp, byexp=byexp,
+                  early=early)  # fmt: skip
+    body = ck.asm["ptx"].split(".entry", 1)[1]
+    assert body.count("griddepcontrol.wait") == 1
+    before = body[: body.index("griddepcontrol.wait")]
+    if early:
+        assert "ld.global" in before and "cp.async" in before
+    else:
+        assert "ld.global" not in before and "cp.async" not in before
 
 
 @pytest.mark.parametrize("act, bt, byexp", [(1, 8, True), (3, 16, True), (2, 32, True), (1, 8, False)])

@@ -237,3 +237,57 @@ def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int, form: str):
         assert torch.equal(got, want), split
     with pytest.raises(ValueError, match="groups"):
         nvfp4_gemv_by_expert(x, w, s, gs, grp[:, :5], picks=t * a, slot_div=a, rows=n)
+
+
+@pytest.mark.parametrize("by_expert", [False, True])
+@pytest.mark.parametrize("graph", [False, True])
+def test_gemm2_reads_its_table_before_the_pdl_wait(poison_empty, by_expert: bool, graph: bool):
+    """GEMM2 with early_table / early_ids reads the table (or ids) and stages its first weight tiles before
+    its PDL wait: it relies on the table being complete when it launches (written before GEMM1, which waits
+    for its predecessor before it lets GEMM2 launch). Two MoE layers back to back, each grouping its own
+    routing (the second's table may reuse the first's memory), GEMM1 -> GEMM2 with PDL, eager and replayed
+    from a CUDA graph: the bits of the same launches without PDL. A table read before it was written would
+    give the other layer's groups (different experts, other rows)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
+    from k3run.kernels.nvfp4_gemm.groups import expert_groups
+
+    n_exp, n, k, t, a = 7, 1040, 520, 6, 3  # GEMM1 [1040, 520], GEMM2 [520, 1040]
+    _, w1, s1, g1, _ = stacked_experts(n_exp, n, k, t, a)
+    _, w2, s2, g2, _ = stacked_experts(n_exp, k, n, t, a)
+    gen = torch.Generator().manual_seed(11)
+    routes = [torch.stack([torch.randperm(n_exp, generator=gen)[:a] for _ in range(t)]).reshape(-1)
+              for _ in range(2)]  # fmt: skip
+    routes = [r.to(torch.int32).cuda() for r in routes]
+    x0 = torch.randn(t, k, device="cuda").bfloat16()
+
+    def layers(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        for r in routes:
+            ids = r.clone()  # written by a kernel just before the layer, as the router's picks are
+            if by_expert:
+                grp = expert_groups(ids, n_exp, 8)
+                h = nvfp4_gemv_by_expert(x, w1, s1, g1, grp, picks=t * a, slot_div=a, rows=n, pdl=pdl)
+                y = nvfp4_gemv_by_expert(
+                    h, w2, s2, g2, grp, picks=t * a, slot_div=1, rows=k, pdl=pdl, early_table=pdl
+                )
+            else:
+                h = nvfp4_gemv_grouped(x, w1, s1, g1, ids, rows=n, pdl=pdl)
+                y = nvfp4_gemv_grouped(h, w2, s2, g2, ids, rows=k, pdl=pdl, early_ids=pdl)
+            x = (y.float().reshape(t, a, k).sum(1) / 64).bfloat16()
+        return x
+
+    want = layers(x0, False)
+    assert bool(torch.isfinite(want).all()) and want.float().abs().max() > 0
+    assert torch.equal(layers(x0, True), want)
+    if graph:
+        static_x = x0.clone()
+        layers(static_x, True)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = layers(static_x, True)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)

@@ -478,7 +478,7 @@ def _nvfp4_gemv_async_kernel(
     OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None, ids_ptr=None, n_experts=0,
     slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None,
     BYEXP: gl.constexpr = False, ACT: gl.constexpr = 0, act_beta=1.0, act_rbeta=1.0, act_lbeta=1.0,
-    act_rlbeta=1.0, half_n=0,
+    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers.
@@ -491,7 +491,9 @@ def _nvfp4_gemv_async_kernel(
     y rows grp[g, 1 + t]: each expert's weights are read once for all its tokens.
     ACT (an expert's GEMM1 with its gated activation, `_ACT_CODES`; 16-row programs): program b reads gate
     rows 8b..8b+7 and the matching up rows half_n + 8b.. as its 16 rows, and its epilogue writes
-    h = act(gate, up) into y's columns 8b..8b+7 (y [.., half_n]): rows r and r + 8 of the accumulator."""
+    h = act(gate, up) into y's columns 8b..8b+7 (y [.., half_n]): rows r and r + 8 of the accumulator.
+    EARLY (with GROUPED and PDL): the ids / table were written before the previous launch, so they are read,
+    and the first weight tiles staged, before the PDL wait, which then guards x (as in the dense form)."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
@@ -501,7 +503,7 @@ def _nvfp4_gemv_async_kernel(
     pid_k = gl.program_id(1)
     hit = True
     if GROUPED:
-        if PDL:  # the ids are the previous kernel's output (routing): wait before reading them
+        if PDL and not EARLY:  # the ids are the previous kernel's output (routing): wait before reading them
             _gdc("griddepcontrol.wait;")
         pid_s = gl.program_id(2)
         if BYEXP:
@@ -579,7 +581,7 @@ def _nvfp4_gemv_async_kernel(
 
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
-    if PDL and not GROUPED:  # x (and ws, the counters, y) may be the previous launch's: wait for it to finish
+    if PDL and (EARLY or not GROUPED):  # x (and ws, the counters, y) may be the previous launch's: wait
         _gdc("griddepcontrol.wait;")
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     # the loop is split where the refills stop, so neither part tests whether a tile exists
@@ -921,6 +923,7 @@ def nvfp4_gemv_grouped(
     maxnreg: int | None = None,
     pdl: bool | None = None,
     act: GateAct | None = None,
+    early_ids: bool = False,
 ) -> torch.Tensor:
     """Routed experts in one launch: y [P, N], row s = x[s // (P / T)] @ W[ids[s]]^T * global_scale[ids[s]];
     with `act` (GEMM1 of gated experts: gate rows then up rows) h [P, N / 2] = act(gate, up) instead.
@@ -930,7 +933,8 @@ def nvfp4_gemv_grouped(
     [E, 1]; ids [P] int32/int64 local expert indices, P a multiple of T (the picks of each token in order).
     An id outside [0, E) (another rank's expert) gives a zero row, read no weights, and needs no host check,
     so the launch can be captured in a CUDA graph. Each pick is one token through the cp.async kernel
-    (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids.
+    (8-token tile, split_k programs per 16 rows); PDL (default on sm_90+) waits before reading ids, or
+    after with `early_ids` (as `nvfp4_gemv_by_expert`'s early_table).
     """
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
     picks, t = check_picks(x, ids)
@@ -939,7 +943,7 @@ def nvfp4_gemv_grouped(
     if picks == 0:
         return y
     _launch_grouped(x, weight, scale_u8, global_scale, y, picks, 8, 1, split_k, maxnreg, pdl, ids_ptr=ids,
-                    n_experts=n_exp, slot_div=picks // t, n=rows, **act_kw)  # fmt: skip
+                    n_experts=n_exp, slot_div=picks // t, n=rows, EARLY=early_ids, **act_kw)  # fmt: skip
     return y
 
 
@@ -969,6 +973,7 @@ def nvfp4_gemv_by_expert(
     pdl: bool | None = None,
     all_in_groups: bool = False,
     act: GateAct | None = None,
+    early_table: bool = False,
 ) -> torch.Tensor:
     """Routed experts in one launch, expert-major: y [picks, N], row s = x[s // slot_div] @ W[e(s)]^T *
     global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from `expert_groups`, BT
@@ -979,7 +984,10 @@ def nvfp4_gemv_by_expert(
     expert's weights are read once per launch however many tokens picked it (the per-pick `nvfp4_gemv_grouped`
     reads them once per pick). Each column of the tile is computed exactly as the one-token launch computes
     it, so the two agree bit for bit. Unused groups return at once; no host synchronisation
-    (graph-capturable); PDL (default on sm_90+) waits before reading the table.
+    (graph-capturable); PDL (default on sm_90+) waits before reading the table, or with `early_table` (the
+    table was written before the launch just before this one, as for GEMM2 after GEMM1: every kernel of the
+    step waits for its predecessor before it lets the next one launch, so the table is complete when this
+    launch starts) reads it and stages the first weight tiles before the wait, which then guards x only.
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
     if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
@@ -995,7 +1003,14 @@ def nvfp4_gemv_by_expert(
     if picks == 0 or n_groups == 0:
         return y
     kw = dict(
-        ids_ptr=groups, n_experts=n_exp, slot_div=slot_div, grp_ptr=groups, BYEXP=True, n=rows, **act_kw
+        ids_ptr=groups,
+        n_experts=n_exp,
+        slot_div=slot_div,
+        grp_ptr=groups,
+        BYEXP=True,
+        n=rows,
+        EARLY=early_table,
+        **act_kw,
     )
     _launch_grouped(x, weight, scale_u8, global_scale, y, n_groups, bt, bt, split_k, maxnreg, pdl, **kw)
     return y
