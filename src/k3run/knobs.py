@@ -186,6 +186,11 @@ class Knobs:
         "K3RUN_MOE_BY_EXPERT", _flag, True,
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
     )  # fmt: skip
+    moe_gemm2_early: bool = _knob(
+        "K3RUN_MOE_GEMM2_EARLY", _flag, True,
+        "CUDA: the NVFP4 routed experts' GEMM2 decode launch reads its group table and stages its first "
+        "weights before its PDL wait (the table predates GEMM1); 0: it waits first, as GEMM1 does",
+    )  # fmt: skip
     moe_groups: str = _knob(
         "K3RUN_MOE_GROUPS", _moe_groups, "atomic",
         "CUDA: how the expert-major decode launches' group table is built (kernels/nvfp4_gemm/groups.py): "

@@ -976,7 +976,7 @@ class NvFp4Experts(ExpertScheme):
             h = gu if act else ex.gated(gu)
             split2, reg2 = expert_split(bt, d * grp.shape[0], i, sms)
             # GEMM2 reads the table, written before GEMM1, and stages its first weights before its PDL wait
-            early = {"early_table": True} if by_exp is nvfp4_gemv_by_expert else {}
+            early = {"early_table": knobs().moe_gemm2_early} if by_exp is nvfp4_gemv_by_expert else {}
             y = by_exp(
                 h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
                 maxnreg=reg2, all_in_groups=full, **early,
@@ -990,7 +990,7 @@ class NvFp4Experts(ExpertScheme):
             gu = grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act)
             h = gu if act else ex.gated(gu)
             split2, reg2 = one_wave_split(1, d * t * a, i, sms)
-            early = {"early_ids": True} if grouped is nvfp4_gemv_grouped else {}
+            early = {"early_ids": knobs().moe_gemm2_early} if grouped is nvfp4_gemv_grouped else {}
             y = grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2, **early)
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
