@@ -965,8 +965,9 @@ class NvFp4Experts(ExpertScheme):
             grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
-            # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits
-            by_exp = nvfp4_gemv_by_expert
+            # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits (only the
+            # Gluon one takes early_table)
+            by_exp: Callable[..., torch.Tensor] = nvfp4_gemv_by_expert
             if sm90.experts_take(x, i, bt, act):
                 by_exp = sm90.nvfp4_sm90_gemv_by_expert
             gu = by_exp(
@@ -983,7 +984,7 @@ class NvFp4Experts(ExpertScheme):
             )  # fmt: skip
         else:
             # every pick's rows count towards one wave
-            grouped = nvfp4_gemv_grouped
+            grouped: Callable[..., torch.Tensor] = nvfp4_gemv_grouped
             if sm90.experts_take(x, i, 8, act):
                 grouped = sm90.nvfp4_sm90_gemv_grouped
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
