@@ -253,7 +253,7 @@ def test_gemm2_reads_its_table_before_the_pdl_wait(poison_empty, by_expert: bool
     from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert, nvfp4_gemv_grouped
     from k3run.kernels.nvfp4_gemm.groups import expert_groups
 
-    n_exp, n, k, t, a = 7, 1040, 520, 6, 3  # GEMM1 [1040, 520], GEMM2 [520, 1040]
+    n_exp, n, k, t, a = 7, 1040, 528, 6, 3  # GEMM1 [1040, 528], GEMM2 [528, 1040]
     _, w1, s1, g1, _ = stacked_experts(n_exp, n, k, t, a)
     _, w2, s2, g2, _ = stacked_experts(n_exp, k, n, t, a)
     gen = torch.Generator().manual_seed(11)

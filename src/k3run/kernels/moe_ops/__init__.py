@@ -5,9 +5,9 @@
   unbiased weights renormalised and scaled; `extra` (an expert id) appends it to every token's picks at
   weight 1 (the shared expert run as one more expert of the grouped launches). Two launches: the logits as
   partial sums over column blocks (many small programs, so the fp32 weight streams at a useful rate even
-  for one token; up to K3RUN_MOE_ROUTER_DOT tokens of bf16 x on the tensor cores, the fp32 weight as three
-  exact bf16 parts; cuBLAS above that and K3RUN_MOE_ROUTER_PARTIALS), then one program per token that sums
-  the partials in order and picks.
+  for one token; from 5 to K3RUN_MOE_ROUTER_DOT (default 64) tokens of bf16 x on the tensor cores, the fp32
+  weight as three exact bf16 parts; cuBLAS above that and K3RUN_MOE_ROUTER_PARTIALS), then one program per
+  token that sums the partials in order and picks.
 - `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
 - `gated(gate_up, kind, beta, linear_beta, out_dtype)`: SiLU / K3's SiTU on [N, 2I] gate | up rows -> [N, I].
 - `combine(y, weights, out_dtype, add)`: the top-k weighted sum of each token's expert outputs in fp32, slot
@@ -42,7 +42,7 @@ def route_sigmoid_topk(
     extra: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The router without group limits, x [T, D] -> (weights fp32 [T, A], ids int64 [T, A]; A + 1 columns
-    with `extra`): on CUDA, up to K3RUN_MOE_ROUTER_PARTIALS rows (or K3RUN_MOE_ROUTER_DOT rows of bf16 x),
+    with `extra`): on CUDA, up to K3RUN_MOE_ROUTER_PARTIALS rows (or 5..K3RUN_MOE_ROUTER_DOT rows of bf16 x),
     two launches (partial logits over column blocks, then the top-k summing them), or with
     K3RUN_MOE_ROUTER_ONE_LAUNCH=1 one where the partials are small (`route_one_launch_triton`: its last
     program picks); otherwise torch's fp32 logits, then `sigmoid_topk`."""
@@ -50,7 +50,7 @@ def route_sigmoid_topk(
         from . import triton as kt
 
         t, e = x.shape[0], weight.shape[0]
-        dot = x.dtype == torch.bfloat16 and t <= knobs().moe_router_dot
+        dot = x.dtype == torch.bfloat16 and kt.DOT_FROM <= t <= knobs().moe_router_dot
         if top_k <= e <= kt.MAX_EXPERTS and (dot or t <= knobs().moe_router_partials):
             if not dot and knobs().moe_router_one_launch and kt.router_one_launch_fits(t, e, x.shape[1]):
                 return kt.route_one_launch_triton(x, weight, bias, top_k, renormalize, scale, extra)
