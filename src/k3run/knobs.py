@@ -167,11 +167,11 @@ class Knobs:
         "loaded a token block ahead), above it cuBLAS's fp32 GEMM",
     )  # fmt: skip
     moe_router_dot: int = _knob(
-        "K3RUN_MOE_ROUTER_DOT", _tokens_256, 64,
+        "K3RUN_MOE_ROUTER_DOT", _tokens_256, 0,
         "CUDA: from 5 up to this many tokens of bf16 activations the router's partial logits run on the "
         "tensor cores, 16-token blocks times the fp32 weight split exactly into three bf16 parts, instead "
         "of the broadcast kernel or cuBLAS (0: off); the full-depth Kimi Linear step +0.9% / +0.9% / +2.1% "
-        "at batch 8 / 16 / 32 with it (H100)",
+        "at batch 8 / 16 / 32 with 64 (H100); off until its GPU tests have passed",
     )  # fmt: skip
     moe_combine_in_norm: int = _knob(
         "K3RUN_MOE_COMBINE_IN_NORM", _tokens_128, 8,
@@ -188,9 +188,10 @@ class Knobs:
         "CUDA: NVFP4 routed experts at 2..128 tokens in the expert-major launches (0: per-pick launches)",
     )  # fmt: skip
     moe_gemm2_early: bool = _knob(
-        "K3RUN_MOE_GEMM2_EARLY", _flag, True,
+        "K3RUN_MOE_GEMM2_EARLY", _flag, False,
         "CUDA: the NVFP4 routed experts' GEMM2 decode launch reads its group table and stages its first "
-        "weights before its PDL wait (the table predates GEMM1); 0: it waits first, as GEMM1 does",
+        "weights before its PDL wait (the table predates GEMM1; 0: it waits first, as GEMM1 does); within "
+        "the spread of the full-depth step (H100), off until its GPU test has passed",
     )  # fmt: skip
     moe_groups: str = _knob(
         "K3RUN_MOE_GROUPS", _moe_groups, "atomic",

@@ -976,7 +976,7 @@ class NvFp4Experts(ExpertScheme):
             )  # fmt: skip
             h = gu if act else ex.gated(gu)
             split2, reg2 = expert_split(bt, d * grp.shape[0], i, sms)
-            # GEMM2 reads the table, written before GEMM1, and stages its first weights before its PDL wait
+            # with K3RUN_MOE_GEMM2_EARLY, GEMM2 reads the table (written before GEMM1) before its PDL wait
             early = {"early_table": knobs().moe_gemm2_early} if by_exp is nvfp4_gemv_by_expert else {}
             y = by_exp(
                 h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
