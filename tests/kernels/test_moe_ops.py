@@ -25,7 +25,7 @@ from k3run.testing import FP32_U, assert_within, output_ulp
 from tests.interpreter_utils import interp_only, run_interp_tests_in_child
 
 U = FP32_U
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.gpu  # selected by `pytest -m gpu`; tests/conftest.py skips it without CUDA
 
 
 def _logits_case(t: int, e: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
