@@ -151,20 +151,26 @@ def test_gemv_pdl_chain_reads_each_previous_output(poison_empty, graph: bool):
             )
         return x
 
-    want = chain(x0, False)
+    pdl_matches_plain(chain, x0, graph)
+
+
+def pdl_matches_plain(run, x0: torch.Tensor, graph: bool) -> None:
+    """run(x, pdl) with PDL gives the bits of run(x0, False) (finite, not all zero), eagerly and, with
+    `graph`, replayed three times from a CUDA graph captured after a warm-up call (kernels compiled)."""
+    want = run(x0, False)
     assert bool(torch.isfinite(want).all()) and want.float().abs().max() > 0
-    assert torch.equal(chain(x0, True), want)
+    assert torch.equal(run(x0, True), want)
     if graph:
         static_x = x0.clone()
-        chain(static_x, True)  # compile outside the capture
+        run(static_x, True)  # compile outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = chain(static_x, True)
+            out = run(static_x, True)
         for _ in range(3):
             g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("per_row", [False, True])
@@ -277,17 +283,4 @@ def test_gemm2_reads_its_table_before_the_pdl_wait(poison_empty, by_expert: bool
             x = (y.float().reshape(t, a, k).sum(1) / 64).bfloat16()
         return x
 
-    want = layers(x0, False)
-    assert bool(torch.isfinite(want).all()) and want.float().abs().max() > 0
-    assert torch.equal(layers(x0, True), want)
-    if graph:
-        static_x = x0.clone()
-        layers(static_x, True)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = layers(static_x, True)
-        for _ in range(3):
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want)
+    pdl_matches_plain(layers, x0, graph)
