@@ -965,9 +965,8 @@ class NvFp4Experts(ExpertScheme):
             grp = expert_groups(local, ex.num_stacked, bt)
             split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
-            # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits (only the
-            # Gluon one takes early_table)
-            by_exp: Callable[..., torch.Tensor] = nvfp4_gemv_by_expert
+            # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits
+            by_exp = nvfp4_gemv_by_expert
             if sm90.experts_take(x, i, bt, act):
                 by_exp = sm90.nvfp4_sm90_gemv_by_expert
             gu = by_exp(
@@ -976,23 +975,22 @@ class NvFp4Experts(ExpertScheme):
             )  # fmt: skip
             h = gu if act else ex.gated(gu)
             split2, reg2 = expert_split(bt, d * grp.shape[0], i, sms)
-            # with K3RUN_MOE_GEMM2_EARLY, GEMM2 reads the table (written before GEMM1) before its PDL wait
-            early = {"early_table": knobs().moe_gemm2_early} if by_exp is nvfp4_gemv_by_expert else {}
+            # with K3RUN_MOE_GEMM2_EARLY, GEMM2 may read the table (written before GEMM1) before its PDL wait
             y = by_exp(
                 h.to(x.dtype), w2, s2, gs2, grp, picks=t * a, slot_div=1, rows=d, split_k=split2,
-                maxnreg=reg2, all_in_groups=full, **early,
+                maxnreg=reg2, all_in_groups=full, early_table=knobs().moe_gemm2_early,
             )  # fmt: skip
         else:
             # every pick's rows count towards one wave
-            grouped: Callable[..., torch.Tensor] = nvfp4_gemv_grouped
+            grouped = nvfp4_gemv_grouped
             if sm90.experts_take(x, i, 8, act):
                 grouped = sm90.nvfp4_sm90_gemv_grouped
             split1, reg1 = one_wave_split(1, 2 * i * t * a, d, sms)
             gu = grouped(x, w13, s13, gs13, local, rows=2 * i, split_k=split1, maxnreg=reg1, act=act)
             h = gu if act else ex.gated(gu)
             split2, reg2 = one_wave_split(1, d * t * a, i, sms)
-            early = {"early_ids": knobs().moe_gemm2_early} if grouped is nvfp4_gemv_grouped else {}
-            y = grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2, **early)
+            y = grouped(h.to(x.dtype), w2, s2, gs2, local, rows=d, split_k=split2, maxnreg=reg2,
+                        early_ids=knobs().moe_gemm2_early)  # fmt: skip
         return finish.combine(y, weights)  # slot order, fp32; rows of other ranks' picks are zero
 
     @staticmethod

@@ -18,9 +18,9 @@ LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 # the largest expert count the top-k kernel holds in one program's registers (K3: 896)
 MAX_EXPERTS = 1024
-# the fewest tokens the router's dot form takes (K3RUN_MOE_ROUTER_DOT bounds the most): run 200 (H100), dot
-# against broadcast partials + top-k, us: Kimi Linear 7.7 / 6.6 against 5.1 / 8.4 at 1 / 8 tokens, K3 34.5 /
-# 23.1 against 17.4 / 41.2; the broadcast form grows ~linearly in between, so the two cross near 4-5 tokens
+# the fewest tokens the router's dot form takes (K3RUN_MOE_ROUTER_DOT bounds the most): on an H100 (dot
+# against broadcast partials + top-k, bench_moe_ops) the dot form is slower at 1 token and faster at 8 for
+# both Kimi Linear's and K3's routers, and the broadcast form grows ~linearly between: they cross near 4-5
 DOT_FROM = 5
 
 

@@ -620,11 +620,13 @@ def nvfp4_sm90_gemv_grouped(
     maxnreg: int | None = None,
     pdl: bool | None = None,
     act=None,
+    early_ids: bool = False,
 ) -> torch.Tensor:
     """`gluon_gemv.nvfp4_gemv_grouped` (one routed pick a program group: y row s = x[s // (P / T)] @
     W[ids[s]]^T * global_scale[ids[s]], zero for another rank's id; with `act` h = act(gate, up)) on the
     CUDA GEMV; the same operands and checks, K a multiple of 128 (maxnreg: the Gluon call's, not used: the
-    CUDA kernel's registers are fixed when it is built). Call `available(x.device)` first."""
+    CUDA kernel's registers are fixed when it is built; early_ids: a permission, not used: the CUDA kernel
+    always waits before reading the ids, which is right either way). Call `available(x.device)` first."""
     from .gluon_gemv import _check_grouped_operands, check_picks
 
     _, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
@@ -652,10 +654,12 @@ def nvfp4_sm90_gemv_by_expert(
     pdl: bool | None = None,
     all_in_groups: bool = False,
     act=None,
+    early_table: bool = False,
 ) -> torch.Tensor:
     """`gluon_gemv.nvfp4_gemv_by_expert` (one program group a group of `expert_groups`' table, BT 8 or 16;
     the activation epilogue at BT 8) on the CUDA GEMV; the same operands and checks, K a multiple of 128
-    (maxnreg: not used, as in `nvfp4_sm90_gemv_grouped`). Call `available(x.device)` first."""
+    (maxnreg and early_table: not used, as maxnreg and early_ids in `nvfp4_sm90_gemv_grouped`). Call
+    `available(x.device)` first."""
     from .gluon_gemv import _check_grouped_operands, by_expert_output
 
     _, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
