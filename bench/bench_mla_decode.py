@@ -12,6 +12,7 @@ Then the absorb kernels around the attention (`absorb_table`) against the torch 
 Timing: common.graph_ms (a graph of back-to-back calls; median).
 
     PYTHONPATH=src python bench/bench_mla_decode.py [--contexts 1024,8192,32768] [--batches 1,8,32]
+        [--absorb-only] [--o-tiles 16/32/16,32/32/32]
 """
 
 # every lambda below is timed immediately inside its loop iteration, so late binding is harmless
@@ -58,8 +59,21 @@ def main() -> None:
         default="",
         help="block_h/block_n/warps/stages[/programs per SM], e.g. 32/64/4/2/4",
     )
+    ap.add_argument("--absorb-only", action="store_true", help="only the absorb kernels' table")
+    ap.add_argument(
+        "--o-tiles",
+        default="",
+        help="the o absorb dot form's value/latent/sequence tiles to time beside, e.g. 16/32/16,32/32/32",
+    )
     args = ap.parse_args()
     copy_tbs = copy_bandwidth()
+    batches = [int(v) for v in args.batches.split(",")]
+    o_tiles = [tuple(int(n) for n in v.split("/")) for v in args.o_tiles.split(",") if v]
+    if args.absorb_only:
+        print(f"{torch.cuda.get_device_name()}: copy bandwidth (read + write) {copy_tbs:.2f} TB/s")
+        absorb_table(copy_tbs, batches, heads=32, o_tiles=o_tiles)  # Kimi Linear's MLA
+        absorb_table(copy_tbs, batches, o_tiles=o_tiles)  # K3's
+        return
     mm_tflops = _mm_tflops()
     print(
         f"{torch.cuda.get_device_name()}: copy bandwidth (read + write) {copy_tbs:.2f} TB/s, "
@@ -109,18 +123,21 @@ def main() -> None:
             row += "".join(f" {_time(lambda: kern(v)):>14.1f}" for v in variants)
             print(row, flush=True)
             torch.cuda.empty_cache()
-    batches = [int(v) for v in args.batches.split(",")]
-    absorb_table(copy_tbs, batches, heads=32)  # Kimi Linear's MLA
-    absorb_table(copy_tbs, batches)  # K3's
+    absorb_table(copy_tbs, batches, heads=32, o_tiles=o_tiles)  # Kimi Linear's MLA
+    absorb_table(copy_tbs, batches, o_tiles=o_tiles)  # K3's
 
 
-def absorb_table(copy_tbs: float, batches: list[int], heads: int = H, dn: int = 128, dv: int = 128) -> None:
+def absorb_table(
+    copy_tbs: float, batches: list[int], heads: int = H, dn: int = 128, dv: int = 128,
+    o_tiles: list[tuple[int, ...]] | None = None,
+) -> None:  # fmt: skip
     """The query absorption and output projection around the attention (K3RUN_MLA_ABSORB_KERNELS): the two
     Triton launches against the torch chain they replace (q.float(), einsum with W_UK, the join with the RoPE
-    part; einsum with W_UV, the cast to bf16), us per step's pair; and the pair with each sequence's row
-    loaded only after the previous one's store (the form before the rows were loaded ahead). Ceiling: W_UK +
-    W_UV (fp32) once over the copy bandwidth. Back-to-back in a graph both read the same weights, which may
-    stay in L2 (2 x 8 MB at 32 heads): the ratio is the comparison, the ceiling a DRAM one."""
+    part; einsum with W_UV, the cast to bf16), us per step's pair, in the form `absorb_dot` picks; then each
+    form forced: the loops (one sequence at a time, rows loaded ahead, and not ahead: the form before) and the
+    tensor-core forms (`dot`, and with each of `o_tiles` for the output projection). Ceiling: W_UK + W_UV
+    (fp32) once over the copy bandwidth. Back-to-back in a graph both read the same weights, which may stay
+    in L2 (2 x 8 MB at 32 heads): the ratio is the comparison, the ceiling a DRAM one."""
     from k3run.kernels.mla import mla_o_absorb_ref, mla_q_absorb_ref
     from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
 
@@ -130,9 +147,11 @@ def absorb_table(copy_tbs: float, batches: list[int], heads: int = H, dn: int = 
     nbytes = (w_uk.numel() + w_uv.numel()) * 4
     ceil = nbytes / copy_tbs / 1e6
     print(f"\nabsorb kernels, {heads} heads (d_n {dn}, L {L}, R {R}, d_v {dv}); ceiling {ceil:.1f} us")
+    o_tiles = o_tiles or []
     print(
         f"{'B':>3} {'kernels us':>10} {'torch us':>9} {'speed-up':>8} {'of ceiling':>10} {'rel err':>8} "
-        f"{'not ahead us':>12}"
+        f"{'loops us':>8} {'not ahead us':>12} {'dot us':>7} {'dot err':>8}"
+        + "".join(f" {'o ' + '/'.join(map(str, t)) + ' us':>14}" for t in o_tiles)
     )
     for b in batches:
         q = (torch.randn(b, heads, dn + R, device="cuda", generator=g) / 4).to(torch.bfloat16)
@@ -144,16 +163,23 @@ def absorb_table(copy_tbs: float, batches: list[int], heads: int = H, dn: int = 
         def torch_chain():
             return mla_q_absorb_ref(q, w_uk), mla_o_absorb_ref(o_lat, w_uv, torch.bfloat16)
 
-        def kernels_not_ahead():  # each sequence's row loaded only after the previous one is stored
-            q_out = mla_q_absorb_triton(q, w_uk, False)
-            return q_out, mla_o_absorb_triton(o_lat, w_uv, torch.bfloat16, False)
+        def loops(ahead: bool = True):  # one sequence at a time (not ahead: each row loaded after the last)
+            q_out = mla_q_absorb_triton(q, w_uk, ahead, dot=False)
+            return q_out, mla_o_absorb_triton(o_lat, w_uv, torch.bfloat16, ahead, dot=False)
 
-        t_k, t_t, t_n = _time(kernels), _time(torch_chain), _time(kernels_not_ahead)
-        (jk, ok), (jt, ot) = kernels(), torch_chain()
+        def dots(tiles=None):
+            q_out = mla_q_absorb_triton(q, w_uk, dot=True)
+            return q_out, mla_o_absorb_triton(o_lat, w_uv, torch.bfloat16, dot=True, tiles=tiles)
+
+        t_k, t_t, t_l = _time(kernels), _time(torch_chain), _time(loops)
+        t_n, t_d = _time(lambda: loops(False)), _time(dots)
+        (jk, ok), (jt, ot), (jd, od) = kernels(), torch_chain(), dots()
         err = max(rel_rms_error(jt, jk), rel_rms_error(ot.float(), ok.float()))
+        err_d = max(rel_rms_error(jt, jd), rel_rms_error(ot.float(), od.float()))
+        tiles = "".join(f" {_time(lambda: dots(t)):>14.1f}" for t in o_tiles)
         print(
             f"{b:>3} {t_k:>10.1f} {t_t:>9.1f} {t_t / t_k:>7.2f}x {100 * ceil / t_k:>9.0f}% {err:>8.1e} "
-            f"{t_n:>12.1f}",
+            f"{t_l:>8.1f} {t_n:>12.1f} {t_d:>7.1f} {err_d:>8.1e}{tiles}",
             flush=True,
         )
 

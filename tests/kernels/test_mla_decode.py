@@ -75,7 +75,7 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=10)
+    run_interp_tests_in_child(__file__, expected_passed=20)
 
 
 @interp_only
@@ -101,26 +101,30 @@ def _absorb_case(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.
     return q, w_uk, w_uv
 
 
-def check_absorb(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.dtype, device: str) -> None:
-    """The two absorb kernels against their references. The joined queries are fp32 sums of dn products in
-    another order: relative RMS <= RTOL[fp32]. The output is an fp32 sum of L products rounded once to
-    dtype: where the two orders straddle a rounding boundary they land one ulp apart, so the bound is one
-    rounding of dtype (fp32: the order alone)."""
+def check_absorb(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.dtype, device: str,
+                 dot: bool | None = None, out_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    """The two absorb kernels (`dot`: their forms, as `absorb_dot` picks) against their references. The
+    joined queries are fp32 sums of dn products in another order: relative RMS <= RTOL[fp32] (the dot forms'
+    products are exact too, tc_split; their tensor-core sums may truncate, 2 u an addition, far below it).
+    The output is an fp32 sum of L products rounded once to dtype: where the two orders straddle a rounding
+    boundary they land one ulp apart, so the bound is one rounding of dtype (fp32: the order alone);
+    `out_dtype` (default dtype) is the output's."""
     from k3run.kernels.mla import mla_o_absorb_ref, mla_q_absorb_ref
     from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
     from k3run.testing import RTOL as DTYPE_RTOL
 
     q, w_uk, w_uv = _absorb_case(B, H, dn, L, R, dv, dtype, device)
-    joined = mla_q_absorb_triton(q, w_uk)
+    joined = mla_q_absorb_triton(q, w_uk, dot=dot)
     ref = mla_q_absorb_ref(q.cpu(), w_uk.cpu())
     assert joined.shape == (B, H, L + R) and joined.dtype == torch.float32
     assert_close("absorbed queries", ref, joined.cpu(), RTOL[torch.float32])
     assert torch.equal(joined[..., L:].cpu(), q[..., dn:].float().cpu()), "the RoPE part is a plain copy"
     o_lat = torch.randn(B, H, L, device=device)
-    out = mla_o_absorb_triton(o_lat, w_uv, dtype)
-    ref_o = mla_o_absorb_ref(o_lat.cpu(), w_uv.cpu(), dtype)
-    assert out.shape == (B, H, dv) and out.dtype == dtype
-    assert_close("output out of latent space", ref_o.float(), out.float().cpu(), DTYPE_RTOL[dtype])
+    out_dtype = out_dtype or dtype
+    out = mla_o_absorb_triton(o_lat, w_uv, out_dtype, dot=dot)
+    ref_o = mla_o_absorb_ref(o_lat.cpu(), w_uv.cpu(), out_dtype)
+    assert out.shape == (B, H, dv) and out.dtype == out_dtype
+    assert_close("output out of latent space", ref_o.float(), out.float().cpu(), DTYPE_RTOL[out_dtype])
 
 
 def check_decode_absorbed(dtype: torch.dtype, device: str, H: int, dn: int, L: int, R: int, dv: int,
@@ -190,6 +194,55 @@ def test_interp_absorb_kernels(dtype: torch.dtype) -> None:
 
 
 @interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B", [3, 19, 70])
+def test_interp_absorb_dot_forms(dtype: torch.dtype, B: int) -> None:
+    # the tensor-core forms (the same split through fp32 dots here): bf16 q as it is, fp16 / fp32 q split
+    # too; 19 and 70 sequences: one and two sequence blocks of each kernel, the last partly masked. (A bf16
+    # output is checked on the GPU: the interpreter's casts truncate, up to twice a rounding's error.)
+    out_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    check_absorb(B, 3, 24, 64, 16, 20, dtype, "cpu", dot=True, out_dtype=out_dtype)
+
+
+def check_absorb_dot_exact(H: int, dn: int, L: int, dv: int, device: str) -> None:
+    """The dot forms multiply exactly, each factor's parts whole: a one-hot query or o_lat returns W_UK's row
+    or W_UV's column bit for bit (the weight's split), and a one-hot weight returns the fp32 query or o_lat
+    (theirs). A random-input bound cannot see a lost or rounded part (its error is below the fp32 sum's);
+    these can."""
+    from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
+
+    R = 16
+    _, w_uk, w_uv = _absorb_case(1, H, dn, L, R, dv, torch.float32, device)
+    g = torch.Generator().manual_seed(dn + L)
+    B = 2 * dn
+    pick = torch.arange(B) % dn
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.zeros(B, H, dn + R, dtype=dtype, device=device)
+        q[torch.arange(B), :, pick] = 1.0  # sequence b picks W_UK's row b % dn in every head
+        joined = mla_q_absorb_triton(q, w_uk, dot=True)
+        assert torch.equal(joined[..., :L], w_uk[:, pick].transpose(0, 1)), f"{dtype} q: not W_UK's row"
+    eye_k = torch.zeros(H, dn, L, device=device)
+    eye_k[:, torch.arange(L) % dn, torch.arange(L)] = 1.0  # latent column l copies query column l % dn
+    q = torch.randn(5, H, dn + R, generator=g).to(device)
+    want = q[..., torch.arange(L) % dn]
+    assert torch.equal(mla_q_absorb_triton(q, eye_k, dot=True)[..., :L], want), "fp32 q: a part was lost"
+    o_lat = torch.zeros(L, H, L, device=device)
+    o_lat[torch.arange(L), :, torch.arange(L)] = 1.0  # sequence b picks W_UV's column b
+    out = mla_o_absorb_triton(o_lat, w_uv, torch.float32, dot=True)
+    assert torch.equal(out, w_uv.permute(2, 0, 1)), "o_lat one-hot: not W_UV's column"
+    eye_v = torch.zeros(H, dv, L, device=device)
+    eye_v[:, torch.arange(dv), torch.arange(dv) % L] = 1.0  # output column v copies latent column v % L
+    o_lat = torch.randn(5, H, L, generator=g).to(device)
+    out = mla_o_absorb_triton(o_lat, eye_v, torch.float32, dot=True)
+    assert torch.equal(out, o_lat[..., torch.arange(dv) % L]), "fp32 o_lat: a part was lost"
+
+
+@interp_only
+def test_interp_absorb_dot_forms_are_exact_products() -> None:
+    check_absorb_dot_exact(3, 24, 64, 20, "cpu")
+
+
+@interp_only
 @pytest.mark.parametrize("B", [1, 4])
 def test_interp_absorb_kernels_loaded_ahead_are_the_same_bits(B: int) -> None:
     """Each sequence's row loaded while the previous one's is used (the default) or after it: the same
@@ -217,6 +270,21 @@ def test_gpu_absorb_kernels_and_decode_at_kimi_widths(batch: int) -> None:
     check_absorb(batch, 32, 128, 512, 64, 128, torch.float32, "cuda")
     check_latent_store(batch + 1, 512, 64, torch.bfloat16, "cuda")
     contexts = [0, 100, 1000, 4095, 7, 2047, 3000, 1][:batch]
+    check_decode_absorbed(torch.bfloat16, "cuda", H=32, dn=128, L=512, R=64, dv=128, contexts=contexts,
+                          window=4096)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [8, 33, 70])
+def test_gpu_absorb_dot_forms_at_kimi_widths(batch: int) -> None:
+    """The tensor-core forms at Kimi's MLA widths: bf16 and fp32 queries, one and two sequence blocks, and
+    the one-hot exactness (which the bf16 dot on the tensor cores must keep: the interpreter's fp32 dots
+    cannot show a part lost there); then the four-launch decode with the forms as `absorb_dot` picks them."""
+    check_absorb(batch, 32, 128, 512, 64, 128, torch.bfloat16, "cuda", dot=True)
+    check_absorb(batch, 32, 128, 512, 64, 128, torch.float32, "cuda", dot=True)
+    check_absorb_dot_exact(32, 128, 512, 128, "cuda")
+    contexts = [(7 * i * i + 13 * i) % 4096 for i in range(batch)]
     check_decode_absorbed(torch.bfloat16, "cuda", H=32, dn=128, L=512, R=64, dv=128, contexts=contexts,
                           window=4096)  # fmt: skip
 
@@ -278,11 +346,13 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
         assert not in_loop, f"spilled inside a loop ({use.group(0)}): {in_loop}"
 
 
-@pytest.mark.parametrize("which", ["q", "o"])
+@pytest.mark.parametrize("which", ["q", "o", "q dot", "q dot, fp32 q", "o dot"])
 def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
     """At Kimi's widths (128 NoPE, 512 latent, 64 RoPE, 128 value columns) the weight tile each program holds
     (32 latent x 128 NoPE, or 8 value x 512 latent, fp32) fits its 128 threads' registers, with the next
-    sequence's row loaded ahead."""
+    sequence's row loaded ahead. The dot forms: the weight tile's three bf16 parts with 64 bf16 (16 split
+    fp32) query rows, or o_lat's and W_UV's [16, 64] / [64, 16] steps split, the next step loaded ahead;
+    their products on the tensor cores."""
     import inspect
     import re
 
@@ -293,20 +363,27 @@ def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
     from k3run.kernels.mla import triton as mt
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    if which == "q":
-        kernel = mt._mla_q_absorb_kernel
-        consts = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, AHEAD=True)
-        types = dict(q_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32")
-    else:
-        kernel = mt._mla_o_absorb_kernel
-        consts = dict(DV=128, L=512, BV=8, PDL=True, AHEAD=True)
-        types = dict(o_ptr="*fp32", w_ptr="*fp32", out_ptr="*bf16")
+    q_types = dict(q_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32")
+    o_types = dict(o_ptr="*fp32", w_ptr="*fp32", out_ptr="*bf16")
+    q_dot = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, TC=True)
+    kernel, consts, types = {
+        "q": (mt._mla_q_absorb_kernel, dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, AHEAD=True),
+              q_types),
+        "o": (mt._mla_o_absorb_kernel, dict(DV=128, L=512, BV=8, PDL=True, AHEAD=True), o_types),
+        "q dot": (mt._mla_q_absorb_dot_kernel, {**q_dot, "BB": 64, "QSPLIT": False}, q_types),
+        "q dot, fp32 q": (mt._mla_q_absorb_dot_kernel, {**q_dot, "BB": 16, "QSPLIT": True},
+                          {**q_types, "q_ptr": "*fp32"}),
+        "o dot": (mt._mla_o_absorb_dot_kernel, dict(DV=128, L=512, BV=16, BK=64, BB=16, PDL=True, TC=True),
+                  o_types),
+    }[which]  # fmt: skip
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in params}
     src = ASTSource(kernel, sig, {(params.index(c),): v for c, v in consts.items()})
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "griddepcontrol.wait" in ck.asm["ptx"]
-    res, _ = cubin_usage_and_sass(ck)
+    res, sass = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
+    if "dot" in which:  # on the tensor cores: bf16 MMAs with fp32 accumulation
+        assert re.search(r"HG?MMA\.[\dx]+\.F32\.BF16", sass), "no bf16 tensor-core MMA in the SASS"

@@ -19,6 +19,11 @@ import triton
 import triton.language as tl
 
 from k3run.kernels.pdl import pdl_args, pdl_enter
+from k3run.kernels.tc_split import TENSOR_CORES, dot_split, dot_split2, split3
+
+# the fewest sequences the absorb kernels' tensor-core forms take by default; below, one sequence at a time
+# (the loop forms, measured on the H200 up to 8 sequences)
+ABSORB_DOT_FROM = 9
 
 
 @triton.jit
@@ -169,6 +174,81 @@ def _mla_o_absorb_kernel(
 
 
 @triton.jit
+def _mla_q_absorb_dot_kernel(
+    q_ptr, w_ptr, out_ptr, B, H, sqb, sqh, DN: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BL: tl.constexpr, BB: tl.constexpr, QSPLIT: tl.constexpr, TC: tl.constexpr = True,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """`_mla_q_absorb_kernel`'s sums with BB sequences at a time on the tensor cores: W_UK's tile as three
+    exact bf16 parts (tc_split), split before the PDL wait; q as it is where bf16, else split too (QSPLIT,
+    nine dots). Every product is exact, so each sum is the fp32 sum of the same products in another order."""
+    h = tl.program_id(0)
+    lb = tl.program_id(1)
+    d = tl.arange(0, BLOCK_DN)
+    dm = d < DN
+    cl = lb * BL + tl.arange(0, BL)
+    w = tl.load(w_ptr + (h * DN + d).to(tl.int64)[:, None] * L + cl[None, :], mask=dm[:, None], other=0.0)
+    w_hi, w_mid, w_lo = split3(w)  # [BLOCK_DN, BL] each
+    pdl_enter(PDL)
+    bb = tl.arange(0, BB)
+    cr = tl.arange(0, R)
+    rope = (cr + lb * R < R)[None, :]  # only block 0's programs copy the RoPE part
+    for b0 in range(0, B, BB):
+        b = b0 + bb
+        bm = (b < B)[:, None]
+        rows = q_ptr + b.to(tl.int64)[:, None] * sqb + h * sqh
+        qn = tl.load(rows + d[None, :], mask=bm & dm[None, :], other=0.0)  # [BB, BLOCK_DN]
+        acc = tl.zeros([BB, BL], tl.float32)
+        if QSPLIT:
+            acc = dot_split2(qn.to(tl.float32), w_hi, w_mid, w_lo, acc, TC)
+        else:
+            acc = dot_split(qn, w_hi, w_mid, w_lo, acc, TC)
+        out_rows = out_ptr + (b.to(tl.int64) * H + h)[:, None] * (L + R)
+        tl.store(out_rows + cl[None, :], acc, mask=bm)
+        qr = tl.load(rows + DN + cr[None, :], mask=bm & rope, other=0.0)
+        tl.store(out_rows + L + cr[None, :], qr.to(tl.float32), mask=bm & rope)
+
+
+@triton.jit
+def _mla_o_absorb_dot_kernel(
+    o_ptr, w_ptr, out_ptr, B, H, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    BB: tl.constexpr, TC: tl.constexpr = True, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """`_mla_o_absorb_kernel`'s sums with BB sequences at a time on the tensor cores, BK latent columns a
+    step: o_lat's and W_UV's fp32 tiles each as three exact bf16 parts (tc_split, nine dots), so each sum is
+    the fp32 sum of the same exact products in another order, rounded once to out's dtype. W_UV's first
+    tile loads before the PDL wait; each step loads the next step's tiles before its own dots."""
+    h = tl.program_id(0)
+    v = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = (v < DV)[None, :]
+    k = tl.arange(0, BK)
+    bb = tl.arange(0, BB)
+    w_cols = w_ptr + (h * DV + v).to(tl.int64)[None, :] * L  # W_UV[h, v, :] as the columns of a [BK, BV] tile
+    wn = tl.load(w_cols + k[:, None], mask=vm, other=0.0)
+    pdl_enter(PDL)
+    o_first = o_ptr + (bb.to(tl.int64) * H + h)[:, None] * L + k[None, :]
+    on = tl.load(o_first, mask=(bb < B)[:, None], other=0.0)
+    for b0 in range(0, B, BB):
+        b = b0 + bb
+        acc = tl.zeros([BB, BV], tl.float32)
+        for k0 in range(0, L, BK):
+            wc = wn
+            oc = on
+            # the next step's tiles: this block's next columns, or after its last the next block's first
+            # (none past B: masked, nothing read)
+            last = k0 + BK >= L
+            kn = tl.where(last, 0, k0 + BK) + k
+            bn = b + tl.where(last, BB, 0)
+            wn = tl.load(w_cols + kn[:, None], mask=vm & (kn[:, None] * 0 + b0 + BB * last < B), other=0.0)
+            on = tl.load(o_ptr + (bn.to(tl.int64) * H + h)[:, None] * L + kn[None, :], mask=(bn < B)[:, None],
+                         other=0.0)  # fmt: skip
+            w_hi, w_mid, w_lo = split3(wc)
+            acc = dot_split2(oc, w_hi, w_mid, w_lo, acc, TC)
+        out = out_ptr + (b.to(tl.int64) * H + h)[:, None] * DV + v[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(b < B)[:, None] & vm)
+
+
+@triton.jit
 def _mla_latent_store_kernel(
     kv_ptr, w_ptr, store_ptr, slots_ptr, pos_ptr, sk, stride_slot, stride_pos, max_len, eps, L: tl.constexpr,
     R: tl.constexpr, PDL: tl.constexpr = False,
@@ -219,10 +299,20 @@ def mla_latent_store_triton(
     )  # fmt: skip
 
 
-def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, ahead: bool = True) -> torch.Tensor:
+def absorb_dot(batch: int, dot: bool | None) -> bool:
+    """Whether the absorb kernels take their tensor-core form for `batch` sequences (`dot` None: from
+    ABSORB_DOT_FROM; True / False force it, for tests and the benchmark)."""
+    return batch >= ABSORB_DOT_FROM if dot is None else dot
+
+
+def mla_q_absorb_triton(
+    q: torch.Tensor, w_uk: torch.Tensor, ahead: bool = True, dot: bool | None = None
+) -> torch.Tensor:
     """mla_q_absorb_ref in one launch: q [B, H, d_n + R] (unit last stride), w_uk [H, d_n, L] fp32
     contiguous, L and R powers of two -> [B, H, L + R] fp32. `ahead`: each sequence's row loaded while the
-    previous one's is used (the default; False only for the benchmark's comparison)."""
+    previous one's is used (the default; False only for the benchmark's comparison; the loop form only).
+    `dot` (`absorb_dot`): the sequences in blocks on the tensor cores (`_mla_q_absorb_dot_kernel`; needs
+    L >= 16)."""
     B, H, dq = q.shape
     _, dn, L = w_uk.shape
     R = dq - dn
@@ -243,18 +333,30 @@ def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, ahead: bool = True)
     if B == 0:
         return out
     bl = min(32, L)
+    block_dn = max(16, triton.next_power_of_2(dn))
+    if absorb_dot(B, dot) and L >= 16:
+        split = q.dtype != torch.bfloat16  # bf16 q multiplies the parts exactly as it is
+        bb = 16 if split else min(64, max(16, triton.next_power_of_2(B)))
+        _mla_q_absorb_dot_kernel[(H, L // bl)](
+            q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=block_dn, BL=bl, BB=bb,
+            QSPLIT=split, TC=TENSOR_CORES, num_warps=4, **pdl_args(q),
+        )  # fmt: skip
+        return out
     _mla_q_absorb_kernel[(H, L // bl)](
-        q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=triton.next_power_of_2(dn),
-        BL=bl, AHEAD=ahead, num_warps=4, **pdl_args(q),
+        q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=block_dn, BL=bl,
+        AHEAD=ahead, num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return out
 
 
 def mla_o_absorb_triton(
-    o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, ahead: bool = True
-) -> torch.Tensor:
+    o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, ahead: bool = True,
+    dot: bool | None = None, tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """mla_o_absorb_ref in one launch: o_lat [B, H, L] fp32 contiguous, w_uv [H, d_v, L] fp32 contiguous,
-    L a power of two -> [B, H, d_v] in out_dtype. `ahead` as in `mla_q_absorb_triton`."""
+    L a power of two -> [B, H, d_v] in out_dtype. `ahead` and `dot` as in `mla_q_absorb_triton`; `tiles`
+    (the dot form's value columns, latent columns a step and sequences a block, powers of two >= 16; for
+    the benchmark's variants)."""
     B, H, L = o_lat.shape
     dv = w_uv.shape[1]
     if (
@@ -267,6 +369,13 @@ def mla_o_absorb_triton(
         )
     out = torch.empty(B, H, dv, dtype=out_dtype, device=o_lat.device)
     if B == 0:
+        return out
+    if absorb_dot(B, dot) and L >= 16:
+        bv, bk, bb = tiles or (16, 64, 16)
+        _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv))](
+            o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=4,
+            **pdl_args(o_lat),
+        )  # fmt: skip
         return out
     bv = 8
     _mla_o_absorb_kernel[(H, triton.cdiv(dv, bv))](

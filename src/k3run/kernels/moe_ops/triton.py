@@ -11,6 +11,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from k3run.kernels.pdl import pdl_args, pdl_enter
+from k3run.kernels.tc_split import dot_split, split3
 
 # libdevice's exp / tanh (what torch's CUDA build calls) on the GPU; the interpreter has no libdevice, so
 # there exp is tl.exp and tanh its formula (a series near 0)
@@ -61,19 +62,6 @@ def _x_block(x_ptr, t, d, T, D, sx):
 
 
 @triton.jit
-def _split3(w):
-    # w fp32 = hi + mid + lo exactly, each a bf16: hi holds w's top 8 significant bits, the residual w - hi
-    # (exact in fp32) at most 16 more, mid its top 8, and lo the rest (at most 8); bf16 has fp32's exponent
-    # range, so nothing underflows at a router weight's magnitudes. Holds for round-to-nearest and truncating
-    # casts alike (the interpreter truncates)
-    hi = w.to(tl.bfloat16)
-    r = w - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
-
-
-@triton.jit
 def _partials(
     wv, x_ptr, out_ptr, T, E, D, sx, BE: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
     DOT: tl.constexpr = False, AHEAD: tl.constexpr = True, LIB: tl.constexpr = True,
@@ -82,7 +70,7 @@ def _partials(
     # read once: many small programs keep enough bytes in flight), every token.
     # Broadcast form (a few tokens): BT tokens at a time, x cast to fp32 as it loads, a [BT, BE, BD] product
     # reduced across threads. DOT form (bf16 x): 16 tokens at a time on the tensor cores, as three bf16 dots
-    # with fp32 accumulation, x . lo + x . mid + x . hi (`_split3`: the fp32 weight split exactly): every
+    # with fp32 accumulation, x . lo + x . mid + x . hi (tc_split: the fp32 weight split exactly): every
     # product of a bf16 x and a bf16 part is exact in fp32, so the logit is the fp32 sum of x's exact products
     # with the fp32 weight, as in the broadcast form, only summed in another order. (The interpreter's bf16
     # dot is wrong: there the same parts, widened back to fp32, go through fp32 dots.)
@@ -94,7 +82,7 @@ def _partials(
     d = sd * BD + tl.arange(0, BD)
     tt = tl.arange(0, BT)
     if DOT:
-        w_hi, w_mid, w_lo = _split3(tl.trans(wv))  # [BD, BE] each
+        w_hi, w_mid, w_lo = split3(tl.trans(wv))  # [BD, BE] each
     if AHEAD:
         xn = _x_block(x_ptr, tt, d, T, D, sx)
     for t0 in range(0, T, BT):
@@ -105,15 +93,7 @@ def _partials(
         else:
             xv = _x_block(x_ptr, t, d, T, D, sx)
         if DOT:
-            if LIB:
-                part = tl.dot(xv, w_lo)  # [BT, BE] fp32
-                part = tl.dot(xv, w_mid, part)
-                part = tl.dot(xv, w_hi, part)
-            else:
-                xf = xv.to(tl.float32)
-                part = tl.dot(xf, w_lo.to(tl.float32), input_precision="ieee")
-                part = tl.dot(xf, w_mid.to(tl.float32), part, input_precision="ieee")
-                part = tl.dot(xf, w_hi.to(tl.float32), part, input_precision="ieee")
+            part = dot_split(xv, w_hi, w_mid, w_lo, tl.zeros([BT, BE], tl.float32), LIB)  # [BT, BE] fp32
         else:
             part = tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)  # [BT, BE]
         tl.store(
