@@ -214,17 +214,16 @@ def _mla_o_absorb_dot_kernel(
     o_ptr, w_ptr, out_ptr, B, H, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     BB: tl.constexpr, TC: tl.constexpr = True, PDL: tl.constexpr = False, L2PF: tl.constexpr = False,
 ):  # fmt: skip
-    """`_mla_o_absorb_kernel`'s sums with BB sequences at a time on the tensor cores, BK latent columns a
-    step: o_lat's and W_UV's fp32 tiles each as three exact bf16 parts (tc_split, nine dots), so each sum is
-    the fp32 sum of the same exact products in another order, rounded once to out's dtype. W_UV's first
-    tile loads before the PDL wait; each step loads the next step's tiles before its own dots. L2PF (GPU
+    """`_mla_o_absorb_kernel`'s sums for BB sequences (the grid's third axis) on the tensor cores, BK latent
+    columns a step: o_lat's and W_UV's fp32 tiles each as three exact bf16 parts (tc_split, nine dots), so
+    each sum is the fp32 sum of the same exact products in another order, rounded once to out's dtype. W_UV's
+    first tile loads before the PDL wait; each step loads the next step's tiles before its own dots. L2PF (GPU
     only): the rest of the program's W_UV tile is first asked into L2 (`prefetch.global.L2`, one a 128-byte
     line), so the steps' loads wait for L2 rather than DRAM."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BV + tl.arange(0, BV)
     vm = (v < DV)[None, :]
     k = tl.arange(0, BK)
-    bb = tl.arange(0, BB)
     w_cols = w_ptr + (h * DV + v).to(tl.int64)[None, :] * L  # W_UV[h, v, :] as the columns of a [BK, BV] tile
     if L2PF:  # a 32-column stride: one address a 128-byte line of each W_UV row (rows past DV are clamped)
         lines = tl.arange(0, L // 32) * 32
@@ -235,26 +234,22 @@ def _mla_o_absorb_dot_kernel(
         )
     wn = tl.load(w_cols + k[:, None], mask=vm, other=0.0)
     pdl_enter(PDL)
-    o_first = o_ptr + (bb.to(tl.int64) * H + h)[:, None] * L + k[None, :]
-    on = tl.load(o_first, mask=(bb < B)[:, None], other=0.0)
-    for b0 in range(0, B, BB):
-        b = b0 + bb
-        acc = tl.zeros([BB, BV], tl.float32)
-        for k0 in range(0, L, BK):
-            wc = wn
-            oc = on
-            # the next step's tiles: this block's next columns, or after its last the next block's first
-            # (none past B: masked, nothing read)
-            last = k0 + BK >= L
-            kn = tl.where(last, 0, k0 + BK) + k
-            bn = b + tl.where(last, BB, 0)
-            wn = tl.load(w_cols + kn[:, None], mask=vm & (kn[:, None] * 0 + b0 + BB * last < B), other=0.0)
-            on = tl.load(o_ptr + (bn.to(tl.int64) * H + h)[:, None] * L + kn[None, :], mask=(bn < B)[:, None],
-                         other=0.0)  # fmt: skip
-            w_hi, w_mid, w_lo = split3(wc)
-            acc = dot_split2(oc, w_hi, w_mid, w_lo, acc, TC)
-        out = out_ptr + (b.to(tl.int64) * H + h)[:, None] * DV + v[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(b < B)[:, None] & vm)
+    b = tl.program_id(2) * BB + tl.arange(0, BB)
+    bm = (b < B)[:, None]
+    o_rows = o_ptr + (b.to(tl.int64) * H + h)[:, None] * L
+    on = tl.load(o_rows + k[None, :], mask=bm, other=0.0)
+    acc = tl.zeros([BB, BV], tl.float32)
+    for k0 in range(0, L, BK):
+        wc = wn
+        oc = on
+        kn = k0 + BK + k  # the next step's tiles (none after the last: masked, nothing read)
+        more = kn < L
+        wn = tl.load(w_cols + kn[:, None], mask=vm & more[:, None], other=0.0)
+        on = tl.load(o_rows + kn[None, :], mask=bm & more[None, :], other=0.0)
+        w_hi, w_mid, w_lo = split3(wc)
+        acc = dot_split2(oc, w_hi, w_mid, w_lo, acc, TC)
+    out = out_ptr + (b.to(tl.int64) * H + h)[:, None] * DV + v[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=bm & vm)
 
 
 @triton.jit
@@ -381,7 +376,7 @@ def mla_o_absorb_triton(
         return out
     if absorb_dot(B, dot) and L >= 16:
         bv, bk, bb = tiles or (16, 64, 16)
-        _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv))](
+        _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv), triton.cdiv(B, bb))](
             o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=4,
             L2PF=l2_prefetch and TENSOR_CORES and L >= 32, **pdl_args(o_lat),
         )  # fmt: skip
