@@ -5,7 +5,7 @@
   unbiased weights renormalised and scaled; `extra` (an expert id) appends it to every token's picks at
   weight 1 (the shared expert run as one more expert of the grouped launches). Two launches: the logits as
   partial sums over column blocks (many small programs, so the fp32 weight streams at a useful rate even
-  for one token; with K3RUN_MOE_ROUTER_DOT=N, from 5 to N tokens of bf16 x on the tensor cores, the fp32
+  for one token; from 5 to K3RUN_MOE_ROUTER_DOT (default 64) tokens of bf16 x on the tensor cores, the fp32
   weight as three exact bf16 parts; cuBLAS above that and K3RUN_MOE_ROUTER_PARTIALS), then one program per
   token that sums the partials in order and picks.
 - `sigmoid_topk(logits, ...)`: the top-k kernel on given logits.
