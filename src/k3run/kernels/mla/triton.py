@@ -109,6 +109,16 @@ def _mla_merge_kernel(
 
 
 @triton.jit
+def _w_uk_tile(w_ptr, h, lb, DN: tl.constexpr, L: tl.constexpr, BLOCK_DN: tl.constexpr, BL: tl.constexpr):
+    # a q absorb program's W_UK[h, :, block lb] tile [BLOCK_DN, BL] fp32 (rows past DN zero), with its indices
+    d = tl.arange(0, BLOCK_DN)
+    dm = d < DN
+    cl = lb * BL + tl.arange(0, BL)
+    w = tl.load(w_ptr + (h * DN + d).to(tl.int64)[:, None] * L + cl[None, :], mask=dm[:, None], other=0.0)
+    return d, dm, cl, w
+
+
+@triton.jit
 def _mla_q_absorb_kernel(
     q_ptr, w_ptr, out_ptr, B, H, sqb, sqh, DN: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_DN: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr = False, AHEAD: tl.constexpr = True,
@@ -120,10 +130,7 @@ def _mla_q_absorb_kernel(
     sequence waits for its own load: one L2 round trip each)."""
     h = tl.program_id(0)
     lb = tl.program_id(1)
-    d = tl.arange(0, BLOCK_DN)
-    dm = d < DN
-    cl = lb * BL + tl.arange(0, BL)
-    w = tl.load(w_ptr + (h * DN + d).to(tl.int64)[:, None] * L + cl[None, :], mask=dm[:, None], other=0.0)
+    d, dm, cl, w = _w_uk_tile(w_ptr, h, lb, DN, L, BLOCK_DN, BL)
     pdl_enter(PDL)
     cr = tl.arange(0, R)
     rope = cr + lb * R < R  # only block 0's programs copy the RoPE part
@@ -184,10 +191,7 @@ def _mla_q_absorb_dot_kernel(
     nine dots). Every product is exact, so each sum is the fp32 sum of the same products in another order."""
     h = tl.program_id(0)
     lb = tl.program_id(1)
-    d = tl.arange(0, BLOCK_DN)
-    dm = d < DN
-    cl = lb * BL + tl.arange(0, BL)
-    w = tl.load(w_ptr + (h * DN + d).to(tl.int64)[:, None] * L + cl[None, :], mask=dm[:, None], other=0.0)
+    d, dm, cl, w = _w_uk_tile(w_ptr, h, lb, DN, L, BLOCK_DN, BL)
     w_hi, w_mid, w_lo = split3(w)  # [BLOCK_DN, BL] each
     pdl_enter(PDL)
     bb = tl.arange(0, BB)
