@@ -22,7 +22,8 @@ from k3run.kernels.pdl import pdl_args, pdl_enter
 from k3run.kernels.tc_split import TENSOR_CORES, dot_split, dot_split2, split3
 
 # the fewest sequences the absorb kernels' tensor-core forms take by default; below, one sequence at a time
-# (the loop forms, measured on the H200 up to 8 sequences)
+# (the loop forms). On an H100 (bench_mla_decode, the q + o pair) the two are level at 8 sequences and the
+# loops' time doubles with the sequences while the dot forms' barely moves to 16
 ABSORB_DOT_FROM = 9
 
 
