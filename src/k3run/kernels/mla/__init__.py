@@ -9,7 +9,8 @@ On CUDA the kernel is the default (checked against the reference on an H200 and 
 widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead. For static steps
 of up to K3RUN_MLA_ABSORB_KERNELS sequences (default 8), `mla_latent_store` normalises, joins and stores
 the step's latents in one launch, and `mla_decode_absorbed` also does the query absorption (q_nope . W_UK)
-and the output projection (. W_UV) in one launch each.
+and the output projection (. W_UV) in one launch each: one sequence at a time up to 8, from 9 on the tensor
+cores with the fp32 factors split exactly into bf16 parts (kernels/tc_split.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def decode_kernel_enabled(device: torch.device) -> bool:
 
 
 def absorb_kernels_enabled(device: torch.device, batch: int) -> bool:
-    """The absorb kernels for a static step of `batch` sequences: up to K3RUN_MLA_ABSORB_KERNELS of them (at
-    32 sequences torch's cuBLAS chain is faster than the one-launch absorptions)."""
+    """The absorb kernels for a static step of `batch` sequences: up to K3RUN_MLA_ABSORB_KERNELS of them (from
+    9 sequences in their tensor-core forms, `triton.absorb_dot`; the default stays 8 until the o form's
+    current grid has been timed against torch's chain at 32-64 sequences, bench/NOTES.md session 49)."""
     return device.type == "cuda" and batch <= knobs().mla_absorb_kernels
 
 
