@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument(
         "--o-tiles",
         default="",
-        help="the o absorb dot form's value/latent/sequence tiles to time beside, e.g. 16/32/16,32/32/32",
+        help="the o absorb dot form's value/latent/sequence tiles[/warps] to time beside, e.g. "
+        "16/32/16,16/64/16/8",
     )
     args = ap.parse_args()
     copy_tbs = copy_bandwidth()

@@ -360,12 +360,13 @@ def mla_q_absorb_triton(
 
 def mla_o_absorb_triton(
     o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, ahead: bool = True,
-    dot: bool | None = None, tiles: tuple[int, int, int] | None = None, l2_prefetch: bool = False,
+    dot: bool | None = None, tiles: tuple[int, ...] | None = None, l2_prefetch: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """mla_o_absorb_ref in one launch: o_lat [B, H, L] fp32 contiguous, w_uv [H, d_v, L] fp32 contiguous,
     L a power of two -> [B, H, d_v] in out_dtype. `ahead` and `dot` as in `mla_q_absorb_triton`; `tiles`
-    (the dot form's value columns, latent columns a step and sequences a block, powers of two >= 16; for
-    the benchmark's variants); `l2_prefetch`: the dot form's L2PF (on CUDA only; for the benchmark)."""
+    (the dot form's value columns, latent columns a step and sequences a block, powers of two >= 16, and
+    optionally its warps; for the benchmark's variants); `l2_prefetch`: the dot form's L2PF (on CUDA only;
+    for the benchmark)."""
     B, H, L = o_lat.shape
     dv = w_uv.shape[1]
     if (
@@ -380,9 +381,9 @@ def mla_o_absorb_triton(
     if B == 0:
         return out
     if absorb_dot(B, dot) and L >= 16:
-        bv, bk, bb = tiles or (16, 64, 16)
+        bv, bk, bb, warps = (*tiles, 4)[:4] if tiles else (16, 64, 16, 4)
         _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv), triton.cdiv(B, bb))](
-            o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=4,
+            o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=warps,
             L2PF=l2_prefetch and TENSOR_CORES and L >= 32, **pdl_args(o_lat),
         )  # fmt: skip
         return out
