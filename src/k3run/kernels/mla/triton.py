@@ -217,26 +217,17 @@ def _mla_q_absorb_dot_kernel(
 @triton.jit
 def _mla_o_absorb_dot_kernel(
     o_ptr, w_ptr, out_ptr, B, H, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    BB: tl.constexpr, TC: tl.constexpr = True, PDL: tl.constexpr = False, L2PF: tl.constexpr = False,
+    BB: tl.constexpr, TC: tl.constexpr = True, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`_mla_o_absorb_kernel`'s sums for BB sequences (the grid's third axis) on the tensor cores, BK latent
     columns a step: o_lat's and W_UV's fp32 tiles each as three exact bf16 parts (tc_split, nine dots), so
     each sum is the fp32 sum of the same exact products in another order, rounded once to out's dtype. W_UV's
-    first tile loads before the PDL wait; each step loads the next step's tiles before its own dots. L2PF (GPU
-    only): the rest of the program's W_UV tile is first asked into L2 (`prefetch.global.L2`, one a 128-byte
-    line), so the steps' loads wait for L2 rather than DRAM."""
+    first tile loads before the PDL wait; each step loads the next step's tiles before its own dots."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BV + tl.arange(0, BV)
     vm = (v < DV)[None, :]
     k = tl.arange(0, BK)
     w_cols = w_ptr + (h * DV + v).to(tl.int64)[None, :] * L  # W_UV[h, v, :] as the columns of a [BK, BV] tile
-    if L2PF:  # a 32-column stride: one address a 128-byte line of each W_UV row (rows past DV are clamped)
-        lines = tl.arange(0, L // 32) * 32
-        vc = tl.minimum(v, DV - 1)
-        rows = w_ptr + (h * DV + vc).to(tl.int64)[:, None] * L + lines[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0", "=r,l", [rows], dtype=tl.int32, is_pure=False, pack=1
-        )
     wn = tl.load(w_cols + k[:, None], mask=vm, other=0.0)
     pdl_enter(PDL)
     b = tl.program_id(2) * BB + tl.arange(0, BB)
@@ -360,13 +351,12 @@ def mla_q_absorb_triton(
 
 def mla_o_absorb_triton(
     o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, ahead: bool = True,
-    dot: bool | None = None, tiles: tuple[int, ...] | None = None, l2_prefetch: bool = False,
+    dot: bool | None = None, tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """mla_o_absorb_ref in one launch: o_lat [B, H, L] fp32 contiguous, w_uv [H, d_v, L] fp32 contiguous,
     L a power of two -> [B, H, d_v] in out_dtype. `ahead` and `dot` as in `mla_q_absorb_triton`; `tiles`
     (the dot form's value columns, latent columns a step and sequences a block, powers of two >= 16, and
-    optionally its warps; for the benchmark's variants); `l2_prefetch`: the dot form's L2PF (on CUDA only;
-    for the benchmark)."""
+    optionally its warps; for the benchmark's variants)."""
     B, H, L = o_lat.shape
     dv = w_uv.shape[1]
     if (
@@ -384,7 +374,7 @@ def mla_o_absorb_triton(
         bv, bk, bb, warps = (*tiles, 4)[:4] if tiles else (16, 64, 16, 4)
         _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv), triton.cdiv(B, bb))](
             o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=warps,
-            L2PF=l2_prefetch and TENSOR_CORES and L >= 32, **pdl_args(o_lat),
+            **pdl_args(o_lat),
         )  # fmt: skip
         return out
     bv = 8
