@@ -191,7 +191,7 @@ class Knobs:
         "K3RUN_MOE_GEMM2_EARLY", _flag, False,
         "CUDA: the NVFP4 routed experts' GEMM2 decode launch reads its group table and stages its first "
         "weights before its PDL wait (the table predates GEMM1; 0: it waits first, as GEMM1 does); within "
-        "the spread of the full-depth step (H100), off until its GPU test has passed",
+        "the spread of the full-depth step (H100), so off",
     )  # fmt: skip
     moe_groups: str = _knob(
         "K3RUN_MOE_GROUPS", _moe_groups, "atomic",

@@ -28,8 +28,7 @@ def decode_kernel_enabled(device: torch.device) -> bool:
 
 def absorb_kernels_enabled(device: torch.device, batch: int) -> bool:
     """The absorb kernels for a static step of `batch` sequences: up to K3RUN_MLA_ABSORB_KERNELS of them (from
-    9 sequences in their tensor-core forms, `triton.absorb_dot`; the default stays 8 until the o form's
-    current grid has been timed against torch's chain at 32-64 sequences, bench/NOTES.md session 49)."""
+    9 sequences in their tensor-core forms, `triton.absorb_dot`; above the knob, torch's chain)."""
     return device.type == "cuda" and batch <= knobs().mla_absorb_kernels
 
 
