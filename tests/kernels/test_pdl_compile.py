@@ -2,7 +2,8 @@
 programmatic dependent launch (kernels/pdl.py): each builds, and with PDL its first instructions are the
 grid-dependency wait and the early launch of the next kernel, before any global load, store or atomic (so it
 reads and writes nothing the previous kernel may still be writing or reading), except the loads of a
-parameter's tile (the router's weight, MLA's W_UK / W_UV); without PDL there is neither.
+parameter's tile (the router's weight, MLA's W_UK / W_UV) or of the fused KDA decode's recurrent state;
+without PDL there is neither.
 What the kernels compute is checked by their interpreter and GPU tests."""
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import pytest
 triton = pytest.importorskip("triton")
 
 _MEMORY = re.compile(r"\b(ld|st|atom|red)\.(global|shared)|\bcp\.async")
-# kernels that read a parameter (the router's fp32 weight tile, MLA's W_UK / W_UV tile) before the wait, as
-# the NVFP4 GEMVs stage their first weight tiles: there only global loads (and the CTA's own shared memory,
-# where a tensor-core form stages the tile's parts) may precede it
+# kernels that read a parameter (the router's fp32 weight tile, MLA's W_UK / W_UV tile) or a state no kernel
+# of the step before them writes (the fused KDA decode's recurrent state block) before the wait, as the NVFP4
+# GEMVs stage their first weight tiles: there only global loads (and the CTA's own shared memory, where a
+# tensor-core form stages the tile's parts) may precede it
 _PREFETCH = {
+    "KDA decode in one launch",
     "router partials",
     "router partials (dot)",
     "router in one launch",
@@ -204,3 +207,24 @@ def test_kda_fused_decode_compiles_for_sm90_without_spills(lower: bool) -> None:
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
+
+
+_LOAD_BYTES = re.compile(r"ld\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+
+
+def test_kda_fused_decode_reads_only_its_state_before_the_wait() -> None:
+    """With PDL the fused KDA decode reads its sequence's slot and context length (int64) and its [BK, BV]
+    fp32 state block before the grid-dependency wait, and nothing else: the projections' outputs (qkv, f, b,
+    gate) and the conv windows come after it. Counted as bytes a thread loads: 2 x 8 + BK BV 4 / 128 threads
+    (the block is not replicated over threads at [128, 32] with 4 warps), whatever vector width the loads
+    take."""
+    from k3run.kernels.kda import decode
+
+    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False)
+    body = _ptx(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
+    body = body.split(".entry", 1)[1]
+    before = body[: body.index("griddepcontrol.wait")]
+    loads = _LOAD_BYTES.findall(before)
+    assert loads, "no load before the wait: the state block is read after it"
+    per_thread = sum(int(v or 1) * int(bits) // 8 for v, bits in loads)
+    assert per_thread == 2 * 8 + 128 * 32 * 4 // 128, f"{per_thread} bytes a thread before the wait"

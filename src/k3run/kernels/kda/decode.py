@@ -73,7 +73,6 @@ def _kda_decode_fused_kernel(
     stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -82,10 +81,18 @@ def _kda_decode_fused_kernel(
     mk = ks < K
     vs = vb * BV + tl.arange(0, BV)
     mv = vs < K
+    # Before the PDL wait: the sequence's slot and context length (written before the step's first kernel)
+    # and its state block, which only this layer's launch of the previous step wrote. That launch is complete
+    # when this one starts (every kernel of the step waits for its predecessor before letting the next one
+    # launch), so the state's read overlaps the previous kernel's end. Everything the step's projections
+    # wrote (x, f, b, gate) is read after the wait.
     ctx = tl.load(ctx_ptr + b)
     old = mk & ((ks * 0 + ctx) != 0)  # a fresh sequence (context 0) reads no window and no state
     old_v = mv & ((vs * 0 + ctx) != 0)
     slot = tl.load(slots_ptr + b).to(tl.int64)
+    st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
+    S = tl.load(st, mask=old[:, None] & mv[None, :], other=0.0)
+    pdl_enter(PDL)
     row = x_ptr + b.to(tl.int64) * stride_x
     win = conv_ptr + slot * stride_c0
     c = h * K + ks
@@ -105,8 +112,6 @@ def _kda_decode_fused_kernel(
     g = tl.where(mk, g, 0.0)
     beta = tl.sigmoid(tl.load(b_ptr + b.to(tl.int64) * stride_b + h).to(tl.float32))
 
-    st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
-    S = tl.load(st, mask=old[:, None] & mv[None, :], other=0.0)
     S = S * tl.exp(g)[:, None]
     v = beta * (v - tl.sum(S * k[:, None], 0))
     S = S + k[:, None] * v[None, :]
