@@ -7,7 +7,7 @@ experts, top-8, random NVFP4 weights (0.9 GB, so the picks' weights stream from 
 tokens routed uniformly at random (what probe_graph_step --uniform-routing does):
 - w13 / w2: `nvfp4_gemv_by_expert` as the decode step launches it (the default tile and split_k from
   `expert_split`), then with every split_k dividing the 128-wide chunk count and, above 8 tokens, each of the
-  8-, 16- and 32-token tiles;
+  8-, 16- and 32-token tiles, and with --stages each weight-ring depth;
 - dense: `nvfp4_gemv` at T rows (at most 32) on the hit experts' matrices stacked as one matrix (the same
   bytes, one weight matrix, no group table), at its `choose_config` split;
 each as us, TB/s of weight bytes (the hit experts' NVFP4 bytes and block scales) and % of the device copy
@@ -15,7 +15,7 @@ bandwidth measured in the same run.
 
 --k3: K3's experts as the K3-shaped slice holds them: D = 3584 -> I = 3072, 64 local experts, top-16.
 
-    PYTHONPATH=src python bench/bench_expert_gemv.py [--batches 1,8,16,32] [--k3]
+    PYTHONPATH=src python bench/bench_expert_gemv.py [--batches 1,8,16,32] [--k3] [--stages 2,3,4]
 """
 
 # ruff: noqa: B023
@@ -53,6 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--k3", action="store_true", help="K3's experts (64 local, top-16), not Kimi Linear's")
+    ap.add_argument(
+        "--stages", default="2", help="weight-ring slots of the expert-major launches to time, e.g. 2,3,4"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_tbs = copy_bandwidth()
@@ -65,6 +68,7 @@ def main() -> None:
         "w2": (ex.w2_weight, ex.w2_weight_scale.view(torch.uint8), gs2, D, INTER),
     }
     rows = []
+    stage_list = [int(v) for v in args.stages.split(",")]
     for t in [int(b) for b in args.batches.split(",")]:
         _, ids = route(torch.randn(t, E, device="cuda"), torch.zeros(E, device="cuda"), TOP_K)
         local = ids.reshape(-1).to(torch.int32)
@@ -79,20 +83,20 @@ def main() -> None:
                 grp = expert_groups(local, E, bt)
                 used = sum(-(-int(c) // bt) for c in torch.bincount(local, minlength=E))
                 auto, reg = expert_split(bt, n * grp.shape[0], k, sms)
-                for sk in splits(k):
+                for sk, st in [(sk, st) for sk in splits(k) for st in stage_list]:
 
                     def call():
                         return nvfp4_gemv_by_expert(
                             x, w, s, gs, grp, picks=t * TOP_K, slot_div=slot_div, rows=n, split_k=sk,
-                            maxnreg=reg if sk == auto else None, all_in_groups=True,
+                            maxnreg=reg if sk == auto else None, all_in_groups=True, stages=st,
                         )  # fmt: skip
 
                     us = graph_ms([call]) * 1e3
                     tbs = nbytes / (us * 1e-6) / 1e12
-                    mark = "*" if (sk == auto and bt == default_bt) else " "
+                    mark = "*" if (sk == auto and bt == default_bt and st == 2) else " "
                     rows.append(
                         f"T={t:<3} {name:3} experts {distinct:3d} groups {used:3d}/{grp.shape[0]:3d} "
-                        f"tile {bt:2d} split {sk}{mark} | {us:7.1f} us {tbs:4.2f} TB/s "
+                        f"tile {bt:2d} split {sk} stages {st}{mark} | {us:7.1f} us {tbs:4.2f} TB/s "
                         f"{100 * tbs / copy_tbs:3.0f}% of copy"
                     )
                     print(rows[-1], flush=True)

@@ -152,13 +152,14 @@ def test_grouped_gemv_compiles_for_sm90():
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
 
 
-@pytest.mark.parametrize("bt", [8, 16, 32])
-def test_by_expert_gemv_compiles_for_sm90(bt: int):
+@pytest.mark.parametrize("bt, stages", [(8, 2), (16, 2), (32, 2), (8, 3), (8, 4), (16, 3)])
+def test_by_expert_gemv_compiles_for_sm90(bt: int, stages: int):
     """The expert-major routed-expert launch (nvfp4_gemv_by_expert): the group table read after the PDL wait,
-    token rows gathered per column, unused groups returning before any copy; no spills in the loop."""
+    token rows gathered per column, unused groups returning before any copy; no spills in the loop, with
+    the default ring of 2 slots and the deeper ones bench_expert_gemv.py --stages times."""
     from k3run.kernels.nvfp4_gemm.gluon_gemv import MAXNREG
 
-    ck = _compile(1, bt, 7, 3584, "bf16", MAXNREG[bt], 2, True, True, byexp=True)
+    ck = _compile(1, bt, 7, 3584, "bf16", MAXNREG[bt], stages, True, True, byexp=True)
     ptx = ck.asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1 and "mma.sync.aligned.m16n8k16" in ptx
     _assert_no_loop_spills(ck)

@@ -216,7 +216,8 @@ def test_gemv_grouped_matches_single_launches(per_row: bool):
 @pytest.mark.parametrize("t, bt", [(3, 8), (8, 8), (12, 16), (20, 8), (40, 16), (40, 32), (75, 32)])
 def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int, form: str):
     """nvfp4_gemv_by_expert (expert-major groups from expert_groups) gives the bits of nvfp4_gemv_grouped
-    (one pick per program) for every pick, zero rows for other ranks' experts, at split_k 1 and 4: a column
+    (one pick per program) for every pick, zero rows for other ranks' experts, at split_k 1 and 4 and weight
+    rings of 2 to 4 slots: a column
     of the token tile is computed exactly as a one-token launch computes it. Token rows as x (slot_div = A,
     GEMM1) and pick rows as x (slot_div = 1, GEMM2). E = 5, N = 520, K = 3504, A = 4 distinct picks per token
     drawn from 7 ids (two of them outside [0, E)); T = 20 / 40 / 75 put more than bt picks on an expert
@@ -234,13 +235,14 @@ def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int, form: str):
     assert torch.equal(grp.cpu(), want_grp) if form == "passes" else same_groups(grp, want_grp)
     x = torch.randn(t, k, device="cuda").bfloat16()
     xp = torch.randn(t * a, k, device="cuda").bfloat16()
-    for split in (1, 4):
+    for split, stages in ((1, 2), (4, 2), (1, 3), (4, 3), (1, 4)):  # a deeper ring changes no sum's order
+        kw = dict(picks=t * a, rows=n, split_k=split, stages=stages)
         want = nvfp4_gemv_grouped(x, w, s, gs, ids, rows=n, split_k=split)
-        got = nvfp4_gemv_by_expert(x, w, s, gs, grp, picks=t * a, slot_div=a, rows=n, split_k=split)
-        assert torch.equal(got, want), split
+        got = nvfp4_gemv_by_expert(x, w, s, gs, grp, slot_div=a, **kw)
+        assert torch.equal(got, want), (split, stages)
         want = nvfp4_gemv_grouped(xp, w, s, gs, ids, rows=n, split_k=split)
-        got = nvfp4_gemv_by_expert(xp, w, s, gs, grp, picks=t * a, slot_div=1, rows=n, split_k=split)
-        assert torch.equal(got, want), split
+        got = nvfp4_gemv_by_expert(xp, w, s, gs, grp, slot_div=1, **kw)
+        assert torch.equal(got, want), (split, stages)
     with pytest.raises(ValueError, match="groups"):
         nvfp4_gemv_by_expert(x, w, s, gs, grp[:, :5], picks=t * a, slot_div=a, rows=n)
 

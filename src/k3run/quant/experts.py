@@ -966,7 +966,7 @@ class NvFp4Experts(ExpertScheme):
             split1, reg1 = expert_split(bt, 2 * i * grp.shape[0], d, sms)
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits
-            by_exp = nvfp4_gemv_by_expert
+            by_exp: Callable[..., torch.Tensor] = nvfp4_gemv_by_expert
             if sm90.experts_take(x, i, bt, act):
                 by_exp = sm90.nvfp4_sm90_gemv_by_expert
             gu = by_exp(

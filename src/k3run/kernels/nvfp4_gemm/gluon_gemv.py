@@ -974,6 +974,7 @@ def nvfp4_gemv_by_expert(
     all_in_groups: bool = False,
     act: GateAct | None = None,
     early_table: bool = False,
+    stages: int = 2,
 ) -> torch.Tensor:
     """Routed experts in one launch, expert-major: y [picks, N], row s = x[s // slot_div] @ W[e(s)]^T *
     global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from `expert_groups`, BT
@@ -988,6 +989,7 @@ def nvfp4_gemv_by_expert(
     table was written before the launch just before this one, as for GEMM2 after GEMM1: every kernel of the
     step waits for its predecessor before it lets the next one launch, so the table is complete when this
     launch starts) reads it and stages the first weight tiles before the wait, which then guards x only.
+    stages: the shared-memory slots of each program's weight ring (>= 2; tiles in flight = stages - 1).
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
     if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
@@ -997,6 +999,8 @@ def nvfp4_gemv_by_expert(
         )
     if not groups.is_contiguous() or groups.device != x.device:
         raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
+    if stages < 2:
+        raise ValueError(f"nvfp4 by-expert: stages must be >= 2 (a ring of slots), got {stages}")
     act_kw = _act_args(act, rows)
     y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
@@ -1012,18 +1016,20 @@ def nvfp4_gemv_by_expert(
         EARLY=early_table,
         **act_kw,
     )
-    _launch_grouped(x, weight, scale_u8, global_scale, y, n_groups, bt, bt, split_k, maxnreg, pdl, **kw)
+    _launch_grouped(
+        x, weight, scale_u8, global_scale, y, n_groups, bt, bt, split_k, maxnreg, pdl, stages=stages, **kw
+    )
     return y
 
 
 def _launch_grouped(
     x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
     y: torch.Tensor, items: int, bt: int, m: int, split_k: int, maxnreg: int | None, pdl: bool,
-    n: int | None = None, **extra,
+    n: int | None = None, stages: int = 2, **extra,
 ) -> None:  # fmt: skip
     """The cp.async kernel over stacked tiled128 experts with grid axis 2 = `items` (picks, or groups for the
     expert-major form), split-K workspace and counters per item; n: the weight rows computed (default y's
-    width); `extra`: the mode's kernel arguments."""
+    width); stages: the weight ring's slots; `extra`: the mode's kernel arguments."""
     from k3run.kernels.nvfp4_gemm.triton import largest_divisor
 
     n_pad, k_pad, k = weight.shape[1], weight.shape[2] * 2, x.shape[1]
@@ -1037,7 +1043,7 @@ def _launch_grouped(
     common = (x, weight.view(torch.int32), scale_u8.view(torch.int32), global_scale, global_scale)
     n = n or y.shape[1]
     _launch_async(
-        (grid_n, split_k, items), common, y, ws, cnt, m, n, k, k_pad, split_k, 1, bt, 2, True, True,
+        (grid_n, split_k, items), common, y, ws, cnt, m, n, k, k_pad, split_k, 1, bt, stages, True, True,
         pdl, maxnreg, global_scale.shape[1] != 1, False, w_estride=n_pad * k_pad // 8,
         s_estride=n_pad * k_pad // 64, gs_estride=global_scale.shape[1], GROUPED=True, **extra,
     )  # fmt: skip
