@@ -119,7 +119,7 @@ def test_probe_configs_parse_knob_settings_per_engine(monkeypatch) -> None:
     (l1, c1), (l2, c2) = probe._configs("K3RUN_MLA_ABSORB_KERNELS=32 K3RUN_KDA_FB_SIDE=1; ")
     assert l1 == "K3RUN_MLA_ABSORB_KERNELS=32 K3RUN_KDA_FB_SIDE=1" and l2 == ""
     assert c1["mla_absorb_kernels"] == 32 and c1["kda_fb_side"] is True and c1["moe_router_partials"] == 24
-    assert c2["mla_absorb_kernels"] == 8 and c2["kda_fb_side"] is False and c2["moe_router_partials"] == 24
+    assert c2["mla_absorb_kernels"] == 64 and c2["kda_fb_side"] is False and c2["moe_router_partials"] == 24
     with pytest.raises(SystemExit, match="K3RUN_NAME=value"):
         probe._configs("MLA=1")
     with pytest.raises(ValueError, match="K3RUN_MLA_ABSORB_KERNELS"):

@@ -53,7 +53,8 @@ def test_cpu_dispatch_is_the_reference() -> None:
 
 
 def test_absorb_kernels_run_up_to_the_knobs_batch_on_cuda_only() -> None:
-    """K3RUN_MLA_ABSORB_KERNELS is a batch bound: the one-launch absorptions lose to torch's chain at 32."""
+    """K3RUN_MLA_ABSORB_KERNELS is a batch bound (default 64, where the tensor-core forms were measured
+    faster than torch's chain), on CUDA only."""
     from k3run.kernels.mla import absorb_kernels_enabled
     from k3run.knobs import override_knobs
 
@@ -63,6 +64,10 @@ def test_absorb_kernels_run_up_to_the_knobs_batch_on_cuda_only() -> None:
         assert not absorb_kernels_enabled(cuda, 9) and not absorb_kernels_enabled(cpu, 1)
     with override_knobs(mla_absorb_kernels=0):
         assert not absorb_kernels_enabled(cuda, 1)
+    assert absorb_kernels_enabled(cuda, 64) and not absorb_kernels_enabled(cuda, 65)  # the default
+    from k3run.kernels.mla.triton import o_block
+
+    assert o_block(32, 32) == 16 and o_block(64, 32) == 32 and o_block(16, 96) == 32 and o_block(8, 96) == 16
 
 
 def test_choose_splits_fills_the_machine_within_the_window() -> None:

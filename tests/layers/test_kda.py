@@ -310,15 +310,20 @@ def test_gpu_forget_gate_branch_on_the_side_stream_gives_the_same_bits(variant: 
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-def _fused_against_chain(variant: str, device: str) -> None:
-    """K3RUN_KDA_FUSED_DECODE: decode steps through kernels/kda/decode.py (its fp32 reference on the CPU)
-    against the chain of conv, recurrence and gated norm. An fp32 layer: the two differ only in the order of
-    fp32 sums (K-term norms and state products, the projections unchanged), relative RMS <= 1e-5."""
+def _fused_against_chain(variant: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K3RUN_KDA_FUSED_DECODE: decode steps through kernels/kda/decode.py (its fp32 reference on the CPU,
+    where the layer takes it only when `fused_decode_takes` is patched to say so) against the chain of conv,
+    recurrence and gated norm. An fp32 layer: the two differ only in the order of fp32 sums (K-term norms
+    and state products, the projections unchanged), relative RMS <= 1e-5."""
     from k3run.knobs import override_knobs
+    from k3run.layers import kda as kda_layer
 
     layer = make_layer(variant, make_weights(VARIANTS[variant][0])).to(device)
     with override_knobs(kda_fused_decode=0):
         want = _decode_steps(layer, device)
+    if device == "cpu":
+        assert not kda_layer.fused_decode_takes(torch.zeros(1), 1)  # the CPU keeps the chain by default
+        monkeypatch.setattr(kda_layer, "fused_decode_takes", lambda x, tokens: tokens <= 2)
     with override_knobs(kda_fused_decode=2):
         got = _decode_steps(layer, device)
     assert torch.equal(want[0], got[0])  # the prefill takes the chunked path either way
@@ -327,12 +332,12 @@ def _fused_against_chain(variant: str, device: str) -> None:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fused_decode_knob_matches_the_chain(variant: str) -> None:
-    _fused_against_chain(variant, "cpu")
+def test_fused_decode_knob_matches_the_chain(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fused_against_chain(variant, "cpu", monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpu_fused_decode_matches_the_chain(variant: str) -> None:
-    _fused_against_chain(variant, "cuda")
+def test_gpu_fused_decode_matches_the_chain(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fused_against_chain(variant, "cuda", monkeypatch)

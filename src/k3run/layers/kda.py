@@ -10,8 +10,8 @@ merges them):
     beta     <- sigmoid(b) in fp32
     o        <- KDA recurrence from each sequence's state (zero for a fresh sequence), fp32
     out      <- o_proj(o_norm(o, gate))   (gated RMSNorm per head, row-parallel o_proj with all-reduce)
-A decode step with a cache of up to K3RUN_KDA_FUSED_DECODE sequences runs everything from the conv to o_norm
-as one launch (`kda_decode_fused`).
+A CUDA decode step with a cache of up to K3RUN_KDA_FUSED_DECODE sequences (default 256) runs everything from
+the conv to o_norm as one launch (`kda_decode_fused`); the CPU keeps the chain (its in-place C++ recurrence).
 
 Checkpoint names -> parameters (model table): {q,k,v}_proj, g_proj, f_a_proj, b_proj -> in_proj shards
 (see `in_proj_shard_ids`); {q,k,v}_conv1d.weight [P, 1, W] -> conv_weight shards 0/1/2, or a fused
@@ -51,6 +51,13 @@ if TYPE_CHECKING:
     from k3run.quant.modelopt import QuantConfig
 
 CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def fused_decode_takes(x: torch.Tensor, tokens: int) -> bool:
+    """Whether a decode step of `tokens` sequences with the states in the cache runs as one fused launch: on
+    CUDA up to K3RUN_KDA_FUSED_DECODE sequences. On the CPU the fused op is its fp32 torch reference, slower
+    than the chain's in-place C++ step (`kda_decode_in_place`), so the CPU keeps the chain."""
+    return x.is_cuda and tokens <= knobs().kda_fused_decode
 
 
 def _adjacent_columns(*parts: torch.Tensor) -> torch.Tensor:
@@ -288,7 +295,7 @@ class KimiDeltaAttention(nn.Module):
             q, k, v, gate, f_a, b = parts
         else:
             q, k, v, b, f_a = parts
-        if in_place and T <= knobs().kda_fused_decode:  # conv, recurrence and o_norm in one launch
+        if in_place and fused_decode_takes(x, T):  # conv, recurrence and o_norm in one launch
             assert layer_cache is not None and ctx.slots is not None
             f = self.f_b_proj(f_a)
             if gate_branch is not None:

@@ -12,8 +12,8 @@ Two levels of entry:
 The causal conv runs one Triton launch for prefill on CUDA (conv.py) and the reference elsewhere; decode steps
 with a cache run `causal_conv1d_decode_in_place` and `kda_decode_in_place`, which keep the conv and recurrent
 states in the cache pool (one Triton launch for the conv and fla's in-place recurrence on CUDA), or, up to
-K3RUN_KDA_FUSED_DECODE sequences, `kda_decode_fused`: the conv, the recurrence and the gated output norm in
-one launch (decode.py).
+K3RUN_KDA_FUSED_DECODE sequences on CUDA (the layer's default), `kda_decode_fused`: the conv, the recurrence
+and the gated output norm in one launch (decode.py).
 """
 
 from __future__ import annotations

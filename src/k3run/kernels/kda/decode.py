@@ -3,15 +3,17 @@ the gated output norm, with the conv windows and the recurrent states read and w
 
 The unfused step is three launches in a chain (`causal_conv1d_decode_in_place`, fla's
 `fused_recurrent_kda_fwd`, the gated RMSNorm). Alone this kernel takes 0.6-0.7x their time at 1-8 sequences
-(32 heads); in the full step the difference measured under 0.5% (bench/RESULTS.md), so the layer takes it
-only under K3RUN_KDA_FUSED_DECODE. Here the programs of one (sequence, head) split its value columns into NV
-blocks of BV (fla's split: a [K, BV] fp32 state block fits a program's registers, where the whole [K, K]
-state does not). Each convolves the head's q and k channels and its own v channels, normalises q and k,
-forms the decay and beta, and runs the delta rule on its state block (read from and written back to the
-state pool in place). The output norm needs the whole row: each program stores its output block in fp32,
-and the last of the head's programs to arrive (an arrival counter, kernels/counters.py) normalises the row
-with the gate and shifts the q and k windows, which every program of the head read. Per head, in order
-(K = V = the head dim, fp32):
+(32 heads). With PDL it reads its state block before the grid-dependency wait (no kernel of the step before it
+writes that block), so the read overlaps the previous launch's end, which fla's kernel cannot do: the full-
+depth Kimi Linear step on an H200 is 0.6% / 1.2% / 1.5% / 0.2% faster with it at 1 / 8 / 16 / 32 sequences
+(bench/RESULTS.md, run 205), and CUDA decode steps take it up to K3RUN_KDA_FUSED_DECODE sequences. Here the
+programs of one (sequence, head) split its value columns into NV blocks of BV (fla's split: a [K, BV] fp32
+state block fits a program's registers, where the whole [K, K] state does not). Each convolves the head's q
+and k channels and its own v channels, normalises q and k, forms the decay and beta, and runs the delta rule
+on its state block (read from and written back to the state pool in place). The output norm needs the whole
+row: each program stores its output block in fp32, and the last of the head's programs to arrive (an arrival
+counter, kernels/counters.py) normalises the row with the gate and shifts the q and k windows, which every
+program of the head read. Per head, in order (K = V = the head dim, fp32):
 
     q, k, v  = silu(conv(window, x))              (kept in fp32: the unfused path rounds them to x's dtype
                                                   between its launches)

@@ -7,7 +7,7 @@ flash-decoding style), with no window copies.
 
 On CUDA the kernel is the default (checked against the reference on an H200 and 4-14x faster than it at K3's
 widths, bench/RESULTS.md); K3RUN_MLA_DECODE_KERNEL=0 selects the reference instead. For static steps
-of up to K3RUN_MLA_ABSORB_KERNELS sequences (default 8), `mla_latent_store` normalises, joins and stores
+of up to K3RUN_MLA_ABSORB_KERNELS sequences (default 64), `mla_latent_store` normalises, joins and stores
 the step's latents in one launch, and `mla_decode_absorbed` also does the query absorption (q_nope . W_UK)
 and the output projection (. W_UV) in one launch each: one sequence at a time up to 8, from 9 on the tensor
 cores with the fp32 factors split exactly into bf16 parts (kernels/tc_split.py).

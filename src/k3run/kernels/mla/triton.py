@@ -25,6 +25,10 @@ from k3run.kernels.tc_split import TENSOR_CORES, dot_split, dot_split2, split3
 # (the loop forms). On an H100 (bench_mla_decode, the q + o pair) the two are level at 8 sequences and the
 # loops' time doubles with the sequences while the dot forms' barely moves to 16
 ABSORB_DOT_FROM = 9
+# the o dot form takes 32-sequence blocks above this many (sequence, head) pairs, else 16: run 204 (H200,
+# us for the q + o pair): at 64 sequences 26.2 against 39.0 (32 heads), at 32 and 64 sequences of 96 heads
+# 47.9 / 76.4 against 62.8 / 112.9; at 32 sequences of 32 heads 16 is as fast (22.9 against 24.5)
+O_BLOCK32_FROM = 1024
 
 
 @triton.jit
@@ -299,6 +303,11 @@ def mla_latent_store_triton(
     )  # fmt: skip
 
 
+def o_block(batch: int, heads: int) -> int:
+    """The o dot form's sequences a block: 32 above O_BLOCK32_FROM (sequence, head) pairs, else 16."""
+    return 32 if batch * heads > O_BLOCK32_FROM else 16
+
+
 def absorb_dot(batch: int, dot: bool | None) -> bool:
     """Whether the absorb kernels take their tensor-core form for `batch` sequences (`dot` None: from
     ABSORB_DOT_FROM; True / False force it, for tests and the benchmark)."""
@@ -371,7 +380,7 @@ def mla_o_absorb_triton(
     if B == 0:
         return out
     if absorb_dot(B, dot) and L >= 16:
-        bv, bk, bb, warps = (*tiles, 4)[:4] if tiles else (16, 64, 16, 4)
+        bv, bk, bb, warps = (*tiles, 4)[:4] if tiles else (16, 64, o_block(B, H), 4)
         _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv), triton.cdiv(B, bb))](
             o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=warps,
             **pdl_args(o_lat),
