@@ -87,13 +87,6 @@ def _split_k(name: str, value: str) -> int:
     return int(value)
 
 
-def _ring_slots(name: str, value: str) -> int:
-    """2, 3 or 4"""
-    if value not in ("2", "3", "4"):
-        raise _malformed(name, "2, 3 or 4 slots", value)
-    return int(value)
-
-
 def _tokens_up_to(most: int) -> Callable[[str, str], int]:
     """The parser of a token count from 0 to `most`."""
 
@@ -222,11 +215,6 @@ class Knobs:
         "CUDA: split_k of the NVFP4 routed experts' expert-major decode launches (2..128 tokens), 1..8, "
         "rounded down to a divisor of the 128-wide chunk count (0: sized to fill the GPU's waves, "
         "one_wave_split, as the one-token launches are)",
-    )  # fmt: skip
-    moe_gemm1_stages: int = _knob(
-        "K3RUN_MOE_GEMM1_STAGES", _ring_slots, 2,
-        "CUDA: the weight ring's slots in each program of the NVFP4 routed experts' expert-major GEMM1 "
-        "decode launch (the Gluon kernel; 2: one tile in flight while one is decoded)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,

@@ -967,12 +967,11 @@ class NvFp4Experts(ExpertScheme):
             full = ex.num_local == ex.num_experts  # no expert parallelism: every pick is in a group
             # the CUDA decode GEMV (K3RUN_SM90_GEMV_EXPERTS) or the Gluon one, at the same splits
             by_exp: Callable[..., torch.Tensor] = nvfp4_gemv_by_expert
-            ring: dict[str, int] = {"stages": knobs().moe_gemm1_stages}
             if sm90.experts_take(x, i, bt, act):
-                by_exp, ring = sm90.nvfp4_sm90_gemv_by_expert, {}
+                by_exp = sm90.nvfp4_sm90_gemv_by_expert
             gu = by_exp(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
-                all_in_groups=full, act=act, **ring,
+                all_in_groups=full, act=act,
             )  # fmt: skip
             h = gu if act else ex.gated(gu)
             split2, reg2 = expert_split(bt, d * grp.shape[0], i, sms)
