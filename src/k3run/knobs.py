@@ -300,11 +300,11 @@ class Knobs:
         "the recurrence (1: on; 0: in the chain)",
     )  # fmt: skip
     kda_fused_decode: int = _knob(
-        "K3RUN_KDA_FUSED_DECODE", _tokens_256, 256,
+        "K3RUN_KDA_FUSED_DECODE", _tokens_256, 32,
         "CUDA: KDA decode steps of up to this many sequences run the conv, the gates, the q/k norm, the "
         "recurrent step and the gated output norm as one Triton launch (kernels/kda/decode.py), where the "
         "chain is three launches, reading its recurrent state before its PDL wait (0: never; on by default "
-        "up to 256: the full-depth decode is faster with it at 1 to 32 sequences)",
+        "up to 32, the range where the full-depth decode was measured faster with it)",
     )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,

@@ -10,7 +10,7 @@ merges them):
     beta     <- sigmoid(b) in fp32
     o        <- KDA recurrence from each sequence's state (zero for a fresh sequence), fp32
     out      <- o_proj(o_norm(o, gate))   (gated RMSNorm per head, row-parallel o_proj with all-reduce)
-A CUDA decode step with a cache of up to K3RUN_KDA_FUSED_DECODE sequences (default 256) runs everything from
+A CUDA decode step with a cache of up to K3RUN_KDA_FUSED_DECODE sequences (default 32) runs everything from
 the conv to o_norm as one launch (`kda_decode_fused`); the CPU keeps the chain (its in-place C++ recurrence).
 
 Checkpoint names -> parameters (model table): {q,k,v}_proj, g_proj, f_a_proj, b_proj -> in_proj shards
