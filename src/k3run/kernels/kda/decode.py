@@ -169,13 +169,15 @@ def kda_decode_fused_triton(
     eps: float,
     out_dtype: torch.dtype | None = None,
     block_v: int = 32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """One decode token per sequence, B sequences, H heads of dim K (P = H K):
     qkv [B, 3P] (q | k | v before the conv; unit column stride, any row stride, e.g. a column slice of the
     merged projection output); b [B, H] raw beta logits; f [B, P] raw forget-gate projection; gate [B, P] the
     output gate's logits; conv_weight [3P, W]; conv_pool [S, 3P, W-1] in qkv's dtype with contiguous rows;
     A_log [H]; dt_bias [P]; state_pool [S, H, K, K] fp32, contiguous; slots, context_lens [B];
-    norm_weight [K]; block_v: BV, the value columns of one program. Returns the gated-normed output [B, P]
+    norm_weight [K]; block_v: BV, the value columns of one program (a power of two); num_warps: its warps.
+    Returns the gated-normed output [B, P]
     in out_dtype (default qkv's dtype); updates conv_pool[slots] and state_pool[slots] in place."""
     B, C = qkv.shape
     H = A_log.numel()
@@ -228,7 +230,8 @@ def kda_decode_fused_triton(
         conv_pool, conv_pool.stride(0), A_log.contiguous(), dt_bias.contiguous(),
         0.0 if lower_bound is None else float(lower_bound), float(scale), state_pool, state_pool.stride(0),
         slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, W=W,
-        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None, num_warps=4,
+        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None,
+        num_warps=num_warps,
         **pdl_args(qkv),
     )  # fmt: skip
     return out
