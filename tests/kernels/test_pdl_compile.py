@@ -74,7 +74,7 @@ def _kernels():
         "conv decode": (conv._conv_decode_kernel, "bf16", f32,
                         dict(W=4, BLOCK_C=512, ZERO_REC=True, ZBLOCK=1024)),
         "KDA decode in one launch": (decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS,
-                                     dict(W=4, WK=512, WV=128, BK=128, BV=32, NV=4, LOWER=False)),
+                                     dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False)),
         "MLA decode splits": (mla._mla_decode_split_kernel, "bf16", {**f32, **mla_ptrs},
                               dict(L=512, R=64, BLOCK_H=32, BLOCK_N=64, IEEE=False)),
         "MLA merge": (mla._mla_merge_kernel, "fp32", f32, dict(L=512, BLOCK_S=8)),
@@ -201,7 +201,7 @@ def test_kda_fused_decode_compiles_for_sm90_without_spills(lower: bool) -> None:
     from k3run.kernels.kda import decode
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    consts = dict(W=4, WK=512, WV=128, BK=128, BV=32, NV=4, LOWER=lower)
+    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=lower)
     ck = _compile(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
@@ -220,7 +220,7 @@ def test_kda_fused_decode_reads_only_its_state_before_the_wait() -> None:
     take."""
     from k3run.kernels.kda import decode
 
-    consts = dict(W=4, WK=512, WV=128, BK=128, BV=32, NV=4, LOWER=False)
+    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False)
     body = _ptx(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
     body = body.split(".entry", 1)[1]
     before = body[: body.index("griddepcontrol.wait")]

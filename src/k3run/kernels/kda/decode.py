@@ -54,30 +54,26 @@ def _conv_head(x_ptr, cw_ptr, win_ptr, cs, mask, old, W: tl.constexpr):
 
 
 @triton.jit
-def _shift_windows(x_ptr, win_ptr, c0, n, ctx, W: tl.constexpr, BF: tl.constexpr):
-    """The windows of channels c0 .. c0 + n - 1 shifted by one with x appended. Their W - 1 values a channel
-    lie back to back, so the n windows are one flat run of n (W - 1) values, walked as a 1-D block of BF:
-    value f moves to f - 1 within its channel, the channel's last takes x (a flat block keeps each value in
-    one thread; a [channels, W - 1] block was replicated over the threads and cost ~100 registers). Every
-    read of the old windows (these and the conv's) is done before the barrier and every write after it.
-    ctx: the sequence's context length (0: fresh, no window yet: zeros shift in)."""
-    f = tl.arange(0, BF)
-    ch = f // (W - 1)
-    j = f % (W - 1)
-    ok = ch < n
-    at = win_ptr + c0 * (W - 1) + f
-    s = tl.load(at + 1, mask=ok & (j < W - 2) & ((f * 0 + ctx) != 0), other=0.0)
-    x = tl.load(x_ptr + c0 + ch, mask=ok & (j == W - 2), other=0.0).to(win_ptr.dtype.element_ty)
+def _shift_windows(x_ptr, win_ptr, cs, mask, old, W: tl.constexpr, WP: tl.constexpr):
+    """The windows of channels cs shifted by one with x appended. A channel's value may live in several
+    threads (a replicated layout), so every read of the old windows (these and the conv's) is done before
+    the barrier and every write after it."""
+    js = tl.arange(0, WP)
+    at = win_ptr + cs[:, None] * (W - 1) + js[None, :]
+    kept = mask[:, None] & (js[None, :] >= 1) & (js[None, :] < W - 1)
+    s = tl.load(at, mask=kept & old[:, None], other=0.0)
+    x = tl.load(x_ptr + cs, mask=mask, other=0.0)
     tl.debug_barrier()
-    tl.store(at, tl.where(j < W - 2, s, x), mask=ok)
+    tl.store(at - 1, s, mask=kept)
+    tl.store(win_ptr + cs * (W - 1) + (W - 2), x.to(win_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _kda_decode_fused_kernel(
     x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
     a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
-    stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, NV: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr = False,
+    stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -126,10 +122,10 @@ def _kda_decode_fused_kernel(
     tl.store(st, S, mask=mk[:, None] & mv[None, :])
     # the windows: a program's own v channels; every program of the head read the q and k windows, so with
     # NV > 1 the last to finish shifts those
-    _shift_windows(row, win, 2 * P + h * K + vb * BV, tl.minimum(K - vb * BV, BV), ctx, W, WV)
+    _shift_windows(row, win, 2 * P + h * K + vs, mv, old_v, W, WP)
     if NV == 1:
-        _shift_windows(row, win, h * K, K, ctx, W, WK)
-        _shift_windows(row, win, P + h * K, K, ctx, W, WK)
+        _shift_windows(row, win, c, mk, old, W, WP)
+        _shift_windows(row, win, P + c, mk, old, W, WP)
 
     out_row = b.to(tl.int64) * stride_o + h * K
     if NV == 1:
@@ -149,8 +145,8 @@ def _kda_decode_fused_kernel(
             w = tl.load(nw_ptr + ks, mask=mk, other=0.0).to(tl.float32)
             y = of * (1.0 / tl.sqrt(tl.sum(of * of, 0) / K + eps)) * w * tl.sigmoid(gate)
             tl.store(out_ptr + out_row + ks, y.to(out_ptr.dtype.element_ty), mask=mk)
-            _shift_windows(row, win, h * K, K, ctx, W, WK)
-            _shift_windows(row, win, P + h * K, K, ctx, W, WK)
+            _shift_windows(row, win, c, mk, old, W, WP)
+            _shift_windows(row, win, P + c, mk, old, W, WP)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
@@ -234,7 +230,8 @@ def kda_decode_fused_triton(
         conv_pool, conv_pool.stride(0), A_log.contiguous(), dt_bias.contiguous(),
         0.0 if lower_bound is None else float(lower_bound), float(scale), state_pool, state_pool.stride(0),
         slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, W=W,
-        WK=triton.next_power_of_2(BK * (W - 1)), WV=triton.next_power_of_2(BV * (W - 1)), BK=BK, BV=BV, NV=NV,
-        LOWER=lower_bound is not None, num_warps=num_warps, **pdl_args(qkv),
+        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None,
+        num_warps=num_warps,
+        **pdl_args(qkv),
     )  # fmt: skip
     return out
