@@ -87,6 +87,13 @@ def _split_k(name: str, value: str) -> int:
     return int(value)
 
 
+def _chunks(name: str, value: str) -> int:
+    """0 to 16"""
+    if not value.isdigit() or not 0 <= int(value) <= 16:
+        raise _malformed(name, "a chunk count from 0 to 16", value)
+    return int(value)
+
+
 def _tokens_up_to(most: int) -> Callable[[str, str], int]:
     """The parser of a token count from 0 to `most`."""
 
@@ -215,6 +222,12 @@ class Knobs:
         "CUDA: split_k of the NVFP4 routed experts' expert-major decode launches (2..128 tokens), 1..8, "
         "rounded down to a divisor of the 128-wide chunk count (0: sized to fill the GPU's waves, "
         "one_wave_split, as the one-token launches are)",
+    )  # fmt: skip
+    dequant_chunks: int = _knob(
+        "K3RUN_DEQUANT_CHUNKS", _chunks, 0,
+        "CUDA: NVFP4 linears on dequantize + cuBLAS (above the GEMM kernels' rows) dequantize their weight "
+        "in this many row chunks on a second stream while cuBLAS multiplies the previous chunk "
+        "(kernels/nvfp4_gemm/dequant_mm.py; 0 or 1: the whole weight, then one product; not yet measured)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,

@@ -45,7 +45,7 @@ def _random_nvfp4(n: int, k: int, device: str = "cpu", per_row_global: bool = Fa
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1 (about 10 s, mostly imports)."""
-    run_interp_tests_in_child(__file__, expected_passed=7)
+    run_interp_tests_in_child(__file__, expected_passed=8)
 
 
 @interp_only
@@ -118,6 +118,76 @@ def test_interp_dequantize_every_code_exact(poison_empty, k: int, layout: str):
         pw.weight, pw.scale_bits, pw.global_scale, k, torch.float16, block_n=16, rows=rows
     )
     assert torch.equal(out16, ref.half())
+
+
+@interp_only
+def test_interp_dequantize_row_chunks_of_a_tiled_weight(poison_empty):
+    """What dequant_mm_chunked relies on: a tiled128 weight's rows [r0, r1) (r0 a multiple of 16) are the
+    slices [r0, r1 rounded up to 16) of its codes, scales and per-row global scale, and dequantizing them into
+    `out` gives exactly those rows of the whole weight's dequantization (53 rows: the last chunk padded)."""
+    from k3run.kernels.nvfp4_gemm.dequant_mm import chunk_rows
+    from k3run.kernels.nvfp4_gemm.triton import nvfp4_dequantize
+
+    n, k = 53, 272
+    w, s, gs = _random_nvfp4(n, k, per_row_global=True)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    whole = nvfp4_dequantize(pw.weight, pw.scale_bits, pw.global_scale, k, torch.bfloat16, rows=n)
+    for r0, r1 in chunk_rows(n, 3):
+        r1p = r0 + -(-(r1 - r0) // 16) * 16
+        out = torch.full((r1 - r0, k), float("nan"), dtype=torch.bfloat16)
+        got = nvfp4_dequantize(
+            pw.weight[r0:r1p], pw.scale_bits[r0:r1p], pw.global_scale[r0:r1p], k, torch.bfloat16,
+            rows=r1 - r0, out=out,
+        )  # fmt: skip
+        assert got is out and torch.equal(out, whole[r0:r1]), (r0, r1)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        bad = whole[:, :16]
+        nvfp4_dequantize(pw.weight, pw.scale_bits, pw.global_scale, k, torch.bfloat16, rows=n, out=bad)
+
+
+def test_chunk_rows_cover_the_rows_in_16_row_blocks():
+    from k3run.kernels.nvfp4_gemm.dequant_mm import chunk_rows
+
+    for n, chunks in [(12288, 4), (7168, 3), (53, 3), (53, 8), (16, 5), (1, 1), (1000, 7)]:
+        b = chunk_rows(n, chunks)
+        assert b[0][0] == 0 and b[-1][1] == n and len(b) <= chunks
+        assert all(r1 == r0n for (_, r1), (r0n, _) in zip(b, b[1:], strict=False))
+        assert all(r0 % 16 == 0 and r1 > r0 for r0, r1 in b)
+    assert chunk_rows(12288, 4) == [(0, 3072), (3072, 6144), (6144, 9216), (9216, 12288)]
+    with pytest.raises(ValueError, match="chunks=0"):
+        chunk_rows(16, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunks", [2, 3, 5])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_gpu_dequant_mm_in_chunks_equals_one_product(poison_empty, chunks: int, per_row: bool):
+    """K3RUN_DEQUANT_CHUNKS: the weight dequantized in row chunks on a side stream, each chunk's product into
+    its columns of y, against the one-chunk path (same dequantized rows: they agree within one bf16 rounding
+    of the output, cuBLAS's kernel for the narrower product may sum in another order) and the fp32
+    reference; eagerly and replayed from a CUDA graph."""
+    from k3run.knobs import override_knobs
+
+    n, k, m = 1000 + 4, 1392, 300
+    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=per_row)
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    cfg = GemmConfig(dequant_mm=True)
+    want = nvfp4_linear(x, pw, bias, config=cfg)
+    with override_knobs(dequant_chunks=chunks):
+        got = nvfp4_linear(x, pw, bias, config=cfg)
+        assert_close("chunked vs one product", want.float(), got, rtol=RTOL[torch.bfloat16])
+        assert_close("chunked vs fp32", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), got,
+                     rtol=RTOL[torch.bfloat16])  # fmt: skip
+        nvfp4_linear(x, pw, None, config=cfg)  # warm-up off the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = nvfp4_linear(x, pw, None, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, nvfp4_linear(x, pw, None, config=cfg))
 
 
 @pytest.mark.parametrize("n, k", [(19, 80), (32, 1392), (1, 16)])

@@ -5,7 +5,8 @@ CUDA inputs (`choose_config` picks, `nvfp4_linear` runs): the Gluon decode kerne
 rows (33..64 in two launches on large matrices); on sm_90 for 17..1024 rows the CUDA C++ GEMM of w4a16_sm90.cu
 on matrices of >= 32M weights (built at first use), for 17..256 the Gluon wgmma GEMM of wgmma.py on smaller
 ones from 33 rows (17..32 rows stay on the decode kernel there), where the CUDA GEMM cannot be built, or with
-K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM (tile.py) up to 128 rows; dequantize + cuBLAS above.
+K3RUN_SM90_CUDA=0; elsewhere the tensor-core tile GEMM (tile.py) up to 128 rows; dequantize + cuBLAS above
+(with K3RUN_DEQUANT_CHUNKS, in row chunks dequantized on a second stream beside cuBLAS: dequant_mm.py).
 CPU inputs run cpu.py (compiled loops or the SIMD extension on large matrices, the fp32 reference otherwise).
 `nvfp4_to_fp8_block` is the opt-in, lossy conversion to FP8 blocks for fp8_gemm (`--nvfp4-as-fp8`;
 quant/schemes.py says where it is used).
@@ -17,6 +18,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from k3run.knobs import knobs
 
 from .config import (
     DEFAULT_SMS,
@@ -239,6 +242,11 @@ def _cuda_linear(
         except CompilationError as e:  # a Triton whose Gluon API moved: use the Triton kernels from now on
             _disable_gemv(e)
             cfg = GemmConfig(dequant_mm=True) if tiled else _fallback(x2.shape[0])
+    chunks = knobs().dequant_chunks
+    if y is None and cfg.dequant_mm and chunks > 1 and tiled:
+        from .dequant_mm import dequant_mm_chunked
+
+        y = dequant_mm_chunked(x2, w, bias, chunks)
     if y is None and cfg.dequant_mm:
         wd = nvfp4_dequantize(
             w.weight, w.scale_bits, w.global_scale, w.k, x2.dtype, rows=w.n if tiled else None

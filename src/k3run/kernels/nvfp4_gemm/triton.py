@@ -467,16 +467,23 @@ def nvfp4_dequantize(
     *,
     block_n: int = 32,
     rows: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense [N, K] weight e2m1 * s * global_scale in `dtype` (one rounding per element).
-    rows: the weight is in the tiled128 order with its rows padded to 16; N = rows."""
+    rows: the weight is in the tiled128 order with its rows padded to 16; N = rows.
+    out: a contiguous [N, K] `dtype` tensor to write (default a new one)."""
     n = _check(None, weight, scale_u8, global_scale, k)
     if rows is not None:
         if n % 16 or not n - 16 < rows <= n:
             raise ValueError(f"nvfp4 dequantize: a tiled128 weight has rows padded to 16: {n} for N={rows}")
         n = rows
     k_pad = weight.shape[1] * 2
-    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    elif tuple(out.shape) != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"nvfp4 dequantize: out must be a contiguous {dtype} {(n, k)}, got {out.dtype} {tuple(out.shape)}"
+        )
     grid = (triton.cdiv(n, block_n), k_pad // CHUNK)
     _nvfp4_dequant_kernel[grid](
         weight,
