@@ -87,19 +87,12 @@ def _split_k(name: str, value: str) -> int:
     return int(value)
 
 
-def _chunks(name: str, value: str) -> int:
-    """0 to 16"""
-    if not value.isdigit() or not 0 <= int(value) <= 16:
-        raise _malformed(name, "a chunk count from 0 to 16", value)
-    return int(value)
-
-
-def _tokens_up_to(most: int) -> Callable[[str, str], int]:
-    """The parser of a token count from 0 to `most`."""
+def _tokens_up_to(most: int, what: str = "token count") -> Callable[[str, str], int]:
+    """The parser of a count (`what`) from 0 to `most`."""
 
     def parse(name: str, value: str) -> int:
         if not value.isdigit() or not 0 <= int(value) <= most:
-            raise _malformed(name, f"a token count from 0 to {most}", value)
+            raise _malformed(name, f"a {what} from 0 to {most}", value)
         return int(value)
 
     parse.__doc__ = f"0 to {most}"
@@ -224,7 +217,7 @@ class Knobs:
         "one_wave_split, as the one-token launches are)",
     )  # fmt: skip
     dequant_chunks: int = _knob(
-        "K3RUN_DEQUANT_CHUNKS", _chunks, 0,
+        "K3RUN_DEQUANT_CHUNKS", _tokens_up_to(16, "chunk count"), 0,
         "CUDA: NVFP4 linears on dequantize + cuBLAS (above the GEMM kernels' rows) dequantize their weight "
         "in this many row chunks on a second stream while cuBLAS multiplies the previous chunk "
         "(kernels/nvfp4_gemm/dequant_mm.py; 0 or 1: the whole weight, then one product; not yet measured)",

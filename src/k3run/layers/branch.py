@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from k3run.kernels.streams import side_stream
 from k3run.knobs import knobs
 
 T = TypeVar("T")
@@ -30,15 +31,6 @@ T = TypeVar("T")
 # 3.99 ms at batch 8, but at batch 32 the shared experts' GEMVs, sharing the SMs, stretch the router's cuBLAS
 # GEMM and the step runs 1-3% slower than inline
 SIDE_MAX_TOKENS = 16
-_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _STREAMS.get(index)
-    if stream is None:
-        stream = _STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
 
 
 def side_stream_applies(x: torch.Tensor) -> bool:
@@ -63,7 +55,7 @@ class Branch(Generic[T]):
             self._value = fn()
             return
         main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
+        side = side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self._value = fn()

@@ -6,7 +6,7 @@ The unfused step is three launches in a chain (`causal_conv1d_decode_in_place`, 
 (32 heads). With PDL it reads its state block before the grid-dependency wait (no kernel of the step before it
 writes that block), so the read overlaps the previous launch's end, which fla's kernel cannot do: the full-
 depth Kimi Linear step on an H200 is 0.6% / 1.2% / 1.5% / 0.2% faster with it at 1 / 8 / 16 / 32 sequences
-(bench/RESULTS.md, run 205), and CUDA decode steps take it up to K3RUN_KDA_FUSED_DECODE sequences. Here the
+(bench/RESULTS.md), and CUDA decode steps take it up to K3RUN_KDA_FUSED_DECODE sequences. Here the
 programs of one (sequence, head) split its value columns into NV blocks of BV (fla's split: a [K, BV] fp32
 state block fits a program's registers, where the whole [K, K] state does not). Each convolves the head's q
 and k channels and its own v channels, normalises q and k, forms the decay and beta, and runs the delta rule
@@ -177,8 +177,8 @@ def kda_decode_fused_triton(
     output gate's logits; conv_weight [3P, W]; conv_pool [S, 3P, W-1] in qkv's dtype with contiguous rows;
     A_log [H]; dt_bias [P]; state_pool [S, H, K, K] fp32, contiguous; slots, context_lens [B];
     norm_weight [K]; block_v: BV, the value columns of one program (a power of two); num_warps: its warps.
-    Returns the gated-normed output [B, P]
-    in out_dtype (default qkv's dtype); updates conv_pool[slots] and state_pool[slots] in place."""
+    Returns the gated-normed output [B, P] in out_dtype (default qkv's dtype); updates conv_pool[slots] and
+    state_pool[slots] in place."""
     B, C = qkv.shape
     H = A_log.numel()
     if H == 0 or C % (3 * H):

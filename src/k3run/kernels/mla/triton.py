@@ -25,9 +25,9 @@ from k3run.kernels.tc_split import TENSOR_CORES, dot_split, dot_split2, split3
 # (the loop forms). On an H100 (bench_mla_decode, the q + o pair) the two are level at 8 sequences and the
 # loops' time doubles with the sequences while the dot forms' barely moves to 16
 ABSORB_DOT_FROM = 9
-# the o dot form takes 32-sequence blocks above this many (sequence, head) pairs, else 16: run 204 (H200,
-# us for the q + o pair): at 64 sequences 26.2 against 39.0 (32 heads), at 32 and 64 sequences of 96 heads
-# 47.9 / 76.4 against 62.8 / 112.9; at 32 sequences of 32 heads 16 is as fast (22.9 against 24.5)
+# the o dot form takes 32-sequence blocks above this many (sequence, head) pairs, else 16. On an H200 (us for
+# the q + o pair): at 64 sequences 26.2 against 39.0 (32 heads), at 32 and 64 sequences of 96 heads 47.9 /
+# 76.4 against 62.8 / 112.9; at 32 sequences of 32 heads 16 is as fast (22.9 against 24.5)
 O_BLOCK32_FROM = 1024
 
 

@@ -2,19 +2,22 @@
 
 Above the tile kernels' rows (`choose_config`'s `dequant_mm`) a linear writes its weight as bf16 (a kernel at
 about the copy rate: ~110-130 us for 12288 x 7168 on an H200) and then runs cuBLAS on it; at 4096 rows that
-write is ~10% of the call (bench/RESULTS.md, run 190: 0.89-0.90x cuBLAS bf16 on two K3 shapes). With
+write is ~10% of the call (0.89-0.90x cuBLAS bf16 on two K3 shapes, bench/RESULTS.md). With
 K3RUN_DEQUANT_CHUNKS = C > 1 the weight's rows go in C chunks (multiples of 16 rows: whole tiled128 row
-blocks, so a chunk is a slice of the weight, its scales and a per-row global scale): a side stream
-dequantizes chunk j + 1 into one of two buffers while the caller's stream multiplies chunk j into its
-columns of y, so only the first chunk's write is not hidden, and the bf16 copy held is two chunks, not the
-whole weight. Each output column is computed from the same dequantized row and x as in the one-chunk form;
-cuBLAS may pick another kernel for the narrower product, so the two agree within bf16 rounding, not bit for
-bit. The streams fork from and join into the caller's stream with events, so a CUDA graph can capture it.
+blocks, so a chunk is a slice of the weight, its scales and a per-row global scale): a side stream dequantizes
+chunk j + 1 into one of two buffers while the caller's stream multiplies chunk j into its columns of y (the
+shared side stream, kernels/streams.py), so only the first chunk's write is not hidden, and the bf16 copy held
+is two chunks, not the whole weight. Each output column is computed from the same dequantized row and x as in
+the one-chunk form; cuBLAS may pick another kernel for the narrower product, so the two agree within bf16
+rounding, not bit for bit. The streams fork from and join into the caller's stream with events, so a CUDA
+graph can capture it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from k3run.kernels.streams import side_stream
 
 from .layout import NvFp4Weight
 
@@ -27,16 +30,6 @@ def chunk_rows(n: int, chunks: int) -> list[tuple[int, int]]:
     blocks = -(-n // 16)
     per = -(-blocks // min(chunks, blocks)) * 16
     return [(r0, min(n, r0 + per)) for r0 in range(0, n, per)]
-
-
-_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(device=index)
-    return _SIDE[index]
 
 
 def dequant_mm_chunked(
@@ -52,7 +45,7 @@ def dequant_mm_chunked(
     bounds = chunk_rows(n, chunks)
     per = bounds[0][1] - bounds[0][0]
     main = torch.cuda.current_stream(x2.device)
-    side = _side_stream(x2.device)
+    side = side_stream(x2.device)
     y = torch.empty(x2.shape[0], n, dtype=dtype, device=x2.device)
     bufs = [torch.empty(per, k, dtype=dtype, device=x2.device) for _ in range(min(2, len(bounds)))]
     per_row_gs = w.global_scale.numel() != 1
