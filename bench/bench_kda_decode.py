@@ -5,9 +5,10 @@ us per call, both timed in CUDA graphs (common.graph_ms) rotating over pool copi
 the states come from DRAM as in a full-depth step; the ceiling is the states read and written once at the copy
 bandwidth measured in the same run; "rel RMS" compares the two outputs (bf16). Needs CUDA and fla-core.
 
---variants times the fused kernel with other (value columns a program / warps) than the layer's 32 / 4.
+--variants times the fused kernel with other (value columns a program / warps [/ the flat window shift])
+than the layer's 32 / 4.
 
-    python3 bench/bench_kda_decode.py [--batches 1,8,32] [--heads 32,96] [--variants 64/4,64/8,128/8]
+    python3 bench/bench_kda_decode.py [--batches 1,8,32] [--heads 32,96] [--variants 16/4,32/4/flat]
 """
 
 from __future__ import annotations
@@ -65,18 +66,33 @@ def _chain(c: dict, conv_pool: torch.Tensor, state_pool: torch.Tensor) -> torch.
     return y.reshape(B, H * K)
 
 
+def _variant(text: str) -> tuple[int, int, bool]:
+    parts = text.split("/")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "flat"):
+        raise SystemExit(f"--variants: expected BV/warps or BV/warps/flat, got {text!r}")
+    return int(parts[0]), int(parts[1]), len(parts) == 3
+
+
+def _label(bv: int, w: int, flat: bool) -> str:
+    return f"{bv}/{w}" + ("/flat" if flat else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--heads", default="32,96", help="local KDA heads (Kimi Linear 32, K3 96)")
-    ap.add_argument("--variants", default="", help="fused kernels' BV/warps to time beside, e.g. 64/4,64/8")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="fused kernels' BV/warps[/flat] to time beside, e.g. 64/4,32/4/flat",
+    )
     args = ap.parse_args()
-    variants = [tuple(int(p) for p in v.split("/")) for v in args.variants.split(",") if v]
+    variants = [_variant(v) for v in args.variants.split(",") if v]
     tbs = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {tbs:.2f} TB/s, head dim {K}")
     print(
         f"{'H':>3} {'B':>3} {'chain us':>9} {'fused us':>9} {'speed-up':>8} {'ceiling us':>10} "
-        f"{'of ceiling':>10} {'rel RMS':>8}" + "".join(f" {f'{bv}/{w} us':>10}" for bv, w in variants)
+        f"{'of ceiling':>10} {'rel RMS':>8}" + "".join(f" {_label(*v) + ' us':>12}" for v in variants)
     )
     for H in [int(v) for v in args.heads.split(",")]:
         for B in [int(v) for v in args.batches.split(",")]:
@@ -95,18 +111,18 @@ def main() -> None:
             t_c, t_f = graph_ms(chain) * 1e3, graph_ms(fused) * 1e3
             ceil = 2 * state_bytes / (tbs * 1e12) * 1e6
             extra = ""
-            for bv, w in variants:
+            for bv, w, flat in variants:
+                kw = dict(block_v=bv, num_warps=w, flat_shift=flat)
                 other = kda_decode_fused_triton(
-                    **c, conv_pool=convs[0].clone(), state_pool=states[0].clone(), block_v=bv, num_warps=w
+                    **c, conv_pool=convs[0].clone(), state_pool=states[0].clone(), **kw
                 )
                 if rel_rms_error(got.float(), other.float()) > 1e-2:  # a bf16 output: a few roundings
-                    raise SystemExit(f"BV {bv} / {w} warps differs from BV 32 at H {H}, B {B}")
-                kw = dict(block_v=bv, num_warps=w)
+                    raise SystemExit(f"{_label(bv, w, flat)} differs from the layer's launch at H {H}, B {B}")
                 calls = [
                     partial(kda_decode_fused_triton, **c, conv_pool=cp, state_pool=sp, **kw)
                     for cp, sp in zip(convs, states, strict=True)
                 ]
-                extra += f" {graph_ms(calls) * 1e3:>10.1f}"
+                extra += f" {graph_ms(calls) * 1e3:>12.1f}"
             print(
                 f"{H:>3} {B:>3} {t_c:>9.1f} {t_f:>9.1f} {t_c / t_f:>7.2f}x {ceil:>10.2f} {ceil / t_f:>10.1%} "
                 f"{err:>8.1e}" + extra

@@ -48,14 +48,21 @@ def _case(dtype: torch.dtype, device: str, lower_bound: float | None, B: int = 5
     )  # fmt: skip
 
 
-def _check(dtype: torch.dtype, device: str, lower_bound: float | None, B: int = 5, block_v: int = 8) -> None:
+def _check(
+    dtype: torch.dtype,
+    device: str,
+    lower_bound: float | None,
+    B: int = 5,
+    block_v: int = 8,
+    flat: bool = False,
+) -> None:
     from k3run.kernels.kda.decode import kda_decode_fused_triton
 
     case = _case(dtype, device, lower_bound, B)
     want_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     want = kda_decode_fused_ref(**want_case)
     conv_before, state_before = case["conv_pool"].clone(), case["state_pool"].clone()
-    got = kda_decode_fused_triton(**case, block_v=block_v)
+    got = kda_decode_fused_triton(**case, block_v=block_v, flat_shift=flat)
     assert got.shape == want.shape == (B, H * K) and got.dtype == dtype
     assert_close("fused decode output", want.float(), got.float(), RTOL[dtype])
     used = case["slots"].tolist()
@@ -68,19 +75,20 @@ def _check(dtype: torch.dtype, device: str, lower_bound: float | None, B: int = 
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=9)
+    run_interp_tests_in_child(__file__, expected_passed=17)
 
 
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("block_v", [8, 32])
+@pytest.mark.parametrize("flat", [False, True])
 def test_interp_fused_decode_equals_the_reference(
-    dtype: torch.dtype, lower_bound: float | None, block_v: int
+    dtype: torch.dtype, lower_bound: float | None, block_v: int, flat: bool
 ) -> None:
     """block_v 8: a head's 24 value columns over 3 programs (the last normalises the row and shifts the q / k
     windows); 32: one program a head."""
-    _check(dtype, "cpu", lower_bound, block_v=block_v)
+    _check(dtype, "cpu", lower_bound, block_v=block_v, flat=flat)
 
 
 @interp_only
@@ -112,7 +120,8 @@ def test_wrong_shapes_name_the_tensor() -> None:
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("block_v", [8, 32])
+@pytest.mark.parametrize("flat", [False, True])
 def test_gpu_fused_decode_equals_the_reference(
-    dtype: torch.dtype, lower_bound: float | None, batch: int, block_v: int
+    dtype: torch.dtype, lower_bound: float | None, batch: int, block_v: int, flat: bool
 ) -> None:
-    _check(dtype, "cuda", lower_bound, batch, block_v)
+    _check(dtype, "cuda", lower_bound, batch, block_v, flat)

@@ -194,25 +194,41 @@ def test_router_partials_compile_for_sm90_without_spills(be: int, bt: int, dot: 
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
 
 
-@pytest.mark.parametrize("lower", [False, True])
-def test_kda_fused_decode_compiles_for_sm90_without_spills(lower: bool) -> None:
-    """At Kimi's head dim (128) a program's [128, 32] fp32 state block, its q / k / gate vectors and the
-    window tiles fit 128 threads' registers (no stack), for both gate forms."""
+def _kda_fused_usage(lower: bool, flat: bool) -> tuple[int, int]:
+    """(registers, stack bytes) of the fused KDA decode for sm_90 at Kimi's head dim, BV 32, 4 warps."""
     from k3run.kernels.kda import decode
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=lower)
+    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=lower, FLAT=flat, WK=512, WV=128)
     ck = _compile(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
     assert use is not None, res
-    assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
+    return int(use.group(1)), int(use.group(2))
+
+
+@pytest.mark.parametrize("lower", [False, True])
+@pytest.mark.parametrize("flat", [False, True])
+def test_kda_fused_decode_compiles_for_sm90_without_spills(lower: bool, flat: bool) -> None:
+    """At Kimi's head dim (128) a program's [128, 32] fp32 state block, its q / k / gate vectors and the
+    window tiles fit 128 threads' registers (no stack), for both gate forms and both window shifts."""
+    regs, stack = _kda_fused_usage(lower, flat)
+    assert stack == 0, f"{regs} registers and {stack} bytes of stack"
+
+
+def test_kda_fused_decode_flat_shift_takes_fewer_registers() -> None:
+    """The flat window shift keeps each window value in one thread, where the [channels, W - 1] block is
+    replicated over the threads: fewer registers a thread at Kimi Linear's gate form (no lower bound)."""
+    flat, _ = _kda_fused_usage(False, True)
+    block, _ = _kda_fused_usage(False, False)
+    assert flat < block, f"flat shift {flat} registers, block shift {block}"
 
 
 _LOAD_BYTES = re.compile(r"ld\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 
 
-def test_kda_fused_decode_reads_only_its_state_before_the_wait() -> None:
+@pytest.mark.parametrize("flat", [False, True])
+def test_kda_fused_decode_reads_only_its_state_before_the_wait(flat: bool) -> None:
     """With PDL the fused KDA decode reads its sequence's slot and context length (int64) and its [BK, BV]
     fp32 state block before the grid-dependency wait, and nothing else: the projections' outputs (qkv, f, b,
     gate) and the conv windows come after it. Counted as bytes a thread loads: 2 x 8 + BK BV 4 / 128 threads
@@ -220,7 +236,7 @@ def test_kda_fused_decode_reads_only_its_state_before_the_wait() -> None:
     take."""
     from k3run.kernels.kda import decode
 
-    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False)
+    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False, FLAT=flat, WK=512, WV=128)
     body = _ptx(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
     body = body.split(".entry", 1)[1]
     before = body[: body.index("griddepcontrol.wait")]

@@ -69,11 +69,30 @@ def _shift_windows(x_ptr, win_ptr, cs, mask, old, W: tl.constexpr, WP: tl.conste
 
 
 @triton.jit
+def _shift_windows_flat(x_ptr, win_ptr, c0, n, ctx, W: tl.constexpr, BF: tl.constexpr):
+    """`_shift_windows` for channels c0 .. c0 + n - 1 walked as one flat run: their W - 1 values a channel lie
+    back to back, so the n windows are n (W - 1) values in a 1-D block of BF; value f moves to f - 1 within
+    its channel and the channel's last takes x. Each value lives in one thread, where the [channels, W - 1]
+    block is replicated over the threads (198 -> 160 registers at BV 32 / 4 warps, sm_90, no lower bound).
+    ctx: the sequence's context length (0: a fresh sequence, zeros shift in)."""
+    f = tl.arange(0, BF)
+    ch = f // (W - 1)
+    j = f % (W - 1)
+    ok = ch < n
+    at = win_ptr + c0 * (W - 1) + f
+    s = tl.load(at + 1, mask=ok & (j < W - 2) & ((f * 0 + ctx) != 0), other=0.0)
+    x = tl.load(x_ptr + c0 + ch, mask=ok & (j == W - 2), other=0.0).to(win_ptr.dtype.element_ty)
+    tl.debug_barrier()
+    tl.store(at, tl.where(j < W - 2, s, x), mask=ok)
+
+
+@triton.jit
 def _kda_decode_fused_kernel(
     x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
     a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
     stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr = False,
+    NV: tl.constexpr, LOWER: tl.constexpr, FLAT: tl.constexpr = False, WK: tl.constexpr = 1,
+    WV: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,10 +141,16 @@ def _kda_decode_fused_kernel(
     tl.store(st, S, mask=mk[:, None] & mv[None, :])
     # the windows: a program's own v channels; every program of the head read the q and k windows, so with
     # NV > 1 the last to finish shifts those
-    _shift_windows(row, win, 2 * P + h * K + vs, mv, old_v, W, WP)
-    if NV == 1:
-        _shift_windows(row, win, c, mk, old, W, WP)
-        _shift_windows(row, win, P + c, mk, old, W, WP)
+    if FLAT:
+        _shift_windows_flat(row, win, 2 * P + h * K + vb * BV, tl.minimum(K - vb * BV, BV), ctx, W, WV)
+        if NV == 1:
+            _shift_windows_flat(row, win, h * K, K, ctx, W, WK)
+            _shift_windows_flat(row, win, P + h * K, K, ctx, W, WK)
+    else:
+        _shift_windows(row, win, 2 * P + h * K + vs, mv, old_v, W, WP)
+        if NV == 1:
+            _shift_windows(row, win, c, mk, old, W, WP)
+            _shift_windows(row, win, P + c, mk, old, W, WP)
 
     out_row = b.to(tl.int64) * stride_o + h * K
     if NV == 1:
@@ -145,8 +170,12 @@ def _kda_decode_fused_kernel(
             w = tl.load(nw_ptr + ks, mask=mk, other=0.0).to(tl.float32)
             y = of * (1.0 / tl.sqrt(tl.sum(of * of, 0) / K + eps)) * w * tl.sigmoid(gate)
             tl.store(out_ptr + out_row + ks, y.to(out_ptr.dtype.element_ty), mask=mk)
-            _shift_windows(row, win, c, mk, old, W, WP)
-            _shift_windows(row, win, P + c, mk, old, W, WP)
+            if FLAT:
+                _shift_windows_flat(row, win, h * K, K, ctx, W, WK)
+                _shift_windows_flat(row, win, P + h * K, K, ctx, W, WK)
+            else:
+                _shift_windows(row, win, c, mk, old, W, WP)
+                _shift_windows(row, win, P + c, mk, old, W, WP)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
@@ -170,13 +199,15 @@ def kda_decode_fused_triton(
     out_dtype: torch.dtype | None = None,
     block_v: int = 32,
     num_warps: int = 4,
+    flat_shift: bool = False,
 ) -> torch.Tensor:
     """One decode token per sequence, B sequences, H heads of dim K (P = H K):
     qkv [B, 3P] (q | k | v before the conv; unit column stride, any row stride, e.g. a column slice of the
     merged projection output); b [B, H] raw beta logits; f [B, P] raw forget-gate projection; gate [B, P] the
     output gate's logits; conv_weight [3P, W]; conv_pool [S, 3P, W-1] in qkv's dtype with contiguous rows;
     A_log [H]; dt_bias [P]; state_pool [S, H, K, K] fp32, contiguous; slots, context_lens [B];
-    norm_weight [K]; block_v: BV, the value columns of one program (a power of two); num_warps: its warps.
+    norm_weight [K]; block_v: BV, the value columns of one program (a power of two); num_warps: its warps;
+    flat_shift: shift the conv windows as flat runs (`_shift_windows_flat`; fewer registers, not yet timed).
     Returns the gated-normed output [B, P] in out_dtype (default qkv's dtype); updates conv_pool[slots] and
     state_pool[slots] in place."""
     B, C = qkv.shape
@@ -230,8 +261,8 @@ def kda_decode_fused_triton(
         conv_pool, conv_pool.stride(0), A_log.contiguous(), dt_bias.contiguous(),
         0.0 if lower_bound is None else float(lower_bound), float(scale), state_pool, state_pool.stride(0),
         slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, W=W,
-        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None,
-        num_warps=num_warps,
+        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None, FLAT=flat_shift,
+        WK=triton.next_power_of_2(BK * (W - 1)), WV=triton.next_power_of_2(BV * (W - 1)), num_warps=num_warps,
         **pdl_args(qkv),
     )  # fmt: skip
     return out
