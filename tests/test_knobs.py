@@ -47,10 +47,14 @@ def test_defaults_when_unset_or_empty() -> None:
         ("K3RUN_SIDE_STREAM", "0", "side_stream", False),
         ("K3RUN_DIST_BACKEND", "gloo", "dist_backend", "gloo"),
         ("K3RUN_API_KEY", "s3cret", "api_key", "s3cret"),
+        ("K3RUN_KDA_FUSED_FORM", "16/4/flat", "kda_fused_form", "16/4/flat"),
     ],
 )
 def test_each_variable_sets_its_field(var, value, field, parsed) -> None:
     assert getattr(Knobs.from_env({var: value}), field) == parsed
+
+
+FORM_EXPECTED = "BV/warps or BV/warps/flat, BV 8 to 128 a power of two, warps 1, 2, 4 or 8"
 
 
 @pytest.mark.parametrize(
@@ -68,6 +72,9 @@ def test_each_variable_sets_its_field(var, value, field, parsed) -> None:
         ("K3RUN_MOE_FUSE_SHARED", "129", "a token count from 0 to 128"),
         ("K3RUN_MOE_FUSE_SHARED", "on", "a token count from 0 to 128"),
         ("K3RUN_DIST_BACKEND", "mpi", "'nccl' or 'gloo'"),
+        ("K3RUN_KDA_FUSED_FORM", "24/4", FORM_EXPECTED),
+        ("K3RUN_KDA_FUSED_FORM", "32/4/flt", FORM_EXPECTED),
+        ("K3RUN_KDA_FUSED_FORM", "32", FORM_EXPECTED),
     ],
 )
 def test_malformed_values_name_variable_values_and_value(var, value, expected) -> None:

@@ -104,6 +104,16 @@ _tokens_128 = _tokens_up_to(128)
 _tokens_256 = _tokens_up_to(256)
 
 
+def _kda_fused_form(name: str, value: str) -> str:
+    """BV/warps or BV/warps/flat (BV 8 to 128, a power of two; warps 1, 2, 4 or 8)"""
+    parts = value.split("/")
+    ok = len(parts) in (2, 3) and all(p.isdigit() for p in parts[:2]) and parts[2:] in ([], ["flat"])
+    if not ok or parts[0] not in ("8", "16", "32", "64", "128") or parts[1] not in ("1", "2", "4", "8"):
+        expected = "BV/warps or BV/warps/flat, BV 8 to 128 a power of two, warps 1, 2, 4 or 8"
+        raise _malformed(name, expected, value)
+    return value
+
+
 def _dist_backend(name: str, value: str) -> str:
     """nccl or gloo"""
     if value not in ("nccl", "gloo"):
@@ -311,6 +321,11 @@ class Knobs:
         "recurrent step and the gated output norm as one Triton launch (kernels/kda/decode.py), where the "
         "chain is three launches, reading its recurrent state before its PDL wait (0: never; on by default "
         "up to 32, the range where the full-depth decode was measured faster with it)",
+    )  # fmt: skip
+    kda_fused_form: str = _knob(
+        "K3RUN_KDA_FUSED_FORM", _kda_fused_form, "32/4",
+        "the fused KDA decode's launch: value columns a program / warps a program, with /flat its conv "
+        "windows shifted as flat runs (fewer registers)",
     )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,
