@@ -6,9 +6,9 @@ the states come from DRAM as in a full-depth step; the ceiling is the states rea
 bandwidth measured in the same run; "rel RMS" compares the two outputs (bf16). Needs CUDA and fla-core.
 
 --variants times the fused kernel with other (value columns a program / warps [/ the flat window shift])
-than the layer's 32 / 4.
+than the default 32 / 4 / flat (e.g. 32/4: the same launch with the [channels, W - 1] block shift).
 
-    python3 bench/bench_kda_decode.py [--batches 1,8,32] [--heads 32,96] [--variants 16/4,32/4/flat]
+    python3 bench/bench_kda_decode.py [--batches 1,8,32] [--heads 32,96] [--variants 16/4/flat,32/4]
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ def main() -> None:
             n = copies_for(state_bytes)
             c, convs, states = _inputs(B, H, n, None if H == 32 else -5.0)
             # same pools, same starting values: the outputs of one call of each
-            want = _chain(c, convs[0].clone(), states[0].clone())
-            got = kda_decode_fused_triton(**c, conv_pool=convs[0].clone(), state_pool=states[0].clone())
+            conv0, state0 = convs[0].clone(), states[0].clone()  # the timed calls below advance the pools
+            want = _chain(c, conv0.clone(), state0.clone())
+            got = kda_decode_fused_triton(**c, conv_pool=conv0.clone(), state_pool=state0.clone())
             err = rel_rms_error(want.float(), got.float())
             chain = [partial(_chain, c, convs[i], states[i]) for i in range(n)]
             fused = [
@@ -113,9 +114,7 @@ def main() -> None:
             extra = ""
             for bv, w, flat in variants:
                 kw = dict(block_v=bv, num_warps=w, flat_shift=flat)
-                other = kda_decode_fused_triton(
-                    **c, conv_pool=convs[0].clone(), state_pool=states[0].clone(), **kw
-                )
+                other = kda_decode_fused_triton(**c, conv_pool=conv0.clone(), state_pool=state0.clone(), **kw)
                 if rel_rms_error(got.float(), other.float()) > 1e-2:  # a bf16 output: a few roundings
                     raise SystemExit(f"{_label(bv, w, flat)} differs from the layer's launch at H {H}, B {B}")
                 calls = [

@@ -2,11 +2,12 @@
 the gated output norm, with the conv windows and the recurrent states read and written in the cache pools.
 
 The unfused step is three launches in a chain (`causal_conv1d_decode_in_place`, fla's
-`fused_recurrent_kda_fwd`, the gated RMSNorm). Alone this kernel takes 0.6-0.7x their time at 1-8 sequences
-(32 heads). With PDL it reads its state block before the grid-dependency wait (no kernel of the step before it
-writes that block), so the read overlaps the previous launch's end, which fla's kernel cannot do: the full-
-depth Kimi Linear step on an H200 is 0.6% / 1.2% / 1.5% / 0.2% faster with it at 1 / 8 / 16 / 32 sequences
-(bench/RESULTS.md), and CUDA decode steps take it up to K3RUN_KDA_FUSED_DECODE sequences. Here the
+`fused_recurrent_kda_fwd`, the gated RMSNorm). Alone (H100, 32 heads) this kernel takes 0.5x their time at one
+sequence, 0.7x at 8, 0.92x at 32 and 1.0x at 64; at K3's 96 heads 1.0x at 8 and 1.17x (slower) at 32. With PDL
+it reads its state block before the grid-dependency wait (no kernel of the step before it writes that block),
+so the read overlaps the previous launch's end, which fla's kernel cannot do: the full-depth Kimi Linear step
+on an H200 is 0.6% / 1.2% / 1.5% / 0.2% faster with it at 1 / 8 / 16 / 32 sequences (bench/RESULTS.md), and
+CUDA decode steps take it up to K3RUN_KDA_FUSED_DECODE sequences. Here the
 programs of one (sequence, head) split its value columns into NV blocks of BV (fla's split: a [K, BV] fp32
 state block fits a program's registers, where the whole [K, K] state does not). Each convolves the head's q
 and k channels and its own v channels, normalises q and k, forms the decay and beta, and runs the delta rule
@@ -73,7 +74,8 @@ def _shift_windows_flat(x_ptr, win_ptr, c0, n, ctx, W: tl.constexpr, BF: tl.cons
     """`_shift_windows` for channels c0 .. c0 + n - 1 walked as one flat run: their W - 1 values a channel lie
     back to back, so the n windows are n (W - 1) values in a 1-D block of BF; value f moves to f - 1 within
     its channel and the channel's last takes x. Each value lives in one thread, where the [channels, W - 1]
-    block is replicated over the threads (198 -> 160 registers at BV 32 / 4 warps, sm_90, no lower bound).
+    block is replicated over the threads (198 -> 160 registers at BV 32 / 4 warps, sm_90, no lower bound;
+    alone on an H100 1.03-1.04x faster at 32-64 sequences, level at 1-16).
     ctx: the sequence's context length (0: a fresh sequence, zeros shift in)."""
     f = tl.arange(0, BF)
     ch = f // (W - 1)
@@ -199,7 +201,7 @@ def kda_decode_fused_triton(
     out_dtype: torch.dtype | None = None,
     block_v: int = 32,
     num_warps: int = 4,
-    flat_shift: bool = False,
+    flat_shift: bool = True,
 ) -> torch.Tensor:
     """One decode token per sequence, B sequences, H heads of dim K (P = H K):
     qkv [B, 3P] (q | k | v before the conv; unit column stride, any row stride, e.g. a column slice of the
@@ -207,7 +209,7 @@ def kda_decode_fused_triton(
     output gate's logits; conv_weight [3P, W]; conv_pool [S, 3P, W-1] in qkv's dtype with contiguous rows;
     A_log [H]; dt_bias [P]; state_pool [S, H, K, K] fp32, contiguous; slots, context_lens [B];
     norm_weight [K]; block_v: BV, the value columns of one program (a power of two); num_warps: its warps;
-    flat_shift: shift the conv windows as flat runs (`_shift_windows_flat`; fewer registers, not yet timed).
+    flat_shift: shift the conv windows as flat runs (`_shift_windows_flat`), else as [channels, W - 1] blocks.
     Returns the gated-normed output [B, P] in out_dtype (default qkv's dtype); updates conv_pool[slots] and
     state_pool[slots] in place."""
     B, C = qkv.shape
