@@ -230,7 +230,8 @@ class Knobs:
         "K3RUN_DEQUANT_CHUNKS", _tokens_up_to(16, "chunk count"), 0,
         "CUDA: NVFP4 linears on dequantize + cuBLAS (above the GEMM kernels' rows) dequantize their weight "
         "in this many row chunks on a second stream while cuBLAS multiplies the previous chunk "
-        "(kernels/nvfp4_gemm/dequant_mm.py; 0 or 1: the whole weight, then one product; not yet measured)",
+        "(kernels/nvfp4_gemm/dequant_mm.py; 0 or 1: the whole weight, then one product; off: on an H100 at "
+        "4096 rows 2-8 chunks were slower than one on two of three K3 shapes)",
     )  # fmt: skip
     wgmma_x_gather: int = _knob(
         "K3RUN_WGMMA_X_GATHER", _tokens_256, 32,
