@@ -22,6 +22,8 @@ import torch
 
 from k3run.kernels.kda import causal_conv1d_decode_in_place, kda_decode_in_place
 from k3run.kernels.kda.decode import kda_decode_fused_triton
+from k3run.knobs import Knobs
+from k3run.layers.kda import fused_form_kwargs
 from k3run.layers.norm import gated_rms_norm
 from k3run.testing import rel_rms_error
 
@@ -66,15 +68,12 @@ def _chain(c: dict, conv_pool: torch.Tensor, state_pool: torch.Tensor) -> torch.
     return y.reshape(B, H * K)
 
 
-def _variant(text: str) -> tuple[int, int, bool]:
-    parts = text.split("/")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "flat"):
-        raise SystemExit(f"--variants: expected BV/warps or BV/warps/flat, got {text!r}")
-    return int(parts[0]), int(parts[1]), len(parts) == 3
-
-
-def _label(bv: int, w: int, flat: bool) -> str:
-    return f"{bv}/{w}" + ("/flat" if flat else "")
+def _variant(text: str) -> str:
+    """A --variants entry checked by K3RUN_KDA_FUSED_FORM's parser (the layer's spelling of a launch)."""
+    try:
+        return Knobs.from_env({"K3RUN_KDA_FUSED_FORM": text}).kda_fused_form
+    except ValueError as e:
+        raise SystemExit(f"--variants: {e}") from None
 
 
 def main() -> None:
@@ -92,7 +91,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {tbs:.2f} TB/s, head dim {K}")
     print(
         f"{'H':>3} {'B':>3} {'chain us':>9} {'fused us':>9} {'speed-up':>8} {'ceiling us':>10} "
-        f"{'of ceiling':>10} {'rel RMS':>8}" + "".join(f" {_label(*v) + ' us':>12}" for v in variants)
+        f"{'of ceiling':>10} {'rel RMS':>8}" + "".join(f" {v + ' us':>12}" for v in variants)
     )
     for H in [int(v) for v in args.heads.split(",")]:
         for B in [int(v) for v in args.batches.split(",")]:
@@ -112,11 +111,11 @@ def main() -> None:
             t_c, t_f = graph_ms(chain) * 1e3, graph_ms(fused) * 1e3
             ceil = 2 * state_bytes / (tbs * 1e12) * 1e6
             extra = ""
-            for bv, w, flat in variants:
-                kw = dict(block_v=bv, num_warps=w, flat_shift=flat)
+            for form in variants:
+                kw = fused_form_kwargs(form)
                 other = kda_decode_fused_triton(**c, conv_pool=conv0.clone(), state_pool=state0.clone(), **kw)
                 if rel_rms_error(got.float(), other.float()) > 1e-2:  # a bf16 output: a few roundings
-                    raise SystemExit(f"{_label(bv, w, flat)} differs from the layer's launch at H {H}, B {B}")
+                    raise SystemExit(f"{form} differs from the default launch at H {H}, B {B}")
                 calls = [
                     partial(kda_decode_fused_triton, **c, conv_pool=cp, state_pool=sp, **kw)
                     for cp, sp in zip(convs, states, strict=True)

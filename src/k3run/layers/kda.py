@@ -53,9 +53,10 @@ if TYPE_CHECKING:
 CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
-def _fused_form() -> dict:
-    """The fused decode launch's form (K3RUN_KDA_FUSED_FORM) as `kda_decode_fused_triton` keywords."""
-    bv, warps, *flat = knobs().kda_fused_form.split("/")
+def fused_form_kwargs(form: str) -> dict:
+    """A fused decode launch form as K3RUN_KDA_FUSED_FORM spells it (BV/warps[/flat], checked by the knob's
+    parser) -> `kda_decode_fused_triton` keywords."""
+    bv, warps, *flat = form.split("/")
     return dict(block_v=int(bv), num_warps=int(warps), flat_shift=bool(flat))
 
 
@@ -311,7 +312,7 @@ class KimiDeltaAttention(nn.Module):
                 conv_pool=layer_cache.conv, A_log=self.A_log, dt_bias=self.dt_bias,
                 lower_bound=self.gate_lower_bound, scale=self.scale, state_pool=layer_cache.recurrent,
                 slots=ctx.slots, context_lens=ctx.context_lens, norm_weight=self.o_norm.weight,
-                eps=self.o_norm.eps, out_dtype=x.dtype, **_fused_form(),
+                eps=self.o_norm.eps, out_dtype=x.dtype, **fused_form_kwargs(knobs().kda_fused_form),
             )  # fmt: skip
             return self.o_proj(o)
         # the raw forget-gate projection: with K3RUN_KDA_FB_SIDE a branch beside the conv (queued after the

@@ -89,6 +89,19 @@ def _shift_windows_flat(x_ptr, win_ptr, c0, n, ctx, W: tl.constexpr, BF: tl.cons
 
 
 @triton.jit
+def _shift_qk_windows(x_ptr, win_ptr, c0, P, K, cs, mask, old, ctx, W: tl.constexpr, WP: tl.constexpr,
+                      WK: tl.constexpr, FLAT: tl.constexpr):  # fmt: skip
+    """The q and k windows of one head (its q channels start at c0 = cs[0], its k channels P further) shifted
+    by `_shift_windows_flat` (FLAT) or `_shift_windows`."""
+    if FLAT:
+        _shift_windows_flat(x_ptr, win_ptr, c0, K, ctx, W, WK)
+        _shift_windows_flat(x_ptr, win_ptr, P + c0, K, ctx, W, WK)
+    else:
+        _shift_windows(x_ptr, win_ptr, cs, mask, old, W, WP)
+        _shift_windows(x_ptr, win_ptr, P + cs, mask, old, W, WP)
+
+
+@triton.jit
 def _kda_decode_fused_kernel(
     x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
     a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
@@ -145,14 +158,10 @@ def _kda_decode_fused_kernel(
     # NV > 1 the last to finish shifts those
     if FLAT:
         _shift_windows_flat(row, win, 2 * P + h * K + vb * BV, tl.minimum(K - vb * BV, BV), ctx, W, WV)
-        if NV == 1:
-            _shift_windows_flat(row, win, h * K, K, ctx, W, WK)
-            _shift_windows_flat(row, win, P + h * K, K, ctx, W, WK)
     else:
         _shift_windows(row, win, 2 * P + h * K + vs, mv, old_v, W, WP)
-        if NV == 1:
-            _shift_windows(row, win, c, mk, old, W, WP)
-            _shift_windows(row, win, P + c, mk, old, W, WP)
+    if NV == 1:
+        _shift_qk_windows(row, win, h * K, P, K, c, mk, old, ctx, W, WP, WK, FLAT)
 
     out_row = b.to(tl.int64) * stride_o + h * K
     if NV == 1:
@@ -172,12 +181,7 @@ def _kda_decode_fused_kernel(
             w = tl.load(nw_ptr + ks, mask=mk, other=0.0).to(tl.float32)
             y = of * (1.0 / tl.sqrt(tl.sum(of * of, 0) / K + eps)) * w * tl.sigmoid(gate)
             tl.store(out_ptr + out_row + ks, y.to(out_ptr.dtype.element_ty), mask=mk)
-            if FLAT:
-                _shift_windows_flat(row, win, h * K, K, ctx, W, WK)
-                _shift_windows_flat(row, win, P + h * K, K, ctx, W, WK)
-            else:
-                _shift_windows(row, win, c, mk, old, W, WP)
-                _shift_windows(row, win, P + c, mk, old, W, WP)
+            _shift_qk_windows(row, win, h * K, P, K, c, mk, old, ctx, W, WP, WK, FLAT)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
