@@ -309,7 +309,14 @@ class Knobs:
     )  # fmt: skip
     side_stream: bool = _knob(
         "K3RUN_SIDE_STREAM", _flag, True,
-        "CUDA: a layer's independent branch on a second stream up to 16 rows (0: inline)",
+        "CUDA: a layer's independent branch (the shared experts, KDA's low-rank output gate, MLA's query) on "
+        "a second stream up to K3RUN_SIDE_MAX_TOKENS rows (0: inline)",
+    )  # fmt: skip
+    side_max_tokens: int = _knob(
+        "K3RUN_SIDE_MAX_TOKENS", _tokens_256, 16,
+        "CUDA: rows up to which a layer's branch runs on the side stream (layers/branch.py; 16: above it, "
+        "on an H200 with the router on cuBLAS, the shared experts' GEMVs beside the chain made batch 32 1-3% "
+        "slower)",
     )  # fmt: skip
     kda_fb_side: bool = _knob(
         "K3RUN_KDA_FB_SIDE", _flag, False,

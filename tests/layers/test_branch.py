@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3run.knobs import override_knobs
-from k3run.layers.branch import SIDE_MAX_TOKENS, Branch, side_stream_applies
+from k3run.knobs import knobs, override_knobs
+from k3run.layers.branch import Branch, side_stream_applies
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,9 +53,11 @@ def test_gpu_branch_equals_inline_eager_and_in_a_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, _chain(w[::-1], static) + _chain(w, static))
-    # inline above SIDE_MAX_TOKENS rows and with the switch off
-    big = torch.randn(SIDE_MAX_TOKENS + 1, 512, device="cuda")
+    # inline above K3RUN_SIDE_MAX_TOKENS rows and with the switch off
+    big = torch.randn(knobs().side_max_tokens + 1, 512, device="cuda")
     assert not Branch(lambda: big, big).on_side_stream
+    with override_knobs(side_max_tokens=big.shape[0]):
+        assert Branch(lambda: big, big).on_side_stream
     with override_knobs(side_stream=False):
         assert not Branch(lambda: x, x).on_side_stream
     assert not Branch(lambda: x, x, enabled=False).on_side_stream

@@ -1,5 +1,5 @@
 """A layer's independent branch on a second CUDA stream: the shared experts beside the router and the routed
-experts, KDA's low-rank output gate beside its conv and recurrence.
+experts, KDA's low-rank output gate beside its conv and recurrence, MLA's query beside its latent KV.
 
 Why: at decode sizes a step is a chain of short launches, each with a fixed cost of a few microseconds
 (ramp-up, split-K reduction, drain) during which most of the GPU idles. A branch that does not depend on
@@ -26,19 +26,17 @@ from k3run.knobs import knobs
 
 T = TypeVar("T")
 
-# tokens up to which a branch runs beside the chain. H200, full-depth Kimi Linear with its own routing
-# (bench/RESULTS.md): the branches take 0.42 ms off a 2.53 ms step at batch 1 and 0.44 ms off
-# 3.99 ms at batch 8, but at batch 32 the shared experts' GEMVs, sharing the SMs, stretch the router's cuBLAS
-# GEMM and the step runs 1-3% slower than inline
-SIDE_MAX_TOKENS = 16
-
 
 def side_stream_applies(x: torch.Tensor) -> bool:
     """Whether a branch on x [T, ...] runs on the side stream: CUDA, eager or graph capture (not inside
-    torch.compile), at most SIDE_MAX_TOKENS rows, not switched off."""
+    torch.compile), at most K3RUN_SIDE_MAX_TOKENS rows, not switched off. Why 16 by default: on an H200,
+    full-depth Kimi Linear with its own routing (bench/RESULTS.md), the branches took 0.42 ms off a 2.53 ms
+    step at batch 1 and 0.44 ms off 3.99 ms at batch 8, but at batch 32 the shared experts' GEMVs, sharing
+    the SMs, stretched the router's GEMM (on cuBLAS then; its own kernels now) and the step ran 1-3%
+    slower than inline."""
     return (
         x.is_cuda
-        and x.shape[0] <= SIDE_MAX_TOKENS
+        and x.shape[0] <= knobs().side_max_tokens
         and not torch.compiler.is_compiling()
         and knobs().side_stream
     )
