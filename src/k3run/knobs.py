@@ -314,9 +314,8 @@ class Knobs:
     )  # fmt: skip
     side_max_tokens: int = _knob(
         "K3RUN_SIDE_MAX_TOKENS", _tokens_256, 16,
-        "CUDA: rows up to which a layer's branch runs on the side stream (layers/branch.py; 16: above it, "
-        "on an H200 with the router on cuBLAS, the shared experts' GEMVs beside the chain made batch 32 1-3% "
-        "slower)",
+        "CUDA: rows up to which a layer's branch runs on the side stream (layers/branch.py's "
+        "side_stream_applies says why 16)",
     )  # fmt: skip
     kda_fb_side: bool = _knob(
         "K3RUN_KDA_FB_SIDE", _flag, False,
