@@ -365,6 +365,35 @@ def _label(name: str, module: torch.nn.Module, model: torch.nn.Module) -> str | 
     return None
 
 
+def _charge(
+    ranges: list[tuple[float, float, str]], launches: dict[int, float], kernels: list[tuple[int, float]]
+) -> tuple[dict[str, float], dict[str, int], tuple[float, int]]:
+    """Kernel time per label, inclusive: each kernel (correlation id, us) goes to every label whose range
+    (start, end, label) holds its launch's CPU time (`launches`: correlation id -> time), once per label (a
+    module's family counts its submodules' kernels too). Returns (us per label, kernels per label, (us,
+    kernels) charged to no label: no launch event, or a launch outside every range)."""
+    order = sorted(ranges)
+    charged: dict[str, float] = defaultdict(float)
+    counted: dict[str, int] = defaultdict(int)
+    lost_us, lost_n = 0.0, 0
+    for corr, us in kernels:
+        t = launches.get(corr)
+        hit = set()
+        if t is not None:
+            for start, end, label in order:
+                if start > t:
+                    break
+                if t < end:
+                    hit.add(label)
+        if not hit:
+            lost_us += us
+            lost_n += 1
+        for label in hit:
+            charged[label] += us
+            counted[label] += 1
+    return charged, counted, (lost_us, lost_n)
+
+
 def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: int) -> None:
     """The static step run eagerly (the kernels a replay runs) under the profiler, with each module's
     kernels charged to its family: GPU us per step, summed over the layers."""
@@ -402,24 +431,28 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
     dec.inputs[2].zero_()
     from torch.autograd import DeviceType
 
-    # a label's CPU-side range sums the kernels its ops launched; its GPU-side range (same name) spans the
-    # wall time between them, so only the CPU-side events count
-    def launches(e) -> int:  # kernels launched under a CPU event, its children's included
-        return len(e.kernels) + sum(launches(c) for c in e.cpu_children)
-
-    per_label: dict[str, float] = defaultdict(float)
-    n_label: dict[str, float] = defaultdict(float)
-    kernels = n_kernels = 0.0
-    for e in prof.events():
-        if e.device_type == DeviceType.CPU and e.name in labels:
-            per_label[e.name] += e.device_time_total / steps
-            n_label[e.name] += launches(e) / steps
-        elif e.device_type == DeviceType.CUDA and e.name not in labels:
-            kernels += e.time_range.elapsed_us() / steps
-            n_kernels += 1 / steps
+    # Each kernel is charged through its correlation id to the CPU-side call that launched it (a CUDA
+    # runtime or driver API event, named cuda* / cu*: cudaLaunchKernel for torch's ops, cuLaunchKernel(Ex)
+    # for Triton's), and that call's time to every label range around it. The label events' own kernel
+    # lists miss every launch that is not an aten op (all the Triton kernels), so they are not used. Work a
+    # module leaves to its consumer (the MoE combine a norm runs) is charged to the consumer.
+    ranges, launches, kernels = [], {}, []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == DeviceType.CPU:
+            if ev.name() in labels:
+                ranges.append((ev.start_ns() / 1e3, ev.end_ns() / 1e3, ev.name()))
+            elif ev.name().startswith("cu") and ev.correlation_id():  # not an aten op's own id space
+                launches.setdefault(ev.correlation_id(), ev.start_ns() / 1e3)
+        elif ev.device_type() == DeviceType.CUDA and ev.name() not in labels:  # not the labels' GPU spans
+            kernels.append((ev.correlation_id(), ev.duration_ns() / 1e3))
+    charged, counted, (lost_us, lost_n) = _charge(ranges, launches, kernels)
+    per_label = {k: v / steps for k, v in charged.items()}
+    n_label = {k: v / steps for k, v in counted.items()}
+    total = sum(us for _, us in kernels) / steps
     print(
-        f"\nmodules, static step run eagerly, batch {batch}, window {window}: {kernels:.0f} us of kernels, "
-        f"{n_kernels:.0f} kernels per step"
+        f"\nmodules, static step run eagerly, batch {batch}, window {window}: {total:.0f} us of kernels, "
+        f"{len(kernels) / steps:.0f} kernels per step; outside every module (or with no launch event): "
+        f"{lost_us / steps:.0f} us, {lost_n / steps:.0f} kernels"
     )
     print(
         f"{'module family':<40} {'count':>5} {'us/step':>9} {'share':>6} {'kernels/step':>12} "
@@ -429,7 +462,7 @@ def _module_profile(dec, model, batch: int, window: int, ctx_len: int, steps: in
         t = per_label.get(label, float("nan"))
         n = n_label.get(label, 0.0)
         print(
-            f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / kernels:>6.1%} {n:>12.0f} "
+            f"{label:<40} {labels[label]:>5} {t:>9.1f} {t / total:>6.1%} {n:>12.0f} "
             f"{n / labels[label]:>10.1f}"
         )
 

@@ -162,3 +162,18 @@ def test_smi_sampler_windows_and_rotating_calls(monkeypatch) -> None:
     for _ in range(5):
         f()
     assert calls == [0, 1, 0, 1, 0]
+
+
+def test_module_profile_charges_each_kernel_to_every_module_around_its_launch() -> None:
+    """probe_graph_step --modules: a kernel goes, through its correlation id, to the launch call's CPU time
+    and from there to every label range holding it (nested ranges: the family and its submodule both); a
+    kernel whose launch is outside every range, or has no launch event, is reported as charged to none."""
+    probe = bench_module("probe_graph_step")
+    ranges = [(0.0, 100.0, "KDA"), (10.0, 20.0, "KDA.in_proj"), (30.0, 40.0, "KDA.o_proj"),
+              (100.0, 150.0, "moe"), (110.0, 120.0, "moe.gate")]  # fmt: skip
+    launches = {1: 12.0, 2: 25.0, 3: 35.0, 4: 115.0, 5: 160.0, 6: 100.0}
+    kernels = [(1, 4.0), (2, 1.0), (3, 3.0), (4, 2.0), (5, 7.0), (6, 0.5), (99, 9.0)]
+    charged, counted, lost = probe._charge(ranges, launches, kernels)
+    assert dict(charged) == {"KDA": 8.0, "KDA.in_proj": 4.0, "KDA.o_proj": 3.0, "moe": 2.5, "moe.gate": 2.0}
+    assert dict(counted) == {"KDA": 3, "KDA.in_proj": 1, "KDA.o_proj": 1, "moe": 2, "moe.gate": 1}
+    assert lost == (16.0, 2)  # id 5 launched after every range, id 99 with no launch event

@@ -313,9 +313,9 @@ class Knobs:
         "a second stream up to K3RUN_SIDE_MAX_TOKENS rows (0: inline)",
     )  # fmt: skip
     side_max_tokens: int = _knob(
-        "K3RUN_SIDE_MAX_TOKENS", _tokens_256, 16,
+        "K3RUN_SIDE_MAX_TOKENS", _tokens_256, 32,
         "CUDA: rows up to which a layer's branch runs on the side stream (layers/branch.py's "
-        "side_stream_applies says why 16)",
+        "side_stream_applies says why 32)",
     )  # fmt: skip
     kda_fb_side: bool = _knob(
         "K3RUN_KDA_FB_SIDE", _flag, False,

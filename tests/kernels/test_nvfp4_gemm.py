@@ -355,6 +355,31 @@ def test_one_wave_split_keeps_every_program_resident():
     assert one_wave_split(17, 7168, 12288, 132) == (3, None)
 
 
+def test_tile32_split_on_small_k_fits_one_wave_with_three_chunks_a_program():
+    """17..32 rows, K <= 4096: the largest divisor (<= 8) of the chunk count whose grid fits at once (12
+    programs an SM) and leaves every program >= 3 chunks; on Kimi Linear's shapes the H100's fastest splits
+    of run 218. K > 4096 keeps K3's measured 2 / 4."""
+    from k3run.kernels.nvfp4_gemm.config import tile32_split
+
+    kimi = {(12448, 2304): 2, (6144, 2304): 3, (2048, 2304): 6, (576, 2304): 6, (128, 2304): 6,
+            (2304, 1024): 2, (2304, 4096): 8, (4096, 128): 1}  # fmt: skip
+    assert {nk: tile32_split(*nk) for nk in kimi} == kimi
+    assert [choose_config(m, 2304, 1024).split_k for m in (16, 17, 32)] == [8, 2, 2]
+    assert (tile32_split(7168, 7168), tile32_split(12288, 7168), tile32_split(3584, 7168)) == (2, 2, 4)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(1, 40000, (1,), generator=gen))
+        k = int(torch.randint(1, 4097, (1,), generator=gen))
+        sms = int(torch.randint(16, 170, (1,), generator=gen))
+        split = tile32_split(n, k, sms)
+        chunks, blocks = -(-k // 128), -(-n // 16)
+        assert 1 <= split <= 8 and chunks % split == 0, (n, k, sms, split)
+        if split > 1:
+            assert chunks // split >= 3 and blocks * split <= sms * programs_per_sm(141), (n, k, sms, split)
+        bigger = [d for d in range(split + 1, 9) if chunks % d == 0]
+        assert all(chunks // d < 3 or blocks * d > sms * programs_per_sm(141) for d in bigger)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 40])
 def test_gpu_gemv_config_falls_back_for_fp32(poison_empty, m: int):

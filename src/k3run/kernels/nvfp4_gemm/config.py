@@ -117,10 +117,25 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
-def tile32_split(n: int) -> int:
-    """split_k of the decode kernel's 32-token tile (17..32 rows) on N weight rows: 2 above 4096 rows, else 4
-    (the best or within 3% of the best of 2 / 4 / 8 on the K3 shapes)."""
-    return 2 if n > 4096 else 4
+def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
+    """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight.
+
+    K up to 4096 (32 chunks of 128; Kimi Linear's dense shapes): the largest divisor of the chunk count, at
+    most 8, whose programs fit on the GPU at once (12 a SM, `one_wave_split`'s rule) and leave each program
+    at least 3 chunks. On an H100 (bench/RESULTS.md run 218, 32 rows, the shipped 1-warp 2-slot launch)
+    that is the fastest split, or within 1% of it, on all eight Kimi Linear shapes: 128 x 2304 3.62 us at
+    split 6 against 5.07 at the old fixed 4 (4.5 chunks a program), 576 x 2304 4.72 against 5.56, 2304 x
+    1024 5.23 at split 2 against 5.80 at 4, 6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows (run 214)
+    one shape lost: 2304 x 4096 9.21 at split 8 against 8.90 at 4.
+    Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
+    the K3 shapes (the rule above was not measured there)."""
+    from .triton import largest_divisor
+
+    chunks, blocks = -(-k // CHUNK), -(-n // 16)
+    if chunks > 32:
+        return 2 if n > 4096 else 4
+    fit = sms * programs_per_sm(GEMV_REGS_T32) // blocks
+    return largest_divisor(chunks, max(1, min(8, fit, chunks // 3)))
 
 
 def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = False) -> GemmConfig:
@@ -144,7 +159,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
         if m <= 16:
             split_k, maxnreg = one_wave_split(m, n, k, sms)
         else:
-            split_k = tile32_split(n)
+            split_k = tile32_split(n, k, sms)
         return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
