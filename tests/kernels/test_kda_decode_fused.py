@@ -55,6 +55,7 @@ def _check(
     B: int = 5,
     block_v: int = 8,
     flat: bool = False,
+    num_warps: int = 4,
 ) -> None:
     from k3run.kernels.kda.decode import kda_decode_fused_triton
 
@@ -62,7 +63,7 @@ def _check(
     want_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     want = kda_decode_fused_ref(**want_case)
     conv_before, state_before = case["conv_pool"].clone(), case["state_pool"].clone()
-    got = kda_decode_fused_triton(**case, block_v=block_v, flat_shift=flat)
+    got = kda_decode_fused_triton(**case, block_v=block_v, flat_shift=flat, num_warps=num_warps)
     assert got.shape == want.shape == (B, H * K) and got.dtype == dtype
     assert_close("fused decode output", want.float(), got.float(), RTOL[dtype])
     used = case["slots"].tolist()
@@ -125,3 +126,15 @@ def test_gpu_fused_decode_equals_the_reference(
     dtype: torch.dtype, lower_bound: float | None, batch: int, block_v: int, flat: bool
 ) -> None:
     _check(dtype, "cuda", lower_bound, batch, block_v, flat)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["64/4/flat", "64/8/flat", "32/8/flat", "32/2/flat", "16/1"])
+def test_gpu_every_launch_form_equals_the_reference(form: str) -> None:
+    """The K3RUN_KDA_FUSED_FORM spellings other than the default (value columns a program / warps [/flat]):
+    the same numbers as the reference at 5 sequences, bf16, both gate forms."""
+    from k3run.layers.kda import fused_form_kwargs
+
+    kw = fused_form_kwargs(form)
+    for lower_bound in (None, -5.0):
+        _check(torch.bfloat16, "cuda", lower_bound, 5, kw["block_v"], kw["flat_shift"], kw["num_warps"])
