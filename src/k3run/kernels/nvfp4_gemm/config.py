@@ -117,6 +117,7 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
+@functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
 def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
     """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight.
 
