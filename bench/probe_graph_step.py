@@ -376,15 +376,19 @@ def _charge(
     charged: dict[str, float] = defaultdict(float)
     counted: dict[str, int] = defaultdict(int)
     lost_us, lost_n = 0.0, 0
-    for corr, us in kernels:
-        t = launches.get(corr)
-        hit = set()
-        if t is not None:
-            for start, end, label in order:
-                if start > t:
-                    break
-                if t < end:
-                    hit.add(label)
+    timed = sorted((launches[c], us) for c, us in kernels if c in launches)
+    for c, us in kernels:
+        if c not in launches:
+            lost_us += us
+            lost_n += 1
+    active: list[tuple[float, str]] = []  # (end, label) of the ranges opened so far that may hold t
+    nxt = 0
+    for t, us in timed:  # one sweep in launch order
+        while nxt < len(order) and order[nxt][0] <= t:
+            active.append((order[nxt][1], order[nxt][2]))
+            nxt += 1
+        active = [(end, label) for end, label in active if t < end]
+        hit = {label for _, label in active}
         if not hit:
             lost_us += us
             lost_n += 1

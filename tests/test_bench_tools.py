@@ -168,6 +168,8 @@ def test_module_profile_charges_each_kernel_to_every_module_around_its_launch() 
     """probe_graph_step --modules: a kernel goes, through its correlation id, to the launch call's CPU time
     and from there to every label range holding it (nested ranges: the family and its submodule both); a
     kernel whose launch is outside every range, or has no launch event, is reported as charged to none."""
+    import pytest
+
     probe = bench_module("probe_graph_step")
     ranges = [(0.0, 100.0, "KDA"), (10.0, 20.0, "KDA.in_proj"), (30.0, 40.0, "KDA.o_proj"),
               (100.0, 150.0, "moe"), (110.0, 120.0, "moe.gate")]  # fmt: skip
@@ -177,3 +179,24 @@ def test_module_profile_charges_each_kernel_to_every_module_around_its_launch() 
     assert dict(charged) == {"KDA": 8.0, "KDA.in_proj": 4.0, "KDA.o_proj": 3.0, "moe": 2.5, "moe.gate": 2.0}
     assert dict(counted) == {"KDA": 3, "KDA.in_proj": 1, "KDA.o_proj": 1, "moe": 2, "moe.gate": 1}
     assert lost == (16.0, 2)  # id 5 launched after every range, id 99 with no launch event
+    # nested random ranges (layers of modules of submodules) against the definition, range by range
+    import random
+
+    rng = random.Random(0)
+    ranges = []
+    for layer in range(20):
+        a = layer * 100.0
+        ranges.append((a, a + 90.0, f"L{layer % 3}"))
+        for j in range(3):
+            b = a + 5.0 + 28.0 * j
+            ranges.append((b, b + 20.0, f"L{layer % 3}.m{j}"))
+    launches = {i: rng.uniform(-10.0, 2010.0) for i in range(400)}
+    kernels = [(i, rng.uniform(0.5, 9.0)) for i in range(420)]  # ids 400..419: no launch event
+    charged, counted, (lost_us, lost_n) = probe._charge(ranges, launches, kernels)
+    want: dict = {}
+    for c, us in kernels:
+        labels = {lab for a, b, lab in ranges if c in launches and a <= launches[c] < b}
+        for lab in labels or {None}:
+            want[lab] = want.get(lab, 0.0) + us
+    assert lost_us == pytest.approx(want.pop(None)) and set(charged) == set(want)
+    assert all(charged[lab] == pytest.approx(want[lab]) for lab in want) and sum(counted.values()) > 400
