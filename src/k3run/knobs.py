@@ -151,6 +151,12 @@ class Knobs:
         "K3RUN_FP8_GEMV", _flag, True,
         "CUDA sm_89+: FP8_PB_WO calls of up to FP8_GEMV_MAX_M rows on the split-K decode GEMV",
     )  # fmt: skip
+    gemv_l2_prefetch: bool = _knob(
+        "K3RUN_GEMV_L2_PREFETCH", _flag, False,
+        "CUDA sm_90: the dense NVFP4 decode GEMV's programs prefetch their whole weight and scale slices "
+        "into L2 (one bulk prefetch each) before their PDL wait, so the weights stream while the previous "
+        "kernel finishes (0: only the first staged tile is read before the wait)",
+    )  # fmt: skip
     mla_decode_kernel: bool = _knob(
         "K3RUN_MLA_DECODE_KERNEL", _flag, True,
         "CUDA: static MLA decode attention on the Triton kernel (0: the fp32 reference)",
