@@ -141,7 +141,7 @@ def _rejects(ref: torch.Tensor, out: torch.Tensor, bound: torch.Tensor, dtype: t
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=10)
+    run_interp_tests_in_child(__file__, expected_passed=11)
 
 
 @interp_only
@@ -162,6 +162,28 @@ def test_interp_add_rms_norm(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("n", [1, 3])
 def test_interp_attn_res_mix(dtype: torch.dtype, n: int) -> None:
     _check_mix(dtype, "cpu", n, 3, 129)
+
+
+def _check_parameter_weight(device: str) -> None:
+    """A module's weight (an nn.Parameter: read before the PDL wait) gives the same bits as the same values
+    in a plain tensor (read after it), for the plain, gated and fused-add forms, with x written by the
+    launch just before (the wait must still guard x)."""
+    from k3run.kernels.norm.triton import rms_norm_triton
+
+    x0, r = _rows((5, 129), torch.float32, device), _rows((5, 129), torch.float32, device).flip(0)
+    g = torch.randn(5, 129).to(device)
+    w = (torch.rand(129) + 0.5).to(device)
+    p = torch.nn.Parameter(w.clone(), requires_grad=False)
+    for args in ((), (g,)):
+        assert torch.equal(rms_norm_triton(x0 * 3, p, 1e-5, *args), rms_norm_triton(x0 * 3, w, 1e-5, *args))
+    y_p, s_p = rms_norm_triton(x0 * 3, p, 1e-5, residual=r)
+    y_w, s_w = rms_norm_triton(x0 * 3, w, 1e-5, residual=r)
+    assert torch.equal(y_p, y_w) and torch.equal(s_p, s_w)
+
+
+@interp_only
+def test_interp_parameter_weight_same_bits() -> None:
+    _check_parameter_weight("cpu")
 
 
 def test_cpu_dispatch_is_the_reference_bit_for_bit() -> None:
@@ -216,3 +238,9 @@ def test_gpu_add_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 @GPU[1]
 def test_gpu_attn_res_mix(dtype: torch.dtype, n: int, t: int, d: int) -> None:
     _check_mix(dtype, "cuda", n, t, d)
+
+
+@GPU[0]
+@GPU[1]
+def test_gpu_parameter_weight_same_bits() -> None:
+    _check_parameter_weight("cuda")

@@ -16,11 +16,12 @@ import pytest
 triton = pytest.importorskip("triton")
 
 _MEMORY = re.compile(r"\b(ld|st|atom|red)\.(global|shared)|\bcp\.async")
-# kernels that read a parameter (the router's fp32 weight tile, MLA's W_UK / W_UV tile) or a state no kernel
-# of the step before them writes (the fused KDA decode's recurrent state block) before the wait, as the NVFP4
-# GEMVs stage their first weight tiles: there only global loads (and the CTA's own shared memory, where a
-# tensor-core form stages the tile's parts) may precede it
+# kernels that read a parameter (the router's fp32 weight tile, MLA's W_UK / W_UV tile, a norm module's
+# weight) or a state no kernel of the step before them writes (the fused KDA decode's recurrent state block)
+# before the wait, as the NVFP4 GEMVs stage their first weight tiles: there only global loads (and the CTA's
+# own shared memory, where a tensor-core form stages the tile's parts) may precede it
 _PREFETCH = {
+    "rms_norm (a module's weight)",
     "KDA decode in one launch",
     "router partials",
     "router partials (dot)",
@@ -60,6 +61,9 @@ def _kernels():
                                                  HAS_ADD=True)),
         "gated rms_norm": (norm._rms_norm_kernel, "fp32", f32,
                            dict(HAS_GATE=True, HAS_RES=False, BLOCK_R=16, BLOCK_D=128)),
+        "rms_norm (a module's weight)": (norm._rms_norm_kernel, "bf16", {**f32, "cw_ptr": "*fp32"},
+                                         dict(HAS_GATE=False, HAS_RES=True, BLOCK_R=1, BLOCK_D=4096, A=9,
+                                              HAS_ADD=True, W_EARLY=True)),
         "attn_res_mix": (norm._attn_res_mix_kernel, "bf16", f32, dict(BLOCK_N=4, BLOCK_D=4096)),
         "router partials": (moe._router_partials_kernel, "fp32", f32, dict(BE=8, BD=256, BT=1)),
         "router partials (dot)": (moe._router_partials_kernel, "fp32", {**f32, "x_ptr": "*bf16"},

@@ -31,11 +31,16 @@ def _rms_norm_kernel(
     add_ptr=None,
     A: tl.constexpr = 0,
     HAS_ADD: tl.constexpr = False,
+    W_EARLY: tl.constexpr = False,
 ):
-    # BLOCK_R rows per program (several for short rows such as o_norm's 128), the whole row in registers
+    # BLOCK_R rows per program (several for short rows such as o_norm's 128), the whole row in registers.
+    # W_EARLY: the weight is a parameter no kernel writes, so it loads before the PDL wait (its DRAM round
+    # trip overlaps the previous kernel's tail instead of following it)
+    cols = tl.arange(0, BLOCK_D)
+    if W_EARLY:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     offs = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -56,7 +61,8 @@ def _rms_norm_kernel(
         tl.store(s_ptr + offs, x, mask=mask)
     x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    if not W_EARLY:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = x * r[:, None] * w[None, :]
     if HAS_GATE:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -81,7 +87,9 @@ def rms_norm_triton(
     """rms_norm_ref / add_rms_norm_ref in one launch (residual given: returns (y, x + residual)). With
     combine = (weights fp32 [T, A], add [T, D] or None), residual is the routed experts' per-pick output
     [T * A, D] and the residual added is their top-k sum as moe_ops' combine (slot order in fp32, rounded to
-    x's dtype, plus add rounded again): the combine, the add and the norm in one launch."""
+    x's dtype, plus add rounded again): the combine, the add and the norm in one launch. A weight that is an
+    nn.Parameter (a module's, which no kernel writes) is read before the PDL wait; any other weight after
+    it, as it may be the previous launch's output."""
     _check_inputs(x, weight, gate, residual, combine)
     d = x.shape[-1]
     a = 0 if combine is None else combine[0].shape[1]
@@ -96,11 +104,12 @@ def rms_norm_triton(
         gc = gate.contiguous() if gate is not None else xc
         cw = combine[0].float().contiguous() if combine is not None else xc
         add = combine[1].contiguous() if combine is not None and combine[1] is not None else xc
+        wc = weight.contiguous()  # the parameter itself when it is contiguous
         _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
-            xc, weight.contiguous(), gc, rc, s, out, rows, d, eps, HAS_GATE=gate is not None,
+            xc, wc, gc, rc, s, out, rows, d, eps, HAS_GATE=gate is not None,
             HAS_RES=residual is not None, BLOCK_R=block_r, BLOCK_D=block, num_warps=_warps(block_r * block),
             cw_ptr=cw, add_ptr=add, A=a, HAS_ADD=combine is not None and combine[1] is not None,
-            **pdl_args(xc),
+            W_EARLY=isinstance(wc, torch.nn.Parameter), **pdl_args(xc),
         )  # fmt: skip
     return out if residual is None else (out, s)
 
