@@ -31,7 +31,7 @@ def side_stream_applies(x: torch.Tensor) -> bool:
     """Whether a branch on x [T, ...] runs on the side stream: CUDA, eager or graph capture (not inside
     torch.compile), at most K3RUN_SIDE_MAX_TOKENS rows, not switched off. Why 32 by default: on an H200,
     full-depth Kimi Linear with its own routing (bench/RESULTS.md), the branches took 0.42 ms off a 2.53 ms
-    step at batch 1 and 0.44 ms off 3.99 ms at batch 8; on an H100 (runs 214-216) a bound of 32 against
+    step at batch 1 and 0.44 ms off 3.99 ms at batch 8; on an H100 (bench/RESULTS.md) a bound of 32 against
     16 made the batch-32 step 4.9% faster (10.12 -> 9.64 ms) and the K3-shaped slice's 2.1% faster, batch 8
     and 16 unchanged. Above 32 rows the branches have not been measured beside the chain."""
     return (

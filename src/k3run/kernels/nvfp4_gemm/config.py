@@ -123,11 +123,11 @@ def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
 
     K up to 4096 (32 chunks of 128; Kimi Linear's dense shapes): the largest divisor of the chunk count, at
     most 8, whose programs fit on the GPU at once (12 a SM, `one_wave_split`'s rule) and leave each program
-    at least 3 chunks. On an H100 (bench/RESULTS.md run 218, 32 rows, the shipped 1-warp 2-slot launch)
-    that is the fastest split, or within 1% of it, on all eight Kimi Linear shapes: 128 x 2304 3.62 us at
-    split 6 against 5.07 at split 4 (4.5 chunks a program), 576 x 2304 4.72 against 5.56, 2304 x
-    1024 5.23 at split 2 against 5.80 at 4, 6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows (run 214)
-    one shape lost: 2304 x 4096 9.21 at split 8 against 8.90 at 4.
+    at least 3 chunks. On an H100 (bench/RESULTS.md, 32 rows, the shipped 1-warp 2-slot launch) that is
+    the fastest split, or within 1% of it, on all eight Kimi Linear shapes: 128 x 2304 3.62 us at split 6
+    against 5.07 at split 4 (4.5 chunks a program), 576 x 2304 4.72 against 5.56, 2304 x 1024 5.23 at
+    split 2 against 5.80 at 4, 6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows one shape loses:
+    2304 x 4096 9.21 at split 8 against 8.90 at 4.
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
     the K3 shapes (the rule above was not measured there)."""
     from .triton import largest_divisor

@@ -47,6 +47,7 @@ from k3run.kernels.nvfp4_gemm import (  # noqa: F401 (re-exported)
     untile_split128,
 )
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
+from k3run.knobs import knobs
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -600,8 +601,7 @@ def _nvfp4_gemv_async_kernel(
         gl.static_assert(TILED and PDL and not GROUPED and not ACT, "L2PF: dense tiled128 launches with PDL")
         # a row block's first word and scale word of this split are its K slice's start (w_src, s_src at
         # row % 16 == 0, column 0); rows past N: no block (a multi-warp program's last blocks may not exist)
-        zero_w = gl.expand_dims(cw, 0) == 0
-        _prefetch_l2(w_src, (rw2 % 16 == 0) & zero_w & (rw2 < N), N_TILES * 1024)
+        _prefetch_l2(w_src, (rw2 % 16 == 0) & (gl.expand_dims(cw, 0) == 0) & (rw2 < N), N_TILES * 1024)
         _prefetch_l2(s_src, (rs2 % 16 == 0) & (gl.expand_dims(cs, 0) == 0) & (rs2 < N), N_TILES * 128)
     if PDL and (EARLY or not GROUPED):  # x (and ws, the counters, y) may be the previous launch's: wait
         _gdc("griddepcontrol.wait;")
@@ -853,7 +853,6 @@ def nvfp4_gemv(
     slice into L2 before the wait (the kernel's L2PF); None: K3RUN_GEMV_L2_PREFETCH.
     """
     from k3run.kernels.nvfp4_gemm.triton import largest_divisor
-    from k3run.knobs import knobs
 
     n, sm89, pdl = _gemv_checks(x, weight, scale_u8, global_scale, bias, stages, tiled, rows, pdl)
     m, k = x.shape
