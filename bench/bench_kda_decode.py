@@ -6,7 +6,8 @@ the states come from DRAM as in a full-depth step; the ceiling is the states rea
 bandwidth measured in the same run; "rel RMS" compares the two outputs (bf16). Needs CUDA and fla-core.
 
 --variants times the fused kernel with other (value columns a program / warps [/ the flat window shift])
-than the default 32 / 4 / flat (e.g. 32/4: the same launch with the [channels, W - 1] block shift).
+than the kernel's default 32 / 4 / flat (e.g. 32/4: the same launch with the [channels, W - 1] block shift;
+the layer takes 64/4/flat from 1024 (sequence, head) pairs, `layers.kda.fused_form`).
 
     python3 bench/bench_kda_decode.py [--batches 1,8,32] [--heads 32,96] [--variants 16/4/flat,32/4]
 """

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_when_unset_or_empty() -> None:
     want = Knobs(
         cpu_threads=None, cpu_simd="auto", cpu_int8=False, fp8_gemv=True, mla_decode_kernel=True,
-        moe_ops=True, moe_by_expert=True, moe_fuse_shared=8, moe_by_expert_tile=None, sm90_cuda=True,
+        moe_ops=True, moe_by_expert=True, moe_fuse_shared=4, moe_by_expert_tile=None, sm90_cuda=True,
         side_stream=True,
         dist_backend=None, api_key=None,
     )  # fmt: skip

@@ -128,10 +128,26 @@ def test_gpu_fused_decode_equals_the_reference(
     _check(dtype, "cuda", lower_bound, batch, block_v, flat)
 
 
+def test_the_layer_form_follows_the_pair_count_unless_the_knob_sets_it() -> None:
+    """K3RUN_KDA_FUSED_FORM unset: 32 value columns a program below 1024 (sequence, head) pairs, 64 from
+    there; set: that form at every size."""
+    from k3run.knobs import override_knobs
+    from k3run.layers.kda import WIDE_FORM_PAIRS, fused_form
+
+    assert WIDE_FORM_PAIRS == 1024
+    with override_knobs(kda_fused_form=None):
+        assert [fused_form(b, h) for b, h in [(1, 32), (31, 32), (32, 32), (8, 96), (11, 96), (64, 16)]] == [
+            "32/4/flat", "32/4/flat", "64/4/flat", "32/4/flat", "64/4/flat", "64/4/flat",
+        ]  # fmt: skip
+    with override_knobs(kda_fused_form="32/2"):
+        assert {fused_form(b, 32) for b in (1, 32, 128)} == {"32/2"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["64/4/flat", "64/8/flat", "32/8/flat", "32/2/flat", "16/1"])
 def test_gpu_every_launch_form_equals_the_reference(form: str) -> None:
-    """The K3RUN_KDA_FUSED_FORM spellings other than the default (value columns a program / warps [/flat]):
+    """K3RUN_KDA_FUSED_FORM spellings beside the other tests' 32/4/flat (value columns a program / warps
+    [/flat]; 64/4/flat is the layer's launch from 1024 (sequence, head) pairs):
     the same numbers as the reference at 5 sequences, bf16, both gate forms."""
     from k3run.layers.kda import fused_form_kwargs
 

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 def _compile(
     num_warps: int, bt: int, split_k: int, k: int, dtype: str, maxnreg: int, stages: int = 2,
     tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False, act: int = 0,
-    early: bool = False, l2pf: bool = False,
+    early: bool = False,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -48,7 +48,6 @@ def _compile(
         GROUPED=grouped or byexp,
         BYEXP=byexp,
         EARLY=early,
-        L2PF=l2pf,
     )
     if not grouped and not byexp:
         consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
@@ -215,23 +214,3 @@ def cubin_usage_and_sass(ck) -> tuple[str, str]:
     finally:
         os.remove(path)
     return res.stdout, sass.stdout
-
-
-@pytest.mark.parametrize("m, num_warps, split_k", [(1, 1, 8), (16, 1, 3), (32, 1, 6), (8, 2, 2)])
-def test_l2_prefetch_compiles_for_sm90_without_spills(m: int, num_warps: int, split_k: int):
-    """K3RUN_GEMV_L2_PREFETCH's form (dense, tiled128, PDL): bulk L2 prefetches issued before the PDL wait,
-    one per element a thread holds of the word and scale copy layouts, predicated so that only each row
-    block's first element issues; the same register cap, no spills in the K loop."""
-    bt = 8 if m <= 8 else 16 if m <= 16 else 32
-    ck = _compile(num_warps, bt, split_k, 2304, "bf16", gemv.MAXNREG[bt], 2, True, pdl=True, l2pf=True)
-    ptx = ck.asm["ptx"]
-    pf = [i for i, line in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.L2.global" in line]
-    wait = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
-    assert len(pf) >= 2 and wait and max(pf) < min(wait), (pf, wait)
-    assert all("@p cp.async.bulk.prefetch" in ptx.splitlines()[i] for i in pf)  # predicated
-    res, sass = cubin_usage_and_sass(ck)
-    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    assert use is not None and int(use.group(1)) <= gemv.MAXNREG[bt], res
-    assert not _local_accesses_in_loops(sass)
-    plain = _compile(num_warps, bt, split_k, 2304, "bf16", gemv.MAXNREG[bt], 2, True, pdl=True)
-    assert "cp.async.bulk.prefetch" not in plain.asm["ptx"]

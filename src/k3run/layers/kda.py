@@ -53,6 +53,21 @@ if TYPE_CHECKING:
 CONV_SHARD_NAMES = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
+# (sequence, head) pairs from which the fused decode's programs take 64 value columns, not 32: alone
+# (H100) 64/4/flat ran 1.07x faster at 32 sequences x 32 heads and 1.09-1.12x at 96 heads x 8 / 32, 2.5%
+# slower at 8 x 32; in the full-depth Kimi Linear step +0.3% at batch 32, level at 16 / 24 (bench/RESULTS.md)
+WIDE_FORM_PAIRS = 1024
+
+
+def fused_form(sequences: int, heads: int) -> str:
+    """The fused decode launch for `sequences` x `heads` (this rank's) state pairs: K3RUN_KDA_FUSED_FORM
+    when set, else 64/4/flat from WIDE_FORM_PAIRS pairs and 32/4/flat below."""
+    form = knobs().kda_fused_form
+    if form is not None:
+        return form
+    return "64/4/flat" if sequences * heads >= WIDE_FORM_PAIRS else "32/4/flat"
+
+
 def fused_form_kwargs(form: str) -> dict:
     """A fused decode launch form as K3RUN_KDA_FUSED_FORM spells it (BV/warps[/flat], checked by the knob's
     parser) -> `kda_decode_fused_triton` keywords."""
@@ -312,7 +327,7 @@ class KimiDeltaAttention(nn.Module):
                 conv_pool=layer_cache.conv, A_log=self.A_log, dt_bias=self.dt_bias,
                 lower_bound=self.gate_lower_bound, scale=self.scale, state_pool=layer_cache.recurrent,
                 slots=ctx.slots, context_lens=ctx.context_lens, norm_weight=self.o_norm.weight,
-                eps=self.o_norm.eps, out_dtype=x.dtype, **fused_form_kwargs(knobs().kda_fused_form),
+                eps=self.o_norm.eps, out_dtype=x.dtype, **fused_form_kwargs(fused_form(T, H)),
             )  # fmt: skip
             return self.o_proj(o)
         # the raw forget-gate projection: with K3RUN_KDA_FB_SIDE a branch beside the conv (queued after the

@@ -47,7 +47,6 @@ from k3run.kernels.nvfp4_gemm import (  # noqa: F401 (re-exported)
     untile_split128,
 )
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
-from k3run.knobs import knobs
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -431,18 +430,6 @@ def _issue_tile(
 
 
 @gluon.jit
-def _prefetch_l2(src, lead, NBYTES: gl.constexpr):
-    """One bulk L2 prefetch of NBYTES (a multiple of 16) from each `lead` element's address of `src`
-    (sm_90: cp.async.bulk.prefetch.L2; no register or shared memory holds the data, nothing waits for it).
-    The size operand is 0 on the other elements, which also turns their instruction off."""
-    size = lead.to(gl.int32) * NBYTES
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; } // $0",
-        "=r,l,r", [src, size], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _async_step(
     acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
     K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
@@ -491,7 +478,7 @@ def _nvfp4_gemv_async_kernel(
     OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None, ids_ptr=None, n_experts=0,
     slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None,
     BYEXP: gl.constexpr = False, ACT: gl.constexpr = 0, act_beta=1.0, act_rbeta=1.0, act_lbeta=1.0,
-    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False, L2PF: gl.constexpr = False,
+    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers.
@@ -506,10 +493,7 @@ def _nvfp4_gemv_async_kernel(
     rows 8b..8b+7 and the matching up rows half_n + 8b.. as its 16 rows, and its epilogue writes
     h = act(gate, up) into y's columns 8b..8b+7 (y [.., half_n]): rows r and r + 8 of the accumulator.
     EARLY (with GROUPED and PDL): the ids / table were written before the previous launch, so they are read,
-    and the first weight tiles staged, before the PDL wait, which then guards x (as in the dense form).
-    L2PF (dense, TILED, PDL; sm_90): before the PDL wait each 16-row block's whole K slice of words and
-    scales (N_TILES consecutive 1 KB + 128 B tiles) is prefetched into L2 by two bulk prefetches, so the
-    weights past the staged tiles stream while the previous kernel finishes."""
+    and the first weight tiles staged, before the PDL wait, which then guards x (as in the dense form)."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
@@ -597,12 +581,6 @@ def _nvfp4_gemv_async_kernel(
 
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
-    if L2PF:
-        gl.static_assert(TILED and PDL and not GROUPED and not ACT, "L2PF: dense tiled128 launches with PDL")
-        # a row block's first word and scale word of this split are its K slice's start (w_src, s_src at
-        # row % 16 == 0, column 0); rows past N: no block (a multi-warp program's last blocks may not exist)
-        _prefetch_l2(w_src, (rw2 % 16 == 0) & (gl.expand_dims(cw, 0) == 0) & (rw2 < N), N_TILES * 1024)
-        _prefetch_l2(s_src, (rs2 % 16 == 0) & (gl.expand_dims(cs, 0) == 0) & (rs2 < N), N_TILES * 128)
     if PDL and (EARLY or not GROUPED):  # x (and ws, the counters, y) may be the previous launch's: wait
         _gdc("griddepcontrol.wait;")
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
@@ -832,7 +810,6 @@ def nvfp4_gemv(
     tiled: bool = False,
     rows: int | None = None,
     pdl: bool | None = None,
-    l2_prefetch: bool | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -849,8 +826,6 @@ def nvfp4_gemv(
     scales and tables are read before the wait, so they must not be written by the kernel just before.
     None: on where supported (sm_90+): 1.0-1.1 us less per back-to-back launch at M = 1 (H200,
     bench/RESULTS.md).
-    l2_prefetch: with pdl on the tiled layout, each program also prefetches its whole weight and scale
-    slice into L2 before the wait (the kernel's L2PF); None: K3RUN_GEMV_L2_PREFETCH.
     """
     from k3run.kernels.nvfp4_gemm.triton import largest_divisor
 
@@ -871,11 +846,9 @@ def nvfp4_gemv(
     scales = scale_u8.view(torch.int32) if tiled else scale_u8  # tiled128: one word per 4 scale bytes
     common = (x, weight.view(torch.int32), scales, global_scale, bias if bias is not None else global_scale)
     per_col = global_scale.numel() != 1  # _check: one global scale or one per row
-    if l2_prefetch is None:
-        l2_prefetch = knobs().gemv_l2_prefetch
     _launch_async(
         (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled, sm89,
-        pdl, maxnreg, per_col, bias is not None, L2PF=bool(l2_prefetch and tiled and pdl),
+        pdl, maxnreg, per_col, bias is not None,
     )  # fmt: skip
     return y
 
