@@ -245,6 +245,12 @@ class Knobs:
         "CUDA sm_90: NVFP4 linears of 17..1024 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one "
         "to 256 rows, dequantize + cuBLAS above)",
     )  # fmt: skip
+    gemv_t32_cap: bool = _knob(
+        "K3RUN_GEMV_T32_CAP", _flag, False,
+        "CUDA: dense NVFP4 linears of 17..32 rows run the decode kernel's 32-token tile under a 128-register "
+        "cap (16 one-warp programs an SM instead of 12 at its uncapped ~140; split_k sized for 16) (0: "
+        "uncapped; not yet measured on a GPU)",
+    )  # fmt: skip
     sm90_gemv: int = _knob(
         "K3RUN_SM90_GEMV", _tokens_16, 0,
         "CUDA sm_90: dense NVFP4 linears of up to this many rows (at most 16; K a multiple of 128) on the "

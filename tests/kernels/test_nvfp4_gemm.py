@@ -355,6 +355,25 @@ def test_one_wave_split_keeps_every_program_resident():
     assert one_wave_split(17, 7168, 12288, 132) == (3, None)
 
 
+def test_the_32_token_cap_knob_caps_the_launch_and_sizes_the_split_for_16_programs_an_sm():
+    """K3RUN_GEMV_T32_CAP: 17..32 rows launch at a 128-register cap and tile32_split counts 16 programs an SM
+    (128 registers), not 12; off, the launch is uncapped; 1..16 rows are untouched either way."""
+    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_T32_CAPPED, tile32_split
+    from k3run.knobs import override_knobs
+
+    assert programs_per_sm(GEMV_REGS_T32_CAPPED) == 16 and programs_per_sm(141) == 12
+    uncapped16 = choose_config(16, 2304, 1024)
+    # 2304 x 4096 on 40 SMs: 144 row blocks, 32 chunks; 40 x 12 // 144 = 3 programs a block fit (split 2,
+    # the largest divisor of 32 up to 3), 40 x 16 // 144 = 4 with the cap (split 4)
+    with override_knobs(gemv_t32_cap=True):
+        assert [choose_config(m, 2304, 1024).maxnreg for m in (17, 32)] == [GEMV_REGS_T32_CAPPED] * 2
+        assert choose_config(16, 2304, 1024) == uncapped16
+        assert tile32_split(2304, 4096, 40) == 4
+    with override_knobs(gemv_t32_cap=False):
+        assert [choose_config(m, 2304, 1024).maxnreg for m in (17, 32)] == [None, None]
+        assert tile32_split(2304, 4096, 40) == 2
+
+
 def test_tile32_split_on_small_k_fits_one_wave_with_three_chunks_a_program():
     """17..32 rows, K <= 4096: the largest divisor (<= 8) of the chunk count whose grid fits at once (12
     programs an SM) and leaves every program >= 3 chunks; on Kimi Linear's shapes the H100's fastest splits

@@ -99,6 +99,19 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
     _check_compiled(m, k, dtype, cfg.num_warps, split_k, cfg.smem_stages, True, cfg.maxnreg)
 
 
+@pytest.mark.parametrize("k, split_k", [(2304, 2), (4096, 8), (1024, 2)])
+def test_the_capped_32_token_tile_compiles_for_sm90_without_loop_spills(k: int, split_k: int):
+    """K3RUN_GEMV_T32_CAP's launch (tiled128, PDL, Kimi Linear's K): the 32-token tile under the 128-register
+    cap that lets 16 one-warp programs share an SM, with no local-memory access inside the K loop."""
+    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_T32_CAPPED
+
+    ck = _compile(1, 32, split_k, k, "bf16", GEMV_REGS_T32_CAPPED, 2, True, pdl=True)
+    res, sass = cubin_usage_and_sass(ck)
+    use = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    assert use is not None and int(use.group(1)) <= GEMV_REGS_T32_CAPPED, res
+    assert not _local_accesses_in_loops(sass)
+
+
 @pytest.mark.parametrize(
     "m, k, dtype, stages", [(1, 7168, "bf16", 4), (16, 3584, "fp16", 8), (32, 3600, "bf16", 2)]
 )

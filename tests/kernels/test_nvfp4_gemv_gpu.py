@@ -71,18 +71,22 @@ def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, stages: int, layo
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
+@pytest.mark.parametrize("cap", [False, True])
 @pytest.mark.parametrize("m", [17, 32])
 @pytest.mark.parametrize("n, k", [(576, 2304), (128, 2304), (2304, 1024), (6144, 2304), (2304, 4096)])
-def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int):
+def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int, cap: bool):
     """choose_config's 32-token launch where `tile32_split` cuts K into 2-8 programs of >= 3 chunks (split 6
-    of K = 2304's 18 chunks, 2 of K = 1024's 8, 8 of K = 4096's 32), on the default layout through
-    nvfp4_linear: bf16 output rounding bounds the relative RMS error (RTOL[torch.bfloat16])."""
+    of K = 2304's 18 chunks, 2 of K = 1024's 8, 8 of K = 4096's 32), uncapped and under K3RUN_GEMV_T32_CAP's
+    128 registers, on the default layout through nvfp4_linear: bf16 output rounding bounds the relative RMS
+    error (RTOL[torch.bfloat16])."""
     from k3run.kernels.nvfp4_gemm import choose_config, sm_count
+    from k3run.knobs import override_knobs
 
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     pw = prepare_nvfp4_weight(w, s, gs)
     x = torch.randn(m, k, device="cuda").bfloat16()
-    cfg = choose_config(m, n, k, sm_count(0))
+    with override_knobs(gemv_t32_cap=cap):
+        cfg = choose_config(m, n, k, sm_count(0))
     assert cfg.gemv and cfg.split_k >= 2
     y = nvfp4_linear(x, pw, config=cfg)
     assert_close(

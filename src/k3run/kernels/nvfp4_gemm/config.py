@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3run.knobs import knobs
+
 from .layout import CHUNK
 
 
@@ -84,8 +86,10 @@ def programs_per_sm(regs: int) -> int:
 # 20 such programs per SM), 80 with no spills when capped at 80 (72 spills); the 8-token tile takes 62-64
 GEMV_REGS_T16 = 90
 GEMV_REGS_T16_CAPPED = 80
-# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM
+# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM;
+# capped at 128 (K3RUN_GEMV_T32_CAP) 16 per SM, 16 bytes of stack outside the K loop (Triton 3.9's ptxas)
 GEMV_REGS_T32 = 141
+GEMV_REGS_T32_CAPPED = 128
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
 
@@ -117,7 +121,6 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
-@functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
 def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
     """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight.
 
@@ -129,13 +132,20 @@ def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
     split 2 against 5.80 at 4, 6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows one shape loses:
     2304 x 4096 9.21 at split 8 against 8.90 at 4.
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
-    the K3 shapes (the rule above was not measured there)."""
+    the K3 shapes (the rule above was not measured there). With K3RUN_GEMV_T32_CAP the fit counts the
+    capped program's 16 a SM."""
+    return _tile32_split(n, k, sms, GEMV_REGS_T32_CAPPED if knobs().gemv_t32_cap else GEMV_REGS_T32)
+
+
+@functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
+def _tile32_split(n: int, k: int, sms: int, regs: int) -> int:
+    """tile32_split for programs of `regs` registers a thread."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
     if chunks > 32:
         return 2 if n > 4096 else 4
-    fit = sms * programs_per_sm(GEMV_REGS_T32) // blocks
+    fit = sms * programs_per_sm(regs) // blocks
     return largest_divisor(chunks, max(1, min(8, fit, chunks // 3)))
 
 
@@ -146,7 +156,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     through 2 shared-memory slots, split_k programs per row block.
     - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
       12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
-    - M = 17..32: `tile32_split`.
+    - M = 17..32: `tile32_split` (with K3RUN_GEMV_T32_CAP under a 128-register cap).
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
@@ -161,6 +171,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
             split_k, maxnreg = one_wave_split(m, n, k, sms)
         else:
             split_k = tile32_split(n, k, sms)
+            maxnreg = GEMV_REGS_T32_CAPPED if knobs().gemv_t32_cap else None
         return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
