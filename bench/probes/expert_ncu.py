@@ -11,7 +11,8 @@ instruction issue? This probe launches one of the step's launches a few times so
 --which w13 | w2: `nvfp4_gemv_by_expert` as the decode step launches it (tile and split from the step's
 rules); dense: the in_proj of a Kimi Linear KDA layer (12448 x 2304) at T rows through `nvfp4_gemv` at its
 `choose_config`. Random weights, uniform random routing (probe_graph_step --uniform-routing). It only
-launches; bench/bench_expert_gemv.py times the same launches.
+launches; bench/bench_expert_gemv.py times the same launches. Answer (H100): bench/NOTES.md "Session 54: what
+the H100 said" (run 220).
 """
 
 from __future__ import annotations
