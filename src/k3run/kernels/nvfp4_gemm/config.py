@@ -134,7 +134,12 @@ def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
     the K3 shapes (the rule above was not measured there). With K3RUN_GEMV_T32_CAP the fit counts the
     capped program's 16 a SM."""
-    return _tile32_split(n, k, sms, GEMV_REGS_T32_CAPPED if knobs().gemv_t32_cap else GEMV_REGS_T32)
+    return _tile32_split(n, k, sms, t32_cap() or GEMV_REGS_T32)
+
+
+def t32_cap() -> int | None:
+    """The 32-token tile's register cap: GEMV_REGS_T32_CAPPED with K3RUN_GEMV_T32_CAP, else None."""
+    return GEMV_REGS_T32_CAPPED if knobs().gemv_t32_cap else None
 
 
 @functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
@@ -170,8 +175,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
         if m <= 16:
             split_k, maxnreg = one_wave_split(m, n, k, sms)
         else:
-            split_k = tile32_split(n, k, sms)
-            maxnreg = GEMV_REGS_T32_CAPPED if knobs().gemv_t32_cap else None
+            split_k, maxnreg = tile32_split(n, k, sms), t32_cap()
         return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
