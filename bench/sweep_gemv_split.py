@@ -1,9 +1,10 @@
 """NVFP4 decode kernel launch sweep on the default CUDA layout: split_k x shared-memory stages x warps a
-program (x register cap), against the launch `choose_config` picks, each timed in the same process. Checks
-choose_config's split_k rules (bench/RESULTS.md runs 18 and 214). Same timing method as bench_gemv.py.
+program (x token warps x register cap), against the launch `choose_config` picks, each timed in the same
+process. Checks choose_config's split_k rules (bench/RESULTS.md runs 18 and 214). Same timing method as
+bench_gemv.py.
 
     PYTHONPATH=src python bench/sweep_gemv_split.py [--shapes 12448x2304,2304x4096] [--ms 24,32]
-        [--splits 1,2,3,6] [--stages 2,3] [--warps 1,2]
+        [--splits 1,2,3,6] [--stages 2,3] [--warps 1,2] [--token-warps 1,2,4]
 
 Splits that do not divide the shape's 128-wide chunk count are skipped (the kernel needs whole chunks).
 Every row prints the rule's time, the best swept launch and its speed-up over the rule, and the weight
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--warps", default="1")
     ap.add_argument("--maxnreg", default="0", help="register caps to sweep (0: the kernel's default)")
+    ap.add_argument("--token-warps", default="1", help="warps a program splitting the token columns")
     args = ap.parse_args()
     torch.manual_seed(0)
     tbps = copy_bandwidth()
@@ -68,18 +70,29 @@ def main() -> None:
 
             t_rule = us(rule)
             res: dict[str, float] = {}
-            for w in _ints(args.warps):
+            for w, tw in ((w, tw) for w in _ints(args.warps) for tw in _ints(args.token_warps)):
+                if tw > 1 and (m <= 8 or (m <= 16 and tw > 2)):
+                    continue  # fewer than 8 token columns a warp
                 for sk in _ints(args.splits):
                     if chunks % sk:
                         continue
                     for st in _ints(args.stages):
                         for cap in _ints(args.maxnreg):
                             c = GemmConfig(
-                                gemv=True, num_warps=w, split_k=sk, smem_stages=st, maxnreg=cap or None
+                                gemv=True,
+                                num_warps=w,
+                                split_k=sk,
+                                smem_stages=st,
+                                maxnreg=cap or None,
+                                token_warps=tw,
                             )
-                            res[f"w{w}/sk{sk}/st{st}" + (f"/r{cap}" if cap else "")] = us(c)
+                            name = f"w{w}" + (f"x{tw}" if tw > 1 else "") + f"/sk{sk}/st{st}"
+                            res[name + (f"/r{cap}" if cap else "")] = us(c)
             best = min(res, key=res.__getitem__)
-            rule_name = f"w{rule.num_warps}/sk{rule.split_k}/st{rule.smem_stages}" if rule.gemv else str(rule)
+            tw_name = f"x{rule.token_warps}" if rule.token_warps > 1 else ""
+            rule_name = str(rule)
+            if rule.gemv:
+                rule_name = f"w{rule.num_warps}{tw_name}/sk{rule.split_k}/st{rule.smem_stages}"
             print(
                 f"{n}x{k} m={m}: rule {rule_name} {t_rule:.2f} us; best {best} {res[best]:.2f} us "
                 f"({t_rule / res[best]:.2f}x the rule); ceiling {ceiling_us:.2f} us "

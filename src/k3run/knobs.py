@@ -99,6 +99,13 @@ def _tokens_up_to(most: int, what: str = "token count") -> Callable[[str, str], 
     return parse
 
 
+def _token_warps(name: str, value: str) -> int:
+    """1, 2 or 4"""
+    if value not in ("1", "2", "4"):
+        raise _malformed(name, "1, 2 or 4", value)
+    return int(value)
+
+
 _tokens_16 = _tokens_up_to(16)
 _tokens_128 = _tokens_up_to(128)
 _tokens_256 = _tokens_up_to(256)
@@ -245,11 +252,11 @@ class Knobs:
         "CUDA sm_90: NVFP4 linears of 17..1024 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one "
         "to 256 rows, dequantize + cuBLAS above)",
     )  # fmt: skip
-    gemv_t32_cap: bool = _knob(
-        "K3RUN_GEMV_T32_CAP", _flag, False,
-        "CUDA: dense NVFP4 linears of 17..32 rows run the decode kernel's 32-token tile under a 128-register "
-        "cap (16 one-warp programs an SM instead of 12 at its uncapped ~140; split_k sized for 16) (0: "
-        "uncapped; not yet measured on a GPU)",
+    gemv_token_warps: int = _knob(
+        "K3RUN_GEMV_TOKEN_WARPS", _token_warps, 1,
+        "CUDA: warps a program of the dense NVFP4 decode launches of 9..32 rows that split the token tile's "
+        "columns, each decoding the same 16 weight rows (1, 2 or 4; 9..16 rows take at most 2) (1: one warp "
+        "a program holds every column)",
     )  # fmt: skip
     sm90_gemv: int = _knob(
         "K3RUN_SM90_GEMV", _tokens_16, 0,

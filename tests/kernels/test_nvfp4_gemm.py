@@ -355,23 +355,35 @@ def test_one_wave_split_keeps_every_program_resident():
     assert one_wave_split(17, 7168, 12288, 132) == (3, None)
 
 
-def test_the_32_token_cap_knob_caps_the_launch_and_sizes_the_split_for_16_programs_an_sm():
-    """K3RUN_GEMV_T32_CAP: 17..32 rows launch at a 128-register cap and tile32_split counts 16 programs an SM
-    (128 registers), not 12; off, the launch is uncapped; 1..16 rows are untouched either way."""
-    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_T32_CAPPED, tile32_split
+def test_token_warps_knob_splits_the_9_to_32_row_launches_and_sizes_their_split():
+    """K3RUN_GEMV_TOKEN_WARPS: dense launches of 9..32 rows take that many token warps (9..16 at most 2),
+    1..8 rows none, and the split counts the split programs that fit an SM (GEMV_REGS_SPLIT), not the
+    one-warp program's; 1 leaves every launch as it was."""
+    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_SPLIT, tile32_split
     from k3run.knobs import override_knobs
 
-    assert programs_per_sm(GEMV_REGS_T32_CAPPED) == 16 and programs_per_sm(141) == 12
-    uncapped16 = choose_config(16, 2304, 1024)
-    # 2304 x 4096 on 40 SMs: 144 row blocks, 32 chunks; 40 x 12 // 144 = 3 programs a block fit (split 2,
-    # the largest divisor of 32 up to 3), 40 x 16 // 144 = 4 with the cap (split 4)
-    with override_knobs(gemv_t32_cap=True):
-        assert [choose_config(m, 2304, 1024).maxnreg for m in (17, 32)] == [GEMV_REGS_T32_CAPPED] * 2
-        assert choose_config(16, 2304, 1024) == uncapped16
-        assert tile32_split(2304, 4096, 40) == 4
-    with override_knobs(gemv_t32_cap=False):
-        assert [choose_config(m, 2304, 1024).maxnreg for m in (17, 32)] == [None, None]
+    # 2-warp programs at 88 registers: 20 warps an SM, 10 programs; 4-warp at 62: 32 warps, 8 programs
+    assert programs_per_sm(GEMV_REGS_SPLIT[32, 2], 2) == 10
+    assert programs_per_sm(GEMV_REGS_SPLIT[32, 4], 4) == 8
+    assert programs_per_sm(GEMV_REGS_SPLIT[16, 2], 2) == 16
+    with override_knobs(gemv_token_warps=1):
+        base = {m: choose_config(m, 2304, 1024) for m in (1, 8, 9, 16, 17, 32)}
+        assert {c.token_warps for c in base.values()} == {1}
+        # 2304 x 4096 on 40 SMs: 144 row blocks, 32 chunks; 40 x 12 // 144 = 3 one-warp programs a block fit
         assert tile32_split(2304, 4096, 40) == 2
+    for tw in (2, 4):
+        with override_knobs(gemv_token_warps=tw):
+            got = {m: choose_config(m, 2304, 1024) for m in (1, 8, 9, 16, 17, 32)}
+            assert [got[m].token_warps for m in (1, 8, 9, 16, 17, 32)] == [1, 1, 2, 2, tw, tw]
+            assert got[1] == base[1] and got[8] == base[8]
+            assert all(got[m].maxnreg is None for m in (9, 16, 17, 32))
+    # 40 x 10 // 144 = 2 two-warp programs a block (split 2), 40 x 8 // 144 = 2 four-warp ones (split 2);
+    # 9..16 rows at 2 token warps: 16 programs an SM, 18 chunks of K = 2304 on 2304 x 2304 (144 blocks):
+    # 132 x 16 // 144 = 14 -> the largest divisor of 18 up to 8, 6
+    assert tile32_split(2304, 4096, 40, 2) == 2 and tile32_split(2304, 4096, 40, 4) == 2
+    assert tile32_split(2304, 4096, 132, 2) == 8
+    with override_knobs(gemv_token_warps=2):
+        assert choose_config(12, 2304, 2304, 132).split_k == 6
 
 
 def test_tile32_split_on_small_k_fits_one_wave_with_three_chunks_a_program():

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 def _compile(
     num_warps: int, bt: int, split_k: int, k: int, dtype: str, maxnreg: int, stages: int = 2,
     tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False, act: int = 0,
-    early: bool = False,
+    early: bool = False, token_warps: int = 1,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -30,7 +30,7 @@ def _compile(
         BN=16 * num_warps, BT=bt, ASM=asm,
     )  # fmt: skip
     kernel = gemv._nvfp4_gemv_async_kernel
-    mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt)
+    mma, la, lw4, lb, lcw, lcs, smem = gemv.async_layouts(num_warps, bt, token_warps)
     if tiled:
         asm = gemv.tiled_word_decode_asm(dtype)
         scale_asm = gemv._SCALE_WORD_ASM_BF16 if dtype == "bf16" else gemv._SCALE_WORD_ASM_FP16
@@ -44,7 +44,7 @@ def _compile(
         TILED=tiled,
         OUT_SCALE=out_scale,
         PDL=pdl,
-        LSW=gemv.scale_word_layout(num_warps, bt),
+        LSW=gemv.scale_word_layout(num_warps, bt, token_warps),
         GROUPED=grouped or byexp,
         BYEXP=byexp,
         EARLY=early,
@@ -79,7 +79,9 @@ def _compile(
     const_args = {(order.index(c),): v for c, v in consts.items()}
     src = GluonASTSource(kernel, sig, const_args, attrs)
     return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg}
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps * token_warps, "maxnreg": maxnreg},
     )
 
 
@@ -99,13 +101,22 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
     _check_compiled(m, k, dtype, cfg.num_warps, split_k, cfg.smem_stages, True, cfg.maxnreg)
 
 
-@pytest.mark.parametrize("k, split_k", [(2304, 2), (4096, 8), (1024, 2)])
-def test_the_capped_32_token_tile_compiles_for_sm90_without_loop_spills(k: int, split_k: int):
-    """K3RUN_GEMV_T32_CAP's launch (tiled128, PDL, Kimi Linear's K): the 32-token tile under the 128-register
-    cap that lets 16 one-warp programs share an SM, with no local-memory access inside the K loop."""
-    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_T32_CAPPED
+@pytest.mark.parametrize("m, token_warps, k, split_k", [(32, 2, 2304, 2), (32, 4, 4096, 8), (16, 2, 1024, 2)])
+def test_token_split_programs_compile_for_sm90_within_their_register_table(
+    m: int, token_warps: int, k: int, split_k: int
+):
+    """K3RUN_GEMV_TOKEN_WARPS's launches (tiled128, PDL, Kimi Linear's K): each warp's mma count falls with
+    its share of the token columns, no spills, and ptxas' registers are within one allocation step (8) of
+    GEMV_REGS_SPLIT, which sizes the split."""
+    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_SPLIT
 
-    _check_compiled(32, k, "bf16", 1, split_k, 2, True, GEMV_REGS_T32_CAPPED, pdl=True)
+    ck = _check_compiled(m, k, "bf16", 1, split_k, 2, True, pdl=True, token_warps=token_warps)
+    one = _check_compiled(m, k, "bf16", 1, split_k, 2, True, pdl=True)
+    mma = re.compile(r"mma\.sync\.aligned\.m16n8k16")
+    assert len(mma.findall(ck.asm["ptx"])) * token_warps == len(mma.findall(one.asm["ptx"]))
+    res, _ = cubin_usage_and_sass(ck)
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    assert abs(regs - GEMV_REGS_SPLIT[gemv.token_tile(m), token_warps]) <= 8, regs
 
 
 @pytest.mark.parametrize(
@@ -120,11 +131,12 @@ def test_cp_async_gemv_compiles_for_sm90_without_spills(m: int, k: int, dtype: s
 
 
 def _check_compiled(
-    m: int, k: int, dtype: str, num_warps, split_k, stages, tiled=False, maxnreg=None, pdl=False
+    m: int, k: int, dtype: str, num_warps, split_k, stages, tiled=False, maxnreg=None, pdl=False,
+    token_warps=1,
 ):  # fmt: skip
-    bt = 8 if m <= 8 else 16 if m <= 16 else 32
-    maxnreg = maxnreg or gemv.MAXNREG[bt]
-    ck = _compile(num_warps, bt, split_k, k, dtype, maxnreg, stages, tiled, pdl=pdl)
+    bt = gemv.token_tile(m)
+    maxnreg = maxnreg or gemv.MAXNREG[bt // token_warps]
+    ck = _compile(num_warps, bt, split_k, k, dtype, maxnreg, stages, tiled, pdl=pdl, token_warps=token_warps)
     ptx = ck.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx
     # no shared-memory staging of the decoded tile: at most the split-K counter's broadcast touches smem

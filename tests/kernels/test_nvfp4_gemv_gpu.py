@@ -71,27 +71,67 @@ def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, stages: int, layo
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
-@pytest.mark.parametrize("cap", [False, True])
+@pytest.mark.parametrize("token_warps", [1, 2, 4])
 @pytest.mark.parametrize("m", [17, 32])
 @pytest.mark.parametrize("n, k", [(576, 2304), (128, 2304), (2304, 1024), (6144, 2304), (2304, 4096)])
-def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int, cap: bool):
+def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int, token_warps: int):
     """choose_config's 32-token launch where `tile32_split` cuts K into 2-8 programs of >= 3 chunks (split 6
-    of K = 2304's 18 chunks, 2 of K = 1024's 8, 8 of K = 4096's 32), uncapped and under K3RUN_GEMV_T32_CAP's
-    128 registers, on the default layout through nvfp4_linear: bf16 output rounding bounds the relative RMS
-    error (RTOL[torch.bfloat16])."""
+    of K = 2304's 18 chunks, 2 of K = 1024's 8, 8 of K = 4096's 32), with 1, 2 and 4 token warps
+    (K3RUN_GEMV_TOKEN_WARPS), on the default layout through nvfp4_linear: bf16 output rounding bounds the
+    relative RMS error (RTOL[torch.bfloat16])."""
     from k3run.kernels.nvfp4_gemm import choose_config, sm_count
     from k3run.knobs import override_knobs
 
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     pw = prepare_nvfp4_weight(w, s, gs)
     x = torch.randn(m, k, device="cuda").bfloat16()
-    with override_knobs(gemv_t32_cap=cap):
+    with override_knobs(gemv_token_warps=token_warps):
         cfg = choose_config(m, n, k, sm_count(0))
-    assert cfg.gemv and cfg.split_k >= 2
+    assert cfg.gemv and cfg.split_k >= 2 and cfg.token_warps == token_warps
     y = nvfp4_linear(x, pw, config=cfg)
     assert_close(
         f"gemv m={m} {n}x{k} {cfg}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.bfloat16]
     )
+
+
+@pytest.mark.parametrize("m", [9, 13, 16, 17, 30, 32, 45])
+@pytest.mark.parametrize(
+    "num_warps, token_warps, split_k, layout",
+    [(1, 2, 1, "tiled128"), (1, 4, 5, "tiled128"), (2, 2, 3, "tiled128"), (1, 2, 4, "split128"),
+     (2, 4, 2, "split128")],
+)  # fmt: skip
+def test_token_warps_give_the_one_warp_bits(
+    poison_empty, m: int, num_warps: int, token_warps: int, split_k: int, layout: str
+):
+    """Token warps only move token columns between warps: each column's mma steps and split-K partials are
+    the same in the same order, so y is bit-equal to the one-token-warp launch (and within the bf16 bound,
+    RTOL[torch.bfloat16], of the fp32 reference). N = 520 (not a multiple of the program's rows), K = 3600
+    (a partial last chunk), bias, per-row global scales, rows 9..45 (45: 32 + 13 in two launches; where a
+    launch's token tile is narrower than 8 columns a warp, nvfp4_linear takes fewer token warps)."""
+    n, k = 520, 3600
+    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
+    pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    one = GemmConfig(gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2)
+    cfg = GemmConfig(gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2, token_warps=token_warps)
+    y = nvfp4_linear(x, pw, bias, config=cfg)
+    assert torch.equal(y, nvfp4_linear(x, pw, bias, config=one)), f"m={m} {cfg}"
+    assert_close(f"gemv m={m} {cfg}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y,
+                 rtol=RTOL[torch.bfloat16])  # fmt: skip
+
+
+def test_token_warps_reject_a_tile_narrower_than_8_columns_a_warp():
+    """nvfp4_gemv itself refuses 4 token warps on the 16-token tile (4 columns a warp) and any on the 8-token
+    tile, naming the value and the tile."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv
+
+    w, s, gs = _random_nvfp4(64, 256, device="cuda")
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    for m, tw, bt in ((16, 4, 16), (8, 2, 8), (20, 3, 32)):
+        x = torch.randn(m, 256, device="cuda").bfloat16()
+        with pytest.raises(ValueError, match=f"got {tw} for the {bt}-token"):
+            nvfp4_gemv(x, pw.weight, pw.scale_bits, pw.global_scale, tiled=True, rows=64, token_warps=tw)
 
 
 @pytest.mark.parametrize("layout", ["split128", "tiled128"])

@@ -120,7 +120,7 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
     """The Gluon decode kernel, one launch per 32 rows (its widest token tile); on sm_90 up to K3RUN_SM90_GEMV
     rows of a tiled128 weight the CUDA C++ decode GEMV (w4a16_sm90.nvfp4_sm90_gemv) at the same split_k."""
     from . import w4a16_sm90
-    from .gluon_gemv import nvfp4_gemv
+    from .gluon_gemv import nvfp4_gemv, token_tile
 
     half = x2.dtype in (torch.bfloat16, torch.float16)
     if w.layout == "tiled128" and half and w4a16_sm90.gemv_takes(x2.shape[0], w.k):
@@ -142,6 +142,7 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             tiled=w.layout == "tiled128",
             rows=w.n,
             maxnreg=cfg.maxnreg,
+            token_warps=min(cfg.token_warps, token_tile(x2.shape[0] - i) // 8),
         )
         for i in range(0, x2.shape[0], 32)
     ]

@@ -24,6 +24,8 @@ class GemmConfig:
     split_k programs per row block (reduced in the same launch); block_k, block_m and num_stages are the
     Triton kernel's and do not apply.
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
+    token_warps: the Gluon kernel's warps a program that split the token tile's columns (nvfp4_gemv; a
+    launch of <= 8 rows takes 1).
     tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
     wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
     """
@@ -40,6 +42,7 @@ class GemmConfig:
     gemv: bool = False
     smem_stages: int = 2
     maxnreg: int | None = None
+    token_warps: int = 1
     tile: bool = False
     wgmma: bool = False
 
@@ -74,22 +77,25 @@ WGMMA_MAX_M = 256
 WGMMA_SMALL_M_MIN_WEIGHTS = 32 << 20
 
 
-def programs_per_sm(regs: int) -> int:
-    """How many 1-warp programs of `regs` registers per thread an sm_90 SM holds at once: at most 32 blocks,
-    and each of the 4 schedulers' 16384-register files holds whole warps (registers allocated 8 per thread
-    at a time). Measured on an H200 (bench/RESULTS.md): 32 at 64 registers, 24 at 80, 20 uncapped
-    at the 16-token tile's ~90."""
-    return min(32, 4 * (16384 // (-(-regs // 8) * 8 * 32)))
+def programs_per_sm(regs: int, warps: int = 1) -> int:
+    """How many programs of `warps` warps and `regs` registers per thread an sm_90 SM holds at once: at most
+    32 blocks, and each of the 4 schedulers' 16384-register files holds whole warps (registers allocated 8
+    per thread at a time). Measured on an H200 (bench/RESULTS.md): 32 one-warp programs at 64 registers, 24
+    at 80, 20 uncapped at the 16-token tile's ~90."""
+    return min(32, 4 * (16384 // (-(-regs // 8) * 8 * 32)) // warps)
 
 
 # ptxas' registers for the decode kernel's 16-token tile (sm_90, Triton 3.6): 86-90 uncapped (the H200 held
 # 20 such programs per SM), 80 with no spills when capped at 80 (72 spills); the 8-token tile takes 62-64
 GEMV_REGS_T16 = 90
 GEMV_REGS_T16_CAPPED = 80
-# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM;
-# capped at 128 (K3RUN_GEMV_T32_CAP) 16 per SM, 16 bytes of stack outside the K loop (Triton 3.9's ptxas)
+# and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM.
+# Under a 128-register cap it fits 16 per SM but ran 3-6% slower a launch on the H100 (bench/RESULTS.md run
+# 225), so it runs uncapped.
 GEMV_REGS_T32 = 141
-GEMV_REGS_T32_CAPPED = 128
+# ptxas' registers a thread of the token-split programs (token_warps warps sharing one program's weight rows,
+# each with BT / token_warps columns; sm_90, Triton 3.9 on a CPU, no spills): (token tile, token_warps) ->
+GEMV_REGS_SPLIT = {(32, 2): 88, (32, 4): 62, (16, 2): 62}
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
 
@@ -102,55 +108,71 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     taken where it lets more programs in; the 32-token tile runs uncapped. Where even split_k 1 takes more
     than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8 whose waves are
     on average >= 90% full (else the fullest)."""
-    from .triton import largest_divisor
-
-    chunks, blocks = -(-k // CHUNK), -(-n // 16)
 
     def split(per_sm: int) -> int:
-        slots = sms * per_sm
-        if blocks > slots:  # more than one wave even unsplit (grouped launches): keep the waves >= 90% full
-            fill = {d: blocks * d / slots / -(-blocks * d // slots) for d in range(1, 9) if chunks % d == 0}
-            return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
-        return largest_divisor(chunks, min(8, max(1, slots // blocks)))
+        return _wave_split(n, k, sms, per_sm)
 
     if m <= 8:
         return split(programs_per_sm(64)), None
-    if m > 16:  # the 32-token tile: no register cap (capping it spills)
+    if m > 16:  # the 32-token tile: no register cap (capping it is slower, run 225)
         return split(programs_per_sm(GEMV_REGS_T32)), None
     free, capped = split(programs_per_sm(GEMV_REGS_T16)), split(programs_per_sm(GEMV_REGS_T16_CAPPED))
     return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
-def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS) -> int:
+@functools.cache
+def _wave_split(n: int, k: int, sms: int, per_sm: int) -> int:
+    """`one_wave_split`'s split_k for programs of which `per_sm` fit an SM."""
+    from .triton import largest_divisor
+
+    chunks, blocks = -(-k // CHUNK), -(-n // 16)
+    slots = sms * per_sm
+    if blocks > slots:  # more than one wave even unsplit (grouped launches): keep the waves >= 90% full
+        fill = {d: blocks * d / slots / -(-blocks * d // slots) for d in range(1, 9) if chunks % d == 0}
+        return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
+    return largest_divisor(chunks, min(8, max(1, slots // blocks)))
+
+
+def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, token_warps: int = 1) -> int:
     """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight.
 
     K up to 4096 (32 chunks of 128; Kimi Linear's dense shapes): the largest divisor of the chunk count, at
-    most 8, whose programs fit on the GPU at once (12 a SM, `one_wave_split`'s rule) and leave each program
-    at least 3 chunks. On an H100 (bench/RESULTS.md, 32 rows, the shipped 1-warp 2-slot launch) that is
-    the fastest split, or within 1% of it, on all eight Kimi Linear shapes: 128 x 2304 3.62 us at split 6
-    against 5.07 at split 4 (4.5 chunks a program), 576 x 2304 4.72 against 5.56, 2304 x 1024 5.23 at
-    split 2 against 5.80 at 4, 6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows one shape loses:
-    2304 x 4096 9.21 at split 8 against 8.90 at 4.
+    most 8, whose programs fit on the GPU at once (12 one-warp programs an SM, `one_wave_split`'s rule; with
+    token_warps, the programs of GEMV_REGS_SPLIT's registers that fit) and leave each program at least 3
+    chunks. On an H100 (bench/RESULTS.md, 32 rows, the 1-warp 2-slot launch) that is the fastest split, or
+    within 1% of it, on all eight Kimi Linear shapes: 128 x 2304 3.62 us at split 6 against 5.07 at split 4
+    (4.5 chunks a program), 576 x 2304 4.72 against 5.56, 2304 x 1024 5.23 at split 2 against 5.80 at 4,
+    6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows one shape loses: 2304 x 4096 9.21 at split 8
+    against 8.90 at 4.
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
-    the K3 shapes (the rule above was not measured there). With K3RUN_GEMV_T32_CAP the fit counts the
-    capped program's 16 a SM."""
-    return _tile32_split(n, k, sms, t32_cap() or GEMV_REGS_T32)
+    the K3 shapes (the rule above was not measured there)."""
+    return _tile32_split(n, k, sms, _program_fit(32, token_warps))
 
 
-def t32_cap() -> int | None:
-    """The 32-token tile's register cap: GEMV_REGS_T32_CAPPED with K3RUN_GEMV_T32_CAP, else None."""
-    return GEMV_REGS_T32_CAPPED if knobs().gemv_t32_cap else None
+def _program_fit(bt: int, token_warps: int) -> int:
+    """Programs an SM of the bt-token tile split over token_warps warps (uncapped registers)."""
+    if token_warps == 1:
+        return programs_per_sm(GEMV_REGS_T32 if bt == 32 else GEMV_REGS_T16)
+    return programs_per_sm(GEMV_REGS_SPLIT[bt, token_warps], token_warps)
+
+
+def token_warps_for(m: int) -> int:
+    """K3RUN_GEMV_TOKEN_WARPS for a dense decode launch of m <= 32 rows: 1 up to 8 rows, <= 2 at 9..16."""
+    if m <= 8:
+        return 1
+    tw = knobs().gemv_token_warps
+    return min(tw, 2) if m <= 16 else tw
 
 
 @functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
-def _tile32_split(n: int, k: int, sms: int, regs: int) -> int:
-    """tile32_split for programs of `regs` registers a thread."""
+def _tile32_split(n: int, k: int, sms: int, fit_per_sm: int) -> int:
+    """tile32_split for `fit_per_sm` programs an SM."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
     if chunks > 32:
         return 2 if n > 4096 else 4
-    fit = sms * programs_per_sm(regs) // blocks
+    fit = sms * fit_per_sm // blocks
     return largest_divisor(chunks, max(1, min(8, fit, chunks // 3)))
 
 
@@ -161,7 +183,9 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     through 2 shared-memory slots, split_k programs per row block.
     - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
       12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
-    - M = 17..32: `tile32_split` (with K3RUN_GEMV_T32_CAP under a 128-register cap).
+    - M = 17..32: `tile32_split`.
+    - M = 9..32: K3RUN_GEMV_TOKEN_WARPS warps a program split the token columns (`token_warps_for`); a
+      9..16-row launch split over 2 takes `one_wave_split`'s rule at the split program's fit.
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
@@ -172,11 +196,16 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
         return GemmConfig(wgmma=True)
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
         maxnreg = None
-        if m <= 16:
+        tw = token_warps_for(min(m, GEMV_AUTO_M))
+        if m <= 16 and tw > 1:
+            split_k = _wave_split(n, k, sms, _program_fit(16, tw))
+        elif m <= 16:
             split_k, maxnreg = one_wave_split(m, n, k, sms)
         else:
-            split_k, maxnreg = tile32_split(n, k, sms), t32_cap()
-        return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
+            split_k = tile32_split(n, k, sms, tw)
+        return GemmConfig(
+            gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg, token_warps=tw
+        )
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
     return GemmConfig(dequant_mm=True)

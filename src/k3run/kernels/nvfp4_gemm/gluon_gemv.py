@@ -185,14 +185,19 @@ def _linear_bases(layout: gl.DistributedLayout, shape: tuple[int, ...]) -> gl.Di
 
 
 @functools.cache
-def gemv_layouts(num_warps: int, block_n: int, block_k: int, block_t: int):
+def gemv_layouts(num_warps: int, block_n: int, block_k: int, block_t: int, token_warps: int = 1):
     """(mma layout, A dot layout [BN, BK/2], the word layout [BN, BK/16, 2], B dot layout [BK/2, BT]).
 
     The word layout holds the split128 bytes as 32-bit words: k bit 2 of the A layout becomes the word
     index w, k bits >= 3 the run; k bits 0 and 1 (the 4 bytes of a word) are added back by two joins
     after the decode, so the decoded tile lands in the A layout with no data movement.
+    num_warps warps split the rows (16 each); token_warps split the token columns: each of those warps
+    holds its own BT / token_warps columns of x and of the accumulator and decodes the same weight rows
+    (the A operand is replicated across them).
     """
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    mma = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[num_warps, token_warps], instr_shape=[16, 8]
+    )
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=K_WIDTH)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=K_WIDTH)
     half = block_k // 2
@@ -219,14 +224,16 @@ def gemv_layouts(num_warps: int, block_n: int, block_k: int, block_t: int):
 
 
 @functools.cache
-def async_layouts(num_warps: int, block_t: int):
+def async_layouts(num_warps: int, block_t: int, token_warps: int = 1):
     """The cp.async kernel's layouts (128-wide K tiles): (mma, A dot, words [BN, 4, 2, 2], B dot, the copy
     layouts of the words [BN, 16] and of the scale bytes [BN, 8], the unswizzled shared layout).
 
     The words are the register layout of gemv_layouts with the run index split into (scale group, run in the
-    group), so one [BN, 4] tensor of scale pairs broadcasts over the two runs of each group."""
+    group), so one [BN, 4] tensor of scale pairs broadcasts over the two runs of each group. The copy
+    layouts spread the rows over all num_warps * token_warps warps (a warp past the rows repeats a copy)."""
     bn = 16 * num_warps
-    mma, a, words, b = gemv_layouts(num_warps, bn, 128, block_t)
+    warps = num_warps * token_warps
+    mma, a, words, b = gemv_layouts(num_warps, bn, 128, block_t, token_warps)
 
     def split_run(bases: list[list[int]]) -> list[list[int]]:
         return [[r, run // 2, run % 2, w] for r, run, w in bases]
@@ -238,19 +245,19 @@ def async_layouts(num_warps: int, block_t: int):
         block_bases=[],
         shape=[bn, 4, 2, 2],
     )
-    lcw = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
-    lcs = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])
+    lcw = gl.BlockedLayout([1, 4], [8, 4], [warps, 1], [1, 0])
+    lcs = gl.BlockedLayout([1, 4], [16, 2], [warps, 1], [1, 0])
     smem = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     return mma, a, w4, b, lcw, lcs, smem
 
 
 @functools.cache
-def scale_word_layout(num_warps: int, block_t: int) -> gl.DistributedLinearLayout:
+def scale_word_layout(num_warps: int, block_t: int, token_warps: int = 1) -> gl.DistributedLinearLayout:
     """The tiled128 scale words [BN, 2] (TILED_SCALE_ORDER): word j of a row = the scale pairs of groups j and
     j + 2, held by the lanes that hold those groups in the [BN, 4] scale layout of the words (whose register
     basis for group + 2 is dropped here: the two groups come out of one word)."""
     bn = 16 * num_warps
-    _, _, w4, _, _, _, _ = async_layouts(num_warps, block_t)
+    _, _, w4, _, _, _, _ = async_layouts(num_warps, block_t, token_warps)
     lg = _linear_bases(gl.SliceLayout(2, gl.SliceLayout(3, w4)), (bn, 4))
     if [0, 2] not in lg.reg_bases or any(c in (2, 3) for _, c in lg.lane_bases + lg.warp_bases):
         raise RuntimeError(f"nvfp4_gemv: unexpected scale layout {lg} (Triton version change?)")
@@ -764,6 +771,11 @@ def _finish_act(
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
 
 
+def token_tile(m: int) -> int:
+    """The decode kernel's token tile (the mma n dimension) for a launch of m <= 32 rows: 8, 16 or 32."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
 def _gemv_checks(
     x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
     bias: torch.Tensor | None, stages: int, tiled: bool, rows: int | None, pdl: bool | None,
@@ -810,6 +822,7 @@ def nvfp4_gemv(
     tiled: bool = False,
     rows: int | None = None,
     pdl: bool | None = None,
+    token_warps: int = 1,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -819,6 +832,10 @@ def nvfp4_gemv(
     (stages - 1 tiles in flight). The token tile is 8, 16 or 32 wide (the mma n dimension), the smallest
     that holds M.
     maxnreg: the register cap handed to ptxas; None: MAXNREG of the token tile.
+    token_warps (1, 2 or 4; at least 8 token columns each): warps a program that split the token tile's
+    columns, each decoding the same 16 * num_warps weight rows from the shared-memory slots into its own
+    mma operands. The weights are read from memory once a program either way; a warp then holds the
+    registers of a token tile token_warps times narrower, so more warps fit an SM.
     pdl: programmatic dependent launch. The launch may start while the previous kernel on the stream
     drains: its programs stage their first weight tiles, then wait (griddepcontrol.wait) for the previous
     kernel to finish before reading x or writing anything; and once every program of this launch has left
@@ -836,7 +853,12 @@ def nvfp4_gemv(
         return y
     k_pad = weight.shape[1] * 2
     split_k = largest_divisor(k_pad // CHUNK, split_k)
-    bt = 8 if m <= 8 else 16 if m <= 16 else 32
+    bt = token_tile(m)
+    if token_warps not in (1, 2, 4) or bt // token_warps < 8:
+        raise ValueError(
+            f"nvfp4_gemv: token_warps must be 1, 2 or 4 with >= 8 token columns a warp; got {token_warps} "
+            f"for the {bt}-token tile (M={m})"
+        )
     grid_n = triton.cdiv(n, 16 * num_warps)
     if split_k > 1:
         ws = torch.empty((split_k, grid_n * 16 * num_warps, bt), dtype=torch.float32, device=x.device)
@@ -848,7 +870,7 @@ def nvfp4_gemv(
     per_col = global_scale.numel() != 1  # _check: one global scale or one per row
     _launch_async(
         (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled, sm89,
-        pdl, maxnreg, per_col, bias is not None,
+        pdl, maxnreg, per_col, bias is not None, token_warps=token_warps,
     )  # fmt: skip
     return y
 
@@ -1052,10 +1074,11 @@ def _launch_grouped(
 def _launch_async(
     grid: tuple[int, ...], common: tuple, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor, m: int,
     n: int, k: int, k_pad: int, split_k: int, num_warps: int, bt: int, stages: int, tiled: bool, sm89: bool,
-    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, **extra,
+    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, token_warps: int = 1, **extra,
 ) -> None:  # fmt: skip
     """Launch the cp.async kernel: the decoder (tiled128 shifts or split128 byte permutes) and its scale
-    conversion for x's dtype, the layouts of the program shape; `extra`: the grouped arguments."""
+    conversion for x's dtype, the layouts of the program shape (num_warps row warps x token_warps token
+    warps); `extra`: the grouped arguments."""
     x = common[0]
     bf16 = x.dtype == torch.bfloat16
     if tiled:
@@ -1064,13 +1087,14 @@ def _launch_async(
     else:
         asm, out_scale = _ASM_BF16 if bf16 else _ASM_FP16, 1.0
         scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
-    mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt)
+    mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt, token_warps)
     bn = 16 * num_warps
     _nvfp4_gemv_async_kernel[grid](
         *common, y, ws, cnt, decode_tables(x.device, "bf16" if bf16 else "fp16"), m, n, x.stride(0),
         y.stride(0),
         K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=has_bias, EVEN_N=n % bn == 0, BN=bn,
         BT=bt, STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs,
-        SMEM=smem, TILED=tiled, OUT_SCALE=out_scale, PDL=pdl, LSW=scale_word_layout(num_warps, bt),
-        num_warps=num_warps, maxnreg=maxnreg or MAXNREG[bt], launch_pdl=pdl, **extra,
+        SMEM=smem, TILED=tiled, OUT_SCALE=out_scale, PDL=pdl,
+        LSW=scale_word_layout(num_warps, bt, token_warps), num_warps=num_warps * token_warps,
+        maxnreg=maxnreg or MAXNREG[bt // token_warps], launch_pdl=pdl, **extra,
     )  # fmt: skip
