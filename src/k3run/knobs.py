@@ -99,11 +99,13 @@ def _tokens_up_to(most: int, what: str = "token count") -> Callable[[str, str], 
     return parse
 
 
-def _token_warps(name: str, value: str) -> int:
-    """1, 2 or 4"""
-    if value not in ("1", "2", "4"):
-        raise _malformed(name, "1, 2 or 4", value)
-    return int(value)
+def _t32_form(name: str, value: str) -> str:
+    """R/T or R/T/x (R, T in 1, 2, 4; R * T <= 8)"""
+    parts = value.split("/")
+    ok = len(parts) in (2, 3) and parts[0] in ("1", "2", "4") and parts[1] in ("1", "2", "4")
+    if not ok or parts[2:] not in ([], ["x"]) or int(parts[0]) * int(parts[1]) > 8:
+        raise _malformed(name, "R/T or R/T/x (R, T in 1, 2, 4; R * T <= 8)", value)
+    return value
 
 
 _tokens_16 = _tokens_up_to(16)
@@ -252,11 +254,11 @@ class Knobs:
         "CUDA sm_90: NVFP4 linears of 17..1024 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one "
         "to 256 rows, dequantize + cuBLAS above)",
     )  # fmt: skip
-    gemv_token_warps: int = _knob(
-        "K3RUN_GEMV_TOKEN_WARPS", _token_warps, 1,
-        "CUDA: warps a program of the dense NVFP4 decode launches of 9..32 rows that split the token tile's "
-        "columns, each decoding the same 16 weight rows (1, 2 or 4; 9..16 rows take at most 2) (1: one warp "
-        "a program holds every column)",
+    gemv_t32_form: str = _knob(
+        "K3RUN_GEMV_T32_FORM", _t32_form, "1/1",
+        "CUDA: the program of the dense NVFP4 decode launches of 17..32 rows, R/T or R/T/x: R row warps of "
+        "16 weight rows each, T token warps splitting the 32 token columns (each decoding the same rows), x: "
+        "x's tiles staged in shared memory with the weights (1/1: one warp)",
     )  # fmt: skip
     sm90_gemv: int = _knob(
         "K3RUN_SM90_GEMV", _tokens_16, 0,

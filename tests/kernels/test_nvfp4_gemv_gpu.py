@@ -71,23 +71,23 @@ def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, stages: int, layo
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
-@pytest.mark.parametrize("token_warps", [1, 2, 4])
+@pytest.mark.parametrize("form", ["1/1", "1/2", "4/1/x", "2/2/x"])
 @pytest.mark.parametrize("m", [17, 32])
 @pytest.mark.parametrize("n, k", [(576, 2304), (128, 2304), (2304, 1024), (6144, 2304), (2304, 4096)])
-def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int, token_warps: int):
+def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int, form: str):
     """choose_config's 32-token launch where `tile32_split` cuts K into 2-8 programs of >= 3 chunks (split 6
-    of K = 2304's 18 chunks, 2 of K = 1024's 8, 8 of K = 4096's 32), with 1, 2 and 4 token warps
-    (K3RUN_GEMV_TOKEN_WARPS), on the default layout through nvfp4_linear: bf16 output rounding bounds the
-    relative RMS error (RTOL[torch.bfloat16])."""
+    of K = 2304's 18 chunks, 2 of K = 1024's 8, 8 of K = 4096's 32), in four K3RUN_GEMV_T32_FORM program
+    forms, on the default layout through nvfp4_linear: bf16 output rounding bounds the relative RMS error
+    (RTOL[torch.bfloat16])."""
     from k3run.kernels.nvfp4_gemm import choose_config, sm_count
     from k3run.knobs import override_knobs
 
     w, s, gs = _random_nvfp4(n, k, device="cuda")
     pw = prepare_nvfp4_weight(w, s, gs)
     x = torch.randn(m, k, device="cuda").bfloat16()
-    with override_knobs(gemv_token_warps=token_warps):
+    with override_knobs(gemv_t32_form=form):
         cfg = choose_config(m, n, k, sm_count(0))
-    assert cfg.gemv and cfg.split_k >= 2 and cfg.token_warps == token_warps
+    assert cfg.gemv and cfg.split_k >= 1
     y = nvfp4_linear(x, pw, config=cfg)
     assert_close(
         f"gemv m={m} {n}x{k} {cfg}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.bfloat16]
@@ -96,29 +96,56 @@ def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: i
 
 @pytest.mark.parametrize("m", [9, 13, 16, 17, 30, 32, 45])
 @pytest.mark.parametrize(
-    "num_warps, token_warps, split_k, layout",
-    [(1, 2, 1, "tiled128"), (1, 4, 5, "tiled128"), (2, 2, 3, "tiled128"), (1, 2, 4, "split128"),
-     (2, 4, 2, "split128")],
+    "num_warps, token_warps, x_smem, split_k, layout",
+    [(1, 2, False, 1, "tiled128"), (1, 4, False, 5, "tiled128"), (2, 2, False, 3, "tiled128"),
+     (1, 2, False, 4, "split128"), (2, 4, False, 2, "split128"), (1, 1, True, 1, "tiled128"),
+     (4, 1, True, 5, "tiled128"), (2, 2, True, 3, "split128"), (4, 2, True, 2, "tiled128")],
 )  # fmt: skip
-def test_token_warps_give_the_one_warp_bits(
-    poison_empty, m: int, num_warps: int, token_warps: int, split_k: int, layout: str
+def test_program_shapes_give_the_one_warp_bits(
+    poison_empty, m: int, num_warps: int, token_warps: int, x_smem: bool, split_k: int, layout: str
 ):
-    """Token warps only move token columns between warps: each column's mma steps and split-K partials are
-    the same in the same order, so y is bit-equal to the one-token-warp launch (and within the bf16 bound,
-    RTOL[torch.bfloat16], of the fp32 reference). N = 520 (not a multiple of the program's rows), K = 3600
-    (a partial last chunk), bias, per-row global scales, rows 9..45 (45: 32 + 13 in two launches; where a
-    launch's token tile is narrower than 8 columns a warp, nvfp4_linear takes fewer token warps)."""
+    """Row warps, token warps and x staged in shared memory only move rows, token columns and x's bytes
+    between warps: each output's mma steps and split-K partials are the same in the same order, so y is
+    bit-equal to the one-warp launch at the same split (and within the bf16 bound, RTOL[torch.bfloat16], of
+    the fp32 reference). N = 520 (not a multiple of the program's rows), K = 3600 (a partial last chunk,
+    x's staged columns zero-filled past K), bias, per-row global scales, rows 9..45 (45: 32 + 13 in two
+    launches; where a launch's token tile is narrower than 8 columns a warp, nvfp4_linear takes fewer token
+    warps)."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
     pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    one = GemmConfig(gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2)
-    cfg = GemmConfig(gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2, token_warps=token_warps)
+    one = GemmConfig(gemv=True, split_k=split_k, smem_stages=2)
+    cfg = GemmConfig(
+        gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2, token_warps=token_warps, x_smem=x_smem
+    )
     y = nvfp4_linear(x, pw, bias, config=cfg)
     assert torch.equal(y, nvfp4_linear(x, pw, bias, config=one)), f"m={m} {cfg}"
     assert_close(f"gemv m={m} {cfg}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y,
                  rtol=RTOL[torch.bfloat16])  # fmt: skip
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_x_staged_from_a_strided_input_in_a_graph(poison_empty, stages: int):
+    """x_smem with x a row-strided view, 2 and 3 slots (the first tiles' x copied after the PDL wait), the
+    launch captured in a CUDA graph behind the kernel that writes x: the replay reads the new x."""
+    n, k, m = 1040, 2304, 24
+    w, s, gs = _random_nvfp4(n, k, device="cuda")
+    pw = prepare_nvfp4_weight(w, s, gs)
+    big = torch.randn(m, 2 * k, device="cuda").bfloat16()
+    src = torch.randn(m, k, device="cuda").bfloat16()
+    cfg = GemmConfig(gemv=True, num_warps=4, split_k=2, smem_stages=stages, x_smem=True)
+    x = big[:, :k]
+    nvfp4_linear(x, pw, config=cfg)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.copy_(src * 2)
+        y = nvfp4_linear(x, pw, config=cfg)
+    src.copy_(torch.randn(m, k, device="cuda").bfloat16())
+    g.replay()
+    ref = nvfp4_linear_ref((src * 2).float(), w, s, gs)
+    assert_close("gemv x_smem graph", ref, y, rtol=RTOL[torch.bfloat16])
 
 
 def test_token_warps_reject_a_tile_narrower_than_8_columns_a_warp():

@@ -143,6 +143,7 @@ def _gemv(x2: torch.Tensor, w: NvFp4Weight, bias: torch.Tensor | None, cfg: Gemm
             rows=w.n,
             maxnreg=cfg.maxnreg,
             token_warps=min(cfg.token_warps, token_tile(x2.shape[0] - i) // 8),
+            x_smem=cfg.x_smem,
         )
         for i in range(0, x2.shape[0], 32)
     ]

@@ -26,6 +26,7 @@ class GemmConfig:
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
     token_warps: the Gluon kernel's warps a program that split the token tile's columns (nvfp4_gemv; a
     launch of <= 8 rows takes 1).
+    x_smem: the Gluon kernel stages x's K tiles in shared memory with the weights (nvfp4_gemv).
     tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
     wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
     """
@@ -43,6 +44,7 @@ class GemmConfig:
     smem_stages: int = 2
     maxnreg: int | None = None
     token_warps: int = 1
+    x_smem: bool = False
     tile: bool = False
     wgmma: bool = False
 
@@ -93,9 +95,15 @@ GEMV_REGS_T16_CAPPED = 80
 # Under a 128-register cap it fits 16 per SM but ran 3-6% slower a launch on the H100 (bench/RESULTS.md run
 # 225), so it runs uncapped.
 GEMV_REGS_T32 = 141
-# ptxas' registers a thread of the token-split programs (token_warps warps sharing one program's weight rows,
-# each with BT / token_warps columns; sm_90, Triton 3.9 on a CPU, no spills): (token tile, token_warps) ->
-GEMV_REGS_SPLIT = {(32, 2): 88, (32, 4): 62, (16, 2): 62}
+# The 32-token tile's program forms (K3RUN_GEMV_T32_FORM): (row warps, token warps, x staged in shared memory)
+# -> ptxas' registers a thread (sm_90, Triton 3.9 on a CPU, K = 2304, no spills). Row warps take 16 weight
+# rows each; token warps split the 32 token columns, each decoding the same rows from the shared ring.
+GEMV_T32_FORMS = {
+    (1, 1, False): 141, (1, 2, False): 88, (1, 4, False): 62, (2, 1, False): 143, (2, 2, False): 90,
+    (2, 4, False): 64, (4, 1, False): 143, (4, 2, False): 90, (1, 1, True): 142, (1, 2, True): 88,
+    (1, 4, True): 65, (2, 1, True): 128, (2, 2, True): 79, (2, 4, True): 63, (4, 1, True): 122,
+    (4, 2, True): 75,
+}  # fmt: skip
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
 
@@ -133,43 +141,36 @@ def _wave_split(n: int, k: int, sms: int, per_sm: int) -> int:
     return largest_divisor(chunks, min(8, max(1, slots // blocks)))
 
 
-def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, token_warps: int = 1) -> int:
-    """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight.
+def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, form: tuple[int, int, bool] = (1, 1, False)) -> int:
+    """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight, for programs of `form`
+    (GEMV_T32_FORMS).
 
     K up to 4096 (32 chunks of 128; Kimi Linear's dense shapes): the largest divisor of the chunk count, at
-    most 8, whose programs fit on the GPU at once (12 one-warp programs an SM, `one_wave_split`'s rule; with
-    token_warps, the programs of GEMV_REGS_SPLIT's registers that fit) and leave each program at least 3
-    chunks. On an H100 (bench/RESULTS.md, 32 rows, the 1-warp 2-slot launch) that is the fastest split, or
-    within 1% of it, on all eight Kimi Linear shapes: 128 x 2304 3.62 us at split 6 against 5.07 at split 4
-    (4.5 chunks a program), 576 x 2304 4.72 against 5.56, 2304 x 1024 5.23 at split 2 against 5.80 at 4,
-    6144 x 2304 10.87 at 3 against 11.19 at 2. At 17 rows one shape loses: 2304 x 4096 9.21 at split 8
-    against 8.90 at 4.
+    most 8, whose programs fit on the GPU at once (`programs_per_sm` at the form's registers and warps; 12
+    one-warp programs) and leave each program at least 3 chunks. On an H100 (bench/RESULTS.md, 32 rows, the
+    1-warp 2-slot launch) that is the fastest split, or within 1% of it, on all eight Kimi Linear shapes:
+    128 x 2304 3.62 us at split 6 against 5.07 at split 4 (4.5 chunks a program), 576 x 2304 4.72 against
+    5.56, 2304 x 1024 5.23 at split 2 against 5.80 at 4, 6144 x 2304 10.87 at 3 against 11.19 at 2. At 17
+    rows one shape loses: 2304 x 4096 9.21 at split 8 against 8.90 at 4.
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
     the K3 shapes (the rule above was not measured there)."""
-    return _tile32_split(n, k, sms, _program_fit(32, token_warps))
+    rows, tokens, _ = form
+    fit = programs_per_sm(GEMV_T32_FORMS[form], rows * tokens)
+    return _tile32_split(n, k, sms, fit, rows)
 
 
-def _program_fit(bt: int, token_warps: int) -> int:
-    """Programs an SM of the bt-token tile split over token_warps warps (uncapped registers)."""
-    if token_warps == 1:
-        return programs_per_sm(GEMV_REGS_T32 if bt == 32 else GEMV_REGS_T16)
-    return programs_per_sm(GEMV_REGS_SPLIT[bt, token_warps], token_warps)
-
-
-def token_warps_for(m: int) -> int:
-    """K3RUN_GEMV_TOKEN_WARPS for a dense decode launch of m <= 32 rows: 1 up to 8 rows, <= 2 at 9..16."""
-    if m <= 8:
-        return 1
-    tw = knobs().gemv_token_warps
-    return min(tw, 2) if m <= 16 else tw
+def t32_form() -> tuple[int, int, bool]:
+    """K3RUN_GEMV_T32_FORM as (row warps, token warps, x staged)."""
+    parts = knobs().gemv_t32_form.split("/")
+    return int(parts[0]), int(parts[1]), parts[2:] == ["x"]
 
 
 @functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
-def _tile32_split(n: int, k: int, sms: int, fit_per_sm: int) -> int:
-    """tile32_split for `fit_per_sm` programs an SM."""
+def _tile32_split(n: int, k: int, sms: int, fit_per_sm: int, row_warps: int = 1) -> int:
+    """tile32_split for `fit_per_sm` programs an SM of 16 * row_warps rows each."""
     from .triton import largest_divisor
 
-    chunks, blocks = -(-k // CHUNK), -(-n // 16)
+    chunks, blocks = -(-k // CHUNK), -(-n // (16 * row_warps))
     if chunks > 32:
         return 2 if n > 4096 else 4
     fit = sms * fit_per_sm // blocks
@@ -183,9 +184,7 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     through 2 shared-memory slots, split_k programs per row block.
     - M <= 16: `one_wave_split` (H200, bench/RESULTS.md: against a fixed split_k rule 8-20% faster on
       12288x7168 at M = 1..16, 2-8% on 7168x12288 at M = 4..16, equal elsewhere within noise).
-    - M = 17..32: `tile32_split`.
-    - M = 9..32: K3RUN_GEMV_TOKEN_WARPS warps a program split the token columns (`token_warps_for`); a
-      9..16-row launch split over 2 takes `one_wave_split`'s rule at the split program's fit.
+    - M = 17..32: programs of K3RUN_GEMV_T32_FORM, split by `tile32_split`.
     - M = 33..64 on matrices of at least GEMV_PAIR_MIN_WEIGHTS weights: the same kernel in two launches.
     Larger M, and 33..64 on smaller matrices: the tensor-core tile GEMM up to TILE_MAX_M rows, dequantize
     to bf16 + cuBLAS above (the split128 Triton kernel stays available through an explicit GemmConfig).
@@ -195,16 +194,14 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
     if wgmma and WGMMA_MIN_M <= m <= WGMMA_MAX_M and (m > GEMV_AUTO_M or n * k >= WGMMA_SMALL_M_MIN_WEIGHTS):
         return GemmConfig(wgmma=True)
     if m <= GEMV_AUTO_M or (m <= GEMV_MAX_M and n * k >= GEMV_PAIR_MIN_WEIGHTS):
-        maxnreg = None
-        tw = token_warps_for(min(m, GEMV_AUTO_M))
-        if m <= 16 and tw > 1:
-            split_k = _wave_split(n, k, sms, _program_fit(16, tw))
-        elif m <= 16:
+        if m <= 16:
             split_k, maxnreg = one_wave_split(m, n, k, sms)
-        else:
-            split_k = tile32_split(n, k, sms, tw)
+            return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
+        form = t32_form()
+        rows, tokens, staged = form
+        split_k = tile32_split(n, k, sms, form)
         return GemmConfig(
-            gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg, token_warps=tw
+            gemv=True, num_warps=rows, split_k=split_k, smem_stages=2, token_warps=tokens, x_smem=staged
         )
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
