@@ -4,7 +4,7 @@ process. Checks choose_config's split_k rules (bench/RESULTS.md runs 18 and 214)
 bench_gemv.py.
 
     PYTHONPATH=src python bench/sweep_gemv_split.py [--shapes 12448x2304,2304x4096] [--ms 24,32]
-        [--splits 1,2,3,6] [--stages 2,3] [--warps 1,2] [--token-warps 1,2,4] [--x-smem 0,1]
+        [--splits 1,2,3,6] [--stages 2,3] [--warps 1,2] [--token-warps 1,2,4]
 
 Splits that do not divide the shape's 128-wide chunk count are skipped (the kernel needs whole chunks).
 Every row prints the rule's time, the best swept launch and its speed-up over the rule, and the weight
@@ -48,7 +48,6 @@ def main() -> None:
     ap.add_argument("--warps", default="1")
     ap.add_argument("--maxnreg", default="0", help="register caps to sweep (0: the kernel's default)")
     ap.add_argument("--token-warps", default="1", help="warps a program splitting the token columns")
-    ap.add_argument("--x-smem", default="0", help="x staged in shared memory: 0, 1 or 0,1")
     args = ap.parse_args()
     torch.manual_seed(0)
     tbps = copy_bandwidth()
@@ -71,15 +70,9 @@ def main() -> None:
 
             t_rule = us(rule)
             res: dict[str, float] = {}
-            forms = [
-                (w, tw, xs)
-                for w in _ints(args.warps)
-                for tw in _ints(args.token_warps)
-                for xs in _ints(args.x_smem)
-            ]
-            for w, tw, xs in forms:
-                if (tw > 1 and (m <= 8 or (m <= 16 and tw > 2))) or w * tw > 8:
-                    continue  # fewer than 8 token columns a warp, or more than 8 warps
+            for w, tw in ((w, tw) for w in _ints(args.warps) for tw in _ints(args.token_warps)):
+                if tw > 1 and (m <= 8 or (m <= 16 and tw > 2)):
+                    continue  # fewer than 8 token columns a warp
                 for sk in _ints(args.splits):
                     if chunks % sk:
                         continue
@@ -92,17 +85,11 @@ def main() -> None:
                                 smem_stages=st,
                                 maxnreg=cap or None,
                                 token_warps=tw,
-                                x_smem=bool(xs),
                             )
-                            name = (
-                                f"w{w}"
-                                + (f"x{tw}" if tw > 1 else "")
-                                + ("s" if xs else "")
-                                + f"/sk{sk}/st{st}"
-                            )
+                            name = f"w{w}" + (f"x{tw}" if tw > 1 else "") + f"/sk{sk}/st{st}"
                             res[name + (f"/r{cap}" if cap else "")] = us(c)
             best = min(res, key=res.__getitem__)
-            tw_name = (f"x{rule.token_warps}" if rule.token_warps > 1 else "") + ("s" if rule.x_smem else "")
+            tw_name = f"x{rule.token_warps}" if rule.token_warps > 1 else ""
             rule_name = str(rule)
             if rule.gemv:
                 rule_name = f"w{rule.num_warps}{tw_name}/sk{rule.split_k}/st{rule.smem_stages}"

@@ -10,9 +10,9 @@ instruction issue? This probe launches one of the step's launches a few times so
 
 --which w13 | w2: `nvfp4_gemv_by_expert` as the decode step launches it (tile and split from the step's
 rules); dense: the in_proj of a Kimi Linear KDA layer (12448 x 2304) at T rows through `nvfp4_gemv` at its
-`choose_config`. Random weights, uniform random routing (probe_graph_step --uniform-routing). It only
-launches; bench/bench_expert_gemv.py times the same launches. Answer (H100): bench/NOTES.md "Session 54: what
-the H100 said" (run 220).
+`choose_config` (at 17..32 rows in K3RUN_GEMV_T32_FORM's program form). Random weights, uniform random
+routing (probe_graph_step --uniform-routing). It only launches; bench/bench_expert_gemv.py times the same
+launches. Answers (H100): bench/NOTES.md "Session 54: what the H100 said" (run 220) and session 55 (run 229).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
         def call():
             return nvfp4_gemv(
                 x, tw.weight, tw.scale_bits, tw.global_scale, tiled=True, split_k=cfg.split_k,
-                maxnreg=cfg.maxnreg,
+                maxnreg=cfg.maxnreg, num_warps=cfg.num_warps, token_warps=cfg.token_warps,
             )  # fmt: skip
 
         what = f"dense {n}x{k} at M={t}, {cfg}"

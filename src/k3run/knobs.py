@@ -100,11 +100,11 @@ def _tokens_up_to(most: int, what: str = "token count") -> Callable[[str, str], 
 
 
 def _t32_form(name: str, value: str) -> str:
-    """R/T or R/T/x (R, T in 1, 2, 4; R * T <= 8)"""
+    """R/T (R, T in 1, 2, 4; R * T <= 8)"""
     parts = value.split("/")
-    ok = len(parts) in (2, 3) and parts[0] in ("1", "2", "4") and parts[1] in ("1", "2", "4")
-    if not ok or parts[2:] not in ([], ["x"]) or int(parts[0]) * int(parts[1]) > 8:
-        raise _malformed(name, "R/T or R/T/x (R, T in 1, 2, 4; R * T <= 8)", value)
+    ok = len(parts) == 2 and parts[0] in ("1", "2", "4") and parts[1] in ("1", "2", "4")
+    if not ok or int(parts[0]) * int(parts[1]) > 8:
+        raise _malformed(name, "R/T (R, T in 1, 2, 4; R * T <= 8)", value)
     return value
 
 
@@ -255,10 +255,10 @@ class Knobs:
         "to 256 rows, dequantize + cuBLAS above)",
     )  # fmt: skip
     gemv_t32_form: str = _knob(
-        "K3RUN_GEMV_T32_FORM", _t32_form, "1/1",
-        "CUDA: the program of the dense NVFP4 decode launches of 17..32 rows, R/T or R/T/x: R row warps of "
-        "16 weight rows each, T token warps splitting the 32 token columns (each decoding the same rows), x: "
-        "x's tiles staged in shared memory with the weights (1/1: one warp)",
+        "K3RUN_GEMV_T32_FORM", _t32_form, "1/2",
+        "CUDA: the program of the dense NVFP4 decode launches of 17..32 rows, R/T: R row warps of 16 weight "
+        "rows each, T token warps splitting the 32 token columns, each decoding the same rows (1/1: one warp "
+        "holds every column)",
     )  # fmt: skip
     sm90_gemv: int = _knob(
         "K3RUN_SM90_GEMV", _tokens_16, 0,

@@ -356,32 +356,32 @@ def test_one_wave_split_keeps_every_program_resident():
 
 
 def test_t32_form_knob_shapes_the_17_to_32_row_launches_and_sizes_their_split():
-    """K3RUN_GEMV_T32_FORM: dense launches of 17..32 rows take the form's row warps, token warps and x
-    staging, 1..16 rows never; the split counts the form's programs that fit an SM (its GEMV_T32_FORMS
-    registers and warps) over its row blocks (16 rows a row warp); a malformed value names the variable."""
+    """K3RUN_GEMV_T32_FORM: dense launches of 17..32 rows take the form's row warps and token warps, 1..16
+    rows never; the split counts the form's programs that fit an SM (its GEMV_T32_FORMS registers and
+    warps) over its row blocks (16 rows a row warp); a malformed value names the variable."""
     from k3run.kernels.nvfp4_gemm.config import GEMV_T32_FORMS, tile32_split
     from k3run.knobs import Knobs, override_knobs
 
-    # 2 token warps at 88 registers: 20 warps an SM, 10 programs; 4 row warps x 1 at 122 (x staged): 16
-    # warps, 4 programs; 4 x 2 at 75: 24 warps, 3 programs
-    assert programs_per_sm(GEMV_T32_FORMS[1, 2, False], 2) == 10
-    assert programs_per_sm(GEMV_T32_FORMS[4, 1, True], 4) == 4
-    assert programs_per_sm(GEMV_T32_FORMS[4, 2, True], 8) == 3
+    # 2 token warps at 88 registers: 20 warps an SM, 10 programs; 4 token warps at 62: 32 warps, 8 programs;
+    # 4 row warps x 2 token warps at 90: 16 warps, 2 programs
+    assert programs_per_sm(GEMV_T32_FORMS[1, 2], 2) == 10
+    assert programs_per_sm(GEMV_T32_FORMS[1, 4], 4) == 8
+    assert programs_per_sm(GEMV_T32_FORMS[4, 2], 8) == 2
     with override_knobs(gemv_t32_form="1/1"):
         base = {m: choose_config(m, 2304, 1024) for m in (1, 8, 16, 17, 32)}
-    assert {(c.num_warps, c.token_warps, c.x_smem) for c in base.values()} == {(1, 1, False)}
-    for form, want in (("1/2", (1, 2, False)), ("4/1/x", (4, 1, True)), ("2/4/x", (2, 4, True))):
+    assert {(c.num_warps, c.token_warps) for c in base.values()} == {(1, 1)}
+    for form, want in (("1/2", (1, 2)), ("4/1", (4, 1)), ("2/4", (2, 4))):
         with override_knobs(gemv_t32_form=form):
             got = {m: choose_config(m, 2304, 1024) for m in (1, 8, 16, 17, 32)}
         assert all(got[m] == base[m] for m in (1, 8, 16))
-        assert all((got[m].num_warps, got[m].token_warps, got[m].x_smem) == want for m in (17, 32))
+        assert all((got[m].num_warps, got[m].token_warps) == want for m in (17, 32))
     # 2304 x 4096 (32 chunks): on 40 SMs 144 one-row-warp blocks, 40 x 12 // 144 = 3 one-warp programs a
-    # block fit (split 2), 40 x 10 // 144 = 2 two-token-warp ones (2); 4 row warps: 36 blocks, 40 x 4 // 36 =
-    # 4 (split 4); on 132 SMs 132 x 10 // 144 = 9 -> 8
-    assert tile32_split(2304, 4096, 40) == 2 and tile32_split(2304, 4096, 40, (1, 2, False)) == 2
-    assert tile32_split(2304, 4096, 40, (4, 1, True)) == 4
-    assert tile32_split(2304, 4096, 132, (1, 2, False)) == 8
-    for bad in ("3/1", "1/1/y", "4/4", "2"):
+    # block fit (split 2), 40 x 10 // 144 = 2 two-token-warp ones (2); 4 row warps x 2: 36 blocks,
+    # 40 x 2 // 36 = 2 (split 2); on 132 SMs 132 x 10 // 144 = 9 -> 8
+    assert tile32_split(2304, 4096, 40) == 2 and tile32_split(2304, 4096, 40, (1, 2)) == 2
+    assert tile32_split(2304, 4096, 40, (4, 2)) == 2
+    assert tile32_split(2304, 4096, 132, (1, 2)) == 8
+    for bad in ("3/1", "1/1/x", "4/4", "2"):
         with pytest.raises(ValueError, match="K3RUN_GEMV_T32_FORM"):
             Knobs.from_env({"K3RUN_GEMV_T32_FORM": bad})
 

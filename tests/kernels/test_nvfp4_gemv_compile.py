@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 def _compile(
     num_warps: int, bt: int, split_k: int, k: int, dtype: str, maxnreg: int, stages: int = 2,
     tiled: bool = False, pdl: bool = False, grouped: bool = False, byexp: bool = False, act: int = 0,
-    early: bool = False, token_warps: int = 1, x_smem: bool = False,
+    early: bool = False, token_warps: int = 1,
 ):  # fmt: skip
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -49,8 +49,6 @@ def _compile(
         BYEXP=byexp,
         EARLY=early,
     )
-    if x_smem:
-        consts.update(XS=True, LCX=gemv.x_copy_layout(num_warps * token_warps), SMX=gemv.X_SMEM_LAYOUT)
     if not grouped and not byexp:
         consts.update(ids_ptr=None, n_experts=0, slot_div=1, w_estride=0, s_estride=0, gs_estride=0)
     if not byexp:
@@ -103,35 +101,21 @@ def test_default_gemv_launches_compile_for_sm90_without_spills(m: int, n: int, k
     _check_compiled(m, k, dtype, cfg.num_warps, split_k, cfg.smem_stages, True, cfg.maxnreg)
 
 
-@pytest.mark.parametrize("form", [(1, 2, False), (1, 4, False), (4, 1, True), (2, 2, True), (4, 2, True)])
-def test_t32_forms_compile_for_sm90_within_their_register_table(form: tuple[int, int, bool]):
+@pytest.mark.parametrize("form", [(1, 2), (1, 4), (2, 2), (4, 2)])
+def test_t32_forms_compile_for_sm90_within_their_register_table(form: tuple[int, int]):
     """K3RUN_GEMV_T32_FORM's 32-token launches (tiled128, PDL, K = 2304): each warp's mma count falls with its
     share of the token columns, no spills, and ptxas' registers are within one allocation step (8) of
     GEMV_T32_FORMS, which sizes the split."""
     from k3run.kernels.nvfp4_gemm.config import GEMV_T32_FORMS
 
-    rows, tokens, staged = form
-    ck = _check_compiled(32, 2304, "bf16", rows, 2, 2, True, pdl=True, token_warps=tokens, x_smem=staged)
+    rows, tokens = form
+    ck = _check_compiled(32, 2304, "bf16", rows, 2, 2, True, pdl=True, token_warps=tokens)
     one = _check_compiled(32, 2304, "bf16", rows, 2, 2, True, pdl=True)
     mma = re.compile(r"mma\.sync\.aligned\.m16n8k16")
     assert len(mma.findall(ck.asm["ptx"])) * tokens == len(mma.findall(one.asm["ptx"]))
     res, _ = cubin_usage_and_sass(ck)
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     assert abs(regs - GEMV_T32_FORMS[form]) <= 8, regs
-
-
-@pytest.mark.parametrize("num_warps, token_warps, k", [(1, 1, 2304), (4, 1, 2304), (4, 2, 3600)])
-def test_x_staged_programs_compile_for_sm90_without_spills(num_warps: int, token_warps: int, k: int):
-    """x_smem's 32-token launches (tiled128, PDL): x's tiles copied by cp.async beside the weights (more
-    copies than the unstaged launch) and no x load from global memory inside the K loop, no spills."""
-    ck = _check_compiled(32, k, "bf16", num_warps, 2, 2, True, pdl=True, token_warps=token_warps, x_smem=True)
-    plain = _check_compiled(32, k, "bf16", num_warps, 2, 2, True, pdl=True, token_warps=token_warps)
-    assert ck.asm["ptx"].count("cp.async.") > plain.asm["ptx"].count("cp.async.")
-    # the unstaged launch loads x with ld.global; the staged one only in its prologue copies (cp.async)
-    assert "ld.global" in plain.asm["ptx"]
-    assert len(re.findall(r"ld\.global\.v4", ck.asm["ptx"])) < len(
-        re.findall(r"ld\.global\.v4", plain.asm["ptx"])
-    )
 
 
 @pytest.mark.parametrize(
@@ -147,13 +131,12 @@ def test_cp_async_gemv_compiles_for_sm90_without_spills(m: int, k: int, dtype: s
 
 def _check_compiled(
     m: int, k: int, dtype: str, num_warps, split_k, stages, tiled=False, maxnreg=None, pdl=False,
-    token_warps=1, x_smem=False,
+    token_warps=1,
 ):  # fmt: skip
     bt = gemv.token_tile(m)
     maxnreg = maxnreg or gemv.MAXNREG[bt // token_warps]
     ck = _compile(
-        num_warps, bt, split_k, k, dtype, maxnreg, stages, tiled, pdl=pdl, token_warps=token_warps,
-        x_smem=x_smem,
+        num_warps, bt, split_k, k, dtype, maxnreg, stages, tiled, pdl=pdl, token_warps=token_warps
     )  # fmt: skip
     ptx = ck.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx

@@ -71,7 +71,7 @@ def test_gemv_fp16_exact_k(poison_empty, m: int, split_k: int, stages: int, layo
     assert_close(f"gemv fp16 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.float16])
 
 
-@pytest.mark.parametrize("form", ["1/1", "1/2", "4/1/x", "2/2/x"])
+@pytest.mark.parametrize("form", ["1/1", "1/2", "2/2", "1/4"])
 @pytest.mark.parametrize("m", [17, 32])
 @pytest.mark.parametrize("n, k", [(576, 2304), (128, 2304), (2304, 1024), (6144, 2304), (2304, 4096)])
 def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: int, k: int, form: str):
@@ -96,56 +96,44 @@ def test_gemv_tile32_split_rule_on_kimi_linear_shapes(poison_empty, m: int, n: i
 
 @pytest.mark.parametrize("m", [9, 13, 16, 17, 30, 32, 45])
 @pytest.mark.parametrize(
-    "num_warps, token_warps, x_smem, split_k, layout",
-    [(1, 2, False, 1, "tiled128"), (1, 4, False, 5, "tiled128"), (2, 2, False, 3, "tiled128"),
-     (1, 2, False, 4, "split128"), (2, 4, False, 2, "split128"), (1, 1, True, 1, "tiled128"),
-     (4, 1, True, 5, "tiled128"), (2, 2, True, 3, "split128"), (4, 2, True, 2, "tiled128")],
+    "num_warps, token_warps, split_k, layout",
+    [(1, 2, 1, "tiled128"), (1, 4, 5, "tiled128"), (2, 2, 3, "tiled128"), (4, 2, 2, "tiled128"),
+     (1, 2, 4, "split128"), (2, 4, 2, "split128")],
 )  # fmt: skip
 def test_program_shapes_give_the_one_warp_bits(
-    poison_empty, m: int, num_warps: int, token_warps: int, x_smem: bool, split_k: int, layout: str
+    poison_empty, m: int, num_warps: int, token_warps: int, split_k: int, layout: str
 ):
-    """Row warps, token warps and x staged in shared memory only move rows, token columns and x's bytes
-    between warps: each output's mma steps and split-K partials are the same in the same order, so y is
-    bit-equal to the one-warp launch at the same split (and within the bf16 bound, RTOL[torch.bfloat16], of
-    the fp32 reference). N = 520 (not a multiple of the program's rows), K = 3600 (a partial last chunk,
-    x's staged columns zero-filled past K), bias, per-row global scales, rows 9..45 (45: 32 + 13 in two
-    launches; where a launch's token tile is narrower than 8 columns a warp, nvfp4_linear takes fewer token
-    warps)."""
+    """Row warps and token warps only move rows and token columns between warps: each output's mma steps
+    and split-K partials are the same in the same order, so y is bit-equal to the one-warp launch at the
+    same split (and within the bf16 bound, RTOL[torch.bfloat16], of the fp32 reference). N = 520 (not a
+    multiple of the program's rows), K = 3600 (a partial last chunk), bias, per-row global scales, rows
+    9..45 (45: 32 + 13 in two launches; nvfp4_linear gives token warps to the 32-token tile only)."""
     n, k = 520, 3600
     w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
     pw = prepare_nvfp4_weight(w, s, gs, layout=layout)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
     one = GemmConfig(gemv=True, split_k=split_k, smem_stages=2)
-    cfg = GemmConfig(
-        gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2, token_warps=token_warps, x_smem=x_smem
-    )
+    cfg = GemmConfig(gemv=True, num_warps=num_warps, split_k=split_k, smem_stages=2, token_warps=token_warps)
     y = nvfp4_linear(x, pw, bias, config=cfg)
     assert torch.equal(y, nvfp4_linear(x, pw, bias, config=one)), f"m={m} {cfg}"
     assert_close(f"gemv m={m} {cfg}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), y,
                  rtol=RTOL[torch.bfloat16])  # fmt: skip
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_x_staged_from_a_strided_input_in_a_graph(poison_empty, stages: int):
-    """x_smem with x a row-strided view, 2 and 3 slots (the first tiles' x copied after the PDL wait), the
-    launch captured in a CUDA graph behind the kernel that writes x: the replay reads the new x."""
-    n, k, m = 1040, 2304, 24
-    w, s, gs = _random_nvfp4(n, k, device="cuda")
-    pw = prepare_nvfp4_weight(w, s, gs)
-    big = torch.randn(m, 2 * k, device="cuda").bfloat16()
-    src = torch.randn(m, k, device="cuda").bfloat16()
-    cfg = GemmConfig(gemv=True, num_warps=4, split_k=2, smem_stages=stages, x_smem=True)
-    x = big[:, :k]
-    nvfp4_linear(x, pw, config=cfg)  # compile outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.copy_(src * 2)
-        y = nvfp4_linear(x, pw, config=cfg)
-    src.copy_(torch.randn(m, k, device="cuda").bfloat16())
-    g.replay()
-    ref = nvfp4_linear_ref((src * 2).float(), w, s, gs)
-    assert_close("gemv x_smem graph", ref, y, rtol=RTOL[torch.bfloat16])
+@pytest.mark.parametrize("m", [9, 16])
+def test_token_warps_on_the_16_token_tile_give_the_one_warp_bits(poison_empty, m: int):
+    """nvfp4_gemv itself also splits the 16-token tile over 2 token warps (8 columns each): bit-equal to one
+    warp (N = 520, K = 3600, split 3)."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv
+
+    w, s, gs = _random_nvfp4(520, 3600, device="cuda")
+    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
+    x = torch.randn(m, 3600, device="cuda").bfloat16()
+    args = (x, pw.weight, pw.scale_bits, pw.global_scale)
+    y = nvfp4_gemv(*args, tiled=True, rows=520, split_k=3, token_warps=2)
+    assert torch.equal(y, nvfp4_gemv(*args, tiled=True, rows=520, split_k=3))
+    assert_close(f"gemv16 x2 m={m}", nvfp4_linear_ref(x.float(), w, s, gs), y, rtol=RTOL[torch.bfloat16])
 
 
 def test_token_warps_reject_a_tile_narrower_than_8_columns_a_warp():

@@ -24,9 +24,8 @@ class GemmConfig:
     split_k programs per row block (reduced in the same launch); block_k, block_m and num_stages are the
     Triton kernel's and do not apply.
     maxnreg: the Gluon kernel's register cap (None: its default per token tile).
-    token_warps: the Gluon kernel's warps a program that split the token tile's columns (nvfp4_gemv; a
-    launch of <= 8 rows takes 1).
-    x_smem: the Gluon kernel stages x's K tiles in shared memory with the weights (nvfp4_gemv).
+    token_warps: the Gluon kernel's warps a program that split the 32-token tile's columns (nvfp4_gemv;
+    nvfp4_linear's launches of <= 16 rows take 1).
     tile=True runs the tensor-core tile GEMM on a tiled128 weight (tile.py; bf16/fp16 on CUDA).
     wgmma=True runs the Gluon wgmma GEMM on a tiled128 weight (wgmma.py; bf16/fp16 on sm_90).
     """
@@ -44,7 +43,6 @@ class GemmConfig:
     smem_stages: int = 2
     maxnreg: int | None = None
     token_warps: int = 1
-    x_smem: bool = False
     tile: bool = False
     wgmma: bool = False
 
@@ -95,14 +93,11 @@ GEMV_REGS_T16_CAPPED = 80
 # Under a 128-register cap it fits 16 per SM but ran 3-6% slower a launch on the H100 (bench/RESULTS.md run
 # 225), so it runs uncapped.
 GEMV_REGS_T32 = 141
-# The 32-token tile's program forms (K3RUN_GEMV_T32_FORM): (row warps, token warps, x staged in shared memory)
-# -> ptxas' registers a thread (sm_90, Triton 3.9 on a CPU, K = 2304, no spills). Row warps take 16 weight
-# rows each; token warps split the 32 token columns, each decoding the same rows from the shared ring.
+# The 32-token tile's program forms (K3RUN_GEMV_T32_FORM): (row warps, token warps) -> ptxas' registers a
+# thread (sm_90, Triton 3.9 on a CPU, K = 2304, no spills). Row warps take 16 weight rows each; token warps
+# split the 32 token columns, each decoding the same rows from the program's shared ring.
 GEMV_T32_FORMS = {
-    (1, 1, False): 141, (1, 2, False): 88, (1, 4, False): 62, (2, 1, False): 143, (2, 2, False): 90,
-    (2, 4, False): 64, (4, 1, False): 143, (4, 2, False): 90, (1, 1, True): 142, (1, 2, True): 88,
-    (1, 4, True): 65, (2, 1, True): 128, (2, 2, True): 79, (2, 4, True): 63, (4, 1, True): 122,
-    (4, 2, True): 75,
+    (1, 1): 141, (1, 2): 88, (1, 4): 62, (2, 1): 143, (2, 2): 90, (2, 4): 64, (4, 1): 143, (4, 2): 90,
 }  # fmt: skip
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
@@ -141,7 +136,7 @@ def _wave_split(n: int, k: int, sms: int, per_sm: int) -> int:
     return largest_divisor(chunks, min(8, max(1, slots // blocks)))
 
 
-def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, form: tuple[int, int, bool] = (1, 1, False)) -> int:
+def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, form: tuple[int, int] = (1, 1)) -> int:
     """split_k of the decode kernel's 32-token tile (17..32 rows) on an N x K weight, for programs of `form`
     (GEMV_T32_FORMS).
 
@@ -154,15 +149,15 @@ def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, form: tuple[int, int, b
     rows one shape loses: 2304 x 4096 9.21 at split 8 against 8.90 at 4.
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
     the K3 shapes (the rule above was not measured there)."""
-    rows, tokens, _ = form
+    rows, tokens = form
     fit = programs_per_sm(GEMV_T32_FORMS[form], rows * tokens)
     return _tile32_split(n, k, sms, fit, rows)
 
 
-def t32_form() -> tuple[int, int, bool]:
-    """K3RUN_GEMV_T32_FORM as (row warps, token warps, x staged)."""
-    parts = knobs().gemv_t32_form.split("/")
-    return int(parts[0]), int(parts[1]), parts[2:] == ["x"]
+def t32_form() -> tuple[int, int]:
+    """K3RUN_GEMV_T32_FORM as (row warps, token warps)."""
+    rows, tokens = knobs().gemv_t32_form.split("/")
+    return int(rows), int(tokens)
 
 
 @functools.cache  # on every eager nvfp4_linear call of 17..64 rows (choose_config)
@@ -198,11 +193,9 @@ def choose_config(m: int, n: int, k: int, sms: int = DEFAULT_SMS, wgmma: bool = 
             split_k, maxnreg = one_wave_split(m, n, k, sms)
             return GemmConfig(gemv=True, num_warps=1, split_k=split_k, smem_stages=2, maxnreg=maxnreg)
         form = t32_form()
-        rows, tokens, staged = form
+        rows, tokens = form
         split_k = tile32_split(n, k, sms, form)
-        return GemmConfig(
-            gemv=True, num_warps=rows, split_k=split_k, smem_stages=2, token_warps=tokens, x_smem=staged
-        )
+        return GemmConfig(gemv=True, num_warps=rows, split_k=split_k, smem_stages=2, token_warps=tokens)
     if m <= TILE_MAX_M:  # (up to 32 rows, and 33..64 on large matrices, the decode kernel runs instead)
         return GemmConfig(tile=True)
     return GemmConfig(dequant_mm=True)

@@ -421,15 +421,11 @@ def _mma_words(
 @gluon.jit
 def _issue_tile(
     smem_w, smem_s, w_src, s_src, ok_w, ok_s, tile, N_TILES: gl.constexpr, BK: gl.constexpr,
-    TILED: gl.constexpr, IN_RANGE: gl.constexpr = False, smem_x=None, x_src=None, kx2=None,
-    K: gl.constexpr = 0, XS: gl.constexpr = False,
+    TILED: gl.constexpr, IN_RANGE: gl.constexpr = False,
 ):  # fmt: skip
     """cp.async the words and scale bytes of K tile `tile` into one pipeline slot (zeros past the end;
-    IN_RANGE: the caller knows tile < N_TILES); with XS also x's [BT, BK] columns of the tile into smem_x
-    (zeros from K on)."""
+    IN_RANGE: the caller knows tile < N_TILES)."""
     more = True if IN_RANGE else tile < N_TILES
-    if XS:
-        _async_load(smem_x, x_src + tile * BK, mask=(kx2 + tile * BK < K) & more)
     if TILED:  # consecutive K tiles of a 16-row block are consecutive 1 KB + 128 B blocks (int32 pointers)
         _async_load(smem_w, w_src + tile * 256, mask=ok_w & more)
         _async_load(smem_s, s_src + tile * 32, mask=ok_s & more)
@@ -446,15 +442,12 @@ def _async_step(
     K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ASM: gl.constexpr,
     SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr, DT: gl.constexpr,
-    SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True, smem_x=None, x_src=None, kx2=None,
-    LB: gl.constexpr = None, XS: gl.constexpr = False,
+    SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
 ):  # fmt: skip
     """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
-    the caller's loop only runs while that tile exists), decode, two mma. x's B operands come from global
-    memory (L1 / L2) or, with XS, from the slot's staged columns in smem_x."""
+    the caller's loop only runs while that tile exists), decode, two mma."""
     kt = i * BK
-    if not XS:
-        x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
+    x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
     if ISSUE:
         async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
     else:
@@ -462,14 +455,9 @@ def _async_step(
     _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last iteration
     if ISSUE:
         nxt = i + STAGES - 1
-        sx_next = smem_x.index(nxt % STAGES) if XS else None
         _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
-                    N_TILES, BK, TILED, True, sx_next, x_src, kx2, K, XS)  # fmt: skip
+                    N_TILES, BK, TILED, True)  # fmt: skip
     slot = i % STAGES
-    if XS:  # the tile's x columns [BT, BK] as the two [BK / 2, BT] B operands
-        sx = smem_x.index(slot)
-        x_lo = sx.slice(0, HALF, 1).permute((1, 0)).load(LB)
-        x_hi = sx.slice(HALF, HALF, 1).permute((1, 0)).load(LB)
     p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
     sw = smem_s.index(slot)
     if TILED:  # one word per row and lane: the pairs of groups j and j + 2 (TILED_SCALE_ORDER)
@@ -497,14 +485,10 @@ def _nvfp4_gemv_async_kernel(
     OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None, ids_ptr=None, n_experts=0,
     slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None,
     BYEXP: gl.constexpr = False, ACT: gl.constexpr = 0, act_beta=1.0, act_rbeta=1.0, act_lbeta=1.0,
-    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False, XS: gl.constexpr = False, LCX: gl.constexpr = None,
-    SMX: gl.constexpr = None,
+    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers.
-    XS (dense only): x's [BT, 128] columns of each K tile ride the same ring (copy layout LCX, shared layout
-    SMX), so a program's warps read them from shared memory instead of each from L1 / L2; the first tiles'
-    x is copied after the PDL wait.
     GROUPED (`nvfp4_gemv_grouped`): grid axis 2 is the pick s: one token row x[s // slot_div] times expert
     ids[s]'s weights (w / s / gs_ptr + ids[s] * their expert strides) into y row s; an id outside
     [0, n_experts) copies no weights (zero-filled: y row s = 0).
@@ -601,26 +585,11 @@ def _nvfp4_gemv_async_kernel(
     else:
         x_off = gl.minimum(t2, M - 1).to(gl.int64) * stride_xm + k_start + kx
     L_G: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW4))  # [BN, 4]: one scale group per 2 runs
-    smem_x = None
-    x_src = None
-    kx2 = None
-    if XS:  # x's tile columns [BT, BK], token rows past M re-reading row M - 1 as above
-        gl.static_assert(not GROUPED, "x staging is for the dense launch")
-        smem_x = gl.allocate_shared_memory(DT, [STAGES, BT, BK], SMX)
-        tx = gl.expand_dims(gl.minimum(gl.arange(0, BT, layout=gl.SliceLayout(1, LCX)), M - 1), 1)
-        kx2 = gl.expand_dims(k_start + gl.arange(0, BK, layout=gl.SliceLayout(0, LCX)), 0) + tx * 0
-        x_src = x_ptr + (tx.to(gl.int64) * stride_xm + kx2)
 
     for st in gl.static_range(STAGES - 1):
         _issue_tile(smem_w.index(st), smem_s.index(st), w_src, s_src, ok_w, ok_s, st, N_TILES, BK, TILED)
     if PDL and (EARLY or not GROUPED):  # x (and ws, the counters, y) may be the previous launch's: wait
         _gdc("griddepcontrol.wait;")
-    if XS:  # the first tiles' x, in one group after the weights': wait for all (tile 0 needs both)
-        for st in gl.static_range(STAGES - 1):
-            if st < N_TILES:
-                _async_load(smem_x.index(st), x_src + st * BK, mask=kx2 + st * BK < K)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     # the loop is split where the refills stop, so neither part tests whether a tile exists
     MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
@@ -628,13 +597,11 @@ def _nvfp4_gemv_async_kernel(
         acc = _async_step(
             acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            smem_x, x_src, kx2, LB, XS,
         )  # fmt: skip
     for i in range(MAIN, N_TILES):
         acc = _async_step(
             acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
             N_TILES, BK, BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
-            smem_x, x_src, kx2, LB, XS,
         )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
@@ -802,15 +769,6 @@ def _finish_act(
 
 
 MAXNREG = {8: 168, 16: 192, 32: 232}  # ptxas register cap per token tile (see nvfp4_gemv)
-# x's staged [BT, 128] tiles: rows of 256 bytes would put every token's same k in one bank, so the 16-byte
-# chunks are XOR-swizzled by row (8 phases)
-X_SMEM_LAYOUT = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-
-
-@functools.cache
-def x_copy_layout(warps: int) -> gl.BlockedLayout:
-    """The cp.async layout of x's [BT, 128] tile: 16 bytes a thread, a warp two rows."""
-    return gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
 
 
 def token_tile(m: int) -> int:
@@ -865,7 +823,6 @@ def nvfp4_gemv(
     rows: int | None = None,
     pdl: bool | None = None,
     token_warps: int = 1,
-    x_smem: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T * global_scale (+ bias) for M <= 32, bf16/fp16 x on CUDA (sm_80+).
 
@@ -879,9 +836,6 @@ def nvfp4_gemv(
     columns, each decoding the same 16 * num_warps weight rows from the shared-memory slots into its own
     mma operands. The weights are read from memory once a program either way; a warp then holds the
     registers of a token tile token_warps times narrower, so more warps fit an SM.
-    x_smem: x's columns of each K tile are copied into the program's shared-memory slots with the weights and
-    every warp reads its B operands there, instead of each warp loading them from L1 / L2 (which at 32
-    tokens moves 8x the weight bytes a tile).
     pdl: programmatic dependent launch. The launch may start while the previous kernel on the stream
     drains: its programs stage their first weight tiles, then wait (griddepcontrol.wait) for the previous
     kernel to finish before reading x or writing anything; and once every program of this launch has left
@@ -916,7 +870,7 @@ def nvfp4_gemv(
     per_col = global_scale.numel() != 1  # _check: one global scale or one per row
     _launch_async(
         (grid_n, split_k), common, y, ws, cnt, m, n, k, k_pad, split_k, num_warps, bt, stages, tiled, sm89,
-        pdl, maxnreg, per_col, bias is not None, token_warps=token_warps, x_smem=x_smem,
+        pdl, maxnreg, per_col, bias is not None, token_warps=token_warps,
     )  # fmt: skip
     return y
 
@@ -1120,12 +1074,11 @@ def _launch_grouped(
 def _launch_async(
     grid: tuple[int, ...], common: tuple, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor, m: int,
     n: int, k: int, k_pad: int, split_k: int, num_warps: int, bt: int, stages: int, tiled: bool, sm89: bool,
-    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, token_warps: int = 1, x_smem: bool = False,
-    **extra,
+    pdl: bool, maxnreg: int | None, per_col: bool, has_bias: bool, token_warps: int = 1, **extra,
 ) -> None:  # fmt: skip
     """Launch the cp.async kernel: the decoder (tiled128 shifts or split128 byte permutes) and its scale
     conversion for x's dtype, the layouts of the program shape (num_warps row warps x token_warps token
-    warps; x_smem: x staged through the weight ring); `extra`: the grouped arguments."""
+    warps); `extra`: the grouped arguments."""
     x = common[0]
     bf16 = x.dtype == torch.bfloat16
     if tiled:
@@ -1136,8 +1089,6 @@ def _launch_async(
         scale_asm = (_SCALE_ASM_BF16 if bf16 else _SCALE_ASM) if sm89 else ""
     mma, la, lw4, lb, lcw, lcs, smem = async_layouts(num_warps, bt, token_warps)
     bn = 16 * num_warps
-    if x_smem:
-        extra.update(XS=True, LCX=x_copy_layout(num_warps * token_warps), SMX=X_SMEM_LAYOUT)
     _nvfp4_gemv_async_kernel[grid](
         *common, y, ws, cnt, decode_tables(x.device, "bf16" if bf16 else "fp16"), m, n, x.stride(0),
         y.stride(0),
