@@ -26,6 +26,9 @@
 #   sm90ncu ncu (full set, one launch each) of the sm90 CUDA GEMM at 7168^2, M = 16 (16,1,2,8) and M = 256
 #           (256,1,1,3), or NCU_SPECS='16:16,1,0,8 ...' (M:config): details and per-SASS-line stall samples
 #           under $OUT (bench/probes/sm90_ncu.py)
+#   gemvncu ncu (full set, per-SASS-line stall samples in ncu_*_sass.csv) of one dense in_proj launch (12448 x
+#           2304) at 32 rows in K3RUN_GEMV_T32_FORM 1/1 and 1/2 and at 16 rows (bench/probes/expert_ncu.py), or
+#           NCU_SPECS='rows:form ...'
 #   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
 #           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
 #   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py,
@@ -135,6 +138,18 @@ for stage in "${stages[@]}"; do
             ncu -i "$OUT/ncu_$3.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_$3_sass.csv" 2>&1
             grep -E "Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Achieved Occupancy|Warp Cycles Per Issued" \
                 "$OUT/ncu_$3_details.txt" | head -8
+        done ;;
+    gemvncu) for spec in ${NCU_SPECS:-32:1/1 32:1/2 16:1/1}; do  # rows:K3RUN_GEMV_T32_FORM (ncu, full set)
+            set -- "${spec%%:*}" "${spec#*:}" "t${spec%%:*}_$(echo "${spec#*:}" | tr / _)"
+            K3RUN_GEMV_T32_FORM="$2" timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none \
+                -k regex:gemv_async --launch-skip 3 --launch-count 1 --set full --import-source yes -f \
+                -o "$OUT/ncu_$3" python3 bench/probes/expert_ncu.py --which dense --t "$1" >"$OUT/ncu_$3_run.txt" 2>&1
+            tail -1 "$OUT/ncu_$3_run.txt"
+            ncu -i "$OUT/ncu_$3.ncu-rep" --page details >"$OUT/ncu_$3_details.txt" 2>&1
+            ncu -i "$OUT/ncu_$3.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_$3_sass.csv" 2>&1
+            rm -f "$OUT/ncu_$3.ncu-rep"
+            grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Warp Cycles Per Issued" \
+                "$OUT/ncu_$3_details.txt" | head -6
         done ;;
     gemvtests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE \
