@@ -97,7 +97,8 @@ GEMV_REGS_T32 = 141
 # thread (sm_90, Triton 3.9 on a CPU, K = 2304, no spills). Row warps take 16 weight rows each; token warps
 # split the 32 token columns, each decoding the same rows from the program's shared ring.
 GEMV_T32_FORMS = {
-    (1, 1): 141, (1, 2): 88, (1, 4): 62, (2, 1): 143, (2, 2): 90, (2, 4): 64, (4, 1): 143, (4, 2): 90,
+    (1, 1): GEMV_REGS_T32, (1, 2): 88, (1, 4): 62, (2, 1): 143, (2, 2): 90, (2, 4): 64, (4, 1): 143,
+    (4, 2): 90,
 }  # fmt: skip
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
