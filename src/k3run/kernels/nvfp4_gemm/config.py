@@ -90,8 +90,8 @@ def programs_per_sm(regs: int, warps: int = 1) -> int:
 GEMV_REGS_T16 = 90
 GEMV_REGS_T16_CAPPED = 80
 # and the 32-token tile: 141 uncapped (sm_90, Triton 3.6, no spills; compiled for sm_90 on a CPU), 12 per SM.
-# Under a 128-register cap it fits 16 per SM but ran 3-6% slower a launch on the H100 (bench/RESULTS.md run
-# 225), so it runs uncapped.
+# Under a 128-register cap it fits 16 per SM but ran 3-6% slower a launch on an H100 (bench/RESULTS.md), so it
+# runs uncapped.
 GEMV_REGS_T32 = 141
 # The 32-token tile's program forms (K3RUN_GEMV_T32_FORM): (row warps, token warps) -> ptxas' registers a
 # thread (sm_90, Triton 3.9 on a CPU, K = 2304, no spills). Row warps take 16 weight rows each; token warps
@@ -112,29 +112,23 @@ def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     taken where it lets more programs in; the 32-token tile runs uncapped. Where even split_k 1 takes more
     than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8 whose waves are
     on average >= 90% full (else the fullest)."""
-
-    def split(per_sm: int) -> int:
-        return _wave_split(n, k, sms, per_sm)
-
-    if m <= 8:
-        return split(programs_per_sm(64)), None
-    if m > 16:  # the 32-token tile: no register cap (capping it is slower, run 225)
-        return split(programs_per_sm(GEMV_REGS_T32)), None
-    free, capped = split(programs_per_sm(GEMV_REGS_T16)), split(programs_per_sm(GEMV_REGS_T16_CAPPED))
-    return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
-
-
-@functools.cache
-def _wave_split(n: int, k: int, sms: int, per_sm: int) -> int:
-    """`one_wave_split`'s split_k for programs of which `per_sm` fit an SM."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
-    slots = sms * per_sm
-    if blocks > slots:  # more than one wave even unsplit (grouped launches): keep the waves >= 90% full
-        fill = {d: blocks * d / slots / -(-blocks * d // slots) for d in range(1, 9) if chunks % d == 0}
-        return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
-    return largest_divisor(chunks, min(8, max(1, slots // blocks)))
+
+    def split(per_sm: int) -> int:
+        slots = sms * per_sm
+        if blocks > slots:  # more than one wave even unsplit (grouped launches): keep the waves >= 90% full
+            fill = {d: blocks * d / slots / -(-blocks * d // slots) for d in range(1, 9) if chunks % d == 0}
+            return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
+        return largest_divisor(chunks, min(8, max(1, slots // blocks)))
+
+    if m <= 8:
+        return split(programs_per_sm(64)), None
+    if m > 16:  # the 32-token tile: no register cap (capped at 128 it ran slower on an H100)
+        return split(programs_per_sm(GEMV_REGS_T32)), None
+    free, capped = split(programs_per_sm(GEMV_REGS_T16)), split(programs_per_sm(GEMV_REGS_T16_CAPPED))
+    return (capped, GEMV_REGS_T16_CAPPED) if capped > free else (free, None)
 
 
 def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, form: tuple[int, int] = (1, 1)) -> int:
