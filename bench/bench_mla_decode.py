@@ -1,6 +1,6 @@
 """Absorbed MLA decode attention (kernels/mla): the split-context Triton kernel against the fp32 windowed
 reference it replaces in a static (CUDA-graph) decode step, at K3's widths (96 heads, latent 512, rope 64,
-bf16 latent cache), on one GPU.
+bf16 latent cache; --heads 32 for Kimi Linear's), on one GPU.
 
 Per (batch, context): the window the graph decoder would use (the next power of two above the context, at
 least 256); the time of the launch the engine makes (`decode_config`); its bytes (each sequence's cached
@@ -12,7 +12,7 @@ Then the absorb kernels around the attention (`absorb_table`) against the torch 
 Timing: common.graph_ms (a graph of back-to-back calls; median).
 
     PYTHONPATH=src python bench/bench_mla_decode.py [--contexts 1024,8192,32768] [--batches 1,8,32]
-        [--absorb-only] [--o-tiles 16/32/16,32/32/32]
+        [--heads 96] [--absorb-only | --no-absorb] [--o-tiles 16/32/16,32/32/32]
 """
 
 # every lambda below is timed immediately inside its loop iteration, so late binding is harmless
@@ -57,9 +57,11 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="block_h/block_n/warps/stages[/programs per SM], e.g. 32/64/4/2/4",
+        help="block_h/block_n/warps/stages[/programs per SM[/fewest positions a split]], e.g. 32/64/4/2/4",
     )
+    ap.add_argument("--heads", type=int, default=H, help="query heads (K3: 96, Kimi Linear: 32)")
     ap.add_argument("--absorb-only", action="store_true", help="only the absorb kernels' table")
+    ap.add_argument("--no-absorb", action="store_true", help="skip the absorb kernels' tables")
     ap.add_argument(
         "--o-tiles",
         default="",
@@ -76,10 +78,12 @@ def main() -> None:
         absorb_table(copy_tbs, batches, o_tiles=o_tiles)  # K3's
         return
     mm_tflops = _mm_tflops()
+    heads = args.heads
     print(
         f"{torch.cuda.get_device_name()}: copy bandwidth (read + write) {copy_tbs:.2f} TB/s, "
-        f"cuBLAS bf16 8192^3 {mm_tflops:.0f} TFLOP/s (the two ceilings; at 96 heads the kernel does "
-        f"{H * (2 * L + R) * 2 / ((L + R) * 2):.0f} FLOP per cache byte, so the tensor cores bind first)"
+        f"cuBLAS bf16 8192^3 {mm_tflops:.0f} TFLOP/s (the two ceilings; at {heads} heads the kernel does "
+        f"{heads * (2 * L + R) * 2 / ((L + R) * 2):.0f} FLOP per cache byte, against the ceilings' "
+        f"{mm_tflops / copy_tbs:.0f})"
     )
     variants = [s for s in args.variants.split(",") if s]
     head = f"{'B':>3} {'ctx':>6} {'window':>6} {'kernel us':>9} {'TB/s':>6} {'%copy':>6}"
@@ -93,8 +97,8 @@ def main() -> None:
             store = torch.randn(b, window, L + R, device="cuda", generator=g).to(torch.bfloat16)
             slots = torch.randperm(b, device="cuda", generator=g)
             lens = torch.full((b,), ctx, dtype=torch.int64, device="cuda")
-            q_lat = torch.randn(b, H, L, device="cuda", generator=g) / L**0.5
-            q_pe = torch.randn(b, H, R, device="cuda", generator=g) / R**0.5
+            q_lat = torch.randn(b, heads, L, device="cuda", generator=g) / L**0.5
+            q_pe = torch.randn(b, heads, R, device="cuda", generator=g) / R**0.5
             scale = 1.0 / (128 + R) ** 0.5
 
             def kern(spec: str = ""):
@@ -104,13 +108,15 @@ def main() -> None:
                 nums = [int(v) for v in spec.split("/")]
                 kw = dict(block_h=nums[0], block_n=nums[1], num_warps=nums[2], num_stages=nums[3])
                 kw.update(per_sm=nums[4] if len(nums) > 4 else 2)
+                if len(nums) > 5:
+                    kw.update(min_chunk=nums[5])
                 return mla_decode_triton(*args, **kw)
 
             t = _time(kern)
-            nbytes = b * (ctx + 1) * (L + R) * 2 + b * H * (L + R) * 4 + b * H * L * 4
+            nbytes = b * (ctx + 1) * (L + R) * 2 + b * heads * (L + R) * 4 + b * heads * L * 4
             tbs = nbytes / t / 1e6
-            tflops = b * H * (ctx + 1) * (2 * L + R) * 2 / t / 1e6
-            ref_bytes = b * window * (L + R) * 6 + 4 * b * H * window * 4
+            tflops = b * heads * (ctx + 1) * (2 * L + R) * 2 / t / 1e6
+            ref_bytes = b * window * (L + R) * 6 + 4 * b * heads * window * 4
             if ref_bytes <= REF_MAX_BYTES:
                 want = mla_decode_ref(q_lat, q_pe, store, slots, lens, window, scale)
                 err = rel_rms_error(want, kern())
@@ -124,6 +130,8 @@ def main() -> None:
             row += "".join(f" {_time(lambda: kern(v)):>14.1f}" for v in variants)
             print(row, flush=True)
             torch.cuda.empty_cache()
+    if args.no_absorb:
+        return
     absorb_table(copy_tbs, batches, heads=32, o_tiles=o_tiles)  # Kimi Linear's MLA
     absorb_table(copy_tbs, batches, o_tiles=o_tiles)  # K3's
 

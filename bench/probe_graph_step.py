@@ -75,6 +75,16 @@ def _engine(
     return LLM.from_model(model, tokenizer, cfg).engine
 
 
+def _prefill_all(engine) -> None:
+    """Step until every request is decode-ready (at most its last prompt token uncached): long prompts
+    prefill in chunks over several steps (the scheduler runs prefill steps first), which must not count
+    as decode steps."""
+    sched = engine.scheduler
+    engine.step()
+    while sched.waiting or any(s.num_uncached > 1 for s in sched.running):
+        engine.step()
+
+
 def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list, after=None) -> list[tuple]:
     """Per batch size: (batch, median wall ms per decode step, median GPU ms per replay). `gpu_ms` collects
     (start, end) CUDA event pairs around each replay (read after the steps: no sync inside them); after(b)
@@ -85,7 +95,7 @@ def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list, af
     for b in sizes:
         for _ in range(b):
             engine.add_request(torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), params)
-        engine.step()  # prefill
+        _prefill_all(engine)
         torch.cuda.synchronize()
         gpu_ms.clear()
         walls = []
@@ -235,7 +245,7 @@ def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
     params = SamplingParams(max_tokens=steps + 4, temperature=0.8, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), params)
-    engine.step()
+    _prefill_all(engine)
     engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -103,3 +103,30 @@ def test_byte_budget_limits_concurrency_not_results(toy_llm) -> None:
     small = toy_llm(cache_bytes=int(2.5 * per_seq))
     assert small.engine.cache.num_slots == 2 and small.engine.scheduler.max_running == 2
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == [o.token_ids for o in full]
+
+
+def test_probe_prefills_chunked_prompts_before_it_times_decode_steps(toy_llm) -> None:
+    """bench/probe_graph_step.py's `_prefill_all`: prompts longer than a step's token budget prefill over
+    several steps; the probe steps until every prompt is in the cache and takes no decode step, so its
+    decode timings count decode steps only."""
+    from tests.test_bench_tools import bench_module
+
+    probe = bench_module("probe_graph_step")
+    engine = toy_llm(max_num_batched_tokens=8, max_num_seqs=3).engine
+    for prompt in ["0123456789" * 2, "abcdefghijk", "xy"]:
+        engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    steps = 0
+    real_step = engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    engine.step = counted
+    probe._prefill_all(engine)
+    running = engine.scheduler.running
+    assert steps >= 32 // 8 and not engine.scheduler.waiting and len(running) == 3
+    # decode-ready: one uncached token each (a prompt's last token may be left to the first decode step,
+    # as the scheduler chunks), and no decode step taken (that would give a second output token)
+    assert all(s.num_uncached == 1 and len(s.output_token_ids) <= 1 for s in running)

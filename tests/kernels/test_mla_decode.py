@@ -78,9 +78,21 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
     assert choose_splits(batch=64, window=4096, head_blocks=6, sms=132) == 1
 
 
+def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
+    """Splits of >= 256 positions above 4096-position windows, 64 at and below (bench/RESULTS.md)."""
+    from k3run.kernels.mla.triton import choose_splits, decode_config
+
+    for batch in (1, 8, 32):
+        assert decode_config(batch, 4096)["min_chunk"] == 64
+        assert decode_config(batch, 8192)["min_chunk"] == 256
+    # one sequence of 8K at 32 heads: 64 splits of 256 positions (of which the context fills half), not 256
+    cfg = decode_config(1, 16384)
+    assert choose_splits(1, 16384, 1, 132, cfg["min_chunk"], cfg["per_sm"]) == 64
+
+
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=20)
+    run_interp_tests_in_child(__file__, expected_passed=22)
 
 
 @interp_only
@@ -89,6 +101,28 @@ def test_interp_mla_decode_kernel(dtype: torch.dtype) -> None:
     # 5 heads in blocks of 16 (masked), 3 splits of 8 positions in blocks of 16 (masked): the first
     # sequence sees one position (two empty splits), the last reaches into the third split
     _check(dtype, "cpu", H=5, L=32, R=16, contexts=[0, 7, 20], window=24, splits=3, block_n=16)
+
+
+@interp_only
+def test_interp_mla_merge_over_more_splits_than_a_step_and_column_blocks() -> None:
+    # 40 splits of 4 positions: the merge takes them in steps of MERGE_SPLITS (the last step part-masked),
+    # the 256 latent columns in blocks of MERGE_COLS; the short sequences leave most splits empty (never
+    # written, so their o must not be read), the long one fills them all
+    from k3run.kernels.mla import triton as mla
+
+    assert 40 > mla.MERGE_SPLITS and 40 % mla.MERGE_SPLITS and 256 > mla.MERGE_COLS
+    _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16)
+
+
+@interp_only
+def test_interp_mla_merge_in_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # above MERGE_PAIRS (sequence, head) pairs a merge program takes a whole latent row, MERGE_TILE / L
+    # splits a step: 40 splits of 256 columns are 16 a step, the last step part-masked
+    from k3run.kernels.mla import triton as mla
+
+    monkeypatch.setattr(mla, "MERGE_PAIRS", 0)
+    assert 40 % (mla.MERGE_TILE // 256)
+    _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16)
 
 
 @interp_only

@@ -81,7 +81,7 @@ def _kernels():
                                      dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=False)),
         "MLA decode splits": (mla._mla_decode_split_kernel, "bf16", {**f32, **mla_ptrs},
                               dict(L=512, R=64, BLOCK_H=32, BLOCK_N=64, IEEE=False)),
-        "MLA merge": (mla._mla_merge_kernel, "fp32", f32, dict(L=512, BLOCK_S=8)),
+        "MLA merge": (mla._mla_merge_kernel, "fp32", f32, dict(L=512, BLOCK_S=8, BS=8, BL=128)),
         "MLA q absorb": (mla._mla_q_absorb_kernel, "fp32", f32,
                          dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32)),
         "MLA o absorb": (mla._mla_o_absorb_kernel, "fp32", f32, dict(DV=128, L=512, BV=8)),

@@ -29,6 +29,14 @@ ABSORB_DOT_FROM = 9
 # the q + o pair): at 64 sequences 26.2 against 39.0 (32 heads), at 32 and 64 sequences of 96 heads 47.9 /
 # 76.4 against 62.8 / 112.9; at 32 sequences of 32 heads 16 is as fast (22.9 against 24.5)
 O_BLOCK32_FROM = 1024
+# the merge: programs take MERGE_COLS latent columns where (sequence, head) pairs are few (<= MERGE_PAIRS:
+# one sequence or a few, whose many splits a program alone would walk slowly), else a whole row; a step
+# loads MERGE_TILE elements (MERGE_SPLITS splits of 128 columns, 8 of 512). On an H100 (bench/RESULTS.md)
+# the narrow programs gained at 1-8 sequences of 32 heads and lost up to 1.35x at 32 x 96 pairs
+MERGE_COLS = 128
+MERGE_PAIRS = 512
+MERGE_TILE = 4096
+MERGE_SPLITS = MERGE_TILE // MERGE_COLS
 
 
 @triton.jit
@@ -92,25 +100,30 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_merge_kernel(
-    o_ptr, lse_ptr, out_ptr, H, SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False
-):
-    """out[b, h] = sum over splits s of softmax_s(lse[b, s, h]) * o[b, s, h]; splits with lse = -inf (empty)
-    weigh 0 and their o (never written) is not read."""
+    o_ptr, lse_ptr, out_ptr, H, SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr, BS: tl.constexpr,
+    BL: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (b, h, block of BL latent columns): out[b, h, cols] = sum over splits s of softmax_s(lse[b, s,
+    h]) * o[b, s, h, cols]. The splits go BS at a time as one [BS, BL] tile, so a program waits on one
+    round trip per BS splits, not one per split; splits with lse = -inf (empty) weigh 0 and their o (never
+    written) is not read."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    cl = tl.program_id(2) * BL + tl.arange(0, BL)
     ss = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + (b * SPLITS + ss) * H + h, mask=ss < SPLITS, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    w = tl.exp(lse - top)
-    w = w / tl.sum(w, axis=0)
-    cl = tl.arange(0, L)
-    acc = tl.zeros([L], dtype=tl.float32)
-    for sp in range(0, SPLITS):
-        wt = tl.sum(tl.where(ss == sp, w, 0.0), axis=0)
-        if wt > 0.0:
-            acc += wt * tl.load(o_ptr + ((b * SPLITS + sp) * H + h).to(tl.int64) * L + cl)
-    tl.store(out_ptr + (b * H + h).to(tl.int64) * L + cl, acc)
+    lse_all = tl.load(lse_ptr + (b * SPLITS + ss) * H + h, mask=ss < SPLITS, other=float("-inf"))
+    top = tl.max(lse_all, axis=0)
+    total = tl.sum(tl.exp(lse_all - top), axis=0)
+    acc = tl.zeros([BL], dtype=tl.float32)
+    for s0 in range(0, SPLITS, BS):
+        sp = s0 + tl.arange(0, BS)
+        lse = tl.load(lse_ptr + (b * SPLITS + sp) * H + h, mask=sp < SPLITS, other=float("-inf"))
+        w = tl.exp(lse - top)
+        rows = o_ptr + ((b * SPLITS + sp) * H + h).to(tl.int64)[:, None] * L + cl[None, :]
+        o = tl.load(rows, mask=(w > 0.0)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    tl.store(out_ptr + (b * H + h).to(tl.int64) * L + cl, acc / total)
 
 
 @triton.jit
@@ -407,10 +420,16 @@ def decode_config(batch: int, window: int) -> dict:
     (3 at 96 heads) of 64 positions in the mma form; from 8 sequences on, 4-warp programs at ~4 per SM
     (1.3-2x faster there than 8 warps), below that 8-warp programs at ~2 per SM (4 warps at 4 per SM split
     one sequence's window into too many short chunks). A positions-as-rows form on wgmma is slower than
-    these tuned launches (measured in the same sweeps; bench/NOTES.md)."""
+    these tuned launches (measured in the same sweeps; bench/NOTES.md).
+    Splits keep >= 256 positions (`min_chunk`) above 4096-position windows, 64 below: each split re-reads
+    the queries and writes [heads, L] fp32 partials, so at long contexts short splits pay more in that
+    traffic than their parallelism wins (H100, bench/RESULTS.md: one sequence of 8K at 32 heads 26.8 us
+    at 256 against 43.2 at 64), while one sequence of 1K needs the short splits to reach the SMs (12.5 us
+    at 64 against 22.3)."""
+    chunk = 64 if window <= 4096 else 256
     if batch >= 8:
-        return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, per_sm=4)
-    return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, per_sm=2)
+        return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, per_sm=4, min_chunk=chunk)
+    return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, per_sm=2, min_chunk=chunk)
 
 
 def mla_decode_triton(
@@ -426,8 +445,8 @@ def mla_decode_triton(
     **launch,
 ) -> torch.Tensor:
     """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies. Launch options
-    (block_h, block_n, num_warps, num_stages, per_sm) default to `decode_config(B, window)`; `launch`
-    overrides some of them (benchmarks, tests)."""
+    (block_h, block_n, num_warps, num_stages, per_sm, min_chunk) default to `decode_config(B, window)`;
+    `launch` overrides some of them (benchmarks, tests)."""
     B, H, L = q_lat.shape
     _check_store(store, L, q_pe.shape[-1], window)
     cfg = decode_config(B, window)
@@ -473,7 +492,7 @@ def _decode(
     head_blocks = triton.cdiv(H, cfg["block_h"])
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(B, window, head_blocks, sms, per_sm=cfg["per_sm"])
+        splits = choose_splits(B, window, head_blocks, sms, cfg["min_chunk"], cfg["per_sm"])
     chunk = triton.cdiv(window, splits)
     o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
@@ -484,5 +503,9 @@ def _decode(
     )  # fmt: skip
     out = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     block_s = triton.next_power_of_2(splits)
-    _mla_merge_kernel[(B, H)](o, lse, out, H, splits, L=L, BLOCK_S=block_s, num_warps=4, **pdl_args(q))
+    bl = min(L, MERGE_COLS) if B * H <= MERGE_PAIRS else L
+    _mla_merge_kernel[(B, H, L // bl)](
+        o, lse, out, H, splits, L=L, BLOCK_S=block_s, BS=min(block_s, max(1, MERGE_TILE // bl)), BL=bl,
+        num_warps=4, **pdl_args(q),
+    )  # fmt: skip
     return out
