@@ -29,6 +29,9 @@
 #   gemvncu ncu (full set, per-SASS-line stall samples in ncu_*_sass.csv) of one dense in_proj launch (12448 x
 #           2304) at 32 rows in K3RUN_GEMV_T32_FORM 1/1 and 1/2 and at 16 rows (bench/probes/expert_ncu.py), or
 #           NCU_SPECS='rows:form ...'
+#   mlancu  ncu (full set, per-SASS-line stalls in ncu_mla_*_sass.csv) of the MLA decode launch's two kernels (the
+#           split programs, the merge) at one sequence of 8K and 32K and 8 sequences of 8K, 32 heads
+#           (bench/probes/mla_ncu.py), or NCU_SPECS='batch:ctx:heads ...'
 #   gemvtests the NVFP4 decode kernel's and linear paths' GPU tests (tests/kernels/test_nvfp4_gemv_gpu.py,
 #           test_nvfp4_gemm.py, test_nvfp4_gemv_compile.py)
 #   graphs  tests/engine/test_graph_decode.py, test_prefill_graphs.py, tests/kernels/test_split_k_counters.py,
@@ -150,6 +153,18 @@ for stage in "${stages[@]}"; do
             rm -f "$OUT/ncu_$3.ncu-rep"
             grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Warp Cycles Per Issued" \
                 "$OUT/ncu_$3_details.txt" | head -6
+        done ;;
+    mlancu) for spec in ${NCU_SPECS:-1:8192:32 1:32768:32 8:8192:32}; do  # batch:context:heads (ncu, full set)
+            IFS=: read -r nb nc nh <<<"$spec"; tag="mla_${nb}_${nc}_${nh}"
+            timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none -k regex:_mla_ --launch-skip 6 \
+                --launch-count 2 --set full --import-source yes -f -o "$OUT/ncu_$tag" \
+                python3 bench/probes/mla_ncu.py --batch "$nb" --ctx "$nc" --heads "$nh" >"$OUT/ncu_${tag}_run.txt" 2>&1
+            tail -1 "$OUT/ncu_${tag}_run.txt"
+            ncu -i "$OUT/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1
+            ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_${tag}_sass.csv" 2>&1
+            rm -f "$OUT/ncu_$tag.ncu-rep"
+            grep -E "^  _mla|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued" \
+                "$OUT/ncu_${tag}_details.txt" | head -12
         done ;;
     gemvtests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE \
