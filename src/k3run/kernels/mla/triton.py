@@ -4,8 +4,8 @@ Program (b, split, head block): the positions [split * chunk, min((split + 1) * 
 of slot slots[b], read straight from the latent cache in its own dtype (no gathered window, no fp32 copy):
 scores = q_lat . c + q_pe . k_pe on the tensor cores (queries and probabilities rounded to the cache dtype),
 an online softmax in fp32, and the weighted latents; splits past a sequence's length return at once. A
-second step (torch, a few tiny launches) merges the splits by their log-sum-exp. The grid depends only on
-(B, window), so a CUDA graph can hold it while the real lengths vary.
+second launch merges the splits by their log-sum-exp, many splits a step (`_mla_merge_kernel`). The grids
+depend only on (B, window), so a CUDA graph can hold them while the real lengths vary.
 
 Versus the fp32 reference: the queries and probabilities are rounded to the cache dtype once before the
 dots (bf16: 2^-9 relative), so outputs differ by ~1e-3 relative RMS for bf16 caches; fp32 caches compute in
