@@ -88,6 +88,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+# ncu_report TAG KERNEL_REGEX SKIP COUNT GREP_PATTERN COMMAND...: ncu's full set of COUNT launches of the kernels
+# matching KERNEL_REGEX after SKIP of them, kept as $OUT/ncu_TAG_details.txt and per-SASS-line samples in
+# $OUT/ncu_TAG_sass.csv (the report itself is removed); prints the command's last line and GREP_PATTERN's lines
+ncu_report() {
+    local tag=$1 regex=$2 skip=$3 count=$4 pattern=$5
+    shift 5
+    timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none -k "regex:$regex" --launch-skip "$skip" \
+        --launch-count "$count" --set full --import-source yes -f -o "$OUT/ncu_$tag" "$@" >"$OUT/ncu_${tag}_run.txt" 2>&1
+    tail -1 "$OUT/ncu_${tag}_run.txt"
+    ncu -i "$OUT/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1
+    ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_${tag}_sass.csv" 2>&1
+    rm -f "$OUT/ncu_$tag.ncu-rep"
+    grep -E "$pattern" "$OUT/ncu_${tag}_details.txt" | head -$((6 * count))
+}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests gemv linear)
 rc=0
@@ -144,27 +158,15 @@ for stage in "${stages[@]}"; do
         done ;;
     gemvncu) for spec in ${NCU_SPECS:-32:1/1 32:1/2 16:1/1}; do  # rows:K3RUN_GEMV_T32_FORM (ncu, full set)
             set -- "${spec%%:*}" "${spec#*:}" "t${spec%%:*}_$(echo "${spec#*:}" | tr / _)"
-            K3RUN_GEMV_T32_FORM="$2" timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none \
-                -k regex:gemv_async --launch-skip 3 --launch-count 1 --set full --import-source yes -f \
-                -o "$OUT/ncu_$3" python3 bench/probes/expert_ncu.py --which dense --t "$1" >"$OUT/ncu_$3_run.txt" 2>&1
-            tail -1 "$OUT/ncu_$3_run.txt"
-            ncu -i "$OUT/ncu_$3.ncu-rep" --page details >"$OUT/ncu_$3_details.txt" 2>&1
-            ncu -i "$OUT/ncu_$3.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_$3_sass.csv" 2>&1
-            rm -f "$OUT/ncu_$3.ncu-rep"
-            grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Warp Cycles Per Issued" \
-                "$OUT/ncu_$3_details.txt" | head -6
+            K3RUN_GEMV_T32_FORM="$2" ncu_report "$3" gemv_async 3 1 \
+                "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Warp Cycles Per Issued" \
+                python3 bench/probes/expert_ncu.py --which dense --t "$1"
         done ;;
     mlancu) for spec in ${NCU_SPECS:-1:8192:32 1:32768:32 8:8192:32}; do  # batch:context:heads (ncu, full set)
-            IFS=: read -r nb nc nh <<<"$spec"; tag="mla_${nb}_${nc}_${nh}"
-            timeout -s KILL "${NCU_TIMEOUT:-100}" ncu --clock-control none -k regex:_mla_ --launch-skip 6 \
-                --launch-count 2 --set full --import-source yes -f -o "$OUT/ncu_$tag" \
-                python3 bench/probes/mla_ncu.py --batch "$nb" --ctx "$nc" --heads "$nh" >"$OUT/ncu_${tag}_run.txt" 2>&1
-            tail -1 "$OUT/ncu_${tag}_run.txt"
-            ncu -i "$OUT/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1
-            ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_${tag}_sass.csv" 2>&1
-            rm -f "$OUT/ncu_$tag.ncu-rep"
-            grep -E "^  _mla|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued" \
-                "$OUT/ncu_${tag}_details.txt" | head -12
+            IFS=: read -r nb nc nh <<<"$spec"
+            ncu_report "mla_${nb}_${nc}_${nh}" _mla_ 6 2 \
+                "^  _mla|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued" \
+                python3 bench/probes/mla_ncu.py --batch "$nb" --ctx "$nc" --heads "$nh"
         done ;;
     gemvtests) timeout -s KILL "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
             -o addopts="--import-mode=importlib" -q -rfE \
