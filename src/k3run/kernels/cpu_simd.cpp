@@ -969,3 +969,137 @@ std::vector<torch::Tensor> conv_prefill(torch::Tensor x, torch::Tensor weight, t
     TORCH_CHECK(false, "conv_prefill: x fp32 or bf16, got ", x.scalar_type());
   return {acc, fin};
 }
+
+// ---- absorbed MLA decode attention, one query row a sequence: o [H, L] = softmax(q . lat^T * scale) . lat ----
+// q fp32 [H, J] (the absorbed NoPE query joined with the RoPE query, J = L + R), lat bf16 [N, J] with row
+// stride ld (the sequence's cached latents, read in place: bf16 -> fp32 is a 16-bit shift, exact). The N
+// positions go in chunks over the threads; a chunk widens P rows at a time into a small buffer (8 with
+// AVX-512, 4 with AVX2's 16 registers), forms two heads' scores at a time with fp32 FMAs, and keeps an
+// online softmax per head
+// (running max m, sum l, accumulator acc [L]); the wrapper merges the chunks by their maxima. fp32 sums in
+// another order than the reference's einsums.
+#define K3_INL inline __attribute__((always_inline))
+struct V512 {
+  using T = __m512;
+  static constexpr int W = 16;
+  static K3_INL K3_AVX512 T zero() { return _mm512_setzero_ps(); }
+  static K3_INL K3_AVX512 T load(const float* p) { return _mm512_loadu_ps(p); }
+  static K3_INL K3_AVX512 void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static K3_INL K3_AVX512 T set1(float v) { return _mm512_set1_ps(v); }
+  static K3_INL K3_AVX512 T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static K3_INL K3_AVX512 T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static K3_INL K3_AVX512 float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static K3_INL K3_AVX512 void widen(const uint16_t* src, float* dst) {
+    _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16)));
+  }
+};
+struct V256 {
+  using T = __m256;
+  static constexpr int W = 8;
+  static K3_INL K3_AVX2 T zero() { return _mm256_setzero_ps(); }
+  static K3_INL K3_AVX2 T load(const float* p) { return _mm256_loadu_ps(p); }
+  static K3_INL K3_AVX2 void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static K3_INL K3_AVX2 T set1(float v) { return _mm256_set1_ps(v); }
+  static K3_INL K3_AVX2 T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static K3_INL K3_AVX2 T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static K3_INL K3_AVX2 float sum(T v) { return hsum256(v); }
+  static K3_INL K3_AVX2 void widen(const uint16_t* src, float* dst) {
+    _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16)));
+  }
+};
+
+// HB heads (1 or 2) from head h against the P widened rows in buf: their scores (each query vector load
+// serves P rows, each row vector load HB heads), online-softmax updates and weighted-row sums
+#define K3_MLA_HEADS(V, HB, P)                                                                                \
+  {                                                                                                          \
+    using T = V::T;                                                                                          \
+    T dot[HB][P];                                                                                            \
+    for (int u = 0; u < HB; ++u)                                                                             \
+      for (int r = 0; r < P; ++r) dot[u][r] = V::zero();                                                     \
+    for (int64_t j = 0; j < J; j += V::W) {                                                                  \
+      T a[HB];                                                                                               \
+      for (int u = 0; u < HB; ++u) a[u] = V::load(q + (h + u) * J + j);                                      \
+      for (int r = 0; r < P; ++r) {                                                                          \
+        const T row = V::load(buf + r * J + j);                                                              \
+        for (int u = 0; u < HB; ++u) dot[u][r] = V::fma(a[u], row, dot[u][r]);                              \
+      }                                                                                                      \
+    }                                                                                                        \
+    float p[HB][P], alpha[HB];                                                                               \
+    for (int u = 0; u < HB; ++u) {                                                                           \
+      float sc[P], top = m[h + u], add = 0.f;                                                                \
+      for (int r = 0; r < rows; ++r) {                                                                       \
+        sc[r] = V::sum(dot[u][r]) * scale;                                                                   \
+        top = std::max(top, sc[r]);                                                                          \
+      }                                                                                                      \
+      alpha[u] = std::exp(m[h + u] - top); /* 0 on a chunk's first rows (m = -inf) */                        \
+      for (int r = 0; r < P; ++r) {                                                                          \
+        p[u][r] = r < rows ? std::exp(sc[r] - top) : 0.f;                                                    \
+        add += p[u][r];                                                                                      \
+      }                                                                                                      \
+      m[h + u] = top;                                                                                        \
+      l[h + u] = l[h + u] * alpha[u] + add;                                                                  \
+    }                                                                                                        \
+    for (int64_t j = 0; j < L; j += V::W) {                                                                  \
+      T x[HB];                                                                                               \
+      for (int u = 0; u < HB; ++u) x[u] = V::mul(V::load(acc + (h + u) * L + j), V::set1(alpha[u]));         \
+      for (int r = 0; r < P; ++r) {                                                                          \
+        const T row = V::load(buf + r * J + j);                                                              \
+        for (int u = 0; u < HB; ++u) x[u] = V::fma(V::set1(p[u][r]), row, x[u]);                             \
+      }                                                                                                      \
+      for (int u = 0; u < HB; ++u) V::store(acc + (h + u) * L + j, x[u]);                                    \
+    }                                                                                                        \
+  }
+
+// one chunk of positions s0 .. s1 - 1: m [H], l [H], acc [H, L] of its online softmax; buf [P, J] scratch
+#define K3_MLA_CHUNK(NAME, ATTR, V, P)                                                                       \
+  static ATTR void NAME(int64_t s0, int64_t s1, int64_t H, int64_t J, int64_t L, int64_t ld, float scale,   \
+                        const float* q, const uint16_t* lat, float* m, float* l, float* acc, float* buf) {  \
+    for (int64_t h = 0; h < H; ++h) {                                                                        \
+      m[h] = -std::numeric_limits<float>::infinity();                                                        \
+      l[h] = 0.f;                                                                                            \
+    }                                                                                                        \
+    std::memset(acc, 0, sizeof(float) * H * L);                                                              \
+    for (int64_t s = s0; s < s1; s += P) {                                                                   \
+      const int rows = static_cast<int>(std::min<int64_t>(P, s1 - s));                                       \
+      for (int r = 0; r < rows; ++r)                                                                         \
+        for (int64_t j = 0; j < J; j += V::W) V::widen(lat + (s + r) * ld + j, buf + r * J + j);             \
+      for (int r = rows; r < P; ++r) std::memset(buf + r * J, 0, sizeof(float) * J);                         \
+      int64_t h = 0;                                                                                         \
+      for (; h + 2 <= H; h += 2) K3_MLA_HEADS(V, 2, P)                                                       \
+      for (; h < H; ++h) K3_MLA_HEADS(V, 1, P)                                                               \
+    }                                                                                                        \
+  }
+K3_MLA_CHUNK(mla_chunk512, K3_AVX512, V512, 8)
+K3_MLA_CHUNK(mla_chunk256, K3_AVX2, V256, 4)
+
+// (m [C, H], l [C, H], acc [C, H, L]) of C chunks of `chunk` positions; the caller merges them
+std::vector<torch::Tensor> mla_decode_chunks(torch::Tensor q, torch::Tensor lat, int64_t L, double scale,
+                                             int64_t chunk, bool avx2) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(), "mla_decode: q fp32 [H, J]");
+  TORCH_CHECK(lat.dtype() == torch::kBFloat16 && lat.dim() == 2 && lat.stride(1) == 1 &&
+                  lat.size(1) == q.size(1),
+              "mla_decode: lat bf16 [N, J] with unit column stride, J = q's");
+  const int64_t H = q.size(0), J = q.size(1), N = lat.size(0), ld = lat.stride(0);
+  TORCH_CHECK(N >= 1 && chunk >= 1 && L >= 1 && L <= J && J % 16 == 0 && L % 16 == 0,
+              "mla_decode: N, chunk >= 1; L <= J, both multiples of 16");
+  const int64_t C = (N + chunk - 1) / chunk;
+  auto opts = q.options();
+  auto m = torch::empty({C, H}, opts), l = torch::empty({C, H}, opts), acc = torch::empty({C, H, L}, opts);
+  const float* qp = q.data_ptr<float>();
+  const uint16_t* lp = reinterpret_cast<const uint16_t*>(lat.data_ptr<at::BFloat16>());
+  float *mp = m.data_ptr<float>(), *lsp = l.data_ptr<float>(), *ap = acc.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> buf(8 * J);  // P rows of J, P <= 8
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t s0 = c * chunk, s1 = std::min(N, s0 + chunk);
+      if (avx2)
+        mla_chunk256(s0, s1, H, J, L, ld, sc, qp, lp, mp + c * H, lsp + c * H, ap + c * H * L, buf.data());
+      else
+        mla_chunk512(s0, s1, H, J, L, ld, sc, qp, lp, mp + c * H, lsp + c * H, ap + c * H * L, buf.data());
+    }
+  });
+  return {m, l, acc};
+}

@@ -134,7 +134,7 @@ def available() -> bool:
             names = ["nvfp4_gemv", "fp8_block_gemv", "nvfp4_dequant_bf16_perm", "has_vnni",
                      "nvfp4_vnni_quant", "nvfp4_vnni_gemm", "kda_decode_step", "bf16_gemv",
                      "nvfp4_vnni_grouped", "kda_prefill_recurrent", "conv_decode_in_place",
-                     "moe_combine", "conv_prefill"]  # fmt: skip
+                     "moe_combine", "conv_prefill", "mla_decode_chunks"]  # fmt: skip
             _module = load_inline(
                 name="k3run_cpu_simd", cpp_sources=SOURCE_PATH.read_text(), functions=names,
                 extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
@@ -440,3 +440,40 @@ def conv_prefill(
     )
     acc, final = _module.conv_prefill(x, weight.to(torch.float32).contiguous(), cu_seqlens, init)
     return acc, final
+
+
+# the fewest cached positions a chunk of `mla_decode` takes (each chunk's [H, L] accumulator is merged after)
+MLA_MIN_CHUNK = 256
+
+
+def mla_decode_applies(q: torch.Tensor, lat: torch.Tensor, L: int) -> bool:
+    """Whether `mla_decode` takes one query row's absorbed attention: CPU, bf16 latents with a unit column
+    stride, widths that are multiples of 16, outside a compiled step, the extension built."""
+    return (
+        not q.is_cuda
+        and lat.dtype == torch.bfloat16
+        and lat.dim() == 2
+        and lat.stride(1) == 1
+        and q.dim() == 2
+        and q.shape[1] == lat.shape[1]
+        and q.shape[1] % 16 == 0
+        and L % 16 == 0
+        and lat.shape[0] >= 1
+        and not torch.compiler.is_compiling()
+        and available()
+    )
+
+
+def mla_decode(q: torch.Tensor, lat: torch.Tensor, L: int, scale: float) -> torch.Tensor:
+    """One query row's absorbed MLA attention over all N cached positions: q [H, J] (the absorbed query
+    joined with the RoPE query), lat bf16 [N, J] (read in place) -> softmax(q . lat^T * scale) . lat[:, :L],
+    fp32 [H, L]. The positions go in chunks over the threads, each an online softmax with fp32 FMAs on the
+    widened rows; the chunks merge by their maxima. Check `mla_decode_applies` first."""
+    assert _module is not None, "mla_decode: call available() first"
+    n = lat.shape[0]
+    chunk = max(MLA_MIN_CHUNK, -(-n // (4 * torch.get_num_threads())))
+    qf = q.detach().to(torch.float32).contiguous()
+    avx2 = cpu_level() == "avx2"
+    top, sums, acc = _module.mla_decode_chunks(qf, lat.detach(), L, float(scale), chunk, avx2)
+    w = torch.exp(top - top.max(0).values)  # [C, H]: each chunk's weight against the overall maximum
+    return (acc * w[..., None]).sum(0) / (sums * w).sum(0)[:, None]

@@ -26,6 +26,8 @@ from torch import nn
 
 from k3run.distributed import NO_TP, TPInfo
 from k3run.forward_context import ForwardContext, MLALayerCache
+from k3run.kernels.cpu_simd import mla_decode as mla_decode_cpu
+from k3run.kernels.cpu_simd import mla_decode_applies
 from k3run.kernels.mla import (
     absorb_kernels_enabled,
     decode_kernel_enabled,
@@ -258,11 +260,19 @@ class KimiMLA(nn.Module):
         outs = []
         for b, lat in enumerate(lats):
             q_b = q[bounds[b] : bounds[b + 1]].float()  # [n, H, d_q]
-            c, k_pe = lat[:, :L].float(), lat[:, L:].float()  # [N, L], [N, R]
+            # the scores as one product of the joined query [q_lat ; q_pe] with the cached rows [c ; k_pe]
             q_lat = torch.einsum("thd,hdl->thl", q_b[..., :dn], self.w_uk)  # [n, H, L]
-            scores = torch.einsum("thl,sl->hts", q_lat, c) + torch.einsum("thr,sr->hts", q_b[..., dn:], k_pe)
-            p = self._causal_softmax(scores * self.scale, ctx.context_lens_list[b])
-            o_lat = torch.einsum("hts,sl->thl", p, c)  # [n, H, L]
+            n, H = q_lat.shape[:2]
+            q_join = torch.cat([q_lat, q_b[..., dn:]], dim=-1).transpose(0, 1)  # [H, n, L + R]
+            last = ctx.context_lens_list[b] == lat.shape[0] - 1  # the query sees every cached row
+            if n == 1 and last and mla_decode_applies(q_join[:, 0], lat, L):
+                # one decode query over every cached row: the CPU kernel reads the bf16 rows in place
+                o_lat = mla_decode_cpu(q_join[:, 0], lat, L, self.scale)[None]  # [1, H, L]
+            else:
+                lat_f = lat.float()  # [N, L + R]
+                scores = (q_join.reshape(H * n, -1) @ lat_f.T).view(H, n, -1)  # [H, n, N]
+                p = self._causal_softmax(scores * self.scale, ctx.context_lens_list[b])
+                o_lat = (p.view(H * n, -1) @ lat_f[:, :L]).view(H, n, L).transpose(0, 1)  # [n, H, L]
             outs.append(torch.einsum("thl,hvl->thv", o_lat, self.w_uv))  # [n, H, d_v]
         return outs
 
