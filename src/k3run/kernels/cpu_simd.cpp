@@ -989,6 +989,24 @@ struct V512 {
   static K3_INL K3_AVX512 T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static K3_INL K3_AVX512 T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static K3_INL K3_AVX512 float sum(T v) { return _mm512_reduce_add_ps(v); }
+  // e^x for x <= 0 (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two parts, a degree-6 polynomial,
+  // times 2^n), within ~2 ulp of std::exp; 0 below -87.3 (-inf included), where e^x is under the normals
+  static K3_INL K3_AVX512 T exp_neg(T x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const T n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    T r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    T y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, n));
+  }
   static K3_INL K3_AVX512 void widen(const uint16_t* src, float* dst) {
     _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16)));
@@ -1004,6 +1022,23 @@ struct V256 {
   static K3_INL K3_AVX2 T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static K3_INL K3_AVX2 T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static K3_INL K3_AVX2 float sum(T v) { return hsum256(v); }
+  static K3_INL K3_AVX2 T exp_neg(T x) {  // as V512::exp_neg, 2^n by the exponent bits
+    const T tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const T n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    T r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    T y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  }
   static K3_INL K3_AVX2 void widen(const uint16_t* src, float* dst) {
     _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16)));
@@ -1028,17 +1063,25 @@ struct V256 {
     }                                                                                                        \
     float p[HB][P], alpha[HB];                                                                               \
     for (int u = 0; u < HB; ++u) {                                                                           \
-      float sc[P], top = m[h + u], add = 0.f;                                                                \
+      float top = m[h + u];                                                                                  \
       for (int r = 0; r < rows; ++r) {                                                                       \
-        sc[r] = V::sum(dot[u][r]) * scale;                                                                   \
-        top = std::max(top, sc[r]);                                                                          \
+        p[u][r] = V::sum(dot[u][r]) * scale;                                                                 \
+        top = std::max(top, p[u][r]);                                                                        \
       }                                                                                                      \
+      for (int r = 0; r < P; ++r) /* the exponents; rows past the block's end weigh 0 */                    \
+        p[u][r] = r < rows ? p[u][r] - top : -std::numeric_limits<float>::infinity();                        \
       alpha[u] = std::exp(m[h + u] - top); /* 0 on a chunk's first rows (m = -inf) */                        \
-      for (int r = 0; r < P; ++r) {                                                                          \
-        p[u][r] = r < rows ? std::exp(sc[r] - top) : 0.f;                                                    \
-        add += p[u][r];                                                                                      \
-      }                                                                                                      \
       m[h + u] = top;                                                                                        \
+    }                                                                                                        \
+    if (HB * P == V::W) { /* every probability of the pass in one vector */                                  \
+      V::store(&p[0][0], V::exp_neg(V::load(&p[0][0])));                                                     \
+    } else {                                                                                                 \
+      for (int u = 0; u < HB; ++u)                                                                           \
+        for (int r = 0; r < P; ++r) p[u][r] = r < rows ? std::exp(p[u][r]) : 0.f;                            \
+    }                                                                                                        \
+    for (int u = 0; u < HB; ++u) {                                                                           \
+      float add = 0.f;                                                                                       \
+      for (int r = 0; r < P; ++r) add += p[u][r];                                                            \
       l[h + u] = l[h + u] * alpha[u] + add;                                                                  \
     }                                                                                                        \
     for (int64_t j = 0; j < L; j += V::W) {                                                                  \
