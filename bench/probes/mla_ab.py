@@ -25,6 +25,7 @@ import torch
 
 def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from bench_mla_decode import _window
     from common import copy_bandwidth, graph_ms
 
     from k3run.kernels.mla.triton import mla_decode_triton
@@ -54,9 +55,7 @@ def main() -> None:
         print(f"{'B':>3} {'ctx':>6} {'bytes us':>8} {'base':>8} {cols}  err")
         for b in ints(args.batches):
             for ctx in ints(args.contexts):
-                w = 256
-                while w <= ctx:
-                    w *= 2
+                w = _window(ctx)
                 store = torch.randn(b, w, L + R, device="cuda", generator=g).to(torch.bfloat16)
                 slots = torch.randperm(b, device="cuda", generator=g)
                 lens = torch.full((b,), ctx, dtype=torch.int64, device="cuda")

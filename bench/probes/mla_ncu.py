@@ -15,11 +15,16 @@ above it). It only launches; bench/bench_mla_decode.py times the same launch.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from bench_mla_decode import _window
+
     from k3run.kernels.mla.triton import choose_splits, decode_config, mla_decode_triton
 
     ap = argparse.ArgumentParser()
@@ -30,9 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     L, R = 512, 64
     b, ctx, h = args.batch, args.ctx, args.heads
-    window = 256
-    while window <= ctx:
-        window *= 2
+    window = _window(ctx)
     g = torch.Generator(device="cuda").manual_seed(0)
     store = torch.randn(b, window, L + R, device="cuda", generator=g).to(torch.bfloat16)
     slots = torch.randperm(b, device="cuda", generator=g)

@@ -970,15 +970,31 @@ std::vector<torch::Tensor> conv_prefill(torch::Tensor x, torch::Tensor weight, t
   return {acc, fin};
 }
 
-// ---- absorbed MLA decode attention, one query row a sequence: o [H, L] = softmax(q . lat^T * scale) . lat ----
+// ---- absorbed MLA decode attention (one query row a sequence): o = softmax(q . lat^T * scale) . lat ----
 // q fp32 [H, J] (the absorbed NoPE query joined with the RoPE query, J = L + R), lat bf16 [N, J] with row
 // stride ld (the sequence's cached latents, read in place: bf16 -> fp32 is a 16-bit shift, exact). The N
 // positions go in chunks over the threads; a chunk widens P rows at a time into a small buffer (8 with
 // AVX-512, 4 with AVX2's 16 registers), forms two heads' scores at a time with fp32 FMAs, and keeps an
-// online softmax per head
-// (running max m, sum l, accumulator acc [L]); the wrapper merges the chunks by their maxima. fp32 sums in
-// another order than the reference's einsums.
+// online softmax per head (running max m, sum l, accumulator acc [L]); the wrapper merges the chunks by
+// their maxima. fp32 sums in another order than the reference's einsums.
 #define K3_INL inline __attribute__((always_inline))
+// e^x for x <= 0 from a vector struct's members (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two
+// parts, a degree-6 polynomial, times 2^n), within ~2 ulp of std::exp; 0 below -87.3 (-inf included), where
+// e^x is under the normals. The struct gives clamp_tiny (x clamped, and its lanes below), round, and scale2
+// (y 2^n, the clamped lanes 0)
+#define K3_EXP_NEG_BODY                                                                                      \
+  auto tiny = clamp_tiny(x);                                                                                 \
+  const T n = round(mul(x, set1(1.44269504088896341f)));                                                     \
+  T r = fnma(n, set1(0.693359375f), x);                                                                      \
+  r = fnma(n, set1(-2.12194440e-4f), r);                                                                     \
+  T y = set1(1.9875691500e-4f);                                                                              \
+  y = fma(y, r, set1(1.3981999507e-3f));                                                                     \
+  y = fma(y, r, set1(8.3334519073e-3f));                                                                     \
+  y = fma(y, r, set1(4.1665795894e-2f));                                                                     \
+  y = fma(y, r, set1(1.6666665459e-1f));                                                                     \
+  y = fma(y, r, set1(5.0000001201e-1f));                                                                     \
+  y = fma(y, mul(r, r), add(r, set1(1.f)));                                                                  \
+  return scale2(y, n, tiny);
 struct V512 {
   using T = __m512;
   static constexpr int W = 16;
@@ -989,24 +1005,20 @@ struct V512 {
   static K3_INL K3_AVX512 T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static K3_INL K3_AVX512 T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static K3_INL K3_AVX512 float sum(T v) { return _mm512_reduce_add_ps(v); }
-  // e^x for x <= 0 (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two parts, a degree-6 polynomial,
-  // times 2^n), within ~2 ulp of std::exp; 0 below -87.3 (-inf included), where e^x is under the normals
-  static K3_INL K3_AVX512 T exp_neg(T x) {
+  static K3_INL K3_AVX512 T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static K3_INL K3_AVX512 T fnma(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
+  static K3_INL K3_AVX512 T round(T v) {
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static K3_INL K3_AVX512 __mmask16 clamp_tiny(T& x) {
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const T n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    T y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return tiny;
+  }
+  static K3_INL K3_AVX512 T scale2(T y, T n, __mmask16 tiny) {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, n));
   }
+  static K3_INL K3_AVX512 T exp_neg(T x) { K3_EXP_NEG_BODY }
   static K3_INL K3_AVX512 void widen(const uint16_t* src, float* dst) {
     _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16)));
@@ -1022,23 +1034,21 @@ struct V256 {
   static K3_INL K3_AVX2 T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static K3_INL K3_AVX2 T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static K3_INL K3_AVX2 float sum(T v) { return hsum256(v); }
-  static K3_INL K3_AVX2 T exp_neg(T x) {  // as V512::exp_neg, 2^n by the exponent bits
+  static K3_INL K3_AVX2 T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static K3_INL K3_AVX2 T fnma(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+  static K3_INL K3_AVX2 T round(T v) {
+    return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static K3_INL K3_AVX2 T clamp_tiny(T& x) {
     const T tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const T n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    T y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    return tiny;
+  }
+  static K3_INL K3_AVX2 T scale2(T y, T n, T tiny) {  // 2^n by the exponent bits
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
   }
+  static K3_INL K3_AVX2 T exp_neg(T x) { K3_EXP_NEG_BODY }
   static K3_INL K3_AVX2 void widen(const uint16_t* src, float* dst) {
     _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16)));
@@ -1047,7 +1057,7 @@ struct V256 {
 
 // HB heads (1 or 2) from head h against the P widened rows in buf: their scores (each query vector load
 // serves P rows, each row vector load HB heads), online-softmax updates and weighted-row sums
-#define K3_MLA_HEADS(V, HB, P)                                                                                \
+#define K3_MLA_HEADS(V, HB, P)                                                                               \
   {                                                                                                          \
     using T = V::T;                                                                                          \
     T dot[HB][P];                                                                                            \
@@ -1058,7 +1068,7 @@ struct V256 {
       for (int u = 0; u < HB; ++u) a[u] = V::load(q + (h + u) * J + j);                                      \
       for (int r = 0; r < P; ++r) {                                                                          \
         const T row = V::load(buf + r * J + j);                                                              \
-        for (int u = 0; u < HB; ++u) dot[u][r] = V::fma(a[u], row, dot[u][r]);                              \
+        for (int u = 0; u < HB; ++u) dot[u][r] = V::fma(a[u], row, dot[u][r]);                               \
       }                                                                                                      \
     }                                                                                                        \
     float p[HB][P], alpha[HB];                                                                               \
@@ -1068,7 +1078,7 @@ struct V256 {
         p[u][r] = V::sum(dot[u][r]) * scale;                                                                 \
         top = std::max(top, p[u][r]);                                                                        \
       }                                                                                                      \
-      for (int r = 0; r < P; ++r) /* the exponents; rows past the block's end weigh 0 */                    \
+      for (int r = 0; r < P; ++r) /* the exponents; rows past the block's end weigh 0 */                     \
         p[u][r] = r < rows ? p[u][r] - top : -std::numeric_limits<float>::infinity();                        \
       alpha[u] = std::exp(m[h + u] - top); /* 0 on a chunk's first rows (m = -inf) */                        \
       m[h + u] = top;                                                                                        \
@@ -1097,8 +1107,8 @@ struct V256 {
 
 // one chunk of positions s0 .. s1 - 1: m [H], l [H], acc [H, L] of its online softmax; buf [P, J] scratch
 #define K3_MLA_CHUNK(NAME, ATTR, V, P)                                                                       \
-  static ATTR void NAME(int64_t s0, int64_t s1, int64_t H, int64_t J, int64_t L, int64_t ld, float scale,   \
-                        const float* q, const uint16_t* lat, float* m, float* l, float* acc, float* buf) {  \
+  static ATTR void NAME(int64_t s0, int64_t s1, int64_t H, int64_t J, int64_t L, int64_t ld, float scale,    \
+                        const float* q, const uint16_t* lat, float* m, float* l, float* acc, float* buf) {   \
     for (int64_t h = 0; h < H; ++h) {                                                                        \
       m[h] = -std::numeric_limits<float>::infinity();                                                        \
       l[h] = 0.f;                                                                                            \
