@@ -7,7 +7,10 @@ latents, every sequence at the given context in the graph decoder's window. Run 
 RESULTS.md) came from this script:
 
     PYTHONPATH=src python3 bench/probes/mla_ab.py --base base.py [--chunks 0,64,256,512] [--heads 32,96]
-        [--contexts 1024,8192,32768,131072] [--batches 1,8,32]
+        [--contexts 1024,8192,32768,131072] [--batches 1,8,32] [--mixed 30000x1+2000x7]
+
+--mixed adds batches whose sequences differ in length (CONTEXTxCOUNT parts joined by +; the window from the
+longest; labelled longest+(count-1)xshortest).
 """
 
 # every closure below is timed immediately inside its loop iteration, so late binding is harmless
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32,96")
     ap.add_argument("--contexts", default="1024,8192,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--mixed", default="", help="mixed-context batches, e.g. 30000x1+2000x7,8000x1+500x31")
     args = ap.parse_args()
     spec = importlib.util.spec_from_file_location("mla_base", args.base)
     assert spec is not None and spec.loader is not None
@@ -48,33 +52,38 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s")
     g = torch.Generator(device="cuda").manual_seed(0)
+    cases = [(b, [ctx] * b) for b in ints(args.batches) for ctx in ints(args.contexts)]
+    for spec in (m for m in args.mixed.split(",") if m):  # "30000x1+2000x7": one 30000, seven 2000
+        parts = [part.split("x") for part in spec.split("+")]
+        lens_list = [int(ctx) for ctx, count in parts for _ in range(int(count))]
+        cases.append((len(lens_list), lens_list))
     for h in ints(args.heads):
         listed = " / ".join(map(str, chunks))
         print(f"\n{h} heads, us: base, then this tree at min_chunk {listed} (0: the rule)")
         cols = " ".join(f"{c:>8}" for c in chunks)
-        print(f"{'B':>3} {'ctx':>6} {'bytes us':>8} {'base':>8} {cols}  err")
-        for b in ints(args.batches):
-            for ctx in ints(args.contexts):
-                w = _window(ctx)
-                store = torch.randn(b, w, L + R, device="cuda", generator=g).to(torch.bfloat16)
-                slots = torch.randperm(b, device="cuda", generator=g)
-                lens = torch.full((b,), ctx, dtype=torch.int64, device="cuda")
-                q_lat = torch.randn(b, h, L, device="cuda", generator=g) / L**0.5
-                q_pe = torch.randn(b, h, R, device="cuda", generator=g) / R**0.5
-                a = (q_lat, q_pe, store, slots, lens, w, 1.0 / (128 + R) ** 0.5)
+        print(f"{'B':>3} {'ctx':>14} {'bytes us':>8} {'base':>8} {cols}  err")
+        for b, ctxs in cases:
+            w = _window(max(ctxs))
+            store = torch.randn(b, w, L + R, device="cuda", generator=g).to(torch.bfloat16)
+            slots = torch.randperm(b, device="cuda", generator=g)
+            lens = torch.tensor(ctxs, dtype=torch.int64, device="cuda")
+            q_lat = torch.randn(b, h, L, device="cuda", generator=g) / L**0.5
+            q_pe = torch.randn(b, h, R, device="cuda", generator=g) / R**0.5
+            a = (q_lat, q_pe, store, slots, lens, w, 1.0 / (128 + R) ** 0.5)
 
-                def ours(c: int):
-                    return mla_decode_triton(*a, min_chunk=c or None)
+            def ours(c: int):
+                return mla_decode_triton(*a, min_chunk=c or None)
 
-                t_base = graph_ms([lambda: base.mla_decode_triton(*a)]) * 1e3
-                ts = [graph_ms([lambda c=c: ours(c)]) * 1e3 for c in chunks]
-                ref = base.mla_decode_triton(*a)
-                err = max(rel_rms_error(ref, ours(c)) for c in chunks)
-                floor = b * (ctx + 1) * (L + R) * 2 / bw / 1e6
-                times = " ".join(f"{t:>8.1f}" for t in ts)
-                print(f"{b:>3} {ctx:>6} {floor:>8.1f} {t_base:>8.1f} {times}  {err:.1e}", flush=True)
-                del store
-                torch.cuda.empty_cache()
+            t_base = graph_ms([lambda: base.mla_decode_triton(*a)]) * 1e3
+            ts = [graph_ms([lambda c=c: ours(c)]) * 1e3 for c in chunks]
+            ref = base.mla_decode_triton(*a)
+            err = max(rel_rms_error(ref, ours(c)) for c in chunks)
+            floor = sum(n + 1 for n in ctxs) * (L + R) * 2 / bw / 1e6
+            times = " ".join(f"{t:>8.1f}" for t in ts)
+            label = str(ctxs[0]) if len(set(ctxs)) == 1 else f"{max(ctxs)}+{len(ctxs) - 1}x{min(ctxs)}"
+            print(f"{b:>3} {label:>14} {floor:>8.1f} {t_base:>8.1f} {times}  {err:.1e}", flush=True)
+            del store
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

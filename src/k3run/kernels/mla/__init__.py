@@ -61,7 +61,9 @@ def mla_decode_absorbed(
     from .triton import mla_decode_joined_triton, mla_o_absorb_triton, mla_q_absorb_triton
 
     L = w_uk.shape[2]
-    joined = mla_q_absorb_triton(q, w_uk)
+    # 16-bit caches: the queries written in the cache's dtype, which the decode kernel rounds them to anyway
+    half = store.dtype in (torch.bfloat16, torch.float16)
+    joined = mla_q_absorb_triton(q, w_uk, out_dtype=store.dtype if half else torch.float32)
     o_lat = mla_decode_joined_triton(joined, L, store, slots, context_lens, window, scale)
     return mla_o_absorb_triton(o_lat, w_uv, out_dtype)
 
