@@ -479,7 +479,9 @@ def mla_decode_triton(
     if unknown:
         raise ValueError(f"mla_decode: unknown launch options {sorted(unknown)}; known: {sorted(cfg)}")
     cfg.update({key: v for key, v in launch.items() if v is not None})
-    q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()  # [B, H, L + R]
+    # [B, H, L + R], in a 16-bit cache's dtype (the kernel rounds the queries to it: the same bits)
+    half = store.dtype in (torch.bfloat16, torch.float16)
+    q = torch.cat([q_lat, q_pe], dim=-1).to(store.dtype if half else torch.float32).contiguous()
     return _decode(q, L, store, slots, context_lens, window, scale, splits, cfg)
 
 
