@@ -47,11 +47,8 @@ def main() -> None:
     torch.cuda.synchronize()
     cfg = decode_config(b, window)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits, total = choose_splits(b, window, -(-h // cfg["block_h"]), sms, cfg["min_chunk"], cfg["per_sm"])
-    print(
-        f"MLA decode, {b} x {ctx} positions (window {window}), {h} heads: {cfg}, a grid of {splits} splits a "
-        f"sequence, {total} programs a head block shared by length"
-    )
+    splits = choose_splits(b, window, -(-h // cfg["block_h"]), sms, cfg["min_chunk"], cfg["per_sm"])
+    print(f"MLA decode, {b} x {ctx} positions (window {window}), {h} heads: {cfg}, {splits} splits")
 
 
 if __name__ == "__main__":

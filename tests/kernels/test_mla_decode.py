@@ -71,14 +71,11 @@ def test_absorb_kernels_run_up_to_the_knobs_batch_on_cuda_only() -> None:
 
 
 def test_choose_splits_fills_the_machine_within_the_window() -> None:
-    from k3run.kernels.mla import triton as mla
+    from k3run.kernels.mla.triton import choose_splits
 
-    # (the grid's splits a sequence, the programs the batch shares): ~2 programs per SM over 6 head blocks
-    assert mla.choose_splits(batch=1, window=4096, head_blocks=6, sms=132) == (44, 44)
-    assert mla.choose_splits(batch=1, window=256, head_blocks=6, sms=132) == (4, 44)  # >= 64 positions
-    # 8 sequences: an even share of 5, and room for one to take MIX_SPLITS times it
-    assert mla.choose_splits(batch=8, window=4096, head_blocks=6, sms=132) == (5 * mla.MIX_SPLITS, 44)
-    assert mla.choose_splits(batch=64, window=4096, head_blocks=6, sms=132) == (mla.MIX_SPLITS, 44)
+    assert choose_splits(batch=1, window=4096, head_blocks=6, sms=132) == 44  # ~2 programs per SM
+    assert choose_splits(batch=1, window=256, head_blocks=6, sms=132) == 4  # >= 64 positions a split
+    assert choose_splits(batch=64, window=4096, head_blocks=6, sms=132) == 1
 
 
 def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
@@ -88,34 +85,33 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
     for batch in (1, 8, 32):
         assert decode_config(batch, 4096)["min_chunk"] == 64
         assert decode_config(batch, 8192)["min_chunk"] == 256
-    # one sequence of 8K at 32 heads: at most 64 splits of 256 positions, not 256 of 64
+    # one sequence of 8K at 32 heads: 64 splits of 256 positions (of which the context fills half), not 256
     cfg = decode_config(1, 16384)
-    assert choose_splits(1, 16384, 1, 132, cfg["min_chunk"], cfg["per_sm"]) == (64, 264)
+    assert choose_splits(1, 16384, 1, 132, cfg["min_chunk"], cfg["per_sm"]) == 64
 
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=25)
+    run_interp_tests_in_child(__file__, expected_passed=24)
 
 
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_interp_mla_decode_kernel(dtype: torch.dtype) -> None:
-    # 5 heads in blocks of 16 (masked); 3 splits a sequence at most, in blocks of 16 (masked): the first
-    # sequence sees one position (one split, two empty), the last 21 in three splits of 7
-    _check(dtype, "cpu", H=5, L=32, R=16, contexts=[0, 7, 20], window=24, splits=3, block_n=16, min_chunk=1)
+    # 5 heads in blocks of 16 (masked), 3 splits of 8 positions in blocks of 16 (masked): the first
+    # sequence sees one position (two empty splits), the last reaches into the third split
+    _check(dtype, "cpu", H=5, L=32, R=16, contexts=[0, 7, 20], window=24, splits=3, block_n=16)
 
 
 @interp_only
 def test_interp_mla_merge_over_more_splits_than_a_step_and_column_blocks() -> None:
-    # 40 splits of 4 positions for the long sequence: the merge takes them in steps of MERGE_SPLITS (the
-    # last step part-masked), the 256 latent columns in blocks of MERGE_COLS; the short sequences leave most
-    # splits empty (never written, so their o must not be read), the long one fills them all
+    # 40 splits of 4 positions: the merge takes them in steps of MERGE_SPLITS (the last step part-masked),
+    # the 256 latent columns in blocks of MERGE_COLS; the short sequences leave most splits empty (never
+    # written, so their o must not be read), the long one fills them all
     from k3run.kernels.mla import triton as mla
 
     assert 40 > mla.MERGE_SPLITS and 40 % mla.MERGE_SPLITS and 256 > mla.MERGE_COLS
-    _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16,
-           min_chunk=1)  # fmt: skip
+    _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16)
 
 
 @interp_only
@@ -126,31 +122,7 @@ def test_interp_mla_merge_in_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(mla, "MERGE_PAIRS", 0)
     assert 40 % (mla.MERGE_TILE // 256)
-    _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16,
-           min_chunk=1)  # fmt: skip
-
-
-def _live_splits(contexts: list[int], window: int, **kw) -> list[int]:
-    """The splits each sequence's programs filled (finite lse) in the launch decode_config makes on the CPU
-    (4 "SMs"), after checking the merged output against the reference."""
-    from k3run.kernels.mla.triton import _split_partials, decode_config
-
-    _check(torch.float32, "cpu", H=3, L=16, R=8, contexts=contexts, window=window, **kw)
-    q_lat, q_pe, store, slots, ctx, window, scale = _case(torch.float32, "cpu", 3, 16, 8, contexts, window)
-    cfg = decode_config(len(contexts), window) | kw
-    q = torch.cat([q_lat, q_pe], dim=-1).contiguous()
-    _, lse = _split_partials(q, 16, store, slots, ctx, window, scale, None, cfg)
-    return lse[:, :, 0].isfinite().sum(dim=1).tolist()
-
-
-@interp_only
-def test_interp_mla_splits_follow_each_sequences_length() -> None:
-    # 4 sequences at ~2 programs per SM on 4 "SMs": 8 programs, 2 a sequence when their lengths are even, the
-    # long one most of them when it is far longer than the rest, and one each for the short ones
-    assert _live_splits([499, 499, 499, 499], 512, block_n=16, min_chunk=16) == [2, 2, 2, 2]
-    assert _live_splits([999, 9, 9, 9], 1024, block_n=16, min_chunk=16) == [7, 1, 1, 1]
-    # min_chunk caps a sequence's splits: 64 positions in pieces of >= 32
-    assert _live_splits([63, 0], 1024, block_n=16, min_chunk=32) == [2, 1]
+    _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16)
 
 
 @interp_only
@@ -423,8 +395,8 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
     params = list(inspect.signature(kernel.fn).parameters)
     consts = dict(L=512, R=64, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=False, PDL=False)
     types = dict(q_ptr="*fp32", store_ptr="*bf16", slots_ptr="*i64", ctx_ptr="*i64", o_ptr="*fp32",
-                 lse_ptr="*fp32", H="i32", B="i32", SPLITS="i32", TOTAL="i32", min_chunk="i32", window="i32",
-                 stride_slot="i64", stride_pos="i32", scale="fp32")  # fmt: skip
+                 lse_ptr="*fp32", H="i32", SPLITS="i32", chunk="i32", window="i32", stride_slot="i64",
+                 stride_pos="i32", scale="fp32")  # fmt: skip
     sig = {n: ("constexpr" if n in consts else types[n]) for n in params}
     div16 = [n for n in params if n.endswith("_ptr") or n in ("stride_slot", "stride_pos")]
     attrs = {(params.index(n),): [["tt.divisibility", 16]] for n in div16}

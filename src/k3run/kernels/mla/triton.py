@@ -1,14 +1,11 @@
 """Absorbed MLA decode attention as a split-context (flash-decoding) Triton kernel.
 
-Program (b, split, head block): one of the even pieces into which sequence b cuts its positions 0 ..
-context_lens[b] of slot slots[b], read straight from the latent cache in its own dtype (no gathered window,
-no fp32 copy): scores = q_lat . c + q_pe . k_pe on the tensor cores (queries and probabilities rounded to
-the cache dtype), an online softmax in fp32, and the weighted latents. How many pieces a sequence takes is
-decided on the device from the batch's real lengths: its share of the programs the SMs hold, by length, so a
-long sequence among short ones spreads over the SMs they leave; the grid's programs past a sequence's pieces
-return at once. A second launch merges the splits by their log-sum-exp, many splits a step
-(`_mla_merge_kernel`). The grids depend only on (B, window), so a CUDA graph can hold them while the real
-lengths vary.
+Program (b, split, head block): the positions [split * chunk, min((split + 1) * chunk, context_lens[b] + 1))
+of slot slots[b], read straight from the latent cache in its own dtype (no gathered window, no fp32 copy):
+scores = q_lat . c + q_pe . k_pe on the tensor cores (queries and probabilities rounded to the cache dtype),
+an online softmax in fp32, and the weighted latents; splits past a sequence's length return at once. A
+second launch merges the splits by their log-sum-exp, many splits a step (`_mla_merge_kernel`). The grids
+depend only on (B, window), so a CUDA graph can hold them while the real lengths vary.
 
 Versus the fp32 reference: the queries and probabilities are rounded to the cache dtype once before the
 dots (bf16: 2^-9 relative), so outputs differ by ~1e-3 relative RMS for bf16 caches; fp32 caches compute in
@@ -40,37 +37,23 @@ MERGE_COLS = 128
 MERGE_PAIRS = 512
 MERGE_TILE = 4096
 MERGE_SPLITS = MERGE_TILE // MERGE_COLS
-# the split kernel's grid gives a sequence up to this many times its even share of the programs (the rest of
-# its row of the grid returns at once)
-MIX_SPLITS = 4
 
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, B, SPLITS, TOTAL, min_chunk, window, stride_slot,
-    stride_pos, scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
+    scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (b, split sp, head block). Sequence b takes its share of the batch's TOTAL programs by its
-    length (at most SPLITS, at least one, >= min_chunk positions each where it is that long) and cuts its
-    positions evenly among them; programs past its splits write only lse = -inf."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     sp = tl.program_id(1)
     hb = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     # positions 0 .. context_lens[b], never past the window (a corrupt length must not read out of bounds)
-    n_ctx = tl.maximum(tl.minimum(tl.load(ctx_ptr + b) + 1, window), 0).to(tl.int64)
-    total = tl.zeros([], dtype=tl.int64)
-    for b0 in range(0, B, 64):
-        bs = b0 + tl.arange(0, 64)
-        lens = tl.load(ctx_ptr + bs, mask=bs < B, other=-1).to(tl.int64)
-        total += tl.sum(tl.maximum(tl.minimum(lens + 1, window), 0))
-    share = TOTAL * n_ctx // tl.maximum(total, 1)  # floored: the batch's shares never exceed TOTAL
-    n_splits = tl.maximum(tl.minimum(tl.minimum(share, SPLITS), tl.cdiv(n_ctx, min_chunk)), 1)
-    chunk = tl.cdiv(n_ctx, n_splits).to(tl.int32)
+    n_ctx = tl.minimum(tl.load(ctx_ptr + b) + 1, window)
     start = sp * chunk
-    end = tl.minimum(start + chunk, n_ctx.to(tl.int32))  # empty from split n_splits on
+    end = tl.minimum(start + chunk, n_ctx)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     cl = tl.arange(0, L)
@@ -429,15 +412,11 @@ def mla_o_absorb_triton(
 
 def choose_splits(
     batch: int, window: int, head_blocks: int, sms: int = 132, min_chunk: int = 64, per_sm: int = 2
-) -> tuple[int, int]:
-    """(the grid's splits a sequence, the programs a head block's splits share) for ~`per_sm` programs per
-    SM. The kernel gives each sequence its share of those programs by its length, with >= `min_chunk`
-    positions a split, so a batch whose every sequence fills the window takes `total / batch` splits each
-    (the even share); the grid lets one sequence take up to MIX_SPLITS times that, so a long one among short
-    ones (or a batch far shorter than its window) still spreads over the SMs."""
-    total = max(1, -(-per_sm * sms // head_blocks))
-    even = max(1, total // max(1, batch))
-    return max(1, min(MIX_SPLITS * even, total, -(-window // min_chunk))), total
+) -> int:
+    """Splits of the window so that batch x splits x head blocks fills ~`per_sm` programs per SM, with at
+    least `min_chunk` positions per split."""
+    want = max(1, -(-per_sm * sms // max(1, batch * head_blocks)))
+    return max(1, min(want, -(-window // min_chunk)))
 
 
 def decode_config(batch: int, window: int) -> dict:
@@ -514,39 +493,24 @@ def _check_store(store: torch.Tensor, L: int, R: int, window: int) -> None:
         raise ValueError(f"mla_decode: window {window} x row stride {store.stride(1)} overflows int32")
 
 
-def _split_partials(
-    q: torch.Tensor, L: int, store: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
-    window: int, scale: float, splits: int | None, cfg: dict,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The split kernel's launch: o [B, splits, H, L] fp32 (written only where a split holds positions) and
-    lse [B, splits, H] (-inf where it holds none)."""
-    B, H, LR = q.shape
-    R = LR - L
-    head_blocks = triton.cdiv(H, cfg["block_h"])
-    min_chunk = cfg["min_chunk"]
-    if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits, total = choose_splits(B, window, head_blocks, sms, min_chunk, cfg["per_sm"])
-    else:  # forced (tests, benchmarks): a sequence as long as the batch's average takes `splits`
-        total = B * splits
-    o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
-    _mla_decode_split_kernel[(B, splits, head_blocks)](
-        q, store, slots, context_lens, o, lse, H, B, splits, total, min_chunk, window, store.stride(0),
-        store.stride(1), scale, L=L, R=R, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
-        IEEE=store.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_args(q),
-    )  # fmt: skip
-    return o, lse
-
-
 def _decode(
     q: torch.Tensor, L: int, store: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
     window: int, scale: float, splits: int | None, cfg: dict,
 ) -> torch.Tensor:  # fmt: skip
-    B, H, _ = q.shape
-    o, lse = _split_partials(q, L, store, slots, context_lens, window, scale, splits, cfg)
-    splits = o.shape[1]
+    B, H, LR = q.shape
+    R = LR - L
+    head_blocks = triton.cdiv(H, cfg["block_h"])
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = choose_splits(B, window, head_blocks, sms, cfg["min_chunk"], cfg["per_sm"])
+    chunk = triton.cdiv(window, splits)
+    o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
+    _mla_decode_split_kernel[(B, splits, head_blocks)](
+        q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
+        scale, L=L, R=R, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=store.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
+    )  # fmt: skip
     out = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     block_s = triton.next_power_of_2(splits)
     bl = min(L, MERGE_COLS) if B * H <= MERGE_PAIRS else L
