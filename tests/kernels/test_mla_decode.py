@@ -79,12 +79,17 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 
 
 def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
-    """Splits of >= 256 positions above 4096-position windows, 64 at and below (bench/RESULTS.md)."""
+    """Splits of >= 256 positions above 4096-position windows, 64 at and below, and the stages
+    (bench/RESULTS.md)."""
     from k3run.kernels.mla.triton import choose_splits, decode_config
 
     for batch in (1, 8, 32):
         assert decode_config(batch, 4096)["min_chunk"] == 64
         assert decode_config(batch, 8192)["min_chunk"] == 256
+    # three stages below 8 sequences above 4096 positions (one block in flight), else two
+    assert [decode_config(b, w)["num_stages"] for b, w in ((1, 4096), (1, 8192), (7, 65536), (8, 8192))] == [
+        2, 3, 3, 2,
+    ]  # fmt: skip
     # one sequence of 8K at 32 heads: 64 splits of 256 positions (of which the context fills half), not 256
     cfg = decode_config(1, 16384)
     assert choose_splits(1, 16384, 1, 132, cfg["min_chunk"], cfg["per_sm"]) == 64

@@ -429,11 +429,15 @@ def decode_config(batch: int, window: int) -> dict:
     the queries and writes [heads, L] fp32 partials, so at long contexts short splits pay more in that
     traffic than their parallelism wins (H100, bench/RESULTS.md: one sequence of 8K at 32 heads 26.8 us
     at 256 against 43.2 at 64), while one sequence of 1K needs the short splits to reach the SMs (12.5 us
-    at 64 against 22.3)."""
+    at 64 against 22.3). Below 8 sequences, windows above 4096 positions take three stages: with two, the
+    loop waits for each block's own copies before its dots (nothing in flight, bench/probes/
+    mla_pipeline.py); three keep one block in flight (H100, 32 heads, 1-4 sequences of 8K-60K: 1.03-1.21x,
+    one 184 KB program an SM)."""
     chunk = 64 if window <= 4096 else 256
     if batch >= 8:
         return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, per_sm=4, min_chunk=chunk)
-    return dict(block_h=32, block_n=64, num_warps=8, num_stages=2, per_sm=2, min_chunk=chunk)
+    stages = 2 if window <= 4096 else 3
+    return dict(block_h=32, block_n=64, num_warps=8, num_stages=stages, per_sm=2, min_chunk=chunk)
 
 
 def mla_decode_triton(
@@ -458,9 +462,7 @@ def mla_decode_triton(
     if unknown:
         raise ValueError(f"mla_decode: unknown launch options {sorted(unknown)}; known: {sorted(cfg)}")
     cfg.update({key: v for key, v in launch.items() if v is not None})
-    # [B, H, L + R], in a 16-bit cache's dtype (the kernel rounds the queries to it: the same bits)
-    half = store.dtype in (torch.bfloat16, torch.float16)
-    q = torch.cat([q_lat, q_pe], dim=-1).to(store.dtype if half else torch.float32).contiguous()
+    q = torch.cat([q_lat, q_pe], dim=-1).float().contiguous()  # [B, H, L + R]
     return _decode(q, L, store, slots, context_lens, window, scale, splits, cfg)
 
 
