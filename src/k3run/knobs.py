@@ -164,6 +164,12 @@ class Knobs:
         "K3RUN_MLA_DECODE_KERNEL", _flag, True,
         "CUDA: static MLA decode attention on the Triton kernel (0: the fp32 reference)",
     )  # fmt: skip
+    mla_shared_splits: bool = _knob(
+        "K3RUN_MLA_SHARED_SPLITS", _flag, False,
+        "CUDA: the MLA decode kernel's splits shared among a step's sequences by their lengths (each takes "
+        "pieces out of ~2 programs an SM, found on the device), for batches whose lengths differ; off until "
+        "timed on a GPU (the grid-per-sequence form is the measured one)",
+    )  # fmt: skip
     mla_absorb_kernels: int = _knob(
         "K3RUN_MLA_ABSORB_KERNELS", _tokens_128, 64,
         "CUDA: static MLA decode steps of up to this many sequences run the latent (norm, join, cache "

@@ -90,6 +90,12 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
     assert [decode_config(b, w)["num_stages"] for b, w in ((1, 4096), (1, 8192), (7, 65536), (8, 8192))] == [
         2, 3, 3, 2,
     ]  # fmt: skip
+    # the shared layout only where K3RUN_MLA_SHARED_SPLITS asks for it
+    from k3run.knobs import override_knobs
+
+    assert not decode_config(8, 8192)["shared"]
+    with override_knobs(mla_shared_splits=True):
+        assert decode_config(8, 8192)["shared"] and decode_config(1, 256)["shared"]
     # one sequence of 8K at 32 heads: 64 splits of 256 positions (of which the context fills half), not 256
     cfg = decode_config(1, 16384)
     assert choose_splits(1, 16384, 1, 132, cfg["min_chunk"], cfg["per_sm"]) == 64
@@ -97,7 +103,7 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=24)
+    run_interp_tests_in_child(__file__, expected_passed=28)
 
 
 @interp_only
@@ -128,6 +134,23 @@ def test_interp_mla_merge_in_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(mla, "MERGE_PAIRS", 0)
     assert 40 % (mla.MERGE_TILE // 256)
     _check(torch.float32, "cpu", H=3, L=256, R=16, contexts=[0, 37, 159], window=160, splits=40, block_n=16)
+
+
+@interp_only
+@pytest.mark.parametrize(
+    "contexts, window, total",
+    [
+        ([0, 7, 20, 100], 128, 8),  # a long one among short ones: most of the 8 programs
+        ([31, 31, 31], 32, 6),  # equal lengths filling the window: 2 pieces each
+        ([2, 10_000, 40], 48, 5),  # a corrupt length past the window attends the whole window
+        ([(13 * i) % 37 for i in range(70)], 40, 16),  # > 64 sequences: the shares in two passes of 64
+    ],
+)
+def test_interp_mla_shared_splits(contexts: list[int], window: int, total: int) -> None:
+    # the `shared` layout: each sequence's pieces by its length, partial rows in sequence order, the merge
+    # finding each sequence's rows again; min_chunk 4 so that short sequences still take several pieces
+    _check(torch.float32, "cpu", H=3, L=16, R=8, contexts=contexts, window=window, splits=total, block_n=8,
+           min_chunk=4, shared=True)  # fmt: skip
 
 
 @interp_only
@@ -376,15 +399,18 @@ def test_gpu_mla_decode_kernel_at_k3_widths(dtype: torch.dtype, batch: int) -> N
     _check(dtype, "cuda", H=96, L=512, R=64, contexts=[0, 100, 1000, 4095], window=4096, **kw)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch: int) -> None:
+def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch: int, shared: bool) -> None:
     """The launches `decode_config` picks for a bf16 cache at K3's widths, compiled for sm_90 on the CPU with
     the specialisations the runtime makes (16-byte aligned pointers, 16-divisible strides): they must build,
     stage the latents by cp.async (the pipeliner needs those strides), use the tensor cores (mma) and fit the
     shared memory. The 8-warp launch (batch < 8) must keep its loop free of local-memory traffic. The 4-warp
     launch (batch >= 8) holds a [32, 512] fp32 accumulator in 128 threads and sits at the 255-register limit:
     Triton 3.6 (the H200 image, where it was the fastest, runs 57-58) spills 16 bytes, Triton 3.9 (CI) 144
-    bytes inside the loop, so for it only the build is checked here; its speed is the benchmark's job."""
+    bytes inside the loop, so for it only the build is checked here; its speed is the benchmark's job. Both
+    layouts of the splits (`shared`: `_mla_decode_shared_kernel`, the pieces found from the batch's lengths
+    before the loop)."""
     import inspect
     import re
 
@@ -392,16 +418,17 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from k3run.kernels.mla.triton import _mla_decode_split_kernel, decode_config
+    from k3run.kernels.mla.triton import _mla_decode_shared_kernel, _mla_decode_split_kernel, decode_config
     from tests.kernels.test_nvfp4_gemv_compile import _local_accesses_in_loops, cubin_usage_and_sass
 
     cfg = decode_config(batch, 16384)
-    kernel = _mla_decode_split_kernel
+    kernel = _mla_decode_shared_kernel if shared else _mla_decode_split_kernel
     params = list(inspect.signature(kernel.fn).parameters)
     consts = dict(L=512, R=64, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=False, PDL=False)
     types = dict(q_ptr="*fp32", store_ptr="*bf16", slots_ptr="*i64", ctx_ptr="*i64", o_ptr="*fp32",
-                 lse_ptr="*fp32", H="i32", SPLITS="i32", chunk="i32", window="i32", stride_slot="i64",
-                 stride_pos="i32", scale="fp32")  # fmt: skip
+                 lse_ptr="*fp32", H="i32", B="i32", SPLITS="i32", chunk="i32", TOTAL="i32",
+                 min_chunk="i32", window="i32", stride_slot="i64", stride_pos="i32",
+                 scale="fp32")  # fmt: skip
     sig = {n: ("constexpr" if n in consts else types[n]) for n in params}
     div16 = [n for n in params if n.endswith("_ptr") or n in ("stride_slot", "stride_pos")]
     attrs = {(params.index(n),): [["tt.divisibility", 16]] for n in div16}

@@ -5,7 +5,9 @@ of slot slots[b], read straight from the latent cache in its own dtype (no gathe
 scores = q_lat . c + q_pe . k_pe on the tensor cores (queries and probabilities rounded to the cache dtype),
 an online softmax in fp32, and the weighted latents; splits past a sequence's length return at once. A
 second launch merges the splits by their log-sum-exp, many splits a step (`_mla_merge_kernel`). The grids
-depend only on (B, window), so a CUDA graph can hold them while the real lengths vary.
+depend only on (B, window), so a CUDA graph can hold them while the real lengths vary. With
+K3RUN_MLA_SHARED_SPLITS (off until timed on a GPU) the splits are laid out by length instead
+(`_mla_decode_shared_kernel`): a long sequence among short ones takes most of the programs.
 
 Versus the fp32 reference: the queries and probabilities are rounded to the cache dtype once before the
 dots (bf16: 2^-9 relative), so outputs differ by ~1e-3 relative RMS for bf16 caches; fp32 caches compute in
@@ -20,6 +22,7 @@ import triton.language as tl
 
 from k3run.kernels.pdl import pdl_args, pdl_enter
 from k3run.kernels.tc_split import TENSOR_CORES, dot_split, dot_split2, split3
+from k3run.knobs import knobs
 
 # the fewest sequences the absorb kernels' tensor-core forms take by default; below, one sequence at a time
 # (the loop forms). On an H100 (bench_mla_decode, the q + o pair) the two are level at 8 sequences and the
@@ -37,23 +40,57 @@ MERGE_COLS = 128
 MERGE_PAIRS = 512
 MERGE_TILE = 4096
 MERGE_SPLITS = MERGE_TILE // MERGE_COLS
+# `shared` launches (K3RUN_MLA_SHARED_SPLITS, off until timed): the programs a head block's pieces share, per
+# SM. Two, not decode_config's per_sm of 4 from 8 sequences: that 4 was tuned on contexts filling half of
+# their window, so it meant ~2 live programs an SM, and 4 live ones were 1.3-1.5x slower (H100, 8-32
+# sequences of 8K-32K, bench/RESULTS.md)
+SHARED_PER_SM = 2
 
 
 @triton.jit
-def _mla_decode_split_kernel(
-    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
-    scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = False,
+def _shares(ctx_ptr, B, window, TOTAL, min_chunk, key, BY_PROGRAM: tl.constexpr):
+    """The shared-splits layout (`shared` launches): sequence b of n_b = min(context_lens[b] + 1, window)
+    positions takes s_b = max(1, min(TOTAL * n_b // sum n, cdiv(n_b, min_chunk))) pieces, as partial rows
+    [first_b, first_b + s_b) in sequence order, so the pieces of all sequences number <= TOTAL + B and the
+    grid's spare programs sit at its end. Returns (sequence, first_b, s_b, n_b) of the sequence that holds
+    program `key` (BY_PROGRAM; sequence -1 where none does) or of sequence `key`."""
+    total = tl.zeros([], dtype=tl.int64)
+    for b0 in range(0, B, 64):
+        bs = b0 + tl.arange(0, 64)
+        n = tl.load(ctx_ptr + bs, mask=bs < B, other=-1).to(tl.int64) + 1
+        total += tl.sum(tl.minimum(tl.maximum(n, 0), window), axis=0)
+    run = tl.zeros([], dtype=tl.int64)
+    seq = tl.full([], -1, dtype=tl.int64)
+    first = tl.zeros([], dtype=tl.int64)
+    count = tl.zeros([], dtype=tl.int64)
+    n_of = tl.zeros([], dtype=tl.int64)
+    for b0 in range(0, B, 64):
+        bs = b0 + tl.arange(0, 64)
+        live = bs < B
+        n = tl.minimum(tl.maximum(tl.load(ctx_ptr + bs, mask=live, other=-1).to(tl.int64) + 1, 0), window)
+        s = tl.maximum(tl.minimum(TOTAL * n // tl.maximum(total, 1), tl.cdiv(n, min_chunk)), 1)
+        s = tl.where(live, s, 0)
+        incl = tl.cumsum(s, axis=0) + run
+        excl = incl - s
+        if BY_PROGRAM:
+            hit = live & (excl <= key) & (key < incl)
+        else:
+            hit = bs == key
+        seq = tl.maximum(seq, tl.max(tl.where(hit, bs.to(tl.int64), -1), axis=0))
+        first += tl.sum(tl.where(hit, excl, 0), axis=0)
+        count += tl.sum(tl.where(hit, s, 0), axis=0)
+        n_of += tl.sum(tl.where(hit, n, 0), axis=0)
+        run += tl.sum(s, axis=0)
+    return seq, first, count, n_of
+
+
+@triton.jit
+def _attend(
+    q_ptr, store_ptr, o_ptr, lse_ptr, H, stride_slot, stride_pos, scale, b, slot, start, end, row, hb,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    sp = tl.program_id(1)
-    hb = tl.program_id(2)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    # positions 0 .. context_lens[b], never past the window (a corrupt length must not read out of bounds)
-    n_ctx = tl.minimum(tl.load(ctx_ptr + b) + 1, window)
-    start = sp * chunk
-    end = tl.minimum(start + chunk, n_ctx)
+    """One split program's work: positions [start, end) of sequence b (cache slot `slot`) for head block hb,
+    its partials at row `row`."""
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     cl = tl.arange(0, L)
@@ -91,7 +128,7 @@ def _mla_decode_split_kernel(
     # a split past the sequence's end writes only lse = -inf: the merge never reads its o
     empty = s_sum == 0.0
     lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, s_sum)))
-    part = (b * SPLITS + sp) * H + heads
+    part = row * H + heads
     tl.store(lse_ptr + part, lse, mask=hmask)
     if start < end:
         o = acc / tl.where(empty, 1.0, s_sum)[:, None]
@@ -99,28 +136,78 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
+def _mla_decode_split_kernel(
+    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, SPLITS, chunk, window, stride_slot, stride_pos,
+    scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (b, split, head block): positions [split * chunk, (split + 1) * chunk) of sequence b, its
+    partials at row b * SPLITS + split."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    hb = tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    # positions 0 .. context_lens[b], never past the window (a corrupt length must not read out of bounds)
+    n_ctx = tl.minimum(tl.load(ctx_ptr + b) + 1, window)
+    start = sp * chunk
+    end = tl.minimum(start + chunk, n_ctx)
+    _attend(q_ptr, store_ptr, o_ptr, lse_ptr, H, stride_slot, stride_pos, scale, b, slot, start, end,
+            b * SPLITS + sp, hb, L, R, BLOCK_H, BLOCK_N, IEEE)  # fmt: skip
+
+
+@triton.jit
+def _mla_decode_shared_kernel(
+    q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, B, TOTAL, min_chunk, window, stride_slot,
+    stride_pos, scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (i, 0, head block): piece i of `_shares`' layout (a sequence's pieces even), its partials at
+    row i; a program past every sequence's pieces writes only lse = -inf at its row, which no merge reads."""
+    pdl_enter(PDL)
+    row = tl.program_id(0)
+    seq, first, count, n_all = _shares(ctx_ptr, B, window, TOTAL, min_chunk, row, True)
+    b = tl.maximum(seq, 0).to(tl.int32)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    piece = tl.cdiv(n_all, tl.maximum(count, 1)).to(tl.int32)
+    start = (row - first).to(tl.int32) * piece
+    end = tl.where(seq >= 0, tl.minimum(start + piece, n_all.to(tl.int32)), start)
+    _attend(q_ptr, store_ptr, o_ptr, lse_ptr, H, stride_slot, stride_pos, scale, b, slot, start, end, row,
+            tl.program_id(2), L, R, BLOCK_H, BLOCK_N, IEEE)  # fmt: skip
+
+
+@triton.jit
 def _mla_merge_kernel(
-    o_ptr, lse_ptr, out_ptr, H, SPLITS, L: tl.constexpr, BLOCK_S: tl.constexpr, BS: tl.constexpr,
-    BL: tl.constexpr, PDL: tl.constexpr = False,
+    o_ptr, lse_ptr, out_ptr, ctx_ptr, H, B, SPLITS, TOTAL, min_chunk, window, L: tl.constexpr,
+    BLOCK_S: tl.constexpr, BS: tl.constexpr, BL: tl.constexpr, SHARED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (b, h, block of BL latent columns): out[b, h, cols] = sum over splits s of softmax_s(lse[b, s,
     h]) * o[b, s, h, cols]. The splits go BS at a time as one [BS, BL] tile, so a program waits on one
     round trip per BS splits, not one per split; splits with lse = -inf (empty) weigh 0 and their o (never
-    written) is not read."""
+    written) is not read. Sequence b's splits are partial rows b * SPLITS + s, or (SHARED) its rows of
+    `_shares`' layout."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     cl = tl.program_id(2) * BL + tl.arange(0, BL)
+    if SHARED:
+        _, first, count, _ = _shares(ctx_ptr, B, window, TOTAL, min_chunk, b, False)
+        row0 = first.to(tl.int32)
+        n_splits = count.to(tl.int32)
+    else:
+        row0 = b * SPLITS
+        n_splits = SPLITS
     ss = tl.arange(0, BLOCK_S)
-    lse_all = tl.load(lse_ptr + (b * SPLITS + ss) * H + h, mask=ss < SPLITS, other=float("-inf"))
+    lse_all = tl.load(lse_ptr + (row0 + ss) * H + h, mask=ss < n_splits, other=float("-inf"))
     top = tl.max(lse_all, axis=0)
     total = tl.sum(tl.exp(lse_all - top), axis=0)
     acc = tl.zeros([BL], dtype=tl.float32)
-    for s0 in range(0, SPLITS, BS):
+    for s0 in range(0, n_splits, BS):
         sp = s0 + tl.arange(0, BS)
-        lse = tl.load(lse_ptr + (b * SPLITS + sp) * H + h, mask=sp < SPLITS, other=float("-inf"))
+        lse = tl.load(lse_ptr + (row0 + sp) * H + h, mask=sp < n_splits, other=float("-inf"))
         w = tl.exp(lse - top)
-        rows = o_ptr + ((b * SPLITS + sp) * H + h).to(tl.int64)[:, None] * L + cl[None, :]
+        rows = o_ptr + ((row0 + sp) * H + h).to(tl.int64)[:, None] * L + cl[None, :]
         o = tl.load(rows, mask=(w > 0.0)[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
     tl.store(out_ptr + (b * H + h).to(tl.int64) * L + cl, acc / total)
@@ -433,11 +520,11 @@ def decode_config(batch: int, window: int) -> dict:
     loop waits for each block's own copies before its dots (nothing in flight, bench/probes/
     mla_pipeline.py); three keep one block in flight (H100, 32 heads, 1-4 sequences of 8K-60K: 1.03-1.21x,
     one 184 KB program an SM)."""
-    chunk = 64 if window <= 4096 else 256
+    shared = knobs().mla_shared_splits
+    common = dict(block_h=32, block_n=64, min_chunk=64 if window <= 4096 else 256, shared=shared)
     if batch >= 8:
-        return dict(block_h=32, block_n=64, num_warps=4, num_stages=2, per_sm=4, min_chunk=chunk)
-    stages = 2 if window <= 4096 else 3
-    return dict(block_h=32, block_n=64, num_warps=8, num_stages=stages, per_sm=2, min_chunk=chunk)
+        return dict(common, num_warps=4, num_stages=2, per_sm=4)
+    return dict(common, num_warps=8, num_stages=2 if window <= 4096 else 3, per_sm=2)
 
 
 def mla_decode_triton(
@@ -453,8 +540,10 @@ def mla_decode_triton(
     **launch,
 ) -> torch.Tensor:
     """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies. Launch options
-    (block_h, block_n, num_warps, num_stages, per_sm, min_chunk) default to `decode_config(B, window)`;
-    `launch` overrides some of them (benchmarks, tests)."""
+    (block_h, block_n, num_warps, num_stages, per_sm, min_chunk, shared) default to `decode_config(B,
+    window)`; `launch` overrides some of them (benchmarks, tests). `shared=True` (K3RUN_MLA_SHARED_SPLITS;
+    off until timed) lays the splits out by `_shares`: each sequence takes pieces by its length out of
+    SHARED_PER_SM programs an SM, for batches whose lengths differ (`splits` is then the programs shared)."""
     B, H, L = q_lat.shape
     _check_store(store, L, q_pe.shape[-1], window)
     cfg = decode_config(B, window)
@@ -502,22 +591,37 @@ def _decode(
     B, H, LR = q.shape
     R = LR - L
     head_blocks = triton.cdiv(H, cfg["block_h"])
-    if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(B, window, head_blocks, sms, cfg["min_chunk"], cfg["per_sm"])
-    chunk = triton.cdiv(window, splits)
-    o = torch.empty(B, splits, H, L, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
-    _mla_decode_split_kernel[(B, splits, head_blocks)](
-        q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
-        scale, L=L, R=R, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=store.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
-    )  # fmt: skip
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    min_chunk = cfg["min_chunk"]
+    shared = bool(cfg.get("shared"))
+    if shared:  # `splits` (tests): the programs the pieces share
+        total = splits or max(1, -(-SHARED_PER_SM * sms // head_blocks))
+        rows, chunk, grid = total + B, 0, (total + B, 1, head_blocks)
+        most = max(1, min(total, -(-window // min_chunk)))  # pieces a sequence at most
+    else:
+        if splits is None:
+            splits = choose_splits(B, window, head_blocks, sms, min_chunk, cfg["per_sm"])
+        total, rows, chunk, grid = 0, B * splits, triton.cdiv(window, splits), (B, splits, head_blocks)
+        most = splits
+    o = torch.empty(rows, H, L, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, H, dtype=torch.float32, device=q.device)
+    common = dict(L=L, R=R, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=store.dtype == torch.float32,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q))  # fmt: skip
+    if shared:
+        _mla_decode_shared_kernel[grid](
+            q, store, slots, context_lens, o, lse, H, B, total, min_chunk, window, store.stride(0),
+            store.stride(1), scale, **common,
+        )  # fmt: skip
+    else:
+        _mla_decode_split_kernel[grid](
+            q, store, slots, context_lens, o, lse, H, splits, chunk, window, store.stride(0), store.stride(1),
+            scale, **common,
+        )  # fmt: skip
     out = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-    block_s = triton.next_power_of_2(splits)
+    block_s = triton.next_power_of_2(most)
     bl = min(L, MERGE_COLS) if B * H <= MERGE_PAIRS else L
     _mla_merge_kernel[(B, H, L // bl)](
-        o, lse, out, H, splits, L=L, BLOCK_S=block_s, BS=min(block_s, max(1, MERGE_TILE // bl)), BL=bl,
-        num_warps=4, **pdl_args(q),
+        o, lse, out, context_lens, H, B, splits or 0, total, min_chunk, window, L=L, BLOCK_S=block_s,
+        BS=min(block_s, max(1, MERGE_TILE // bl)), BL=bl, SHARED=shared, num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return out
