@@ -18,6 +18,8 @@ form); the tokenizer still comes from MODEL_DIR.
 --profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
+--prompt-lens 30000x1+2000x7 gives the timed steps' prompts mixed lengths, taken in turn (batch 8: one 30000,
+seven 2000; the window follows the longest), for batches whose sequences differ as a server's do.
 --uniform-routing replaces the routers' picks by fixed uniform draws per (layer, row): the random models'
 own routing collapses onto a few experts (the probe prints the distinct experts a step read).
 --compare-overlap also times the graph steps with decode overlap off (EngineConfig.overlap_decode=False;
@@ -85,16 +87,37 @@ def _prefill_all(engine) -> None:
         engine.step()
 
 
-def _run(engine, sizes: list[int], steps: int, prompt_len: int, gpu_ms: list, after=None) -> list[tuple]:
-    """Per batch size: (batch, median wall ms per decode step, median GPU ms per replay). `gpu_ms` collects
-    (start, end) CUDA event pairs around each replay (read after the steps: no sync inside them); after(b)
-    runs once each batch size's steps are done."""
+def _prompt_lengths(spec: str, prompt_len: int) -> list[int]:
+    """--prompt-lens as a list of lengths ("30000x1+2000x7": one 30000, then seven 2000); empty:
+    [prompt_len]."""
+    if not spec:
+        return [prompt_len]
+    try:
+        parts = [part.split("x") for part in spec.split("+")]
+        lens = [int(n) for n, count in parts for _ in range(int(count))]
+    except ValueError:
+        raise SystemExit(f"--prompt-lens: expected LENxCOUNT parts joined by +, got {spec!r}") from None
+    if not lens or min(lens) < 1:
+        raise SystemExit(f"--prompt-lens: expected lengths >= 1, got {spec!r}")
+    return lens
+
+
+def _add_prompts(engine, batch: int, lens: list[int], params, g: torch.Generator, vocab: int = 2000) -> None:
+    """`batch` random prompts of token ids below `vocab`, the i-th of lens[i % len(lens)] tokens."""
+    for i in range(batch):
+        engine.add_request(torch.randint(0, vocab, (lens[i % len(lens)],), generator=g).tolist(), params)
+
+
+def _run(engine, sizes: list[int], steps: int, prompt_len: int | list[int], gpu_ms: list, after=None) -> list:
+    """Per batch size: (batch, median wall ms per decode step, median GPU ms per replay); prompt_len may be a
+    list of lengths, taken in turn. `gpu_ms` collects (start, end) CUDA event pairs around each replay (read
+    after the steps: no sync inside them); after(b) runs once each batch size's steps are done."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.8, ignore_eos=True)
+    lens = prompt_len if isinstance(prompt_len, list) else [prompt_len]
     rows = []
     for b in sizes:
-        for _ in range(b):
-            engine.add_request(torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), params)
+        _add_prompts(engine, b, lens, params, g)
         _prefill_all(engine)
         torch.cuda.synchronize()
         gpu_ms.clear()
@@ -522,9 +545,9 @@ def _timed_engine(args, model, tokenizer, sizes: list[int], max_len: int, tp, ov
     distinct: dict[int, float] = {}
 
     def count(b: int, dec=dec, distinct=distinct) -> None:
-        distinct[b] = _distinct_experts(dec, model, b, dec.window(args.prompt_len + args.steps))
+        distinct[b] = _distinct_experts(dec, model, b, dec.window(max(args.lens) + args.steps))
 
-    for b, wall, gpu in _run(engine, sizes, args.steps, args.prompt_len, gpu_ms, after=count):
+    for b, wall, gpu in _run(engine, sizes, args.steps, args.lens, gpu_ms, after=count):
         roof = roofline_tok_s(model, b, copy_tbs)
         tok_s = b / wall * 1e3
         print(
@@ -545,6 +568,10 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument(
+        "--prompt-lens", default="", metavar="LENxCOUNT+...",
+        help="prompts of mixed lengths for the timed steps, taken in turn, e.g. 30000x1+2000x7",
+    )  # fmt: skip
     ap.add_argument("--k3-shaped", default=None, metavar="LAYERS,EXPERTS")
     ap.add_argument("--kimi-linear", nargs="?", const="27,256", default=None, metavar="LAYERS,EXPERTS")
     ap.add_argument("--eager", action="store_true", help="also time the steps with graphs off")
@@ -599,9 +626,10 @@ def main() -> None:
     if tp.size > 1:
         what += f", tensor parallel over {tp.size} ranks ({torch.distributed.get_backend()})"
     tokenizer = load_tokenizer(args.model)
-    max_len = args.prompt_len + args.steps + 8
+    args.lens = _prompt_lengths(args.prompt_lens, args.prompt_len)
+    max_len = max(args.lens) + args.steps + 8
     if args.uniform_routing:
-        _uniform_routing(model, max(sizes) * args.prompt_len)
+        _uniform_routing(model, max(sizes) * max(args.lens))
         what += ", uniform routing"
     print(f"{torch.cuda.get_device_name()}, {what}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     from common import copy_bandwidth

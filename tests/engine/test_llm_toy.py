@@ -130,3 +130,20 @@ def test_probe_prefills_chunked_prompts_before_it_times_decode_steps(toy_llm) ->
     # decode-ready: one uncached token each (a prompt's last token may be left to the first decode step,
     # as the scheduler chunks), and no decode step taken (that would give a second output token)
     assert all(s.num_uncached == 1 and len(s.output_token_ids) <= 1 for s in running)
+
+
+def test_probe_mixes_prompt_lengths_in_turn(toy_llm) -> None:
+    """bench/probe_graph_step.py's --prompt-lens: a batch's prompts take the listed lengths in turn, and a
+    malformed spec is refused by name."""
+    from tests.test_bench_tools import bench_module
+
+    probe = bench_module("probe_graph_step")
+    assert probe._prompt_lengths("", 64) == [64]
+    lens = probe._prompt_lengths("9x1+3x2", 64)
+    assert lens == [9, 3, 3]
+    for bad in ("9x", "ax1", "0x2"):
+        with pytest.raises(SystemExit, match="--prompt-lens"):
+            probe._prompt_lengths(bad, 64)
+    engine = toy_llm(max_num_seqs=8).engine
+    probe._add_prompts(engine, 5, lens, SamplingParams(max_tokens=2), torch.Generator().manual_seed(0), 100)
+    assert [len(s.prompt_token_ids) for s in engine.scheduler.waiting] == [9, 3, 3, 9, 3]
