@@ -19,7 +19,8 @@ form); the tokenizer still comes from MODEL_DIR.
 kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
 --prompt-lens 30000x1+2000x7 gives the timed steps' prompts mixed lengths, taken in turn (batch 8: one 30000,
-seven 2000; the window follows the longest), for batches whose sequences differ as a server's do.
+seven 2000; the window follows the longest), for batches whose sequences differ as a server's do; --profile,
+--host and --eager take the same prompts.
 --uniform-routing replaces the routers' picks by fixed uniform draws per (layer, row): the random models'
 own routing collapses onto a few experts (the probe prints the distinct experts a step read).
 --compare-overlap also times the graph steps with decode overlap off (EngineConfig.overlap_decode=False;
@@ -182,7 +183,7 @@ def _distinct_experts(dec, model, batch: int, window: int) -> float:
     return statistics.mean(counts) if counts else float("nan")
 
 
-def _host_profile(engine, sizes: list[int], steps: int, prompt_len: int, top: int) -> None:
+def _host_profile(engine, sizes: list[int], steps: int, lens: list[int], top: int) -> None:
     """Where the host's time goes in graph decode steps (cProfile; the GPU waits show up in the calls that
     block on it, e.g. the input copy or .tolist())."""
     import cProfile
@@ -191,7 +192,7 @@ def _host_profile(engine, sizes: list[int], steps: int, prompt_len: int, top: in
 
     prof = cProfile.Profile()
     prof.enable()
-    _run(engine, sizes, steps, prompt_len, [])
+    _run(engine, sizes, steps, lens, [])
     prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
@@ -260,14 +261,13 @@ def roofline_tok_s(model, batch: int, copy_tbs: float) -> float:
     return batch / (step_bytes / (copy_tbs * 1e12))
 
 
-def _profile(engine, batch: int, steps: int, prompt_len: int) -> None:
+def _profile(engine, batch: int, steps: int, lens: list[int]) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=steps + 4, temperature=0.8, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), params)
+    _add_prompts(engine, batch, lens, params, g)
     _prefill_all(engine)
     engine.step()
     torch.cuda.synchronize()
@@ -654,10 +654,10 @@ def main() -> None:
         with override_knobs(**config):
             engine, dec = _timed_engine(args, model, tokenizer, sizes, max_len, tp, overlap, copy_tbs)
     if args.host:
-        _host_profile(engine, sizes, args.steps, args.prompt_len, args.host)
+        _host_profile(engine, sizes, args.steps, args.lens, args.host)
     if args.profile:
         for b in sizes:
-            _profile(engine, b, args.profile, args.prompt_len)
+            _profile(engine, b, args.profile, args.lens)
     if args.modules:
         for b in sizes:
             _module_profile(dec, model, dec.bucket(b), dec.window(args.prompt_len + 1), args.prompt_len, 4)
@@ -667,7 +667,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         engine = _engine(model, tokenizer, sizes, max_len, graphs=False, tp_size=tp.size)
         _run(engine, [1], 4, args.prompt_len, [])  # warm-up
-        for b, wall, _ in _run(engine, sizes, args.steps, args.prompt_len, []):
+        for b, wall, _ in _run(engine, sizes, args.steps, args.lens, []):
             print(f"{'eager':>6} {b:>5} {wall:>13.3f} {'':>14} {'':>9} {b / wall * 1e3:>13.1f}")
     shutdown_distributed()
 
