@@ -316,6 +316,11 @@ def _profile(engine, batch: int, steps: int, lens: list[int]) -> None:
             f"{name[:70]:<70} {len(ts) / steps:>6.1f} {t:>9.1f} {t / total:>6.1%} {a:>9.1f} "
             f"{a / (busy / steps):>6.1%}"
         )
+    gaps = _gaps(named)
+    print(f"idle gaps by (kernel before, kernel after), the largest 16 of {len(gaps)} pairs:")
+    print(f"{'before':<48} {'after':<48} {'n/step':>6} {'us/step':>8}")
+    for (a, b), (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:16]:
+        print(f"{a[:48]:<48} {b[:48]:<48} {n / steps:>6.1f} {t / steps:>8.1f}")
 
 
 def _advance(named: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -335,6 +340,21 @@ def _advance(named: list[tuple[float, float, str]]) -> dict[str, float]:
             heapq.heappop(active)
         if active:
             out[named[active[0][1]][2]] += hi - lo
+    return out
+
+
+def _gaps(named: list[tuple[float, float, str]]) -> dict[tuple[str, str], tuple[float, int]]:
+    """The idle time between kernels, by (the kernel whose end left the GPU idle, the kernel that ended the
+    idle): (total us, count). Under PDL a launch starts inside its predecessor, so a gap marks a launch that
+    could not: a cuBLAS or torch kernel, a join of two streams, or the host."""
+    out: dict[tuple[str, str], tuple[float, int]] = {}
+    hi, last = None, ""
+    for s, e, name in sorted(named):
+        if hi is not None and s > hi:
+            t, n = out.get((last, name), (0.0, 0))
+            out[(last, name)] = (t + s - hi, n + 1)
+        if hi is None or e > hi:
+            hi, last = e, name
     return out
 
 

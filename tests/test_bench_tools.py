@@ -137,6 +137,13 @@ def test_profile_charges_each_running_instant_to_the_kernel_that_ends_first() ->
     assert adv == {"gemv": 10.0 + 7.0 + 4.0, "norm": 3.0, "kda": 1.0 + 3.0, "side": 2.0}
     busy, _ = probe._busy([(s, e) for s, e, _ in spans])
     assert sum(adv.values()) == busy == 30.0
+    # the idle: 30 - 20 after the second gemv, before kda; nothing else (the norm starts under the gemv)
+    assert probe._gaps(spans) == {("gemv", "kda"): (10.0, 1)}
+    # the kernel that ends last holds the idle, not the one that started last
+    assert probe._gaps([(0.0, 9.0, "a"), (1.0, 3.0, "b"), (12.0, 13.0, "c"), (15.0, 16.0, "c")]) == {
+        ("a", "c"): (3.0, 1),
+        ("c", "c"): (2.0, 1),
+    }
 
 
 def test_smi_sampler_windows_and_rotating_calls(monkeypatch) -> None:
