@@ -9,8 +9,9 @@ RESULTS.md) came from this script:
     PYTHONPATH=src python3 bench/probes/mla_ab.py --base base.py [--chunks 0,64,256,512] [--heads 32,96]
         [--contexts 1024,8192,32768,131072] [--batches 1,8,32] [--mixed 30000x1+2000x7] [--shared]
 
---shared adds a column: this tree's launch at decode_config with shared=True (the splits shared among a
-batch's sequences by length). --mixed adds batches whose sequences differ in length (CONTEXTxCOUNT parts
+--shared adds two columns: this tree's launch with each split layout forced, shared=False (a fixed grid per
+sequence) and shared=True (the splits shared among a batch's sequences by length); the "0" column takes the
+one `shares_splits` picks. --mixed adds batches whose sequences differ in length (CONTEXTxCOUNT parts
 joined by +; the window from the longest; labelled longest+(count-1)xshortest).
 """
 
@@ -62,7 +63,7 @@ def main() -> None:
     for h in ints(args.heads):
         listed = " / ".join(map(str, chunks))
         print(f"\n{h} heads, us: base, then this tree at min_chunk {listed} (0: the rule)")
-        cols = " ".join(f"{c:>8}" for c in chunks) + (f" {'shared':>8}" if args.shared else "")
+        cols = " ".join(f"{c:>8}" for c in chunks) + (f" {'split':>8} {'shared':>8}" if args.shared else "")
         print(f"{'B':>3} {'ctx':>14} {'bytes us':>8} {'base':>8} {cols}  err")
         for b, ctxs in cases:
             w = _window(max(ctxs))
@@ -80,9 +81,9 @@ def main() -> None:
             ts = [graph_ms([lambda c=c: ours(c)]) * 1e3 for c in chunks]
             ref = base.mla_decode_triton(*a)
             err = max(rel_rms_error(ref, ours(c)) for c in chunks)
-            if args.shared:
-                ts.append(graph_ms([lambda: mla_decode_triton(*a, shared=True)]) * 1e3)
-                err = max(err, rel_rms_error(ref, mla_decode_triton(*a, shared=True)))
+            for layout in (False, True) if args.shared else ():
+                ts.append(graph_ms([lambda: mla_decode_triton(*a, shared=layout)]) * 1e3)
+                err = max(err, rel_rms_error(ref, mla_decode_triton(*a, shared=layout)))
             floor = sum(n + 1 for n in ctxs) * (L + R) * 2 / bw / 1e6
             times = " ".join(f"{t:>8.1f}" for t in ts)
             label = str(ctxs[0]) if len(set(ctxs)) == 1 else f"{max(ctxs)}+{len(ctxs) - 1}x{min(ctxs)}"

@@ -45,10 +45,11 @@ def main() -> None:
     for _ in range(args.launches):
         mla_decode_triton(q_lat, q_pe, store, slots, lens, window, (128 + R) ** -0.5)
     torch.cuda.synchronize()
-    cfg = decode_config(b, window)
+    cfg = decode_config(b, window, h)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = choose_splits(b, window, -(-h // cfg["block_h"]), sms, cfg["min_chunk"], cfg["per_sm"])
-    print(f"MLA decode, {b} x {ctx} positions (window {window}), {h} heads: {cfg}, {splits} splits")
+    laid = "shared by length" if cfg["shared"] else f"{splits} splits"
+    print(f"MLA decode, {b} x {ctx} positions (window {window}), {h} heads: {cfg}, {laid}")
 
 
 if __name__ == "__main__":

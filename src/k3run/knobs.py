@@ -164,11 +164,12 @@ class Knobs:
         "K3RUN_MLA_DECODE_KERNEL", _flag, True,
         "CUDA: static MLA decode attention on the Triton kernel (0: the fp32 reference)",
     )  # fmt: skip
-    mla_shared_splits: bool = _knob(
-        "K3RUN_MLA_SHARED_SPLITS", _flag, False,
-        "CUDA: the MLA decode kernel's splits shared among a step's sequences by their lengths (each takes "
-        "pieces out of ~2 programs an SM, found on the device), for batches whose lengths differ; off until "
-        "timed on a GPU (the grid-per-sequence form is the measured one)",
+    mla_shared_splits: bool | None = _knob(
+        "K3RUN_MLA_SHARED_SPLITS", _flag, None,
+        "CUDA: 1: the MLA decode kernel's splits always shared among a step's sequences by their lengths "
+        "(each takes pieces out of ~2 programs an SM, found on the device); 0: always a fixed grid per "
+        "sequence; unset: shared from 32 (sequence, 32-head block) pairs, or 8 at windows of >= 32K "
+        "positions (`kernels/mla/triton.py: shares_splits`)",
     )  # fmt: skip
     mla_absorb_kernels: int = _knob(
         "K3RUN_MLA_ABSORB_KERNELS", _tokens_128, 64,

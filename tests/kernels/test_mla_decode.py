@@ -81,7 +81,7 @@ def test_choose_splits_fills_the_machine_within_the_window() -> None:
 def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
     """Splits of >= 256 positions above 4096-position windows, 64 at and below, and the stages
     (bench/RESULTS.md)."""
-    from k3run.kernels.mla.triton import choose_splits, decode_config
+    from k3run.kernels.mla.triton import choose_splits, decode_config, shares_splits
 
     for batch in (1, 8, 32):
         assert decode_config(batch, 4096)["min_chunk"] == 64
@@ -90,12 +90,20 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
     assert [decode_config(b, w)["num_stages"] for b, w in ((1, 4096), (1, 8192), (7, 65536), (8, 8192))] == [
         2, 3, 3, 2,
     ]  # fmt: skip
-    # the shared layout only where K3RUN_MLA_SHARED_SPLITS asks for it
+    # the shared layout from 32 (sequence, 32-head block) pairs, or 8 at >= 32K-position windows (run 237);
+    # K3RUN_MLA_SHARED_SPLITS forces either layout
     from k3run.knobs import override_knobs
 
-    assert not decode_config(8, 8192)["shared"]
-    with override_knobs(mla_shared_splits=True):
-        assert decode_config(8, 8192)["shared"] and decode_config(1, 256)["shared"]
+    cases = [
+        (1, 65536, 32), (7, 65536, 32), (8, 16384, 32), (8, 32768, 32), (31, 2048, 32), (32, 2048, 32),
+        (2, 65536, 96), (3, 32768, 96), (3, 16384, 96), (10, 4096, 96), (11, 4096, 96), (64, 4096, 16),
+    ]  # fmt: skip
+    want = [False, False, False, True, False, True, False, True, False, False, True, True]
+    assert [decode_config(b, w, h)["shared"] for b, w, h in cases] == want
+    assert [shares_splits(b, w, h) for b, w, h in cases] == want
+    for forced in (False, True):
+        with override_knobs(mla_shared_splits=forced):
+            assert {decode_config(b, w, h)["shared"] for b, w, h in cases} == {forced}
     # one sequence of 8K at 32 heads: 64 splits of 256 positions (of which the context fills half), not 256
     cfg = decode_config(1, 16384)
     assert choose_splits(1, 16384, 1, 132, cfg["min_chunk"], cfg["per_sm"]) == 64

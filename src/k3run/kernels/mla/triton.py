@@ -506,7 +506,23 @@ def choose_splits(
     return max(1, min(want, -(-window // min_chunk)))
 
 
-def decode_config(batch: int, window: int) -> dict:
+def shares_splits(batch: int, window: int, heads: int = 32) -> bool:
+    """Whether a step's launch lays its splits out by `_shares` (each sequence's pieces by its length) rather
+    than a fixed grid per sequence: where batch x head blocks (32 heads a block) >= 32, or >= 8 at windows of
+    32K positions and more. The graph decoder fixes the layout at capture, where the lengths are unknown, so
+    the rule goes by size. From H100 A/Bs of the two layouts at 32 and 96 heads (bench/RESULTS.md, run 237),
+    shared against per sequence: batches of mixed lengths mostly 1.04-2x faster (the long sequence gets the
+    spare programs; two exceptions, -7% and -12%); batches of equal lengths 9-35% slower below 8 pairs, up
+    to 20% slower at 8-24 pairs in windows under 32K, -2..+3% at 8-24 pairs in longer windows, and from 32
+    pairs 5-29% faster (-5% at a 2K window). K3RUN_MLA_SHARED_SPLITS forces either layout."""
+    forced = knobs().mla_shared_splits
+    if forced is not None:
+        return forced
+    pairs = batch * -(-heads // 32)
+    return pairs >= 32 or (pairs >= 8 and window >= 32768)
+
+
+def decode_config(batch: int, window: int, heads: int = 32) -> dict:
     """Launch options by the step's size, from the H200 sweeps (bench/RESULTS.md): 32-head blocks
     (3 at 96 heads) of 64 positions in the mma form; from 8 sequences on, 4-warp programs at ~4 per SM
     (1.3-2x faster there than 8 warps), below that 8-warp programs at ~2 per SM (4 warps at 4 per SM split
@@ -519,8 +535,8 @@ def decode_config(batch: int, window: int) -> dict:
     at 64 against 22.3). Below 8 sequences, windows above 4096 positions take three stages: with two, the
     loop waits for each block's own copies before its dots (nothing in flight, bench/probes/
     mla_pipeline.py); three keep one block in flight (H100, 32 heads, 1-4 sequences of 8K-60K: 1.03-1.21x,
-    one 184 KB program an SM)."""
-    shared = knobs().mla_shared_splits
+    one 184 KB program an SM). `shared`: `shares_splits`."""
+    shared = shares_splits(batch, window, heads)
     common = dict(block_h=32, block_n=64, min_chunk=64 if window <= 4096 else 256, shared=shared)
     if batch >= 8:
         return dict(common, num_warps=4, num_stages=2, per_sm=4)
@@ -541,12 +557,12 @@ def mla_decode_triton(
 ) -> torch.Tensor:
     """mla_decode_ref's contract (o_lat [B, H, L] fp32) without the window's copies. Launch options
     (block_h, block_n, num_warps, num_stages, per_sm, min_chunk, shared) default to `decode_config(B,
-    window)`; `launch` overrides some of them (benchmarks, tests). `shared=True` (K3RUN_MLA_SHARED_SPLITS;
-    off until timed) lays the splits out by `_shares`: each sequence takes pieces by its length out of
-    SHARED_PER_SM programs an SM, for batches whose lengths differ (`splits` is then the programs shared)."""
+    window, H)`; `launch` overrides some of them (benchmarks, tests). `shared=True` lays the splits out by
+    `_shares`: each sequence takes pieces by its length out of SHARED_PER_SM programs an SM (`splits` is then
+    the programs shared); `shares_splits` says where the step takes it."""
     B, H, L = q_lat.shape
     _check_store(store, L, q_pe.shape[-1], window)
-    cfg = decode_config(B, window)
+    cfg = decode_config(B, window, H)
     unknown = set(launch) - set(cfg)
     if unknown:
         raise ValueError(f"mla_decode: unknown launch options {sorted(unknown)}; known: {sorted(cfg)}")
@@ -570,7 +586,7 @@ def mla_decode_joined_triton(
             f"mla_decode: joined queries must be contiguous, fp32 or the cache's {store.dtype}; got "
             f"{q.dtype} {q.stride()}"
         )
-    return _decode(q, L, store, slots, context_lens, window, scale, None, decode_config(B, window))
+    return _decode(q, L, store, slots, context_lens, window, scale, None, decode_config(B, window, H))
 
 
 def _check_store(store: torch.Tensor, L: int, R: int, window: int) -> None:
