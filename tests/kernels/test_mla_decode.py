@@ -90,8 +90,8 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
     assert [decode_config(b, w)["num_stages"] for b, w in ((1, 4096), (1, 8192), (7, 65536), (8, 8192))] == [
         2, 3, 3, 2,
     ]  # fmt: skip
-    # the shared layout from 32 (sequence, 32-head block) pairs, or 8 at >= 32K-position windows (runs 237-241);
-    # K3RUN_MLA_SHARED_SPLITS forces either layout
+    # the shared layout from 32 (sequence, 32-head block) pairs, or 8 at >= 32K-position windows (runs
+    # 237-241); K3RUN_MLA_SHARED_SPLITS forces either layout
     from k3run.knobs import override_knobs
 
     cases = [

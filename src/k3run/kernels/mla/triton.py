@@ -510,11 +510,11 @@ def shares_splits(batch: int, window: int, heads: int = 32) -> bool:
     """Whether a step's launch lays its splits out by `_shares` (each sequence's pieces by its length) rather
     than a fixed grid per sequence: where batch x head blocks (32 heads a block) >= 32, or >= 8 at windows of
     32K positions and more. The graph decoder fixes the layout at capture, where the lengths are unknown, so
-    the rule goes by size. From H100 A/Bs of the two layouts at 32 and 96 heads (bench/RESULTS.md, runs 237-241),
-    shared against per sequence: batches of mixed lengths mostly 1.04-2x faster (the long sequence gets the
-    spare programs; two exceptions, -7% and -12%); batches of equal lengths 9-35% slower below 8 pairs, up
-    to 20% slower at 8-24 pairs in windows under 32K, -2..+3% at 8-24 pairs in longer windows, and from 32
-    pairs 5-29% faster (-5% at a 2K window). K3RUN_MLA_SHARED_SPLITS forces either layout."""
+    the rule goes by size. From H100 A/Bs of the two layouts at 32 and 96 heads (bench/RESULTS.md, runs
+    237-241), shared against per sequence: batches of mixed lengths mostly 1.04-2x faster (the long sequence
+    gets the spare programs; two exceptions, -7% and -12%); batches of equal lengths 9-35% slower below 8
+    pairs, up to 20% slower at 8-24 pairs in windows under 32K, -2..+3% at 8-24 pairs in longer windows, and
+    from 32 pairs 5-29% faster (-5% at a 2K window). K3RUN_MLA_SHARED_SPLITS forces either layout."""
     forced = knobs().mla_shared_splits
     if forced is not None:
         return forced
