@@ -433,8 +433,6 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
     kernel = _mla_decode_shared_kernel if shared else _mla_decode_split_kernel
     params = list(inspect.signature(kernel.fn).parameters)
     consts = dict(L=512, R=64, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], IEEE=False, PDL=False)
-    if shared:
-        consts["ONE_PASS"] = True  # the lengths and slots read once (batches <= 64)
     types = dict(q_ptr="*fp32", store_ptr="*bf16", slots_ptr="*i64", ctx_ptr="*i64", o_ptr="*fp32",
                  lse_ptr="*fp32", H="i32", B="i32", SPLITS="i32", chunk="i32", TOTAL="i32",
                  min_chunk="i32", window="i32", stride_slot="i64", stride_pos="i32",

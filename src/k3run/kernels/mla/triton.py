@@ -48,72 +48,40 @@ SHARED_PER_SM = 2
 
 
 @triton.jit
-def _shares(ctx_ptr, slots_ptr, B, window, TOTAL, min_chunk, key, BY_PROGRAM: tl.constexpr,
-            ONE_PASS: tl.constexpr = False):  # fmt: skip
+def _shares(ctx_ptr, B, window, TOTAL, min_chunk, key, BY_PROGRAM: tl.constexpr):
     """The shared-splits layout (`shared` launches): sequence b of n_b = min(context_lens[b] + 1, window)
     positions takes s_b = max(1, min(TOTAL * n_b // sum n, cdiv(n_b, min_chunk))) pieces, as partial rows
     [first_b, first_b + s_b) in sequence order, so the pieces of all sequences number <= TOTAL + B and the
-    grid's spare programs sit at its end. Returns (sequence, first_b, s_b, n_b, cache slot_b) of the sequence
-    that holds program `key` (BY_PROGRAM; sequence -1 where none does) or of sequence `key` (slot 0: the
-    merge needs none). ONE_PASS (B <= 64): the lengths and slots are loaded once, side by side, so a program
-    waits one round trip before its first cache read; else the lengths go in two passes of 64 (the sum, then
-    the prefix sum) and the slot after them."""
-    if ONE_PASS:
-        bs = tl.arange(0, 64)
+    grid's spare programs sit at its end. Returns (sequence, first_b, s_b, n_b) of the sequence that holds
+    program `key` (BY_PROGRAM; sequence -1 where none does) or of sequence `key`."""
+    total = tl.zeros([], dtype=tl.int64)
+    for b0 in range(0, B, 64):
+        bs = b0 + tl.arange(0, 64)
+        n = tl.load(ctx_ptr + bs, mask=bs < B, other=-1).to(tl.int64) + 1
+        total += tl.sum(tl.minimum(tl.maximum(n, 0), window), axis=0)
+    run = tl.zeros([], dtype=tl.int64)
+    seq = tl.full([], -1, dtype=tl.int64)
+    first = tl.zeros([], dtype=tl.int64)
+    count = tl.zeros([], dtype=tl.int64)
+    n_of = tl.zeros([], dtype=tl.int64)
+    for b0 in range(0, B, 64):
+        bs = b0 + tl.arange(0, 64)
         live = bs < B
         n = tl.minimum(tl.maximum(tl.load(ctx_ptr + bs, mask=live, other=-1).to(tl.int64) + 1, 0), window)
-        if BY_PROGRAM:
-            slots = tl.load(slots_ptr + bs, mask=live, other=0).to(tl.int64)
-        total = tl.sum(n, axis=0)
         s = tl.maximum(tl.minimum(TOTAL * n // tl.maximum(total, 1), tl.cdiv(n, min_chunk)), 1)
         s = tl.where(live, s, 0)
-        incl = tl.cumsum(s, axis=0)
+        incl = tl.cumsum(s, axis=0) + run
         excl = incl - s
         if BY_PROGRAM:
             hit = live & (excl <= key) & (key < incl)
         else:
             hit = bs == key
-        seq = tl.max(tl.where(hit, bs.to(tl.int64), -1), axis=0)
-        first = tl.sum(tl.where(hit, excl, 0), axis=0)
-        count = tl.sum(tl.where(hit, s, 0), axis=0)
-        n_of = tl.sum(tl.where(hit, n, 0), axis=0)
-        if BY_PROGRAM:
-            slot = tl.sum(tl.where(hit, slots, 0), axis=0)
-        else:
-            slot = tl.zeros([], dtype=tl.int64)
-    else:
-        total = tl.zeros([], dtype=tl.int64)
-        for b0 in range(0, B, 64):
-            bs = b0 + tl.arange(0, 64)
-            n = tl.load(ctx_ptr + bs, mask=bs < B, other=-1).to(tl.int64) + 1
-            total += tl.sum(tl.minimum(tl.maximum(n, 0), window), axis=0)
-        run = tl.zeros([], dtype=tl.int64)
-        seq = tl.full([], -1, dtype=tl.int64)
-        first = tl.zeros([], dtype=tl.int64)
-        count = tl.zeros([], dtype=tl.int64)
-        n_of = tl.zeros([], dtype=tl.int64)
-        for b0 in range(0, B, 64):
-            bs = b0 + tl.arange(0, 64)
-            live = bs < B
-            n = tl.minimum(tl.maximum(tl.load(ctx_ptr + bs, mask=live, other=-1).to(tl.int64) + 1, 0), window)
-            s = tl.maximum(tl.minimum(TOTAL * n // tl.maximum(total, 1), tl.cdiv(n, min_chunk)), 1)
-            s = tl.where(live, s, 0)
-            incl = tl.cumsum(s, axis=0) + run
-            excl = incl - s
-            if BY_PROGRAM:
-                hit = live & (excl <= key) & (key < incl)
-            else:
-                hit = bs == key
-            seq = tl.maximum(seq, tl.max(tl.where(hit, bs.to(tl.int64), -1), axis=0))
-            first += tl.sum(tl.where(hit, excl, 0), axis=0)
-            count += tl.sum(tl.where(hit, s, 0), axis=0)
-            n_of += tl.sum(tl.where(hit, n, 0), axis=0)
-            run += tl.sum(s, axis=0)
-        if BY_PROGRAM:
-            slot = tl.load(slots_ptr + tl.maximum(seq, 0)).to(tl.int64)
-        else:
-            slot = tl.zeros([], dtype=tl.int64)
-    return seq, first, count, n_of, slot
+        seq = tl.maximum(seq, tl.max(tl.where(hit, bs.to(tl.int64), -1), axis=0))
+        first += tl.sum(tl.where(hit, excl, 0), axis=0)
+        count += tl.sum(tl.where(hit, s, 0), axis=0)
+        n_of += tl.sum(tl.where(hit, n, 0), axis=0)
+        run += tl.sum(s, axis=0)
+    return seq, first, count, n_of
 
 
 @triton.jit
@@ -192,15 +160,15 @@ def _mla_decode_split_kernel(
 def _mla_decode_shared_kernel(
     q_ptr, store_ptr, slots_ptr, ctx_ptr, o_ptr, lse_ptr, H, B, TOTAL, min_chunk, window, stride_slot,
     stride_pos, scale, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, 0, head block): piece i of `_shares`' layout (a sequence's pieces even), its partials at
     row i; a program past every sequence's pieces writes only lse = -inf at its row, which no merge reads."""
     pdl_enter(PDL)
     row = tl.program_id(0)
-    seq, first, count, n_all, slot = _shares(ctx_ptr, slots_ptr, B, window, TOTAL, min_chunk, row, True,
-                                             ONE_PASS)  # fmt: skip
+    seq, first, count, n_all = _shares(ctx_ptr, B, window, TOTAL, min_chunk, row, True)
     b = tl.maximum(seq, 0).to(tl.int32)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
     piece = tl.cdiv(n_all, tl.maximum(count, 1)).to(tl.int32)
     start = (row - first).to(tl.int32) * piece
     end = tl.where(seq >= 0, tl.minimum(start + piece, n_all.to(tl.int32)), start)
@@ -212,7 +180,7 @@ def _mla_decode_shared_kernel(
 def _mla_merge_kernel(
     o_ptr, lse_ptr, out_ptr, ctx_ptr, H, B, SPLITS, TOTAL, min_chunk, window, L: tl.constexpr,
     BLOCK_S: tl.constexpr, BS: tl.constexpr, BL: tl.constexpr, SHARED: tl.constexpr = False,
-    ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (b, h, block of BL latent columns): out[b, h, cols] = sum over splits s of softmax_s(lse[b, s,
     h]) * o[b, s, h, cols]. The splits go BS at a time as one [BS, BL] tile, so a program waits on one
@@ -224,7 +192,7 @@ def _mla_merge_kernel(
     h = tl.program_id(1)
     cl = tl.program_id(2) * BL + tl.arange(0, BL)
     if SHARED:
-        _, first, count, _, _ = _shares(ctx_ptr, ctx_ptr, B, window, TOTAL, min_chunk, b, False, ONE_PASS)
+        _, first, count, _ = _shares(ctx_ptr, B, window, TOTAL, min_chunk, b, False)
         row0 = first.to(tl.int32)
         n_splits = count.to(tl.int32)
     else:
@@ -658,7 +626,7 @@ def _decode(
     if shared:
         _mla_decode_shared_kernel[grid](
             q, store, slots, context_lens, o, lse, H, B, total, min_chunk, window, store.stride(0),
-            store.stride(1), scale, ONE_PASS=B <= 64, **common,
+            store.stride(1), scale, **common,
         )  # fmt: skip
     else:
         _mla_decode_split_kernel[grid](
@@ -670,7 +638,6 @@ def _decode(
     bl = min(L, MERGE_COLS) if B * H <= MERGE_PAIRS else L
     _mla_merge_kernel[(B, H, L // bl)](
         o, lse, out, context_lens, H, B, splits or 0, total, min_chunk, window, L=L, BLOCK_S=block_s,
-        BS=min(block_s, max(1, MERGE_TILE // bl)), BL=bl, SHARED=shared, ONE_PASS=shared and B <= 64,
-        num_warps=4, **pdl_args(q),
+        BS=min(block_s, max(1, MERGE_TILE // bl)), BL=bl, SHARED=shared, num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return out
