@@ -111,7 +111,7 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=28)
+    run_interp_tests_in_child(__file__, expected_passed=29)
 
 
 @interp_only
@@ -152,6 +152,7 @@ def test_interp_mla_merge_in_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None
         ([31, 31, 31], 32, 6),  # equal lengths filling the window: 2 pieces each
         ([2, 10_000, 40], 48, 5),  # a corrupt length past the window attends the whole window
         ([(13 * i) % 37 for i in range(70)], 40, 16),  # > 64 sequences: the shares in two passes of 64
+        ([15, 15], 16, 40),  # more programs than pieces can be: the grid capped at B x 4, every row a piece
     ],
 )
 def test_interp_mla_shared_splits(contexts: list[int], window: int, total: int) -> None:

@@ -612,8 +612,12 @@ def _decode(
     shared = bool(cfg.get("shared"))
     if shared:  # `splits` (tests): the programs the pieces share
         total = splits or max(1, -(-SHARED_PER_SM * sms // head_blocks))
-        rows, chunk, grid = total + B, 0, (total + B, 1, head_blocks)
         most = max(1, min(total, -(-window // min_chunk)))  # pieces a sequence at most
+        # the pieces number <= total + B, and <= B x most (s_b <= max(1, min(total, cdiv(n_b, min_chunk)))):
+        # programs past both could never hold one, so the grid stops there (one sequence in a 2K window: 32
+        # rows, not 265)
+        rows = min(total + B, B * most)
+        chunk, grid = 0, (rows, 1, head_blocks)
     else:
         if splits is None:
             splits = choose_splits(B, window, head_blocks, sms, min_chunk, cfg["per_sm"])
