@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32,96")
     ap.add_argument("--contexts", default="1024,8192,32768,131072")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--shared", action="store_true", help="also this tree's launch with shared=True")
+    ap.add_argument("--shared", action="store_true", help="also each split layout, forced")
     ap.add_argument("--mixed", default="", help="mixed-context batches, e.g. 30000x1+2000x7,8000x1+500x31")
     args = ap.parse_args()
     spec = importlib.util.spec_from_file_location("mla_base", args.base)

@@ -5,8 +5,8 @@ of slot slots[b], read straight from the latent cache in its own dtype (no gathe
 scores = q_lat . c + q_pe . k_pe on the tensor cores (queries and probabilities rounded to the cache dtype),
 an online softmax in fp32, and the weighted latents; splits past a sequence's length return at once. A
 second launch merges the splits by their log-sum-exp, many splits a step (`_mla_merge_kernel`). The grids
-depend only on (B, window), so a CUDA graph can hold them while the real lengths vary. With
-K3RUN_MLA_SHARED_SPLITS (off until timed on a GPU) the splits are laid out by length instead
+depend only on (B, window), so a CUDA graph can hold them while the real lengths vary. Large steps
+(`shares_splits`; K3RUN_MLA_SHARED_SPLITS forces either way) lay the splits out by length instead
 (`_mla_decode_shared_kernel`): a long sequence among short ones takes most of the programs.
 
 Versus the fp32 reference: the queries and probabilities are rounded to the cache dtype once before the
@@ -40,11 +40,13 @@ MERGE_COLS = 128
 MERGE_PAIRS = 512
 MERGE_TILE = 4096
 MERGE_SPLITS = MERGE_TILE // MERGE_COLS
-# `shared` launches (K3RUN_MLA_SHARED_SPLITS, off until timed): the programs a head block's pieces share, per
+# `shared` launches (`shares_splits`): the programs a head block's pieces share, per
 # SM. Two, not decode_config's per_sm of 4 from 8 sequences: that 4 was tuned on contexts filling half of
 # their window, so it meant ~2 live programs an SM, and 4 live ones were 1.3-1.5x slower (H100, 8-32
 # sequences of 8K-32K, bench/RESULTS.md)
 SHARED_PER_SM = 2
+# the heads a decode program attends (decode_config's block_h; K3's 96 heads are 3 blocks)
+BLOCK_HEADS = 32
 
 
 @triton.jit
@@ -518,7 +520,7 @@ def shares_splits(batch: int, window: int, heads: int = 32) -> bool:
     forced = knobs().mla_shared_splits
     if forced is not None:
         return forced
-    pairs = batch * -(-heads // 32)
+    pairs = batch * -(-heads // BLOCK_HEADS)
     return pairs >= 32 or (pairs >= 8 and window >= 32768)
 
 
@@ -537,7 +539,7 @@ def decode_config(batch: int, window: int, heads: int = 32) -> dict:
     mla_pipeline.py); three keep one block in flight (H100, 32 heads, 1-4 sequences of 8K-60K: 1.03-1.21x,
     one 184 KB program an SM). `shared`: `shares_splits`."""
     shared = shares_splits(batch, window, heads)
-    common = dict(block_h=32, block_n=64, min_chunk=64 if window <= 4096 else 256, shared=shared)
+    common = dict(block_h=BLOCK_HEADS, block_n=64, min_chunk=64 if window <= 4096 else 256, shared=shared)
     if batch >= 8:
         return dict(common, num_warps=4, num_stages=2, per_sm=4)
     return dict(common, num_warps=8, num_stages=2 if window <= 4096 else 3, per_sm=2)
