@@ -8,7 +8,7 @@ tokens routed uniformly at random (what probe_graph_step --uniform-routing does)
 - w13 / w2: `nvfp4_gemv_by_expert` as the decode step launches it (the default tile and split_k from
   `expert_split`), then with every split_k dividing the 128-wide chunk count and, above 8 tokens, each of the
   8-, 16- and 32-token tiles, and with --stages each weight-ring depth (--only-default: the step's launch
-  alone; --x-ahead: each launch once per K3RUN_GEMV_X_AHEAD form, in the same run);
+  alone);
 - dense: `nvfp4_gemv` at T rows (at most 32) on the hit experts' matrices stacked as one matrix (the same
   bytes, one weight matrix, no group table), at its `choose_config` split;
 each as us, TB/s of weight bytes (the hit experts' NVFP4 bytes and block scales) and % of the device copy
@@ -17,7 +17,7 @@ bandwidth measured in the same run.
 --k3: K3's experts as the K3-shaped slice holds them: D = 3584 -> I = 3072, 64 local experts, top-16.
 
     PYTHONPATH=src python bench/bench_expert_gemv.py [--batches 1,8,16,32] [--k3] [--stages 2,3,4]
-        [--x-ahead 0,1,2] [--only-default]
+        [--only-default]
 """
 
 # ruff: noqa: B023
@@ -34,7 +34,6 @@ from k3run.kernels.nvfp4_gemm import choose_config, sm_count
 from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, nvfp4_gemv_by_expert
 from k3run.kernels.nvfp4_gemm.groups import expert_groups
 from k3run.kernels.nvfp4_gemm.layout import CHUNK
-from k3run.knobs import knobs, override_knobs
 from k3run.layers.activation import GatedActivation
 from k3run.layers.moe import route
 from k3run.quant.experts import by_expert_tile, expert_split
@@ -59,12 +58,8 @@ def main() -> None:
     ap.add_argument(
         "--stages", default="2", help="weight-ring slots of the expert-major launches to time, e.g. 2,3,4"
     )
-    ap.add_argument(
-        "--x-ahead", default="", help="K3RUN_GEMV_X_AHEAD forms to time each launch with, e.g. 0,1,2"
-    )
     ap.add_argument("--only-default", action="store_true", help="only the decode step's launch per batch")
     args = ap.parse_args()
-    forms = [int(v) for v in args.x_ahead.split(",")] if args.x_ahead else [knobs().gemv_x_ahead]
     torch.manual_seed(0)
     copy_tbs = copy_bandwidth()
     D, INTER, E, TOP_K, act = K3 if args.k3 else KIMI_LINEAR
@@ -101,17 +96,15 @@ def main() -> None:
                             maxnreg=reg if sk == auto else None, all_in_groups=True, stages=st,
                         )  # fmt: skip
 
-                    for form in forms:
-                        with override_knobs(gemv_x_ahead=form):
-                            us = graph_ms([call]) * 1e3
-                        tbs = nbytes / (us * 1e-6) / 1e12
-                        mark = "*" if (sk == auto and bt == default_bt and st == 2) else " "
-                        rows.append(
-                            f"T={t:<3} {name:3} experts {distinct:3d} groups {used:3d}/{grp.shape[0]:3d} "
-                            f"tile {bt:2d} split {sk} stages {st}{mark} x_ahead {form} | {us:7.1f} us "
-                            f"{tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% of copy"
-                        )
-                        print(rows[-1], flush=True)
+                    us = graph_ms([call]) * 1e3
+                    tbs = nbytes / (us * 1e-6) / 1e12
+                    mark = "*" if (sk == auto and bt == default_bt and st == 2) else " "
+                    rows.append(
+                        f"T={t:<3} {name:3} experts {distinct:3d} groups {used:3d}/{grp.shape[0]:3d} "
+                        f"tile {bt:2d} split {sk} stages {st}{mark} | {us:7.1f} us {tbs:4.2f} TB/s "
+                        f"{100 * tbs / copy_tbs:3.0f}% of copy"
+                    )
+                    print(rows[-1], flush=True)
             # the same bytes as one dense matrix: the hit experts stacked
             wd = w[hit.long()].reshape(distinct * w.shape[1], w.shape[2])
             sd = s[hit.long()].reshape(distinct * s.shape[1], s.shape[2])
@@ -119,16 +112,14 @@ def main() -> None:
             xd = x[:m].contiguous()
             cfg = choose_config(m, wd.shape[0], k, sms)
             gs1 = gs[:1, :1].reshape(1).contiguous()
-            for form in forms:
-                with override_knobs(gemv_x_ahead=form):
-                    kw = dict(tiled=True, split_k=cfg.split_k, maxnreg=cfg.maxnreg)
-                    us = graph_ms([lambda: nvfp4_gemv(xd, wd, sd, gs1, **kw)]) * 1e3
-                tbs = nbytes / (us * 1e-6) / 1e12
-                rows.append(
-                    f"T={t:<3} {name:3} dense {wd.shape[0]}x{k} at M={m} split {cfg.split_k} x_ahead {form}"
-                    f" | {us:7.1f} us {tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% of copy"
-                )
-                print(rows[-1], flush=True)
+            kw = dict(tiled=True, split_k=cfg.split_k, maxnreg=cfg.maxnreg)
+            us = graph_ms([lambda: nvfp4_gemv(xd, wd, sd, gs1, **kw)]) * 1e3
+            tbs = nbytes / (us * 1e-6) / 1e12
+            rows.append(
+                f"T={t:<3} {name:3} dense {wd.shape[0]}x{k} at M={m} split {cfg.split_k}"
+                f" | {us:7.1f} us {tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% of copy"
+            )
+            print(rows[-1], flush=True)
     model = "K3" if args.k3 else "Kimi Linear"
     print(f"\n{torch.cuda.get_device_name()}, copy {copy_tbs:.2f} TB/s, {model} experts D={D} I={INTER}, "
           f"{E} experts, top-{TOP_K} (* = the decode step's launch)")  # fmt: skip

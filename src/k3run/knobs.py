@@ -73,13 +73,6 @@ def _moe_groups(name: str, value: str) -> str:
     return value
 
 
-def _x_ahead(name: str, value: str) -> int:
-    """0, 1 or 2"""
-    if value not in ("0", "1", "2"):
-        raise _malformed(name, "0, 1 or 2", value)
-    return int(value)
-
-
 def _by_expert_tile(name: str, value: str) -> int:
     """8, 16 or 32"""
     if value not in ("8", "16", "32"):
@@ -267,12 +260,6 @@ class Knobs:
         "K3RUN_SM90_CUDA", _flag, True,
         "CUDA sm_90: NVFP4 linears of 17..1024 rows, >= 32M weights, on the CUDA C++ GEMM (0: the Gluon one "
         "to 256 rows, dequantize + cuBLAS above)",
-    )  # fmt: skip
-    gemv_x_ahead: int = _knob(
-        "K3RUN_GEMV_X_AHEAD", _x_ahead, 0,
-        "CUDA: the NVFP4 decode launches (dense and routed experts) load the next K tile's x before decoding "
-        "the current one, x's registers held twice (1: the loop copies them at its back edge, 2: unrolled by "
-        "two, no copies; 0: off until timed)",
     )  # fmt: skip
     gemv_t32_form: str = _knob(
         "K3RUN_GEMV_T32_FORM", _t32_form, "1/2",

@@ -355,27 +355,6 @@ def test_one_wave_split_keeps_every_program_resident():
     assert one_wave_split(17, 7168, 12288, 132) == (3, None)
 
 
-def test_x_ahead_sizes_the_split_by_its_own_registers_uncapped():
-    """K3RUN_GEMV_X_AHEAD: a warp holds two tiles of x, so the programs an SM come from GEMV_REGS_X_AHEAD and
-    the 16-token tile's 80-register cap (which would spill the second tile) is never handed to ptxas."""
-    from k3run.kernels.nvfp4_gemm.config import GEMV_REGS_X_AHEAD, tile32_split
-    from k3run.knobs import override_knobs
-
-    assert one_wave_split(16, 7168, 12288, 132) == (6, 80)  # form 0, as above
-    with override_knobs(gemv_x_ahead=2):
-        # 148 registers: 12 programs an SM, 1584 slots for 448 blocks admit 3 of 96 chunks' divisors
-        assert programs_per_sm(GEMV_REGS_X_AHEAD[2][16]) == 12
-        assert one_wave_split(16, 7168, 12288, 132) == (3, None)
-        # 8 rows at 102 registers: 16 an SM, 2112 slots for 448 blocks admit 4 (form 0's 32 an SM: 8)
-        assert one_wave_split(8, 7168, 12288, 132) == (4, None)
-        # 32 rows on two token warps (16 columns a warp, 148 registers: 6 two-warp programs an SM): 792 slots
-        # for 778 blocks of the in_proj admit split 1, under the 3 chunks a program the rule keeps
-        assert tile32_split(12448, 2304, 132, (1, 2)) == 1
-    with override_knobs(gemv_x_ahead=1):
-        assert one_wave_split(16, 7168, 12288, 132) == (4, None)  # 118 registers: 16 an SM, 2112 slots
-    assert one_wave_split(8, 7168, 12288, 132) == (8, None)  # the cache keys the form: back to form 0
-
-
 def test_t32_form_knob_shapes_the_17_to_32_row_launches_and_sizes_their_split():
     """K3RUN_GEMV_T32_FORM: dense launches of 17..32 rows take the form's row warps and token warps, 1..16
     rows never; the split counts the form's programs that fit an SM (its GEMV_T32_FORMS registers and

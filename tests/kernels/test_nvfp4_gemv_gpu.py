@@ -121,31 +121,6 @@ def test_program_shapes_give_the_one_warp_bits(
                  rtol=RTOL[torch.bfloat16])  # fmt: skip
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 29])
-@pytest.mark.parametrize("split_k, stages", [(1, 2), (4, 2), (4, 3), (7, 3), (28, 2), (14, 4)])
-def test_x_ahead_gives_the_bits_of_x_loaded_in_its_step(poison_empty, m: int, split_k: int, stages: int):
-    """K3RUN_GEMV_X_AHEAD 1 and 2 only move x's loads one tile earlier: every mma and split-K partial is
-    the same in the same order, so y is bit-equal to form 0's (and within the bf16 bound,
-    RTOL[torch.bfloat16], of the fp32 reference). N = 520, K = 3504 (28 chunks, the last partial): 28, 7,
-    4, 1 and 2 tiles a program at 2 to 4 slots (odd and even counts for the unrolled form's pairs and its
-    tail, one tile, fewer tiles than slots); token tiles 8 / 16 / 32."""
-    from k3run.knobs import override_knobs
-
-    n, k = 520, 3504
-    w, s, gs = _random_nvfp4(n, k, device="cuda", per_row_global=True)
-    pw = prepare_nvfp4_weight(w, s, gs, layout="tiled128")
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    bias = torch.randn(n, device="cuda").bfloat16()
-    cfg = GemmConfig(gemv=True, split_k=split_k, smem_stages=stages)
-    with override_knobs(gemv_x_ahead=0):
-        want = nvfp4_linear(x, pw, bias, config=cfg)
-    for form in (1, 2):
-        with override_knobs(gemv_x_ahead=form):
-            assert torch.equal(nvfp4_linear(x, pw, bias, config=cfg), want), (form, m, cfg)
-    assert_close(f"gemv m={m} {cfg}", nvfp4_linear_ref(x.float(), w, s, gs, bias.float()), want,
-                 rtol=RTOL[torch.bfloat16])  # fmt: skip
-
-
 @pytest.mark.parametrize("m", [9, 16])
 def test_token_warps_on_the_16_token_tile_give_the_one_warp_bits(poison_empty, m: int):
     """nvfp4_gemv itself also splits the 16-token tile over 2 token warps (8 columns each): bit-equal to one
@@ -341,10 +316,8 @@ def test_gemv_by_expert_matches_per_pick_launch(t: int, bt: int, form: str):
     for split, stages in ((1, 2), (4, 2), (1, 3), (4, 3), (1, 4)):  # a deeper ring changes no sum's order
         kw = dict(picks=t * a, rows=n, split_k=split, stages=stages)
         want = nvfp4_gemv_grouped(x, w, s, gs, ids, rows=n, split_k=split)
-        for x_ahead in (0, 1, 2):  # x one tile ahead (K3RUN_GEMV_X_AHEAD) moves loads, not sums
-            with override_knobs(gemv_x_ahead=x_ahead):
-                got = nvfp4_gemv_by_expert(x, w, s, gs, grp, slot_div=a, **kw)
-            assert torch.equal(got, want), (split, stages, x_ahead)
+        got = nvfp4_gemv_by_expert(x, w, s, gs, grp, slot_div=a, **kw)
+        assert torch.equal(got, want), (split, stages)
         want = nvfp4_gemv_grouped(xp, w, s, gs, ids, rows=n, split_k=split)
         got = nvfp4_gemv_by_expert(xp, w, s, gs, grp, slot_div=1, **kw)
         assert torch.equal(got, want), (split, stages)

@@ -100,28 +100,18 @@ GEMV_T32_FORMS = {
     (1, 1): GEMV_REGS_T32, (1, 2): 88, (1, 4): 62, (2, 1): 143, (2, 2): 90, (2, 4): 64, (4, 1): 143,
     (4, 2): 90,
 }  # fmt: skip
-# With x one K tile ahead (K3RUN_GEMV_X_AHEAD 1 / 2) a warp holds two tiles of x: ptxas' registers a thread
-# by the token columns a warp holds (sm_90, Triton 3.9 on a CPU, K = 2304, no spills; the most over the
-# dense and expert-major launches and token warps). These launches run uncapped.
-GEMV_REGS_X_AHEAD = {1: {8: 80, 16: 118, 32: 198}, 2: {8: 102, 16: 148, 32: 226}}
 DEFAULT_SMS = 132  # H100 SXM / H200: where no device says otherwise
 
 
-def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
-    """`_one_wave_split` for the K3RUN_GEMV_X_AHEAD form in force (its registers set the programs an SM)."""
-    return _one_wave_split(m, n, k, sms, knobs().gemv_x_ahead)
-
-
 @functools.cache  # on every eager nvfp4_linear call (choose_config) and twice per grouped MoE call
-def _one_wave_split(m: int, n: int, k: int, sms: int, x_ahead: int = 0) -> tuple[int, int | None]:
+def one_wave_split(m: int, n: int, k: int, sms: int) -> tuple[int, int | None]:
     """(split_k, maxnreg or None) for M <= 32 (the token tile's rows): the largest split_k <= 8 dividing the
     128-wide chunk count whose programs (row blocks x split_k) all fit on the GPU at once. A second wave of
     programs starts only as the first drains (per-program timelines on an H200, bench/NOTES.md: 12288x7168 at
     M = 1 ran 6144 programs on 132 x 32 slots in two waves). For the 16-token tile, the register cap of 80 is
     taken where it lets more programs in; the 32-token tile runs uncapped. Where even split_k 1 takes more
     than one wave (the grouped expert launches: rows of every pick), the smallest split_k <= 8 whose waves are
-    on average >= 90% full (else the fullest). x_ahead (1, 2): the programs' registers are
-    GEMV_REGS_X_AHEAD's, uncapped."""
+    on average >= 90% full (else the fullest)."""
     from .triton import largest_divisor
 
     chunks, blocks = -(-k // CHUNK), -(-n // 16)
@@ -133,9 +123,6 @@ def _one_wave_split(m: int, n: int, k: int, sms: int, x_ahead: int = 0) -> tuple
             return next((d for d in fill if fill[d] >= 0.9), max(fill, key=fill.__getitem__))
         return largest_divisor(chunks, min(8, max(1, slots // blocks)))
 
-    if x_ahead:
-        regs = GEMV_REGS_X_AHEAD[x_ahead][8 if m <= 8 else 16 if m <= 16 else 32]
-        return split(programs_per_sm(regs)), None
     if m <= 8:
         return split(programs_per_sm(64)), None
     if m > 16:  # the 32-token tile: no register cap (capped at 128 it ran slower on an H100)
@@ -158,9 +145,7 @@ def tile32_split(n: int, k: int, sms: int = DEFAULT_SMS, form: tuple[int, int] =
     Larger K (K3's matrices): 2 above 4096 rows, else 4, the best or within 3% of the best of 2 / 4 / 8 on
     the K3 shapes (the rule above was not measured there)."""
     rows, tokens = form
-    x_ahead = knobs().gemv_x_ahead
-    regs = GEMV_REGS_X_AHEAD[x_ahead][32 // tokens] if x_ahead else GEMV_T32_FORMS[form]
-    fit = programs_per_sm(regs, rows * tokens)
+    fit = programs_per_sm(GEMV_T32_FORMS[form], rows * tokens)
     return _tile32_split(n, k, sms, fit, rows)
 
 

@@ -47,7 +47,6 @@ from k3run.kernels.nvfp4_gemm import (  # noqa: F401 (re-exported)
     untile_split128,
 )
 from k3run.kernels.nvfp4_gemm.triton import PRMT_TABLES
-from k3run.knobs import knobs
 
 # the CTA barrier is gl.thread_barrier in Triton 3.6 and gl.barrier in later releases
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -343,7 +342,7 @@ def _assemble(o_a, o_b, BN: gl.constexpr, HALF: gl.constexpr, LA: gl.constexpr, 
 def _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K: gl.constexpr, K_PAD: gl.constexpr):
     """The B operands of the K tile at kt, the token index already clamped into x: x columns of the low
     nibbles and of the high ones (64 further), masked only past K. x (a few KB, L1/L2-resident) is loaded
-    into registers, not staged in shared memory (X_AHEAD: one tile ahead)."""
+    when needed, not staged: it would double the registers."""
     if K == K_PAD:
         x_lo = gl.load(x_ptr + x_off + kt)
         x_hi = gl.load(x_ptr + x_off + (kt + 64))
@@ -439,15 +438,16 @@ def _issue_tile(
 
 @gluon.jit
 def _async_step(
-    acc, i, x_lo, x_hi, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
-    N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
+    acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab,
+    K: gl.constexpr, K_PAD: gl.constexpr, N_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr,
     HALF: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr, ASM: gl.constexpr,
     SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr, DT: gl.constexpr,
     SMEM: gl.constexpr, LSW: gl.constexpr, ISSUE: gl.constexpr = True,
 ):  # fmt: skip
-    """One K tile of the cp.async kernel, its x operands x_lo / x_hi loaded by the caller: wait for its slot,
-    refill the slot STAGES - 1 tiles ahead (ISSUE: the caller's loop only runs while that tile exists),
-    decode, two mma."""
+    """One K tile of the cp.async kernel: wait for its slot, refill the slot STAGES - 1 tiles ahead (ISSUE:
+    the caller's loop only runs while that tile exists), decode, two mma."""
+    kt = i * BK
+    x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, kt, K, K_PAD)
     if ISSUE:
         async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
     else:
@@ -485,7 +485,7 @@ def _nvfp4_gemv_async_kernel(
     OUT_SCALE: gl.constexpr, PDL: gl.constexpr = False, LSW: gl.constexpr = None, ids_ptr=None, n_experts=0,
     slot_div=1, w_estride=0, s_estride=0, gs_estride=0, GROUPED: gl.constexpr = False, grp_ptr=None,
     BYEXP: gl.constexpr = False, ACT: gl.constexpr = 0, act_beta=1.0, act_rbeta=1.0, act_lbeta=1.0,
-    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False, X_AHEAD: gl.constexpr = 0,
+    act_rlbeta=1.0, half_n=0, EARLY: gl.constexpr = False,
 ):  # fmt: skip
     """The decode GEMM with the weights and scales staged through shared memory by cp.async: STAGES - 1
     K tiles (128 wide) in flight per warp without holding registers.
@@ -500,11 +500,7 @@ def _nvfp4_gemv_async_kernel(
     rows 8b..8b+7 and the matching up rows half_n + 8b.. as its 16 rows, and its epilogue writes
     h = act(gate, up) into y's columns 8b..8b+7 (y [.., half_n]): rows r and r + 8 of the accumulator.
     EARLY (with GROUPED and PDL): the ids / table were written before the previous launch, so they are read,
-    and the first weight tiles staged, before the PDL wait, which then guards x (as in the dense form).
-    X_AHEAD (1, 2): each step issues the next tile's x loads before its own decode (x's registers held
-    twice), so they have a whole step to land; 2 unrolls the loop by two, so the buffers alternate registers
-    instead of being copied at its back edge; 0: a step loads its own x first and waits for it in the
-    decode."""
+    and the first weight tiles staged, before the PDL wait, which then guards x (as in the dense form)."""
     BK: gl.constexpr = 128
     HALF: gl.constexpr = 64
     K_SPLIT: gl.constexpr = K_PAD // SPLIT_K
@@ -597,59 +593,16 @@ def _nvfp4_gemv_async_kernel(
     acc = gl.zeros([BN, BT], gl.float32, layout=MMA)
     # the loop is split where the refills stop, so neither part tests whether a tile exists
     MAIN: gl.constexpr = N_TILES - (STAGES - 1) if N_TILES >= STAGES - 1 else 0
-    if X_AHEAD == 1:  # tile i + 1's x loads are issued before tile i's decode: a whole step to land
-        x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, 0, K, K_PAD)
-        for i in range(MAIN):
-            nx_lo, nx_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, (i + 1) * BK, K, K_PAD)
-            acc = _async_step(
-                acc, i, x_lo, x_hi, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK, BN, HALF,
-                STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            )  # fmt: skip
-            x_lo, x_hi = nx_lo, nx_hi
-        for i in gl.static_range(MAIN, N_TILES):
-            if i + 1 < N_TILES:
-                nx_lo, nx_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, (i + 1) * BK, K, K_PAD)
-            acc = _async_step(
-                acc, i, x_lo, x_hi, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK, BN, HALF,
-                STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
-            )  # fmt: skip
-            if i + 1 < N_TILES:
-                x_lo, x_hi = nx_lo, nx_hi
-    elif X_AHEAD == 2:  # the same, two tiles an iteration: the two x buffers alternate registers, no copies
-        x_a = _x_tile_clamped(x_ptr, x_off, kx, k_start, 0, K, K_PAD)
-        for j in range(MAIN // 2):
-            x_b = _x_tile_clamped(x_ptr, x_off, kx, k_start, (2 * j + 1) * BK, K, K_PAD)
-            acc = _async_step(
-                acc, 2 * j, x_a[0], x_a[1], smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK, BN,
-                HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            )  # fmt: skip
-            x_a = _x_tile_clamped(x_ptr, x_off, kx, k_start, (2 * j + 2) * BK, K, K_PAD)  # <= MAIN
-            acc = _async_step(
-                acc, 2 * j + 1, x_b[0], x_b[1], smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK,
-                BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            )  # fmt: skip
-        for i in gl.static_range(MAIN // 2 * 2, N_TILES):  # the rest (at most STAGES tiles), unrolled
-            if i + 1 < N_TILES:
-                x_n = _x_tile_clamped(x_ptr, x_off, kx, k_start, (i + 1) * BK, K, K_PAD)
-            acc = _async_step(
-                acc, i, x_a[0], x_a[1], smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK, BN, HALF,
-                STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, i < MAIN,
-            )  # fmt: skip
-            if i + 1 < N_TILES:
-                x_a = x_n
-    else:  # each tile's x loaded at the top of its step (no registers held across steps)
-        for i in range(MAIN):
-            x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, i * BK, K, K_PAD)
-            acc = _async_step(
-                acc, i, x_lo, x_hi, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK, BN, HALF,
-                STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
-            )  # fmt: skip
-        for i in range(MAIN, N_TILES):
-            x_lo, x_hi = _x_tile_clamped(x_ptr, x_off, kx, k_start, i * BK, K, K_PAD)
-            acc = _async_step(
-                acc, i, x_lo, x_hi, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, N_TILES, BK, BN, HALF,
-                STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
-            )  # fmt: skip
+    for i in range(MAIN):
+        acc = _async_step(
+            acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, True,
+        )  # fmt: skip
+    for i in range(MAIN, N_TILES):
+        acc = _async_step(
+            acc, i, x_ptr, x_off, kx, k_start, smem_w, smem_s, w_src, s_src, ok_w, ok_s, tab, K, K_PAD,
+            N_TILES, BK, BN, HALF, STAGES, TILED, ASM, SCALE_ASM, LA, LW4, L_G, DT, SMEM, LSW, False,
+        )  # fmt: skip
     if PDL:  # the next launch may start now (its prologue overlaps this one's split-K reduction)
         _gdc("griddepcontrol.launch_dependents;")
     async_copy.wait_group(0)
@@ -1141,7 +1094,7 @@ def _launch_async(
         y.stride(0),
         K=k, K_PAD=k_pad, SPLIT_K=split_k, PER_COL_GS=per_col, HAS_BIAS=has_bias, EVEN_N=n % bn == 0, BN=bn,
         BT=bt, STAGES=stages, ASM=asm, SCALE_ASM=scale_asm, MMA=mma, LA=la, LW4=lw4, LB=lb, LCW=lcw, LCS=lcs,
-        SMEM=smem, TILED=tiled, OUT_SCALE=out_scale, PDL=pdl, X_AHEAD=knobs().gemv_x_ahead,
+        SMEM=smem, TILED=tiled, OUT_SCALE=out_scale, PDL=pdl,
         LSW=scale_word_layout(num_warps, bt, token_warps), num_warps=num_warps * token_warps,
         maxnreg=maxnreg or MAXNREG[bt // token_warps], launch_pdl=pdl, **extra,
     )  # fmt: skip
