@@ -48,13 +48,18 @@ def test_defaults_when_unset_or_empty() -> None:
         ("K3RUN_DIST_BACKEND", "gloo", "dist_backend", "gloo"),
         ("K3RUN_API_KEY", "s3cret", "api_key", "s3cret"),
         ("K3RUN_KDA_FUSED_FORM", "16/4/flat", "kda_fused_form", "16/4/flat"),
+        ("K3RUN_KDA_FUSED_FORM", "32/4/flat/p2", "kda_fused_form", "32/4/flat/p2"),
+        ("K3RUN_KDA_FUSED_FORM", "32/4/p3", "kda_fused_form", "32/4/p3"),
     ],
 )
 def test_each_variable_sets_its_field(var, value, field, parsed) -> None:
     assert getattr(Knobs.from_env({var: value}), field) == parsed
 
 
-FORM_EXPECTED = "BV/warps or BV/warps/flat, BV 8 to 128 a power of two, warps 1, 2, 4 or 8"
+FORM_EXPECTED = (
+    "BV/warps, BV/warps/flat, optionally /pN after them; BV 8 to 128 a power of two, warps 1, 2, 4 or 8, N 1 "
+    "to 8"
+)
 
 
 @pytest.mark.parametrize(
@@ -75,6 +80,9 @@ FORM_EXPECTED = "BV/warps or BV/warps/flat, BV 8 to 128 a power of two, warps 1,
         ("K3RUN_KDA_FUSED_FORM", "24/4", FORM_EXPECTED),
         ("K3RUN_KDA_FUSED_FORM", "32/4/flt", FORM_EXPECTED),
         ("K3RUN_KDA_FUSED_FORM", "32", FORM_EXPECTED),
+        ("K3RUN_KDA_FUSED_FORM", "32/4/p2/flat", FORM_EXPECTED),
+        ("K3RUN_KDA_FUSED_FORM", "32/4/flat/p9", FORM_EXPECTED),
+        ("K3RUN_KDA_FUSED_FORM", "32/4/flat/p", FORM_EXPECTED),
     ],
 )
 def test_malformed_values_name_variable_values_and_value(var, value, expected) -> None:

@@ -114,11 +114,19 @@ _tokens_256 = _tokens_up_to(256)
 
 
 def _kda_fused_form(name: str, value: str) -> str:
-    """BV/warps or BV/warps/flat (BV 8 to 128, a power of two; warps 1, 2, 4 or 8)"""
+    """BV/warps[/flat][/pN] (BV 8 to 128, a power of two; warps 1, 2, 4 or 8; pN: N = 1..8 persistent
+    programs an SM)"""
     parts = value.split("/")
-    ok = len(parts) in (2, 3) and all(p.isdigit() for p in parts[:2]) and parts[2:] in ([], ["flat"])
+    tail = parts[2:]
+    persist = tail[-1] if tail and tail[-1][:1] == "p" else None
+    rest = tail[:-1] if persist else tail
+    ok = len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) and rest in ([], ["flat"])
+    ok = ok and persist in (None, "p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
     if not ok or parts[0] not in ("8", "16", "32", "64", "128") or parts[1] not in ("1", "2", "4", "8"):
-        expected = "BV/warps or BV/warps/flat, BV 8 to 128 a power of two, warps 1, 2, 4 or 8"
+        expected = (
+            "BV/warps, BV/warps/flat, optionally /pN after them; BV 8 to 128 a power of two, warps 1, 2, 4 "
+            "or 8, N 1 to 8"
+        )
         raise _malformed(name, expected, value)
     return value
 
@@ -356,8 +364,9 @@ class Knobs:
         "K3RUN_KDA_FUSED_FORM", _kda_fused_form, None,
         "the fused KDA decode's launch: value columns a program / warps a program, with /flat its conv "
         "windows shifted as flat runs (fewer registers; 3% faster alone at 32 sequences, H100), without "
-        "it as a [channels, W - 1] block (unset: 64/4/flat from 1024 (sequence, head) pairs a GPU, else "
-        "32/4/flat)",
+        "it as a [channels, W - 1] block; with /pN, N persistent programs an SM, each loading its next "
+        "item's state while working on one (not yet timed) (unset: 64/4/flat from 1024 (sequence, head) "
+        "pairs a GPU, else 32/4/flat)",
     )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,

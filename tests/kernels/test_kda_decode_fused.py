@@ -56,6 +56,7 @@ def _check(
     block_v: int = 8,
     flat: bool = False,
     num_warps: int = 4,
+    persist: int = 0,
 ) -> None:
     from k3run.kernels.kda.decode import kda_decode_fused_triton
 
@@ -63,7 +64,8 @@ def _check(
     want_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     want = kda_decode_fused_ref(**want_case)
     conv_before, state_before = case["conv_pool"].clone(), case["state_pool"].clone()
-    got = kda_decode_fused_triton(**case, block_v=block_v, flat_shift=flat, num_warps=num_warps)
+    kw = dict(block_v=block_v, flat_shift=flat, num_warps=num_warps, persist=persist)
+    got = kda_decode_fused_triton(**case, **kw)
     assert got.shape == want.shape == (B, H * K) and got.dtype == dtype
     assert_close("fused decode output", want.float(), got.float(), RTOL[dtype])
     used = case["slots"].tolist()
@@ -76,7 +78,7 @@ def _check(
 
 
 def test_triton_kernels_in_interpreter() -> None:
-    run_interp_tests_in_child(__file__, expected_passed=17)
+    run_interp_tests_in_child(__file__, expected_passed=21)
 
 
 @interp_only
@@ -90,6 +92,16 @@ def test_interp_fused_decode_equals_the_reference(
     """block_v 8: a head's 24 value columns over 3 programs (the last normalises the row and shifts the q / k
     windows); 32: one program a head."""
     _check(dtype, "cpu", lower_bound, block_v=block_v, flat=flat)
+
+
+@interp_only
+@pytest.mark.parametrize("block_v, persist", [(8, 2), (8, 7), (32, 2), (32, 64)])
+def test_interp_persistent_programs_equal_the_reference(block_v: int, persist: int) -> None:
+    """persist N: N programs (the interpreter's SM count is 1) walk the 15 or 45 items (sequence, head, value
+    block), each loading the next item's state before this one's work: 2 and 7 programs take several items
+    each (7 leaves some one item fewer), 64 more programs than items (one item each, the grid cut to the item
+    count). Fresh sequences' NaN slots stay unread, with the state read one item early."""
+    _check(torch.bfloat16, "cpu", -5.0, block_v=block_v, flat=True, persist=persist)
 
 
 @interp_only
@@ -128,11 +140,49 @@ def test_gpu_fused_decode_equals_the_reference(
     _check(dtype, "cuda", lower_bound, batch, block_v, flat)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_v, persist", [(32, 1), (32, 2), (64, 3)])
+def test_gpu_persistent_programs_give_the_bits_of_one_program_an_item(block_v: int, persist: int) -> None:
+    """Kimi Linear's widths (32 heads of 128, W = 4) at 40 sequences (8 of them fresh, in slots holding NaN):
+    2560 to 5120 items, so each persistent program walks several (N an SM); each item's arithmetic is the
+    same as with one program an item, so the output, the windows and the states are bit-equal to it."""
+    from k3run.kernels.kda.decode import kda_decode_fused_triton
+
+    g = torch.Generator().manual_seed(1)
+    b_, h, k, w, slots_n = 40, 32, 128, 4, 48
+    p = h * k
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).cuda()
+
+    slots = torch.randperm(slots_n, generator=g)[:b_].cuda()
+    ctx = torch.randint(1, 50, (b_,), generator=g).cuda()
+    ctx[::5] = 0
+    conv_pool, state_pool = rnd(slots_n, 3 * p, w - 1).bfloat16(), rnd(slots_n, h, k, k, scale=0.3)
+    conv_pool[slots[::5]] = float("nan")
+    state_pool[slots[::5]] = float("nan")
+    case = dict(
+        qkv=rnd(b_, 3 * p).bfloat16(), b=rnd(b_, h).bfloat16(), f=rnd(b_, p).bfloat16(),
+        gate=rnd(b_, p).bfloat16(), conv_weight=rnd(3 * p, w, scale=0.5), A_log=rnd(h, scale=0.5),
+        dt_bias=rnd(p, scale=0.5), lower_bound=None, scale=k**-0.5, slots=slots, context_lens=ctx,
+        norm_weight=rnd(k).abs() + 0.5, eps=1e-6,
+    )  # fmt: skip
+    pools = {}
+    for n in (0, persist):
+        cp, sp = conv_pool.clone(), state_pool.clone()
+        out = kda_decode_fused_triton(**case, conv_pool=cp, state_pool=sp, block_v=block_v, persist=n)
+        pools[n] = (out, cp[slots], sp[slots])
+    for name, one, walked in zip(("output", "windows", "states"), pools[0], pools[persist], strict=True):
+        assert torch.equal(one, walked), f"{name}: persist {persist} differs from one program an item"
+    assert torch.isfinite(pools[0][0]).all()
+
+
 def test_the_layer_form_follows_the_pair_count_unless_the_knob_sets_it() -> None:
     """K3RUN_KDA_FUSED_FORM unset: 32 value columns a program below 1024 (sequence, head) pairs, 64 from
     there; set: that form at every size."""
     from k3run.knobs import override_knobs
-    from k3run.layers.kda import WIDE_FORM_PAIRS, fused_form
+    from k3run.layers.kda import WIDE_FORM_PAIRS, fused_form, fused_form_kwargs
 
     assert WIDE_FORM_PAIRS == 1024
     with override_knobs(kda_fused_form=None):
@@ -141,13 +191,18 @@ def test_the_layer_form_follows_the_pair_count_unless_the_knob_sets_it() -> None
         ]  # fmt: skip
     with override_knobs(kda_fused_form="32/2"):
         assert {fused_form(b, 32) for b in (1, 32, 128)} == {"32/2"}
+    assert fused_form_kwargs("32/4/flat/p2") == dict(block_v=32, num_warps=4, flat_shift=True, persist=2)
+    assert fused_form_kwargs("64/8/p1") == dict(block_v=64, num_warps=8, flat_shift=False, persist=1)
+    assert fused_form_kwargs("16/1") == dict(block_v=16, num_warps=1, flat_shift=False, persist=0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["64/4/flat", "64/8/flat", "32/8/flat", "32/2/flat", "16/1"])
+@pytest.mark.parametrize(
+    "form", ["64/4/flat", "64/8/flat", "32/8/flat", "32/2/flat", "16/1", "32/4/flat/p2", "8/4/flat/p3"]
+)
 def test_gpu_every_launch_form_equals_the_reference(form: str) -> None:
     """K3RUN_KDA_FUSED_FORM spellings beside the other tests' 32/4/flat (value columns a program / warps
-    [/flat]; 64/4/flat is the layer's launch from 1024 (sequence, head) pairs):
+    [/flat][/pN]; 64/4/flat is the layer's launch from 1024 (sequence, head) pairs):
     the same numbers as the reference at 5 sequences, bf16, both gate forms."""
     from k3run.layers.kda import fused_form_kwargs
 

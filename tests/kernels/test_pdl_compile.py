@@ -198,12 +198,14 @@ def test_router_partials_compile_for_sm90_without_spills(be: int, bt: int, dot: 
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
 
 
-def _kda_fused_usage(lower: bool, flat: bool) -> tuple[int, int]:
-    """(registers, stack bytes) of the fused KDA decode for sm_90 at Kimi's head dim, BV 32, 4 warps."""
+def _kda_fused_usage(lower: bool, flat: bool, bv: int = 32, persist: bool = False) -> tuple[int, int]:
+    """(registers, stack bytes) of the fused KDA decode for sm_90 at Kimi's head dim, BV 32 (or bv), 4
+    warps, one program an item (or persistent programs)."""
     from k3run.kernels.kda import decode
     from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
 
-    consts = dict(W=4, WP=4, BK=128, BV=32, NV=4, LOWER=lower, FLAT=flat, WK=512, WV=128)
+    consts = dict(W=4, WP=4, BK=128, BV=bv, NV=128 // bv, LOWER=lower, FLAT=flat, WK=512, WV=4 * bv,
+                  PERSIST=persist)  # fmt: skip
     ck = _compile(decode._kda_decode_fused_kernel, "bf16", KDA_FUSED_SCALARS, consts, pdl=True)
     res, _ = cubin_usage_and_sass(ck)
     use = re.search(r"REG:(\d+) STACK:(\d+)", res)
@@ -218,6 +220,16 @@ def test_kda_fused_decode_compiles_for_sm90_without_spills(lower: bool, flat: bo
     window tiles fit 128 threads' registers (no stack), for both gate forms and both window shifts."""
     regs, stack = _kda_fused_usage(lower, flat)
     assert stack == 0, f"{regs} registers and {stack} bytes of stack"
+
+
+@pytest.mark.parametrize("lower", [False, True])
+def test_kda_fused_decode_persistent_form_compiles_for_sm90_without_spills(lower: bool) -> None:
+    """The persistent form (K3RUN_KDA_FUSED_FORM .../pN) at BV 32: two state blocks a program (the one
+    worked on, the next loading) still fit 4 warps' registers without stack, above the one-item program's
+    (one more [128, 32] fp32 block: 32 registers a thread)."""
+    regs, stack = _kda_fused_usage(lower, True, 32, persist=True)
+    assert stack == 0, f"{regs} registers and {stack} bytes of stack"
+    assert regs >= _kda_fused_usage(lower, True, 32)[0] + 32, regs
 
 
 def test_kda_fused_decode_flat_shift_takes_fewer_registers() -> None:

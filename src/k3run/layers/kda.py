@@ -69,10 +69,11 @@ def fused_form(sequences: int, heads: int) -> str:
 
 
 def fused_form_kwargs(form: str) -> dict:
-    """A fused decode launch form as K3RUN_KDA_FUSED_FORM spells it (BV/warps[/flat], checked by the knob's
-    parser) -> `kda_decode_fused_triton` keywords."""
-    bv, warps, *flat = form.split("/")
-    return dict(block_v=int(bv), num_warps=int(warps), flat_shift=bool(flat))
+    """A fused decode launch form as K3RUN_KDA_FUSED_FORM spells it (BV/warps[/flat][/pN], checked by the
+    knob's parser) -> `kda_decode_fused_triton` keywords."""
+    bv, warps, *tail = form.split("/")
+    persist = int(tail.pop()[1:]) if tail and tail[-1].startswith("p") else 0
+    return dict(block_v=int(bv), num_warps=int(warps), flat_shift=bool(tail), persist=persist)
 
 
 def fused_decode_takes(x: torch.Tensor, tokens: int) -> bool:

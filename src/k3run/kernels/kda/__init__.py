@@ -136,7 +136,7 @@ def kda_decode_fused(
         from k3run.kernels.kda.decode import kda_decode_fused_triton
 
         return kda_decode_fused_triton(qkv, b, f, gate, **kw)
-    for launch_only in ("block_v", "num_warps", "flat_shift"):  # the Triton launch's form
+    for launch_only in ("block_v", "num_warps", "flat_shift", "persist"):  # the Triton launch's form
         kw.pop(launch_only, None)
     return kda_decode_fused_ref(qkv, b, f, gate, **kw)
 

@@ -102,33 +102,33 @@ def _shift_qk_windows(x_ptr, win_ptr, c0, P, K, cs, mask, old, ctx, W: tl.conste
 
 
 @triton.jit
-def _kda_decode_fused_kernel(
-    x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
-    a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
+def _load_state(state_ptr, stride_s0, slots_ptr, ctx_ptr, b, h, K, ks, vs, mk, mv, valid):
+    """(context length, slot, state block [BK, BV]) of item (b, h, its value columns vs); valid False: an
+    item past the grid's end, nothing read (a zero block). A fresh sequence (context 0) reads no state."""
+    ctx = tl.load(ctx_ptr + b, mask=valid, other=0)
+    slot = tl.load(slots_ptr + b, mask=valid, other=0).to(tl.int64)
+    old = mk & ((ks * 0 + ctx) != 0)
+    st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
+    return ctx, slot, tl.load(st, mask=old[:, None] & mv[None, :], other=0.0)
+
+
+@triton.jit
+def _kda_item(
+    S, ctx, slot, b, h, vb, x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr,
+    conv_ptr, stride_c0, a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, nw_ptr, eps, out_ptr,
     stride_o, o_ptr, cnt_ptr, H, K, W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, LOWER: tl.constexpr, FLAT: tl.constexpr = False, WK: tl.constexpr = 1,
-    WV: tl.constexpr = 1, PDL: tl.constexpr = False,
+    NV: tl.constexpr, LOWER: tl.constexpr, FLAT: tl.constexpr, WK: tl.constexpr, WV: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
+    """One (sequence b, head h, value block vb) of the step, its state block S already loaded (after the
+    PDL wait: everything the step's projections wrote is read here)."""
     P = H * K
     ks = tl.arange(0, BK)
     mk = ks < K
     vs = vb * BV + tl.arange(0, BV)
     mv = vs < K
-    # Before the PDL wait: the sequence's slot and context length (written before the step's first kernel)
-    # and its state block, which only this layer's launch of the previous step wrote. That launch is complete
-    # when this one starts (every kernel of the step waits for its predecessor before letting the next one
-    # launch), so the state's read overlaps the previous kernel's end. Everything the step's projections
-    # wrote (x, f, b, gate) is read after the wait.
-    ctx = tl.load(ctx_ptr + b)
-    old = mk & ((ks * 0 + ctx) != 0)  # a fresh sequence (context 0) reads no window and no state
+    old = mk & ((ks * 0 + ctx) != 0)  # a fresh sequence (context 0) reads no window
     old_v = mv & ((vs * 0 + ctx) != 0)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
     st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
-    S = tl.load(st, mask=old[:, None] & mv[None, :], other=0.0)
-    pdl_enter(PDL)
     row = x_ptr + b.to(tl.int64) * stride_x
     win = conv_ptr + slot * stride_c0
     c = h * K + ks
@@ -185,6 +185,63 @@ def _kda_decode_fused_kernel(
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def _kda_decode_fused_kernel(
+    x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g, cw_ptr, conv_ptr, stride_c0,
+    a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, slots_ptr, ctx_ptr, nw_ptr, eps, out_ptr,
+    stride_o, o_ptr, cnt_ptr, H, K, B, W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, LOWER: tl.constexpr, FLAT: tl.constexpr = False, WK: tl.constexpr = 1,
+    WV: tl.constexpr = 1, PDL: tl.constexpr = False, PERSIST: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (B, H, NV): one program an item (sequence, head, value block). PERSIST: a 1-D grid of G
+    programs, each walking items pid, pid + G, ... (value block fastest, then head, then sequence) and
+    loading the next item's state block before working on the current one, so that read overlaps the work
+    (one more state block of registers)."""
+    ks = tl.arange(0, BK)
+    mk = ks < K
+    # Before the PDL wait: the sequence's slot and context length (written before the step's first kernel)
+    # and its state block, which only this layer's launch of the previous step wrote. That launch is complete
+    # when this one starts (every kernel of the step waits for its predecessor before letting the next one
+    # launch), so the state's read overlaps the previous kernel's end. Everything the step's projections
+    # wrote (x, f, b, gate) is read after the wait. (PERSIST: the first item's; the later items' state
+    # blocks, loaded after the wait, have the same single writer.)
+    if PERSIST:  # the first item: pid
+        b = tl.program_id(0) // (H * NV)
+        h = (tl.program_id(0) // NV) % H
+        vb = tl.program_id(0) % NV
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+    vs = vb * BV + tl.arange(0, BV)
+    ctx, slot, S = _load_state(state_ptr, stride_s0, slots_ptr, ctx_ptr, b, h, K, ks, vs, mk, vs < K, True)
+    pdl_enter(PDL)
+    if PERSIST:
+        G = tl.num_programs(0)
+        total = B * H * NV
+        for it in range(tl.program_id(0), total, G):
+            nxt = it + G
+            nb = nxt // (H * NV)
+            nh = (nxt // NV) % H
+            nvb = nxt % NV
+            nvs = nvb * BV + tl.arange(0, BV)
+            n_ctx, n_slot, n_S = _load_state(
+                state_ptr, stride_s0, slots_ptr, ctx_ptr, nb, nh, K, ks, nvs, mk, nvs < K, nxt < total
+            )  # fmt: skip
+            _kda_item(
+                S, ctx, slot, b, h, vb, x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g,
+                cw_ptr, conv_ptr, stride_c0, a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, nw_ptr,
+                eps, out_ptr, stride_o, o_ptr, cnt_ptr, H, K, W, WP, BK, BV, NV, LOWER, FLAT, WK, WV,
+            )  # fmt: skip
+            S, ctx, slot, b, h, vb = n_S, n_ctx, n_slot, nb, nh, nvb
+    else:
+        _kda_item(
+            S, ctx, slot, b, h, vb, x_ptr, stride_x, b_ptr, stride_b, f_ptr, stride_f, gate_ptr, stride_g,
+            cw_ptr, conv_ptr, stride_c0, a_ptr, dtb_ptr, lower_bound, scale, state_ptr, stride_s0, nw_ptr,
+            eps, out_ptr, stride_o, o_ptr, cnt_ptr, H, K, W, WP, BK, BV, NV, LOWER, FLAT, WK, WV,
+        )  # fmt: skip
+
+
 def kda_decode_fused_triton(
     qkv: torch.Tensor,
     b: torch.Tensor,
@@ -206,6 +263,7 @@ def kda_decode_fused_triton(
     block_v: int = 32,
     num_warps: int = 4,
     flat_shift: bool = True,
+    persist: int = 0,
 ) -> torch.Tensor:
     """One decode token per sequence, B sequences, H heads of dim K (P = H K):
     qkv [B, 3P] (q | k | v before the conv; unit column stride, any row stride, e.g. a column slice of the
@@ -213,7 +271,9 @@ def kda_decode_fused_triton(
     output gate's logits; conv_weight [3P, W]; conv_pool [S, 3P, W-1] in qkv's dtype with contiguous rows;
     A_log [H]; dt_bias [P]; state_pool [S, H, K, K] fp32, contiguous; slots, context_lens [B];
     norm_weight [K]; block_v: BV, the value columns of one program (a power of two); num_warps: its warps;
-    flat_shift: shift the conv windows as flat runs (`_shift_windows_flat`), else as [channels, W - 1] blocks.
+    flat_shift: shift the conv windows as flat runs (`_shift_windows_flat`), else as [channels, W - 1] blocks;
+    persist: 0, one program an item (sequence, head, value block); N, N programs an SM (on the CPU
+    interpreter N programs) each walking items and loading the next one's state while working on this one's.
     Returns the gated-normed output [B, P] in out_dtype (default qkv's dtype); updates conv_pool[slots] and
     state_pool[slots] in place."""
     B, C = qkv.shape
@@ -262,13 +322,20 @@ def kda_decode_fused_triton(
         o_part, cnt = torch.empty(B, P, dtype=torch.float32, device=qkv.device), counters(qkv.device, B * H)
     else:
         o_part = cnt = out  # not read
-    _kda_decode_fused_kernel[(B, H, NV)](
+    if persist < 0:
+        raise ValueError(f"kda_decode_fused: persist must be >= 0 programs an SM, got {persist}")
+    if persist:
+        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 1
+        grid: tuple[int, ...] = (min(B * H * NV, sms * persist),)
+    else:
+        grid = (B, H, NV)
+    _kda_decode_fused_kernel[grid](
         qkv, qkv.stride(0), b, b.stride(0), f, f.stride(0), gate, gate.stride(0), conv_weight.contiguous(),
         conv_pool, conv_pool.stride(0), A_log.contiguous(), dt_bias.contiguous(),
         0.0 if lower_bound is None else float(lower_bound), float(scale), state_pool, state_pool.stride(0),
-        slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, W=W,
-        WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None, FLAT=flat_shift,
-        WK=triton.next_power_of_2(BK * (W - 1)), WV=triton.next_power_of_2(BV * (W - 1)), num_warps=num_warps,
-        **pdl_args(qkv),
+        slots, context_lens, norm_weight.contiguous(), float(eps), out, out.stride(0), o_part, cnt, H, K, B,
+        W=W, WP=triton.next_power_of_2(W - 1), BK=BK, BV=BV, NV=NV, LOWER=lower_bound is not None,
+        FLAT=flat_shift, WK=triton.next_power_of_2(BK * (W - 1)), WV=triton.next_power_of_2(BV * (W - 1)),
+        PERSIST=persist > 0, num_warps=num_warps, **pdl_args(qkv),
     )  # fmt: skip
     return out
