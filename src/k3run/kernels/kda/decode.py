@@ -104,13 +104,25 @@ def _shift_qk_windows(x_ptr, win_ptr, c0, P, K, cs, mask, old, ctx, W: tl.conste
 
 
 @triton.jit
+def _item(it, H, NV):
+    """(sequence, head, value block) of item `it` in the persistent walk: value block fastest, then head."""
+    return it // (H * NV), (it // NV) % H, it % NV
+
+
+@triton.jit
+def _state_block(state_ptr, stride_s0, slot, h, K, ks, vs):
+    """The [BK, BV] addresses of head h's state columns vs in pool row `slot`."""
+    return state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
+
+
+@triton.jit
 def _load_state(state_ptr, stride_s0, slots_ptr, ctx_ptr, b, h, K, ks, vs, mk, mv, valid):
     """(context length, slot, state block [BK, BV]) of item (b, h, its value columns vs); valid False: an
     item past the grid's end, nothing read (a zero block). A fresh sequence (context 0) reads no state."""
     ctx = tl.load(ctx_ptr + b, mask=valid, other=0)
     slot = tl.load(slots_ptr + b, mask=valid, other=0).to(tl.int64)
     old = mk & ((ks * 0 + ctx) != 0)
-    st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
+    st = _state_block(state_ptr, stride_s0, slot, h, K, ks, vs)
     return ctx, slot, tl.load(st, mask=old[:, None] & mv[None, :], other=0.0)
 
 
@@ -130,7 +142,7 @@ def _kda_item(
     mv = vs < K
     old = mk & ((ks * 0 + ctx) != 0)  # a fresh sequence (context 0) reads no window
     old_v = mv & ((vs * 0 + ctx) != 0)
-    st = state_ptr + slot * stride_s0 + h.to(tl.int64) * K * K + ks[:, None] * K + vs[None, :]
+    st = _state_block(state_ptr, stride_s0, slot, h, K, ks, vs)
     row = x_ptr + b.to(tl.int64) * stride_x
     win = conv_ptr + slot * stride_c0
     c = h * K + ks
@@ -208,9 +220,7 @@ def _kda_decode_fused_kernel(
     # wrote (x, f, b, gate) is read after the wait. (PERSIST: the first item's; the later items' state
     # blocks, loaded after the wait, have the same single writer.)
     if PERSIST:  # the first item: pid
-        b = tl.program_id(0) // (H * NV)
-        h = (tl.program_id(0) // NV) % H
-        vb = tl.program_id(0) % NV
+        b, h, vb = _item(tl.program_id(0), H, NV)
     else:
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -223,9 +233,7 @@ def _kda_decode_fused_kernel(
         total = B * H * NV
         for it in range(tl.program_id(0), total, G):
             nxt = it + G
-            nb = nxt // (H * NV)
-            nh = (nxt // NV) % H
-            nvb = nxt % NV
+            nb, nh, nvb = _item(nxt, H, NV)
             nvs = nvb * BV + tl.arange(0, BV)
             n_ctx, n_slot, n_S = _load_state(
                 state_ptr, stride_s0, slots_ptr, ctx_ptr, nb, nh, K, ks, nvs, mk, nvs < K, nxt < total
@@ -327,7 +335,9 @@ def kda_decode_fused_triton(
     if persist < 0:
         raise ValueError(f"kda_decode_fused: persist must be >= 0 programs an SM, got {persist}")
     if persist:
-        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 1
+        from k3run.kernels.nvfp4_gemm import sm_count
+
+        sms = sm_count(qkv.device.index or 0) if qkv.is_cuda else 1
         grid: tuple[int, ...] = (min(B * H * NV, sms * persist),)
     else:
         grid = (B, H, NV)

@@ -609,7 +609,9 @@ def _decode(
     B, H, LR = q.shape
     R = LR - L
     head_blocks = triton.cdiv(H, cfg["block_h"])
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    from k3run.kernels.nvfp4_gemm import sm_count
+
+    sms = sm_count(q.device.index or 0) if q.is_cuda else 4
     min_chunk = cfg["min_chunk"]
     shared = bool(cfg.get("shared"))
     if shared:  # `splits` (tests): the programs the pieces share
