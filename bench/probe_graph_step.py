@@ -15,8 +15,9 @@ quantization); --kimi-linear builds the random Kimi Linear 48B-A3B NVFP4 of benc
 27 layers, 256 experts, top-8; LAYERS,EXPERTS cut it; --bf16: every weight bf16, the official checkpoint's
 form); the tokenizer still comes from MODEL_DIR.
 --eager also times the same steps with graphs off.
---profile prints the replay's kernels, grouped by name, per step, at each batch size. --modules charges the
-kernels of the static step (run eagerly) to the model's modules. --host N prints the top N host functions of
+--profile prints the replay's kernels, grouped by name, per step, at each batch size; with --trace DIR
+also by (name, grid), from its Chrome trace (kept in DIR). --modules charges the kernels of the static step
+(run eagerly) to the model's modules. --host N prints the top N host functions of
 the graph steps by their own time (cProfile; prefills included).
 --prompt-lens 30000x1+2000x7 gives the timed steps' prompts mixed lengths, taken in turn (batch 8: one 30000,
 seven 2000; the window follows the longest), for batches whose sequences differ as a server's do; --profile,
@@ -261,7 +262,7 @@ def roofline_tok_s(model, batch: int, copy_tbs: float) -> float:
     return batch / (step_bytes / (copy_tbs * 1e12))
 
 
-def _profile(engine, batch: int, steps: int, lens: list[int]) -> None:
+def _profile(engine, batch: int, steps: int, lens: list[int], trace: str | None = None) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -316,11 +317,42 @@ def _profile(engine, batch: int, steps: int, lens: list[int]) -> None:
             f"{name[:70]:<70} {len(ts) / steps:>6.1f} {t:>9.1f} {t / total:>6.1%} {a:>9.1f} "
             f"{a / (busy / steps):>6.1%}"
         )
+    if trace:
+        _launch_table(prof, batch, steps, trace)
     gaps = _gaps(named)
     print(f"idle gaps by (kernel before, kernel after), the largest 16 of {len(gaps)} pairs:")
     print(f"{'before':<48} {'after':<48} {'n/step':>6} {'us/step':>8}")
     for (a, b), (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:16]:
         print(f"{a[:48]:<48} {b[:48]:<48} {n / steps:>6.1f} {t / steps:>8.1f}")
+
+
+def _launch_table(prof, batch: int, steps: int, trace: str) -> None:
+    """The profiled steps' kernels by (name, grid) from the exported Chrome trace (the only place the
+    profiler keeps each launch's grid): launches a step, us a launch and a step, the largest 30 by time, so
+    one launch in the step (say a layer's routed w13) can be set beside its time alone. The trace is kept,
+    gzipped, as TRACE/trace_b{batch}.json.gz."""
+    import gzip
+    import json
+
+    path = Path(trace) / f"trace_b{batch}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    with gzip.open(f"{path}.gz", "wb") as f:
+        f.write(path.read_bytes())
+    path.unlink()
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel":
+            args = e.get("args", {})
+            groups[(e["name"], str(args.get("grid", "?")))].append(float(e.get("dur", 0.0)))
+    print(f"launches by (kernel, grid), batch {batch} (the largest 30 by time a step):")
+    print(f"{'kernel':<60} {'grid':<18} {'n/step':>6} {'us each':>8} {'us/step':>8}")
+    for (name, grid), ts in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:30]:
+        print(
+            f"{name[:60]:<60} {grid[:18]:<18} {len(ts) / steps:>6.1f} {statistics.mean(ts):>8.1f} "
+            f"{sum(ts) / steps:>8.1f}"
+        )
 
 
 def _advance(named: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -600,6 +632,10 @@ def main() -> None:
         "--compare-overlap", action="store_true", help="also time graph steps without decode overlap (no-ovl)"
     )
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS")
+    ap.add_argument(
+        "--trace", default=None, metavar="DIR",
+        help="with --profile: keep each batch's Chrome trace in DIR and print its launches by (kernel, grid)",
+    )  # fmt: skip
     ap.add_argument("--modules", action="store_true", help="per-module GPU time of the static step")
     ap.add_argument("--host", type=int, default=0, metavar="N", help="cProfile of the graph steps (top N)")
     ap.add_argument(
@@ -677,7 +713,7 @@ def main() -> None:
         _host_profile(engine, sizes, args.steps, args.lens, args.host)
     if args.profile:
         for b in sizes:
-            _profile(engine, b, args.profile, args.lens)
+            _profile(engine, b, args.profile, args.lens, args.trace)
     if args.modules:
         for b in sizes:
             _module_profile(dec, model, dec.bucket(b), dec.window(args.prompt_len + 1), args.prompt_len, 4)

@@ -207,3 +207,31 @@ def test_module_profile_charges_each_kernel_to_every_module_around_its_launch() 
             want[lab] = want.get(lab, 0.0) + us
     assert lost_us == pytest.approx(want.pop(None)) and set(charged) == set(want)
     assert all(charged[lab] == pytest.approx(want[lab]) for lab in want) and sum(counted.values()) > 400
+
+
+def test_launch_table_groups_kernels_by_name_and_grid(tmp_path, capsys) -> None:
+    """probe_graph_step --trace: the exported Chrome trace's kernels grouped by (name, grid), per step (two
+    grids of one kernel stay apart; CPU events and other categories are not kernels), the trace kept
+    gzipped."""
+    import gzip
+    import json
+
+    probe = bench_module("probe_graph_step")
+    kernels = [("gemv", [54, 1, 1], 48.0), ("gemv", [54, 1, 1], 50.0), ("gemv", [144, 3, 1], 10.0),
+               ("norm", [8, 1, 1], 2.0)] * 2  # fmt: skip
+    events = [{"cat": "kernel", "name": n, "dur": d, "args": {"grid": g}} for n, g, d in kernels]
+    events.append({"cat": "cpu_op", "name": "aten::mm", "dur": 999.0, "args": {}})
+
+    class Prof:
+        def export_chrome_trace(self, path: str) -> None:
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    probe._launch_table(Prof(), 8, 2, str(tmp_path))
+    rows = [r.split() for r in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[-3:]) for r in rows] == [
+        ("gemv", ["2.0", "49.0", "98.0"]), ("gemv", ["1.0", "10.0", "10.0"]), ("norm", ["1.0", "2.0", "2.0"]),
+    ]  # fmt: skip
+    with gzip.open(tmp_path / "trace_b8.json.gz") as f:
+        assert len(json.load(f)["traceEvents"]) == len(events)
+    assert not (tmp_path / "trace_b8.json").exists()
