@@ -29,6 +29,9 @@
 #   gemvncu ncu (full set, per-SASS-line stall samples in ncu_*_sass.csv) of one dense in_proj launch (12448 x
 #           2304) at 32 rows in K3RUN_GEMV_T32_FORM 1/1 and 1/2 and at 16 rows (bench/probes/expert_ncu.py), or
 #           NCU_SPECS='rows:form ...'
+#   expertncu ncu (full set, per-SASS-line stalls) of the routed experts' expert-major launch at 8 tokens: w13
+#           with 2 and 4 ring slots and w2 with 2, or NCU_SPECS='which:tokens:slots[:k3] ...'
+#           (bench/probes/expert_ncu.py)
 #   mlancu  ncu (full set, per-SASS-line stalls in ncu_mla_*_sass.csv) of the MLA decode launch's two kernels (the
 #           split programs, the merge) at one sequence of 8K and 32K and 8 sequences of 8K, 32 heads
 #           (bench/probes/mla_ncu.py), or NCU_SPECS='batch:ctx:heads ...'
@@ -161,6 +164,12 @@ for stage in "${stages[@]}"; do
             K3RUN_GEMV_T32_FORM="$2" ncu_report "$3" gemv_async 3 1 \
                 "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Warp Cycles Per Issued" \
                 python3 bench/probes/expert_ncu.py --which dense --t "$1"
+        done ;;
+    expertncu) for spec in ${NCU_SPECS:-w13:8:2 w13:8:4 w2:8:2}; do  # which:tokens:slots[:k3] (ncu, full set)
+            IFS=: read -r which nt slots k3 <<<"$spec"
+            ncu_report "${which}_${nt}_${slots}${k3:+_k3}" gemv_async 3 1 \
+                "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Warp Cycles Per Issued" \
+                python3 bench/probes/expert_ncu.py --which "$which" --t "$nt" --stages "$slots" ${k3:+--k3}
         done ;;
     mlancu) for spec in ${NCU_SPECS:-1:8192:32 1:32768:32 8:8192:32}; do  # batch:context:heads (ncu, full set)
             IFS=: read -r nb nc nh <<<"$spec"

@@ -9,9 +9,10 @@ instruction issue? This probe launches one of the step's launches a few times so
     ncu -i rep.ncu-rep --page details
 
 --which w13 | w2: `nvfp4_gemv_by_expert` as the decode step launches it (tile and split from the step's
-rules); dense: the in_proj of a Kimi Linear KDA layer (12448 x 2304) at T rows through `nvfp4_gemv` at its
-`choose_config` (at 17..32 rows in K3RUN_GEMV_T32_FORM's program form). Random weights, uniform random
-routing (probe_graph_step --uniform-routing). It only launches; bench/bench_expert_gemv.py times the same
+rules; --stages: the weight ring's slots, --k3: K3's expert shapes); dense: the in_proj of a Kimi Linear KDA
+layer (12448 x 2304) at T rows through `nvfp4_gemv` at its `choose_config` (at 17..32 rows in
+K3RUN_GEMV_T32_FORM's program form). Random weights, uniform random routing (probe_graph_step
+--uniform-routing). It only launches; bench/bench_expert_gemv.py times the same
 launches. Answers (H100): bench/NOTES.md "Session 54: what the H100 said" (run 220) and session 55 (run 229).
 """
 
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=8, help="tokens in the step")
     ap.add_argument("--which", choices=("w13", "w2", "dense"), default="w13")
     ap.add_argument("--launches", type=int, default=6)
+    ap.add_argument("--stages", type=int, default=2, help="w13 / w2: the weight ring's slots (2: the step's)")
+    ap.add_argument("--k3", action="store_true", help="w13 / w2 at K3's shapes (3584 -> 3072, 64, top-16)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t, sms = args.t, sm_count(0)
@@ -58,7 +61,7 @@ def main() -> None:
 
         what = f"dense {n}x{k} at M={t}, {cfg}"
     else:
-        d, inter, e, top_k = 2304, 1024, 256, 8
+        d, inter, e, top_k = (3584, 3072, 64, 16) if args.k3 else (2304, 1024, 256, 8)
         ex = experts(e, d, inter, GatedActivation("silu"))
         gs13, gs2 = ex.scheme.kernel_scales
         _, ids = route(torch.randn(t, e, device="cuda"), torch.zeros(e, device="cuda"), top_k)
@@ -76,11 +79,14 @@ def main() -> None:
         def call():
             return nvfp4_gemv_by_expert(
                 x, w, s, gs, grp, picks=t * top_k, slot_div=div, rows=n, split_k=split, maxnreg=reg,
-                all_in_groups=True,
+                all_in_groups=True, stages=args.stages,
             )  # fmt: skip
 
         hit = int(torch.unique(local).numel())
-        what = f"{args.which} by expert, {hit} experts hit, tile {bt}, split {split}, maxnreg {reg}"
+        what = (
+            f"{args.which} by expert ({'K3' if args.k3 else 'Kimi Linear'}), {hit} experts hit, tile {bt}, "
+            f"split {split}, maxnreg {reg}, {args.stages} ring slots"
+        )
     for _ in range(args.launches):
         call()
     torch.cuda.synchronize()
