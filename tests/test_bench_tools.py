@@ -235,3 +235,26 @@ def test_launch_table_groups_kernels_by_name_and_grid(tmp_path, capsys) -> None:
     with gzip.open(tmp_path / "trace_b8.json.gz") as f:
         assert len(json.load(f)["traceEvents"]) == len(events)
     assert not (tmp_path / "trace_b8.json").exists()
+
+
+def test_tcache_prune_keeps_what_a_cache_hit_loads(tmp_path) -> None:
+    """bench/tcache_prune.py on a copy of a cache: a kernel group keeps its metadata json and cubin (named by
+    the original cache's paths), its IR files are deleted from the copy; a group without a cubin stays."""
+    import json
+
+    tool = bench_module("tcache_prune")
+    kernel, stub = tmp_path / "AAA", tmp_path / "BBB"
+    kernel.mkdir()
+    stub.mkdir()
+    names = ["k.json", "k.cubin", "k.ttir", "k.ptx"]
+    for n in names:
+        (kernel / n).write_text(n)
+    (stub / "s.so").write_text("so")
+    original = {n: f"/tmp/original/AAA/{n}" for n in names}  # the paths the group was written with
+    (kernel / "__grp__k.json").write_text(json.dumps({"child_paths": original}))
+    (stub / "__grp__s.json").write_text(json.dumps({"child_paths": {"s.so": "/tmp/original/BBB/s.so"}}))
+    assert tool.prune(str(tmp_path)) == (1, 2)
+    assert sorted(p.name for p in kernel.iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]
+    group = json.loads((kernel / "__grp__k.json").read_text())["child_paths"]
+    assert group == {"k.json": original["k.json"], "k.cubin": original["k.cubin"]}
+    assert (stub / "s.so").exists() and "s.so" in (stub / "__grp__s.json").read_text()
