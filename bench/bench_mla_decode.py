@@ -144,8 +144,8 @@ def absorb_table(
     Triton launches against the torch chain they replace (q.float(), einsum with W_UK, the join with the RoPE
     part; einsum with W_UV, the cast to bf16), us per step's pair, in the form `absorb_dot` picks; then each
     form forced: the loops (one sequence at a time, rows loaded ahead, and not ahead: the form before) and the
-    tensor-core forms (`dot`, and with each of `o_tiles` for the output projection; `dot err` covers them
-    all). Ceiling: W_UK + W_UV
+    tensor-core forms (`dot`, and with each of `o_tiles` for the output projection), the fp32 FMA forms
+    (`fma`, K3RUN_MLA_ABSORB_FMA's); `dot err` covers them all. Ceiling: W_UK + W_UV
     (fp32) once over the copy bandwidth. Back-to-back in a graph both read the same weights, which may stay
     in L2 (2 x 8 MB at 32 heads): the ratio is the comparison, the ceiling a DRAM one."""
     from k3run.kernels.mla import mla_o_absorb_ref, mla_q_absorb_ref
@@ -160,7 +160,7 @@ def absorb_table(
     o_tiles = o_tiles or []
     print(
         f"{'B':>3} {'kernels us':>10} {'torch us':>9} {'speed-up':>8} {'of ceiling':>10} {'rel err':>8} "
-        f"{'loops us':>8} {'not ahead us':>12} {'dot us':>7} {'dot err':>8}"
+        f"{'loops us':>8} {'not ahead us':>12} {'dot us':>7} {'fma us':>7} {'dot err':>8}"
         + "".join(f" {'o ' + '/'.join(map(str, t)) + ' us':>14}" for t in o_tiles)
     )
     for b in batches:
@@ -181,17 +181,22 @@ def absorb_table(
             q_out = mla_q_absorb_triton(q, w_uk, dot=True)
             return q_out, mla_o_absorb_triton(o_lat, w_uv, torch.bfloat16, dot=True, tiles=tiles)
 
+        def fmas():
+            q_out = mla_q_absorb_triton(q, w_uk, fma=True)
+            return q_out, mla_o_absorb_triton(o_lat, w_uv, torch.bfloat16, fma=True)
+
         t_k, t_t, t_l = _time(kernels), _time(torch_chain), _time(loops)
-        t_n, t_d = _time(lambda: loops(False)), _time(dots)
-        (jk, ok), (jt, ot), (jd, od) = kernels(), torch_chain(), dots()
+        t_n, t_d, t_f = _time(lambda: loops(False)), _time(dots), _time(fmas)
+        (jk, ok), (jt, ot), (jd, od), (jf, of) = kernels(), torch_chain(), dots(), fmas()
         err = max(rel_rms_error(jt, jk), rel_rms_error(ot.float(), ok.float()))
         err_d = max(rel_rms_error(jt, jd), rel_rms_error(ot.float(), od.float()))
+        err_d = max(err_d, rel_rms_error(jt, jf), rel_rms_error(ot.float(), of.float()))
         for t in o_tiles:
             err_d = max(err_d, rel_rms_error(ot.float(), dots(t)[1].float()))
         tiles = "".join(f" {_time(lambda: dots(t)):>14.1f}" for t in o_tiles)
         print(
             f"{b:>3} {t_k:>10.1f} {t_t:>9.1f} {t_t / t_k:>7.2f}x {100 * ceil / t_k:>9.0f}% {err:>8.1e} "
-            f"{t_l:>8.1f} {t_n:>12.1f} {t_d:>7.1f} {err_d:>8.1e}{tiles}",
+            f"{t_l:>8.1f} {t_n:>12.1f} {t_d:>7.1f} {t_f:>7.1f} {err_d:>8.1e}{tiles}",
             flush=True,
         )
 

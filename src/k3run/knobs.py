@@ -187,6 +187,12 @@ class Knobs:
         "always); from 9 sequences the absorptions run on the tensor cores; on by default up to 64, where "
         "the full-depth decode is faster with them (+1-4.5% at 16-32 sequences)",
     )  # fmt: skip
+    mla_absorb_fma: int = _knob(
+        "K3RUN_MLA_ABSORB_FMA", _tokens_128, 0,
+        "CUDA: MLA decode steps of up to this many sequences run both absorptions as one fp32 FMA dot a "
+        "program (exact products, fp32 sums in another order) instead of one sequence at a time or the "
+        "tensor cores' nine-part dots (0: never; not yet timed)",
+    )  # fmt: skip
     moe_ops: bool = _knob(
         "K3RUN_MOE_OPS", _flag, True,
         "CUDA: the MoE's router, activation and combine as single Triton launches (0: torch's chains)",

@@ -111,7 +111,7 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=29)
+    run_interp_tests_in_child(__file__, expected_passed=38)
 
 
 @interp_only
@@ -178,26 +178,28 @@ def _absorb_case(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.
 
 
 def check_absorb(B: int, H: int, dn: int, L: int, R: int, dv: int, dtype: torch.dtype, device: str,
-                 dot: bool | None = None, out_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+                 dot: bool | None = None, out_dtype: torch.dtype | None = None,
+                 fma: bool | None = None) -> None:  # fmt: skip
     """The two absorb kernels (`dot`: their forms, as `absorb_dot` picks) against their references. The
     joined queries are fp32 sums of dn products in another order: relative RMS <= RTOL[fp32] (the dot forms'
     products are exact too, tc_split; their tensor-core sums may truncate, 2 u an addition, far below it).
     The output is an fp32 sum of L products rounded once to dtype: where the two orders straddle a rounding
     boundary they land one ulp apart, so the bound is one rounding of dtype (fp32: the order alone);
-    `out_dtype` (default dtype) is the output's."""
+    `out_dtype` (default dtype) is the output's; `fma` forces the FMA forms (fused products, the same
+    bounds)."""
     from k3run.kernels.mla import mla_o_absorb_ref, mla_q_absorb_ref
     from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
     from k3run.testing import RTOL as DTYPE_RTOL
 
     q, w_uk, w_uv = _absorb_case(B, H, dn, L, R, dv, dtype, device)
-    joined = mla_q_absorb_triton(q, w_uk, dot=dot)
+    joined = mla_q_absorb_triton(q, w_uk, dot=dot, fma=fma)
     ref = mla_q_absorb_ref(q.cpu(), w_uk.cpu())
     assert joined.shape == (B, H, L + R) and joined.dtype == torch.float32
     assert_close("absorbed queries", ref, joined.cpu(), RTOL[torch.float32])
     assert torch.equal(joined[..., L:].cpu(), q[..., dn:].float().cpu()), "the RoPE part is a plain copy"
     o_lat = torch.randn(B, H, L, device=device)
     out_dtype = out_dtype or dtype
-    out = mla_o_absorb_triton(o_lat, w_uv, out_dtype, dot=dot)
+    out = mla_o_absorb_triton(o_lat, w_uv, out_dtype, dot=dot, fma=fma)
     ref_o = mla_o_absorb_ref(o_lat.cpu(), w_uv.cpu(), out_dtype)
     assert out.shape == (B, H, dv) and out.dtype == out_dtype
     assert_close("output out of latent space", ref_o.float(), out.float().cpu(), DTYPE_RTOL[out_dtype])
@@ -280,12 +282,17 @@ def test_interp_absorb_dot_forms(dtype: torch.dtype, B: int) -> None:
     check_absorb(B, 3, 24, 64, 16, 20, dtype, "cpu", dot=True, out_dtype=out_dtype)
 
 
-def check_absorb_dot_exact(H: int, dn: int, L: int, dv: int, device: str) -> None:
+def check_absorb_dot_exact(H: int, dn: int, L: int, dv: int, device: str, fma: bool = False) -> None:
     """The dot forms multiply exactly, each factor's parts whole: a one-hot query or o_lat returns W_UK's row
     or W_UV's column bit for bit (the weight's split), and a one-hot weight returns the fp32 query or o_lat
     (theirs). A random-input bound cannot see a lost or rounded part (its error is below the fp32 sum's);
-    these can."""
+    these can. `fma`: the same of the FMA forms (each product fused into its sum, exact as well)."""
+    from functools import partial
+
     from k3run.kernels.mla.triton import mla_o_absorb_triton, mla_q_absorb_triton
+
+    mla_q_absorb_triton = partial(mla_q_absorb_triton, fma=fma)
+    mla_o_absorb_triton = partial(mla_o_absorb_triton, fma=fma)
 
     R = 16
     _, w_uk, w_uv = _absorb_case(1, H, dn, L, R, dv, torch.float32, device)
@@ -316,6 +323,17 @@ def check_absorb_dot_exact(H: int, dn: int, L: int, dv: int, device: str) -> Non
 @interp_only
 def test_interp_absorb_dot_forms_are_exact_products() -> None:
     check_absorb_dot_exact(3, 24, 64, 20, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 5, 19])
+def test_interp_absorb_fma_forms(dtype: torch.dtype, B: int) -> None:
+    # the fp32 FMA forms: one sequence, a block partly masked, two blocks; then their exactness
+    out_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    check_absorb(B, 3, 24, 64, 16, 20, dtype, "cpu", out_dtype=out_dtype, fma=True)
+    if B == 1 and dtype == torch.float32:
+        check_absorb_dot_exact(3, 24, 64, 20, "cpu", fma=True)
 
 
 @interp_only
@@ -365,6 +383,37 @@ def test_gpu_absorb_kernels_and_decode_at_kimi_widths(batch: int) -> None:
     contexts = [0, 100, 1000, 4095, 7, 2047, 3000, 1][:batch]
     check_decode_absorbed(torch.bfloat16, "cuda", H=32, dn=128, L=512, R=64, dv=128, contexts=contexts,
                           window=4096)  # fmt: skip
+
+
+def test_absorb_fma_forms_take_steps_up_to_the_knob() -> None:
+    """K3RUN_MLA_ABSORB_FMA (default 0: never) picks the FMA forms for steps of up to that many sequences,
+    unless a form is forced (`dot`, for tests and the benchmark); `fma` forces it either way."""
+    pytest.importorskip("triton")
+    from k3run.kernels.mla.triton import absorb_fma
+    from k3run.knobs import override_knobs
+
+    assert not absorb_fma(1, None, None)
+    with override_knobs(mla_absorb_fma=8):
+        assert absorb_fma(8, None, None) and not absorb_fma(9, None, None)
+        assert not absorb_fma(4, True, None) and not absorb_fma(4, False, None)
+        assert absorb_fma(64, None, True) and not absorb_fma(4, None, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 8, 19])
+def test_gpu_absorb_fma_forms_at_kimi_widths(batch: int) -> None:
+    """The FMA forms at Kimi's MLA widths against the references (bf16 and fp32 queries), their one-hot
+    exactness, and the four-launch decode with them picked by the knob."""
+    from k3run.knobs import override_knobs
+
+    check_absorb(batch, 32, 128, 512, 64, 128, torch.bfloat16, "cuda", fma=True)
+    check_absorb(batch, 32, 128, 512, 64, 128, torch.float32, "cuda", fma=True)
+    check_absorb_dot_exact(32, 128, 512, 128, "cuda", fma=True)
+    contexts = [0, 100, 1000, 4095, 7, 2047, 3000, 1] * 3
+    with override_knobs(mla_absorb_fma=32):
+        check_decode_absorbed(torch.bfloat16, "cuda", H=32, dn=128, L=512, R=64, dv=128,
+                              contexts=contexts[:batch], window=4096)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -456,13 +505,14 @@ def test_kernel_compiles_for_sm90_at_k3_widths_without_spills_in_the_loop(batch:
         assert not in_loop, f"spilled inside a loop ({use.group(0)}): {in_loop}"
 
 
-@pytest.mark.parametrize("which", ["q", "o", "q dot", "q dot, fp32 q", "o dot"])
+@pytest.mark.parametrize("which", ["q", "o", "q dot", "q dot, fp32 q", "o dot", "q fma", "o fma"])
 def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
     """At Kimi's widths (128 NoPE, 512 latent, 64 RoPE, 128 value columns) the weight tile each program holds
     (32 latent x 128 NoPE, or 8 value x 512 latent, fp32) fits its 128 threads' registers, with the next
     sequence's row loaded ahead. The dot forms: the weight tile's three bf16 parts with 64 bf16 (16 split
     fp32) query rows, or o_lat's and W_UV's [16, 64] / [64, 16] steps split, the next step loaded ahead;
-    their products on the tensor cores."""
+    their products on the tensor cores. The FMA forms: the same tiles in fp32, one FMA dot (no tensor
+    core)."""
     import inspect
     import re
 
@@ -475,7 +525,7 @@ def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
 
     q_types = dict(q_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32")
     o_types = dict(o_ptr="*fp32", w_ptr="*fp32", out_ptr="*bf16")
-    q_dot = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, TC=True)
+    q_dot = dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, TC=True, FMA=False)
     kernel, consts, types = {
         "q": (mt._mla_q_absorb_kernel, dict(DN=128, L=512, R=64, BLOCK_DN=128, BL=32, PDL=True, AHEAD=True),
               q_types),
@@ -483,8 +533,11 @@ def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
         "q dot": (mt._mla_q_absorb_dot_kernel, {**q_dot, "BB": 64, "QSPLIT": False}, q_types),
         "q dot, fp32 q": (mt._mla_q_absorb_dot_kernel, {**q_dot, "BB": 16, "QSPLIT": True},
                           {**q_types, "q_ptr": "*fp32"}),
-        "o dot": (mt._mla_o_absorb_dot_kernel, dict(DV=128, L=512, BV=16, BK=64, BB=16, PDL=True, TC=True),
-                  o_types),
+        "o dot": (mt._mla_o_absorb_dot_kernel,
+                  dict(DV=128, L=512, BV=16, BK=64, BB=16, PDL=True, TC=True, FMA=False), o_types),
+        "q fma": (mt._mla_q_absorb_dot_kernel, {**q_dot, "BB": 16, "QSPLIT": False, "FMA": True}, q_types),
+        "o fma": (mt._mla_o_absorb_dot_kernel, dict(DV=128, L=512, BV=16, BK=64, BB=16, PDL=True, TC=True,
+                                                     FMA=True), o_types),
     }[which]  # fmt: skip
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in params}
@@ -497,3 +550,5 @@ def test_absorb_kernels_compile_for_sm90_without_spills(which: str) -> None:
     assert int(use.group(2)) == 0, f"{use.group(1)} registers and {use.group(2)} bytes of stack"
     if "dot" in which:  # on the tensor cores: bf16 MMAs with fp32 accumulation
         assert re.search(r"HG?MMA\.[\dx]+\.F32\.BF16", sass), "no bf16 tensor-core MMA in the SASS"
+    if "fma" in which:  # fp32 fused multiply-adds on the CUDA cores, no tensor-core MMA
+        assert "FFMA" in sass and not re.search(r"HG?MMA", sass), "not an fp32 FMA dot"

@@ -292,15 +292,17 @@ def _mla_o_absorb_kernel(
 def _mla_q_absorb_dot_kernel(
     q_ptr, w_ptr, out_ptr, B, H, sqb, sqh, DN: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_DN: tl.constexpr, BL: tl.constexpr, BB: tl.constexpr, QSPLIT: tl.constexpr, TC: tl.constexpr = True,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, FMA: tl.constexpr = False,
 ):  # fmt: skip
     """`_mla_q_absorb_kernel`'s sums with BB sequences at a time on the tensor cores: W_UK's tile as three
     exact bf16 parts (tc_split), split before the PDL wait; q as it is where bf16, else split too (QSPLIT,
-    nine dots). Every product is exact, so each sum is the fp32 sum of the same products in another order."""
+    nine dots). Every product is exact, so each sum is the fp32 sum of the same products in another order.
+    FMA: one fp32 `ieee` dot instead (fused multiply-adds on the CUDA cores: no parts, the same exactness)."""
     h = tl.program_id(0)
     lb = tl.program_id(1)
     d, dm, cl, w = _w_uk_tile(w_ptr, h, lb, DN, L, BLOCK_DN, BL)
-    w_hi, w_mid, w_lo = split3(w)  # [BLOCK_DN, BL] each
+    if not FMA:
+        w_hi, w_mid, w_lo = split3(w)  # [BLOCK_DN, BL] each
     pdl_enter(PDL)
     bb = tl.arange(0, BB)
     cr = tl.arange(0, R)
@@ -311,7 +313,9 @@ def _mla_q_absorb_dot_kernel(
         rows = q_ptr + b.to(tl.int64)[:, None] * sqb + h * sqh
         qn = tl.load(rows + d[None, :], mask=bm & dm[None, :], other=0.0)  # [BB, BLOCK_DN]
         acc = tl.zeros([BB, BL], tl.float32)
-        if QSPLIT:
+        if FMA:
+            acc = tl.dot(qn.to(tl.float32), w, acc, input_precision="ieee")
+        elif QSPLIT:
             acc = dot_split2(qn.to(tl.float32), w_hi, w_mid, w_lo, acc, TC)
         else:
             acc = dot_split(qn, w_hi, w_mid, w_lo, acc, TC)
@@ -325,12 +329,13 @@ def _mla_q_absorb_dot_kernel(
 @triton.jit
 def _mla_o_absorb_dot_kernel(
     o_ptr, w_ptr, out_ptr, B, H, DV: tl.constexpr, L: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    BB: tl.constexpr, TC: tl.constexpr = True, PDL: tl.constexpr = False,
+    BB: tl.constexpr, TC: tl.constexpr = True, PDL: tl.constexpr = False, FMA: tl.constexpr = False,
 ):  # fmt: skip
     """`_mla_o_absorb_kernel`'s sums for BB sequences (the grid's third axis) on the tensor cores, BK latent
     columns a step: o_lat's and W_UV's fp32 tiles each as three exact bf16 parts (tc_split, nine dots), so
     each sum is the fp32 sum of the same exact products in another order, rounded once to out's dtype. W_UV's
-    first tile loads before the PDL wait; each step loads the next step's tiles before its own dots."""
+    first tile loads before the PDL wait; each step loads the next step's tiles before its own dots. FMA: one
+    fp32 `ieee` dot a step instead (fused multiply-adds on the CUDA cores)."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BV + tl.arange(0, BV)
     vm = (v < DV)[None, :]
@@ -350,8 +355,11 @@ def _mla_o_absorb_dot_kernel(
         more = kn < L
         wn = tl.load(w_cols + kn[:, None], mask=vm & more[:, None], other=0.0)
         on = tl.load(o_rows + kn[None, :], mask=bm & more[None, :], other=0.0)
-        w_hi, w_mid, w_lo = split3(wc)
-        acc = dot_split2(oc, w_hi, w_mid, w_lo, acc, TC)
+        if FMA:
+            acc = tl.dot(oc, wc, acc, input_precision="ieee")
+        else:
+            w_hi, w_mid, w_lo = split3(wc)
+            acc = dot_split2(oc, w_hi, w_mid, w_lo, acc, TC)
     out = out_ptr + (b.to(tl.int64) * H + h)[:, None] * DV + v[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=bm & vm)
 
@@ -418,16 +426,25 @@ def absorb_dot(batch: int, dot: bool | None) -> bool:
     return batch >= ABSORB_DOT_FROM if dot is None else dot
 
 
+def absorb_fma(batch: int, dot: bool | None, fma: bool | None) -> bool:
+    """Whether the absorb kernels take their fp32 FMA form (`fma` True / False force it; None: when `dot`
+    forces no form and the step has at most K3RUN_MLA_ABSORB_FMA sequences)."""
+    if fma is not None:
+        return fma
+    return dot is None and batch <= knobs().mla_absorb_fma
+
+
 def mla_q_absorb_triton(
     q: torch.Tensor, w_uk: torch.Tensor, ahead: bool = True, dot: bool | None = None,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, fma: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """mla_q_absorb_ref in one launch: q [B, H, d_n + R] (unit last stride), w_uk [H, d_n, L] fp32
     contiguous, L and R powers of two -> [B, H, L + R] in out_dtype (the fp32 sums rounded once: the decode
     kernel rounds its queries to a 16-bit cache's dtype anyway, so writing them in it halves what each split
     program reads for the same bits). `ahead`: each sequence's row loaded while the previous one's is used
     (the default; False only for the benchmark's comparison; the loop form only). `dot` (`absorb_dot`): the
-    sequences in blocks on the tensor cores (`_mla_q_absorb_dot_kernel`; needs L >= 16)."""
+    sequences in blocks on the tensor cores (`_mla_q_absorb_dot_kernel`; needs L >= 16); `fma`
+    (`absorb_fma`, before `dot`): the same blocks as one fp32 FMA dot."""
     B, H, dq = q.shape
     _, dn, L = w_uk.shape
     R = dq - dn
@@ -449,6 +466,13 @@ def mla_q_absorb_triton(
         return out
     bl = min(32, L)
     block_dn = max(16, triton.next_power_of_2(dn))
+    if absorb_fma(B, dot, fma) and L >= 16:
+        _mla_q_absorb_dot_kernel[(H, L // bl)](
+            q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=block_dn, BL=bl,
+            BB=min(64, max(16, triton.next_power_of_2(B))), QSPLIT=False, FMA=True, num_warps=4,
+            **pdl_args(q),
+        )  # fmt: skip
+        return out
     if absorb_dot(B, dot) and L >= 16:
         split = q.dtype != torch.bfloat16  # bf16 q multiplies the parts exactly as it is
         bb = 16 if split else min(64, max(16, triton.next_power_of_2(B)))
@@ -466,12 +490,12 @@ def mla_q_absorb_triton(
 
 def mla_o_absorb_triton(
     o_lat: torch.Tensor, w_uv: torch.Tensor, out_dtype: torch.dtype, ahead: bool = True,
-    dot: bool | None = None, tiles: tuple[int, ...] | None = None,
+    dot: bool | None = None, tiles: tuple[int, ...] | None = None, fma: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """mla_o_absorb_ref in one launch: o_lat [B, H, L] fp32 contiguous, w_uv [H, d_v, L] fp32 contiguous,
-    L a power of two -> [B, H, d_v] in out_dtype. `ahead` and `dot` as in `mla_q_absorb_triton`; `tiles`
-    (the dot form's value columns, latent columns a step and sequences a block, powers of two >= 16, and
-    optionally its warps; for the benchmark's variants)."""
+    L a power of two -> [B, H, d_v] in out_dtype. `ahead`, `dot` and `fma` as in `mla_q_absorb_triton`;
+    `tiles` (the dot and FMA forms' value columns, latent columns a step and sequences a block, powers of two
+    >= 16, and optionally its warps; for the benchmark's variants)."""
     B, H, L = o_lat.shape
     dv = w_uv.shape[1]
     if (
@@ -485,11 +509,12 @@ def mla_o_absorb_triton(
     out = torch.empty(B, H, dv, dtype=out_dtype, device=o_lat.device)
     if B == 0:
         return out
-    if absorb_dot(B, dot) and L >= 16:
+    fused = absorb_fma(B, dot, fma)
+    if (fused or absorb_dot(B, dot)) and L >= 16:
         bv, bk, bb, warps = (*tiles, 4)[:4] if tiles else (16, 64, o_block(B, H), 4)
         _mla_o_absorb_dot_kernel[(H, triton.cdiv(dv, bv), triton.cdiv(B, bb))](
-            o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, num_warps=warps,
-            **pdl_args(o_lat),
+            o_lat, w_uv, out, B, H, DV=dv, L=L, BV=bv, BK=min(bk, L), BB=bb, TC=TENSOR_CORES, FMA=fused,
+            num_warps=warps, **pdl_args(o_lat),
         )  # fmt: skip
         return out
     bv = 8
