@@ -469,8 +469,7 @@ def mla_q_absorb_triton(
     if absorb_fma(B, dot, fma) and L >= 16:
         _mla_q_absorb_dot_kernel[(H, L // bl)](
             q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=block_dn, BL=bl,
-            BB=min(64, max(16, triton.next_power_of_2(B))), QSPLIT=False, FMA=True, num_warps=4,
-            **pdl_args(q),
+            BB=16, QSPLIT=False, FMA=True, num_warps=4, **pdl_args(q),
         )  # fmt: skip
         return out
     if absorb_dot(B, dot) and L >= 16:
