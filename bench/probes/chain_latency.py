@@ -108,9 +108,7 @@ def chain(
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
-    from common import copies_for, graph_ms
-
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/ (common)
     ap = argparse.ArgumentParser()
     ap.add_argument("--links", type=int, default=64)
     ap.add_argument(
@@ -131,15 +129,17 @@ def main() -> None:
     print(f"{'G':>5} {'KB/link':>8} " + " ".join(f"{h:>8}" for h in heads))
     for g in gs:
         for kb in (int(v) for v in args.kb.split(",")):
-            us = {k: 1e3 * v / n for k, v in _row(g, kb, n, args.warps, graph_ms, copies_for).items()}
+            us = {k: 1e3 * v / n for k, v in _row(g, kb, n, args.warps).items()}
             cols = [us[k] for k in ("stream", "plain", "pdl", "persist")]
             cols += [us[k] - us["stream"] for k in ("plain", "pdl", "persist")]
             kb_real = share_for(kb, g) * g // 256
             print(f"{g:>5} {kb_real:>8} " + " ".join(f"{c:>8.2f}" for c in cols), flush=True)
 
 
-def _row(g: int, kb: int, n: int, warps: int, graph_ms, copies_for) -> dict[str, float]:
+def _row(g: int, kb: int, n: int, warps: int) -> dict[str, float]:
     """ms a call of each form (and the stream floor) for G programs and kb KB of weights a link."""
+    from common import copies_for, graph_ms
+
     share = share_for(kb, g)
     words = max(n * g * share, 1)
     copies = copies_for(4 * words)
