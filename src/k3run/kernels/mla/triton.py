@@ -466,18 +466,14 @@ def mla_q_absorb_triton(
         return out
     bl = min(32, L)
     block_dn = max(16, triton.next_power_of_2(dn))
-    if absorb_fma(B, dot, fma) and L >= 16:
-        _mla_q_absorb_dot_kernel[(H, L // bl)](
-            q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=block_dn, BL=bl,
-            BB=16, QSPLIT=False, FMA=True, num_warps=4, **pdl_args(q),
-        )  # fmt: skip
-        return out
-    if absorb_dot(B, dot) and L >= 16:
-        split = q.dtype != torch.bfloat16  # bf16 q multiplies the parts exactly as it is
-        bb = 16 if split else min(64, max(16, triton.next_power_of_2(B)))
+    fused = absorb_fma(B, dot, fma)
+    if (fused or absorb_dot(B, dot)) and L >= 16:
+        # bf16 q multiplies the parts exactly as it is; the FMA form takes no parts, 16 sequences a block
+        split = not fused and q.dtype != torch.bfloat16
+        bb = 16 if split or fused else min(64, max(16, triton.next_power_of_2(B)))
         _mla_q_absorb_dot_kernel[(H, L // bl)](
             q, w_uk, out, B, H, q.stride(0), q.stride(1), DN=dn, L=L, R=R, BLOCK_DN=block_dn, BL=bl, BB=bb,
-            QSPLIT=split, TC=TENSOR_CORES, num_warps=4, **pdl_args(q),
+            QSPLIT=split, TC=TENSOR_CORES, FMA=fused, num_warps=4, **pdl_args(q),
         )  # fmt: skip
         return out
     _mla_q_absorb_kernel[(H, L // bl)](
