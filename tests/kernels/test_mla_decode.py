@@ -111,7 +111,7 @@ def test_decode_config_keeps_splits_long_above_4096_positions() -> None:
 
 def test_triton_kernels_in_interpreter():
     """Run this file's `interp_` tests in a child with TRITON_INTERPRET=1."""
-    run_interp_tests_in_child(__file__, expected_passed=38)
+    run_interp_tests_in_child(__file__, expected_passed=39)
 
 
 @interp_only
@@ -321,19 +321,18 @@ def check_absorb_dot_exact(H: int, dn: int, L: int, dv: int, device: str, fma: b
 
 
 @interp_only
-def test_interp_absorb_dot_forms_are_exact_products() -> None:
-    check_absorb_dot_exact(3, 24, 64, 20, "cpu")
+@pytest.mark.parametrize("fma", [False, True])
+def test_interp_absorb_dot_forms_are_exact_products(fma: bool) -> None:
+    check_absorb_dot_exact(3, 24, 64, 20, "cpu", fma=fma)
 
 
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 5, 19])
 def test_interp_absorb_fma_forms(dtype: torch.dtype, B: int) -> None:
-    # the fp32 FMA forms: one sequence, a block partly masked, two blocks; then their exactness
+    # the fp32 FMA forms: one sequence, a block partly masked, two blocks (their exactness: above)
     out_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     check_absorb(B, 3, 24, 64, 16, 20, dtype, "cpu", out_dtype=out_dtype, fma=True)
-    if B == 1 and dtype == torch.float32:
-        check_absorb_dot_exact(3, 24, 64, 20, "cpu", fma=True)
 
 
 @interp_only
