@@ -8,7 +8,8 @@ tokens routed uniformly at random (what probe_graph_step --uniform-routing does)
 - w13 / w2: `nvfp4_gemv_by_expert` as the decode step launches it (the default tile and split_k from
   `expert_split`), then with every split_k dividing the 128-wide chunk count and, above 8 tokens, each of the
   8-, 16- and 32-token tiles, and with --stages each weight-ring depth (--only-default: the step's launch
-  alone);
+  alone); with --stream R/S,.. the stream-K form (`expert_stream.py`: R programs an SM, S ring slots) at the
+  step's token tile, each beside the step's launch;
 - dense: `nvfp4_gemv` at T rows (at most 32) on the hit experts' matrices stacked as one matrix (the same
   bytes, one weight matrix, no group table), at its `choose_config` split;
 each as us, TB/s of weight bytes (the hit experts' NVFP4 bytes and block scales) and % of the device copy
@@ -17,7 +18,7 @@ bandwidth measured in the same run.
 --k3: K3's experts as the K3-shaped slice holds them: D = 3584 -> I = 3072, 64 local experts, top-16.
 
     PYTHONPATH=src python bench/bench_expert_gemv.py [--batches 1,8,16,32] [--k3] [--stages 2,3,4]
-        [--only-default]
+        [--only-default] [--stream 16/2,20/3]
 """
 
 # ruff: noqa: B023
@@ -31,6 +32,7 @@ import sys
 import torch
 
 from k3run.kernels.nvfp4_gemm import choose_config, sm_count
+from k3run.kernels.nvfp4_gemm.expert_stream import nvfp4_gemv_by_expert_stream
 from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, nvfp4_gemv_by_expert
 from k3run.kernels.nvfp4_gemm.groups import expert_groups
 from k3run.kernels.nvfp4_gemm.layout import CHUNK
@@ -59,6 +61,7 @@ def main() -> None:
         "--stages", default="2", help="weight-ring slots of the expert-major launches to time, e.g. 2,3,4"
     )
     ap.add_argument("--only-default", action="store_true", help="only the decode step's launch per batch")
+    ap.add_argument("--stream", default="", help="stream-K forms, R/S (programs an SM / slots),..")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_tbs = copy_bandwidth()
@@ -103,6 +106,24 @@ def main() -> None:
                         f"T={t:<3} {name:3} experts {distinct:3d} groups {used:3d}/{grp.shape[0]:3d} "
                         f"tile {bt:2d} split {sk} stages {st}{mark} | {us:7.1f} us {tbs:4.2f} TB/s "
                         f"{100 * tbs / copy_tbs:3.0f}% of copy"
+                    )
+                    print(rows[-1], flush=True)
+                if bt != default_bt:
+                    continue
+                for form in [f for f in args.stream.split(",") if f]:
+                    per_sm, st = (int(v) for v in form.split("/"))
+
+                    def call_stream():
+                        return nvfp4_gemv_by_expert_stream(
+                            x, w, s, gs, grp, picks=t * TOP_K, slot_div=slot_div, rows=n,
+                            programs=sms * per_sm, stages=st, all_in_groups=True,
+                        )  # fmt: skip
+
+                    us = graph_ms([call_stream]) * 1e3
+                    tbs = nbytes / (us * 1e-6) / 1e12
+                    rows.append(
+                        f"T={t:<3} {name:3} stream {per_sm:2d}/SM stages {st} tile {bt:2d}"
+                        f"{'':22} | {us:7.1f} us {tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% of copy"
                     )
                     print(rows[-1], flush=True)
             # the same bytes as one dense matrix: the hit experts stacked

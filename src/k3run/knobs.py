@@ -131,6 +131,17 @@ def _kda_fused_form(name: str, value: str) -> str:
     return value
 
 
+def _moe_stream(name: str, value: str) -> str:
+    """R/S (R 1 to 32 programs an SM, S 2 to 8 ring slots) or 0"""
+    if value == "0":
+        return value
+    parts = value.split("/")
+    ok = len(parts) == 2 and all(p.isdigit() for p in parts)
+    if not ok or not 1 <= int(parts[0]) <= 32 or not 2 <= int(parts[1]) <= 8:
+        raise _malformed(name, "R/S with R 1 to 32 programs an SM and S 2 to 8 ring slots, or 0", value)
+    return value
+
+
 def _dist_backend(name: str, value: str) -> str:
     """nccl or gloo"""
     if value not in ("nccl", "gloo"):
@@ -191,7 +202,7 @@ class Knobs:
         "K3RUN_MLA_ABSORB_FMA", _tokens_128, 0,
         "CUDA: MLA decode steps of up to this many sequences run both absorptions as one fp32 FMA dot a "
         "program (exact products, fp32 sums in another order) instead of one sequence at a time or the "
-        "tensor cores' nine-part dots (0: never; not yet timed)",
+        "tensor cores' nine-part dots (0: never; 2-8x slower than those forms alone, H100 run 251, so off)",
     )  # fmt: skip
     moe_ops: bool = _knob(
         "K3RUN_MOE_OPS", _flag, True,
@@ -233,6 +244,12 @@ class Knobs:
         "CUDA: the NVFP4 routed experts' GEMM2 decode launch reads its group table and stages its first "
         "weights before its PDL wait (the table predates GEMM1; 0: it waits first, as GEMM1 does); within "
         "the spread of the full-depth step (H100), so off",
+    )  # fmt: skip
+    moe_stream: str = _knob(
+        "K3RUN_MOE_STREAM", _moe_stream, "0",
+        "CUDA: the NVFP4 routed experts' expert-major decode launches as stream-K (kernels/nvfp4_gemm/"
+        "expert_stream.py): R programs an SM sharing the launch's K tiles evenly, each with a ring of S "
+        "weight slots (0: one program per (group, 16-row block)); not yet timed, so off",
     )  # fmt: skip
     moe_groups: str = _knob(
         "K3RUN_MOE_GROUPS", _moe_groups, "atomic",
@@ -371,8 +388,8 @@ class Knobs:
         "the fused KDA decode's launch: value columns a program / warps a program, with /flat its conv "
         "windows shifted as flat runs (fewer registers; 3% faster alone at 32 sequences, H100), without "
         "it as a [channels, W - 1] block; with /pN, N persistent programs an SM, each loading its next "
-        "item's state while working on one (not yet timed) (unset: 64/4/flat from 1024 (sequence, head) "
-        "pairs a GPU, else 32/4/flat)",
+        "item's state while working on one (1.4-1.6x slower alone at 8 and 32 sequences, H100 run 250) "
+        "(unset: 64/4/flat from 1024 (sequence, head) pairs a GPU, else 32/4/flat)",
     )  # fmt: skip
     dist_backend: str | None = _knob(
         "K3RUN_DIST_BACKEND", _dist_backend, None,

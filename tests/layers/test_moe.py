@@ -662,6 +662,38 @@ def test_gpu_cuda_gemv_experts_match_the_gluon_launches(act_name, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_name", ["silu", "situ"])
+def test_gpu_stream_experts_match_the_expert_major_launches(act_name, monkeypatch):
+    """K3RUN_MOE_STREAM=R/S (the expert-major launches as stream-K) against the expert-major launches, at 2, 4
+    and all tokens, with the activation in GEMM1's epilogue and apart, every expert local and on EP rank 0 of
+    2: items split between two programs sum their two fp32 halves once, so one bf16 ulp apart at most where
+    a sum rounds the other way (2^-7, the bound of the tests above); the stream launch must have run."""
+    from k3run.kernels.nvfp4_gemm import expert_stream
+    from k3run.knobs import override_knobs
+    from k3run.layers.moe import fused_experts
+
+    calls: list[int] = []
+    real = expert_stream.nvfp4_gemv_by_expert_stream
+    monkeypatch.setattr(
+        expert_stream, "nvfp4_gemv_by_expert_stream", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    for ep in (NO_TP, TPInfo(0, 2)):
+        ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, ep=ep)
+        if not ex.scheme.tiled:
+            pytest.skip("the grouped launches read the tiled128 layout (sm_89+)")
+        for t in (2, 4, x.shape[0]):
+            for act_in, form in ((0, "1/2"), (128, "3/3")):
+                with override_knobs(moe_act_in_gemm1=act_in, sm90_gemv_experts=False):
+                    want = fused_experts(ex, x[:t], ids[:t], weights[:t])
+                calls.clear()
+                with override_knobs(moe_act_in_gemm1=act_in, sm90_gemv_experts=False, moe_stream=form):
+                    got = fused_experts(ex, x[:t], ids[:t], weights[:t])
+                assert len(calls) == 2, (ep.size, t, act_in)
+                assert_close(f"stream experts {act_name} ep {ep.size} {t} tokens {form}", want, got,
+                             rtol=2.0**-7)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["silu", "situ"])
 @pytest.mark.parametrize("wgmma", [True, False])
 def test_gpu_prefill_grouped_experts_match_the_per_expert_loop(act_name, wgmma, monkeypatch):
     """Prefill sizes (300 tokens, from TILE_FROM_TOKENS) through the grouped tensor-core GEMMs (the wgmma

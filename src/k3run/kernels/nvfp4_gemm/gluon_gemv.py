@@ -458,8 +458,20 @@ def _async_step(
         _issue_tile(smem_w.index(nxt % STAGES), smem_s.index(nxt % STAGES), w_src, s_src, ok_w, ok_s, nxt,
                     N_TILES, BK, TILED, True)  # fmt: skip
     slot = i % STAGES
-    p = smem_w.index(slot).reshape([BN, 4, 2, 2]).load(LW4)
-    sw = smem_s.index(slot)
+    return _consume_slot(acc, smem_w.index(slot), smem_s.index(slot), tab, x_lo, x_hi, BN, HALF, TILED, ASM,
+                         SCALE_ASM, LA, LW4, L_G, DT, LSW)  # fmt: skip
+
+
+@gluon.jit
+def _consume_slot(
+    acc, slot_w, slot_s, tab, x_lo, x_hi, BN: gl.constexpr, HALF: gl.constexpr, TILED: gl.constexpr,
+    ASM: gl.constexpr, SCALE_ASM: gl.constexpr, LA: gl.constexpr, LW4: gl.constexpr, L_G: gl.constexpr,
+    DT: gl.constexpr, LSW: gl.constexpr,
+):  # fmt: skip
+    """acc += the K tile staged in one ring slot (words slot_w [BN, 16], scales slot_s) times x's tile:
+    the scales to packed 16-bit pairs, the words decoded in registers, two mma."""
+    p = slot_w.reshape([BN, 4, 2, 2]).load(LW4)
+    sw = slot_s
     if TILED:  # one word per row and lane: the pairs of groups j and j + 2 (TILED_SCALE_ORDER)
         s_w = sw.load(LSW)
         s_a, s_b = gl.inline_asm_elementwise(
@@ -734,18 +746,20 @@ def _tanh_g(x):
 def _finish_act(
     acc, gs_ptr, y_ptr, pid_n, n_idx, stride_ym, M, PER_COL_GS: gl.constexpr, BN: gl.constexpr,
     BT: gl.constexpr, grp_ptr, BYEXP: gl.constexpr, ACT: gl.constexpr, beta, rbeta, lbeta, rlbeta, half_n,
-    SMEM: gl.constexpr,
+    SMEM: gl.constexpr, buf=None,
 ):  # fmt: skip
     """GEMM1's epilogue with the gated activation: gate and up scaled by their rows' decode scales and
     rounded to y's dtype (what GEMM1 stores on the separate path), through shared memory so that gate row j
     meets up row j + 8, then h = act(gate, up) in fp32 (moe_ops' gated kernel's formulas), rounded, into
-    y[token, 8 * pid_n + j]."""
+    y[token, 8 * pid_n + j]. buf: the [BN, BT] shared buffer, allocated here unless the caller (a loop over
+    several epilogues) passes its own."""
     rows = _act_rows(n_idx, half_n)
     if PER_COL_GS:
         acc = acc * gl.expand_dims(gl.load(gs_ptr + rows), 1)
     else:
         acc = acc * gl.load(gs_ptr)
-    buf = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [BN, BT], SMEM)
+    if buf is None:
+        buf = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [BN, BT], SMEM)
     buf.store(acc.to(y_ptr.dtype.element_ty))
     _cta_barrier()
     LH: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [gl.num_warps(), 1], [1, 0])
