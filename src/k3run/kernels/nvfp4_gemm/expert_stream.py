@@ -61,6 +61,12 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
     scale_word_layout,
 )
 
+# ptxas register caps by token tile. At 8 tokens 64 registers let an SM hold 32 of the 1-warp programs (its
+# CTA limit, as many as the expert-major launch holds) without spills in the loop (Triton 3.9's ptxas,
+# tests/kernels/test_expert_stream.py); left to itself ptxas takes 91-93 (21 programs an SM). 16 tokens need
+# 96 (~86 taken, ~23 programs an SM), 32 tokens the decode kernel's cap.
+STREAM_MAXNREG = {8: 64, 16: 96, 32: MAXNREG[32]}
+
 
 @gluon.jit
 def _expert_of(ecol, gidx, g):
@@ -281,6 +287,6 @@ def nvfp4_gemv_by_expert_stream(
         ASM=_TILED_ASM_BF16 if bf16 else _TILED_ASM_FP16,
         SCALE_ASM=_SCALE_WORD_ASM_BF16 if bf16 else _SCALE_WORD_ASM_FP16, MMA=mma, LA=la, LW4=lw4, LB=lb,
         LCW=lcw, SMEM=smem, LSW=scale_word_layout(1, bt), OUT_SCALE=SHIFT_OUT_SCALE, PDL=pdl,
-        EARLY=early_table, ACT=act_kw.get("ACT", 0), num_warps=1, maxnreg=MAXNREG[bt], launch_pdl=pdl,
+        EARLY=early_table, ACT=act_kw.get("ACT", 0), num_warps=1, maxnreg=STREAM_MAXNREG[bt], launch_pdl=pdl,
     )  # fmt: skip
     return y
