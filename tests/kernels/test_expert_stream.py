@@ -67,6 +67,21 @@ def test_stream_launch_compiles_for_sm90_without_loop_spills(bt, k, stages, act,
     _assert_no_loop_spills(ck)
 
 
+@pytest.mark.parametrize("bt", [8, 16, 32])
+def test_stream_residency_table_never_oversubscribes_an_sm(bt: int):
+    """STREAM_RESIDENT[bt] programs an SM fit at once at the registers ptxas takes under STREAM_MAXNREG
+    (sm_90: 64K registers allocated 8 a thread at a time, 32 CTAs, 227 KB of shared memory), so the stream
+    grid never leaves programs waiting for others to end (which would bring back the tail it removes)."""
+    from tests.kernels.test_nvfp4_gemv_compile import cubin_usage_and_sass
+
+    fits = 32
+    for k, act, early, stages in ((2304, 1, False, 3), (3072, 0, True, 3), (7168, 2, False, 4)):
+        ck = _compile(bt, k, stages, act, early)
+        regs = int(cubin_usage_and_sass(ck)[0].split("REG:")[1].split()[0])
+        fits = min(fits, 65536 // (-(-regs // 8) * 8 * 32), 227 * 1024 // (ck.metadata.shared + 1024))
+    assert stream.STREAM_RESIDENT[bt] <= fits, (bt, fits)
+
+
 @pytest.mark.parametrize("early", [False, True])
 def test_stream_launch_reads_its_table_early_only_when_told(early: bool):
     """One PDL wait: before the first global access (the group table) for GEMM1; after the table's loads

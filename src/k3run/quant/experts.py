@@ -974,9 +974,8 @@ class NvFp4Experts(ExpertScheme):
                 from k3run.kernels.nvfp4_gemm import expert_stream
 
                 per_sm, slots = (int(v) for v in knobs().moe_stream.split("/"))
-                by_exp = functools.partial(
-                    _stream_by_expert, programs=expert_stream.stream_programs(x.device, per_sm), stages=slots
-                )
+                programs = expert_stream.stream_programs(x.device, per_sm, bt)
+                by_exp = functools.partial(_stream_by_expert, programs=programs, stages=slots)
             gu = by_exp(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
                 all_in_groups=full, act=act,

@@ -66,6 +66,9 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
 # tests/kernels/test_expert_stream.py); left to itself ptxas takes 91-93 (21 programs an SM). 16 tokens need
 # 96 (~86 taken, ~23 programs an SM), 32 tokens the decode kernel's cap.
 STREAM_MAXNREG = {8: 64, 16: 96, 32: MAXNREG[32]}
+# the programs an SM holds at those caps (63 / 86-88 / 172-173 registers, sm_90's 64K registers and 32 CTAs
+# an SM): a grid larger than SMs x this would start some programs only when others end
+STREAM_RESIDENT = {8: 32, 16: 23, 32: 11}
 
 
 @gluon.jit
@@ -228,11 +231,11 @@ def _expert_stream_kernel(
     async_copy.wait_group(0)
 
 
-def stream_programs(device: torch.device, per_sm: int) -> int:
-    """The stream form's grid: `per_sm` programs on every SM."""
+def stream_programs(device: torch.device, per_sm: int, bt: int) -> int:
+    """The stream form's grid for token tile bt: `per_sm` programs on every SM, at most STREAM_RESIDENT."""
     from k3run.kernels.nvfp4_gemm import sm_count
 
-    return sm_count(device.index or 0) * per_sm
+    return sm_count(device.index or 0) * min(per_sm, STREAM_RESIDENT[bt])
 
 
 def nvfp4_gemv_by_expert_stream(
