@@ -57,6 +57,7 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
     _x_tile_clamped,
     async_layouts,
     by_expert_output,
+    check_groups,
     decode_tables,
     scale_word_layout,
 )
@@ -258,16 +259,10 @@ def nvfp4_gemv_by_expert_stream(
     """`nvfp4_gemv_by_expert` (same operands, same result up to the fp32 sum of an item split between two
     programs) with a fixed grid of `programs` 1-warp programs sharing the launch's K tiles evenly (module
     docstring); stages: the weight ring's slots (>= 2)."""
-    n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
-    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
-        raise ValueError(
-            f"nvfp4 by-expert stream groups: expected int32 [G, 9], [G, 17] or [G, 33] (expert_groups), got "
-            f"{groups.dtype} {tuple(groups.shape)}"
-        )
-    if not groups.is_contiguous() or groups.device != x.device:
-        raise ValueError(f"nvfp4 by-expert stream groups: must be contiguous on {x.device}")
-    if stages < 2 or programs < 1:
-        raise ValueError(f"nvfp4 by-expert stream: stages={stages} (>= 2), programs={programs} (>= 1)")
+    pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)[1]
+    check_groups(x, groups, stages)
+    if programs < 1:
+        raise ValueError(f"nvfp4 by-expert stream: programs must be >= 1, got {programs}")
     act_kw = _act_args(act, rows)
     y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     n_groups, bt = groups.shape[0], groups.shape[1] - 1

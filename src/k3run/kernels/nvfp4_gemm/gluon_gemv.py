@@ -994,6 +994,20 @@ def by_expert_output(
     return new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
 
 
+def check_groups(x: torch.Tensor, groups: torch.Tensor, stages: int) -> None:
+    """The expert-major launches' group table (`expert_groups`: int32 [G, 1 + BT], BT 8, 16 or 32, contiguous
+    on x's device) and weight ring (>= 2 slots): a ValueError naming what came."""
+    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
+        raise ValueError(
+            f"nvfp4 by-expert groups: expected int32 [G, 9], [G, 17] or [G, 33] (expert_groups), got "
+            f"{groups.dtype} {tuple(groups.shape)}"
+        )
+    if not groups.is_contiguous() or groups.device != x.device:
+        raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
+    if stages < 2:
+        raise ValueError(f"nvfp4 by-expert: stages must be >= 2 (a ring of slots), got {stages}")
+
+
 def nvfp4_gemv_by_expert(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1028,15 +1042,7 @@ def nvfp4_gemv_by_expert(
     stages: the shared-memory slots of each program's weight ring (>= 2; tiles in flight = stages - 1).
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
-    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
-        raise ValueError(
-            f"nvfp4 by-expert groups: expected int32 [G, 9], [G, 17] or [G, 33] (expert_groups), got "
-            f"{groups.dtype} {tuple(groups.shape)}"
-        )
-    if not groups.is_contiguous() or groups.device != x.device:
-        raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
-    if stages < 2:
-        raise ValueError(f"nvfp4 by-expert: stages must be >= 2 (a ring of slots), got {stages}")
+    check_groups(x, groups, stages)
     act_kw = _act_args(act, rows)
     y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
