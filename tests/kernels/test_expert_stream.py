@@ -143,10 +143,11 @@ def test_stream_matches_the_expert_major_launch(t: int, bt: int, stages: int):
         si = next(i for i, e in enumerate(ids.tolist()) if 0 <= e < n_exp)
         ref = nvfp4_linear_ref(xin[si // div : si // div + 1].float(), *raw[int(ids[si])])
         assert_close("stream vs fp32 reference", ref, got[si : si + 1], rtol=RTOL[torch.bfloat16])
+    bad: dict = dict(picks=t * a, slot_div=a, rows=n)
     with pytest.raises(ValueError, match="programs must be >= 1"):
-        stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp, picks=t * a, slot_div=a, rows=n, programs=0)
+        stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp, programs=0, **bad)
     with pytest.raises(ValueError, match="groups"):
-        stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp[:, :5], picks=t * a, slot_div=a, rows=n, programs=8)
+        stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp[:, :5], programs=8, **bad)
 
 
 @pytest.mark.gpu
