@@ -249,7 +249,7 @@ class Knobs:
         "K3RUN_MOE_STREAM", _moe_stream, "0",
         "CUDA: the NVFP4 routed experts' expert-major decode launches as stream-K (kernels/nvfp4_gemm/"
         "expert_stream.py): R programs an SM sharing the launch's K tiles evenly, each with a ring of S "
-        "weight slots; R is cut to the programs an SM holds (32 / 23 / 11 for token tiles 8 / 16 / 32) "
+        "weight slots; R is cut to the programs an SM holds (28 / 21 / 14 for token tiles 8 / 16 / 32) "
         "(0: one program per (group, 16-row block)); not yet timed, so off",
     )  # fmt: skip
     moe_groups: str = _knob(

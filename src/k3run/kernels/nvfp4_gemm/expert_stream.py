@@ -1,13 +1,14 @@
 """Stream-K form of the expert-major routed-expert decode launch (`gluon_gemv.nvfp4_gemv_by_expert`).
 
 The expert-major launch runs one 1-warp program per (group, 16-row block): at 8 tokens of Kimi Linear
-(~57 experts hit) that is ~7,400 programs of 18 K tiles each, about two programs per resident slot. A
-program keeps one K tile in flight, so it streams at a fixed rate whatever else runs on its SM; the launch
-then takes as many program lifetimes as the busiest slot runs programs, and 7,400 programs over ~3,400
-slots are three lifetimes with the third mostly empty (bench/NOTES.md, session 62: w13 at 8 tokens 79% of
-the copy rate, at 32 tokens, ~6 lifetimes, 98%).
+(54-58 experts hit) that is 6,900-7,400 programs of 18 K tiles each over 4,224 resident slots (32 an SM on
+an H100 or H200). A program keeps one K tile in flight, so it streams at a fixed rate whatever else runs on
+its SM; the launch then takes as many program lifetimes as the busiest slot runs programs: 1.64 lifetimes
+of work in 2 (bench/NOTES.md, session 62: w13 at 8 tokens 79% of the copy rate on an H100; at 32 tokens,
+4.85 in 5, 98%).
 
-Here a fixed grid of S programs (S = SMs x programs an SM, read from `K3RUN_MOE_STREAM`) splits the launch's
+Here a fixed grid of S programs (S = SMs x programs an SM, read from `K3RUN_MOE_STREAM` and cut to
+`STREAM_RESIDENT`, so every program is resident from the start) splits the launch's
 work evenly: the work is the sequence of (item, K tile), item = group g x row block b (b fastest), T =
 items x K tiles in all; program p takes tiles [p T / S, (p + 1) T / S). The weight ring (cp.async, `stages`
 slots) runs across item boundaries, so a program never drains it between items. S is cut to at most T / (K
@@ -41,7 +42,6 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
     _SCALE_WORD_ASM_FP16,
     _TILED_ASM_BF16,
     _TILED_ASM_FP16,
-    MAXNREG,
     SHIFT_OUT_SCALE,
     GateAct,
     _act_args,
@@ -62,14 +62,13 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
     scale_word_layout,
 )
 
-# ptxas register caps by token tile. At 8 tokens 64 registers let an SM hold 32 of the 1-warp programs (its
-# CTA limit, as many as the expert-major launch holds) without spills in the loop (Triton 3.9's ptxas,
-# tests/kernels/test_expert_stream.py); left to itself ptxas takes 91-93 (21 programs an SM). 16 tokens need
-# 96 (~86 taken, ~23 programs an SM), 32 tokens the decode kernel's cap.
-STREAM_MAXNREG = {8: 64, 16: 96, 32: MAXNREG[32]}
-# the programs an SM holds at those caps (63 / 86-88 / 172-173 registers, sm_90's 64K registers and 32 CTAs
-# an SM): a grid larger than SMs x this would start some programs only when others end
-STREAM_RESIDENT = {8: 32, 16: 23, 32: 11}
+# ptxas register caps by token tile, the lowest without spills in the loop (Triton 3.9's ptxas, strides
+# specialised as the runtime does; tests/kernels/test_expert_stream.py): 8 tokens 68-70 registers taken under
+# 72, 16 tokens ~92 under 96, 32 tokens ~141 under 160. Left to itself ptxas takes 91-93 at 8 tokens.
+STREAM_MAXNREG = {8: 72, 16: 96, 32: 160}
+# the programs an SM holds at those caps (sm_90: 64K registers allocated 8 a thread at a time, 32 CTAs): a
+# grid larger than SMs x this would start some programs only when others end
+STREAM_RESIDENT = {8: 28, 16: 21, 32: 14}
 
 
 @gluon.jit
@@ -80,15 +79,13 @@ def _expert_of(ecol, gidx, g):
 
 
 @gluon.jit
-def _issue_stream_tile(
-    smem_w, smem_s, t, valid, ecol, gidx, w_ptr, s_ptr, w_estride, s_estride, rw0, cw, rs0, cs, ok_w, ok_s,
-    half_n, NT: gl.constexpr, NB: gl.constexpr, CH: gl.constexpr, ACT: gl.constexpr,
+def _stream_bases(
+    item, ecol, gidx, w_ptr, s_ptr, w_estride, s_estride, rw0, cw, rs0, cs, half_n, NB: gl.constexpr,
+    CH: gl.constexpr, ACT: gl.constexpr,
 ):  # fmt: skip
-    """cp.async the words and scales of the launch's tile t (item t // NT, K tile t % NT) into one ring
-    slot; nothing is copied unless `valid` (the slot's group is still committed, so every step waits on
-    the same count)."""
-    item = t // NT
-    kt = t - item * NT
+    """The word and scale pointers of `item`'s K tile 0 (its 16-row block of group item // NB's expert); K
+    tile kt is 256 words and 32 scale words further (tiled128: [rows / 16, K_PAD / 128, 16 rows, 16 words]
+    and [.., 16 rows, 2 scale words]). Computed once an item, not once a tile."""
     g = item // NB
     e = _expert_of(ecol, gidx, g)
     b = item - g * NB
@@ -99,11 +96,19 @@ def _issue_stream_tile(
         rs = _act_rows(rs, half_n)
     rw2 = gl.expand_dims(rw, 1)
     rs2 = gl.expand_dims(rs, 1)
-    # tiled128: [rows / 16, K_PAD / 128, 16 rows, 16 words] and [.., 16 rows, 2 scale words]
-    w_row = ((rw2 // 16).to(gl.int64) * CH + kt) * 16 + rw2 % 16
-    s_row = ((rs2 // 16).to(gl.int64) * CH + kt) * 16 + rs2 % 16
-    _async_load(smem_w, w_ptr + e * w_estride + (w_row * 16 + gl.expand_dims(cw, 0)), mask=ok_w & valid)
-    _async_load(smem_s, s_ptr + e * s_estride + (s_row * 2 + gl.expand_dims(cs, 0)), mask=ok_s & valid)
+    w_row = (rw2 // 16).to(gl.int64) * CH * 16 + rw2 % 16
+    s_row = (rs2 // 16).to(gl.int64) * CH * 16 + rs2 % 16
+    w_base = w_ptr + e * w_estride + (w_row * 16 + gl.expand_dims(cw, 0))
+    s_base = s_ptr + e * s_estride + (s_row * 2 + gl.expand_dims(cs, 0))
+    return w_base, s_base
+
+
+@gluon.jit
+def _issue_stream_tile(smem_w, smem_s, w_base, s_base, kt, valid, ok_w, ok_s):
+    """cp.async K tile kt of the item whose tile-0 pointers are w_base / s_base into one ring slot; nothing
+    is copied unless `valid` (the slot's group is still committed, so every step waits on the same count)."""
+    _async_load(smem_w, w_base + kt * 256, mask=ok_w & valid)
+    _async_load(smem_s, s_base + kt * 32, mask=ok_s & valid)
     async_copy.commit_group()
 
 
@@ -160,10 +165,20 @@ def _expert_stream_kernel(
     smem_w = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 16], SMEM)
     smem_s = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BN, 2], SMEM)
     buf = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [BN, BT], SMEM)  # ACT's gate / up exchange
+    # the issue side walks (i_item, i_kt) one tile at a time, STAGES - 1 tiles ahead of the compute side
+    i_item = start // NT
+    i_kt = start - i_item * NT
+    w_base, s_base = _stream_bases(i_item, ecol, gidx, w_ptr, s_ptr, w_estride, s_estride, rw0, cw, rs0, cs,
+                                   half_n, NB, CH, ACT)  # fmt: skip
     for st in gl.static_range(STAGES - 1):
-        _issue_stream_tile(smem_w.index(st), smem_s.index(st), start + st, start + st < end, ecol, gidx,
-                           w_ptr, s_ptr, w_estride, s_estride, rw0, cw, rs0, cs, ok_w, ok_s, half_n, NT, NB,
-                           CH, ACT)  # fmt: skip
+        _issue_stream_tile(smem_w.index(st), smem_s.index(st), w_base, s_base, i_kt, start + st < end, ok_w,
+                           ok_s)  # fmt: skip
+        i_kt += 1
+        if i_kt == NT:
+            i_kt = 0
+            i_item += 1
+            w_base, s_base = _stream_bases(i_item, ecol, gidx, w_ptr, s_ptr, w_estride, s_estride, rw0, cw,
+                                           rs0, cs, half_n, NB, CH, ACT)  # fmt: skip
     if PDL and EARLY:  # x (GEMM1's output), the counters and y may be the previous launches': wait
         _gdc("griddepcontrol.wait;")
 
@@ -185,9 +200,14 @@ def _expert_stream_kernel(
         _cta_barrier()  # ... and everyone's; the slot refilled below was read by everyone last step
         nxt = t + STAGES - 1
         i_nxt = (nxt - start) % STAGES
-        _issue_stream_tile(smem_w.index(i_nxt), smem_s.index(i_nxt), nxt, nxt < end, ecol, gidx, w_ptr, s_ptr,
-                           w_estride, s_estride, rw0, cw, rs0, cs, ok_w, ok_s, half_n, NT, NB, CH,
-                           ACT)  # fmt: skip
+        _issue_stream_tile(smem_w.index(i_nxt), smem_s.index(i_nxt), w_base, s_base, i_kt, nxt < end, ok_w,
+                           ok_s)  # fmt: skip
+        i_kt += 1
+        if i_kt == NT:  # the issue side enters its next item (past the range: masked copies only)
+            i_kt = 0
+            i_item += 1
+            w_base, s_base = _stream_bases(i_item, ecol, gidx, w_ptr, s_ptr, w_estride, s_estride, rw0, cw,
+                                           rs0, cs, half_n, NB, CH, ACT)  # fmt: skip
         i_cur = (t - start) % STAGES
         acc = _consume_slot(acc, smem_w.index(i_cur), smem_s.index(i_cur), tab, x_lo, x_hi, BN, HALF, True,
                             ASM, SCALE_ASM, LA, LW4, L_G, DT, LSW)  # fmt: skip
