@@ -928,7 +928,8 @@ class NvFp4Experts(ExpertScheme):
     ) -> ExpertsOut:
         """GEMM1, the activation and GEMM2 for every (token, slot) pick in two grouped launches; picks of
         other ranks' experts give zero rows. For 2..BY_EXPERT_MAX_TOKENS tokens the launches are expert-major
-        (`expert_groups` + `nvfp4_gemv_by_expert`: one program group per picked expert over all its tokens),
+        (`expert_groups` + `nvfp4_gemv_by_expert`: one program group per picked expert over all its tokens;
+        with K3RUN_MOE_STREAM the same work shared evenly by a fixed grid, `expert_stream`),
         up to GROUPED_MAX_PICKS picks otherwise one program group per pick (`nvfp4_gemv_grouped`; at equal
         split_k the two give the same bits); from TILE_FROM_TOKENS tokens (prefill), or on the wgmma kernel
         from TILES_FROM_PICKS_PER_EXPERT picks an expert, the tile GEMMs (`_tile_gemms`). No host
