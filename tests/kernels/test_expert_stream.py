@@ -90,13 +90,9 @@ def test_stream_residency_table_never_oversubscribes_an_sm(bt: int):
 def test_stream_launch_reads_its_table_early_only_when_told(early: bool):
     """One PDL wait: before the first global access (the group table) for GEMM1; after the table's loads
     and the first weight tiles' cp.async for GEMM2 (early_table)."""
-    body = _compile(8, 2304, 2, 0, early).asm["ptx"].split(".entry", 1)[1]
-    assert body.count("griddepcontrol.wait") == 1
-    before = body[: body.index("griddepcontrol.wait")]
-    if early:
-        assert "ld.global" in before and "cp.async" in before
-    else:
-        assert "ld.global" not in before and "cp.async" not in before
+    from tests.kernels.test_nvfp4_gemv_compile import assert_wait_placement
+
+    assert_wait_placement(_compile(8, 2304, 2, 0, early).asm["ptx"], early)
 
 
 # ---- on a GPU

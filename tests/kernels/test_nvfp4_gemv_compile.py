@@ -197,7 +197,13 @@ def test_grouped_gemv_reads_its_table_early_only_when_told(byexp: bool, early: b
     tiles' cp.async come before the one wait."""
     ck = _compile(1, 8, 1, 2304, "bf16", gemv.MAXNREG[8], 2, True, True, grouped=not byexp, byexp=byexp,
                   early=early)  # fmt: skip
-    body = ck.asm["ptx"].split(".entry", 1)[1]
+    assert_wait_placement(ck.asm["ptx"], early)
+
+
+def assert_wait_placement(ptx: str, early: bool) -> None:
+    """One PDL wait; before it the table's loads and the first weight tiles' cp.async when early, no global
+    access at all otherwise."""
+    body = ptx.split(".entry", 1)[1]
     assert body.count("griddepcontrol.wait") == 1
     before = body[: body.index("griddepcontrol.wait")]
     if early:
