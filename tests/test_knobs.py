@@ -50,6 +50,8 @@ def test_defaults_when_unset_or_empty() -> None:
         ("K3RUN_KDA_FUSED_FORM", "16/4/flat", "kda_fused_form", "16/4/flat"),
         ("K3RUN_KDA_FUSED_FORM", "32/4/flat/p2", "kda_fused_form", "32/4/flat/p2"),
         ("K3RUN_KDA_FUSED_FORM", "32/4/p3", "kda_fused_form", "32/4/p3"),
+        ("K3RUN_MOE_STREAM", "28/3", "moe_stream", "28/3"),
+        ("K3RUN_MOE_STREAM", "0", "moe_stream", "0"),
     ],
 )
 def test_each_variable_sets_its_field(var, value, field, parsed) -> None:
@@ -60,6 +62,8 @@ FORM_EXPECTED = (
     "BV/warps, BV/warps/flat, optionally /pN after them; BV 8 to 128 a power of two, warps 1, 2, 4 or 8, N 1 "
     "to 8"
 )
+
+STREAM_EXPECTED = "R/S with R 1 to 32 programs an SM and S 2 to 8 ring slots, or 0"
 
 
 @pytest.mark.parametrize(
@@ -83,6 +87,10 @@ FORM_EXPECTED = (
         ("K3RUN_KDA_FUSED_FORM", "32/4/p2/flat", FORM_EXPECTED),
         ("K3RUN_KDA_FUSED_FORM", "32/4/flat/p9", FORM_EXPECTED),
         ("K3RUN_KDA_FUSED_FORM", "32/4/flat/p", FORM_EXPECTED),
+        ("K3RUN_MOE_STREAM", "33/2", STREAM_EXPECTED),
+        ("K3RUN_MOE_STREAM", "28/1", STREAM_EXPECTED),
+        ("K3RUN_MOE_STREAM", "28", STREAM_EXPECTED),
+        ("K3RUN_MOE_STREAM", "on", STREAM_EXPECTED),
     ],
 )
 def test_malformed_values_name_variable_values_and_value(var, value, expected) -> None:
