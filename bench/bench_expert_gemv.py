@@ -32,11 +32,7 @@ import sys
 import torch
 
 from k3run.kernels.nvfp4_gemm import choose_config, sm_count
-from k3run.kernels.nvfp4_gemm.expert_stream import (
-    STREAM_RESIDENT,
-    nvfp4_gemv_by_expert_stream,
-    stream_programs,
-)
+from k3run.kernels.nvfp4_gemm.expert_stream import STREAM_RESIDENT, stream_programs
 from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, nvfp4_gemv_by_expert
 from k3run.kernels.nvfp4_gemm.groups import expert_groups
 from k3run.kernels.nvfp4_gemm.layout import CHUNK
@@ -118,7 +114,7 @@ def main() -> None:
                     per_sm, st = (int(v) for v in form.split("/"))
 
                     def call_stream():
-                        return nvfp4_gemv_by_expert_stream(
+                        return nvfp4_gemv_by_expert(
                             x, w, s, gs, grp, picks=t * TOP_K, slot_div=slot_div, rows=n,
                             programs=stream_programs(x.device, per_sm, bt), stages=st, all_in_groups=True,
                         )  # fmt: skip

@@ -202,7 +202,7 @@ class Knobs:
         "K3RUN_MLA_ABSORB_FMA", _tokens_128, 0,
         "CUDA: MLA decode steps of up to this many sequences run both absorptions as one fp32 FMA dot a "
         "program (exact products, fp32 sums in another order) instead of one sequence at a time or the "
-        "tensor cores' nine-part dots (0: never; 2-8x slower than those forms alone, H100 run 251, so off)",
+        "tensor cores' nine-part dots (0: never; 2-8x slower than those forms alone on an H100, so off)",
     )  # fmt: skip
     moe_ops: bool = _knob(
         "K3RUN_MOE_OPS", _flag, True,
@@ -389,7 +389,7 @@ class Knobs:
         "the fused KDA decode's launch: value columns a program / warps a program, with /flat its conv "
         "windows shifted as flat runs (fewer registers; 3% faster alone at 32 sequences, H100), without "
         "it as a [channels, W - 1] block; with /pN, N persistent programs an SM, each loading its next "
-        "item's state while working on one (1.4-1.6x slower alone at 8 and 32 sequences, H100 run 250) "
+        "item's state while working on one (1.4-1.6x slower alone at 8 and 32 sequences, H100) "
         "(unset: 64/4/flat from 1024 (sequence, head) pairs a GPU, else 32/4/flat)",
     )  # fmt: skip
     dist_backend: str | None = _knob(

@@ -129,13 +129,13 @@ def test_stream_matches_the_expert_major_launch(t: int, bt: int, stages: int):
     for xin, div in ((x, a), (xp, 1)):
         kw: dict = dict(picks=t * a, slot_div=div, rows=n)
         want = nvfp4_gemv_by_expert(xin, w, s, gs, grp, stages=stages, **kw)
-        whole = stream.nvfp4_gemv_by_expert_stream(xin, w, s, gs, grp, programs=items, stages=stages, **kw)
+        whole = nvfp4_gemv_by_expert(xin, w, s, gs, grp, programs=items, stages=stages, **kw)
         assert torch.equal(whole, want), (t, bt, div)
         kw["stages"] = stages
         for programs in (items - 1, max(1, items // 7), 3, 1, 4 * items):
-            got = stream.nvfp4_gemv_by_expert_stream(xin, w, s, gs, grp, programs=programs, **kw)
+            got = nvfp4_gemv_by_expert(xin, w, s, gs, grp, programs=programs, **kw)
             assert_close(f"stream {programs} programs vs expert-major", want, got, rtol=2.0**-7)
-            again = stream.nvfp4_gemv_by_expert_stream(xin, w, s, gs, grp, programs=programs, **kw)
+            again = nvfp4_gemv_by_expert(xin, w, s, gs, grp, programs=programs, **kw)
             assert torch.equal(got, again), programs
         for si, e in enumerate(ids.tolist()):
             if not 0 <= e < n_exp:
@@ -145,9 +145,9 @@ def test_stream_matches_the_expert_major_launch(t: int, bt: int, stages: int):
         assert_close("stream vs fp32 reference", ref, got[si : si + 1], rtol=RTOL[torch.bfloat16])
     bad: dict = dict(picks=t * a, slot_div=a, rows=n)
     with pytest.raises(ValueError, match="programs must be >= 1"):
-        stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp, programs=0, **bad)
+        nvfp4_gemv_by_expert(x, w, s, gs, grp, programs=0, **bad)
     with pytest.raises(ValueError, match="groups"):
-        stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp[:, :5], programs=8, **bad)
+        nvfp4_gemv_by_expert(x, w, s, gs, grp[:, :5], programs=8, **bad)
 
 
 @pytest.mark.gpu
@@ -165,9 +165,9 @@ def test_stream_gemm1_activation_matches_the_expert_major_launch(act):
     kw = dict(picks=t * a, slot_div=a, rows=n, act=act)
     want = nvfp4_gemv_by_expert(x, w, s, gs, grp, **kw)
     assert want.shape == (t * a, n // 2)
-    assert torch.equal(stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp, programs=items, **kw), want)
+    assert torch.equal(nvfp4_gemv_by_expert(x, w, s, gs, grp, programs=items, **kw), want)
     for programs in (items // 3, 5):
-        got = stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp, programs=programs, stages=3, **kw)
+        got = nvfp4_gemv_by_expert(x, w, s, gs, grp, programs=programs, stages=3, **kw)
         assert_close(f"stream GEMM1 {act[0]} {programs} programs", want, got, rtol=2.0**-7)
 
 
@@ -176,6 +176,7 @@ def test_stream_gemm1_activation_matches_the_expert_major_launch(act):
 def test_stream_in_a_cuda_graph_follows_the_routing():
     """Captured once, replayed with other picks (another table, another used-group count): each replay
     matches the eager launch on its own picks (the used groups are read on the device, not at capture)."""
+    from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv_by_expert
     from k3run.kernels.nvfp4_gemm.groups import expert_groups
 
     n_exp, n, k, t, a = 7, 256, 1024, 8, 2
@@ -186,7 +187,7 @@ def test_stream_in_a_cuda_graph_follows_the_routing():
 
     def step():
         grp = expert_groups(static_ids, n_exp, 8)
-        return stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, grp, **kw)
+        return nvfp4_gemv_by_expert(x, w, s, gs, grp, **kw)
 
     step()
     graph = torch.cuda.CUDAGraph()
@@ -197,5 +198,5 @@ def test_stream_in_a_cuda_graph_follows_the_routing():
         new = torch.randint(0, 2 if seed == 0 else n_exp, (t * a,), generator=g).to(torch.int32)
         static_ids.copy_(new.cuda())
         graph.replay()
-        want = stream.nvfp4_gemv_by_expert_stream(x, w, s, gs, expert_groups(static_ids, n_exp, 8), **kw)
+        want = nvfp4_gemv_by_expert(x, w, s, gs, expert_groups(static_ids, n_exp, 8), **kw)
         assert torch.equal(out, want), seed

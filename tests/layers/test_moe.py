@@ -672,10 +672,8 @@ def test_gpu_stream_experts_match_the_expert_major_launches(act_name, monkeypatc
     from k3run.layers.moe import fused_experts
 
     calls: list[int] = []
-    real = expert_stream.nvfp4_gemv_by_expert_stream
-    monkeypatch.setattr(
-        expert_stream, "nvfp4_gemv_by_expert_stream", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    real = expert_stream.launch_stream
+    monkeypatch.setattr(expert_stream, "launch_stream", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for ep in (NO_TP, TPInfo(0, 2)):
         ex, x, ids, weights = _kernel_case(act_name, "cuda", kernels=None, dtype=torch.bfloat16, ep=ep)
         if not ex.scheme.tiled:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -976,7 +976,7 @@ class NvFp4Experts(ExpertScheme):
 
                 per_sm, slots = (int(v) for v in knobs().moe_stream.split("/"))
                 programs = expert_stream.stream_programs(x.device, per_sm, bt)
-                by_exp = functools.partial(_stream_by_expert, programs=programs, stages=slots)
+                by_exp = functools.partial(nvfp4_gemv_by_expert, programs=programs, stages=slots)
             gu = by_exp(
                 x, w13, s13, gs13, grp, picks=t * a, slot_div=a, rows=2 * i, split_k=split1, maxnreg=reg1,
                 all_in_groups=full, act=act,
@@ -1065,16 +1065,6 @@ class NvFp4Experts(ExpertScheme):
 
 def _by_expert(tokens: int) -> bool:
     return 2 <= tokens <= BY_EXPERT_MAX_TOKENS and knobs().moe_by_expert
-
-
-def _stream_by_expert(
-    *args: torch.Tensor, programs: int, stages: int, split_k: int = 1, maxnreg: int | None = None, **kw: Any
-) -> torch.Tensor:
-    """The expert-major launch as stream-K (`K3RUN_MOE_STREAM`): the same call; split_k and the register cap
-    are the per-item launch's and do not apply."""
-    from k3run.kernels.nvfp4_gemm.expert_stream import nvfp4_gemv_by_expert_stream
-
-    return nvfp4_gemv_by_expert_stream(*args, programs=programs, stages=stages, **kw)
 
 
 # expected picks per expert up to which the expert-major launches take the 8-token tile at any batch

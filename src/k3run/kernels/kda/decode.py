@@ -16,7 +16,7 @@ row: each program stores its output block in fp32, and the last of the head's pr
 counter, kernels/counters.py) normalises the row with the gate and shifts the q and k windows, which every
 program of the head read. The persistent form (`persist` N) runs the same items on N programs an SM instead,
 each loading its next item's state block while it works on the current one; it measured 1.4-1.6x slower
-than one program an item (H100, bench/RESULTS.md run 250), so no default takes it. Per head, in order
+than one program an item (H100, bench/RESULTS.md), so no default takes it. Per head, in order
 (K = V = the head dim, fp32):
 
     q, k, v  = silu(conv(window, x))              (kept in fp32: the unfused path rounds them to x's dtype

@@ -298,8 +298,7 @@ def _mla_q_absorb_dot_kernel(
     exact bf16 parts (tc_split), split before the PDL wait; q as it is where bf16, else split too (QSPLIT,
     nine dots). Every product is exact, so each sum is the fp32 sum of the same products in another order.
     FMA: one fp32 `ieee` dot instead (fused multiply-adds on the CUDA cores: no parts, the same exactness;
-    2-8x slower than the other forms on an H100, bench/RESULTS.md run 251: only K3RUN_MLA_ABSORB_FMA takes
-    it)."""
+    2-8x slower than the other forms on an H100, bench/RESULTS.md: only K3RUN_MLA_ABSORB_FMA takes it)."""
     h = tl.program_id(0)
     lb = tl.program_id(1)
     d, dm, cl, w = _w_uk_tile(w_ptr, h, lb, DN, L, BLOCK_DN, BL)

@@ -1,11 +1,12 @@
-"""Stream-K form of the expert-major routed-expert decode launch (`gluon_gemv.nvfp4_gemv_by_expert`).
+"""Stream-K form of the expert-major routed-expert decode launch (`gluon_gemv.nvfp4_gemv_by_expert`
+with `programs`).
 
 The expert-major launch runs one 1-warp program per (group, 16-row block): at 8 tokens of Kimi Linear
 (54-58 experts hit) that is 6,900-7,400 programs of 18 K tiles each over 4,224 resident slots (32 an SM on
 an H100 or H200). A program keeps one K tile in flight, so it streams at a fixed rate whatever else runs on
 its SM; the launch then takes as many program lifetimes as the busiest slot runs programs: 1.64 lifetimes
-of work in 2 (bench/NOTES.md, session 62: w13 at 8 tokens 79% of the copy rate on an H100; at 32 tokens,
-4.85 in 5, 98%).
+of work in 2 (bench/NOTES.md: w13 at 8 tokens 79% of the copy rate on an H100; at 32 tokens, 4.85 in 5,
+98%).
 
 Here a fixed grid of S programs (S = SMs x programs an SM, read from `K3RUN_MOE_STREAM` and cut to
 `STREAM_RESIDENT`, so every program is resident from the start) splits the launch's
@@ -43,11 +44,8 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
     _TILED_ASM_BF16,
     _TILED_ASM_FP16,
     SHIFT_OUT_SCALE,
-    GateAct,
-    _act_args,
     _act_rows,
     _async_load,
-    _check_grouped_operands,
     _consume_slot,
     _cta_barrier,
     _finish,
@@ -56,8 +54,6 @@ from k3run.kernels.nvfp4_gemm.gluon_gemv import (
     _load_tables,
     _x_tile_clamped,
     async_layouts,
-    by_expert_output,
-    check_groups,
     decode_tables,
     scale_word_layout,
 )
@@ -259,35 +255,15 @@ def stream_programs(device: torch.device, per_sm: int, bt: int) -> int:
     return sm_count(device.index or 0) * min(per_sm, STREAM_RESIDENT[bt])
 
 
-def nvfp4_gemv_by_expert_stream(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale_u8: torch.Tensor,
-    global_scale: torch.Tensor,
-    groups: torch.Tensor,
-    *,
-    picks: int,
-    slot_div: int,
-    rows: int,
-    programs: int,
-    stages: int = 2,
-    pdl: bool | None = None,
-    all_in_groups: bool = False,
-    act: GateAct | None = None,
-    early_table: bool = False,
-) -> torch.Tensor:
-    """`nvfp4_gemv_by_expert` (same operands, same result up to the fp32 sum of an item split between two
-    programs) with a fixed grid of `programs` 1-warp programs sharing the launch's K tiles evenly (module
-    docstring); stages: the weight ring's slots (>= 2)."""
-    pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)[1]
-    check_groups(x, groups, stages)
-    if programs < 1:
-        raise ValueError(f"nvfp4 by-expert stream: programs must be >= 1, got {programs}")
-    act_kw = _act_args(act, rows)
-    y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
+def launch_stream(
+    x: torch.Tensor, weight: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
+    groups: torch.Tensor, y: torch.Tensor, slot_div: int, rows: int, programs: int, stages: int, pdl: bool,
+    early_table: bool, act_kw: dict,
+) -> None:  # fmt: skip
+    """The stream form of `gluon_gemv.nvfp4_gemv_by_expert(..., programs=...)` into y, its operands checked
+    there: a fixed grid of `programs` 1-warp programs sharing the launch's K tiles evenly (module docstring);
+    stages: the weight ring's slots; act_kw: GEMM1's activation arguments (`_act_args`)."""
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
-    if picks == 0 or n_groups == 0:
-        return y
     n_pad, k_pad, k = weight.shape[1], weight.shape[2] * 2, x.shape[1]
     # boundary slot p (1 .. programs - 1) holds the head and tail partials of the item split at p
     ws = torch.empty((programs + 1) * 2 * 16 * bt, dtype=torch.float32, device=x.device)
@@ -307,4 +283,3 @@ def nvfp4_gemv_by_expert_stream(
         LCW=lcw, SMEM=smem, LSW=scale_word_layout(1, bt), OUT_SCALE=SHIFT_OUT_SCALE, PDL=pdl,
         EARLY=early_table, ACT=act_kw.get("ACT", 0), num_warps=1, maxnreg=STREAM_MAXNREG[bt], launch_pdl=pdl,
     )  # fmt: skip
-    return y

@@ -994,20 +994,6 @@ def by_expert_output(
     return new((picks, rows // 2 if act else rows), dtype=x.dtype, device=x.device)
 
 
-def check_groups(x: torch.Tensor, groups: torch.Tensor, stages: int) -> None:
-    """The expert-major launches' group table (`expert_groups`: int32 [G, 1 + BT], BT 8, 16 or 32, contiguous
-    on x's device) and weight ring (>= 2 slots): a ValueError naming what came."""
-    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
-        raise ValueError(
-            f"nvfp4 by-expert groups: expected int32 [G, 9], [G, 17] or [G, 33] (expert_groups), got "
-            f"{groups.dtype} {tuple(groups.shape)}"
-        )
-    if not groups.is_contiguous() or groups.device != x.device:
-        raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
-    if stages < 2:
-        raise ValueError(f"nvfp4 by-expert: stages must be >= 2 (a ring of slots), got {stages}")
-
-
 def nvfp4_gemv_by_expert(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1025,6 +1011,7 @@ def nvfp4_gemv_by_expert(
     act: GateAct | None = None,
     early_table: bool = False,
     stages: int = 2,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Routed experts in one launch, expert-major: y [picks, N], row s = x[s // slot_div] @ W[e(s)]^T *
     global_scale[e(s)] for the picks s in the group table `groups` ([G, 1 + BT] int32 from `expert_groups`, BT
@@ -1040,13 +1027,32 @@ def nvfp4_gemv_by_expert(
     step waits for its predecessor before it lets the next one launch, so the table is complete when this
     launch starts) reads it and stages the first weight tiles before the wait, which then guards x only.
     stages: the shared-memory slots of each program's weight ring (>= 2; tiles in flight = stages - 1).
+    programs: the stream-K form instead (`expert_stream.py`): that many 1-warp programs share the launch's K
+    tiles evenly, the same result up to the fp32 sum of an item split between two of them; split_k and
+    maxnreg do not apply.
     x [T, K], weights and scales as in `nvfp4_gemv_grouped`."""
     n_exp, pdl = _check_grouped_operands(x, weight, scale_u8, global_scale, rows, pdl)
-    check_groups(x, groups, stages)
+    if groups.dim() != 2 or groups.dtype != torch.int32 or groups.shape[1] - 1 not in (8, 16, 32):
+        raise ValueError(
+            f"nvfp4 by-expert groups: expected int32 [G, 9], [G, 17] or [G, 33] (expert_groups), got "
+            f"{groups.dtype} {tuple(groups.shape)}"
+        )
+    if not groups.is_contiguous() or groups.device != x.device:
+        raise ValueError(f"nvfp4 by-expert groups: must be contiguous on {x.device}")
+    if stages < 2:
+        raise ValueError(f"nvfp4 by-expert: stages must be >= 2 (a ring of slots), got {stages}")
+    if programs is not None and programs < 1:
+        raise ValueError(f"nvfp4 by-expert stream: programs must be >= 1, got {programs}")
     act_kw = _act_args(act, rows)
     y = by_expert_output(x, picks, slot_div, rows, act is not None, all_in_groups)
     n_groups, bt = groups.shape[0], groups.shape[1] - 1
     if picks == 0 or n_groups == 0:
+        return y
+    if programs is not None:
+        from k3run.kernels.nvfp4_gemm import expert_stream  # (it imports this module's pieces)
+
+        expert_stream.launch_stream(x, weight, scale_u8, global_scale, groups, y, slot_div, rows, programs,
+                                    stages, pdl, early_table, act_kw)  # fmt: skip
         return y
     kw = dict(
         ids_ptr=groups,
