@@ -32,7 +32,7 @@ import sys
 import torch
 
 from k3run.kernels.nvfp4_gemm import choose_config, sm_count
-from k3run.kernels.nvfp4_gemm.expert_stream import STREAM_RESIDENT, stream_programs
+from k3run.kernels.nvfp4_gemm.expert_stream import stream_programs
 from k3run.kernels.nvfp4_gemm.gluon_gemv import nvfp4_gemv, nvfp4_gemv_by_expert
 from k3run.kernels.nvfp4_gemm.groups import expert_groups
 from k3run.kernels.nvfp4_gemm.layout import CHUNK
@@ -112,18 +112,18 @@ def main() -> None:
                     continue
                 for form in [f for f in args.stream.split(",") if f]:
                     per_sm, st = (int(v) for v in form.split("/"))
+                    programs = stream_programs(x.device, per_sm, bt)
 
                     def call_stream():
                         return nvfp4_gemv_by_expert(
-                            x, w, s, gs, grp, picks=t * TOP_K, slot_div=slot_div, rows=n,
-                            programs=stream_programs(x.device, per_sm, bt), stages=st, all_in_groups=True,
+                            x, w, s, gs, grp, picks=t * TOP_K, slot_div=slot_div, rows=n, programs=programs,
+                            stages=st, all_in_groups=True,
                         )  # fmt: skip
 
                     us = graph_ms([call_stream]) * 1e3
                     tbs = nbytes / (us * 1e-6) / 1e12
-                    held = min(per_sm, STREAM_RESIDENT[bt])
                     rows.append(
-                        f"T={t:<3} {name:3} stream {held:2d}/SM stages {st} tile {bt:2d}"
+                        f"T={t:<3} {name:3} stream {programs // sms:2d}/SM stages {st} tile {bt:2d}"
                         f"{'':22} | {us:7.1f} us {tbs:4.2f} TB/s {100 * tbs / copy_tbs:3.0f}% of copy"
                     )
                     print(rows[-1], flush=True)
